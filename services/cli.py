@@ -1,0 +1,182 @@
+"""The `ddtree` command (design.md §6).
+
+  ddtree serve      all three services on loopback (default: the embedded demo checkpoint)
+  ddtree drafter | verifier | gateway    one service, as containers run them
+  ddtree generate   a client of the gateway (starts a private stack when --gateway is not given)
+  ddtree demo       the main job: start the stack, stream one chat answer, print the statistics, stop
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import signal
+import sys
+import tempfile
+import threading
+
+from services.config import (DrafterConfig, GatewayConfig, VerifierConfig, add_config_flags, config_from_flags)
+
+DEMO_PROMPT = "Write a Python function that returns the n-th Fibonacci number, and explain it briefly."
+
+
+def _default_dirs():
+    from services.models.default_checkpoint import ensure_default_checkpoint
+    return ensure_default_checkpoint()
+
+
+def _wait(running) -> None:
+    from services.protocol.server import stop_on_signals
+    stop_on_signals(running)
+    running.wait()
+
+
+def cmd_drafter(args) -> None:
+    from services.telemetry.logging import configure_logging
+    cfg = config_from_flags(DrafterConfig, args)
+    configure_logging(cfg.log_level, cfg.log_format)
+    model, target = cfg.model, cfg.target
+    if not model or not target:
+        d = _default_dirs()
+        model, target = model or str(d.drafter), target or str(d.target)
+    from services.drafter.factory import make_engine
+    from services.drafter.server import serve_engine
+    _wait(serve_engine(make_engine(cfg, model, target), cfg))
+
+
+def cmd_verifier(args) -> None:
+    from services.telemetry.logging import configure_logging
+    cfg = config_from_flags(VerifierConfig, args)
+    configure_logging(cfg.log_level, cfg.log_format)
+    from services.verifier.server import serve
+    _wait(serve(cfg, cfg.model or str(_default_dirs().target)))
+
+
+def cmd_gateway(args) -> None:
+    from services.telemetry.logging import configure_logging
+    cfg = config_from_flags(GatewayConfig, args)
+    configure_logging(cfg.log_level, cfg.log_format)
+    from services.gateway.server import serve
+    _wait(serve(cfg, tokenizer_dir=cfg.tokenizer or str(_default_dirs().target)))
+
+
+def _start_stack(args, log_dir: pathlib.Path):
+    from services.launcher import start_stack
+    model, drafter = args.model, args.drafter
+    if not model or (not drafter and not args.no_drafter):
+        d = _default_dirs()
+        model = model or str(d.target)
+        drafter = drafter or str(d.drafter)
+    return start_stack(model, None if args.no_drafter else drafter, log_dir, host=args.host)
+
+
+def cmd_serve(args) -> None:
+    log_dir = pathlib.Path(args.log_dir or tempfile.mkdtemp(prefix="ddtree-serve-"))
+    stack = _start_stack(args, log_dir)
+    for p in stack.processes:
+        print(f"{p.name:9s} {p.address}   log {p.log_path}", flush=True)
+    print("serving; Ctrl-C stops", flush=True)
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    signal.signal(signal.SIGINT, lambda *_: done.set())
+    done.wait()
+    codes = stack.stop()
+    print("stopped: " + ", ".join(f"{k} exit {v}" for k, v in codes.items()), flush=True)
+
+
+def _options(args):
+    from services.protocol.ddtree.v1 import gateway_pb2
+    opts = gateway_pb2.GenerationOptions(max_tokens=args.max_tokens, temperature=args.temperature,
+                                         top_p=args.top_p, top_k=args.top_k, ignore_eos=args.ignore_eos,
+                                         no_spec=args.no_spec, budget=args.budget)
+    if args.seed is not None:
+        opts.seed = args.seed
+    return opts
+
+
+def _run_client(args, prompt: str, chat: bool, as_json: bool) -> int:
+    from services.client import format_stats, generate
+    on_text = None if as_json else (lambda t: print(t, end="", flush=True))
+
+    def go(gateway: str):
+        return generate(gateway, prompt, chat=chat, options=_options(args), on_text=on_text)
+
+    if args.gateway:
+        result = go(args.gateway)
+    else:
+        log_dir = pathlib.Path(args.log_dir or tempfile.mkdtemp(prefix="ddtree-generate-"))
+        if not as_json:
+            print(f"starting drafter, verifier and gateway on loopback (logs in {log_dir}) ...", flush=True)
+        with _start_stack(args, log_dir) as stack:
+            result = go(stack.gateway)
+    if as_json:
+        print(json.dumps(result.to_json(), indent=2))
+    else:
+        print("\n\n" + format_stats(result), flush=True)
+    return 0
+
+
+def cmd_generate(args) -> int:
+    return _run_client(args, args.prompt, args.chat, args.json)
+
+
+def cmd_demo(args) -> int:
+    return _run_client(args, args.prompt or DEMO_PROMPT, True, args.json)
+
+
+def _add_stack_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="", help="target checkpoint dir (default: the embedded demo checkpoint)")
+    p.add_argument("--drafter", default="", help="drafter checkpoint dir (default: the demo drafter)")
+    p.add_argument("--no-drafter", action="store_true", help="start no drafter: AR decoding only")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--log-dir", default="", help="where the services' logs go (default: a temp dir)")
+
+
+def _add_client_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gateway", default="", help="gateway address host:port (default: start a private stack)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=0.0, help="0 = off")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--budget", type=int, default=0, help="tree node budget (0 = server default)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--no-spec", action="store_true", help="autoregressive decoding (same model code)")
+    p.add_argument("--json", action="store_true", help="print text, token ids, usage, spec stats and timing as JSON")
+    _add_stack_flags(p)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ddtree", description="DDTree speculative decoding for MLA + MoE models")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, cls, fn in (("drafter", DrafterConfig, cmd_drafter), ("verifier", VerifierConfig, cmd_verifier),
+                          ("gateway", GatewayConfig, cmd_gateway)):
+        p = sub.add_parser(name, help=f"run the {name} service")
+        add_config_flags(p, cls)
+        p.set_defaults(fn=fn)
+    p = sub.add_parser("serve", help="run drafter, verifier and gateway on loopback")
+    _add_stack_flags(p)
+    p.set_defaults(fn=cmd_serve)
+    p = sub.add_parser("generate", help="send one request through the gateway")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", action="store_true", help="apply the chat template (default: raw completion)")
+    _add_client_flags(p)
+    p.set_defaults(fn=cmd_generate)
+    p = sub.add_parser("demo", help="start the stack, stream one chat answer with its statistics, stop")
+    p.add_argument("--prompt", default="")
+    _add_client_flags(p)
+    p.set_defaults(fn=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args) or 0
+    except ValueError as err:  # configuration errors: one clear line, exit 2
+        print(f"ddtree {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""Service configuration: one frozen dataclass per service, filled in one place.
+
+Every field `foo_bar` of a config is set, in order of precedence, by the flag `--foo-bar`, the
+environment variable `DDTREE_FOO_BAR`, or the dataclass default. `add_config_flags` and
+`config_from_flags` are the only code that reads flags and environment for configuration, so the
+docker files and the CLI can be checked against `env_var_names()`.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import pathlib
+from typing import Any
+
+ENV_PREFIX = "DDTREE_"
+DEFAULT_CHECKPOINT_DIR = pathlib.Path(os.environ.get("DDTREE_HOME", pathlib.Path.home() / ".cache" / "ddtree"))
+
+
+@dataclasses.dataclass(frozen=True)
+class ServiceConfig:
+    host: str = dataclasses.field(default="127.0.0.1", metadata={"help": "address to bind"})
+    port: int = dataclasses.field(default=0, metadata={"help": "port to bind (0 = any free port)"})
+    log_level: str = dataclasses.field(default="info", metadata={"help": "debug | info | warning | error"})
+    log_format: str = dataclasses.field(default="json", metadata={"help": "json | console"})
+    grace_s: float = dataclasses.field(default=5.0, metadata={"help": "seconds in-flight RPCs get on shutdown"})
+    max_workers: int = dataclasses.field(default=32, metadata={"help": "gRPC handler threads"})
+    metrics_port: int = dataclasses.field(default=-1, metadata={"help": "Prometheus port (-1 = off, 0 = any)"})
+
+    def validate(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.log_level not in ("debug", "info", "warning", "error"):
+            raise ValueError(f"log_level must be debug|info|warning|error, got {self.log_level!r}")
+        if self.log_format not in ("json", "console"):
+            raise ValueError(f"log_format must be json|console, got {self.log_format!r}")
+        if self.grace_s < 0:
+            raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+        if self.max_workers < 1:
+            raise ValueError(f"max_workers must be >= 1, got {self.max_workers}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig(ServiceConfig):
+    model: str = dataclasses.field(default="", metadata={"help": "drafter checkpoint dir ('' = default)"})
+    target: str = dataclasses.field(default="", metadata={"help": "target checkpoint dir (embed + lm_head)"})
+    window: int = dataclasses.field(default=2048, metadata={"help": "draft context window, tokens (0 = unlimited)"})
+    default_budget: int = dataclasses.field(default=16, metadata={"help": "tree node budget when a request sets none"})
+    max_budget: int = dataclasses.field(default=1024, metadata={"help": "largest tree budget accepted"})
+    max_sequences: int = dataclasses.field(default=4096, metadata={"help": "draft contexts held at once"})
+    device: str = dataclasses.field(default="cpu", metadata={"help": "torch device"})
+    dtype: str = dataclasses.field(default="float32", metadata={"help": "float32 | bfloat16 | float16"})
+    engine: str = dataclasses.field(default="dflash", metadata={
+        "help": "dflash | oracle (test/diagnosis drafter: the target's own greedy continuation with noise)"})
+    oracle_seed: int = dataclasses.field(default=0, metadata={"help": "noise seed of the oracle engine"})
+
+    def validate(self) -> None:
+        super().validate()
+        if self.engine not in ("dflash", "oracle"):
+            raise ValueError(f"engine must be dflash | oracle, got {self.engine!r}")
+        if self.window < 0:
+            raise ValueError(f"window must be >= 0 (0 = unlimited), got {self.window}")
+        if not 1 <= self.default_budget <= self.max_budget:
+            raise ValueError(f"default_budget must be in [1, max_budget={self.max_budget}], got {self.default_budget}")
+        _check_dtype(self.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifierConfig(ServiceConfig):
+    model: str = dataclasses.field(default="", metadata={"help": "target checkpoint dir ('' = default)"})
+    drafter: str = dataclasses.field(default="", metadata={"help": "drafter address host:port ('' = AR only)"})
+    max_context: int = dataclasses.field(default=8192, metadata={"help": "prompt + output tokens per request"})
+    max_new_tokens_limit: int = dataclasses.field(default=4096, metadata={"help": "largest max_new_tokens"})
+    max_batch: int = dataclasses.field(default=16, metadata={"help": "sequences stepped together"})
+    max_queue: int = dataclasses.field(default=256, metadata={"help": "waiting requests before RESOURCE_EXHAUSTED"})
+    kv_tokens: int = dataclasses.field(default=65536, metadata={"help": "latent KV cache size, tokens"})
+    prefill_chunk: int = dataclasses.field(default=512, metadata={"help": "prefill chunk, tokens"})
+    default_budget: int = dataclasses.field(default=16, metadata={"help": "tree node budget when a request sets none"})
+    draft_timeout_s: float = dataclasses.field(default=10.0, metadata={"help": "Draft RPC deadline"})
+    attention_backend: str = dataclasses.field(default="torch", metadata={"help": "torch | triton"})
+    device: str = dataclasses.field(default="cpu", metadata={"help": "torch device"})
+    dtype: str = dataclasses.field(default="float32", metadata={"help": "float32 | bfloat16 | float16"})
+
+    def validate(self) -> None:
+        super().validate()
+        for name in ("max_context", "max_new_tokens_limit", "max_batch", "kv_tokens", "prefill_chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+        if self.default_budget < 0:
+            raise ValueError(f"default_budget must be >= 0, got {self.default_budget}")
+        _check_dtype(self.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class GatewayConfig(ServiceConfig):
+    verifier: str = dataclasses.field(default="127.0.0.1:50062", metadata={"help": "verifier address host:port"})
+    tokenizer: str = dataclasses.field(default="", metadata={"help": "dir with tokenizer.json + tokenizer_config.json ('' = default)"})
+    model_id: str = dataclasses.field(default="ddtree-demo", metadata={"help": "model name reported to clients"})
+    default_max_tokens: int = dataclasses.field(default=256, metadata={"help": "max_tokens when a request sets none"})
+    max_prompt_chars: int = dataclasses.field(default=1_000_000, metadata={"help": "largest prompt text accepted"})
+    reasoning_parser: str = dataclasses.field(default="kimi_k2", metadata={"help": "kimi_k2 | none"})
+    tool_call_parser: str = dataclasses.field(default="kimi_k2", metadata={"help": "kimi_k2 | deepseek_v3 | none"})
+    max_tokens_limit: int = dataclasses.field(default=4096, metadata={"help": "largest max_tokens a request may ask for"})
+
+    def validate(self) -> None:
+        super().validate()
+        if self.default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
+        if self.max_tokens_limit < self.default_max_tokens:
+            raise ValueError(f"max_tokens_limit must be >= default_max_tokens={self.default_max_tokens}, got {self.max_tokens_limit}")
+
+
+def _check_dtype(name: str) -> None:
+    if name not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype must be float32 | bfloat16 | float16, got {name!r}")
+
+
+def env_var_name(field_name: str) -> str:
+    return ENV_PREFIX + field_name.upper()
+
+
+def env_var_names(cls: type[ServiceConfig]) -> list[str]:
+    return [env_var_name(f.name) for f in dataclasses.fields(cls)]
+
+
+def add_config_flags(parser: argparse.ArgumentParser, cls: type[ServiceConfig]) -> None:
+    """One flag per field; its default is left unset so config_from_flags can tell flag from env."""
+    for f in dataclasses.fields(cls):
+        default = f.default
+        parser.add_argument(
+            "--" + f.name.replace("_", "-"), dest=f.name, type=type(default), default=None,
+            help=f"{f.metadata.get('help', '')} [env {env_var_name(f.name)}, default {default!r}]",
+        )
+
+
+def config_from_flags(cls: type[ServiceConfig], args: argparse.Namespace | None = None,
+                      environ: dict[str, str] | None = None, **overrides: Any) -> ServiceConfig:
+    """Flag > DDTREE_* environment > default; overrides win over all (used by `ddtree serve`)."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        kind = type(f.default)
+        flag = getattr(args, f.name, None) if args is not None else None
+        if f.name in overrides:
+            values[f.name] = overrides[f.name]
+        elif flag is not None:
+            values[f.name] = flag
+        elif env_var_name(f.name) in environ:
+            raw = environ[env_var_name(f.name)]
+            try:
+                values[f.name] = kind(raw)
+            except ValueError:
+                raise ValueError(f"{env_var_name(f.name)}={raw!r} is not a valid {kind.__name__}") from None
+    config = cls(**values)
+    config.validate()
+    return config

@@ -1,0 +1,170 @@
+"""Draft engine: per-sequence windowed contexts + one DFlash block + the DDTree build (design.md §3.1).
+
+One `draft` call takes, per sequence, the commit of the previous step (token ids, absolute start,
+the target's tapped features of those tokens) and the anchor (the previous bonus token, not yet
+committed), and returns one TokenTree per sequence, in input order.
+
+Commit / window contract (with window W > 0):
+  - `commit_features` has exactly one row per `commit_token_ids` entry, and the tokens sit at absolute
+    positions [commit_start, commit_start + n). The anchor sits at commit_start + n.
+  - Tokens that fall outside the window never need to be sent: the verifier may drop the oldest
+    commit tokens and move commit_start forward accordingly. A non-reset commit must start exactly
+    at the context's end, unless it alone fills the window (n >= W), in which case a gap is allowed
+    because everything before it would be evicted anyway.
+  - The commit token ids are not model inputs (the drafter conditions on features, and on the anchor
+    through the embedding); they are checked for range and count only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from services.drafter.context import DraftContext
+from services.drafter.tree import TokenTree, build_tree, topk_logprobs
+from services.models.dflash import DFlashDraftModel
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class SeqDraftInput:
+    seq_id: str
+    commit_token_ids: tuple[int, ...]
+    commit_start: int  # absolute position of commit_token_ids[0]
+    commit_features: Tensor  # [n, len(target_layer_ids) * H_target], n = len(commit_token_ids)
+    anchor_token_id: int  # the previous bonus token, at position commit_start + n
+    budget: int = 0  # non-root tree nodes; 0 = the engine's default
+    reset: bool = False  # forget any earlier context of this sequence first
+
+
+class DraftEngine:
+    def __init__(self, model: DFlashDraftModel, embed_weight: Tensor, lm_head_weight: Tensor,
+                 window: int = 2048, default_budget: int | None = None, max_budget: int = 1024,
+                 model_id: str = "dflash"):
+        cfg = model.config
+        if embed_weight.dim() != 2 or tuple(embed_weight.shape) != (cfg.vocab_size, cfg.hidden_size):
+            raise ValueError(f"embed_weight must be [vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size}], "
+                             f"got {tuple(embed_weight.shape)}")
+        if tuple(lm_head_weight.shape) != tuple(embed_weight.shape):
+            raise ValueError(f"lm_head_weight must be {tuple(embed_weight.shape)}, got {tuple(lm_head_weight.shape)}")
+        if window < 0:
+            raise ValueError(f"window must be >= 0 (0 = unlimited), got {window}")
+        default_budget = cfg.block_size - 1 if default_budget is None else default_budget
+        if max_budget < 1 or not 1 <= default_budget <= max_budget:
+            raise ValueError(f"need 1 <= default_budget ({default_budget}) <= max_budget ({max_budget})")
+        self.model = model.eval()
+        self.config = cfg
+        self.embed_weight = embed_weight
+        self.lm_head_weight = lm_head_weight
+        self.window = window
+        self.default_budget = default_budget
+        self.max_budget = max_budget
+        self.model_id = model_id
+        self._contexts: dict[str, DraftContext] = {}
+
+    @property
+    def vocab_size(self) -> int:
+        return self.embed_weight.shape[0]
+
+    @property
+    def active_sequences(self) -> int:
+        return len(self._contexts)
+
+    @property
+    def context_bytes(self) -> int:
+        return sum(c.nbytes for c in self._contexts.values())
+
+    def info(self) -> dict:
+        """DrafterInfo fields (proto/ddtree/v1/drafter.proto)."""
+        cfg = self.config
+        return dict(model_id=self.model_id, block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
+                    target_layer_ids=list(cfg.target_layer_ids), window=self.window,
+                    default_budget=self.default_budget, max_budget=self.max_budget,
+                    hidden_size=cfg.target_hidden_size, vocab_size=self.vocab_size,
+                    active_sequences=self.active_sequences)
+
+    def context_end(self, seq_id: str) -> int | None:
+        """Absolute position where the sequence's next commit must start; None if unknown."""
+        ctx = self._contexts.get(seq_id)
+        return None if ctx is None else ctx.end
+
+    def release(self, seq_ids: Iterable[str]) -> int:
+        """Forget these sequences; returns how many were known."""
+        return sum(self._contexts.pop(s, None) is not None for s in seq_ids)
+
+    def draft(self, seqs: Sequence[SeqDraftInput]) -> list[TokenTree]:
+        """Validate every sequence first (no state changes on error), then draft each in order."""
+        seen: set[str] = set()
+        for i, seq in enumerate(seqs):
+            self._validate(i, seq, seen)
+            seen.add(seq.seq_id)
+        with torch.inference_mode():
+            return [self._draft_one(seq) for seq in seqs]
+
+    def _validate(self, i: int, seq: SeqDraftInput, seen: set[str]) -> None:
+        def fail(msg: str) -> None:
+            raise ValueError(f"seqs[{i}] (seq_id={getattr(seq, 'seq_id', None)!r}): {msg}")
+
+        if not isinstance(seq.seq_id, str) or not seq.seq_id:
+            fail("seq_id must be a non-empty string")
+        if seq.seq_id in seen:
+            fail("duplicate seq_id in one draft call")
+        n = len(seq.commit_token_ids)
+        ctx = self._contexts.get(seq.seq_id)
+        if seq.commit_start < 0:
+            fail(f"commit_start must be >= 0, got {seq.commit_start}")
+        if seq.reset and n == 0:
+            fail("reset needs a non-empty commit (the drafter has no context otherwise)")
+        if not seq.reset:
+            if ctx is None:
+                fail("unknown sequence; send its first commit with reset=True")
+            fills_window = self.window > 0 and n >= self.window
+            if seq.commit_start != ctx.end and not (fills_window and seq.commit_start > ctx.end):
+                fail(f"commit_start {seq.commit_start} != context end {ctx.end}")
+        if not 0 <= seq.budget <= self.max_budget:
+            fail(f"budget must be in [0, {self.max_budget}] (0 = default {self.default_budget}), got {seq.budget}")
+        vocab = self.vocab_size
+        bad = [t for t in seq.commit_token_ids if not 0 <= t < vocab]
+        if bad:
+            fail(f"commit_token_ids has ids outside [0, {vocab}): {bad[:4]}")
+        if not 0 <= seq.anchor_token_id < vocab:
+            fail(f"anchor_token_id {seq.anchor_token_id} outside [0, {vocab})")
+        feats = seq.commit_features
+        want = (n, self.config.feature_size)
+        if not isinstance(feats, Tensor):
+            fail(f"commit_features must be a tensor, got {type(feats).__name__}")
+        if tuple(feats.shape) != want:
+            fail(f"commit_features shape {tuple(feats.shape)} != [len(commit_token_ids), "
+                 f"len(target_layer_ids) * target_hidden_size] = {list(want)}")
+        if feats.dtype not in _FLOAT_DTYPES:
+            fail(f"commit_features dtype {feats.dtype} is not a float dtype")
+        if not bool(torch.isfinite(feats).all()):
+            fail("commit_features has non-finite values")
+
+    def _draft_one(self, seq: SeqDraftInput) -> TokenTree:
+        cfg, model = self.config, self.model
+        n = len(seq.commit_token_ids)
+        ctx = self._contexts.get(seq.seq_id)
+        if seq.reset or ctx is None or seq.commit_start != ctx.end:  # the last case: a commit filling the window
+            ctx = self._contexts[seq.seq_id] = DraftContext(self.window)
+        keep = n if self.window == 0 else min(n, self.window)  # rows past the window would be evicted at once
+        if keep:
+            positions = torch.arange(seq.commit_start + n - keep, seq.commit_start + n, device=model.device)  # [keep]
+            ctx.append(model.context_kv(seq.commit_features[n - keep:], positions), positions)
+
+        anchor_pos = seq.commit_start + n
+        block_ids = torch.full((cfg.block_size,), cfg.mask_token_id, dtype=torch.long, device=self.embed_weight.device)
+        block_ids[0] = seq.anchor_token_id
+        embeds = self.embed_weight[block_ids]  # [B, H]
+        if cfg.input_embedding_scale != 1.0:
+            embeds = embeds * cfg.input_embedding_scale
+        block_pos = torch.arange(anchor_pos, anchor_pos + cfg.block_size, device=model.device)  # [B]
+        hidden = model.forward_block(embeds, block_pos, ctx.kv)  # [B, H]; block K/V are not cached
+        logits = model.compute_logits(hidden[1:], self.lm_head_weight)  # [D = B-1, V] fp32; slot d -> depth d
+        budget = seq.budget or self.default_budget
+        logprobs, ids = topk_logprobs(logits, min(budget, self.vocab_size))  # [D, K]
+        return build_tree(logprobs.cpu(), ids.cpu(), budget)

@@ -1,0 +1,81 @@
+"""The Drafter gRPC service: decodes and validates Draft calls, runs the engine, returns trees.
+
+The engine is anything with `draft(list[SeqDraftInput]) -> list[TokenTree]`, `release(ids) -> int`
+and `info() -> dict` of DrafterInfo fields: the DFlash engine, or the oracle drafter used by tests and
+diagnosis. A malformed call is answered INVALID_ARGUMENT as a whole and changes no sequence's state
+(the engine validates every sequence before touching any).
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+
+from services.config import DrafterConfig
+from services.drafter.engine import SeqDraftInput
+from services.protocol.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
+from services.protocol.server import RunningServer, start_server
+from services.protocol.tensors import tensor_from_proto
+from services.telemetry.logging import get_logger
+
+log = get_logger("ddtree.drafter")
+MAX_SEQS_PER_CALL = 1024
+MAX_SEQ_ID_CHARS = 256
+
+
+def decode_request(req: drafter_pb2.DraftRequest) -> list[SeqDraftInput]:
+    if len(req.seqs) > MAX_SEQS_PER_CALL:
+        raise ValueError(f"{len(req.seqs)} sequences in one Draft call; the limit is {MAX_SEQS_PER_CALL}")
+    out = []
+    for i, s in enumerate(req.seqs):
+        if not s.seq_id or len(s.seq_id) > MAX_SEQ_ID_CHARS:
+            raise ValueError(f"seqs[{i}].seq_id must be 1..{MAX_SEQ_ID_CHARS} characters")
+        feats = tensor_from_proto(s.commit_features, what=f"seqs[{i}] ({s.seq_id}) commit_features")
+        out.append(SeqDraftInput(seq_id=s.seq_id, commit_token_ids=tuple(s.commit_token_ids),
+                                 commit_start=s.commit_start, commit_features=feats,
+                                 anchor_token_id=s.anchor_token_id, budget=s.budget, reset=s.reset))
+    return out
+
+
+class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
+    def __init__(self, engine):
+        self.engine = engine
+        # The engine holds per-sequence state: one Draft call at a time.
+        self._lock = threading.Lock()
+
+    def Draft(self, request, context):
+        try:
+            seqs = decode_request(request)
+        except ValueError as err:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        t0 = time.perf_counter()
+        with self._lock:
+            try:
+                trees = self.engine.draft(seqs)
+            except ValueError as err:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        draft_ms = (time.perf_counter() - t0) * 1e3
+        resp = drafter_pb2.DraftResponse(draft_ms=draft_ms)
+        for s, tree in zip(seqs, trees):
+            resp.trees.add(seq_id=s.seq_id, token_ids=tree.token_ids, parents=tree.parents, depths=tree.depths)
+        return resp
+
+    def Release(self, request, context):
+        with self._lock:
+            released = self.engine.release(list(request.seq_ids))
+        return drafter_pb2.ReleaseResponse(released=released)
+
+    def GetInfo(self, request, context):
+        with self._lock:
+            return drafter_pb2.DrafterInfo(**self.engine.info())
+
+
+def serve_engine(engine, config: DrafterConfig) -> RunningServer:
+    servicer = DrafterServicer(engine)
+
+    def register(server):
+        drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
+        return [drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name]
+
+    return start_server("drafter", register, config.host, config.port, config.max_workers, config.grace_s)

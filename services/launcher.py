@@ -1,0 +1,125 @@
+"""Start ddtree services as child processes and find their addresses.
+
+Used by `ddtree serve`, `ddtree generate` (when no gateway is given) and the process-boundary tests.
+Each child is `python -m services.cli <service> --port 0 ...`; it prints `LISTENING <name> host:port`
+on stdout once serving, and logs JSON to stderr, which goes to `<log_dir>/<name>.log`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+
+class ServiceStartError(RuntimeError):
+    pass
+
+
+@dataclasses.dataclass
+class ServiceProcess:
+    name: str
+    popen: subprocess.Popen
+    address: str
+    log_path: pathlib.Path
+
+    def stop(self, timeout: float = 20.0) -> int:
+        """SIGTERM (graceful), then SIGKILL after `timeout` seconds. Returns the exit code."""
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        return self.popen.returncode
+
+
+def start_service(name: str, args: list[str], log_dir: pathlib.Path, env: dict[str, str] | None = None,
+                  timeout: float = 180.0) -> ServiceProcess:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{name}.log"
+    log_file = open(log_path, "ab")
+    cmd = [sys.executable, "-m", "services.cli", *args]
+    child_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+    popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_file, env=child_env,
+                             cwd=pathlib.Path(__file__).resolve().parent.parent)
+    log_file.close()
+    found: dict[str, str] = {}
+    ready = threading.Event()
+
+    def pump():
+        # Read the LISTENING line, then keep draining stdout into the log so the child never blocks.
+        with open(log_path, "ab") as sink:
+            for line in popen.stdout:
+                text = line.decode(errors="replace").strip()
+                if text.startswith("LISTENING ") and not ready.is_set():
+                    found["address"] = text.split()[-1]
+                    ready.set()
+                else:
+                    sink.write(line)
+        ready.set()
+
+    threading.Thread(target=pump, name=f"{name}-stdout", daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while not ready.wait(0.2):
+        if time.monotonic() > deadline:
+            popen.kill()
+            raise ServiceStartError(f"{name} did not start within {timeout:.0f}s; log: {log_path}")
+    if "address" not in found:
+        popen.wait(5)
+        tail = log_path.read_text(errors="replace")[-3000:]
+        raise ServiceStartError(f"{name} exited with code {popen.returncode} before serving; log {log_path}:\n{tail}")
+    return ServiceProcess(name, popen, found["address"], log_path)
+
+
+@dataclasses.dataclass
+class Stack:
+    """The three services, started in dependency order and stopped in reverse."""
+    processes: list[ServiceProcess]
+
+    def get(self, name: str) -> ServiceProcess:
+        return next(p for p in self.processes if p.name == name)
+
+    @property
+    def gateway(self) -> str:
+        return self.get("gateway").address
+
+    @property
+    def verifier(self) -> str:
+        return self.get("verifier").address
+
+    def stop(self) -> dict[str, int]:
+        return {p.name: p.stop() for p in reversed(self.processes)}
+
+    def __enter__(self) -> "Stack":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def start_stack(model_dir: str, drafter_dir: str | None, log_dir: pathlib.Path, host: str = "127.0.0.1",
+                verifier_args: tuple[str, ...] = (), drafter_args: tuple[str, ...] = (),
+                gateway_args: tuple[str, ...] = (), ports: tuple[int, int, int] = (0, 0, 0)) -> Stack:
+    """drafter_dir None = AR only (no drafter process)."""
+    procs: list[ServiceProcess] = []
+    try:
+        verifier_flags = ["--model", model_dir, "--host", host, "--port", str(ports[1]), *verifier_args]
+        if drafter_dir is not None:
+            d = start_service("drafter", ["drafter", "--model", drafter_dir, "--target", model_dir, "--host", host,
+                                          "--port", str(ports[2]), *drafter_args], log_dir)
+            procs.append(d)
+            verifier_flags += ["--drafter", d.address]
+        procs.append(start_service("verifier", ["verifier", *verifier_flags], log_dir))
+        procs.append(start_service("gateway", ["gateway", "--verifier", procs[-1].address, "--tokenizer", model_dir,
+                                               "--host", host, "--port", str(ports[0]), *gateway_args], log_dir))
+    except BaseException:
+        for p in reversed(procs):
+            p.stop()
+        raise
+    return Stack(procs)

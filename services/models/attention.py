@@ -1,0 +1,139 @@
+"""Attention metadata and the torch reference backend for absorbed MLA over a latent cache (model.md §3).
+
+The cache of one layer is `kv_layer [S, r + dr]`: per slot, the first r values are the normalised latent
+c_kv and the last dr the rotated shared key k_pe. Absorbed MLA is then MQA with one KV head of width r+dr
+whose value is the first r dims of the key:
+
+    score_h(t, s) = (q_lat[t, h] · c_kv[s] + q_pe[t, h] · k_pe[s]) · scale
+    o_lat[t, h]   = Σ_s softmax_s(score_h(t, ·)) · c_kv[s]
+
+One batch of new tokens is a concatenation of sequences. Each sequence sees all its committed prefix slots
+plus its own new tokens through `new_mask`:
+- decode:           q_len 1, new_mask None;
+- prefill / extend: q_len N, new_mask None (causal), prefix possibly non-empty;
+- tree verify:      new tokens [root, tree nodes], new_mask = ancestor mask (a node sees itself and its
+                    ancestors), positions = start + depth (supplied by the caller to the model).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True, eq=False)
+class SeqAttention:
+    q_start: int  # first row of this sequence in the flattened batch of new tokens
+    q_len: int  # number of new tokens (queries) of this sequence
+    prefix_slots: torch.Tensor  # int64 [P] cache slots of the committed context, in position order (P may be 0)
+    new_slots: torch.Tensor  # int64 [q_len] cache slots the new tokens' latents are written to
+    new_mask: torch.Tensor | None = None  # bool [q_len, q_len], True = row may see col; None = causal
+
+    def __post_init__(self) -> None:
+        if self.q_start < 0 or self.q_len < 0:
+            raise ValueError(f"q_start {self.q_start} / q_len {self.q_len} must be >= 0")
+        if self.prefix_slots.dim() != 1 or self.prefix_slots.dtype != torch.int64:
+            raise ValueError(f"prefix_slots must be int64 [P], got {self.prefix_slots.dtype} "
+                             f"{tuple(self.prefix_slots.shape)}")  # fmt: skip
+        if self.new_slots.shape != (self.q_len,) or self.new_slots.dtype != torch.int64:
+            raise ValueError(f"new_slots must be int64 [{self.q_len}], got {self.new_slots.dtype} "
+                             f"{tuple(self.new_slots.shape)}")  # fmt: skip
+        if self.new_mask is not None and (
+            self.new_mask.shape != (self.q_len, self.q_len) or self.new_mask.dtype != torch.bool
+        ):
+            raise ValueError(f"new_mask must be bool [{self.q_len}, {self.q_len}], got "
+                             f"{self.new_mask.dtype} {tuple(self.new_mask.shape)}")  # fmt: skip
+
+    def visible_new(self) -> torch.Tensor:
+        """bool [q_len, q_len]: which new keys each new query sees (causal when new_mask is None)."""
+        if self.new_mask is not None:
+            return self.new_mask
+        return torch.ones(self.q_len, self.q_len, dtype=torch.bool, device=self.new_slots.device).tril()
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionMetadata:
+    seqs: tuple[SeqAttention, ...]
+
+    def __post_init__(self) -> None:
+        row = 0
+        for i, s in enumerate(self.seqs):
+            if s.q_start != row:
+                raise ValueError(f"seqs[{i}].q_start is {s.q_start}, expected {row}: sequences must tile "
+                                 "the batch rows in order")  # fmt: skip
+            row += s.q_len
+
+    @property
+    def num_tokens(self) -> int:
+        """T: total number of new tokens (rows) across sequences."""
+        return sum(s.q_len for s in self.seqs)
+
+    @property
+    def write_slots(self) -> torch.Tensor:
+        """int64 [T]: cache slot of each new token, in row order."""
+        if not self.seqs:
+            return torch.empty(0, dtype=torch.int64)
+        return torch.cat([s.new_slots for s in self.seqs])
+
+
+class MLAAttentionBackend(Protocol):
+    name: str
+
+    def attend(
+        self,
+        q_lat: torch.Tensor,
+        q_pe: torch.Tensor,
+        kv_layer: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...
+
+
+class TorchMLAAttention:
+    """Reference backend: a loop over sequences, fp32 scores and softmax."""
+
+    name = "torch"
+
+    def attend(
+        self,
+        q_lat: torch.Tensor,  # [T, H, r]   q_nope absorbed through W_UK
+        q_pe: torch.Tensor,  # [T, H, dr]  rotated
+        kv_layer: torch.Tensor,  # [S, r + dr] one layer's cache (new tokens already written)
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # o_lat [T, H, r], dtype of q_lat
+        T, H, r = q_lat.shape
+        dr = q_pe.shape[-1]
+        assert q_pe.shape == (T, H, dr), f"q_pe {tuple(q_pe.shape)} vs q_lat {tuple(q_lat.shape)}"
+        assert kv_layer.dim() == 2 and kv_layer.shape[1] == r + dr, (
+            f"kv_layer {tuple(kv_layer.shape)} must be [S, {r + dr}]"
+        )
+        assert meta.num_tokens == T, f"metadata covers {meta.num_tokens} rows, q has {T}"
+        out = torch.empty_like(q_lat)
+        q = torch.cat([q_lat, q_pe], dim=-1).float()  # [T, H, r+dr]
+        for s in meta.seqs:
+            if s.q_len == 0:
+                continue
+            rows = slice(s.q_start, s.q_start + s.q_len)
+            P = s.prefix_slots.numel()
+            slots = torch.cat([s.prefix_slots, s.new_slots]).to(kv_layer.device)  # [P+q]
+            keys = kv_layer[slots].float()  # [P+q, r+dr]
+            scores = torch.einsum("qhc,kc->hqk", q[rows], keys) * scale  # [H, q, P+q]
+            visible = torch.ones(s.q_len, P + s.q_len, dtype=torch.bool, device=scores.device)
+            visible[:, P:] = s.visible_new().to(scores.device)  # [q, P+q]
+            scores = scores.masked_fill(~visible, float("-inf"))
+            probs = torch.softmax(scores, dim=-1)  # [H, q, P+q] fp32
+            o = torch.einsum("hqk,kc->qhc", probs, keys[:, :r])  # [q, H, r]
+            out[rows] = o.to(out.dtype)
+        return out
+
+
+ATTENTION_BACKENDS = {"torch": TorchMLAAttention}
+
+
+def make_attention_backend(name: str) -> MLAAttentionBackend:
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choices: {sorted(ATTENTION_BACKENDS)}")
+    return ATTENTION_BACKENDS[name]()

@@ -1,0 +1,125 @@
+"""DeepSeek-V3 / Kimi-K2 causal LM in plain torch, named like the HF checkpoint so that
+`model.state_dict()` keys == saved keys (routed experts stay per-expert, as on the hub).
+
+The forward works on a flattened batch of new tokens from several sequences (see attention.py) and a
+latent KV cache `kv_cache [num_layers, num_slots, kv_lora_rank + qk_rope_head_dim]` in the model dtype:
+for each layer it writes the new tokens' [c_kv ; k_pe] at `meta.write_slots`, then attends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .attention import AttentionMetadata, MLAAttentionBackend, make_attention_backend
+from .config import DeepseekV3Config
+from .mla import DeepseekV3Attention
+from .moe import DeepseekV3MLP, DeepseekV3MoE
+from .norm import RMSNorm
+from .rope import RotaryEmbedding
+
+
+@dataclass(frozen=True, eq=False)
+class ForwardOutput:
+    logits: torch.Tensor  # fp32 [R, vocab] for the requested rows
+    taps: torch.Tensor | None  # [T, len(tap_layer_ids) * hidden] model dtype, pre-final-norm layer outputs
+
+
+class DeepseekV3DecoderLayer(nn.Module):
+    def __init__(self, config: DeepseekV3Config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.self_attn = DeepseekV3Attention(config)
+        if config.is_moe_layer(layer_idx):
+            self.mlp: nn.Module = DeepseekV3MoE(config)
+        else:
+            self.mlp = DeepseekV3MLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, x, positions, meta, kv_layer, backend, rope) -> torch.Tensor:  # [T, d] -> [T, d]
+        x = x + self.self_attn(self.input_layernorm(x), positions, meta, kv_layer, backend, rope)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DeepseekV3Model(nn.Module):
+    def __init__(self, config: DeepseekV3Config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DeepseekV3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config.rope, config.qk_rope_head_dim)  # no weights
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    def __init__(self, config: DeepseekV3Config, attention_backend: str | MLAAttentionBackend = "torch"):
+        super().__init__()
+        self.config = config
+        self.model = DeepseekV3Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.attn_backend = (
+            make_attention_backend(attention_backend) if isinstance(attention_backend, str) else attention_backend
+        )
+
+    # ---- helpers shared with the drafter -----------------------------------------------------------
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # int64 [T] -> [T, d] model dtype
+        return self.model.embed_tokens(input_ids)
+
+    def new_kv_cache(self, num_slots: int, dtype: torch.dtype | None = None, device=None) -> torch.Tensor:
+        """Zeroed latent cache [num_layers, num_slots, kv_cache_width] (model dtype/device by default)."""
+        c = self.config
+        return torch.zeros(
+            c.num_hidden_layers, num_slots, c.kv_cache_width, dtype=dtype or self.dtype, device=device or self.device
+        )
+
+    # ---- forward -----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # int64 [T]
+        positions: torch.Tensor,  # int64 [T]
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,  # [num_layers, num_slots, kv_cache_width], written in place
+        logits_rows: torch.Tensor | None = None,  # int64 [R]; None = all T rows
+        tap_layer_ids: tuple[int, ...] = (),
+    ) -> ForwardOutput:
+        c = self.config
+        T = input_ids.shape[0]
+        if input_ids.dim() != 1 or positions.shape != (T,):
+            raise ValueError(f"input_ids {tuple(input_ids.shape)} / positions {tuple(positions.shape)} must be [T]")
+        if meta.num_tokens != T:
+            raise ValueError(f"metadata covers {meta.num_tokens} tokens, input_ids has {T}")
+        if kv_cache.dim() != 3 or kv_cache.shape[0] != c.num_hidden_layers or kv_cache.shape[2] != c.kv_cache_width:
+            raise ValueError(
+                f"kv_cache {tuple(kv_cache.shape)} must be [{c.num_hidden_layers}, num_slots, {c.kv_cache_width}]"
+            )
+        for i in tap_layer_ids:
+            if not 0 <= i < c.num_hidden_layers:
+                raise ValueError(f"tap layer id {i} not in [0, {c.num_hidden_layers})")
+
+        x = self.embed(input_ids)  # [T, d]
+        rope = self.model.rotary_emb
+        taps: dict[int, torch.Tensor] = {}
+        wanted = set(tap_layer_ids)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, positions, meta, kv_cache[i], self.attn_backend, rope)
+            if i in wanted:
+                taps[i] = x
+        rows = x if logits_rows is None else x[logits_rows]  # [R, d]
+        logits = self.lm_head(self.model.norm(rows)).float()  # [R, vocab]
+        tap = torch.cat([taps[i] for i in tap_layer_ids], dim=-1) if tap_layer_ids else None
+        return ForwardOutput(logits=logits, taps=tap)

@@ -1,0 +1,74 @@
+"""The embedded default checkpoint, created reproducibly on first use.
+
+Until the trained demo model lands, the default is a small random Kimi-shaped target (DeepSeek-V3
+architecture), a random DFlash drafter for it, and a byte-level BPE tokenizer trained on the Python
+standard library, with the Kimi K2 special tokens and chat template. Everything is seeded, so every
+machine builds the same files. Creation is atomic (build in a temp dir, then rename) and guarded by a
+file lock, so several services starting at once build it once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import json
+import pathlib
+import shutil
+import tempfile
+
+from services.config import DEFAULT_CHECKPOINT_DIR
+
+VERSION = "random-v1"
+SEED = 20261129
+
+
+@dataclasses.dataclass(frozen=True)
+class DefaultCheckpoint:
+    root: pathlib.Path
+
+    @property
+    def target(self) -> pathlib.Path:
+        return self.root / "target"
+
+    @property
+    def drafter(self) -> pathlib.Path:
+        return self.root / "drafter"
+
+
+def build_default_checkpoint(out: pathlib.Path) -> None:
+    from services.gateway.default_tokenizer import MASK_TOKEN, write_default_tokenizer
+    from services.gateway.tokenizer import Tokenizer
+    from services.models.dflash import write_random_drafter
+    from services.models.random_checkpoint import DEFAULT_TARGET_CONFIG, write_random_target
+
+    target_dir, drafter_dir = out / "target", out / "drafter"
+    target_dir.mkdir(parents=True)
+    write_default_tokenizer(target_dir)
+    tok = Tokenizer(target_dir)
+    config = dict(DEFAULT_TARGET_CONFIG)
+    config.update(bos_token_id=tok.token_id("[BOS]"),
+                  eos_token_id=[tok.token_id("[EOS]"), tok.token_id("<|im_end|>")])
+    assert tok.vocab_size <= config["vocab_size"], "tokenizer larger than the model vocabulary"
+    write_random_target(target_dir, config, seed=SEED)
+    write_random_drafter(drafter_dir, config, seed=SEED + 1, mask_token_id=tok.token_id(MASK_TOKEN))
+    (out / "README.txt").write_text(
+        "Random default checkpoint of ddtree-serve (seeded; rebuilt identically on every machine).\n"
+        f"version {VERSION}, seed {SEED}\n")
+    (out / "manifest.json").write_text(json.dumps({"version": VERSION, "seed": SEED}, indent=2))
+
+
+def ensure_default_checkpoint(base: pathlib.Path | None = None) -> DefaultCheckpoint:
+    base = pathlib.Path(base or DEFAULT_CHECKPOINT_DIR)
+    ckpt = DefaultCheckpoint(base / VERSION)
+    if (ckpt.root / "manifest.json").exists():
+        return ckpt
+    base.mkdir(parents=True, exist_ok=True)
+    with open(base / f"{VERSION}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (ckpt.root / "manifest.json").exists():
+            tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{VERSION}-", dir=base))
+            try:
+                build_default_checkpoint(tmp / "ckpt")
+                (tmp / "ckpt").rename(ckpt.root)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    return ckpt

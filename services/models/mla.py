@@ -1,0 +1,120 @@
+"""Multi-head Latent Attention (MLA), absorbed form over a latent cache (model.md §2-§3).
+
+Shapes: T new tokens, H heads, dn = qk_nope_head_dim, dr = qk_rope_head_dim, dv = v_head_dim,
+r = kv_lora_rank. kv_b_proj.weight [H·(dn+dv), r] viewed as [H, dn+dv, r] gives
+W_UK = [:, :dn, :] and W_UV = [:, dn:, :].
+
+Every forward (prefill, decode, tree verify) uses the absorbed form:
+  1. q = q_b_proj(q_a_layernorm(q_a_proj(h)))  (or q_proj(h)) -> [T, H, dn+dr] = [q_nope ; q_pe]
+  2. [latent ; k_pe] = kv_a_proj_with_mqa(h);  c_kv = kv_a_layernorm(latent)
+  3. rotate q_pe and k_pe at the tokens' positions; write [c_kv ; k_pe] into kv_layer[write_slots]
+  4. q_lat = W_UKᵀ q_nope  [T, H, r];  o_lat = backend.attend(q_lat, q_pe, kv_layer)  [T, H, r]
+  5. o = W_UV o_lat  [T, H, dv] -> o_proj
+
+`naive_mla` below is the textbook (non-absorbed) form, kept only to document and test what the
+absorbed form computes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .attention import AttentionMetadata, MLAAttentionBackend
+from .config import DeepseekV3Config
+from .norm import RMSNorm
+from .rope import RotaryEmbedding
+
+A_LAYERNORM_EPS = 1e-6  # HF and Moonshot build q_a/kv_a layernorms with the default eps, ignoring rms_norm_eps
+
+
+class DeepseekV3Attention(nn.Module):
+    def __init__(self, config: DeepseekV3Config):
+        super().__init__()
+        self.num_heads = H = config.num_attention_heads
+        self.q_lora_rank = config.q_lora_rank
+        self.qk_nope_head_dim = config.qk_nope_head_dim
+        self.qk_rope_head_dim = config.qk_rope_head_dim
+        self.v_head_dim = config.v_head_dim
+        self.kv_lora_rank = config.kv_lora_rank
+        self.softmax_scale = config.softmax_scale
+        d, qk = config.hidden_size, config.qk_head_dim
+        bias = config.attention_bias
+        if config.q_lora_rank is None:
+            self.q_proj = nn.Linear(d, H * qk, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(d, config.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, eps=A_LAYERNORM_EPS)
+            self.q_b_proj = nn.Linear(config.q_lora_rank, H * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(d, config.kv_lora_rank + config.qk_rope_head_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, eps=A_LAYERNORM_EPS)
+        self.kv_b_proj = nn.Linear(config.kv_lora_rank, H * (config.qk_nope_head_dim + config.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(H * config.v_head_dim, d, bias=bias)
+
+    # ---- shared projections ----------------------------------------------------------------------
+    def project_q(self, h: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding):
+        """h [T, d] -> q_nope [T, H, dn], rotated q_pe [T, H, dr]."""
+        if self.q_lora_rank is None:
+            q = self.q_proj(h)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(h)))
+        q = q.view(h.shape[0], self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim)
+        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        return q_nope, rope(q_pe, positions)
+
+    def project_latent(self, h: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding):
+        """h [T, d] -> cache rows [T, r+dr] = [normalised c_kv ; rotated k_pe]."""
+        latent, k_pe = self.kv_a_proj_with_mqa(h).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        return torch.cat([self.kv_a_layernorm(latent), rope(k_pe, positions)], dim=-1)
+
+    def w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [H, dn, r], W_UV [H, dv, r] (views of kv_b_proj.weight)."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
+
+    # ---- absorbed forward ------------------------------------------------------------------------
+    def forward(
+        self,
+        h: torch.Tensor,  # [T, d] normalised hidden states of the new tokens
+        positions: torch.Tensor,  # int64 [T]
+        meta: AttentionMetadata,
+        kv_layer: torch.Tensor,  # [S, r+dr] this layer's cache, written in place at meta.write_slots
+        backend: MLAAttentionBackend,
+        rope: RotaryEmbedding,
+    ) -> torch.Tensor:  # [T, d]
+        T = h.shape[0]
+        q_nope, q_pe = self.project_q(h, positions, rope)  # [T, H, dn], [T, H, dr]
+        kv_layer[meta.write_slots.to(kv_layer.device)] = self.project_latent(h, positions, rope).to(kv_layer.dtype)
+        w_uk, w_uv = self.w_uk_uv()
+        q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, H, r]
+        o_lat = backend.attend(q_lat, q_pe.to(q_lat.dtype), kv_layer, meta, self.softmax_scale)  # [T, H, r]
+        o = torch.einsum("thr,hvr->thv", o_lat.to(w_uv.dtype), w_uv)  # [T, H, dv]
+        return self.o_proj(o.reshape(T, self.num_heads * self.v_head_dim))
+
+
+def naive_mla(
+    attn: DeepseekV3Attention,
+    h: torch.Tensor,  # [N, d] one sequence, no cache
+    positions: torch.Tensor,  # int64 [N]
+    visible: torch.Tensor,  # bool [N, N], True = query row may attend key column
+    rope: RotaryEmbedding,
+) -> torch.Tensor:  # [N, d]
+    """Non-absorbed MLA (test-only reference): expand per-head k_nope and v through kv_b_proj.
+
+    score_h(t,s) = ([q_nope_h ; q_pe_h](t) · [k_nope_h ; k_pe](s)) · scale with k_nope_h = W_UK[h] c_kv,
+    which equals (W_UK[h]ᵀ q_nope_h)·c_kv + q_pe_h·k_pe: the absorbed score. Likewise
+    o_h = Σ P·(W_UV[h] c_kv) = W_UV[h] (Σ P·c_kv).
+    """
+    N, H = h.shape[0], attn.num_heads
+    dn, dv, r = attn.qk_nope_head_dim, attn.v_head_dim, attn.kv_lora_rank
+    q_nope, q_pe = attn.project_q(h, positions, rope)  # [N, H, dn], [N, H, dr]
+    lat = attn.project_latent(h, positions, rope)  # [N, r+dr]
+    c_kv, k_pe = lat[:, :r], lat[:, r:]
+    kv = attn.kv_b_proj(c_kv).view(N, H, dn + dv)
+    k_nope, v = kv[..., :dn], kv[..., dn:]  # [N, H, dn], [N, H, dv]
+    q = torch.cat([q_nope, q_pe], dim=-1)  # [N, H, dn+dr]
+    k = torch.cat([k_nope, k_pe[:, None, :].expand(N, H, k_pe.shape[-1])], dim=-1)  # [N, H, dn+dr]
+    scores = torch.einsum("qhc,khc->hqk", q.float(), k.float()) * attn.softmax_scale  # [H, N, N]
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+    o = torch.einsum("hqk,khv->qhv", probs, v.float()).to(h.dtype)  # [N, H, dv]
+    return attn.o_proj(o.reshape(N, H * dv))

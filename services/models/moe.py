@@ -1,0 +1,93 @@
+"""Dense MLP and the DeepSeek-V3 MoE block (model.md §4). Module names mirror the checkpoint:
+`mlp.{gate,up,down}_proj` (dense), `mlp.gate.{weight,e_score_correction_bias}`,
+`mlp.experts.{e}.{gate,up,down}_proj`, `mlp.shared_experts.{gate,up,down}_proj`."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import DeepseekV3Config
+
+
+class DeepseekV3MLP(nn.Module):
+    """down(silu(gate(x)) * up(x)); used for dense layers, each routed expert and the shared experts."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, d] -> [N, d]
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DeepseekV3TopkRouter(nn.Module):
+    """Sigmoid router with aux-loss-free bias correction and group-limited top-k.
+
+    `weight` and `e_score_correction_bias` are fp32 even in a bf16 model (HF `_keep_in_fp32_modules_strict`).
+    """
+
+    def __init__(self, config: DeepseekV3Config):
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.n_experts = config.n_routed_experts
+        self.n_group = config.n_group
+        self.topk_group = config.topk_group
+        self.norm_topk_prob = config.norm_topk_prob
+        self.routed_scaling_factor = config.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(self.n_experts, config.hidden_size, dtype=torch.float32))
+        self.register_buffer("e_score_correction_bias", torch.zeros(self.n_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, d] -> (weights fp32 [N, k], expert ids int64 [N, k])."""
+        N = x.shape[0]
+        logits = F.linear(x.float(), self.weight.float())  # [N, E] fp32
+        scores = logits.sigmoid()
+        choice = scores + self.e_score_correction_bias.float()  # bias affects selection only
+        grouped = choice.view(N, self.n_group, self.n_experts // self.n_group)  # [N, G, E/G]
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [N, G] sum of the top-2 per group
+        group_idx = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices  # [N, topk_group]
+        group_keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+        choice = grouped.masked_fill(~group_keep[:, :, None], float("-inf")).view(N, self.n_experts)
+        idx = choice.topk(self.top_k, dim=-1, sorted=False).indices  # [N, k]
+        weights = scores.gather(1, idx)  # unbiased scores
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor, idx
+
+
+class DeepseekV3MoE(nn.Module):
+    """y = Σ_j w_j · expert_{idx_j}(x) + shared_experts(x)."""
+
+    def __init__(self, config: DeepseekV3Config):
+        super().__init__()
+        d, inter = config.hidden_size, config.moe_intermediate_size
+        self.gate = DeepseekV3TopkRouter(config)
+        self.experts = nn.ModuleList(DeepseekV3MLP(d, inter) for _ in range(config.n_routed_experts))
+        self.shared_experts = (
+            DeepseekV3MLP(d, inter * config.n_shared_experts) if config.n_shared_experts > 0 else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, d] -> [N, d]
+        weights, idx = self.gate(x)  # [N, k] fp32, [N, k]
+        out = torch.zeros_like(x)
+        # Loop over the experts that got at least one token; experts run in ascending id order like HF.
+        flat_idx = idx.flatten()  # [N*k]
+        order = flat_idx.argsort(stable=True)
+        counts = torch.bincount(flat_idx, minlength=len(self.experts)).tolist()
+        token_of = (order // idx.shape[1])  # token row of each sorted assignment
+        slot_of = (order % idx.shape[1])  # which of the k choices it was
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            tok, pos = token_of[start:start + n], slot_of[start:start + n]
+            start += n
+            y = self.experts[e](x[tok]) * weights[tok, pos, None]  # fp32 after the weight multiply
+            out.index_add_(0, tok, y.to(out.dtype))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out

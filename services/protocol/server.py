@@ -1,0 +1,95 @@
+"""Run a gRPC server the way every ddtree service does.
+
+Each service registers its servicer, plus grpc.health.v1 (SERVING for "" and for its own service
+names) and server reflection. SIGTERM and SIGINT start a graceful stop: health flips to NOT_SERVING,
+new RPCs are refused, in-flight RPCs get `grace_s` seconds to finish. The bound address is printed as
+one line `LISTENING <service> <host>:<port>` so parents that started us on port 0 can find it.
+"""
+from __future__ import annotations
+
+import signal
+import threading
+from concurrent import futures
+from typing import Callable, Iterable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+# Feature tensors of a long commit can pass a few MB; the verifier chunks above this anyway.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+class RunningServer:
+    """A started gRPC server with health and reflection; `stop()` is graceful and idempotent."""
+
+    def __init__(self, server: grpc.Server, health_servicer: health.HealthServicer,
+                 service_names: Iterable[str], port: int, host: str, grace_s: float,
+                 on_stop: Callable[[], None] | None = None):
+        self.server = server
+        self.health = health_servicer
+        self.service_names = tuple(service_names)
+        self.port = port
+        self.host = host
+        self.grace_s = grace_s
+        self._on_stop = on_stop
+        self._stopped = threading.Event()
+        self._lock = threading.Lock()
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def stop(self, grace_s: float | None = None) -> None:
+        with self._lock:
+            if self._stopped.is_set():
+                return
+            self.health.enter_graceful_shutdown()
+            done = self.server.stop(self.grace_s if grace_s is None else grace_s)
+            done.wait()
+            if self._on_stop is not None:
+                self._on_stop()
+            self._stopped.set()
+
+    def wait(self) -> None:
+        self._stopped.wait()
+
+
+def start_server(name: str, register: Callable[[grpc.Server], Iterable[str]], host: str, port: int,
+                 max_workers: int, grace_s: float, on_stop: Callable[[], None] | None = None,
+                 announce: bool = True) -> RunningServer:
+    """Create, register and start a server. `register(server)` adds servicers and returns the full
+    service names it registered (e.g. "ddtree.v1.Verifier")."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
+                                                    thread_name_prefix=f"{name}-rpc"),
+                         options=GRPC_OPTIONS)
+    names = list(register(server))
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for service in ["", *names]:
+        health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"{name}: could not bind {host}:{port}")
+    server.start()
+    running = RunningServer(server, health_servicer, names, bound, host, grace_s, on_stop)
+    if announce:
+        print(f"LISTENING {name} {host}:{bound}", flush=True)
+    return running
+
+
+def stop_on_signals(running: RunningServer) -> None:
+    """SIGTERM / SIGINT -> graceful stop (from the main thread only)."""
+    def handler(signum, _frame):
+        threading.Thread(target=running.stop, name="graceful-stop", daemon=True).start()
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+def abort_invalid(context: grpc.ServicerContext, message: str) -> None:
+    context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)

@@ -1,0 +1,92 @@
+"""Builds one target forward from a step's work: tree verifies (AR = empty tree) and prefill chunks.
+
+Every item becomes one SeqAttention: its new tokens get fresh KV slots, its queries see the whole
+committed prefix, and among the new tokens a verify item sees only ancestors (tree mask) while a
+prefill chunk is causal. Positions: verify = start + depth (siblings share one), prefill = absolute.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from services.drafter.tree import TokenTree
+from services.models.attention import AttentionMetadata, SeqAttention
+from services.verifier.kv_pool import LatentKVPool
+from services.verifier.sequence import Sequence
+from services.verifier.tree_mask import tree_input_ids, tree_mask, tree_positions
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyItem:
+    seq: Sequence
+    tree: TokenTree           # empty tree = one AR step
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillItem:
+    seq: Sequence
+    start: int                # prompt[start:end] is this chunk
+    end: int
+
+    @property
+    def is_last(self) -> bool:
+        return self.end == self.seq.prompt_len
+
+
+WorkItem = VerifyItem | PrefillItem
+
+
+@dataclasses.dataclass(frozen=True)
+class ItemOutput:
+    item: WorkItem
+    new_slots: torch.Tensor          # int64 [q_len], slots the new tokens were written to
+    logits: torch.Tensor | None      # fp32 [q_len, V] for verify; [1, V] for a last prefill chunk; else None
+    taps: torch.Tensor | None        # [q_len, F] tapped features of the new tokens (None without taps)
+
+
+def run_batch(model, pool: LatentKVPool, items: list[WorkItem], tap_layer_ids: tuple[int, ...]) -> list[ItemOutput]:
+    """One forward for all items. Slots are allocated here; the caller commits or frees them."""
+    ids, pos, seqs, logit_rows, allocated = [], [], [], [], []
+    row = 0
+    try:
+        for item in items:
+            seq = item.seq
+            if isinstance(item, VerifyItem):
+                ids.append(tree_input_ids(item.tree, seq.root))
+                pos.append(tree_positions(item.tree, seq.context_len))
+                mask = tree_mask(item.tree)
+                q_len = item.tree.n + 1
+                logit_rows.append(torch.arange(row, row + q_len))
+            else:
+                ids.append(torch.tensor(seq.params.input_ids[item.start:item.end], dtype=torch.int64))
+                pos.append(torch.arange(item.start, item.end, dtype=torch.int64))
+                mask = None
+                q_len = item.end - item.start
+                if item.is_last:
+                    logit_rows.append(torch.tensor([row + q_len - 1]))
+            slots = pool.alloc(q_len)
+            allocated.append(slots)
+            seqs.append(SeqAttention(q_start=row, q_len=q_len, prefix_slots=seq.slots,
+                                     new_slots=slots, new_mask=mask))
+            row += q_len
+    except Exception:
+        for slots in allocated:
+            pool.free(slots)
+        raise
+    device = pool.cache.device
+    rows = torch.cat(logit_rows) if logit_rows else torch.empty(0, dtype=torch.int64)
+    meta = AttentionMetadata(seqs=tuple(seqs))
+    with torch.inference_mode():
+        out = model.forward(torch.cat(ids).to(device), torch.cat(pos).to(device), meta, pool.cache,
+                            logits_rows=rows.to(device), tap_layer_ids=tap_layer_ids)
+    logits = out.logits.float()   # stays on the device: choices are made there, only ids come back
+    taps = out.taps
+    results, lrow = [], 0
+    for item, sa in zip(items, seqs):
+        n_logits = sa.q_len if isinstance(item, VerifyItem) else (1 if item.is_last else 0)
+        item_logits = logits[lrow:lrow + n_logits] if n_logits else None
+        lrow += n_logits
+        item_taps = taps[sa.q_start:sa.q_start + sa.q_len] if taps is not None else None
+        results.append(ItemOutput(item, sa.new_slots, item_logits, item_taps))
+    return results

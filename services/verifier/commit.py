@@ -1,0 +1,82 @@
+"""Commit the result of one forward into a sequence (design.md §3, steps 3-4).
+
+Verify: the target's choice at every node (argmax, or one sample per node at temperature > 0), the
+accept walk, then keep the accepted nodes' KV slots and free the others. With page size 1 nothing
+moves: node acc[j] sits at depth j, so its latent was computed at position start + j, exactly where it
+now belongs in the slot table. The drafter's next commit is the accepted tokens with the tapped
+features gathered at the accepted node indices (not the first rows).
+"""
+from __future__ import annotations
+
+import torch
+
+from services.verifier.accept import Verdict, accept
+from services.verifier.batch import ItemOutput, PrefillItem, VerifyItem
+from services.verifier.kv_pool import LatentKVPool
+from services.verifier.sampling import make_generator, target_choices
+from services.verifier.sequence import PendingCommit, Sequence
+
+
+def _append_pending(seq: Sequence, tokens: list[int], start: int, features: torch.Tensor | None,
+                    window: int) -> None:
+    """Queue committed tokens for the drafter, keeping at most `window` of them (0 = all)."""
+    if not seq.use_spec:
+        return
+    pend = seq.pending_commit
+    if pend is None:
+        pend = PendingCommit(list(tokens), start, features)
+    else:
+        assert pend.start + len(pend.token_ids) == start, "pending commit must stay contiguous"
+        feats = None if features is None else torch.cat([pend.features, features])
+        pend = PendingCommit(pend.token_ids + list(tokens), pend.start, feats)
+    if window and len(pend.token_ids) > window:
+        cut = len(pend.token_ids) - window
+        pend = PendingCommit(pend.token_ids[cut:], pend.start + cut,
+                             None if pend.features is None else pend.features[cut:].clone())
+    seq.pending_commit = pend
+
+
+def _choices(seq: Sequence, logits: torch.Tensor) -> list[int]:
+    """The target's choice per row: argmax, or one sample per row from the request's generator."""
+    cfg = seq.params.sampling
+    if not cfg.greedy and not seq.generator_ready:
+        seq.generator = make_generator(cfg, logits.device)
+        seq.generator_ready = True
+    return target_choices(logits, cfg, seq.generator).tolist()
+
+
+def commit_prefill(out: ItemOutput, pool: LatentKVPool, window: int) -> list[int]:
+    """Returns the tokens to emit: [first token] after the last chunk, [] before it."""
+    item = out.item
+    assert isinstance(item, PrefillItem)
+    seq = item.seq
+    chunk = list(seq.params.input_ids[item.start:item.end])
+    _append_pending(seq, chunk, item.start, None if out.taps is None else out.taps.cpu(), window)
+    seq.committed.extend(chunk)
+    seq.slots = torch.cat([seq.slots, out.new_slots])
+    seq.prefill_done = item.end
+    if not item.is_last:
+        return []
+    first = _choices(seq, out.logits)[0]
+    seq.root = first
+    return [first]
+
+
+def commit_verify(out: ItemOutput, pool: LatentKVPool, window: int) -> tuple[Verdict, list[int]]:
+    """Returns the verdict and the tokens to emit (matched node tokens, then the bonus)."""
+    item = out.item
+    assert isinstance(item, VerifyItem)
+    seq = item.seq
+    choices = _choices(seq, out.logits)
+    verdict = accept(item.tree, seq.root, choices)
+    acc = torch.tensor(verdict.accepted_nodes, dtype=torch.int64)
+    keep = torch.zeros(out.new_slots.numel(), dtype=torch.bool)
+    keep[acc] = True
+    pool.free(out.new_slots[~keep])
+    start = seq.context_len
+    features = out.taps.index_select(0, acc.to(out.taps.device)).cpu() if out.taps is not None else None
+    _append_pending(seq, list(verdict.accepted_tokens), start, features, window)
+    seq.committed.extend(verdict.accepted_tokens)
+    seq.slots = torch.cat([seq.slots, out.new_slots[acc]])
+    seq.root = verdict.bonus_token
+    return verdict, list(verdict.accepted_tokens[1:]) + [verdict.bonus_token]

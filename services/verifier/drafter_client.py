@@ -1,0 +1,99 @@
+"""The verifier's side of the Drafter contract: one Draft RPC per step for the whole batch.
+
+Each sequence sends only what the drafter has not seen (its pending commit, already trimmed to the
+draft window) and its anchor. Trees coming back are validated like any untrusted input: a bad tree
+turns into an AR step for that sequence, never into a wrong token.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import grpc
+
+from services.drafter.tree import TokenTree
+from services.protocol.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
+from services.protocol.server import GRPC_OPTIONS
+from services.protocol.tensors import tensor_to_proto
+from services.telemetry.logging import get_logger
+from services.verifier.sequence import Sequence
+
+log = get_logger("ddtree.verifier.drafter_client")
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftResult:
+    trees: dict[str, TokenTree]        # by request id; missing = AR step for that sequence
+    draft_ms: float                    # drafter compute, as reported
+    rpc_ms: float                      # wall time of the RPC
+    feature_bytes: dict[str, int]      # bytes of features sent, by request id
+
+
+class DrafterClient:
+    def __init__(self, address: str, timeout_s: float, connect_timeout_s: float = 60.0):
+        self.address = address
+        self.timeout_s = timeout_s
+        self.channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self.stub = drafter_pb2_grpc.DrafterStub(self.channel)
+        self.info = self.stub.GetInfo(drafter_pb2.DrafterInfoRequest(), timeout=connect_timeout_s,
+                                      wait_for_ready=True)
+
+    @property
+    def window(self) -> int:
+        return self.info.window
+
+    @property
+    def tap_layer_ids(self) -> tuple[int, ...]:
+        return tuple(self.info.target_layer_ids)
+
+    def draft(self, batch: list[tuple[Sequence, int]], vocab_size: int) -> DraftResult:
+        """batch: (sequence, budget). Raises grpc.RpcError when the call fails as a whole."""
+        msgs, sent = [], {}
+        for seq, budget in batch:
+            pend = seq.pending_commit
+            tokens = pend.token_ids if pend is not None else []
+            feats = tensor_to_proto(pend.features) if pend is not None else None
+            msg = drafter_pb2.SeqDraft(seq_id=seq.request_id, commit_token_ids=tokens,
+                                       commit_start=pend.start if pend is not None else seq.context_len,
+                                       anchor_token_id=seq.root, budget=budget,
+                                       reset=not seq.drafter_seeded)
+            if feats is not None:
+                msg.commit_features.CopyFrom(feats)
+            msgs.append(msg)
+            sent[seq.request_id] = len(feats.data) if feats is not None else 0
+        t0 = time.perf_counter()
+        resp = self.stub.Draft(drafter_pb2.DraftRequest(seqs=msgs), timeout=self.timeout_s)
+        rpc_ms = (time.perf_counter() - t0) * 1e3
+        for seq, _ in batch:
+            seq.pending_commit = None
+            seq.drafter_seeded = True
+        budgets = {seq.request_id: budget for seq, budget in batch}
+        trees = {}
+        for tree_msg in resp.trees:
+            rid = tree_msg.seq_id
+            if rid not in budgets or rid in trees:
+                log.error("drafter_bad_tree", request_id=rid, reason="unknown or duplicate seq_id")
+                continue
+            try:
+                tree = TokenTree(tuple(tree_msg.token_ids), tuple(tree_msg.parents), tuple(tree_msg.depths))
+                tree.validate()
+                if tree.n > budgets[rid]:
+                    raise ValueError(f"tree has {tree.n} nodes, budget {budgets[rid]}")
+                if any(not 0 <= t < vocab_size for t in tree.token_ids):
+                    raise ValueError(f"token id outside [0, {vocab_size})")
+            except ValueError as err:
+                log.error("drafter_bad_tree", request_id=rid, reason=str(err))
+                continue
+            trees[rid] = tree
+        return DraftResult(trees, resp.draft_ms, rpc_ms, sent)
+
+    def release(self, request_ids: list[str]) -> None:
+        if not request_ids:
+            return
+        try:
+            self.stub.Release(drafter_pb2.ReleaseRequest(seq_ids=request_ids), timeout=self.timeout_s)
+        except grpc.RpcError as err:
+            log.warning("drafter_release_failed", code=str(err.code()), count=len(request_ids))
+
+    def close(self) -> None:
+        self.channel.close()

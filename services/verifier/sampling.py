@@ -1,0 +1,112 @@
+"""Target token choice per tree node: argmax at temperature 0, else one sample per row.
+
+Why "sample at every node and walk" is exact (ddtree.md §3, §6.10):
+  The tree is a deterministic function of the drafter's output (top-K marginals, nothing sampled on
+  the draft side), so it is independent of the target's draws. Row i's sample is drawn from the
+  target's (filtered) conditional p(. | prefix, path(i)), independently of every other row. The walk
+  (accept.py) commits the token sampled at the current node and moves to the child carrying it, if
+  any; the next committed token is then the sample drawn at that child, i.e. a draw from
+  p(. | prefix, path). By induction every committed token and the bonus are draws from the target's
+  conditional given exactly the committed prefix, so the output has the target's distribution. No
+  min(1, p/q) ratio is involved: there is no draft distribution q to correct for, and applying the
+  Leviathan rule to top-K candidates would bias the output. Temperature 0 is the limit where every
+  draw is the argmax, which makes the output identical to greedy autoregressive decoding.
+
+Filtering order (as HF / vLLM / z-lab): logits / T, then top_k, then top_p on the renormalized
+distribution of what top_k kept, then renormalize.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 0.0  # 0 = greedy (argmax)
+    top_p: float = 1.0  # nucleus mass in (0, 1]; 1 = off
+    top_k: int = 0  # 0 = off
+    seed: int | None = None  # per-request seed; see make_generator
+
+    def validate(self) -> None:
+        t = self.temperature
+        if not isinstance(t, (int, float)) or math.isnan(t) or t < 0 or math.isinf(t):
+            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def make_generator(cfg: SamplingConfig, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """A generator seeded from cfg.seed, or None (global RNG) when no seed is set.
+
+    Create it ONCE per request and pass it to every step's target_choices: a fresh generator per step
+    would repeat the same draws.
+    """
+    if cfg.seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(cfg.seed)
+
+
+def sampling_probs(logits: Tensor, cfg: SamplingConfig) -> Tensor:
+    """The distribution sampled from at temperature > 0: fp32 [N, V], rows sum to 1.
+
+    top_k keeps every token whose scaled logit is >= the k-th largest (ties at the boundary are all
+    kept). top_p keeps the smallest set of highest-probability tokens whose mass >= top_p: a token is
+    kept iff the mass of the tokens sorted strictly before it is < top_p.
+    """
+    cfg.validate()
+    if cfg.greedy:
+        raise ValueError("sampling_probs needs temperature > 0 (temperature 0 is argmax)")
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [N, V], got shape {tuple(logits.shape)}")
+    scores = logits.float() / cfg.temperature  # [N, V]
+    vocab = scores.shape[-1]
+    if 0 < cfg.top_k < vocab:
+        kth = torch.topk(scores, cfg.top_k, dim=-1).values[:, -1:]  # [N, 1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)  # [N, V]
+    if cfg.top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)  # [N, V]
+        mass_before = sorted_p.cumsum(dim=-1) - sorted_p  # [N, V]
+        keep_sorted = mass_before < cfg.top_p  # the first entry is always kept
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        probs = probs * keep
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def target_choices(
+    logits: Tensor, cfg: SamplingConfig, generator: torch.Generator | None = None
+) -> Tensor:
+    """logits [N, V] (one row per tree node) -> LongTensor [N] of chosen tokens.
+
+    Temperature 0: argmax per row (top_k / top_p do not change the argmax). Otherwise one independent
+    sample per row from sampling_probs, using the exponential-race trick: argmax_i p_i / E_i with
+    E_i ~ Exp(1) i.i.d. picks i with probability p_i (it is Gumbel-max in disguise) and needs no host
+    sync. Deterministic given the generator's state.
+    """
+    cfg.validate()
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [N, V], got shape {tuple(logits.shape)}")
+    if cfg.greedy:
+        return logits.argmax(dim=-1)
+    if generator is not None and generator.device.type != logits.device.type:
+        raise ValueError(f"generator is on {generator.device} but logits are on {logits.device}; "
+                         f"create it with make_generator(cfg, logits.device)")
+    probs = sampling_probs(logits, cfg)  # [N, V]
+    race = torch.empty_like(probs).exponential_(1.0, generator=generator)  # [N, V]
+    # NOTE: an exact 0 draw would make 0/0 = NaN win the argmax for a zero-probability token.
+    race.clamp_min_(torch.finfo(race.dtype).tiny)
+    return (probs / race).argmax(dim=-1)

@@ -1,0 +1,222 @@
+"""The verifier's step loop: continuous batching of speculative steps and chunked prefill.
+
+One thread owns the model, the KV pool and every running sequence. RPC threads only `submit` and
+`abort` (under the lock) and read their sequence's event queue. Each step:
+  1. admit waiting requests whose worst-case KV reservation fits (prompt + max_new + one tree);
+  2. finish sequences whose client aborted;
+  3. Draft (one RPC for all speculative sequences), 4. one target forward over all trees plus at most
+  one prefill chunk, 5. accept + commit per sequence, stream the tokens and the step record.
+Admission by reservation means a running sequence never runs out of KV mid-generation.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+import grpc
+import torch
+
+from services.config import VerifierConfig
+from services.drafter.tree import TokenTree
+from services.telemetry.logging import get_logger
+from services.verifier.batch import PrefillItem, VerifyItem, WorkItem, run_batch
+from services.verifier.commit import commit_prefill, commit_verify
+from services.verifier.drafter_client import DraftResult, DrafterClient
+from services.verifier.kv_pool import LatentKVPool
+from services.verifier.sequence import Phase, Sequence, StepRecord, StreamEvent
+
+log = get_logger("ddtree.verifier.scheduler")
+step_log = get_logger("ddtree.steps")
+EMPTY_TREE = TokenTree((), (), ())
+
+
+class AdmissionError(Exception):
+    """Raised by submit; `code` is the gRPC status to answer with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class Scheduler:
+    def __init__(self, model, pool: LatentKVPool, config: VerifierConfig, drafter: DrafterClient | None):
+        self.model = model
+        self.pool = pool
+        self.config = config
+        self.drafter = drafter
+        self.vocab_size = model.config.vocab_size
+        self.window = drafter.window if drafter is not None else 0
+        self.tap_layer_ids = drafter.tap_layer_ids if drafter is not None else ()
+        self._cond = threading.Condition()
+        self._waiting: collections.deque[Sequence] = collections.deque()
+        self._running: list[Sequence] = []
+        self._by_id: dict[str, Sequence] = {}
+        self._reserved = 0
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="verifier-scheduler", daemon=True)
+        self.total_steps = 0
+        self.total_tokens = 0
+
+    # ---- called from RPC threads ----
+    def submit(self, seq: Sequence) -> None:
+        need = seq.reserved_slots(seq.params.budget)
+        with self._cond:
+            if self._stopping:
+                raise AdmissionError(grpc.StatusCode.UNAVAILABLE, "verifier is shutting down")
+            if seq.request_id in self._by_id:
+                raise AdmissionError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {seq.request_id!r} is already running")
+            if need > self.pool.num_slots:
+                raise AdmissionError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                     f"request needs {need} KV tokens (prompt + max_new_tokens + tree), "
+                                     f"the cache holds {self.pool.num_slots}")
+            if len(self._waiting) >= self.config.max_queue:
+                raise AdmissionError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                     f"queue full ({self.config.max_queue} waiting requests); retry later")
+            self._waiting.append(seq)
+            self._by_id[seq.request_id] = seq
+            self._cond.notify_all()
+
+    def abort(self, request_id: str) -> bool:
+        with self._cond:
+            seq = self._by_id.get(request_id)
+            if seq is None:
+                return False
+            seq.abort_requested.set()
+            self._cond.notify_all()
+            return True
+
+    @property
+    def running_count(self) -> int:
+        with self._cond:
+            return len(self._running) + len(self._waiting)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(timeout=30)
+        with self._cond:
+            for seq in list(self._running) + list(self._waiting):
+                self._finish(seq, "abort")
+
+    # ---- the loop ----
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                if self._stopping:
+                    return
+                self._reap_aborts()
+                self._admit()
+                if not self._running:
+                    self._cond.wait(timeout=0.5)
+                    continue
+                decode = [s for s in self._running if s.phase is Phase.DECODE]
+                prefill = next((s for s in self._running if s.phase is Phase.PREFILL), None)
+            try:
+                self._step(decode, prefill)
+            except Exception as err:  # a model or pool failure ends this step's sequences, not the server
+                log.exception("step_failed", error=str(err))
+                with self._cond:
+                    for seq in decode + ([prefill] if prefill else []):
+                        seq.events.put(StreamEvent((), None, "error", error=f"internal error: {err}"))
+                        self._finish(seq, None)
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._running) < self.config.max_batch:
+            seq = self._waiting[0]
+            need = seq.reserved_slots(seq.params.budget)
+            if self._reserved + need > self.pool.num_slots:
+                return  # FIFO: wait for KV to be released
+            self._waiting.popleft()
+            self._reserved += need
+            seq.phase = Phase.PREFILL
+            self._running.append(seq)
+
+    def _reap_aborts(self) -> None:
+        for seq in [s for s in self._waiting if s.abort_requested.is_set()]:
+            self._waiting.remove(seq)
+            self._finish(seq, "abort")
+        for seq in [s for s in self._running if s.abort_requested.is_set()]:
+            self._finish(seq, "abort")
+
+    def _finish(self, seq: Sequence, reason: str | None) -> None:
+        """Remove a sequence everywhere and release its KV (caller holds the lock)."""
+        if seq.phase is Phase.FINISHED:
+            return
+        if reason is not None:
+            seq.finish_reason = reason
+            seq.events.put(StreamEvent((), None, reason))
+        if seq in self._running:
+            self._running.remove(seq)
+            self._reserved -= seq.reserved_slots(seq.params.budget)
+        self._by_id.pop(seq.request_id, None)
+        self.pool.free(seq.slots)
+        seq.slots = torch.empty(0, dtype=torch.int64)
+        seq.phase = Phase.FINISHED
+        if self.drafter is not None and seq.drafter_seeded:
+            # Release outside the hot path would be nicer; it is one small RPC per finished request.
+            threading.Thread(target=self.drafter.release, args=([seq.request_id],), daemon=True).start()
+
+    def _draft(self, decode: list[Sequence]) -> DraftResult | None:
+        spec = [(s, s.params.budget) for s in decode if s.use_spec]
+        if not spec or self.drafter is None:
+            return None
+        try:
+            return self.drafter.draft(spec, self.vocab_size)
+        except grpc.RpcError as err:
+            # The drafter's state for these sequences is now unknown: they finish with AR decoding,
+            # which yields exactly the same tokens.
+            log.error("draft_failed_fallback_ar", code=str(err.code()), details=err.details(), sequences=len(spec))
+            for seq, _ in spec:
+                seq.use_spec = False
+                seq.pending_commit = None
+            return None
+
+    def _step(self, decode: list[Sequence], prefill: Sequence | None) -> None:
+        t0 = time.perf_counter()
+        drafted = self._draft(decode)
+        trees = drafted.trees if drafted is not None else {}
+        items: list[WorkItem] = [VerifyItem(s, trees.get(s.request_id, EMPTY_TREE)) for s in decode]
+        if prefill is not None:
+            end = min(prefill.prefill_done + self.config.prefill_chunk, prefill.prompt_len)
+            items.append(PrefillItem(prefill, prefill.prefill_done, end))
+        t1 = time.perf_counter()
+        outputs = run_batch(self.model, self.pool, items, self.tap_layer_ids)
+        committed = []
+        for out in outputs:
+            if isinstance(out.item, VerifyItem):
+                verdict, tokens = commit_verify(out, self.pool, self.window)
+                committed.append((out.item, tokens, len(verdict.accepted_nodes)))
+            else:
+                tokens = commit_prefill(out, self.pool, self.window)
+                committed.append((out.item, tokens, 0))
+        t2 = time.perf_counter()
+        draft_ms = drafted.draft_ms if drafted else 0.0
+        transport_ms = max(drafted.rpc_ms - drafted.draft_ms, 0.0) if drafted else 0.0
+        with self._cond:
+            for item, tokens, accept_length in committed:
+                seq = item.seq
+                if isinstance(item, PrefillItem):
+                    if not tokens:
+                        continue
+                    seq.phase = Phase.DECODE
+                    if seq.emit(tokens, None):
+                        self._finish(seq, None)
+                    continue
+                record = StepRecord(step=seq.steps, context_tokens=seq.context_len - accept_length,
+                                    tree_nodes=item.tree.n, accept_length=accept_length,
+                                    draft_ms=draft_ms if seq.request_id in trees else 0.0,
+                                    verify_ms=(t2 - t1) * 1e3, transport_ms=transport_ms if drafted else 0.0,
+                                    total_ms=(t2 - t0) * 1e3,
+                                    feature_bytes=drafted.feature_bytes.get(seq.request_id, 0) if drafted else 0)
+                seq.steps += 1
+                seq.accept_lengths.append(accept_length)
+                self.total_steps += 1
+                self.total_tokens += accept_length
+                step_log.info("step", request_id=seq.request_id, **record.__dict__)
+                if seq.emit(tokens, record):
+                    self._finish(seq, None)

@@ -1,0 +1,134 @@
+"""Per-request state on the verifier, and the messages its stream carries.
+
+A sequence moves WAITING -> PREFILL -> DECODE -> FINISHED. Between steps it holds:
+- `committed`: token ids whose latents are in the KV pool, at positions 0..len-1, in `slots`;
+- `root`: the last emitted token (the previous bonus), not yet in the KV cache, at position len(committed);
+- `pending_commit`: what the drafter has not seen yet (tokens, their start position, tapped features).
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import queue
+import threading
+import time
+
+import torch
+
+from services.verifier.sampling import SamplingConfig
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateParams:
+    request_id: str
+    input_ids: tuple[int, ...]
+    sampling: SamplingConfig
+    max_new_tokens: int
+    stop_token_ids: frozenset[int]   # eos ids (unless ignore_eos) + the request's stop ids
+    use_spec: bool
+    budget: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    step: int
+    context_tokens: int
+    tree_nodes: int
+    accept_length: int
+    draft_ms: float
+    verify_ms: float
+    transport_ms: float
+    total_ms: float
+    feature_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamEvent:
+    """One message to the client: tokens committed by a step (or the first token)."""
+    token_ids: tuple[int, ...]
+    step: StepRecord | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclasses.dataclass
+class PendingCommit:
+    token_ids: list[int]
+    start: int
+    features: torch.Tensor | None  # [n, num_taps * hidden]
+
+
+class Sequence:
+    def __init__(self, params: GenerateParams, arrival: float | None = None):
+        self.params = params
+        self.phase = Phase.WAITING
+        self.arrival = time.perf_counter() if arrival is None else arrival
+        self.committed: list[int] = []
+        self.slots = torch.empty(0, dtype=torch.int64)
+        self.prefill_done = 0              # prompt tokens already in the KV cache
+        self.root: int | None = None
+        self.generated: list[int] = []
+        self.pending_commit: PendingCommit | None = None
+        self.drafter_seeded = False        # the drafter holds this sequence's context
+        self.use_spec = params.use_spec
+        self.steps = 0
+        self.accept_lengths: list[int] = []   # per step: root + matched nodes
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.finish_reason: str | None = None
+        self.events: queue.Queue[StreamEvent] = queue.Queue()
+        self.abort_requested = threading.Event()
+        # Created on the logits' device at the first sampled choice (see commit.py); None = greedy
+        # or the global RNG when the request set no seed.
+        self.generator: torch.Generator | None = None
+        self.generator_ready = False
+
+    @property
+    def request_id(self) -> str:
+        return self.params.request_id
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.params.input_ids)
+
+    @property
+    def context_len(self) -> int:
+        return len(self.committed)
+
+    @property
+    def remaining(self) -> int:
+        return self.params.max_new_tokens - len(self.generated)
+
+    def reserved_slots(self, budget: int) -> int:
+        """Worst-case KV slots for its whole life: prompt + outputs + one tree in flight."""
+        return self.prompt_len + self.params.max_new_tokens + budget + 1
+
+    def emit(self, tokens: list[int], step: StepRecord | None) -> bool:
+        """Append generated tokens, cut at a stop token or the length limit. Returns True when finished.
+        The stop token itself is not emitted."""
+        out: list[int] = []
+        finish = None
+        for tok in tokens:
+            if tok in self.params.stop_token_ids:
+                finish = "stop"
+                break
+            out.append(tok)
+            if len(self.generated) + len(out) >= self.params.max_new_tokens:
+                finish = "length"
+                break
+        now = time.perf_counter()
+        if self.first_token_time is None:
+            self.first_token_time = now
+        if out:
+            self.last_token_time = now
+        self.generated.extend(out)
+        self.finish_reason = finish
+        self.events.put(StreamEvent(tuple(out), step, finish))
+        return finish is not None

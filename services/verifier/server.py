@@ -1,0 +1,168 @@
+"""The Verifier gRPC service: validates requests, hands them to the scheduler, streams the steps."""
+from __future__ import annotations
+
+import math
+import queue
+import uuid
+
+import grpc
+import torch
+
+from services.config import VerifierConfig
+from services.models.loader import load_target
+from services.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from services.protocol.server import RunningServer, start_server
+from services.telemetry.logging import get_logger
+from services.verifier.drafter_client import DrafterClient
+from services.verifier.kv_pool import LatentKVPool
+from services.verifier.sampling import SamplingConfig
+from services.verifier.scheduler import AdmissionError, Scheduler
+from services.verifier.sequence import GenerateParams, Sequence
+
+log = get_logger("ddtree.verifier")
+MAX_REQUEST_ID_CHARS = 256
+
+
+def usage_of(seq: Sequence) -> common_pb2.Usage:
+    lengths = seq.accept_lengths
+    hist = [0] * (max(lengths) + 1 if lengths else 0)
+    for n in lengths:
+        hist[n] += 1
+    ttft = (seq.first_token_time - seq.arrival) * 1e3 if seq.first_token_time else 0.0
+    decode = (seq.last_token_time - seq.first_token_time) * 1e3 if seq.last_token_time and seq.first_token_time else 0.0
+    return common_pb2.Usage(prompt_tokens=seq.prompt_len, completion_tokens=len(seq.generated),
+                            verify_steps=seq.steps,
+                            avg_accept_length=sum(lengths) / len(lengths) if lengths else 0.0,
+                            accept_histogram=hist, ttft_ms=ttft, decode_ms=decode)
+
+
+class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
+    def __init__(self, scheduler: Scheduler, config: VerifierConfig, model_id: str, model_config_json: str,
+                 eos_token_ids: tuple[int, ...]):
+        self.scheduler = scheduler
+        self.config = config
+        self.model_id = model_id
+        self.model_config_json = model_config_json
+        self.eos_token_ids = eos_token_ids
+        self.vocab_size = scheduler.vocab_size
+
+    def _params(self, req: verifier_pb2.GenerateRequest) -> GenerateParams:
+        """Validate a request; raises ValueError with the message the client will see."""
+        cfg = self.config
+        if len(req.request_id) > MAX_REQUEST_ID_CHARS:
+            raise ValueError(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
+        if not req.input_ids:
+            raise ValueError("input_ids is empty: a prompt needs at least one token")
+        if len(req.input_ids) > cfg.max_context:
+            raise ValueError(f"prompt has {len(req.input_ids)} tokens, the maximum context is {cfg.max_context}")
+        bad = [t for t in req.input_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"input_ids has {len(bad)} token ids outside [0, {self.vocab_size}), first {bad[0]}")
+        if req.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be >= 1, got {req.max_new_tokens}")
+        if req.max_new_tokens > cfg.max_new_tokens_limit:
+            raise ValueError(f"max_new_tokens {req.max_new_tokens} is above the limit {cfg.max_new_tokens_limit}")
+        if len(req.input_ids) + req.max_new_tokens > cfg.max_context:
+            raise ValueError(f"prompt ({len(req.input_ids)}) + max_new_tokens ({req.max_new_tokens}) exceeds "
+                             f"the maximum context {cfg.max_context}")
+        bad_stop = [t for t in req.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad_stop:
+            raise ValueError(f"stop_token_ids has an id outside [0, {self.vocab_size}): {bad_stop[0]}")
+        s = req.sampling
+        if math.isnan(s.temperature) or math.isnan(s.top_p):
+            raise ValueError("temperature and top_p must be numbers, got NaN")
+        sampling = SamplingConfig(temperature=s.temperature, top_p=s.top_p if s.top_p != 0 else 1.0,
+                                  top_k=s.top_k, seed=s.seed if s.HasField("seed") else None)
+        sampling.validate()
+        budget = req.spec.budget if req.spec.budget else cfg.default_budget
+        if budget < 0:
+            raise ValueError(f"spec.budget must be >= 0, got {req.spec.budget}")
+        drafter = self.scheduler.drafter
+        if drafter is not None and budget > drafter.info.max_budget:
+            raise ValueError(f"spec.budget {budget} is above the drafter's maximum {drafter.info.max_budget}")
+        use_spec = drafter is not None and not req.spec.no_spec and budget > 0
+        stops = set(req.stop_token_ids) | (set() if req.ignore_eos else set(self.eos_token_ids))
+        return GenerateParams(request_id=req.request_id or uuid.uuid4().hex, input_ids=tuple(req.input_ids),
+                              sampling=sampling, max_new_tokens=req.max_new_tokens,
+                              stop_token_ids=frozenset(stops), use_spec=use_spec,
+                              budget=budget if use_spec else 0)
+
+    def Generate(self, request, context):
+        try:
+            params = self._params(request)
+        except ValueError as err:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        seq = Sequence(params)
+        try:
+            self.scheduler.submit(seq)
+        except AdmissionError as err:
+            context.abort(err.code, str(err))
+        context.add_callback(lambda: self.scheduler.abort(seq.request_id))
+        while True:
+            try:
+                event = seq.events.get(timeout=1.0)
+            except queue.Empty:
+                if not context.is_active():
+                    return
+                continue
+            if event.error:
+                context.abort(grpc.StatusCode.INTERNAL, event.error)
+            resp = verifier_pb2.GenerateResponse(request_id=seq.request_id, token_ids=list(event.token_ids))
+            if event.step is not None:
+                resp.steps.add(**event.step.__dict__)
+            if event.finish_reason:
+                resp.finish_reason = event.finish_reason
+                resp.usage.CopyFrom(usage_of(seq))
+                yield resp
+                return
+            yield resp
+
+    def Abort(self, request, context):
+        if not request.request_id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
+        if not self.scheduler.abort(request.request_id):
+            context.abort(grpc.StatusCode.NOT_FOUND,
+                          f"no running request with id {request.request_id!r} (unknown or already finished)")
+        return verifier_pb2.AbortResponse(request_id=request.request_id)
+
+    def GetInfo(self, request, context):
+        drafter = self.scheduler.drafter
+        return verifier_pb2.VerifierInfo(
+            model_id=self.model_id, model_config_json=self.model_config_json, vocab_size=self.vocab_size,
+            max_context=self.config.max_context, max_new_tokens_limit=self.config.max_new_tokens_limit,
+            eos_token_ids=list(self.eos_token_ids), spec_enabled=drafter is not None,
+            drafter_address=drafter.address if drafter else "", default_budget=self.config.default_budget,
+            total_steps=self.scheduler.total_steps, total_tokens=self.scheduler.total_tokens,
+            running_requests=self.scheduler.running_count)
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def serve(config: VerifierConfig, model_dir: str) -> RunningServer:
+    """Load the target, connect to the drafter (if any), start the scheduler and the gRPC server."""
+    import pathlib
+
+    model = load_target(model_dir, dtype=_DTYPES[config.dtype], device=config.device)
+    model.eval()
+    mcfg = model.config
+    drafter = DrafterClient(config.drafter, config.draft_timeout_s) if config.drafter else None
+    pool = LatentKVPool(mcfg.num_hidden_layers, config.kv_tokens, mcfg.kv_cache_width,
+                        _DTYPES[config.dtype], config.device)
+    scheduler = Scheduler(model, pool, config, drafter)
+    scheduler.start()
+    eos_ids = tuple(mcfg.eos_token_ids)
+    config_json = (pathlib.Path(model_dir) / "config.json").read_text()
+    servicer = VerifierServicer(scheduler, config, pathlib.Path(model_dir).name, config_json, eos_ids)
+
+    def register(server):
+        verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
+        return [verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name]
+
+    def on_stop():
+        scheduler.stop()
+        if drafter is not None:
+            drafter.close()
+
+    log.info("verifier_ready", model=model_dir, drafter=config.drafter or None, kv_tokens=config.kv_tokens)
+    return start_server("verifier", register, config.host, config.port, config.max_workers, config.grace_s, on_stop)

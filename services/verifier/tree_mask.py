@@ -1,0 +1,50 @@
+"""Target-side inputs for verifying one DDTree token tree (ddtree.md §2 "Compile", §6.5-6).
+
+The tree is flattened to T = n + 1 rows: row 0 is the root (the anchor / bonus token, not yet in
+the target KV cache), rows 1..n are the nodes in pop order. Pure functions.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from services.drafter.tree import TokenTree
+
+
+def tree_mask(tree: TokenTree) -> Tensor:
+    """Ancestor-or-self visibility within the tree: BoolTensor [n+1, n+1].
+
+    mask[i, j] is True iff node j is node i or one of its ancestors; the root (row/col 0) is an
+    ancestor of every node, and the root row sees only itself. All committed context (the target KV
+    cache before the root) is visible to every row as well; that part is not represented here.
+
+    Built in one pass: row i = row parent(i) plus the diagonal. Valid because parent(i) < i, so the
+    parent's row is complete when row i is built.
+    """
+    tree.validate()
+    t = tree.n + 1
+    mask = torch.zeros(t, t, dtype=torch.bool)  # [T, T]
+    mask[0, 0] = True
+    for i, parent in enumerate(tree.parents, start=1):
+        mask[i, :i] = mask[parent, :i]
+        mask[i, i] = True
+    return mask
+
+
+def tree_positions(tree: TokenTree, start: int) -> Tensor:
+    """Absolute positions LongTensor [n+1]: root at `start`, node i at start + depth(i).
+
+    Siblings share a position; the accepted path has depths 0..len-1, so after compaction its KV
+    entries sit exactly at the positions they were computed at.
+    """
+    if start < 0:
+        raise ValueError(f"start must be >= 0, got {start}")
+    return torch.tensor((start,) + tuple(start + d for d in tree.depths), dtype=torch.long)
+
+
+def tree_input_ids(tree: TokenTree, root_token: int) -> Tensor:
+    """Input ids LongTensor [n+1]: the root token, then the node tokens in node order."""
+    if root_token < 0:
+        raise ValueError(f"root_token must be >= 0, got {root_token}")
+    return torch.tensor((root_token,) + tuple(tree.token_ids), dtype=torch.long)

@@ -1,0 +1,42 @@
+"""Shared fixtures: the default checkpoint (built once per session) and service stacks as processes."""
+from __future__ import annotations
+
+import os
+import pathlib
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def default_ckpt(tmp_path_factory):
+    """The default random checkpoint, built the way first use builds it (DDTREE_HOME or a temp dir)."""
+    from services.models.default_checkpoint import ensure_default_checkpoint
+    base = os.environ.get("DDTREE_TEST_HOME") or tmp_path_factory.mktemp("ddtree-home")
+    return ensure_default_checkpoint(pathlib.Path(base))
+
+
+def _stack(default_ckpt, tmp_path_factory, name, drafter_args=(), verifier_args=()):
+    from services.launcher import start_stack
+    log_dir = tmp_path_factory.mktemp(f"logs-{name}")
+    return start_stack(str(default_ckpt.target), str(default_ckpt.drafter), log_dir,
+                       drafter_args=tuple(drafter_args), verifier_args=tuple(verifier_args))
+
+
+@pytest.fixture(scope="session")
+def oracle_stack(default_ckpt, tmp_path_factory):
+    """Drafter = the oracle engine (the target's own continuation with noise): real multi-token acceptance."""
+    stack = _stack(default_ckpt, tmp_path_factory, "oracle", ["--engine", "oracle", "--oracle-seed", "7"],
+                   ["--max-batch", "8", "--kv-tokens", "32768", "--max-context", "2048", "--prefill-chunk", "64"])
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture(scope="session")
+def dflash_stack(default_ckpt, tmp_path_factory):
+    """Drafter = the random DFlash model of the default checkpoint."""
+    stack = _stack(default_ckpt, tmp_path_factory, "dflash", [],
+                   ["--max-batch", "8", "--kv-tokens", "32768", "--max-context", "2048"])
+    yield stack
+    stack.stop()

@@ -1,0 +1,215 @@
+"""DDTree build (services/drafter/tree.py) and tree mask / positions (services/verifier/tree_mask.py)."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from services.drafter.tree import TokenTree, build_tree, topk_logprobs
+from services.verifier.tree_mask import tree_input_ids, tree_mask, tree_positions
+
+
+def random_table(depth: int, width: int, vocab: int, seed: int, quantize: float | None = None):
+    """A [D, K] table as the drafter would give it: top-K of log_softmax, sorted, distinct ids."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(depth, vocab, generator=g) * 2
+    if quantize:  # coarse logits -> many exact score ties
+        logits = (logits / quantize).round() * quantize
+    return topk_logprobs(logits, width)
+
+
+def brute_force(lp: torch.Tensor, ids: torch.Tensor, budget: int):
+    """All rank-tuple prefixes, scored by the left-to-right sum of per-depth log-probs, sorted by
+    (-score, ranks), first `budget`. Returns [(ranks, tokens, score)]."""
+    depth, width = lp.shape
+    table, tok = lp.tolist(), ids.tolist()
+    out = []
+    for d in range(1, depth + 1):
+        for ranks in itertools.product(range(width), repeat=d):
+            score = 0.0
+            for j, r in enumerate(ranks):
+                score += table[j][r]
+            out.append((ranks, tuple(tok[j][r] for j, r in enumerate(ranks)), score))
+    out.sort(key=lambda x: (-x[2], x[0]))
+    return out[:budget]
+
+
+def node_paths(tree: TokenTree) -> list[tuple[int, ...]]:
+    """Token path root..node (excluding root) for nodes 1..n."""
+    paths: list[tuple[int, ...]] = [()]
+    for tok, parent in zip(tree.token_ids, tree.parents):
+        paths.append(paths[parent] + (tok,))
+    return paths[1:]
+
+
+def node_scores(tree: TokenTree, lp: torch.Tensor, ids: torch.Tensor) -> list[float]:
+    rank = [{t: r for r, t in enumerate(row)} for row in ids.tolist()]
+    table = lp.tolist()
+    out = []
+    for path in node_paths(tree):
+        s = 0.0
+        for d, t in enumerate(path):
+            s += table[d][rank[d][t]]
+        out.append(s)
+    return out
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    depth: int
+    width: int
+    budget: int
+    vocab: int = 12
+    quantize: float | None = None
+
+
+CASES = [
+    Case("empty_budget0", 3, 3, 0),
+    Case("depth1", 1, 4, 3),
+    Case("depth1_all", 1, 4, 10),
+    Case("width1_chain", 5, 1, 3),
+    Case("width1_chain_all", 5, 1, 9),
+    Case("small", 3, 3, 7),
+    Case("medium", 4, 3, 30),
+    Case("budget_at_max", 3, 3, 3 + 9 + 27),
+    Case("budget_over_max", 3, 2, 100),
+    Case("ties", 4, 3, 40, vocab=6, quantize=1.0),
+    Case("ties_heavy", 3, 4, 50, vocab=5, quantize=4.0),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_build_tree_matches_brute_force(case: Case, seed: int) -> None:
+    lp, ids = random_table(case.depth, case.width, case.vocab, seed, case.quantize)
+    tree = build_tree(lp, ids, case.budget)
+    tree.validate()
+    ref = brute_force(lp, ids, case.budget)
+    assert tree.n == len(ref) == min(case.budget, sum(case.width ** d for d in range(1, case.depth + 1)))
+    # same prefixes, in the same order (pop order = sort by (-score, rank tuple))
+    assert node_paths(tree) == [r[1] for r in ref]
+    assert set(node_paths(tree)) == {r[1] for r in ref}
+    scores = node_scores(tree, lp, ids)
+    assert all(a >= b for a, b in zip(scores, scores[1:])), "pop order must be non-increasing in score"
+    assert all(d <= case.depth for d in tree.depths)
+
+
+def test_named_shapes() -> None:
+    lp, ids = random_table(4, 3, 10, 0)
+    assert build_tree(lp, ids, 0) == TokenTree()
+    chain = build_tree(lp[:, :1], ids[:, :1], 10)
+    assert chain.parents == (0, 1, 2, 3) and chain.depths == (1, 2, 3, 4)
+    assert chain.token_ids == tuple(ids[:, 0].tolist())
+    flat = build_tree(lp[:1], ids[:1], 10)
+    assert flat.parents == (0, 0, 0) and flat.token_ids == tuple(ids[0].tolist())
+    empty = build_tree(torch.zeros(0, 3), torch.zeros(0, 3, dtype=torch.long), 5)
+    assert empty.n == 0
+
+
+def test_tie_break_by_rank_tuple() -> None:
+    # uniform marginals: all depth-1 nodes tie, then all depth-2 nodes; ranks decide the order
+    lp = torch.full((2, 2), -0.6931471805599453)
+    ids = torch.tensor([[5, 7], [9, 3]])
+    tree = build_tree(lp, ids, 6)
+    assert node_paths(tree) == [(5,), (7,), (5, 9), (5, 3), (7, 9), (7, 3)]
+    # equal score between a child and a later sibling: the lexicographically smaller ranks win
+    lp = torch.tensor([[-1.0, -2.0], [0.0 - 1.0, -5.0]])
+    ids = torch.tensor([[1, 2], [3, 4]])
+    assert node_paths(build_tree(lp, ids, 2)) == [(1,), (1, 3)]  # (0,0) score -2 ties (1,) score -2
+
+
+def test_first_child_is_best_child() -> None:
+    lp, ids = random_table(4, 4, 16, 5)
+    tree = build_tree(lp, ids, 60)
+    scores = node_scores(tree, lp, ids)
+    first: dict[int, int] = {}
+    for i, p in enumerate(tree.parents, start=1):
+        first.setdefault(p, i)
+        assert scores[first[p] - 1] >= scores[i - 1]
+
+
+@pytest.mark.parametrize("bad, msg", [
+    (lambda lp, ids: (lp[:, [1, 0, 2]], ids), "not sorted descending at rank 1"),
+    (lambda lp, ids: (lp, ids[:, [0, 0, 2]]), "repeats a token"),
+    (lambda lp, ids: (lp, -ids), "negative id"),
+    (lambda lp, ids: (lp.clone().fill_(float("nan")), ids), "NaN"),
+    (lambda lp, ids: (lp + 10, ids), "must be <= 0"),
+    (lambda lp, ids: (lp[:, :2], ids), "both be \\[D, K\\]"),
+    (lambda lp, ids: (lp, ids.float()), "integer tensor"),
+])
+def test_build_tree_rejects_bad_tables(bad, msg: str) -> None:
+    lp, ids = random_table(3, 3, 10, 0)
+    lp2, ids2 = bad(lp, ids)
+    with pytest.raises(ValueError, match=msg):
+        build_tree(lp2, ids2, 5)
+    with pytest.raises(ValueError, match="budget must be >= 0"):
+        build_tree(lp, ids, -1)
+
+
+def test_topk_logprobs_true_logprobs() -> None:
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(5, 300, generator=g) * 4).to(torch.bfloat16)
+    lp, ids = topk_logprobs(logits, 7)
+    assert lp.dtype == torch.float32 and ids.dtype == torch.int64 and lp.shape == (5, 7)
+    full = torch.log_softmax(logits.float(), dim=-1)
+    ref_lp, ref_ids = full.topk(7, dim=-1)
+    torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=0)
+    assert torch.equal(ids, ref_ids)
+    # true log-probs over the full row, not a softmax over the top-k only
+    assert (lp.exp().sum(-1) < 1 - 1e-3).all()
+    assert topk_logprobs(logits, 0)[0].shape == (5, 0)
+    with pytest.raises(ValueError, match="k must be in"):
+        topk_logprobs(logits, 301)
+    with pytest.raises(ValueError, match="must be \\[D, V\\]"):
+        topk_logprobs(logits[0], 3)
+
+
+@pytest.mark.parametrize("tree, msg", [
+    (TokenTree((1, 2), (0,), (1, 2)), "lengths differ"),
+    (TokenTree((1, 2), (0, 2), (1, 2)), "parent 2 >= own index 2"),
+    (TokenTree((1, 2), (0, 0), (1, 2)), "depth 2 != parent 0 depth 0 \\+ 1"),
+    (TokenTree((1, 2), (0, -1), (1, 1)), "negative parent"),
+    (TokenTree((1, -2), (0, 0), (1, 1)), "negative token"),
+    (TokenTree((1, 1), (0, 0), (1, 1)), "token 1 repeats among children of node 0"),
+])
+def test_token_tree_validate(tree: TokenTree, msg: str) -> None:
+    with pytest.raises(ValueError, match=msg):
+        tree.validate()
+
+
+def brute_ancestor(tree: TokenTree, i: int, j: int) -> bool:
+    while True:
+        if i == j:
+            return True
+        if i == 0:
+            return False
+        i = tree.parents[i - 1]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_tree_mask_vs_brute_force(seed: int) -> None:
+    lp, ids = random_table(4, 3, 12, seed)
+    tree = build_tree(lp, ids, 25)
+    mask = tree_mask(tree)
+    t = tree.n + 1
+    assert mask.shape == (t, t) and mask.dtype == torch.bool
+    ref = torch.tensor([[brute_ancestor(tree, i, j) for j in range(t)] for i in range(t)])
+    assert torch.equal(mask, ref)
+    assert mask[:, 0].all() and mask[0, 1:].sum() == 0
+    assert torch.equal(mask.sum(-1), torch.tensor((1,) + tuple(d + 1 for d in tree.depths)))
+
+
+def test_tree_mask_empty_and_positions() -> None:
+    assert torch.equal(tree_mask(TokenTree()), torch.ones(1, 1, dtype=torch.bool))
+    tree = TokenTree((4, 5, 6, 7), (0, 0, 1, 3), (1, 1, 2, 3))
+    assert tree_positions(tree, 10).tolist() == [10, 11, 11, 12, 13]
+    assert tree_positions(TokenTree(), 3).tolist() == [3]
+    assert tree_input_ids(tree, 9).tolist() == [9, 4, 5, 6, 7]
+    with pytest.raises(ValueError, match="parent 3 >= own index 2"):
+        tree_mask(TokenTree((1, 2), (0, 3), (1, 2)))
+    with pytest.raises(ValueError, match="start must be >= 0"):
+        tree_positions(tree, -1)
