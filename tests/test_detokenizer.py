@@ -20,7 +20,7 @@ def tokenizer_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tok(tokenizer_dir):
-    return Tokenizer.from_dir(tokenizer_dir)
+    return Tokenizer(tokenizer_dir)
 
 
 class _NoBytes(Tokenizer):
@@ -34,7 +34,7 @@ class _NoBytes(Tokenizer):
 def make_tok(request, tokenizer_dir, tok):
     if request.param == "bytes":
         return tok
-    return _NoBytes.from_dir(tokenizer_dir)
+    return _NoBytes(tokenizer_dir)
 
 
 def _stream(tok, ids, rng, skip_special=False, max_batch=4):

@@ -38,7 +38,7 @@ def tokenizer_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tok(tokenizer_dir):
-    return Tokenizer.from_dir(tokenizer_dir)
+    return Tokenizer(tokenizer_dir)
 
 
 # -- fake verifier -----------------------------------------------------------------------------------
@@ -447,6 +447,10 @@ def test_tokenize_rejects_bad_messages(gateway):
                          timeout=5)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details().startswith("messages[0].role: unknown role 'x'")
+    with pytest.raises(grpc.RpcError) as err:
+        gateway.Tokenize(gateway_pb2.TokenizeRequest(text="x" * 10_001), timeout=5)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details() == "text: 10001 characters, over the limit of 10000"
 
 
 # -- verifier failures, cancellation, deadlines ----------------------------------------------------------

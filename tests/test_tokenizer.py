@@ -28,7 +28,7 @@ def tokenizer_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tok(tokenizer_dir):
-    return Tokenizer.from_dir(tokenizer_dir)
+    return Tokenizer(tokenizer_dir)
 
 
 # -- training ---------------------------------------------------------------------------------------

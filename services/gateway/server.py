@@ -30,11 +30,11 @@ from typing import Iterator
 import grpc
 
 from services.config import GatewayConfig
+from services.gateway.chat_template import validate_tools
 from services.gateway.detokenizer import IncrementalDetokenizer
 from services.gateway.parsers.kimi_k2_reasoning import KimiK2ReasoningParser, starts_in_reasoning
 from services.gateway.parsers.kimi_k2_tools import KimiK2ToolParser, ToolCallDelta
 from services.gateway.tokenizer import Tokenizer
-from services.gateway.chat_template import validate_tools
 from services.protocol.ddtree.v1 import (common_pb2, gateway_pb2, gateway_pb2_grpc, verifier_pb2,
                                          verifier_pb2_grpc)
 from services.protocol.server import GRPC_OPTIONS, RunningServer, start_server
@@ -118,6 +118,35 @@ class _OutputParsers:
             tail, more = self._tools.finish()
             content, calls = content + tail, calls + more
         return content, reasoning, calls
+
+
+def validate_options(o: gateway_pb2.GenerationOptions, *, vocab_size: int, max_tokens_limit: int) -> None:
+    """Raise _Invalid (a ValueError) naming the first bad field of GenerationOptions."""
+    if o.max_tokens < 0:
+        raise _Invalid(f"options.max_tokens: must be >= 0 (0 = server default), got {o.max_tokens}")
+    if o.max_tokens > max_tokens_limit:
+        raise _Invalid(f"options.max_tokens: must be <= {max_tokens_limit}, got {o.max_tokens}")
+    if not math.isfinite(o.temperature) or o.temperature < 0:
+        raise _Invalid(f"options.temperature: must be a finite number >= 0, got {o.temperature}")
+    if o.top_p != 0 and not 0 < o.top_p <= 1:  # NaN fails the range test too
+        raise _Invalid(f"options.top_p: must be in (0, 1] (0 = unset), got {o.top_p}")
+    if o.top_k < 0:
+        raise _Invalid(f"options.top_k: must be >= 0 (0 = disabled), got {o.top_k}")
+    if o.budget < 0:
+        raise _Invalid(f"options.budget: must be >= 0 (0 = server default), got {o.budget}")
+    if len(o.stop) > MAX_STOP_STRINGS:
+        raise _Invalid(f"options.stop: at most {MAX_STOP_STRINGS} stop strings, got {len(o.stop)}")
+    for i, s in enumerate(o.stop):
+        if not s:
+            raise _Invalid(f"options.stop[{i}]: must not be empty")
+        if len(s) > MAX_STOP_CHARS:
+            raise _Invalid(f"options.stop[{i}]: {len(s)} characters, over the limit of {MAX_STOP_CHARS}")
+    if len(o.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise _Invalid(f"options.stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(o.stop_token_ids)}")
+    for i, t in enumerate(o.stop_token_ids):
+        if not 0 <= t < vocab_size:
+            raise _Invalid(f"options.stop_token_ids[{i}]: token id {t} is outside the vocabulary "
+                           f"(size {vocab_size})")
 
 
 def _message_dict(m: gateway_pb2.ChatMessage) -> dict:
@@ -258,31 +287,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def _job(self, options: gateway_pb2.GenerationOptions, request_id: str, input_ids: list[int],
              **kwargs) -> _Job:
         o = options
-        if o.max_tokens < 0:
-            raise _Invalid(f"options.max_tokens: must be >= 0 (0 = server default), got {o.max_tokens}")
-        if o.max_tokens > self._config.max_tokens_limit:
-            raise _Invalid(f"options.max_tokens: must be <= {self._config.max_tokens_limit}, got {o.max_tokens}")
-        if not math.isfinite(o.temperature) or o.temperature < 0:
-            raise _Invalid(f"options.temperature: must be a finite number >= 0, got {o.temperature}")
-        if o.top_p != 0 and not 0 < o.top_p <= 1:  # NaN fails the range test too
-            raise _Invalid(f"options.top_p: must be in (0, 1] (0 = unset), got {o.top_p}")
-        if o.top_k < 0:
-            raise _Invalid(f"options.top_k: must be >= 0 (0 = disabled), got {o.top_k}")
-        if o.budget < 0:
-            raise _Invalid(f"options.budget: must be >= 0 (0 = server default), got {o.budget}")
-        if len(o.stop) > MAX_STOP_STRINGS:
-            raise _Invalid(f"options.stop: at most {MAX_STOP_STRINGS} stop strings, got {len(o.stop)}")
-        for i, s in enumerate(o.stop):
-            if not s:
-                raise _Invalid(f"options.stop[{i}]: must not be empty")
-            if len(s) > MAX_STOP_CHARS:
-                raise _Invalid(f"options.stop[{i}]: {len(s)} characters, over the limit of {MAX_STOP_CHARS}")
-        if len(o.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise _Invalid(f"options.stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(o.stop_token_ids)}")
-        for i, t in enumerate(o.stop_token_ids):
-            if not 0 <= t < self._tok.vocab_size:
-                raise _Invalid(f"options.stop_token_ids[{i}]: token id {t} is outside the vocabulary "
-                               f"(size {self._tok.vocab_size})")
+        validate_options(o, vocab_size=self._tok.vocab_size, max_tokens_limit=self._config.max_tokens_limit)
         if not input_ids:
             raise _Invalid("prompt: encodes to no tokens")
         stop_ids = list(dict.fromkeys([*o.stop_token_ids, *(() if o.ignore_eos else self._eos_ids)]))
@@ -357,10 +362,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             chunk.finish_reason = "tool_calls" if reason == "stop" and parsers.called_tools else reason
             if final and msg.HasField("usage"):
                 chunk.usage.CopyFrom(msg.usage)
-            else:
-                ms = lambda a, b: (b - a) * 1000.0 if a is not None and b is not None else 0.0  # noqa: E731
+            else:  # the gateway ended the request itself (stop string) or the verifier sent no usage
+                ttft_ms = (first_token_at - started) * 1000.0 if first_token_at else 0.0
+                decode_ms = (last_token_at - first_token_at) * 1000.0 if first_token_at else 0.0
                 chunk.usage.CopyFrom(_usage_from_steps(len(job.request.input_ids), completion, steps,
-                                                       ms(started, first_token_at), ms(first_token_at, last_token_at)))
+                                                       ttft_ms, decode_ms))
             self._log.info("request_done", request_id=rid, prompt_tokens=len(job.request.input_ids),
                            completion_tokens=completion, finish_reason=chunk.finish_reason,
                            wall_ms=round((time.monotonic() - started) * 1000.0, 1))
@@ -402,7 +408,7 @@ def serve(config: GatewayConfig, tokenizer_dir: str | pathlib.Path | None = None
     path = config.tokenizer or tokenizer_dir
     if not path:
         raise ValueError("gateway: no tokenizer directory (set --tokenizer / DDTREE_TOKENIZER)")
-    tokenizer = Tokenizer.from_dir(path)
+    tokenizer = Tokenizer(path)
     channel = grpc.insecure_channel(config.verifier, options=GRPC_OPTIONS)
     servicer = GatewayServicer(tokenizer, verifier_pb2_grpc.VerifierStub(channel), config)
 
@@ -410,31 +416,8 @@ def serve(config: GatewayConfig, tokenizer_dir: str | pathlib.Path | None = None
         gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
         return [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name]
 
-    return start_server("gateway", register, config.host, config.port, config.max_workers, config.grace_s,
-                        on_stop=channel.close, announce=announce)
-
-
-def main(argv: list[str] | None = None) -> None:
-    import argparse
-
-    from services.config import DEFAULT_CHECKPOINT_DIR, add_config_flags, config_from_flags
-    from services.gateway.default_tokenizer import write_default_tokenizer
-    from services.protocol.server import stop_on_signals
-    from services.telemetry.logging import configure_logging
-
-    parser = argparse.ArgumentParser(prog="ddtree-gateway", description=__doc__.splitlines()[0])
-    add_config_flags(parser, GatewayConfig)
-    config = config_from_flags(GatewayConfig, parser.parse_args(argv))
-    configure_logging(config.log_level, config.log_format)
-    tokenizer_dir = None
-    if not config.tokenizer:
-        tokenizer_dir = DEFAULT_CHECKPOINT_DIR / "default-tokenizer"
-        if not (tokenizer_dir / "tokenizer.json").is_file():
-            write_default_tokenizer(tokenizer_dir)
-    running = serve(config, tokenizer_dir)
-    stop_on_signals(running)
-    running.wait()
-
-
-if __name__ == "__main__":
-    main()
+    running = start_server("gateway", register, config.host, config.port, config.max_workers, config.grace_s,
+                           on_stop=channel.close, announce=announce)
+    get_logger("gateway").info("gateway_ready", address=running.address, verifier=config.verifier,
+                               tokenizer=str(path), vocab_size=tokenizer.vocab_size)
+    return running

@@ -8,6 +8,7 @@ backend interface (`_HFBackend`) so a tiktoken backend (Kimi's `tiktoken.model`)
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 from typing import Any, Protocol, Sequence
 
@@ -100,12 +101,35 @@ def _token_content(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-class Tokenizer:
-    """Tokenizer of one checkpoint. Thread-safe: every method reads immutable state only."""
+def _load_backend(directory: pathlib.Path) -> _Backend:
+    json_path = directory / "tokenizer.json"
+    if json_path.is_file():
+        return _HFBackend(json_path)
+    # NOTE: a tiktoken backend (tiktoken.model, Kimi's own format) goes here.
+    raise FileNotFoundError(f"{directory}: no tokenizer.json")
 
-    def __init__(self, backend: _Backend, config: dict, chat_template: str | None, name: str = ""):
-        self._backend = backend
-        self.name = name
+
+def _load_chat_template(directory: pathlib.Path, config: dict) -> str | None:
+    jinja_path = directory / "chat_template.jinja"
+    if jinja_path.is_file():
+        return jinja_path.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):  # HF allows [{"name": ..., "template": ...}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    return template
+
+
+class Tokenizer:
+    """Tokenizer of one checkpoint directory: `Tokenizer(dir)`. Thread-safe: every method reads
+    immutable state only."""
+
+    def __init__(self, directory: str | os.PathLike):
+        directory = pathlib.Path(directory)
+        config_path = directory / "tokenizer_config.json"
+        config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+        self._backend = backend = _load_backend(directory)
+        self.name = str(directory)
         self.vocab_size: int = backend.vocab_size
         self.model_max_length: int | None = config.get("model_max_length")
 
@@ -129,25 +153,8 @@ class Tokenizer:
         self.bos_id = resolve("bos_token")
         self.eos_id = resolve("eos_token")
         self.pad_id = resolve("pad_token")
-        self.chat_template: ChatTemplate | None = ChatTemplate(chat_template) if chat_template else None
-
-    @classmethod
-    def from_dir(cls, directory: str | pathlib.Path) -> "Tokenizer":
-        directory = pathlib.Path(directory)
-        config_path = directory / "tokenizer_config.json"
-        config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
-        template = config.get("chat_template")
-        if isinstance(template, list):  # HF allows [{"name": ..., "template": ...}]
-            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-            template = named.get("default") or next(iter(named.values()), None)
-        jinja_path = directory / "chat_template.jinja"
-        if jinja_path.is_file():
-            template = jinja_path.read_text(encoding="utf-8")
-        json_path = directory / "tokenizer.json"
-        if not json_path.is_file():
-            # NOTE: a tiktoken backend (tiktoken.model, Kimi's own format) goes here.
-            raise FileNotFoundError(f"{directory}: no tokenizer.json")
-        return cls(_HFBackend(json_path), config, template, name=str(directory))
+        template = _load_chat_template(directory, config)
+        self.chat_template: ChatTemplate | None = ChatTemplate(template) if template else None
 
     # -- ids ---------------------------------------------------------------------------------------
     def encode(self, text: str, allow_special: bool = True) -> list[int]:
