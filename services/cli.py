@@ -96,10 +96,19 @@ def _options(args):
 
 def _run_client(args, prompt: str, chat: bool, as_json: bool) -> int:
     from services.client import format_stats, generate
-    on_text = None if as_json else (lambda t: print(t, end="", flush=True))
+    shown = {"mode": None}
+
+    def show(mode: str, text: str) -> None:
+        # Reasoning (<think> ... </think>, split off by the gateway's parser) and answer, labelled once each.
+        if shown["mode"] != mode:
+            print(f"\n[{mode}] ", end="")
+            shown["mode"] = mode
+        print(text, end="", flush=True)
 
     def go(gateway: str):
-        return generate(gateway, prompt, chat=chat, options=_options(args), on_text=on_text)
+        return generate(gateway, prompt, chat=chat, options=_options(args),
+                        on_text=None if as_json else (lambda t: show("answer", t)),
+                        on_reasoning=None if as_json else (lambda t: show("reasoning", t)))
 
     if args.gateway:
         result = go(args.gateway)

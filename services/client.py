@@ -61,7 +61,8 @@ def _usage_dict(u) -> dict:
 
 
 def generate(gateway: str, prompt: str, *, chat: bool = True, options: gateway_pb2.GenerationOptions | None = None,
-             on_text: Callable[[str], None] | None = None, timeout_s: float = 600.0,
+             on_text: Callable[[str], None] | None = None,
+             on_reasoning: Callable[[str], None] | None = None, timeout_s: float = 600.0,
              chat_template_kwargs_json: str = "") -> GenerateResult:
     options = options or gateway_pb2.GenerationOptions()
     with grpc.insecure_channel(gateway, options=GRPC_OPTIONS) as channel:
@@ -85,6 +86,8 @@ def generate(gateway: str, prompt: str, *, chat: bool = True, options: gateway_p
             steps.extend({f: getattr(s, f) for f in STEP_FIELDS} for s in chunk.steps)
             if chunk.reasoning_delta:
                 reasoning.append(chunk.reasoning_delta)
+                if on_reasoning:
+                    on_reasoning(chunk.reasoning_delta)
             if chunk.text_delta:
                 text.append(chunk.text_delta)
                 if on_text:
