@@ -16,19 +16,26 @@ from torch import Tensor
 
 
 class DraftContext:
-    """K/V per drafter layer for the committed tokens at absolute positions [start, end)."""
+    """K/V per drafter layer for the committed tokens at absolute positions [start, end).
+
+    Storage: per layer one K and one V buffer [capacity, kvh, hd]; the held tokens are rows [lo, hi).
+    Appends write at hi; when a buffer is full the held rows move to the front (windowed) or the
+    capacity doubles (unlimited), so an append costs O(n) amortised instead of a copy of the window.
+    """
 
     def __init__(self, window: int = 0):
         if window < 0:
             raise ValueError(f"window must be >= 0 (0 = unlimited), got {window}")
         self.window = window
-        self._kv: list[tuple[Tensor, Tensor]] = []  # per layer: K, V [length, kvh, hd]
+        self._buf: list[tuple[Tensor, Tensor]] = []  # per layer: K, V [capacity, kvh, hd]
+        self._lo = 0
+        self._hi = 0
         self._end = 0  # absolute position one past the last committed token
 
     @property
     def length(self) -> int:
         """Tokens currently held (<= window when windowed)."""
-        return self._kv[0][0].shape[0] if self._kv else 0
+        return self._hi - self._lo
 
     @property
     def end(self) -> int:
@@ -42,12 +49,14 @@ class DraftContext:
 
     @property
     def kv(self) -> list[tuple[Tensor, Tensor]]:
-        """Per layer (K, V) [length, kvh, hd], oldest first; [] before the first append."""
-        return list(self._kv)
+        """Per layer (K, V) [length, kvh, hd] views, oldest first; [] before the first append."""
+        return [(k[self._lo:self._hi], v[self._lo:self._hi]) for k, v in self._buf]
 
     @property
     def nbytes(self) -> int:
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self._kv)
+        """Bytes of the held rows (the buffers may hold up to about twice as much)."""
+        return sum((k[0].numel() * k.element_size() + v[0].numel() * v.element_size()) * self.length
+                   for k, v in self._buf)
 
     def append(self, kv_per_layer: list[tuple[Tensor, Tensor]], positions: Tensor) -> None:
         """Append n committed tokens. positions [n] must be contiguous and, unless the context is
@@ -55,8 +64,8 @@ class DraftContext:
         n = positions.shape[0] if positions.dim() == 1 else -1
         if n < 0:
             raise ValueError(f"positions must be 1-D, got shape {tuple(positions.shape)}")
-        if self._kv and len(kv_per_layer) != len(self._kv):
-            raise ValueError(f"got K/V for {len(kv_per_layer)} layers, the context holds {len(self._kv)}")
+        if self._buf and len(kv_per_layer) != len(self._buf):
+            raise ValueError(f"got K/V for {len(kv_per_layer)} layers, the context holds {len(self._buf)}")
         for i, (k, v) in enumerate(kv_per_layer):
             if k.shape[0] != n or v.shape[0] != n:
                 raise ValueError(f"layer {i}: K/V have {k.shape[0]}/{v.shape[0]} rows for {n} positions")
@@ -65,16 +74,28 @@ class DraftContext:
         pos = positions.tolist()
         if any(b != a + 1 for a, b in zip(pos, pos[1:])):
             raise ValueError(f"positions must be contiguous, got {pos[:8]}{'...' if n > 8 else ''}")
-        if self._kv and pos[0] != self._end:
+        if self._buf and pos[0] != self._end:
             raise ValueError(f"positions start at {pos[0]}, the context ends at {self._end}")
         keep_new = n if self.window == 0 else min(n, self.window)
         keep_old = self.length if self.window == 0 else min(self.length, self.window - keep_new)
-        if self._kv:
-            self._kv = [
-                (torch.cat([ok[ok.shape[0] - keep_old:], k[n - keep_new:]]),
-                 torch.cat([ov[ov.shape[0] - keep_old:], v[n - keep_new:]]))
-                for (ok, ov), (k, v) in zip(self._kv, kv_per_layer)
-            ]
-        else:
-            self._kv = [(k[n - keep_new:].contiguous(), v[n - keep_new:].contiguous()) for k, v in kv_per_layer]
+        self._make_room(kv_per_layer, keep_old, keep_new)
+        for (bk, bv), (k, v) in zip(self._buf, kv_per_layer):
+            bk[self._hi:self._hi + keep_new] = k[n - keep_new:]
+            bv[self._hi:self._hi + keep_new] = v[n - keep_new:]
+        self._hi += keep_new
         self._end = pos[-1] + 1
+
+    def _make_room(self, kv_per_layer, keep_old: int, keep_new: int) -> None:
+        """Drop all but the last keep_old held rows and leave space for keep_new rows at hi."""
+        self._lo = self._hi - keep_old
+        capacity = self._buf[0][0].shape[0] if self._buf else 0
+        if self._hi + keep_new <= capacity:
+            return
+        need = keep_old + keep_new
+        new_cap = max(need, 2 * self.window if self.window else 2 * max(capacity, need), 16)
+        fresh = [(k.new_empty((new_cap, *k.shape[1:])), v.new_empty((new_cap, *v.shape[1:])))
+                 for k, v in kv_per_layer]
+        for (fk, fv), (bk, bv) in zip(fresh, self._buf):
+            fk[:keep_old] = bk[self._lo:self._hi]
+            fv[:keep_old] = bv[self._lo:self._hi]
+        self._buf, self._lo, self._hi = fresh, 0, keep_old

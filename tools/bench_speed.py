@@ -1,0 +1,156 @@
+"""DDTree vs AR decode speed and acceptance on held-out text, through the real services.
+
+    python -m tools.bench_speed --corpus DIR [--model DIR --drafter DIR | --verifier HOST:PORT]
+        [--kinds code,prose,chat] [--contexts 512,4096] [--prompts 4] [--tokens 256] [--budget 16]
+        [--out runs/bench_speed.json]
+
+For each kind of held-out text and each context length, prompts are the first `context` tokens of
+held-out documents (documents are concatenated when one is too short). Every prompt is generated twice
+on the same verifier, AR (no_spec) then DDTree, with a fixed output length (ignore_eos), greedy; the
+outputs must be identical (lossless), and the script fails loudly if they are not. Decode speed is
+measured on the verifier's clock (first token to last token, from the usage record), so client and
+network time are excluded; throughput is always shown with its two factors: tokens per step and step
+time. Results are printed as a table and saved as JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import tempfile
+
+import grpc
+
+from services.gateway.tokenizer import Tokenizer
+from services.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+
+EOS_TEXT = "[EOS]"
+
+
+def held_out_prompts(corpus: pathlib.Path, kind: str, tok: Tokenizer, context: int, count: int) -> list[list[int]]:
+    docs = (corpus / f"heldout_{kind}.txt").read_text().split(EOS_TEXT)
+    prompts, buf = [], []
+    for doc in docs:
+        if not doc.strip():
+            continue
+        buf += tok.encode(doc)
+        if len(buf) >= context:
+            prompts.append(buf[:context])
+            buf = []
+            if len(prompts) == count:
+                break
+    if len(prompts) < count:
+        raise ValueError(f"held-out {kind} text gives only {len(prompts)} prompts of {context} tokens")
+    return prompts
+
+
+def run_one(stub, ids: list[int], tokens: int, no_spec: bool, budget: int) -> dict:
+    req = verifier_pb2.GenerateRequest(input_ids=ids, max_new_tokens=tokens, ignore_eos=True,
+                                       spec=common_pb2.SpecOptions(no_spec=no_spec, budget=budget))
+    out, steps, usage = [], [], None
+    for msg in stub.Generate(req, timeout=3600):
+        out.extend(msg.token_ids)
+        steps.extend(msg.steps)
+        if msg.finish_reason:
+            usage = msg.usage
+    decode_s = usage.decode_ms / 1e3
+    n = len(steps)
+    return {
+        "tokens": out, "steps": n,
+        "tau": sum(s.accept_length for s in steps) / n if n else 0.0,
+        "decode_tok_s": (len(out) - 1) / decode_s if decode_s > 0 else 0.0,
+        "step_ms": {k: sum(getattr(s, k) for s in steps) / max(n, 1)
+                    for k in ("draft_ms", "verify_ms", "transport_ms", "total_ms")},
+        "ttft_ms": usage.ttft_ms,
+    }
+
+
+def bench(verifier: str, corpus: pathlib.Path, tok: Tokenizer, kinds, contexts, prompts: int, tokens: int,
+          budget: int) -> list[dict]:
+    rows = []
+    with grpc.insecure_channel(verifier) as ch:
+        stub = verifier_pb2_grpc.VerifierStub(ch)
+        run_one(stub, held_out_prompts(corpus, kinds[0], tok, 64, 1)[0], 8, False, budget)  # warm-up
+        for kind in kinds:
+            for context in contexts:
+                ar, dd = [], []
+                for ids in held_out_prompts(corpus, kind, tok, context, prompts):
+                    a = run_one(stub, ids, tokens, True, budget)
+                    d = run_one(stub, ids, tokens, False, budget)
+                    if a["tokens"] != d["tokens"]:
+                        raise AssertionError(f"{kind} @ {context}: DDTree output differs from AR")
+                    ar.append(a)
+                    dd.append(d)
+                med = lambda rs, k: statistics.median(r[k] for r in rs)  # noqa: E731
+                row = {"kind": kind, "context": context, "prompts": prompts, "tokens": tokens, "budget": budget,
+                       "ar_tok_s": med(ar, "decode_tok_s"), "dd_tok_s": med(dd, "decode_tok_s"),
+                       "tau": sum(r["tau"] * r["steps"] for r in dd) / sum(r["steps"] for r in dd),
+                       "ar_step_ms": statistics.median(r["step_ms"]["total_ms"] for r in ar),
+                       "dd_step_ms": {k: statistics.median(r["step_ms"][k] for r in dd)
+                                      for k in ("draft_ms", "verify_ms", "transport_ms", "total_ms")},
+                       "per_prompt_speedup": [d["decode_tok_s"] / a["decode_tok_s"] for a, d in zip(ar, dd)]}
+                row["speedup"] = row["dd_tok_s"] / row["ar_tok_s"]
+                rows.append(row)
+                print(format_row(row), flush=True)
+    return rows
+
+
+HEADER = "kind   context |  AR tok/s  DDTree tok/s  speedup |  tau  | step ms: AR | DDTree draft/verify/transport/total"
+
+
+def format_row(r: dict) -> str:
+    s = r["dd_step_ms"]
+    return (f"{r['kind']:6s} {r['context']:7d} | {r['ar_tok_s']:9.1f} {r['dd_tok_s']:13.1f} {r['speedup']:7.2f}x | "
+            f"{r['tau']:5.2f} | {r['ar_step_ms']:11.1f} | {s['draft_ms']:.1f}/{s['verify_ms']:.1f}/"
+            f"{s['transport_ms']:.1f}/{s['total_ms']:.1f}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--corpus", required=True, type=pathlib.Path)
+    p.add_argument("--model", default="", help="target dir (default: the embedded default)")
+    p.add_argument("--drafter", default="", help="drafter dir (default: the embedded default)")
+    p.add_argument("--verifier", default="", help="use a running verifier instead of starting one")
+    p.add_argument("--tokenizer", default="", help="tokenizer dir (default: the target dir)")
+    p.add_argument("--kinds", default="code,prose,chat")
+    p.add_argument("--contexts", default="512,4096")
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--tokens", type=int, default=256)
+    p.add_argument("--budget", type=int, default=16)
+    p.add_argument("--verifier-args", default="", help="extra verifier flags, one string")
+    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/bench_speed.json"))
+    args = p.parse_args(argv)
+    kinds, contexts = args.kinds.split(","), [int(c) for c in args.contexts.split(",")]
+    model, drafter = args.model, args.drafter
+    if not model or not drafter:
+        from services.models.default_checkpoint import ensure_default_checkpoint
+        d = ensure_default_checkpoint()
+        model, drafter = model or str(d.target), drafter or str(d.drafter)
+    tok = Tokenizer(args.tokenizer or model)
+    print(HEADER)
+    if args.verifier:
+        rows = bench(args.verifier, args.corpus, tok, kinds, contexts, args.prompts, args.tokens, args.budget)
+    else:
+        from services.launcher import start_service
+        log_dir = pathlib.Path(tempfile.mkdtemp(prefix="ddtree-bench-"))
+        max_ctx = max(contexts) + args.tokens + 64
+        d = start_service("drafter", ["drafter", "--model", drafter, "--target", model, "--port", "0"], log_dir)
+        try:
+            v = start_service("verifier", ["verifier", "--model", model, "--port", "0", "--drafter", d.address,
+                                           "--max-context", str(max_ctx), "--kv-tokens", str(4 * max_ctx),
+                                           *args.verifier_args.split()], log_dir)
+            try:
+                rows = bench(v.address, args.corpus, tok, kinds, contexts, args.prompts, args.tokens, args.budget)
+            finally:
+                v.stop()
+        finally:
+            d.stop()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"rows": rows, "args": {k: str(v) for k, v in vars(args).items()}}, indent=2))
+    print(f"saved {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
