@@ -25,6 +25,12 @@ def _default_dirs():
     return ensure_default_checkpoint()
 
 
+def _set_threads(threads: int) -> None:
+    if threads > 0:
+        import torch
+        torch.set_num_threads(threads)
+
+
 def _wait(running) -> None:
     from services.protocol.server import stop_on_signals
     stop_on_signals(running)
@@ -35,6 +41,7 @@ def cmd_drafter(args) -> None:
     from services.telemetry.logging import configure_logging
     cfg = config_from_flags(DrafterConfig, args)
     configure_logging(cfg.log_level, cfg.log_format)
+    _set_threads(cfg.threads)
     model, target = cfg.model, cfg.target
     if not model or not target:
         d = _default_dirs()
@@ -48,6 +55,7 @@ def cmd_verifier(args) -> None:
     from services.telemetry.logging import configure_logging
     cfg = config_from_flags(VerifierConfig, args)
     configure_logging(cfg.log_level, cfg.log_format)
+    _set_threads(cfg.threads)
     from services.verifier.server import serve
     _wait(serve(cfg, cfg.model or str(_default_dirs().target)))
 

@@ -50,6 +50,7 @@ class DrafterConfig(ServiceConfig):
     max_sequences: int = dataclasses.field(default=4096, metadata={"help": "draft contexts held at once"})
     device: str = dataclasses.field(default="cpu", metadata={"help": "torch device"})
     dtype: str = dataclasses.field(default="float32", metadata={"help": "float32 | bfloat16 | float16"})
+    threads: int = dataclasses.field(default=0, metadata={"help": "torch CPU threads (0 = torch's default)"})
     engine: str = dataclasses.field(default="dflash", metadata={
         "help": "dflash | oracle (test/diagnosis drafter: the target's own greedy continuation with noise)"})
     oracle_seed: int = dataclasses.field(default=0, metadata={"help": "noise seed of the oracle engine"})
@@ -80,6 +81,7 @@ class VerifierConfig(ServiceConfig):
     attention_backend: str = dataclasses.field(default="torch", metadata={"help": "torch | triton"})
     device: str = dataclasses.field(default="cpu", metadata={"help": "torch device"})
     dtype: str = dataclasses.field(default="float32", metadata={"help": "float32 | bfloat16 | float16"})
+    threads: int = dataclasses.field(default=0, metadata={"help": "torch CPU threads (0 = torch's default)"})
 
     def validate(self) -> None:
         super().validate()

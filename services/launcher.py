@@ -77,6 +77,11 @@ def start_service(name: str, args: list[str], log_dir: pathlib.Path, env: dict[s
     return ServiceProcess(name, popen, found["address"], log_path)
 
 
+def default_engine_threads() -> int:
+    """Half the cores for each of the two engine processes (drafter, verifier) on one machine."""
+    return max(1, (os.cpu_count() or 2) // 2)
+
+
 @dataclasses.dataclass
 class Stack:
     """The three services, started in dependency order and stopped in reverse."""
@@ -106,13 +111,18 @@ class Stack:
 def start_stack(model_dir: str, drafter_dir: str | None, log_dir: pathlib.Path, host: str = "127.0.0.1",
                 verifier_args: tuple[str, ...] = (), drafter_args: tuple[str, ...] = (),
                 gateway_args: tuple[str, ...] = (), ports: tuple[int, int, int] = (0, 0, 0)) -> Stack:
-    """drafter_dir None = AR only (no drafter process)."""
+    """drafter_dir None = AR only (no drafter process).
+
+    The drafter and the verifier take turns within a step, and on a small CPU machine two processes
+    that each spin up all cores slow each other down: unless told otherwise each gets half the cores.
+    """
     procs: list[ServiceProcess] = []
+    threads = ["--threads", str(default_engine_threads())]
     try:
-        verifier_flags = ["--model", model_dir, "--host", host, "--port", str(ports[1]), *verifier_args]
+        verifier_flags = ["--model", model_dir, "--host", host, "--port", str(ports[1]), *threads, *verifier_args]
         if drafter_dir is not None:
             d = start_service("drafter", ["drafter", "--model", drafter_dir, "--target", model_dir, "--host", host,
-                                          "--port", str(ports[2]), *drafter_args], log_dir)
+                                          "--port", str(ports[2]), *threads, *drafter_args], log_dir)
             procs.append(d)
             verifier_flags += ["--drafter", d.address]
         procs.append(start_service("verifier", ["verifier", *verifier_flags], log_dir))

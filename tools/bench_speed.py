@@ -132,13 +132,15 @@ def main(argv=None) -> int:
     if args.verifier:
         rows = bench(args.verifier, args.corpus, tok, kinds, contexts, args.prompts, args.tokens, args.budget)
     else:
-        from services.launcher import start_service
+        from services.launcher import default_engine_threads, start_service
+        threads = ["--threads", str(default_engine_threads())]
         log_dir = pathlib.Path(tempfile.mkdtemp(prefix="ddtree-bench-"))
         max_ctx = max(contexts) + args.tokens + 64
-        d = start_service("drafter", ["drafter", "--model", drafter, "--target", model, "--port", "0"], log_dir)
+        d = start_service("drafter", ["drafter", "--model", drafter, "--target", model, "--port", "0", *threads],
+                          log_dir)
         try:
             v = start_service("verifier", ["verifier", "--model", model, "--port", "0", "--drafter", d.address,
-                                           "--max-context", str(max_ctx), "--kv-tokens", str(4 * max_ctx),
+                                           "--max-context", str(max_ctx), "--kv-tokens", str(4 * max_ctx), *threads,
                                            *args.verifier_args.split()], log_dir)
             try:
                 rows = bench(v.address, args.corpus, tok, kinds, contexts, args.prompts, args.tokens, args.budget)
