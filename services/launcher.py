@@ -54,7 +54,7 @@ def start_service(name: str, args: list[str], log_dir: pathlib.Path, env: dict[s
 
     def pump():
         # Read the LISTENING line, then keep draining stdout into the log so the child never blocks.
-        with open(log_path, "ab") as sink:
+        with open(log_path, "ab", buffering=0) as sink:
             for line in popen.stdout:
                 text = line.decode(errors="replace").strip()
                 if text.startswith("LISTENING ") and not ready.is_set():

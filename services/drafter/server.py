@@ -17,6 +17,7 @@ from services.drafter.engine import SeqDraftInput
 from services.protocol.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
 from services.protocol.server import RunningServer, start_server
 from services.protocol.tensors import tensor_from_proto
+from services.telemetry import metrics
 from services.telemetry.logging import get_logger
 
 log = get_logger("ddtree.drafter")
@@ -56,6 +57,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             except ValueError as err:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         draft_ms = (time.perf_counter() - t0) * 1e3
+        metrics.DRAFT_CALLS.inc()
+        metrics.DRAFT_SECONDS.observe(draft_ms / 1e3)
+        info = self.engine.info()
+        metrics.DRAFT_SEQUENCES.set(info["active_sequences"])
+        metrics.DRAFT_CONTEXT_BYTES.set(getattr(self.engine, "context_bytes", 0))
         resp = drafter_pb2.DraftResponse(draft_ms=draft_ms)
         for s, tree in zip(seqs, trees):
             resp.trees.add(seq_id=s.seq_id, token_ids=tree.token_ids, parents=tree.parents, depths=tree.depths)
@@ -78,4 +84,6 @@ def serve_engine(engine, config: DrafterConfig) -> RunningServer:
         drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
         return [drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name]
 
-    return start_server("drafter", register, config.host, config.port, config.max_workers, config.grace_s)
+    running = start_server("drafter", register, config.host, config.port, config.max_workers, config.grace_s)
+    metrics.serve_metrics(config.metrics_port, config.host)
+    return running

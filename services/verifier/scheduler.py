@@ -19,6 +19,7 @@ import torch
 
 from services.config import VerifierConfig
 from services.drafter.tree import TokenTree
+from services.telemetry import metrics
 from services.telemetry.logging import get_logger
 from services.verifier.batch import PrefillItem, VerifyItem, WorkItem, run_batch
 from services.verifier.commit import commit_prefill, commit_verify
@@ -55,6 +56,7 @@ class Scheduler:
         self._reserved = 0
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="verifier-scheduler", daemon=True)
+        metrics.KV_TOTAL.set(pool.num_slots)
         self.total_steps = 0
         self.total_tokens = 0
 
@@ -116,6 +118,9 @@ class Scheduler:
                     continue
                 decode = [s for s in self._running if s.phase is Phase.DECODE]
                 prefill = next((s for s in self._running if s.phase is Phase.PREFILL), None)
+                metrics.RUNNING.set(len(self._running))
+                metrics.QUEUED.set(len(self._waiting))
+                metrics.KV_USED.set(self.pool.num_used)
             try:
                 self._step(decode, prefill)
             except Exception as err:  # a model or pool failure ends this step's sequences, not the server
@@ -153,6 +158,8 @@ class Scheduler:
         if seq in self._running:
             self._running.remove(seq)
             self._reserved -= seq.reserved_slots(seq.params.budget)
+        metrics.REQUESTS.labels(finish_reason=seq.finish_reason or "error").inc()
+        metrics.E2E.observe(time.perf_counter() - seq.arrival)
         self._by_id.pop(seq.request_id, None)
         self.pool.free(seq.slots)
         seq.slots = torch.empty(0, dtype=torch.int64)
@@ -204,6 +211,8 @@ class Scheduler:
                     if not tokens:
                         continue
                     seq.phase = Phase.DECODE
+                    metrics.TTFT.observe(time.perf_counter() - seq.arrival)
+                    metrics.GENERATED_TOKENS.inc()
                     if seq.emit(tokens, None):
                         self._finish(seq, None)
                     continue
@@ -218,5 +227,11 @@ class Scheduler:
                 self.total_steps += 1
                 self.total_tokens += accept_length
                 step_log.info("step", request_id=seq.request_id, **record.__dict__)
+                metrics.observe_step({"draft": record.draft_ms, "verify": record.verify_ms,
+                                      "transport": record.transport_ms, "total": record.total_ms},
+                                     accept_length, record.context_tokens, record.tree_nodes, record.feature_bytes)
+                if seq.last_token_time is not None:
+                    metrics.ITL.observe((time.perf_counter() - seq.last_token_time) / max(len(tokens), 1))
+                metrics.GENERATED_TOKENS.inc(len(tokens))
                 if seq.emit(tokens, record):
                     self._finish(seq, None)

@@ -13,6 +13,7 @@ from services.models.loader import load_target
 from services.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from services.protocol.server import RunningServer, start_server
 from services.telemetry.logging import get_logger
+from services.telemetry.metrics import serve_metrics
 from services.verifier.drafter_client import DrafterClient
 from services.verifier.kv_pool import LatentKVPool
 from services.verifier.sampling import SamplingConfig
@@ -165,4 +166,6 @@ def serve(config: VerifierConfig, model_dir: str) -> RunningServer:
             drafter.close()
 
     log.info("verifier_ready", model=model_dir, drafter=config.drafter or None, kv_tokens=config.kv_tokens)
-    return start_server("verifier", register, config.host, config.port, config.max_workers, config.grace_s, on_stop)
+    running = start_server("verifier", register, config.host, config.port, config.max_workers, config.grace_s, on_stop)
+    serve_metrics(config.metrics_port, config.host)
+    return running
