@@ -27,6 +27,7 @@ class DraftResult:
     draft_ms: float                    # drafter compute, as reported
     rpc_ms: float                      # wall time of the RPC
     feature_bytes: dict[str, int]      # bytes of features sent, by request id
+    failed: frozenset[str] = frozenset()  # request ids whose drafter failed: they continue with AR
 
 
 class DrafterClient:

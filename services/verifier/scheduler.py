@@ -23,7 +23,7 @@ from services.telemetry import metrics
 from services.telemetry.logging import get_logger
 from services.verifier.batch import PrefillItem, VerifyItem, WorkItem, run_batch
 from services.verifier.commit import commit_prefill, commit_verify
-from services.verifier.drafter_client import DraftResult, DrafterClient
+from services.verifier.drafter_client import DraftResult
 from services.verifier.kv_pool import LatentKVPool
 from services.verifier.sequence import Phase, Sequence, StepRecord, StreamEvent
 
@@ -41,7 +41,8 @@ class AdmissionError(Exception):
 
 
 class Scheduler:
-    def __init__(self, model, pool: LatentKVPool, config: VerifierConfig, drafter: DrafterClient | None):
+    def __init__(self, model, pool: LatentKVPool, config: VerifierConfig, drafter):
+        """drafter: a DrafterPool (or one DrafterClient), or None for AR only."""
         self.model = model
         self.pool = pool
         self.config = config
@@ -173,15 +174,19 @@ class Scheduler:
         if not spec or self.drafter is None:
             return None
         try:
-            return self.drafter.draft(spec, self.vocab_size)
+            result = self.drafter.draft(spec, self.vocab_size)
+            failed = result.failed
         except grpc.RpcError as err:
-            # The drafter's state for these sequences is now unknown: they finish with AR decoding,
-            # which yields exactly the same tokens.
-            log.error("draft_failed_fallback_ar", code=str(err.code()), details=err.details(), sequences=len(spec))
-            for seq, _ in spec:
+            log.error("draft_failed", code=str(err.code()), details=err.details(), sequences=len(spec))
+            result, failed = None, frozenset(s.request_id for s, _ in spec)
+        for seq, _ in spec:
+            if seq.request_id in failed:
+                # The drafter's state for this sequence is lost or unknown: it finishes with AR
+                # decoding, which yields exactly the same tokens.
+                log.warning("draft_fallback_ar", request_id=seq.request_id)
                 seq.use_spec = False
                 seq.pending_commit = None
-            return None
+        return result
 
     def _step(self, decode: list[Sequence], prefill: Sequence | None) -> None:
         t0 = time.perf_counter()

@@ -14,7 +14,7 @@ from services.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_g
 from services.protocol.server import RunningServer, start_server
 from services.telemetry.logging import get_logger
 from services.telemetry.metrics import serve_metrics
-from services.verifier.drafter_client import DrafterClient
+from services.verifier.drafter_pool import DrafterPool
 from services.verifier.kv_pool import LatentKVPool
 from services.verifier.sampling import SamplingConfig
 from services.verifier.scheduler import AdmissionError, Scheduler
@@ -134,7 +134,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             eos_token_ids=list(self.eos_token_ids), spec_enabled=drafter is not None,
             drafter_address=drafter.address if drafter else "", default_budget=self.config.default_budget,
             total_steps=self.scheduler.total_steps, total_tokens=self.scheduler.total_tokens,
-            running_requests=self.scheduler.running_count)
+            running_requests=self.scheduler.running_count, kv_used_tokens=self.scheduler.pool.num_used,
+            kv_total_tokens=self.scheduler.pool.num_slots)
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -147,7 +148,7 @@ def serve(config: VerifierConfig, model_dir: str) -> RunningServer:
     model = load_target(model_dir, dtype=_DTYPES[config.dtype], device=config.device)
     model.eval()
     mcfg = model.config
-    drafter = DrafterClient(config.drafter, config.draft_timeout_s) if config.drafter else None
+    drafter = DrafterPool(config.drafter, config.draft_timeout_s) if config.drafter else None
     pool = LatentKVPool(mcfg.num_hidden_layers, config.kv_tokens, mcfg.kv_cache_width,
                         _DTYPES[config.dtype], config.device)
     scheduler = Scheduler(model, pool, config, drafter)

@@ -1,0 +1,192 @@
+"""Drafter replicas: discovery, per-sequence affinity, and losing a replica without losing a token.
+
+`--drafter` takes a comma-separated list of HOST:PORT. Every host is resolved with getaddrinfo, so a
+DNS name with several addresses (docker compose `--scale drafter=3` gives one A record per replica)
+becomes several replicas; names are re-resolved in the background every `resolve_interval_s`, and new
+replicas join once they answer GetInfo. A sequence's draft context lives on one replica: it is
+assigned at its first Draft (the live replica with the fewest sequences) and stays there. One step
+sends one Draft RPC per replica, in parallel. When a replica fails, it leaves the pool and its
+sequences continue with AR decoding, which yields exactly the same tokens; later sequences go to the
+replicas that remain.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import socket
+import threading
+import time
+
+import grpc
+
+from services.telemetry.logging import get_logger
+from services.verifier.drafter_client import DraftResult, DrafterClient
+from services.verifier.sequence import Sequence
+
+log = get_logger("ddtree.verifier.drafter_pool")
+
+
+def resolve(spec: str) -> list[str]:
+    """'a:1,b:2' -> every address each name resolves to, as 'ip:port' (IPv6 in brackets), in order."""
+    out: list[str] = []
+    for item in (s.strip() for s in spec.split(",")):
+        if not item:
+            continue
+        host, sep, port = item.rpartition(":")
+        if not sep or not port.isdigit():
+            raise ValueError(f"drafter address {item!r} is not HOST:PORT")
+        host = host.strip("[]")
+        try:
+            infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        except socket.gaierror as err:
+            log.warning("drafter_resolve_failed", host=host, error=str(err))
+            continue
+        for family, _, _, _, addr in infos:
+            ip = f"[{addr[0]}]" if family == socket.AF_INET6 else addr[0]
+            if f"{ip}:{port}" not in out:
+                out.append(f"{ip}:{port}")
+    return out
+
+
+class DrafterPool:
+    def __init__(self, spec: str, timeout_s: float, connect_timeout_s: float = 60.0,
+                 resolve_interval_s: float = 10.0):
+        self.spec = spec
+        self.timeout_s = timeout_s
+        self.resolve_interval_s = resolve_interval_s
+        self._lock = threading.Lock()
+        self._clients: dict[str, DrafterClient] = {}
+        self._assigned: dict[str, str] = {}   # request id -> replica address
+        self._executor = cf.ThreadPoolExecutor(max_workers=8, thread_name_prefix="draft-rpc")
+        deadline = time.monotonic() + connect_timeout_s
+        while not self._clients:
+            self._discover(connect_timeout_s=max(1.0, deadline - time.monotonic()))
+            if not self._clients and time.monotonic() > deadline:
+                raise ConnectionError(f"no drafter answered at {spec!r} within {connect_timeout_s:.0f}s")
+        first = next(iter(self._clients.values()))
+        self.info = first.info
+        self._stop = threading.Event()
+        self._resolver = threading.Thread(target=self._resolve_loop, name="drafter-resolver", daemon=True)
+        self._resolver.start()
+
+    # ---- what the scheduler reads ----
+    @property
+    def address(self) -> str:
+        return self.spec
+
+    @property
+    def window(self) -> int:
+        return self.info.window
+
+    @property
+    def tap_layer_ids(self) -> tuple[int, ...]:
+        return tuple(self.info.target_layer_ids)
+
+    @property
+    def replicas(self) -> list[str]:
+        with self._lock:
+            return list(self._clients)
+
+    # ---- discovery ----
+    def _compatible(self, client: DrafterClient) -> bool:
+        info = getattr(self, "info", None)
+        if info is None:
+            return True
+        same = (client.info.window == info.window and list(client.info.target_layer_ids) == list(info.target_layer_ids)
+                and client.info.hidden_size == info.hidden_size and client.info.vocab_size == info.vocab_size)
+        if not same:
+            log.error("drafter_replica_incompatible", address=client.address)
+        return same
+
+    def _discover(self, connect_timeout_s: float) -> None:
+        for addr in resolve(self.spec):
+            with self._lock:
+                if addr in self._clients:
+                    continue
+            try:
+                client = DrafterClient(addr, self.timeout_s, connect_timeout_s=connect_timeout_s)
+            except grpc.RpcError as err:
+                log.warning("drafter_replica_unreachable", address=addr, code=str(err.code()))
+                continue
+            if not self._compatible(client):
+                client.close()
+                continue
+            with self._lock:
+                self._clients[addr] = client
+            log.info("drafter_replica_joined", address=addr)
+
+    def _resolve_loop(self) -> None:
+        while not self._stop.wait(self.resolve_interval_s):
+            try:
+                self._discover(connect_timeout_s=2.0)
+            except Exception as err:  # discovery must never take the verifier down
+                log.warning("drafter_discovery_error", error=str(err))
+
+    def _drop(self, addr: str, reason: str) -> None:
+        with self._lock:
+            client = self._clients.pop(addr, None)
+            self._assigned = {rid: a for rid, a in self._assigned.items() if a != addr}
+        if client is not None:
+            client.close()
+            log.error("drafter_replica_lost", address=addr, reason=reason)
+
+    # ---- per step ----
+    def _replica_for(self, seq: Sequence) -> str | None:
+        with self._lock:
+            addr = self._assigned.get(seq.request_id)
+            if addr is not None and addr in self._clients:
+                return addr
+            if addr is not None or seq.drafter_seeded:
+                return None  # its replica is gone: the context is lost, continue with AR
+            if not self._clients:
+                return None
+            load = {a: 0 for a in self._clients}
+            for a in self._assigned.values():
+                if a in load:
+                    load[a] += 1
+            addr = min(load, key=lambda a: (load[a], a))
+            self._assigned[seq.request_id] = addr
+            return addr
+
+    def draft(self, batch: list[tuple[Sequence, int]], vocab_size: int) -> DraftResult:
+        groups: dict[str, list[tuple[Sequence, int]]] = {}
+        failed: set[str] = set()
+        for seq, budget in batch:
+            addr = self._replica_for(seq)
+            if addr is None:
+                failed.add(seq.request_id)
+            else:
+                groups.setdefault(addr, []).append((seq, budget))
+        with self._lock:
+            clients = {a: self._clients.get(a) for a in groups}
+        futures = {a: self._executor.submit(clients[a].draft, g, vocab_size) for a, g in groups.items() if clients[a]}
+        trees, fbytes, draft_ms, rpc_ms = {}, {}, 0.0, 0.0
+        for addr, fut in futures.items():
+            try:
+                res = fut.result()
+            except grpc.RpcError as err:
+                self._drop(addr, f"{err.code()}: {err.details()}")
+                failed.update(seq.request_id for seq, _ in groups[addr])
+                continue
+            trees.update(res.trees)
+            fbytes.update(res.feature_bytes)
+            draft_ms, rpc_ms = max(draft_ms, res.draft_ms), max(rpc_ms, res.rpc_ms)
+        return DraftResult(trees, draft_ms, rpc_ms, fbytes, frozenset(failed))
+
+    def release(self, request_ids: list[str]) -> None:
+        by_addr: dict[str, list[str]] = {}
+        with self._lock:
+            for rid in request_ids:
+                addr = self._assigned.pop(rid, None)
+                if addr in self._clients:
+                    by_addr.setdefault(addr, []).append(rid)
+            clients = {a: self._clients[a] for a in by_addr}
+        for addr, ids in by_addr.items():
+            clients[addr].release(ids)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            for client in self._clients.values():
+                client.close()
+            self._clients.clear()
