@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import pathlib
 import signal
@@ -66,6 +67,22 @@ def cmd_gateway(args) -> None:
     configure_logging(cfg.log_level, cfg.log_format)
     from services.gateway.server import serve
     _wait(serve(cfg, tokenizer_dir=cfg.tokenizer or str(_default_dirs().target)))
+
+
+def cmd_health(args) -> int:
+    """grpc.health.v1 check, for container health checks: exit 0 when SERVING, 1 otherwise."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    try:
+        with grpc.insecure_channel(args.address) as channel:
+            resp = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
+    except grpc.RpcError as err:
+        print(f"{args.address} {args.service or '(server)'}: {err.code().name} {err.details() or ''}".strip())
+        return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+    print(f"{args.address} {args.service or '(server)'}: {status}")
+    return 0 if resp.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
 def _start_stack(args, log_dir: pathlib.Path):
@@ -171,6 +188,11 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=f"run the {name} service")
         add_config_flags(p, cls)
         p.set_defaults(fn=fn)
+    p = sub.add_parser("health", help="check a service's grpc.health.v1 status (exit 0 = SERVING)")
+    p.add_argument("address", help="HOST:PORT")
+    p.add_argument("--service", default="", help="service name, e.g. ddtree.v1.Verifier ('' = the server)")
+    p.add_argument("--timeout", type=float, default=5.0)
+    p.set_defaults(fn=cmd_health)
     p = sub.add_parser("serve", help="run drafter, verifier and gateway on loopback")
     _add_stack_flags(p)
     p.set_defaults(fn=cmd_serve)
@@ -183,6 +205,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", default="")
     _add_client_flags(p)
     p.set_defaults(fn=cmd_demo)
+    p = sub.add_parser("train", help="train a model (tools/train_*.py)")
+    train_sub = p.add_subparsers(dest="train_command", required=True)
+    for name in ("tools.train_target", "tools.train_drafter"):
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as err:
+            if err.name != name:
+                raise
+            continue
+        module.add_parser(train_sub)
     return parser
 
 
