@@ -78,7 +78,7 @@ class VerifierConfig(ServiceConfig):
     prefill_chunk: int = dataclasses.field(default=512, metadata={"help": "prefill chunk, tokens"})
     default_budget: int = dataclasses.field(default=16, metadata={"help": "tree node budget when a request sets none"})
     draft_timeout_s: float = dataclasses.field(default=10.0, metadata={"help": "Draft RPC deadline"})
-    attention_backend: str = dataclasses.field(default="torch", metadata={"help": "torch | triton"})
+    attention_backend: str = dataclasses.field(default="auto", metadata={"help": "auto | torch | triton (auto = triton on CUDA)"})
     device: str = dataclasses.field(default="cpu", metadata={"help": "torch device"})
     dtype: str = dataclasses.field(default="float32", metadata={"help": "float32 | bfloat16 | float16"})
     threads: int = dataclasses.field(default=0, metadata={"help": "torch CPU threads (0 = torch's default)"})
@@ -97,17 +97,43 @@ class VerifierConfig(ServiceConfig):
 
 @dataclasses.dataclass(frozen=True)
 class GatewayConfig(ServiceConfig):
-    verifier: str = dataclasses.field(default="127.0.0.1:50062", metadata={"help": "verifier address host:port"})
-    tokenizer: str = dataclasses.field(default="", metadata={"help": "dir with tokenizer.json + tokenizer_config.json ('' = default)"})
+    verifier: str = dataclasses.field(default="127.0.0.1:50062", metadata={
+        "help": "verifier address host:port, or several comma-separated (fewest outstanding requests wins)"})
+    tokenizer: str = dataclasses.field(default="", metadata={
+        "help": "dir with tokenizer.json or tiktoken.model, + tokenizer_config.json ('' = default)"})
     model_id: str = dataclasses.field(default="ddtree-demo", metadata={"help": "model name reported to clients"})
     default_max_tokens: int = dataclasses.field(default=256, metadata={"help": "max_tokens when a request sets none"})
     max_prompt_chars: int = dataclasses.field(default=1_000_000, metadata={"help": "largest prompt text accepted"})
     reasoning_parser: str = dataclasses.field(default="kimi_k2", metadata={"help": "kimi_k2 | none"})
     tool_call_parser: str = dataclasses.field(default="kimi_k2", metadata={"help": "kimi_k2 | deepseek_v3 | none"})
     max_tokens_limit: int = dataclasses.field(default=4096, metadata={"help": "largest max_tokens a request may ask for"})
+    max_prompt_tokens: int = dataclasses.field(default=0, metadata={
+        "help": "largest prompt in tokens (0 = no gateway limit; the verifier's max_context applies)"})
+    http_port: int = dataclasses.field(default=0, metadata={
+        "help": "OpenAI-compatible HTTP port (0 = any free port, -1 = no HTTP)"})
+    max_body_bytes: int = dataclasses.field(default=8 * 1024 * 1024, metadata={
+        "help": "largest HTTP request body (413 above)"})
+    api_key: str = dataclasses.field(default="", metadata={
+        "help": "required as 'Authorization: Bearer KEY' (HTTP) or gRPC metadata ('' = open); prefer the env var"})
+    health_interval_s: float = dataclasses.field(default=2.0, metadata={
+        "help": "seconds between health checks of each verifier"})
+
+    @property
+    def verifiers(self) -> tuple[str, ...]:
+        return tuple(a.strip() for a in self.verifier.split(",") if a.strip())
 
     def validate(self) -> None:
         super().validate()
+        if not self.verifiers:
+            raise ValueError("verifier must name at least one host:port")
+        if not -1 <= self.http_port <= 65535:
+            raise ValueError(f"http_port must be in [-1, 65535] (-1 = off), got {self.http_port}")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+        if self.max_prompt_tokens < 0:
+            raise ValueError(f"max_prompt_tokens must be >= 0 (0 = no gateway limit), got {self.max_prompt_tokens}")
+        if not self.health_interval_s > 0:
+            raise ValueError(f"health_interval_s must be > 0, got {self.health_interval_s}")
         if self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
         if self.max_tokens_limit < self.default_max_tokens:

@@ -2,7 +2,9 @@
 
 Used by `ddtree serve`, `ddtree generate` (when no gateway is given) and the process-boundary tests.
 Each child is `python -m services.cli <service> --port 0 ...`; it prints `LISTENING <name> host:port`
-on stdout once serving, and logs JSON to stderr, which goes to `<log_dir>/<name>.log`.
+on stdout once serving, and logs JSON to stderr, which goes to `<log_dir>/<name>.log`. The first
+LISTENING line is the service's gRPC address (`ServiceProcess.address`); a process may announce more
+endpoints after it (the gateway's `gateway-http`), collected in `ServiceProcess.addresses` by name.
 """
 from __future__ import annotations
 
@@ -26,6 +28,18 @@ class ServiceProcess:
     popen: subprocess.Popen
     address: str
     log_path: pathlib.Path
+    addresses: dict[str, str] = dataclasses.field(default_factory=dict)  # every LISTENING line, by name
+    _announced: threading.Condition = dataclasses.field(default_factory=threading.Condition, repr=False)
+
+    def wait_address(self, name: str, timeout: float = 30.0) -> str:
+        """The address announced as `LISTENING <name> ...` (waits for the line, e.g. gateway-http)."""
+        with self._announced:
+            if not self._announced.wait_for(lambda: name in self.addresses or self.popen.poll() is not None,
+                                            timeout):
+                raise ServiceStartError(f"{self.name} announced no {name!r} endpoint within {timeout:.0f}s")
+        if name not in self.addresses:
+            raise ServiceStartError(f"{self.name} exited before announcing {name!r}; log: {self.log_path}")
+        return self.addresses[name]
 
     def stop(self, timeout: float = 20.0) -> int:
         """SIGTERM (graceful), then SIGKILL after `timeout` seconds. Returns the exit code."""
@@ -50,18 +64,27 @@ def start_service(name: str, args: list[str], log_dir: pathlib.Path, env: dict[s
                              cwd=pathlib.Path(__file__).resolve().parent.parent)
     log_file.close()
     found: dict[str, str] = {}
+    addresses: dict[str, str] = {}
+    announced = threading.Condition()
     ready = threading.Event()
 
     def pump():
-        # Read the LISTENING line, then keep draining stdout into the log so the child never blocks.
+        # Read the LISTENING lines, and keep draining stdout into the log so the child never blocks.
         with open(log_path, "ab", buffering=0) as sink:
             for line in popen.stdout:
                 text = line.decode(errors="replace").strip()
+                parts = text.split()
+                if len(parts) == 3 and parts[0] == "LISTENING":
+                    with announced:
+                        addresses.setdefault(parts[1], parts[2])
+                        announced.notify_all()
                 if text.startswith("LISTENING ") and not ready.is_set():
                     found["address"] = text.split()[-1]
                     ready.set()
                 else:
                     sink.write(line)
+        with announced:
+            announced.notify_all()
         ready.set()
 
     threading.Thread(target=pump, name=f"{name}-stdout", daemon=True).start()
@@ -74,7 +97,7 @@ def start_service(name: str, args: list[str], log_dir: pathlib.Path, env: dict[s
         popen.wait(5)
         tail = log_path.read_text(errors="replace")[-3000:]
         raise ServiceStartError(f"{name} exited with code {popen.returncode} before serving; log {log_path}:\n{tail}")
-    return ServiceProcess(name, popen, found["address"], log_path)
+    return ServiceProcess(name, popen, found["address"], log_path, addresses, announced)
 
 
 def default_engine_threads() -> int:
@@ -97,6 +120,11 @@ class Stack:
     @property
     def verifier(self) -> str:
         return self.get("verifier").address
+
+    @property
+    def gateway_http(self) -> str:
+        """host:port of the gateway's OpenAI-compatible HTTP API."""
+        return self.get("gateway").wait_address("gateway-http")
 
     def stop(self) -> dict[str, int]:
         return {p.name: p.stop() for p in reversed(self.processes)}

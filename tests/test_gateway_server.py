@@ -3,27 +3,25 @@ that streams scripted token ids. Also the pieces of the output pipeline: stop st
 reasoning / tool-call parsers (streaming vs non-streaming twins)."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
 import random
 import socket
-import threading
-import time
 
 import grpc
 import pytest
 
-from services.config import GatewayConfig
+from services.config import GatewayConfig, add_config_flags, config_from_flags
 from services.gateway.default_tokenizer import write_default_tokenizer
 from services.gateway.parsers.kimi_k2_reasoning import KimiK2ReasoningParser, parse_reasoning
 from services.gateway.parsers.kimi_k2_tools import (MARKERS, KimiK2ToolParser, ToolCall, merge_deltas,
                                                     parse_tool_calls)
 from services.gateway.server import StopMatcher, serve
 from services.gateway.tokenizer import Tokenizer
-from services.protocol.ddtree.v1 import (common_pb2, gateway_pb2, gateway_pb2_grpc, verifier_pb2,
-                                         verifier_pb2_grpc)
-from services.protocol.server import start_server
+from services.protocol.ddtree.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from tests.fakes import script_for, start_fake_verifier
 
 IM_END, EOS = 2, 1
 
@@ -41,78 +39,6 @@ def tok(tokenizer_dir):
     return Tokenizer(tokenizer_dir)
 
 
-# -- fake verifier -----------------------------------------------------------------------------------
-@dataclasses.dataclass
-class _Run:
-    """What one test scripted and what the fake saw during it. Generate binds the run current at its
-    start, so a stream left over from an earlier test cannot touch a later test's record."""
-    script: list
-    error: tuple | None = None   # (code, message): abort after streaming the script
-    delay_s: float = 0.0         # wait before every message but the first
-    requests: list = dataclasses.field(default_factory=list)
-    aborts: list = dataclasses.field(default_factory=list)
-    time_remaining: list = dataclasses.field(default_factory=list)
-    cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
-    sent: int = 0
-
-
-class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
-    """Streams the current run's script for every Generate; records what it was sent."""
-
-    def __init__(self):
-        self.run = _Run([])
-
-    def reset(self, script, error=None, delay_s=0.0):
-        self.run = _Run(script, error, delay_s)
-
-    def __getattr__(self, name):  # fake.requests, fake.sent, ... read the current run
-        return getattr(self.__dict__["run"], name)
-
-    def Generate(self, request, context):
-        run = self.run
-        run.requests.append(request)
-        run.time_remaining.append(context.time_remaining())
-        over = threading.Event()
-        context.add_callback(over.set)  # wakes the waits below as soon as the call is cancelled
-        for i, msg in enumerate(run.script):
-            if i and run.delay_s:
-                over.wait(run.delay_s)
-            if not context.is_active():
-                run.cancelled.set()
-                return
-            run.sent += 1
-            yield msg
-        if run.error:
-            context.abort(*run.error)
-
-    def Abort(self, request, context):
-        self.run.aborts.append(request.request_id)
-        return verifier_pb2.AbortResponse(request_id=request.request_id)
-
-    def GetInfo(self, request, context):
-        return verifier_pb2.VerifierInfo(model_id="fake", max_context=1234)
-
-
-def script_for(ids, sizes=None, finish="length", usage=None, request_id="r"):
-    """Split `ids` into GenerateResponse messages of the given sizes (default 1 each); the last one
-    carries finish_reason and usage. Each message reports one StepStats."""
-    sizes = sizes or [1] * len(ids)
-    assert sum(sizes) == len(ids)
-    msgs, pos = [], 0
-    for step, n in enumerate(sizes):
-        msgs.append(verifier_pb2.GenerateResponse(
-            request_id=request_id, token_ids=ids[pos:pos + n],
-            steps=[common_pb2.StepStats(step=step, context_tokens=10 + pos, tree_nodes=8, accept_length=n,
-                                        verify_ms=1.5, total_ms=2.0)]))
-        pos += n
-    if not msgs:
-        msgs.append(verifier_pb2.GenerateResponse(request_id=request_id))
-    msgs[-1].finish_reason = finish
-    if usage is not None:
-        msgs[-1].usage.CopyFrom(usage)
-    return msgs
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -121,14 +47,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def fake():
-    servicer = FakeVerifier()
-
-    def register(server):
-        verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
-        return ["ddtree.v1.Verifier"]
-
-    running = start_server("fake-verifier", register, "127.0.0.1", 0, 8, 0.2, announce=False)
-    servicer.address = running.address
+    servicer, running = start_fake_verifier()
     yield servicer
     running.stop(0)
 
@@ -367,10 +286,36 @@ def test_reasoning_parser_off(fake, tokenizer_dir, tok):
     finally:
         channel.close()
         running.stop(0)
-    with pytest.raises(ValueError, match="tool_call_parser 'deepseek_v3' is not available"):
-        serve(GatewayConfig(tool_call_parser="deepseek_v3"), tokenizer_dir=tokenizer_dir, announce=False)
+    with pytest.raises(ValueError, match="tool_call_parser 'nope' is not available"):
+        serve(GatewayConfig(tool_call_parser="nope"), tokenizer_dir=tokenizer_dir, announce=False)
     with pytest.raises(ValueError, match="no tokenizer directory"):
         serve(GatewayConfig(), announce=False)
+
+
+def test_deepseek_v3_tool_parser_selected_by_flag(fake, tokenizer_dir, tok):
+    args = argparse.ArgumentParser()
+    add_config_flags(args, GatewayConfig)
+    config = config_from_flags(GatewayConfig, args.parse_args(
+        ["--tool-call-parser", "deepseek_v3", "--verifier", fake.address, "--http-port", "-1"]), environ={})
+    running = serve(config, tokenizer_dir=tokenizer_dir, announce=False)
+    channel = grpc.insecure_channel(running.address)
+    try:
+        output = ("Use the tool.</think>Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather"
+                  "\n```json\n{\"city\": \"Paris\"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
+        fake.reset(script_for(tok.encode(output) + [IM_END], finish="stop"))
+        history = [{"role": "user", "content": "Weather?"},
+                   {"role": "assistant", "content": "", "tool_calls": [
+                       gateway_pb2.ToolCall(id="call_0", name="get_weather", arguments='{"city": "Oslo"}')]},
+                   {"role": "tool", "tool_call_id": "call_0", "content": "rain"}]
+        out = _chat(gateway_pb2_grpc.GatewayStub(channel), history, tools=TOOLS)
+        assert (out["reasoning"], out["text"]) == ("Use the tool.", "Sure.")
+        assert out["calls"] == [{"id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'}]
+        assert out["finish"] == ["tool_calls"]
+        info = gateway_pb2_grpc.GatewayStub(channel).GetInfo(gateway_pb2.GatewayInfoRequest(), timeout=5)
+        assert info.tool_call_parser == "deepseek_v3"
+    finally:
+        channel.close()
+        running.stop(0)
 
 
 # -- invalid input ------------------------------------------------------------------------------------

@@ -225,5 +225,5 @@ def test_template_sandbox_and_errors():
     with pytest.raises(ValueError, match="chat template"):  # immutable: no mutation of inputs
         ChatTemplate("{{ messages.append(1) }}").render([{"role": "user", "content": "x"}])
     assert ChatTemplate("{{ tools | tojson }}").render([{"role": "user", "content": "x"}],
-                                                       tools=[{"function": {"name": "é<>"}}]) == \
-        '[{"function": {"name": "é<>"}}]'
+                                                       tools=[{"function": {"name": "f", "description": "é<>"}}]) == \
+        '[{"function": {"name": "f", "description": "é<>"}}]'

@@ -23,6 +23,10 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 ROLES = ("system", "user", "assistant", "tool")
 RESERVED_KWARGS = ("messages", "tools", "add_generation_prompt")
 KIMI_TOOL_CALL_ID = re.compile(r"^functions\.[\w.\-]+:\d+$")
+# Names the tool-call parsers can read back (Kimi's `functions.NAME:IDX`): word characters, '.' and '-'.
+TOOL_NAME = re.compile(r"[\w.\-]{1,64}")
+SCHEMA_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
+MAX_SCHEMA_DEPTH = 32
 
 
 def _tojson(value: Any, indent: int | None = None, separators=None, sort_keys: bool = False,
@@ -61,12 +65,42 @@ def _check_str(value: Any, where: str, required: bool = False) -> None:
         raise ValueError(f"{where}: must be a string, got {_type_name(value)}")
 
 
+def _check_schema(schema: Any, where: str, depth: int = 0) -> None:
+    """The parts of a JSON Schema a tool declaration relies on: type names, properties, items,
+    required, enum. Anything else is passed to the template as given."""
+    if not isinstance(schema, dict):
+        raise ValueError(f"{where}: must be a JSON Schema object, got {_type_name(schema)}")
+    if depth > MAX_SCHEMA_DEPTH:
+        raise ValueError(f"{where}: nested deeper than {MAX_SCHEMA_DEPTH} levels")
+    kind = schema.get("type")
+    if kind is not None:
+        kinds = kind if isinstance(kind, list) else [kind]
+        bad = [k for k in kinds if k not in SCHEMA_TYPES]
+        if bad or not kinds:
+            raise ValueError(f"{where}.type: must be one of {', '.join(SCHEMA_TYPES)} (or a list of them), got {kind!r}")
+    props = schema.get("properties")
+    if props is not None:
+        if not isinstance(props, dict):
+            raise ValueError(f"{where}.properties: must be an object, got {_type_name(props)}")
+        for key, sub in props.items():
+            _check_schema(sub, f"{where}.properties.{key}", depth + 1)
+    if "items" in schema and not isinstance(schema["items"], bool):
+        _check_schema(schema["items"], f"{where}.items", depth + 1)
+    required = schema.get("required")
+    if required is not None and not (isinstance(required, list) and all(isinstance(r, str) for r in required)):
+        raise ValueError(f"{where}.required: must be a list of property names, got {required!r}")
+    if "enum" in schema and not isinstance(schema["enum"], list):
+        raise ValueError(f"{where}.enum: must be a list, got {_type_name(schema['enum'])}")
+
+
 def validate_tools(tools: Any) -> list[dict] | None:
-    """OpenAI tool declarations: [{"type": "function", "function": {"name": str, ...}}, ...]."""
+    """OpenAI tool declarations: [{"type": "function", "function": {"name": str, "description": str,
+    "parameters": JSON Schema}}, ...]. Names are 1-64 letters, digits, '_', '.' or '-'."""
     if tools is None:
         return None
     if not isinstance(tools, list):
         raise ValueError(f"tools: must be a list, got {_type_name(tools)}")
+    names: set[str] = set()
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
         if not isinstance(tool, dict):
@@ -79,6 +113,16 @@ def validate_tools(tools: Any) -> list[dict] | None:
         _check_str(fn.get("name"), f"{where}.function.name", required=True)
         if not fn["name"]:
             raise ValueError(f"{where}.function.name: must not be empty")
+        if not TOOL_NAME.fullmatch(fn["name"]):
+            raise ValueError(f"{where}.function.name: {fn['name']!r} is not 1-64 letters, digits, '_', '.' or '-'")
+        if fn["name"] in names:
+            raise ValueError(f"{where}.function.name: {fn['name']!r} is declared twice")
+        names.add(fn["name"])
+        _check_str(fn.get("description"), f"{where}.function.description")
+        if fn.get("parameters") is not None:
+            _check_schema(fn["parameters"], f"{where}.function.parameters")
+        if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
+            raise ValueError(f"{where}.function.strict: must be true or false, got {fn['strict']!r}")
     return tools or None
 
 

@@ -1,22 +1,31 @@
 """Tokenizer of a checkpoint: text <-> ids, special tokens and the chat template.
 
-A tokenizer directory holds `tokenizer.json` (Hugging Face `tokenizers` format) and
-`tokenizer_config.json` (specials, `added_tokens_decoder`, `chat_template`), optionally a
-`chat_template.jinja` that overrides the config's template. The encoding itself sits behind a small
-backend interface (`_HFBackend`) so a tiktoken backend (Kimi's `tiktoken.model`) can be added beside it.
+A tokenizer directory holds `tokenizer_config.json` (specials, `added_tokens_decoder`,
+`chat_template`), optionally a `chat_template.jinja` that overrides the config's template, and one of
+two encodings behind a small backend interface:
+
+- `tokenizer.json` (Hugging Face `tokenizers` format): `_HFBackend`;
+- `tiktoken.model` (Kimi's format: one `base64(token bytes) rank` per line) when there is no
+  `tokenizer.json`: `_TiktokenBackend`. Special tokens come by id from `added_tokens_decoder`; the
+  ids from the end of the BPE ranks up to `num_reserved_special_tokens` (256, Kimi's) past it are all
+  special, unnamed ones as `<|reserved_token_{id}|>`. The pre-tokenizer is Kimi's pattern
+  (`KIMI_PAT_STR`, model.md §6) unless tokenizer_config.json sets `pat_str`. No remote code runs.
 """
 from __future__ import annotations
 
+import base64
 import json
 import os
 import pathlib
-from typing import Any, Protocol, Sequence
+import re
+from typing import Any, Iterator, Protocol, Sequence
 
 from services.gateway.chat_template import ChatTemplate
 
 
 class _Backend(Protocol):
     vocab_size: int
+    special_tokens: dict[str, int]  # specials the encoding itself defines (beyond tokenizer_config's)
 
     def encode(self, text: str, allow_special: bool) -> list[int]: ...
     def decode(self, ids: Sequence[int], skip_ids: frozenset[int]) -> str: ...
@@ -51,6 +60,7 @@ class _HFBackend:
         self._tok_plain = HFTokenizer.from_file(str(path))
         self._tok_plain.encode_special_tokens = True
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.special_tokens: dict[str, int] = {}
         decoder = json.loads(path.read_text(encoding="utf-8")).get("decoder") or {}
         self._byte_level = decoder.get("type") == "ByteLevel"
         self._bytes: list[bytes] | None = None
@@ -94,6 +104,124 @@ class _HFBackend:
         return self._bytes[token_id]
 
 
+# Kimi's pre-tokenizer (tokenization_kimi.py `pat_str`): Han runs; words with an optional leading
+# non-letter, cased letters and marks except Han (class intersection `&&`), English contractions; 1-3
+# digits; punctuation runs; newlines; other whitespace.
+KIMI_PAT_STR = "|".join([
+    r"""[\p{Han}]+""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""\p{N}{1,3}""",
+    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+    r"""\s*[\r\n]+""",
+    r"""\s+(?!\S)""",
+    r"""\s+""",
+])
+NUM_RESERVED_SPECIAL_TOKENS = 256
+# Kimi's encode() cuts text into pieces of at most this many characters, and cuts runs of more than
+# MAX_RUN_CHARS whitespace or non-whitespace characters, to bound the regex engine's work.
+MAX_ENCODE_CHARS = 400_000
+MAX_RUN_CHARS = 25_000
+_LONG_RUN = re.compile(r"\s{%d,}|\S{%d,}" % (MAX_RUN_CHARS + 1, MAX_RUN_CHARS + 1))
+
+
+def load_tiktoken_ranks(path: pathlib.Path) -> dict[bytes, int]:
+    """`tiktoken.model`: one `base64(token bytes) rank` per line; ranks must be 0..n-1."""
+    ranks: dict[bytes, int] = {}
+    for lineno, line in enumerate(path.read_text(encoding="ascii").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except ValueError as e:
+            raise ValueError(f"{path}:{lineno}: not a `base64 rank` line ({e})") from None
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise ValueError(f"{path}: ranks are not exactly 0..{len(ranks) - 1} (duplicates or holes)")
+    return ranks
+
+
+def _split_long_runs(text: str) -> Iterator[str]:
+    """Kimi's pieces: at most MAX_ENCODE_CHARS characters, runs cut every MAX_RUN_CHARS characters."""
+    for i in range(0, len(text), MAX_ENCODE_CHARS):
+        piece = text[i:i + MAX_ENCODE_CHARS]
+        start = 0
+        for m in _LONG_RUN.finditer(piece):
+            for cut in range(m.start() + MAX_RUN_CHARS, m.end(), MAX_RUN_CHARS):
+                yield piece[start:cut]
+                start = cut
+        yield piece[start:]
+
+
+class _TiktokenBackend:
+    """`tiktoken.Encoding` over Kimi's `tiktoken.model` + tokenizer_config.json."""
+
+    def __init__(self, path: pathlib.Path, config: dict):
+        import tiktoken
+
+        ranks = load_tiktoken_ranks(path)
+        n_base = len(ranks)
+        named: dict[int, str] = {}
+        for id_str, entry in (config.get("added_tokens_decoder") or {}).items():
+            token_id, content = int(id_str), (entry or {}).get("content")
+            if content is None:
+                continue
+            if token_id < n_base:
+                raise ValueError(f"{path.parent}: added token {content!r} has id {token_id}, inside the BPE "
+                                 f"ranks 0..{n_base - 1}")
+            named[token_id] = content
+        reserved = int(config.get("num_reserved_special_tokens", NUM_RESERVED_SPECIAL_TOKENS))
+        top = max([n_base + reserved - 1, *named])
+        specials: dict[str, int] = {}
+        for token_id in range(n_base, top + 1):
+            name = named.get(token_id, f"<|reserved_token_{token_id}|>")
+            if name in specials:
+                raise ValueError(f"{path.parent}: special token {name!r} has two ids, {specials[name]} and {token_id}")
+            specials[name] = token_id
+        self._enc = tiktoken.Encoding(name=path.parent.name or "tiktoken", pat_str=config.get("pat_str", KIMI_PAT_STR),
+                                      mergeable_ranks=ranks, special_tokens=specials)
+        self._ranks = ranks
+        self._names = {i: name for name, i in specials.items()}
+        self.special_tokens = specials
+        self.vocab_size = top + 1
+        self._byte_chars = {b: c for c, b in _byte_decoder().items()}
+        self._char_bytes = _byte_decoder()
+
+    def encode(self, text: str, allow_special: bool) -> list[int]:
+        ids: list[int] = []
+        for piece in _split_long_runs(text):
+            if allow_special:
+                ids += self._enc.encode(piece, allowed_special="all")
+            else:
+                ids += self._enc.encode(piece, allowed_special=set(), disallowed_special=())
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_ids: frozenset[int]) -> str:
+        if skip_ids:
+            ids = [i for i in ids if i not in skip_ids]
+        return self._enc.decode_bytes(list(ids)).decode("utf-8", errors="replace")
+
+    def id_to_token(self, token_id: int) -> str:
+        """Specials by name; BPE tokens in the byte-level alphabet Hugging Face prints ('Ġworld')."""
+        if token_id in self._names:
+            return self._names[token_id]
+        if not 0 <= token_id < self.vocab_size:
+            raise ValueError(f"token id {token_id} is outside the vocabulary (size {self.vocab_size})")
+        return "".join(self._byte_chars[b] for b in self._enc.decode_single_token_bytes(token_id))
+
+    def token_to_id(self, token: str) -> int | None:
+        if token in self.special_tokens:
+            return self.special_tokens[token]
+        if all(c in self._char_bytes for c in token):
+            return self._ranks.get(bytes(self._char_bytes[c] for c in token))
+        return self._ranks.get(token.encode("utf-8"))
+
+    def token_bytes(self, token_id: int) -> bytes | None:
+        if not 0 <= token_id < self.vocab_size:
+            return None
+        return self._enc.decode_single_token_bytes(token_id)
+
+
 def _token_content(value: Any) -> str | None:
     """A special token in tokenizer_config.json is a string or an AddedToken dict."""
     if isinstance(value, dict):
@@ -101,12 +229,14 @@ def _token_content(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _load_backend(directory: pathlib.Path) -> _Backend:
+def _load_backend(directory: pathlib.Path, config: dict) -> _Backend:
     json_path = directory / "tokenizer.json"
     if json_path.is_file():
         return _HFBackend(json_path)
-    # NOTE: a tiktoken backend (tiktoken.model, Kimi's own format) goes here.
-    raise FileNotFoundError(f"{directory}: no tokenizer.json")
+    tiktoken_path = directory / "tiktoken.model"
+    if tiktoken_path.is_file():
+        return _TiktokenBackend(tiktoken_path, config)
+    raise FileNotFoundError(f"{directory}: no tokenizer.json or tiktoken.model")
 
 
 def _load_chat_template(directory: pathlib.Path, config: dict) -> str | None:
@@ -128,12 +258,12 @@ class Tokenizer:
         directory = pathlib.Path(directory)
         config_path = directory / "tokenizer_config.json"
         config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
-        self._backend = backend = _load_backend(directory)
+        self._backend = backend = _load_backend(directory, config)
         self.name = str(directory)
         self.vocab_size: int = backend.vocab_size
         self.model_max_length: int | None = config.get("model_max_length")
 
-        specials: dict[str, int] = {}
+        specials: dict[str, int] = dict(backend.special_tokens)
         for id_str, entry in (config.get("added_tokens_decoder") or {}).items():
             if entry.get("special", True) and entry.get("content") is not None:
                 specials[entry["content"]] = int(id_str)

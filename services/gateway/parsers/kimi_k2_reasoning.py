@@ -6,6 +6,8 @@ passed on, intact, as content for the tool parser), AFTER (everything is content
 
 Start in REASONING when the prompt already ends with `<think>` (the thinking generation prompt).
 Truncated reasoning (no `</think>` before the end) is flushed as reasoning by `finish()`.
+`tool_start` is the section marker of the tool-call format in use (Kimi's by default; the DeepSeek-V3
+tool parser passes `<｜tool▁calls▁begin｜>`).
 """
 from __future__ import annotations
 
@@ -26,8 +28,9 @@ def starts_in_reasoning(prompt: str) -> bool:
 class KimiK2ReasoningParser:
     """Streaming: push(text) -> (reasoning_delta, content_delta); finish() flushes."""
 
-    def __init__(self, in_reasoning: bool = False):
+    def __init__(self, in_reasoning: bool = False, tool_start: str = TOOL_SECTION_BEGIN):
         self.state = REASONING if in_reasoning else BEFORE
+        self._tool_start = tool_start
         self._buffer = ""
 
     def push(self, text: str) -> tuple[str, str]:
@@ -38,7 +41,7 @@ class KimiK2ReasoningParser:
                 content.append(self._buffer)
                 self._buffer = ""
                 break
-            markers = (THINK_START,) if self.state == BEFORE else (THINK_END, TOOL_SECTION_BEGIN)
+            markers = (THINK_START,) if self.state == BEFORE else (THINK_END, self._tool_start)
             out = content if self.state == BEFORE else reasoning
             pos, marker = scan(self._buffer, markers)
             out.append(self._buffer[:pos])
@@ -61,7 +64,7 @@ class KimiK2ReasoningParser:
         return (held, "") if self.state == REASONING else ("", held)
 
 
-def parse_reasoning(text: str, in_reasoning: bool = False) -> tuple[str, str]:
+def parse_reasoning(text: str, in_reasoning: bool = False, tool_start: str = TOOL_SECTION_BEGIN) -> tuple[str, str]:
     """Non-streaming twin: (reasoning, content) of a whole output."""
     if not in_reasoning:
         start = text.find(THINK_START)
@@ -71,7 +74,7 @@ def parse_reasoning(text: str, in_reasoning: bool = False) -> tuple[str, str]:
     else:
         head = ""
     end = text.find(THINK_END)
-    tool = text.find(TOOL_SECTION_BEGIN)
+    tool = text.find(tool_start)
     if end == -1 and tool == -1:
         return text, head
     if tool != -1 and (end == -1 or tool < end):

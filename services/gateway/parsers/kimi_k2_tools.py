@@ -22,7 +22,9 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from services.gateway.parsers import scan
+from services.gateway.parsers import ToolCall, ToolCallDelta, merge_deltas, scan
+
+__all__ = ["KimiK2ToolParser", "ToolCall", "ToolCallDelta", "merge_deltas", "parse_call_id", "parse_tool_calls"]
 
 SECTION_BEGIN = "<|tool_calls_section_begin|>"
 SECTION_END = "<|tool_calls_section_end|>"
@@ -40,22 +42,6 @@ _WATCH = {
     ARGS: (CALL_END, SECTION_END),
 }
 _ID = re.compile(r"^(?:functions\.)?(?P<name>[\w.\-]+):(?P<index>\d+)$")
-
-
-@dataclasses.dataclass(frozen=True)
-class ToolCallDelta:
-    index: int
-    id: str = ""
-    name: str = ""
-    arguments_delta: str = ""
-
-
-@dataclasses.dataclass(frozen=True)
-class ToolCall:
-    index: int
-    id: str
-    name: str
-    arguments: str
 
 
 def parse_call_id(raw: str, index: int, index_offset: int = 0) -> tuple[str, str]:
@@ -122,17 +108,6 @@ class KimiK2ToolParser:
             self.state = {ARG_BEGIN: ARGS, CALL_END: SECTION, SECTION_END: TEXT}[marker]
         else:  # CALL_END or SECTION_END in ARGS, SECTION_END in SECTION
             self.state = SECTION if marker == CALL_END else TEXT
-
-
-def merge_deltas(deltas: list[ToolCallDelta]) -> list[ToolCall]:
-    """Fold streamed deltas into whole calls, by index."""
-    calls: dict[int, dict] = {}
-    for d in deltas:
-        c = calls.setdefault(d.index, {"id": "", "name": "", "arguments": ""})
-        c["id"] = c["id"] or d.id
-        c["name"] = c["name"] or d.name
-        c["arguments"] += d.arguments_delta
-    return [ToolCall(index=i, **calls[i]) for i in sorted(calls)]
 
 
 _SPLIT = re.compile("(" + "|".join(re.escape(m) for m in MARKERS) + ")")

@@ -1,0 +1,197 @@
+"""Request preparation both public channels share (gRPC `server.py`, HTTP `http.py`): validate (a
+ValueError naming the field), render the chat template, tokenize, and build the verifier request (a
+`Job`); `Pipeline.generate` then runs it as a `generation.Generation`.
+
+- Stop tokens: the request's stop_token_ids plus `<|im_end|>`, `[EOS]` and the tokenizer's eos token
+  (unless ignore_eos).
+- Limits: max_tokens (max_tokens_limit), prompt characters (max_prompt_chars), prompt tokens
+  (max_prompt_tokens), stop strings and stop ids (counts and lengths below).
+- Chat output goes through the reasoning parser (config.reasoning_parser, unless the request turns
+  separate_reasoning off) and, when the request declares tools (and tool_choice is not "none"), the
+  tool-call parser (config.tool_call_parser); finish_reason "stop" becomes "tool_calls" when calls
+  were parsed. Completions return raw text.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import uuid
+
+import grpc
+
+from services.config import GatewayConfig
+from services.gateway.chat_template import validate_tools
+from services.gateway.generation import Generation, RequestError, Result, StopMatcher, usage_from_steps
+from services.gateway.parsers.kimi_k2_reasoning import starts_in_reasoning
+from services.gateway.parsers.registry import check_names
+from services.gateway.routing import Router
+from services.gateway.tokenizer import Tokenizer
+from services.protocol.ddtree.v1 import common_pb2, gateway_pb2, verifier_pb2
+
+__all__ = ["Generation", "Invalid", "Job", "Pipeline", "RequestError", "Result", "StopMatcher", "usage_from_steps",
+           "validate_options", "validate_template_kwargs"]
+
+EOS_TOKENS = ("<|im_end|>", "[EOS]")
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1000
+MAX_STOP_TOKEN_IDS = 64
+INFO_TIMEOUT_S = 1.0
+TOOL_CHOICES = ("auto", "none")
+
+
+class Invalid(ValueError):
+    """Bad request input; the message names the field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """A validated request, ready to send to a verifier."""
+    request: verifier_pb2.GenerateRequest
+    stop_strings: tuple[str, ...]
+    stop_ids: frozenset[int]
+    api: str = "complete"              # chat | complete
+    reasoning_parser: str | None = None
+    tool_parser: str | None = None
+    in_reasoning: bool = False         # the prompt opened a think block
+    tool_index_offset: int = 0         # tool calls earlier in the conversation
+
+
+def validate_options(o: gateway_pb2.GenerationOptions, *, vocab_size: int, max_tokens_limit: int,
+                     prefix: str = "options.") -> None:
+    """Raise Invalid (a ValueError) naming the first bad field of GenerationOptions."""
+    if o.max_tokens < 0:
+        raise Invalid(f"{prefix}max_tokens: must be >= 0 (0 = server default), got {o.max_tokens}")
+    if o.max_tokens > max_tokens_limit:
+        raise Invalid(f"{prefix}max_tokens: must be <= {max_tokens_limit}, got {o.max_tokens}")
+    if not math.isfinite(o.temperature) or o.temperature < 0:
+        raise Invalid(f"{prefix}temperature: must be a finite number >= 0, got {o.temperature}")
+    if o.top_p != 0 and not 0 < o.top_p <= 1:  # NaN fails the range test too
+        raise Invalid(f"{prefix}top_p: must be in (0, 1] (0 = unset), got {o.top_p}")
+    if o.top_k < 0:
+        raise Invalid(f"{prefix}top_k: must be >= 0 (0 = disabled), got {o.top_k}")
+    if o.budget < 0:
+        raise Invalid(f"{prefix}budget: must be >= 0 (0 = server default), got {o.budget}")
+    if len(o.stop) > MAX_STOP_STRINGS:
+        raise Invalid(f"{prefix}stop: at most {MAX_STOP_STRINGS} stop strings, got {len(o.stop)}")
+    for i, s in enumerate(o.stop):
+        if not s:
+            raise Invalid(f"{prefix}stop[{i}]: must not be empty")
+        if len(s) > MAX_STOP_CHARS:
+            raise Invalid(f"{prefix}stop[{i}]: {len(s)} characters, over the limit of {MAX_STOP_CHARS}")
+    if len(o.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise Invalid(f"{prefix}stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(o.stop_token_ids)}")
+    for i, t in enumerate(o.stop_token_ids):
+        if not 0 <= t < vocab_size:
+            raise Invalid(f"{prefix}stop_token_ids[{i}]: token id {t} is outside the vocabulary (size {vocab_size})")
+
+
+def validate_template_kwargs(kwargs) -> dict:
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise Invalid(f"chat_template_kwargs: must be a JSON object, got {type(kwargs).__name__}")
+    for key in ("thinking", "preserve_thinking"):
+        if key in kwargs and not isinstance(kwargs[key], bool):
+            raise Invalid(f"chat_template_kwargs.{key}: must be true or false, got {kwargs[key]!r}")
+    return kwargs
+
+
+class Pipeline:
+    """Everything between a parsed public request and the verifier: thread-safe, one per gateway."""
+
+    def __init__(self, tokenizer: Tokenizer, router: Router, config: GatewayConfig):
+        check_names(config.reasoning_parser, config.tool_call_parser)
+        self.tokenizer = tokenizer
+        self.router = router
+        self.config = config
+        eos = [t for t in EOS_TOKENS if t in tokenizer.special_tokens]
+        self._eos_ids = tuple(dict.fromkeys([*(tokenizer.special_tokens[t] for t in eos),
+                                             *(() if tokenizer.eos_id is None else (tokenizer.eos_id,))]))
+        self._max_context: int | None = None
+
+    # -- request preparation -----------------------------------------------------------------------
+    def chat_job(self, messages: list[dict], options: gateway_pb2.GenerationOptions, *, tools=None,
+                 chat_template_kwargs: dict | None = None, request_id: str = "", tool_choice: str = "auto",
+                 separate_reasoning: bool = True, options_prefix: str = "options.") -> Job:
+        """A chat request as a Job. `messages` are OpenAI-style dicts (chat_template.py)."""
+        if not messages:
+            raise Invalid("messages: must not be empty")
+        if tool_choice not in TOOL_CHOICES:
+            raise Invalid(f"tool_choice: must be one of {', '.join(TOOL_CHOICES)}, got {tool_choice!r}")
+        tools = validate_tools(tools)
+        if tool_choice == "none":
+            tools = None  # the model is not told about tools, and nothing is parsed as a call
+        kwargs = validate_template_kwargs(chat_template_kwargs)
+        self.check_prompt_chars(sum(len(v) for m in messages if isinstance(m, dict)
+                                    for v in (m.get("content"), m.get("reasoning_content")) if isinstance(v, str)),
+                                "messages")
+        prompt = self.render(messages, tools, True, kwargs)
+        history_calls = sum(len(m.get("tool_calls") or ()) for m in messages)
+        reasoning = self.config.reasoning_parser if separate_reasoning else "none"
+        tool_parser = self.config.tool_call_parser if tools else "none"
+        return self._job(options, request_id, self.tokenizer.encode(prompt), options_prefix, api="chat",
+                         reasoning_parser=None if reasoning == "none" else reasoning,
+                         tool_parser=None if tool_parser == "none" else tool_parser,
+                         in_reasoning=starts_in_reasoning(prompt), tool_index_offset=history_calls)
+
+    def complete_job(self, prompt: str | list[int], options: gateway_pb2.GenerationOptions, request_id: str = "",
+                     options_prefix: str = "options.") -> Job:
+        """A completion of `prompt` (text, or token ids)."""
+        if not prompt:
+            raise Invalid("prompt: must not be empty")
+        if isinstance(prompt, str):
+            self.check_prompt_chars(len(prompt), "prompt")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            try:
+                self.tokenizer.check_ids(ids)
+            except ValueError as e:
+                raise Invalid(f"prompt: {e}") from None
+        return self._job(options, request_id, ids, options_prefix)
+
+    def render(self, messages: list[dict], tools, add_generation_prompt: bool, kwargs: dict) -> str:
+        prompt = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                                    chat_template_kwargs=kwargs)
+        self.check_prompt_chars(len(prompt), "rendered chat prompt")
+        return prompt
+
+    def check_prompt_chars(self, n: int, what: str) -> None:
+        if n > self.config.max_prompt_chars:
+            raise Invalid(f"{what}: {n} characters, over the limit of {self.config.max_prompt_chars}")
+
+    def _job(self, o: gateway_pb2.GenerationOptions, request_id: str, input_ids: list[int], prefix: str,
+             **kwargs) -> Job:
+        validate_options(o, vocab_size=self.tokenizer.vocab_size, max_tokens_limit=self.config.max_tokens_limit,
+                         prefix=prefix)
+        if not input_ids:
+            raise Invalid("prompt: encodes to no tokens")
+        limit = self.config.max_prompt_tokens
+        if limit and len(input_ids) > limit:
+            raise Invalid(f"prompt: {len(input_ids)} tokens, over the limit of {limit}")
+        stop_ids = list(dict.fromkeys([*o.stop_token_ids, *(() if o.ignore_eos else self._eos_ids)]))
+        sampling = common_pb2.SamplingParams(temperature=o.temperature, top_p=o.top_p, top_k=o.top_k)
+        if o.HasField("seed"):
+            sampling.seed = o.seed
+        request = verifier_pb2.GenerateRequest(
+            request_id=request_id or f"gw-{uuid.uuid4().hex}", input_ids=input_ids, sampling=sampling,
+            max_new_tokens=o.max_tokens or self.config.default_max_tokens, ignore_eos=o.ignore_eos,
+            stop_token_ids=stop_ids, spec=common_pb2.SpecOptions(no_spec=o.no_spec, budget=o.budget))
+        return Job(request=request, stop_strings=tuple(o.stop), stop_ids=frozenset(stop_ids), **kwargs)
+
+    # -- generation ----------------------------------------------------------------------------------
+    def generate(self, job: Job, timeout: float | None = None, protocol: str = "grpc") -> Generation:
+        return Generation(job, self.tokenizer, self.router, timeout, protocol)
+
+    def max_context(self) -> int:
+        """A verifier's max_context, asked once one answers; the tokenizer's limit until then."""
+        if self._max_context is None:
+            try:
+                info = self.router.first_healthy().stub.GetInfo(verifier_pb2.VerifierInfoRequest(),
+                                                                timeout=INFO_TIMEOUT_S)
+                self._max_context = info.max_context
+            except grpc.RpcError:
+                return self.tokenizer.model_max_length or 0
+        return self._max_context
+
+

@@ -1,0 +1,128 @@
+"""Several verifiers behind one gateway: each request goes to the healthy verifier with the fewest
+outstanding requests (ties rotate).
+
+Health is `grpc.health.v1` (service ""), polled every `health_interval_s` in a background thread; a
+Generate that fails with UNAVAILABLE marks its verifier unhealthy at once, and the poller brings it
+back when it answers SERVING again. When every verifier is unhealthy the request still goes to one of
+them (health may be stale), so the client gets the verifier's own error rather than a guess.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Iterable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.gateway import metrics
+from services.protocol.ddtree.v1 import verifier_pb2_grpc
+from services.protocol.server import GRPC_OPTIONS
+from services.telemetry.logging import get_logger
+
+
+class Endpoint:
+    """One verifier: its channel, stubs and the router's view of it (guarded by the router's lock)."""
+
+    def __init__(self, address: str):
+        self.address = address
+        self.channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self.stub = verifier_pb2_grpc.VerifierStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+        self.outstanding = 0
+        self.healthy = True  # optimistic until the first check says otherwise
+        self.last_error = ""
+
+
+class Router:
+    def __init__(self, addresses: Iterable[str], health_interval_s: float = 2.0):
+        self.endpoints = [Endpoint(a) for a in dict.fromkeys(addresses)]
+        if not self.endpoints:
+            raise ValueError("router: no verifier addresses")
+        self._interval = health_interval_s
+        self._lock = threading.Lock()
+        self._turn = itertools.count()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._log = get_logger("gateway.routing")
+        for e in self.endpoints:
+            metrics.VERIFIER_HEALTHY.labels(verifier=e.address).set(1)
+            metrics.VERIFIER_OUTSTANDING.labels(verifier=e.address).set(0)
+
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        return tuple(e.address for e in self.endpoints)
+
+    def start(self) -> None:
+        """Start polling health (only worth it with more than one verifier, but harmless with one)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._poll, name="gateway-health", daemon=True)
+            self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        for e in self.endpoints:
+            e.channel.close()
+
+    # -- choosing --------------------------------------------------------------------------------------
+    def acquire(self, exclude: Iterable[Endpoint] = ()) -> Endpoint | None:
+        """The endpoint for a new request (its outstanding count taken), or None when all are excluded."""
+        excluded = set(map(id, exclude))
+        with self._lock:
+            candidates = [e for e in self.endpoints if id(e) not in excluded]
+            if not candidates:
+                return None
+            pool = [e for e in candidates if e.healthy] or candidates
+            turn, n = next(self._turn), len(self.endpoints)
+            order = {id(e): i for i, e in enumerate(self.endpoints)}
+            best = min(pool, key=lambda e: (e.outstanding, (order[id(e)] - turn) % n))
+            best.outstanding += 1
+            metrics.VERIFIER_OUTSTANDING.labels(verifier=best.address).set(best.outstanding)
+            return best
+
+    def release(self, endpoint: Endpoint) -> None:
+        with self._lock:
+            endpoint.outstanding -= 1
+            metrics.VERIFIER_OUTSTANDING.labels(verifier=endpoint.address).set(endpoint.outstanding)
+
+    def first_healthy(self) -> Endpoint:
+        with self._lock:
+            return next((e for e in self.endpoints if e.healthy), self.endpoints[0])
+
+    def mark_unhealthy(self, endpoint: Endpoint, reason: str) -> None:
+        self._set_health(endpoint, False, reason)
+
+    def snapshot(self) -> list[dict]:
+        with self._lock:
+            return [{"address": e.address, "healthy": e.healthy, "outstanding": e.outstanding}
+                    for e in self.endpoints]
+
+    # -- health ------------------------------------------------------------------------------------------
+    def check_now(self) -> None:
+        """Probe every verifier once (the poller's body; tests call it to skip the wait)."""
+        for e in self.endpoints:
+            try:
+                status = e.health.Check(health_pb2.HealthCheckRequest(service=""),
+                                        timeout=min(1.0, self._interval)).status
+                ok, reason = status == health_pb2.HealthCheckResponse.SERVING, \
+                    health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+            except grpc.RpcError as err:
+                ok, reason = False, f"{err.code().name}: {err.details()}"
+            self._set_health(e, ok, reason)
+
+    def _set_health(self, endpoint: Endpoint, healthy: bool, reason: str) -> None:
+        with self._lock:
+            changed = endpoint.healthy != healthy
+            endpoint.healthy = healthy
+            endpoint.last_error = "" if healthy else reason
+        metrics.VERIFIER_HEALTHY.labels(verifier=endpoint.address).set(1 if healthy else 0)
+        if changed:
+            self._log.warning("verifier_health", verifier=endpoint.address, healthy=healthy,
+                              reason=reason if not healthy else None)
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            self.check_now()
+            self._stop.wait(self._interval)

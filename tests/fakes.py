@@ -1,0 +1,94 @@
+"""A fake in-process verifier for gateway tests: streams scripted token ids, records what it was sent.
+
+Used by tests/test_gateway_server.py (gRPC) and tests/test_gateway_http.py (HTTP, routing)."""
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+from services.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from services.protocol.server import start_server
+
+
+@dataclasses.dataclass
+class _Run:
+    """What one test scripted and what the fake saw during it. Generate binds the run current at its
+    start, so a stream left over from an earlier test cannot touch a later test's record."""
+    script: list
+    error: tuple | None = None   # (code, message): abort after streaming the script
+    delay_s: float = 0.0         # wait before every message but the first
+    requests: list = dataclasses.field(default_factory=list)
+    aborts: list = dataclasses.field(default_factory=list)
+    time_remaining: list = dataclasses.field(default_factory=list)
+    cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+    sent: int = 0
+
+
+class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
+    """Streams the current run's script for every Generate; records what it was sent."""
+
+    def __init__(self):
+        self.run = _Run([])
+
+    def reset(self, script, error=None, delay_s=0.0):
+        self.run = _Run(script, error, delay_s)
+
+    def __getattr__(self, name):  # fake.requests, fake.sent, ... read the current run
+        return getattr(self.__dict__["run"], name)
+
+    def Generate(self, request, context):
+        run = self.run
+        run.requests.append(request)
+        run.time_remaining.append(context.time_remaining())
+        over = threading.Event()
+        context.add_callback(over.set)  # wakes the waits below as soon as the call is cancelled
+        for i, msg in enumerate(run.script):
+            if i and run.delay_s:
+                over.wait(run.delay_s)
+            if not context.is_active():
+                run.cancelled.set()
+                return
+            run.sent += 1
+            yield msg
+        if run.error:
+            context.abort(*run.error)
+
+    def Abort(self, request, context):
+        self.run.aborts.append(request.request_id)
+        return verifier_pb2.AbortResponse(request_id=request.request_id)
+
+    def GetInfo(self, request, context):
+        return verifier_pb2.VerifierInfo(model_id="fake", max_context=1234)
+
+
+def script_for(ids, sizes=None, finish="length", usage=None, request_id="r"):
+    """Split `ids` into GenerateResponse messages of the given sizes (default 1 each); the last one
+    carries finish_reason and usage. Each message reports one StepStats."""
+    sizes = sizes or [1] * len(ids)
+    assert sum(sizes) == len(ids)
+    msgs, pos = [], 0
+    for step, n in enumerate(sizes):
+        msgs.append(verifier_pb2.GenerateResponse(
+            request_id=request_id, token_ids=ids[pos:pos + n],
+            steps=[common_pb2.StepStats(step=step, context_tokens=10 + pos, tree_nodes=8, accept_length=n,
+                                        verify_ms=1.5, total_ms=2.0)]))
+        pos += n
+    if not msgs:
+        msgs.append(verifier_pb2.GenerateResponse(request_id=request_id))
+    msgs[-1].finish_reason = finish
+    if usage is not None:
+        msgs[-1].usage.CopyFrom(usage)
+    return msgs
+
+
+def start_fake_verifier(name: str = "fake-verifier"):
+    """(servicer, RunningServer) on a free loopback port; servicer.address is set."""
+    servicer = FakeVerifier()
+
+    def register(server):
+        verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
+        return ["ddtree.v1.Verifier"]
+
+    running = start_server(name, register, "127.0.0.1", 0, 16, 0.2, announce=False)
+    servicer.address = running.address
+    return servicer, running
