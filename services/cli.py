@@ -4,6 +4,7 @@
   ddtree drafter | verifier | gateway    one service, as containers run them
   ddtree generate   a client of the gateway (starts a private stack when --gateway is not given)
   ddtree demo       the main job: start the stack, stream one chat answer, print the statistics, stop
+  ddtree train target | drafter    train the demo target / a DFlash drafter (tools/train_*.py)
 """
 from __future__ import annotations
 
@@ -100,6 +101,7 @@ def cmd_serve(args) -> None:
     stack = _start_stack(args, log_dir)
     for p in stack.processes:
         print(f"{p.name:9s} {p.address}   log {p.log_path}", flush=True)
+    print(f"http      http://{stack.gateway_http}/v1   (OpenAI-compatible)", flush=True)
     print("serving; Ctrl-C stops", flush=True)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())

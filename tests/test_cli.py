@@ -53,8 +53,9 @@ def test_serve_starts_three_services_and_stops_cleanly(default_ckpt, tmp_path):
         lines.append(line)
         if line.startswith("serving"):
             break
-    names = {line.split()[0] for line in lines if line[:1].isalpha() and not line.startswith("serving")}
+    names = {line.split()[0] for line in lines if line[:1].isalpha() and not line.startswith(("serving", "http"))}
     assert names == {"drafter", "verifier", "gateway"}, lines
+    assert any(line.startswith("http      http://127.0.0.1:") for line in lines), lines
     gateway = next(line.split()[1] for line in lines if line.startswith("gateway"))
     res = _ddtree("generate", "--gateway", gateway, "--prompt", "hi", "--max-tokens", "5", "--json")
     assert res.returncode == 0 and json.loads(res.stdout)["usage"]["completion_tokens"] >= 1
