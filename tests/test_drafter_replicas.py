@@ -9,7 +9,6 @@ import pytest
 
 from services.launcher import start_service
 from services.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
-from services.verifier.drafter_pool import resolve
 from tests.test_metrics import _metrics_port, _scrape
 
 pytestmark = pytest.mark.slow
@@ -27,13 +26,6 @@ def _generate(address, ids, no_spec, on_step=None):
             if on_step:
                 on_step(len(steps))
     return tokens, steps
-
-
-def test_resolve_expands_names_and_lists():
-    assert resolve("127.0.0.1:5,127.0.0.1:6") == ["127.0.0.1:5", "127.0.0.1:6"]
-    assert "127.0.0.1:7" in resolve("localhost:7")
-    with pytest.raises(ValueError, match="not HOST:PORT"):
-        resolve("nohostport")
 
 
 def test_two_replicas_spread_and_survive_a_loss(default_ckpt, tmp_path):

@@ -1,7 +1,9 @@
 """Several verifiers behind one gateway: each request goes to the healthy verifier with the fewest
 outstanding requests (ties rotate).
 
-Health is `grpc.health.v1` (service ""), polled every `health_interval_s` in a background thread; a
+Addresses are resolved through DNS (services/protocol/discovery.py), so `verifier:50062` with
+`docker compose --scale verifier=2` is two endpoints; names are re-resolved on every health poll and
+new replicas join. Health is `grpc.health.v1` (service ""), polled every `health_interval_s` in a background thread; a
 Generate that fails with UNAVAILABLE marks its verifier unhealthy at once, and the poller brings it
 back when it answers SERVING again. When every verifier is unhealthy the request still goes to one of
 them (health may be stale), so the client gets the verifier's own error rather than a guess.
@@ -16,6 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.gateway import metrics
+from services.protocol.discovery import resolve
 from services.protocol.ddtree.v1 import verifier_pb2_grpc
 from services.protocol.server import GRPC_OPTIONS
 from services.telemetry.logging import get_logger
@@ -36,7 +39,9 @@ class Endpoint:
 
 class Router:
     def __init__(self, addresses: Iterable[str], health_interval_s: float = 2.0):
-        self.endpoints = [Endpoint(a) for a in dict.fromkeys(addresses)]
+        self._spec = list(dict.fromkeys(addresses))
+        # A name that does not resolve yet is kept as given: gRPC resolves it when it can.
+        self.endpoints = [Endpoint(a) for a in dict.fromkeys(self._expand())]
         if not self.endpoints:
             raise ValueError("router: no verifier addresses")
         self._interval = health_interval_s
@@ -122,7 +127,30 @@ class Router:
             self._log.warning("verifier_health", verifier=endpoint.address, healthy=healthy,
                               reason=reason if not healthy else None)
 
+    def _expand(self) -> list[str]:
+        out = []
+        for item in self._spec:
+            out += resolve(item) or [item]
+        return out
+
+    def discover(self) -> None:
+        """Add endpoints for replicas that appeared behind a name since the last look."""
+        known = set(self.addresses)
+        fresh = [a for a in dict.fromkeys(self._expand()) if a not in known]
+        if not fresh:
+            return
+        with self._lock:
+            for address in fresh:
+                self.endpoints.append(Endpoint(address))
+                metrics.VERIFIER_HEALTHY.labels(verifier=address).set(1)
+                metrics.VERIFIER_OUTSTANDING.labels(verifier=address).set(0)
+        self._log.info("verifier_replicas_joined", verifiers=fresh)
+
     def _poll(self) -> None:
         while not self._stop.is_set():
+            try:
+                self.discover()
+            except ValueError as err:
+                self._log.warning("verifier_discovery_error", error=str(err))
             self.check_now()
             self._stop.wait(self._interval)

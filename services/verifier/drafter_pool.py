@@ -12,39 +12,17 @@ replicas that remain.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import socket
 import threading
 import time
 
 import grpc
 
+from services.protocol.discovery import resolve
 from services.telemetry.logging import get_logger
 from services.verifier.drafter_client import DraftResult, DrafterClient
 from services.verifier.sequence import Sequence
 
 log = get_logger("ddtree.verifier.drafter_pool")
-
-
-def resolve(spec: str) -> list[str]:
-    """'a:1,b:2' -> every address each name resolves to, as 'ip:port' (IPv6 in brackets), in order."""
-    out: list[str] = []
-    for item in (s.strip() for s in spec.split(",")):
-        if not item:
-            continue
-        host, sep, port = item.rpartition(":")
-        if not sep or not port.isdigit():
-            raise ValueError(f"drafter address {item!r} is not HOST:PORT")
-        host = host.strip("[]")
-        try:
-            infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-        except socket.gaierror as err:
-            log.warning("drafter_resolve_failed", host=host, error=str(err))
-            continue
-        for family, _, _, _, addr in infos:
-            ip = f"[{addr[0]}]" if family == socket.AF_INET6 else addr[0]
-            if f"{ip}:{port}" not in out:
-                out.append(f"{ip}:{port}")
-    return out
 
 
 class DrafterPool:
@@ -158,7 +136,17 @@ class DrafterPool:
                 groups.setdefault(addr, []).append((seq, budget))
         with self._lock:
             clients = {a: self._clients.get(a) for a in groups}
-        futures = {a: self._executor.submit(clients[a].draft, g, vocab_size) for a, g in groups.items() if clients[a]}
+        for addr in [a for a, c in clients.items() if c is None]:  # dropped since assignment
+            failed.update(seq.request_id for seq, _ in groups.pop(addr))
+        if len(groups) == 1:  # the common case: no thread hop
+            (addr, group), = groups.items()
+            futures = {addr: cf.Future()}
+            try:
+                futures[addr].set_result(clients[addr].draft(group, vocab_size))
+            except grpc.RpcError as err:
+                futures[addr].set_exception(err)
+        else:
+            futures = {a: self._executor.submit(clients[a].draft, g, vocab_size) for a, g in groups.items()}
         trees, fbytes, draft_ms, rpc_ms = {}, {}, 0.0, 0.0
         for addr, fut in futures.items():
             try:

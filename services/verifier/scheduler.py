@@ -108,28 +108,35 @@ class Scheduler:
 
     # ---- the loop ----
     def _loop(self) -> None:
-        while True:
-            with self._cond:
-                if self._stopping:
-                    return
-                self._reap_aborts()
-                self._admit()
-                if not self._running:
-                    self._cond.wait(timeout=0.5)
-                    continue
-                decode = [s for s in self._running if s.phase is Phase.DECODE]
-                prefill = next((s for s in self._running if s.phase is Phase.PREFILL), None)
-                metrics.RUNNING.set(len(self._running))
-                metrics.QUEUED.set(len(self._waiting))
-                metrics.KV_USED.set(self.pool.num_used)
+        while not self._stopping:
             try:
-                self._step(decode, prefill)
-            except Exception as err:  # a model or pool failure ends this step's sequences, not the server
-                log.exception("step_failed", error=str(err))
-                with self._cond:
-                    for seq in decode + ([prefill] if prefill else []):
-                        seq.events.put(StreamEvent((), None, "error", error=f"internal error: {err}"))
-                        self._finish(seq, None)
+                self._loop_once()
+            except Exception as err:  # the loop must outlive any one bad step
+                log.exception("scheduler_loop_error", error=str(err))
+                time.sleep(0.01)
+
+    def _loop_once(self) -> None:
+        with self._cond:
+            if self._stopping:
+                return
+            self._reap_aborts()
+            self._admit()
+            if not self._running:
+                self._cond.wait(timeout=0.5)
+                return
+            decode = [s for s in self._running if s.phase is Phase.DECODE]
+            prefill = next((s for s in self._running if s.phase is Phase.PREFILL), None)
+            metrics.RUNNING.set(len(self._running))
+            metrics.QUEUED.set(len(self._waiting))
+            metrics.KV_USED.set(self.pool.num_used)
+        try:
+            self._step(decode, prefill)
+        except Exception as err:  # a model or pool failure ends this step's sequences, not the server
+            log.exception("step_failed", error=str(err))
+            with self._cond:
+                for seq in decode + ([prefill] if prefill else []):
+                    seq.events.put(StreamEvent((), None, "error", error=f"internal error: {err}"))
+                    self._finish(seq, None)
 
     def _admit(self) -> None:
         while self._waiting and len(self._running) < self.config.max_batch:
