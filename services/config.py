@@ -78,7 +78,11 @@ class VerifierConfig(ServiceConfig):
     prefill_chunk: int = dataclasses.field(default=512, metadata={"help": "prefill chunk, tokens"})
     default_budget: int = dataclasses.field(default=16, metadata={"help": "tree node budget when a request sets none"})
     draft_timeout_s: float = dataclasses.field(default=10.0, metadata={"help": "Draft RPC deadline"})
+    step_log: str = dataclasses.field(default="", metadata={
+        "help": "step records: '' = the service log (level info), off = none, PATH = a JSON-lines file"})
     attention_backend: str = dataclasses.field(default="auto", metadata={"help": "auto | torch | triton (auto = triton on CUDA)"})
+    debug_checks: bool = dataclasses.field(default=False, metadata={
+        "help": "check KV accounting (free + in use == total) after every step"})
     device: str = dataclasses.field(default="cpu", metadata={"help": "torch device"})
     dtype: str = dataclasses.field(default="float32", metadata={"help": "float32 | bfloat16 | float16"})
     threads: int = dataclasses.field(default=0, metadata={"help": "torch CPU threads (0 = torch's default)"})
@@ -153,12 +157,25 @@ def env_var_names(cls: type[ServiceConfig]) -> list[str]:
     return [env_var_name(f.name) for f in dataclasses.fields(cls)]
 
 
+def _parse_bool(raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"{raw!r} is not a boolean (true/false)")
+
+
+def _parser_for(kind: type):
+    return _parse_bool if kind is bool else kind
+
+
 def add_config_flags(parser: argparse.ArgumentParser, cls: type[ServiceConfig]) -> None:
     """One flag per field; its default is left unset so config_from_flags can tell flag from env."""
     for f in dataclasses.fields(cls):
         default = f.default
         parser.add_argument(
-            "--" + f.name.replace("_", "-"), dest=f.name, type=type(default), default=None,
+            "--" + f.name.replace("_", "-"), dest=f.name, type=_parser_for(type(default)), default=None,
             help=f"{f.metadata.get('help', '')} [env {env_var_name(f.name)}, default {default!r}]",
         )
 
@@ -178,7 +195,7 @@ def config_from_flags(cls: type[ServiceConfig], args: argparse.Namespace | None 
         elif env_var_name(f.name) in environ:
             raw = environ[env_var_name(f.name)]
             try:
-                values[f.name] = kind(raw)
+                values[f.name] = _parser_for(kind)(raw)
             except ValueError:
                 raise ValueError(f"{env_var_name(f.name)}={raw!r} is not a valid {kind.__name__}") from None
     config = cls(**values)

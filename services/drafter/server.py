@@ -35,7 +35,8 @@ def decode_request(req: drafter_pb2.DraftRequest) -> list[SeqDraftInput]:
         feats = tensor_from_proto(s.commit_features, what=f"seqs[{i}] ({s.seq_id}) commit_features")
         out.append(SeqDraftInput(seq_id=s.seq_id, commit_token_ids=tuple(s.commit_token_ids),
                                  commit_start=s.commit_start, commit_features=feats,
-                                 anchor_token_id=s.anchor_token_id, budget=s.budget, reset=s.reset))
+                                 anchor_token_id=s.anchor_token_id, budget=s.budget, reset=s.reset,
+                                 chain=s.chain))
     return out
 
 
@@ -56,12 +57,12 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 trees = self.engine.draft(seqs)
             except ValueError as err:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        draft_ms = (time.perf_counter() - t0) * 1e3
+            draft_ms = (time.perf_counter() - t0) * 1e3
+            # Read the engine's state under the lock: Release mutates it from other threads.
+            metrics.DRAFT_SEQUENCES.set(self.engine.info()["active_sequences"])
+            metrics.DRAFT_CONTEXT_BYTES.set(getattr(self.engine, "context_bytes", 0))
         metrics.DRAFT_CALLS.inc()
         metrics.DRAFT_SECONDS.observe(draft_ms / 1e3)
-        info = self.engine.info()
-        metrics.DRAFT_SEQUENCES.set(info["active_sequences"])
-        metrics.DRAFT_CONTEXT_BYTES.set(getattr(self.engine, "context_bytes", 0))
         resp = drafter_pb2.DraftResponse(draft_ms=draft_ms)
         for s, tree in zip(seqs, trees):
             resp.trees.add(seq_id=s.seq_id, token_ids=tree.token_ids, parents=tree.parents, depths=tree.depths)

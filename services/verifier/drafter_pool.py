@@ -152,8 +152,15 @@ class DrafterPool:
             try:
                 res = fut.result()
             except grpc.RpcError as err:
-                self._drop(addr, f"{err.code()}: {err.details()}")
-                failed.update(seq.request_id for seq, _ in groups[addr])
+                ids = [seq.request_id for seq, _ in groups[addr]]
+                failed.update(ids)
+                if err.code() == grpc.StatusCode.UNAVAILABLE:
+                    self._drop(addr, f"{err.code()}: {err.details()}")
+                else:
+                    # The replica answers but this call failed (deadline, internal error): these
+                    # sequences continue with AR and their contexts there are released.
+                    log.error("draft_call_failed", address=addr, code=str(err.code()), details=err.details())
+                    self.release(ids)
                 continue
             trees.update(res.trees)
             fbytes.update(res.feature_bytes)

@@ -21,6 +21,7 @@ from services.config import VerifierConfig
 from services.drafter.tree import TokenTree
 from services.telemetry import metrics
 from services.telemetry.logging import get_logger
+from services.telemetry.step_log import open_step_log
 from services.verifier.batch import PrefillItem, VerifyItem, WorkItem, run_batch
 from services.verifier.commit import commit_prefill, commit_verify
 from services.verifier.drafter_client import DraftResult
@@ -28,7 +29,6 @@ from services.verifier.kv_pool import LatentKVPool
 from services.verifier.sequence import Phase, Sequence, StepRecord, StreamEvent
 
 log = get_logger("ddtree.verifier.scheduler")
-step_log = get_logger("ddtree.steps")
 EMPTY_TREE = TokenTree((), (), ())
 
 
@@ -50,6 +50,7 @@ class Scheduler:
         self.vocab_size = model.config.vocab_size
         self.window = drafter.window if drafter is not None else 0
         self.tap_layer_ids = drafter.tap_layer_ids if drafter is not None else ()
+        self.step_log = open_step_log(config.step_log)  # None = off
         self._cond = threading.Condition()
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._running: list[Sequence] = []
@@ -131,12 +132,25 @@ class Scheduler:
             metrics.KV_USED.set(self.pool.num_used)
         try:
             self._step(decode, prefill)
+            if self.config.debug_checks:
+                self.check_accounting()
         except Exception as err:  # a model or pool failure ends this step's sequences, not the server
             log.exception("step_failed", error=str(err))
             with self._cond:
                 for seq in decode + ([prefill] if prefill else []):
                     seq.events.put(StreamEvent((), None, "error", error=f"internal error: {err}"))
                     self._finish(seq, None)
+
+    def check_accounting(self) -> None:
+        """free + held by sequences == total, with no slot held twice (debug mode, and tests)."""
+        with self._cond:
+            self.pool.check()
+            held = torch.cat([s.slots for s in self._running]) if self._running else torch.empty(0, dtype=torch.int64)
+            if held.numel() != held.unique().numel():
+                raise AssertionError("a KV slot is held by two sequences")
+            if self.pool.num_free + held.numel() != self.pool.num_slots:
+                raise AssertionError(f"KV accounting: free {self.pool.num_free} + held {held.numel()} != "
+                                     f"total {self.pool.num_slots}")
 
     def _admit(self) -> None:
         while self._waiting and len(self._running) < self.config.max_batch:
@@ -238,7 +252,8 @@ class Scheduler:
                 seq.accept_lengths.append(accept_length)
                 self.total_steps += 1
                 self.total_tokens += accept_length
-                step_log.info("step", request_id=seq.request_id, **record.__dict__)
+                if self.step_log is not None:
+                    self.step_log.info("step", request_id=seq.request_id, **record.__dict__)
                 metrics.observe_step({"draft": record.draft_ms, "verify": record.verify_ms,
                                       "transport": record.transport_ms, "total": record.total_ms},
                                      accept_length, record.context_tokens, record.tree_nodes, record.feature_bytes)
