@@ -81,6 +81,8 @@ class VerifierConfig(ServiceConfig):
     step_log: str = dataclasses.field(default="", metadata={
         "help": "step records: '' = the service log (level info), off = none, PATH = a JSON-lines file"})
     attention_backend: str = dataclasses.field(default="auto", metadata={"help": "auto | torch | triton (auto = triton on CUDA)"})
+    prefix_cache: bool = dataclasses.field(default=True, metadata={
+        "help": "reuse the KV (and drafter features) of committed prefixes across requests"})
     debug_checks: bool = dataclasses.field(default=False, metadata={
         "help": "check KV accounting (free + in use == total) after every step"})
     device: str = dataclasses.field(default="cpu", metadata={"help": "torch device"})

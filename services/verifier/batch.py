@@ -77,9 +77,14 @@ def run_batch(model, pool: LatentKVPool, items: list[WorkItem], tap_layer_ids: t
     device = pool.cache.device
     rows = torch.cat(logit_rows) if logit_rows else torch.empty(0, dtype=torch.int64)
     meta = AttentionMetadata(seqs=tuple(seqs))
-    with torch.inference_mode():
-        out = model.forward(torch.cat(ids).to(device), torch.cat(pos).to(device), meta, pool.cache,
-                            logits_rows=rows.to(device), tap_layer_ids=tap_layer_ids)
+    try:
+        with torch.inference_mode():
+            out = model.forward(torch.cat(ids).to(device), torch.cat(pos).to(device), meta, pool.cache,
+                                logits_rows=rows.to(device), tap_layer_ids=tap_layer_ids)
+    except Exception:
+        for slots in allocated:
+            pool.free(slots)
+        raise
     logits = out.logits.float()   # stays on the device: choices are made there, only ids come back
     taps = out.taps
     results, lrow = [], 0

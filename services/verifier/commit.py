@@ -17,8 +17,13 @@ from services.verifier.sampling import make_generator, target_choices
 from services.verifier.sequence import PendingCommit, Sequence
 
 
-def _append_pending(seq: Sequence, tokens: list[int], start: int, features: torch.Tensor | None,
-                    window: int) -> None:
+def _log_features(seq: Sequence, features: torch.Tensor | None) -> None:
+    if seq.feature_log is not None and features is not None:
+        seq.feature_log.append(features)
+
+
+def append_pending(seq: Sequence, tokens: list[int], start: int, features: torch.Tensor | None,
+                   window: int) -> None:
     """Queue committed tokens for the drafter, keeping at most `window` of them (0 = all)."""
     if not seq.use_spec:
         return
@@ -51,7 +56,9 @@ def commit_prefill(out: ItemOutput, pool: LatentKVPool, window: int) -> list[int
     assert isinstance(item, PrefillItem)
     seq = item.seq
     chunk = list(seq.params.input_ids[item.start:item.end])
-    _append_pending(seq, chunk, item.start, None if out.taps is None else out.taps.cpu(), window)
+    taps = None if out.taps is None else out.taps.cpu()
+    append_pending(seq, chunk, item.start, taps, window)
+    _log_features(seq, taps)
     seq.committed.extend(chunk)
     seq.slots = torch.cat([seq.slots, out.new_slots])
     seq.prefill_done = item.end
@@ -75,7 +82,8 @@ def commit_verify(out: ItemOutput, pool: LatentKVPool, window: int) -> tuple[Ver
     pool.free(out.new_slots[~keep])
     start = seq.context_len
     features = out.taps.index_select(0, acc.to(out.taps.device)).cpu() if out.taps is not None else None
-    _append_pending(seq, list(verdict.accepted_tokens), start, features, window)
+    append_pending(seq, list(verdict.accepted_tokens), start, features, window)
+    _log_features(seq, features)
     seq.committed.extend(verdict.accepted_tokens)
     seq.slots = torch.cat([seq.slots, out.new_slots[acc]])
     seq.root = verdict.bonus_token

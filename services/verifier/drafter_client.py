@@ -57,7 +57,7 @@ class DrafterClient:
             msg = drafter_pb2.SeqDraft(seq_id=seq.request_id, commit_token_ids=tokens,
                                        commit_start=pend.start if pend is not None else seq.context_len,
                                        anchor_token_id=seq.root, budget=budget,
-                                       reset=not seq.drafter_seeded)
+                                       reset=not seq.drafter_seeded, chain=seq.params.chain)
             if feats is not None:
                 msg.commit_features.CopyFrom(feats)
             msgs.append(msg)

@@ -23,9 +23,10 @@ from services.telemetry import metrics
 from services.telemetry.logging import get_logger
 from services.telemetry.step_log import open_step_log
 from services.verifier.batch import PrefillItem, VerifyItem, WorkItem, run_batch
-from services.verifier.commit import commit_prefill, commit_verify
+from services.verifier.commit import append_pending, commit_prefill, commit_verify
 from services.verifier.drafter_client import DraftResult
 from services.verifier.kv_pool import LatentKVPool
+from services.verifier.prefix_cache import PrefixCache
 from services.verifier.sequence import Phase, Sequence, StepRecord, StreamEvent
 
 log = get_logger("ddtree.verifier.scheduler")
@@ -50,6 +51,7 @@ class Scheduler:
         self.vocab_size = model.config.vocab_size
         self.window = drafter.window if drafter is not None else 0
         self.tap_layer_ids = drafter.tap_layer_ids if drafter is not None else ()
+        self.cache = PrefixCache(pool) if config.prefix_cache else None
         self.step_log = open_step_log(config.step_log)  # None = off
         self._cond = threading.Condition()
         self._waiting: collections.deque[Sequence] = collections.deque()
@@ -145,12 +147,16 @@ class Scheduler:
         """free + held by sequences == total, with no slot held twice (debug mode, and tests)."""
         with self._cond:
             self.pool.check()
-            held = torch.cat([s.slots for s in self._running]) if self._running else torch.empty(0, dtype=torch.int64)
-            if held.numel() != held.unique().numel():
-                raise AssertionError("a KV slot is held by two sequences")
-            if self.pool.num_free + held.numel() != self.pool.num_slots:
-                raise AssertionError(f"KV accounting: free {self.pool.num_free} + held {held.numel()} != "
-                                     f"total {self.pool.num_slots}")
+            # Slots a sequence holds alone: after its cached (shared, cache-owned) prefix.
+            own = [s.slots[s.cached_len:] for s in self._running]
+            held = torch.cat(own) if own else torch.empty(0, dtype=torch.int64)
+            cached = self.cache.all_slots() if self.cache is not None else torch.empty(0, dtype=torch.int64)
+            both = torch.cat([held, cached])
+            if both.numel() != both.unique().numel():
+                raise AssertionError("a KV slot is held twice (by two sequences, or by one and the cache)")
+            if self.pool.num_free + held.numel() + cached.numel() != self.pool.num_slots:
+                raise AssertionError(f"KV accounting: free {self.pool.num_free} + held {held.numel()} + cached "
+                                     f"{cached.numel()} != total {self.pool.num_slots}")
 
     def _admit(self) -> None:
         while self._waiting and len(self._running) < self.config.max_batch:
@@ -162,6 +168,27 @@ class Scheduler:
             self._reserved += need
             seq.phase = Phase.PREFILL
             self._running.append(seq)
+            if self.cache is not None:
+                self._reuse_prefix(seq)
+
+    def _reuse_prefix(self, seq: Sequence) -> None:
+        """Start from the longest cached prefix (all but the last prompt token, whose logits give the
+        first output token). A speculative sequence needs the prefix's features to seed the drafter."""
+        prompt = list(seq.params.input_ids)
+        seq.feature_log = [] if self.tap_layer_ids else None
+        match = self.cache.match(prompt[:-1])
+        if match.length == 0 or (seq.use_spec and match.features is None):
+            self.cache.release(match)
+            return
+        seq.prefix_match = match
+        seq.cached_len = seq.prefill_done = match.length
+        seq.slots = match.slots.clone()
+        seq.committed = prompt[:match.length]
+        if match.features is not None:
+            if seq.feature_log is not None:
+                seq.feature_log.append(match.features)
+            append_pending(seq, seq.committed, 0, match.features, self.window)
+        log.info("prefix_hit", request_id=seq.request_id, cached_tokens=match.length, prompt_tokens=len(prompt))
 
     def _reap_aborts(self) -> None:
         for seq in [s for s in self._waiting if s.abort_requested.is_set()]:
@@ -183,12 +210,33 @@ class Scheduler:
         metrics.REQUESTS.labels(finish_reason=seq.finish_reason or "error").inc()
         metrics.E2E.observe(time.perf_counter() - seq.arrival)
         self._by_id.pop(seq.request_id, None)
-        self.pool.free(seq.slots)
-        seq.slots = torch.empty(0, dtype=torch.int64)
+        self._release_kv(seq)
         seq.phase = Phase.FINISHED
         if self.drafter is not None and seq.drafter_seeded:
             # Release outside the hot path would be nicer; it is one small RPC per finished request.
             threading.Thread(target=self.drafter.release, args=([seq.request_id],), daemon=True).start()
+
+    def _release_kv(self, seq: Sequence) -> None:
+        """Hand the committed tokens' KV (and features) to the prefix cache, or free it."""
+        if self.cache is None:
+            self.pool.free(seq.slots)
+        else:
+            feats = None
+            if seq.feature_log:
+                feats = torch.cat(seq.feature_log)
+                feats = feats if feats.shape[0] == len(seq.committed) else None
+            self.pool.free(self.cache.insert(seq.committed, seq.slots, feats))
+            if seq.prefix_match is not None:
+                self.cache.release(seq.prefix_match)
+                seq.prefix_match = None
+        seq.slots = torch.empty(0, dtype=torch.int64)
+        seq.cached_len = 0
+        seq.feature_log = None
+
+    def _make_room(self, items: list[WorkItem]) -> None:
+        need = sum(it.tree.n + 1 if isinstance(it, VerifyItem) else it.end - it.start for it in items)
+        if self.cache is not None and self.pool.num_free < need:
+            self.cache.evict(need - self.pool.num_free)
 
     def _draft(self, decode: list[Sequence]) -> DraftResult | None:
         spec = [(s, s.params.budget) for s in decode if s.use_spec]
@@ -218,6 +266,8 @@ class Scheduler:
             end = min(prefill.prefill_done + self.config.prefill_chunk, prefill.prompt_len)
             items.append(PrefillItem(prefill, prefill.prefill_done, end))
         t1 = time.perf_counter()
+        with self._cond:
+            self._make_room(items)
         outputs = run_batch(self.model, self.pool, items, self.tap_layer_ids)
         committed = []
         for out in outputs:

@@ -34,6 +34,7 @@ class GenerateParams:
     stop_token_ids: frozenset[int]   # eos ids (unless ignore_eos) + the request's stop ids
     use_spec: bool
     budget: int
+    chain: bool = False              # ask the drafter for a width-1 tree (a chain)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +74,9 @@ class Sequence:
         self.committed: list[int] = []
         self.slots = torch.empty(0, dtype=torch.int64)
         self.prefill_done = 0              # prompt tokens already in the KV cache
+        self.cached_len = 0                # leading slots owned by the prefix cache (shared, pinned)
+        self.prefix_match = None           # the PrefixMatch pinning them
+        self.feature_log: list[torch.Tensor] | None = None  # taps of every committed token (prefix cache)
         self.root: int | None = None
         self.generated: list[int] = []
         self.pending_commit: PendingCommit | None = None

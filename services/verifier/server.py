@@ -9,6 +9,7 @@ import grpc
 import torch
 
 from services.config import VerifierConfig
+from services.models.attention import resolve_attention_backend
 from services.models.loader import load_target
 from services.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from services.protocol.server import RunningServer, start_server
@@ -86,7 +87,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         return GenerateParams(request_id=req.request_id or uuid.uuid4().hex, input_ids=tuple(req.input_ids),
                               sampling=sampling, max_new_tokens=req.max_new_tokens,
                               stop_token_ids=frozenset(stops), use_spec=use_spec,
-                              budget=budget if use_spec else 0)
+                              budget=budget if use_spec else 0, chain=use_spec and req.spec.chain)
 
     def Generate(self, request, context):
         try:
@@ -145,7 +146,8 @@ def serve(config: VerifierConfig, model_dir: str) -> RunningServer:
     """Load the target, connect to the drafter (if any), start the scheduler and the gRPC server."""
     import pathlib
 
-    model = load_target(model_dir, dtype=_DTYPES[config.dtype], device=config.device)
+    model = load_target(model_dir, dtype=_DTYPES[config.dtype], device=config.device,
+                        attention_backend=resolve_attention_backend(config.attention_backend, config.device))
     model.eval()
     mcfg = model.config
     drafter = DrafterPool(config.drafter, config.draft_timeout_s) if config.drafter else None

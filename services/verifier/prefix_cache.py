@@ -1,0 +1,158 @@
+"""Prefix cache: a radix tree over committed token ids whose edges own latent KV slots.
+
+Only committed tokens enter (a finished sequence's prompt and accepted outputs, never tree nodes),
+so a hit reuses KV that the target computed for exactly those tokens at exactly those positions.
+Every edge also keeps the target's tapped features of its tokens (host memory), so a sequence that
+starts from a cached prefix can seed the drafter with the same context it would have had after a
+full prefill: acceptance is the same with and without a hit. (The alternative, a draft-context cache
+inside the drafter keyed by token ids, would need a new RPC and per-replica affinity for prefixes.)
+
+Reference counts pin the edges a running sequence uses; eviction frees least-recently-used leaves with
+no reference. Accounting: pool free + slots held by sequences alone + slots in the cache == total.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import torch
+
+from services.verifier.kv_pool import LatentKVPool
+
+
+class _Node:
+    __slots__ = ("tokens", "slots", "features", "children", "parent", "ref", "last_used")
+
+    def __init__(self, tokens: list[int], slots: torch.Tensor, features: torch.Tensor | None, parent):
+        self.tokens = tokens          # the edge's token ids
+        self.slots = slots            # int64 [len(tokens)] KV slots, owned by the cache
+        self.features = features      # [len(tokens), F] or None
+        self.children: dict[int, _Node] = {}
+        self.parent = parent
+        self.ref = 0
+        self.last_used = time.monotonic()
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixMatch:
+    length: int
+    slots: torch.Tensor                  # int64 [length]
+    features: torch.Tensor | None        # [length, F] (None when not kept for every token)
+    last: object                         # deepest matched node (or None); release() unpins its path
+
+
+class PrefixCache:
+    def __init__(self, pool: LatentKVPool):
+        self.pool = pool
+        self.root = _Node([], torch.empty(0, dtype=torch.int64), None, None)
+        self.cached_slots = 0
+        self._lock = threading.RLock()
+
+    def _split(self, node: _Node, at: int) -> _Node:
+        """Cut node's edge after `at` tokens; returns the new upper node."""
+        upper = _Node(node.tokens[:at], node.slots[:at], None if node.features is None else node.features[:at],
+                      node.parent)
+        upper.ref, upper.last_used = node.ref, node.last_used
+        node.parent.children[upper.tokens[0]] = upper
+        node.tokens, node.slots = node.tokens[at:], node.slots[at:]
+        node.features = None if node.features is None else node.features[at:]
+        node.parent = upper
+        upper.children[node.tokens[0]] = node
+        return upper
+
+    def match(self, tokens: list[int]) -> PrefixMatch:
+        """Longest cached prefix of `tokens`; pins its nodes (release() them when done)."""
+        with self._lock:
+            node, i, path = self.root, 0, []
+            now = time.monotonic()
+            while i < len(tokens) and tokens[i] in node.children:
+                child = node.children[tokens[i]]
+                n = 0
+                while n < len(child.tokens) and i + n < len(tokens) and child.tokens[n] == tokens[i + n]:
+                    n += 1
+                if n < len(child.tokens):
+                    child = self._split(child, n)
+                path.append(child)
+                i += n
+                node = child
+            # Pins are counted on every node from the deepest match up to the root. Later splits copy
+            # the count to the new upper node, which sits on the same parent chain, so release()
+            # walking up from the same deepest node undoes exactly what was done here.
+            self._walk_up(path[-1] if path else None, +1, now)
+            slots = torch.cat([nd.slots for nd in path]) if path else torch.empty(0, dtype=torch.int64)
+            feats = None
+            if path and all(nd.features is not None for nd in path):
+                feats = torch.cat([nd.features for nd in path])
+            return PrefixMatch(i, slots, feats, path[-1] if path else None)
+
+    def _walk_up(self, node, delta: int, now: float | None = None) -> None:
+        while node is not None and node is not self.root:
+            node.ref += delta
+            assert node.ref >= 0, "prefix cache reference count below zero"
+            if now is not None:
+                node.last_used = now
+            node = node.parent
+
+    def release(self, match: PrefixMatch) -> None:
+        with self._lock:
+            self._walk_up(match.last, -1)
+
+    def insert(self, tokens: list[int], slots: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
+        """Adopt the KV of `tokens` (slots[i] holds token i). Returns the slots the cache did not take
+        (their tokens were cached already); the caller frees them."""
+        assert len(tokens) == slots.numel()
+        with self._lock:
+            node, i, rejected = self.root, 0, []
+            while i < len(tokens):
+                child = node.children.get(tokens[i])
+                if child is None:
+                    leaf = _Node(list(tokens[i:]), slots[i:].clone(),
+                                 None if features is None else features[i:].clone(), node)
+                    node.children[tokens[i]] = leaf
+                    self.cached_slots += leaf.slots.numel()
+                    break
+                n = 0
+                while n < len(child.tokens) and i + n < len(tokens) and child.tokens[n] == tokens[i + n]:
+                    n += 1
+                if n < len(child.tokens):
+                    child = self._split(child, n)
+                own = slots[i:i + n]
+                rejected.append(own[own != child.slots[:n]])  # the cache's own slots are not ours to free
+                if child.features is None and features is not None:
+                    child.features = features[i:i + n].clone()
+                child.last_used = time.monotonic()
+                node, i = child, i + n
+            return torch.cat(rejected) if rejected else torch.empty(0, dtype=torch.int64)
+
+    def evict(self, need: int) -> int:
+        """Free at least `need` slots from unreferenced leaves, least recently used first."""
+        freed = 0
+        with self._lock:
+            while freed < need:
+                leaves = []
+                stack = [self.root]
+                while stack:
+                    nd = stack.pop()
+                    stack.extend(nd.children.values())
+                    if nd is not self.root and not nd.children and nd.ref == 0:
+                        leaves.append(nd)
+                if not leaves:
+                    break
+                for leaf in sorted(leaves, key=lambda x: x.last_used):
+                    self.pool.free(leaf.slots)
+                    freed += leaf.slots.numel()
+                    self.cached_slots -= leaf.slots.numel()
+                    del leaf.parent.children[leaf.tokens[0]]
+                    if freed >= need:
+                        break
+        return freed
+
+    def all_slots(self) -> torch.Tensor:
+        with self._lock:
+            out, stack = [], list(self.root.children.values())
+            while stack:
+                nd = stack.pop()
+                out.append(nd.slots)
+                stack.extend(nd.children.values())
+            return torch.cat(out) if out else torch.empty(0, dtype=torch.int64)
