@@ -5,6 +5,8 @@
   ddtree generate   a client of the gateway (starts a private stack when --gateway is not given)
   ddtree demo       the main job: start the stack, stream one chat answer, print the statistics, stop
   ddtree train target | drafter    train the demo target / a DFlash drafter (tools/train_*.py)
+  ddtree bench context | twopoint | compare    measure decode speed (tools/bench/)
+  ddtree diagnose   explain a deployment's speed: profile, reconciliation, flags (tools/diagnose.py)
 """
 from __future__ import annotations
 
@@ -23,8 +25,8 @@ DEMO_PROMPT = "Write a Python function that returns the n-th Fibonacci number, a
 
 
 def _default_dirs():
-    from services.models.default_checkpoint import ensure_default_checkpoint
-    return ensure_default_checkpoint()
+    from services.models.default_checkpoint import default_checkpoint
+    return default_checkpoint()
 
 
 def _set_threads(threads: int) -> None:
@@ -217,6 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
                 raise
             continue
         module.add_parser(train_sub)
+    for name in ("tools.bench", "tools.diagnose"):  # bench context | twopoint | compare; diagnose
+        importlib.import_module(name).add_parser(sub)
     return parser
 
 

@@ -124,8 +124,8 @@ def main(argv=None) -> int:
     kinds, contexts = args.kinds.split(","), [int(c) for c in args.contexts.split(",")]
     model, drafter = args.model, args.drafter
     if not model or not drafter:
-        from services.models.default_checkpoint import ensure_default_checkpoint
-        d = ensure_default_checkpoint()
+        from services.models.default_checkpoint import default_checkpoint
+        d = default_checkpoint()
         model, drafter = model or str(d.target), drafter or str(d.drafter)
     tok = Tokenizer(args.tokenizer or model)
     print(HEADER)

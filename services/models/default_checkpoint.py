@@ -1,10 +1,15 @@
-"""The embedded default checkpoint, created reproducibly on first use.
+"""The embedded default checkpoints.
 
-Until the trained demo model lands, the default is a small random Kimi-shaped target (DeepSeek-V3
-architecture), a random DFlash drafter for it, and a byte-level BPE tokenizer trained on the Python
-standard library, with the Kimi K2 special tokens and chat template. Everything is seeded, so every
-machine builds the same files. Creation is atomic (build in a temp dir, then rename) and guarded by a
-file lock, so several services starting at once build it once.
+`default_checkpoint()` is what `ddtree serve / generate / demo` use: the trained demo pair shipped in
+`checkpoints/demo/` (target + DFlash drafter + tokenizer; see README "The demo model"), or, when that
+folder is absent, the random pair below.
+
+`ensure_default_checkpoint()` builds the random pair reproducibly on first use: a small random
+Kimi-shaped target (DeepSeek-V3 architecture), a random DFlash drafter for it, and a byte-level BPE
+tokenizer trained on the Python standard library, with the Kimi K2 special tokens and chat template.
+Everything is seeded, so every machine builds the same files; the tests use it because its shapes are
+fixed. Creation is atomic (build in a temp dir, then rename) and guarded by a file lock, so several
+services starting at once build it once.
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import tempfile
 from services.config import DEFAULT_CHECKPOINT_DIR
 
 VERSION = "random-v1"
+DEMO_DIR = pathlib.Path(__file__).resolve().parent.parent.parent / "checkpoints" / "demo"
 SEED = 20261129
 
 
@@ -72,3 +78,11 @@ def ensure_default_checkpoint(base: pathlib.Path | None = None) -> DefaultCheckp
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
     return ckpt
+
+
+def default_checkpoint() -> DefaultCheckpoint:
+    """The shipped demo pair when present, else the random pair (built on first use)."""
+    demo = DefaultCheckpoint(DEMO_DIR)
+    if (demo.target / "config.json").exists() and (demo.drafter / "config.json").exists():
+        return demo
+    return ensure_default_checkpoint()
