@@ -1,0 +1,128 @@
+"""Serving properties of the verifier, measured through the real services (issue 9's figures).
+
+    python -m tools.bench_serving [--model DIR --drafter DIR] [--out runs/bench_serving.json]
+        [--only fragmentation,prefix,batching]
+
+- fragmentation: one long generation (page size 1, scattered tree commits) against a fresh request
+  whose prompt has the length the long one has reached: step time at equal context must not drift.
+- prefix: the same 2k-token prompt twice: time to first token, output and acceptance of each.
+- batching: 8 concurrent streams against 1: aggregate decode tokens per second, and every stream's
+  output against its solo run.
+Times come from the verifier's step records and usage (its own clock). Prints and saves JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import pathlib
+import statistics
+import tempfile
+import time
+
+import grpc
+
+from services.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+
+
+def generate(address, ids, max_new, budget=16, no_spec=False, request_id=""):
+    req = verifier_pb2.GenerateRequest(request_id=request_id, input_ids=ids, max_new_tokens=max_new, ignore_eos=True,
+                                       spec=common_pb2.SpecOptions(no_spec=no_spec, budget=budget))
+    tokens, steps, usage = [], [], None
+    t0 = time.perf_counter()
+    with grpc.insecure_channel(address) as ch:
+        for msg in verifier_pb2_grpc.VerifierStub(ch).Generate(req, timeout=3600):
+            tokens.extend(msg.token_ids)
+            steps.extend(msg.steps)
+            usage = msg.usage if msg.finish_reason else usage
+    return {"tokens": tokens, "steps": steps, "usage": usage, "wall_s": time.perf_counter() - t0}
+
+
+def _prompt(seed: int, n: int, vocab: int = 8000) -> list[int]:
+    return [(seed * 7919 + i * 104729) % (vocab - 100) + 50 for i in range(n)]
+
+
+def fragmentation(address, out_len=1600, probe=100, budget=16):
+    long = generate(address, _prompt(1, 64), out_len, budget)
+    late = [s for s in long["steps"] if s.context_tokens - 64 >= out_len - 2 * probe]
+    ctx = statistics.median(s.context_tokens for s in late)
+    fresh = generate(address, _prompt(2, int(ctx)), probe, budget)
+    early = fresh["steps"]
+    m = lambda steps, k: statistics.median(getattr(s, k) for s in steps)  # noqa: E731
+    row = {"context": ctx, "late_verify_ms": m(late, "verify_ms"), "fresh_verify_ms": m(early, "verify_ms"),
+           "late_total_ms": m(late, "total_ms"), "fresh_total_ms": m(early, "total_ms"),
+           "late_nodes": m(late, "tree_nodes"), "fresh_nodes": m(early, "tree_nodes")}
+    row["verify_ratio"] = row["late_verify_ms"] / row["fresh_verify_ms"]
+    print(f"fragmentation @ context {ctx:.0f}: verify {row['late_verify_ms']:.2f} ms late in a {out_len}-token "
+          f"generation vs {row['fresh_verify_ms']:.2f} ms fresh (ratio {row['verify_ratio']:.3f})")
+    return row
+
+
+def prefix(address, n=2048, out=64, budget=16):
+    ids = _prompt(3, n)
+    runs = [generate(address, ids, out, budget, request_id="bench-prefix") for _ in range(2)]
+    row = {"prompt": n, "ttft_ms": [r["usage"].ttft_ms for r in runs],
+           "same_output": runs[0]["tokens"] == runs[1]["tokens"],
+           "accept": [[s.accept_length for s in r["steps"]] for r in runs]}
+    row["same_acceptance"] = row["accept"][0] == row["accept"][1]
+    row["ttft_ratio"] = row["ttft_ms"][1] / row["ttft_ms"][0]
+    print(f"prefix cache, {n}-token prompt: TTFT {row['ttft_ms'][0]:.1f} ms then {row['ttft_ms'][1]:.1f} ms "
+          f"(ratio {row['ttft_ratio']:.3f}); same output {row['same_output']}, same acceptance {row['same_acceptance']}")
+    return row
+
+
+def batching(address, streams=8, out=128, budget=16):
+    prompts = [_prompt(10 + i, 200) for i in range(streams)]
+    solo = [generate(address, p, out, budget) for p in prompts]
+    t0 = time.perf_counter()
+    with cf.ThreadPoolExecutor(streams) as pool:
+        together = list(pool.map(lambda p: generate(address, p, out, budget), prompts))
+    wall = time.perf_counter() - t0
+    single_tps = statistics.median((len(r["tokens"]) - 1) / (r["usage"].decode_ms / 1e3) for r in solo)
+    aggregate_tps = sum(len(r["tokens"]) for r in together) / wall
+    row = {"streams": streams, "single_stream_tok_s": single_tps, "aggregate_tok_s": aggregate_tps,
+           "ratio": aggregate_tps / single_tps,
+           "identical_to_solo": all(a["tokens"] == b["tokens"] for a, b in zip(solo, together))}
+    print(f"batching: {streams} streams {aggregate_tps:.1f} tok/s aggregate vs {single_tps:.1f} single "
+          f"(x{row['ratio']:.2f}); identical to solo runs: {row['identical_to_solo']}")
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="")
+    p.add_argument("--drafter", default="")
+    p.add_argument("--verifier", default="", help="a running verifier (default: start one with a drafter)")
+    p.add_argument("--only", default="fragmentation,prefix,batching")
+    p.add_argument("--budget", type=int, default=16)
+    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/bench_serving.json"))
+    args = p.parse_args(argv)
+    todo = args.only.split(",")
+    results = {}
+
+    def run(address):
+        for name in todo:
+            results[name] = {"fragmentation": fragmentation, "prefix": prefix, "batching": batching}[name](
+                address, budget=args.budget)
+
+    if args.verifier:
+        run(args.verifier)
+    else:
+        from services.launcher import start_stack
+        from services.models.default_checkpoint import default_checkpoint
+        d = default_checkpoint()
+        stack = start_stack(args.model or str(d.target), args.drafter or str(d.drafter),
+                            pathlib.Path(tempfile.mkdtemp(prefix="ddtree-bench-serving-")),
+                            verifier_args=("--max-context", "4096", "--kv-tokens", "65536"))
+        try:
+            run(stack.verifier)
+        finally:
+            stack.stop()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2))
+    print(f"saved {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
