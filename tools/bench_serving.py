@@ -38,8 +38,13 @@ def generate(address, ids, max_new, budget=16, no_spec=False, request_id=""):
     return {"tokens": tokens, "steps": steps, "usage": usage, "wall_s": time.perf_counter() - t0}
 
 
-def _prompt(seed: int, n: int, vocab: int = 8000) -> list[int]:
-    return [(seed * 7919 + i * 104729) % (vocab - 100) + 50 for i in range(n)]
+VOCAB = {"size": 4096}   # set from the verifier's GetInfo before anything runs
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    """Deterministic pseudo-random ids: distinct prompts never share a prefix (no accidental cache hits)."""
+    vocab = VOCAB["size"]
+    return [(seed * 7919 + i * 104729 + i * i * 31) % (vocab - 100) + 50 for i in range(n)]
 
 
 def fragmentation(address, out_len=1600, probe=100, budget=16):
@@ -101,6 +106,9 @@ def main(argv=None) -> int:
     results = {}
 
     def run(address):
+        with grpc.insecure_channel(address) as ch:
+            VOCAB["size"] = verifier_pb2_grpc.VerifierStub(ch).GetInfo(verifier_pb2.VerifierInfoRequest(),
+                                                                      timeout=60).vocab_size
         for name in todo:
             results[name] = {"fragmentation": fragmentation, "prefix": prefix, "batching": batching}[name](
                 address, budget=args.budget)
