@@ -130,10 +130,30 @@ class TorchMLAAttention:
         return out
 
 
-ATTENTION_BACKENDS = {"torch": TorchMLAAttention}
+def _triton_backend() -> MLAAttentionBackend:
+    from kernels.mla_backend import TritonMLAAttention  # imports triton: only when chosen
+
+    return TritonMLAAttention()
+
+
+ATTENTION_BACKENDS = {"torch": TorchMLAAttention, "triton": _triton_backend}
+
+
+def resolve_attention_backend(name: str, device: str | torch.device) -> str:
+    """The one place "auto" is decided: triton on CUDA when triton is installed, torch elsewhere."""
+    if name != "auto":
+        return name
+    if torch.device(device).type != "cuda":
+        return "torch"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "torch"
+    return "triton"
 
 
 def make_attention_backend(name: str) -> MLAAttentionBackend:
     if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choices: {sorted(ATTENTION_BACKENDS)}")
+        raise ValueError(f"unknown attention backend {name!r}; choices: {sorted(ATTENTION_BACKENDS)}"
+                         + (" (resolve 'auto' with resolve_attention_backend first)" if name == "auto" else ""))
     return ATTENTION_BACKENDS[name]()
