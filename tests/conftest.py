@@ -45,3 +45,19 @@ def dflash_stack(default_ckpt, tmp_path_factory):
                    ["--max-batch", "8", "--kv-tokens", "32768", "--max-context", "2048"])
     yield stack
     stack.stop()
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory):
+    """The default BPE tokenizer (stdlib-trained, Kimi specials), trained once per session."""
+    from services.gateway.default_tokenizer import write_default_tokenizer
+    d = tmp_path_factory.getbasetemp() / "default-tokenizer"
+    if not (d / "tokenizer_config.json").is_file():
+        write_default_tokenizer(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def tok(tokenizer_dir):
+    from services.gateway.tokenizer import Tokenizer
+    return Tokenizer(tokenizer_dir)

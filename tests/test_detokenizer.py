@@ -5,22 +5,10 @@ import random
 
 import pytest
 
-from services.gateway.default_tokenizer import write_default_tokenizer
 from services.gateway.detokenizer import REPLACEMENT, IncrementalDetokenizer
 from services.gateway.tokenizer import Tokenizer
 
 
-@pytest.fixture(scope="session")
-def tokenizer_dir(tmp_path_factory):
-    d = tmp_path_factory.getbasetemp() / "default-tokenizer"
-    if not (d / "tokenizer_config.json").is_file():
-        write_default_tokenizer(d)
-    return d
-
-
-@pytest.fixture(scope="module")
-def tok(tokenizer_dir):
-    return Tokenizer(tokenizer_dir)
 
 
 class _NoBytes(Tokenizer):

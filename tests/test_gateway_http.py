@@ -16,9 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from services.config import GatewayConfig
-from services.gateway.default_tokenizer import write_default_tokenizer
 from services.gateway.server import serve
-from services.gateway.tokenizer import Tokenizer
 from services.protocol.ddtree.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.fakes import script_for, start_fake_verifier
 
@@ -37,17 +35,6 @@ TOOL_OUT = ("I should call the tool.</think><|tool_calls_section_begin|>"
             "<|tool_calls_section_end|>")
 
 
-@pytest.fixture(scope="session")
-def tokenizer_dir(tmp_path_factory):
-    d = tmp_path_factory.getbasetemp() / "default-tokenizer"
-    if not (d / "tokenizer_config.json").is_file():
-        write_default_tokenizer(d)
-    return d
-
-
-@pytest.fixture(scope="module")
-def tok(tokenizer_dir):
-    return Tokenizer(tokenizer_dir)
 
 
 @pytest.fixture(scope="module")

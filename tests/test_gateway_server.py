@@ -14,29 +14,16 @@ import grpc
 import pytest
 
 from services.config import GatewayConfig, add_config_flags, config_from_flags
-from services.gateway.default_tokenizer import write_default_tokenizer
 from services.gateway.parsers.kimi_k2_reasoning import KimiK2ReasoningParser, parse_reasoning
 from services.gateway.parsers.kimi_k2_tools import (MARKERS, KimiK2ToolParser, ToolCall, merge_deltas,
                                                     parse_tool_calls)
 from services.gateway.server import StopMatcher, serve
-from services.gateway.tokenizer import Tokenizer
 from services.protocol.ddtree.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.fakes import script_for, start_fake_verifier
 
 IM_END, EOS = 2, 1
 
 
-@pytest.fixture(scope="session")
-def tokenizer_dir(tmp_path_factory):
-    d = tmp_path_factory.getbasetemp() / "default-tokenizer"
-    if not (d / "tokenizer_config.json").is_file():
-        write_default_tokenizer(d)
-    return d
-
-
-@pytest.fixture(scope="module")
-def tok(tokenizer_dir):
-    return Tokenizer(tokenizer_dir)
 
 
 def _free_port() -> int:

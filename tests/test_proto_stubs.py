@@ -1,7 +1,6 @@
 """The committed gRPC stubs are exactly what the committed .proto files generate."""
 from __future__ import annotations
 
-import pathlib
 
 from tools.gen_proto import DEFAULT_OUT, generate
 

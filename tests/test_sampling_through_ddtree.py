@@ -7,7 +7,6 @@ and third tokens then come from the sample-at-every-node walk, not only from roo
 """
 from __future__ import annotations
 
-import itertools
 
 import pytest
 import torch

@@ -12,23 +12,10 @@ import pytest
 from services.gateway.chat_template import ChatTemplate, render_chat, validate_messages
 from services.gateway.default_tokenizer import (KIMI_K2_CHAT_TEMPLATE, MASK_TOKEN, SPECIAL_TOKENS, VOCAB_SIZE,
                                                 write_default_tokenizer)
-from services.gateway.tokenizer import Tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(scope="session")
-def tokenizer_dir(tmp_path_factory):
-    # basetemp is shared by every test module of the session: train once.
-    d = tmp_path_factory.getbasetemp() / "default-tokenizer"
-    if not (d / "tokenizer_config.json").is_file():
-        write_default_tokenizer(d)
-    return d
-
-
-@pytest.fixture(scope="module")
-def tok(tokenizer_dir):
-    return Tokenizer(tokenizer_dir)
 
 
 # -- training ---------------------------------------------------------------------------------------

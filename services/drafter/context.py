@@ -11,7 +11,6 @@ fresh context built from the last W features alone.
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 
