@@ -192,3 +192,23 @@ def test_last_requests_by_last_record():
     assert list(last_requests(records, 2)) == ["c", "b"]
     assert [r["step"] for r in last_requests(records, 3)["a"]] == [0, 1]
     assert last_requests(records, 0) == {}
+
+
+# ---- bench output helpers ----------------------------------------------------------------------------
+def test_plot_without_matplotlib_says_what_to_install(monkeypatch):
+    import sys
+    from tools.bench.output import pyplot
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(SystemExit, match=r"ddtree-serve\[bench\].*--no-plot"):
+        pyplot()
+
+
+def test_progress_and_table():
+    import io
+    from tools.bench.output import Progress, format_table
+    buf = io.StringIO()
+    bar = Progress(2, "x", stream=buf, width=4)
+    bar.advance("a")
+    bar.advance("b")
+    assert buf.getvalue().splitlines()[0].startswith("x [##..] 1/2") and "2/2" in buf.getvalue()
+    assert format_table(["a", "bb"], [[1, 2.5]]).splitlines() == ["a |   bb", "--+-----", "1 | 2.50"]

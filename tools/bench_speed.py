@@ -20,64 +20,32 @@ import pathlib
 import statistics
 import tempfile
 
-import grpc
-
 from services.gateway.tokenizer import Tokenizer
-from services.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from tools.bench.prompts import make_prompts
+from tools.bench.runner import VerifierEndpoint, private_verifier
 
-EOS_TEXT = "[EOS]"
-
-
-def held_out_prompts(corpus: pathlib.Path, kind: str, tok: Tokenizer, context: int, count: int) -> list[list[int]]:
-    docs = (corpus / f"heldout_{kind}.txt").read_text().split(EOS_TEXT)
-    prompts, buf = [], []
-    for doc in docs:
-        if not doc.strip():
-            continue
-        buf += tok.encode(doc)
-        if len(buf) >= context:
-            prompts.append(buf[:context])
-            buf = []
-            if len(prompts) == count:
-                break
-    if len(prompts) < count:
-        raise ValueError(f"held-out {kind} text gives only {len(prompts)} prompts of {context} tokens")
-    return prompts
+PHASES = {"draft_ms": "draft_ms", "verify_ms": "verify_ms", "transport_ms": "transport_ms", "total_ms": "step_ms"}
 
 
-def run_one(stub, ids: list[int], tokens: int, no_spec: bool, budget: int) -> dict:
-    req = verifier_pb2.GenerateRequest(input_ids=ids, max_new_tokens=tokens, ignore_eos=True,
-                                       spec=common_pb2.SpecOptions(no_spec=no_spec, budget=budget))
-    out, steps, usage = [], [], None
-    for msg in stub.Generate(req, timeout=3600):
-        out.extend(msg.token_ids)
-        steps.extend(msg.steps)
-        if msg.finish_reason:
-            usage = msg.usage
-    decode_s = usage.decode_ms / 1e3
-    n = len(steps)
-    return {
-        "tokens": out, "steps": n,
-        "tau": sum(s.accept_length for s in steps) / n if n else 0.0,
-        "decode_tok_s": (len(out) - 1) / decode_s if decode_s > 0 else 0.0,
-        "step_ms": {k: sum(getattr(s, k) for s in steps) / max(n, 1)
-                    for k in ("draft_ms", "verify_ms", "transport_ms", "total_ms")},
-        "ttft_ms": usage.ttft_ms,
-    }
+def run_one(ep: VerifierEndpoint, ids: list[int], tokens: int, no_spec: bool, budget: int) -> dict:
+    r = ep.generate(ids, tokens, no_spec=no_spec, budget=budget)
+    s = r.summary
+    return {"tokens": r.token_ids, "steps": s.steps, "tau": s.tau, "decode_tok_s": r.decode_tok_s,
+            "step_ms": {k: getattr(s, a) for k, a in PHASES.items()}, "ttft_ms": r.ttft_ms}
 
 
 def bench(verifier: str, corpus: pathlib.Path, tok: Tokenizer, kinds, contexts, prompts: int, tokens: int,
           budget: int) -> list[dict]:
     rows = []
-    with grpc.insecure_channel(verifier) as ch:
-        stub = verifier_pb2_grpc.VerifierStub(ch)
-        run_one(stub, held_out_prompts(corpus, kinds[0], tok, 64, 1)[0], 8, False, budget)  # warm-up
+    ep = VerifierEndpoint(verifier)
+    try:
+        run_one(ep, make_prompts(tok, kinds[0], 64, 1, corpus)[0], 8, False, budget)  # warm-up
         for kind in kinds:
             for context in contexts:
                 ar, dd = [], []
-                for ids in held_out_prompts(corpus, kind, tok, context, prompts):
-                    a = run_one(stub, ids, tokens, True, budget)
-                    d = run_one(stub, ids, tokens, False, budget)
+                for ids in make_prompts(tok, kind, context, prompts, corpus):
+                    a = run_one(ep, ids, tokens, True, budget)
+                    d = run_one(ep, ids, tokens, False, budget)
                     if a["tokens"] != d["tokens"]:
                         raise AssertionError(f"{kind} @ {context}: DDTree output differs from AR")
                     ar.append(a)
@@ -93,6 +61,8 @@ def bench(verifier: str, corpus: pathlib.Path, tok: Tokenizer, kinds, contexts, 
                 row["speedup"] = row["dd_tok_s"] / row["ar_tok_s"]
                 rows.append(row)
                 print(format_row(row), flush=True)
+    finally:
+        ep.close()
     return rows
 
 
@@ -132,22 +102,10 @@ def main(argv=None) -> int:
     if args.verifier:
         rows = bench(args.verifier, args.corpus, tok, kinds, contexts, args.prompts, args.tokens, args.budget)
     else:
-        from services.launcher import default_engine_threads, start_service
-        threads = ["--threads", str(default_engine_threads())]
         log_dir = pathlib.Path(tempfile.mkdtemp(prefix="ddtree-bench-"))
-        max_ctx = max(contexts) + args.tokens + 64
-        d = start_service("drafter", ["drafter", "--model", drafter, "--target", model, "--port", "0", *threads],
-                          log_dir)
-        try:
-            v = start_service("verifier", ["verifier", "--model", model, "--port", "0", "--drafter", d.address,
-                                           "--max-context", str(max_ctx), "--kv-tokens", str(4 * max_ctx), *threads,
-                                           *args.verifier_args.split()], log_dir)
-            try:
-                rows = bench(v.address, args.corpus, tok, kinds, contexts, args.prompts, args.tokens, args.budget)
-            finally:
-                v.stop()
-        finally:
-            d.stop()
+        with private_verifier(model, drafter, max(contexts) + args.tokens + 64, log_dir,
+                              verifier_args=tuple(args.verifier_args.split())) as address:
+            rows = bench(address, args.corpus, tok, kinds, contexts, args.prompts, args.tokens, args.budget)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"rows": rows, "args": {k: str(v) for k, v in vars(args).items()}}, indent=2))
     print(f"saved {args.out}")

@@ -39,6 +39,7 @@ class SeqDraftInput:
     anchor_token_id: int  # the previous bonus token, at position commit_start + n
     budget: int = 0  # non-root tree nodes; 0 = the engine's default
     reset: bool = False  # forget any earlier context of this sequence first
+    chain: bool = False  # width 1: the top-1 token per depth, min(budget, block_size - 1) nodes
 
 
 class DraftEngine:
@@ -166,5 +167,7 @@ class DraftEngine:
         hidden = model.forward_block(embeds, block_pos, ctx.kv)  # [B, H]; block K/V are not cached
         logits = model.compute_logits(hidden[1:], self.lm_head_weight)  # [D = B-1, V] fp32; slot d -> depth d
         budget = seq.budget or self.default_budget
-        logprobs, ids = topk_logprobs(logits, min(budget, self.vocab_size))  # [D, K]
+        if seq.chain:  # K = 1: the best-first build can only extend the single path, one node per depth
+            budget = min(budget, cfg.block_size - 1)
+        logprobs, ids = topk_logprobs(logits, 1 if seq.chain else min(budget, self.vocab_size))  # [D, K]
         return build_tree(logprobs.cpu(), ids.cpu(), budget)

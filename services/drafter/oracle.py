@@ -76,6 +76,8 @@ class OracleDraftEngine:
             hist = ([] if s.reset else self.history.get(s.seq_id, [])) + list(s.commit_token_ids)
             self.history[s.seq_id] = hist
             budget = s.budget or self.default_budget
+            if s.chain:  # noisy_tree's first `depth` nodes are its chain; no room left for siblings
+                budget = min(budget, self.depth)
             truth = self._greedy(hist + [s.anchor_token_id], self.depth)
             rng = random.Random(zlib.crc32(f"{self.seed}:{s.seq_id}:{len(hist)}".encode()))
             trees.append(noisy_tree(truth, budget, self.vocab_size, rng))

@@ -43,9 +43,12 @@ DRAFT_SEQUENCES = Gauge("ddtree_drafter_sequences", "Draft contexts held")
 DRAFT_CONTEXT_BYTES = Gauge("ddtree_drafter_context_bytes", "Bytes of draft context held")
 
 
+_PHASE_SECONDS = {phase: STEP_SECONDS.labels(phase=phase) for phase in ("draft", "verify", "transport", "total")}
+
+
 def observe_step(phase_ms: dict[str, float], accept_length: int, context: int, nodes: int, feature_bytes: int) -> None:
-    for phase in ("draft", "verify", "transport", "total"):
-        STEP_SECONDS.labels(phase=phase).observe(phase_ms[phase] / 1e3)
+    for phase, child in _PHASE_SECONDS.items():  # children looked up once: a label lookup costs a few us
+        child.observe(phase_ms[phase] / 1e3)
     ACCEPT_LENGTH.observe(accept_length)
     CONTEXT_TOKENS.observe(context)
     TREE_NODES.observe(nodes)
