@@ -155,7 +155,7 @@ class TargetRunner:
     """Runs the frozen target over whole sequences (taps + argmax) or greedy continuations of prompts."""
 
     def __init__(self, target, tap_layer_ids: tuple[int, ...], taps_dtype: torch.dtype,
-                 max_tokens_per_forward: int = 8192):
+                 max_tokens_per_forward: int = 4096):
         self.target = target
         self.tap_layer_ids = tuple(tap_layer_ids)
         self.taps_dtype = taps_dtype
