@@ -98,7 +98,8 @@ def _sample_through_ddtree(model, cfg: SamplingConfig):
             while True:
                 if seq.events.get(timeout=120).finish_reason:
                     break
-        pool.check()
+        sched.check_accounting()           # free + held + prefix-cached == total
+        sched.cache.evict(pool.num_slots)  # no request pins anything now
         assert pool.num_free == pool.num_slots, "KV slots leaked"
     finally:
         sched.stop()

@@ -93,6 +93,15 @@ class Scheduler:
             return True
 
     @property
+    def kv_cached(self) -> int:
+        return self.cache.cached_slots if self.cache is not None else 0
+
+    @property
+    def kv_held_by_requests(self) -> int:
+        """Slots in use that the prefix cache does not own (pool used - cached)."""
+        return self.pool.num_used - self.kv_cached
+
+    @property
     def running_count(self) -> int:
         with self._cond:
             return len(self._running) + len(self._waiting)
@@ -131,7 +140,8 @@ class Scheduler:
             prefill = next((s for s in self._running if s.phase is Phase.PREFILL), None)
             metrics.RUNNING.set(len(self._running))
             metrics.QUEUED.set(len(self._waiting))
-            metrics.KV_USED.set(self.pool.num_used)
+            metrics.KV_USED.set(self.kv_held_by_requests)
+            metrics.KV_CACHED.set(self.kv_cached)
         try:
             self._step(decode, prefill)
             if self.config.debug_checks:

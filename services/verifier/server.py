@@ -135,8 +135,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             eos_token_ids=list(self.eos_token_ids), spec_enabled=drafter is not None,
             drafter_address=drafter.address if drafter else "", default_budget=self.config.default_budget,
             total_steps=self.scheduler.total_steps, total_tokens=self.scheduler.total_tokens,
-            running_requests=self.scheduler.running_count, kv_used_tokens=self.scheduler.pool.num_used,
-            kv_total_tokens=self.scheduler.pool.num_slots)
+            running_requests=self.scheduler.running_count, kv_used_tokens=self.scheduler.kv_held_by_requests,
+            kv_total_tokens=self.scheduler.pool.num_slots, kv_cached_tokens=self.scheduler.kv_cached)
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
