@@ -323,6 +323,11 @@ def test_engine_window_equals_fresh(model: DFlashDraftModel) -> None:
     t2 = windowed.draft([seq(n=w, start=20, reset=False, f=all_f[:w], budget=10)])[0]
     assert t2 == fresh.draft([seq(n=w, start=20, f=all_f[:w], budget=10)])[0]
     assert windowed.context_end("s") == 26
+    # a contiguous commit longer than the window: only its last w rows matter
+    long_f = feats(w + 3, 64, 5)
+    t3 = windowed.draft([seq(n=w + 3, start=26, reset=False, f=long_f, budget=10)])[0]
+    assert t3 == fresh.draft([seq(n=w, start=29, f=long_f[-w:], budget=10)])[0]
+    assert windowed.context_end("s") == 26 + w + 3
 
 
 ENGINE_ERRORS = [

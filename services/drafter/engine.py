@@ -150,7 +150,8 @@ class DraftEngine:
         cfg, model = self.config, self.model
         n = len(seq.commit_token_ids)
         ctx = self._contexts.get(seq.seq_id)
-        if seq.reset or ctx is None or seq.commit_start != ctx.end:  # the last case: a commit filling the window
+        # A fresh context also when this commit alone fills the window (n >= W): nothing older survives.
+        if seq.reset or ctx is None or seq.commit_start != ctx.end or (self.window and n >= self.window):
             ctx = self._contexts[seq.seq_id] = DraftContext(self.window)
         keep = n if self.window == 0 else min(n, self.window)  # rows past the window would be evicted at once
         if keep:
