@@ -34,47 +34,21 @@ import torch.nn.functional as F
 
 from services.models.config import DeepseekV3Config
 from services.models.deepseek_v3 import DeepseekV3ForCausalLM
+from services.models.random_checkpoint import DEFAULT_TARGET_CONFIG
 from services.models.training_forward import training_forward, update_expert_bias
 from tools.build_corpus import KINDS, read_documents
 
 # The demo target: Kimi-K2-shaped (MLA with q/kv LoRA, sigmoid router with 1 shared expert, dense first
 # layer, YaRN with Kimi's betas). YaRN's original_max_position_embeddings is set to the training length.
 DEMO_TARGET_CONFIG: dict[str, Any] = {
-    "model_type": "deepseek_v3",
+    **DEFAULT_TARGET_CONFIG,
     "vocab_size": 8192,
-    "hidden_size": 256,
     "intermediate_size": 768,
     "moe_intermediate_size": 256,
     "num_hidden_layers": 5,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "q_lora_rank": 96,
-    "kv_lora_rank": 64,
-    "qk_nope_head_dim": 32,
-    "qk_rope_head_dim": 16,
-    "v_head_dim": 32,
     "n_routed_experts": 4,
-    "num_experts_per_tok": 2,
-    "n_shared_experts": 1,
-    "first_k_dense_replace": 1,
-    "moe_layer_freq": 1,
-    "n_group": 1,
-    "topk_group": 1,
-    "norm_topk_prob": True,
-    "routed_scaling_factor": 2.827,
-    "scoring_func": "sigmoid",
-    "topk_method": "noaux_tc",
-    "hidden_act": "silu",
-    "rms_norm_eps": 1e-6,
-    "max_position_embeddings": 8192,
-    "rope_theta": 50000.0,
-    "rope_scaling": {"type": "yarn", "factor": 8.0, "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0,
-                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 1024},
-    "tie_word_embeddings": False,
-    "bos_token_id": 0,
+    "rope_scaling": {**DEFAULT_TARGET_CONFIG["rope_scaling"], "factor": 8.0, "original_max_position_embeddings": 1024},
     "eos_token_id": [1, 2],  # [EOS], <|im_end|>
-    "num_nextn_predict_layers": 0,
-    "initializer_range": 0.02,
 }
 DEFAULT_MIX = (0.45, 0.30, 0.25)  # code, prose, chat
 CKPT = "ckpt.pt"
