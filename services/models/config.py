@@ -9,6 +9,8 @@ found in the wild (see docs in /work/shared/reference/model.md §1):
   it is ignored here. The query/key head size is `qk_head_dim = qk_nope_head_dim + qk_rope_head_dim`.
 - `model_type` deepseek_v3 / kimi_k2, or kimi_k25 whose text model sits in `text_config`.
 - `eos_token_id` may be an int or a list; it is kept as the tuple `eos_token_ids`.
+- `quantization_config` describes how the weights are stored, not the architecture: it is ignored here
+  and read by the loader (loader.py, quantization/), which dequantizes at load.
 """
 
 from __future__ import annotations
@@ -132,16 +134,12 @@ class DeepseekV3Config:
         if model_type in WRAPPER_MODEL_TYPES or ("text_config" in d and model_type not in TEXT_MODEL_TYPES):
             if "text_config" not in d:
                 raise ValueError(f"model_type {model_type!r} needs a 'text_config' with the text model")
-            if d.get("quantization_config") is not None:
-                _reject_quantization(d["quantization_config"])
             return cls.from_dict(d["text_config"])
         if model_type not in TEXT_MODEL_TYPES:
             raise ValueError(
                 f"model_type: {model_type!r} is not supported; expected one of "
                 f"{TEXT_MODEL_TYPES + WRAPPER_MODEL_TYPES}"
             )
-        if d.get("quantization_config") is not None:
-            _reject_quantization(d["quantization_config"])
         heads = _req(d, "num_attention_heads")
         kv_heads = d.get("num_key_value_heads")
         if kv_heads is not None and kv_heads != heads:
@@ -236,14 +234,6 @@ def _req(d: Mapping[str, Any], key: str) -> Any:
     if d.get(key) is None:
         raise ValueError(f"{key}: missing from config")
     return d[key]
-
-
-def _reject_quantization(qc: Mapping[str, Any]) -> None:
-    method = qc.get("quant_method", "?") if isinstance(qc, Mapping) else "?"
-    raise NotImplementedError(
-        f"quantization_config (quant_method={method!r}) is not supported yet: "
-        "FP8 block-scale and INT4 pack-quantized loading are later work"
-    )
 
 
 def _parse_rope(d: Mapping[str, Any]) -> RopeConfig:

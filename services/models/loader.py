@@ -1,67 +1,91 @@
-"""Load an HF-layout DeepSeek-V3 / Kimi-K2 checkpoint into DeepseekV3ForCausalLM (model.md §5).
+"""Load an HF-layout DeepSeek-V3 / Kimi-K2 / Kimi-K2.5 checkpoint into a model (model.md §5).
 
-Reads `model.safetensors` or a sharded `model.safetensors.index.json` (every tensor resolved through
-`weight_map`), memory-mapped with `safetensors.safe_open`. The model is built on the meta device and each
-tensor is assigned as it is read, so peak memory is about one copy of the weights. MTP layers
-(`model.layers.{n}.*` with n >= num_hidden_layers) are skipped. The router `mlp.gate.weight` and
-`mlp.gate.e_score_correction_bias` stay fp32 whatever `dtype` is.
+Reads `model.safetensors` or a sharded `model.safetensors.index.json` (every tensor, scales included,
+resolved through `weight_map`), memory-mapped. The model is built on the meta device and each parameter is
+assigned as it is read, one shard at a time, so peak memory is about the weights this process holds plus
+one shard's touched pages. Stored dtypes come from the safetensors headers.
+
+- Quantized weights are dequantized on the CPU while loading: FP8 e4m3 with block `weight_scale_inv`
+  (quantization/fp8_block.py) and INT4 compressed-tensors pack-quantized groups (quantization/int4_pack.py).
+  Which modules are quantized comes from the config's quantization_config (targets / ignore lists).
+- kimi_k25 (multimodal): the text config is `text_config`, text weights carry the `language_model.` prefix,
+  and everything outside it (vision tower, projector) is skipped.
+- MTP layers (`model.layers.{n}.*`, n >= num_hidden_layers) are skipped.
+- The router `mlp.gate.weight` and `mlp.gate.e_score_correction_bias` stay fp32 whatever `dtype` is.
+- `slice_of(name)` makes a tensor-parallel rank read only the part it owns (`TensorSlice`), and `skip(name)`
+  drops tensors it does not hold at all (expert parallel). Names are the model's parameter names, i.e. the
+  checkpoint names without the `language_model.` prefix, and `X.weight` for a quantized `X`.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable
-from contextlib import ExitStack
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors import safe_open
+from torch import nn
 
+from .checkpoint_files import (
+    INDEX_FILE, SAFETENSORS_DTYPES, SINGLE_FILE, CheckpointError, CheckpointFiles, checkpoint_weight_map,
+)  # fmt: skip
 from .config import DeepseekV3Config
 from .deepseek_v3 import DeepseekV3ForCausalLM
+from .quantization import Fp8BlockScheme, Int4PackScheme, QuantScheme, parse_quantization
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
+__all__ = [
+    "INDEX_FILE", "SINGLE_FILE", "CheckpointError", "TensorSlice", "checkpoint_weight_map", "load_config",
+    "load_target", "load_tensors", "read_config_dict",
+]  # fmt: skip
+
 FP32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
+TEXT_PREFIX = "language_model."  # kimi_k25: text weights are language_model.model.* / language_model.lm_head.*
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+_COMPANION_RE = re.compile(r"\.weight(_scale_inv|_packed|_scale|_shape)$")
 
 
-class CheckpointError(ValueError):
-    """The checkpoint does not match the model (names or shapes)."""
+@dataclass(frozen=True)
+class TensorSlice:
+    """The part of one weight a rank owns: [start, stop) along `dim` of the logical (dequantized) 2-D
+    weight; dim 0 for a 1-D tensor."""
+
+    dim: int
+    start: int
+    stop: int
 
 
-def checkpoint_weight_map(path: str | Path) -> dict[str, Path]:
-    """tensor name -> safetensors file holding it."""
-    root = Path(path)
-    index = root / INDEX_FILE
-    if index.exists():
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        return {name: root / shard for name, shard in weight_map.items()}
-    single = root / SINGLE_FILE
-    if single.exists():
-        with safe_open(single, framework="pt") as f:
-            return {name: single for name in f.keys()}
-    raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {root}")
+def read_config_dict(path: str | Path) -> dict[str, Any]:
+    file = Path(path)
+    file = file / "config.json" if file.is_dir() else file
+    try:
+        with open(file) as f:
+            return json.load(f)
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{file}: invalid JSON ({err})") from err
+
+
+def load_config(path: str | Path) -> DeepseekV3Config:
+    """The text-model config of a checkpoint directory (or config.json path); kimi_k25 `text_config` handled."""
+    return DeepseekV3Config.from_dict(read_config_dict(path))
+
+
+def quantization_config(raw: dict[str, Any]) -> dict[str, Any] | None:
+    """quantization_config at the top level or (kimi_k25) inside text_config."""
+    return raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config")
 
 
 def load_tensors(path: str | Path, names: Iterable[str], device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """Read just the named tensors (stored dtype) from a checkpoint directory."""
     names = list(names)
-    weight_map = checkpoint_weight_map(path)
-    missing = [n for n in names if n not in weight_map]
-    if missing:
-        raise CheckpointError(f"{_summary(missing)} not found in checkpoint {path}")
-    out: dict[str, torch.Tensor] = {}
-    with ExitStack() as stack:
-        handles: dict[Path, object] = {}
-        for n in names:
-            file = weight_map[n]
-            if file not in handles:
-                handles[file] = stack.enter_context(safe_open(file, framework="pt", device=str(device)))
-            out[n] = handles[file].get_tensor(n)
-    return out
+    with CheckpointFiles(path) as files:
+        missing = [n for n in names if n not in files]
+        if missing:
+            raise CheckpointError(f"{_summary(missing)} not found in checkpoint {path}")
+        return {n: files.read(n).to(device) for n in names}
 
 
 def load_target(
@@ -69,60 +93,133 @@ def load_target(
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
     attention_backend: str = "torch",
-) -> DeepseekV3ForCausalLM:
+    *,
+    build_model: Callable[[DeepseekV3Config], nn.Module] | None = None,
+    slice_of: Callable[[str], TensorSlice | None] | None = None,
+    skip: Callable[[str], bool] | None = None,
+) -> nn.Module:
     """Build the model from `<path>/config.json` and load its weights.
 
-    dtype None = the stored dtype of `model.embed_tokens.weight`. The config is attached as `.config`.
+    dtype None = the stored dtype of `model.embed_tokens.weight`. `build_model(config)` is called under
+    torch.device("meta") (default `DeepseekV3ForCausalLM(config, attention_backend=...)`); its
+    state_dict names must be checkpoint names and its shapes the sliced shapes.
     """
     root = Path(path)
-    with open(root / "config.json") as f:
-        raw = json.load(f)
-    if raw.get("quantization_config") is not None:
-        qm = raw["quantization_config"].get("quant_method", "?")
-        raise NotImplementedError(f"quantized checkpoints (quant_method={qm!r}) are not supported yet")
+    raw = read_config_dict(root)
     config = DeepseekV3Config.from_dict(raw)
-    weight_map = checkpoint_weight_map(root)
-    weight_map = {n: f for n, f in weight_map.items() if not _is_mtp(n, config.num_hidden_layers)}
-
+    scheme = parse_quantization(quantization_config(raw), str(root / "config.json"))
     with torch.device("meta"):
-        model = DeepseekV3ForCausalLM(config, attention_backend=attention_backend)
+        model = build_model(config) if build_model else DeepseekV3ForCausalLM(config, attention_backend=attention_backend)
     expected = {n: tuple(t.shape) for n, t in model.state_dict().items()}
-    missing = [n for n in expected if n not in weight_map]
-    unexpected = [n for n in weight_map if n not in expected]
+    skip = skip or (lambda name: False)
+    held = [n for n in expected if skip(n)]
+    if held:
+        raise CheckpointError(f"the model holds tensors that skip() excludes: {_summary(held)}")
+
+    with CheckpointFiles(root) as files:
+        plan = _plan(files, config, raw, scheme, expected, skip)
+        if dtype is None:
+            stored = files.dtype(plan["model.embed_tokens.weight"].stored[0])
+            if stored not in FLOAT_DTYPES:
+                raise CheckpointError(f"model.embed_tokens.weight has stored dtype {stored}; pass dtype= explicitly")
+            dtype = SAFETENSORS_DTYPES[stored][0]
+        for file in sorted({p.file for p in plan.values()}):  # one shard at a time: its pages are unmapped after
+            for name, p in plan.items():
+                if p.file == file:
+                    sl = slice_of(name) if slice_of else None
+                    value = _read(files, name, p, expected[name], sl, scheme)
+                    want = torch.float32 if name.endswith(FP32_SUFFIXES) else dtype
+                    _assign(model, name, value.to(device=device, dtype=want))
+            files.close()
+    _move_unsaved_buffers(model, device)
+    return model.eval()
+
+
+@dataclass(frozen=True)
+class _Planned:
+    stored: tuple[str, ...]  # checkpoint names (with any prefix); [0] is the weight (or weight_packed)
+    file: Path  # the file holding stored[0]
+    quantized: bool
+
+
+def _plan(files, config, raw, scheme, expected, skip) -> dict[str, _Planned]:
+    """model name -> the checkpoint tensors that make it; fails on missing or unexpected tensors."""
+    prefix = TEXT_PREFIX if "text_config" in raw and any(n.startswith(TEXT_PREFIX) for n in files.weight_map) else ""
+    plan: dict[str, _Planned] = {}
+    claimed: set[str] = set()
+    missing: list[str] = []
+    for name, shape in expected.items():
+        module = name.rpartition(".")[0]
+        quantized = (
+            scheme is not None and name.endswith(".weight") and len(shape) == 2
+            and scheme.quantizes((prefix + module, module))
+        )  # fmt: skip
+        local = scheme.stored_names(name) if quantized else (name,)
+        stored = tuple(prefix + n for n in local)
+        claimed.update(stored)
+        missing += [n for n in stored if n not in files]
+        if stored[0] in files:
+            plan[name] = _Planned(stored, files.file_of(stored[0]), quantized)
+    unexpected = []
+    for n in files.weight_map:
+        if n in claimed or not n.startswith(prefix):  # outside the text model: vision tower, projector
+            continue
+        local = n[len(prefix) :]
+        if _is_mtp(local, config.num_hidden_layers) or skip(_COMPANION_RE.sub(".weight", local)):
+            continue
+        unexpected.append(n)
     if missing or unexpected:
+        source = root_file(files)
         parts = []
         if missing:
             parts.append(f"missing tensors: {_summary(missing)}")
         if unexpected:
             parts.append(f"unexpected tensors: {_summary(unexpected)}")
-        raise CheckpointError(f"checkpoint {root} does not match the model; " + "; ".join(parts))
-
-    by_file: dict[Path, list[str]] = {}
-    for n in expected:
-        by_file.setdefault(weight_map[n], []).append(n)
-    if dtype is None:
-        with safe_open(weight_map["model.embed_tokens.weight"], framework="pt") as f:
-            stored = f.get_slice("model.embed_tokens.weight").get_dtype()
-        if stored not in _SAFETENSORS_DTYPES:
-            raise CheckpointError(f"model.embed_tokens.weight has stored dtype {stored}; pass dtype= explicitly")
-        dtype = _SAFETENSORS_DTYPES[stored]
-    for file, names in by_file.items():
-        with safe_open(file, framework="pt") as f:
-            for n in names:
-                shape = tuple(f.get_slice(n).get_shape())
-                if shape != expected[n]:
-                    raise CheckpointError(
-                        f"tensor {n}: checkpoint shape {list(shape)} != model shape {list(expected[n])}"
-                    )
-                want = torch.float32 if n.endswith(FP32_SUFFIXES) else dtype
-                _assign(model, n, f.get_tensor(n).to(device=device, dtype=want))
-    model.model.rotary_emb.to(device)  # the only non-checkpoint buffer (inv_freq, built on CPU)
-    return model.eval()
+        scheme_note = f" (quantization: {scheme.name})" if scheme else ""
+        raise CheckpointError(f"checkpoint {source} does not match the model{scheme_note}; " + "; ".join(parts))
+    return plan
 
 
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-}  # fmt: skip
+def root_file(files: CheckpointFiles) -> Path:
+    index = files.root / INDEX_FILE
+    return index if index.exists() else files.root / SINGLE_FILE
+
+
+def _read(
+    files: CheckpointFiles, name: str, p: _Planned, want: tuple[int, ...], sl: TensorSlice | None, scheme: QuantScheme | None
+) -> torch.Tensor:
+    head = p.stored[0]
+    if p.quantized:
+        logical = scheme.logical_shape(files, head.removesuffix("_packed"))
+    else:
+        logical = files.shape(head)
+        if files.dtype(head) not in FLOAT_DTYPES:
+            hint = " (not covered by quantization_config)" if scheme else " (no quantization_config)"
+            raise CheckpointError(f"{files.file_of(head)}: tensor {head} is stored as {files.dtype(head)}{hint}")
+    got = list(logical)
+    if sl is not None:
+        if not (0 <= sl.dim < len(logical)) or not (0 <= sl.start < sl.stop <= logical[sl.dim]):
+            raise CheckpointError(f"{files.file_of(head)}: tensor {name}: slice {sl} out of checkpoint shape {got}")
+        got[sl.dim] = sl.stop - sl.start
+    if tuple(got) != want:
+        sliced = "" if sl is None else f" sliced by {sl} to {got}"
+        raise CheckpointError(
+            f"{files.file_of(head)}: tensor {name}: checkpoint shape {list(logical)}{sliced} != model shape {list(want)}"
+        )
+    full = [slice(0, n) for n in logical]
+    if sl is not None:
+        full[sl.dim] = slice(sl.start, sl.stop)
+    rows, cols = full[0], (full[1] if len(full) > 1 else None)
+    if not p.quantized:
+        if sl is None:
+            return files.read(head)
+        return files.read(head, rows, cols if sl.dim == 1 else None)
+    weight = head.removesuffix("_packed")  # the stored `X.weight` name, prefix included
+    if isinstance(scheme, Fp8BlockScheme):
+        return scheme.read(files, weight, rows, cols)
+    assert isinstance(scheme, Int4PackScheme)
+    group = scheme.group_of((weight.removesuffix(".weight"), name.removesuffix(".weight")))
+    return scheme.read(files, weight, rows, cols, group.group_size, logical[1])
 
 
 def _is_mtp(name: str, num_layers: int) -> bool:
@@ -130,15 +227,26 @@ def _is_mtp(name: str, num_layers: int) -> bool:
     return m is not None and int(m.group(1)) >= num_layers
 
 
-def _assign(model: torch.nn.Module, name: str, value: torch.Tensor) -> None:
+def _assign(model: nn.Module, name: str, value: torch.Tensor) -> None:
     module_name, _, leaf = name.rpartition(".")
     module = model.get_submodule(module_name)
     if leaf in module._parameters:
-        module._parameters[leaf] = torch.nn.Parameter(value, requires_grad=False)
+        module._parameters[leaf] = nn.Parameter(value, requires_grad=False)
     elif leaf in module._buffers:
         module._buffers[leaf] = value
     else:
         raise CheckpointError(f"tensor {name}: no parameter or buffer {leaf!r} on {module_name}")
+
+
+def _move_unsaved_buffers(model: nn.Module, device: str | torch.device) -> None:
+    """Non-persistent buffers (RoPE inv_freq, built on the CPU) follow the weights; none may stay on meta."""
+    for module_name, module in model.named_modules():
+        for leaf, buf in module._buffers.items():
+            if buf is None:
+                continue
+            if buf.is_meta:
+                raise CheckpointError(f"buffer {module_name}.{leaf} is not in the checkpoint and was built on meta")
+            module._buffers[leaf] = buf.to(device)
 
 
 def _summary(names: list[str], first: int = 5) -> str:

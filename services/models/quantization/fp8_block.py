@@ -1,0 +1,102 @@
+"""FP8 e4m3 weights with block scales (DeepSeek-V3/R1, Kimi K2 FP8; model.md §5).
+
+quantization_config: `{quant_method: fp8, fmt: e4m3, activation_scheme: dynamic, weight_block_size: [128, 128]}`
+plus an optional skip list (`modules_to_not_convert`, or `ignored_layers` / `ignore`). Each quantised Linear
+`X` stores `X.weight` float8_e4m3fn [M, N] and `X.weight_scale_inv` float32 [ceil(M/bm), ceil(N/bn)]:
+
+    W[i, j] = float(q[i, j]) · scale_inv[i // bm, j // bn]      (ragged edge blocks use the same scale)
+
+Quantised: every projection (`*_proj`, `kv_a_proj_with_mqa`) not skipped; lm_head, the embedding, norms and the router stay in
+the stored high precision (transformers also never converts the output embedding). A slice of rows/cols
+reads only those rows/cols of `X.weight` and the scale blocks that cover them; it need not be block-aligned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..checkpoint_files import CheckpointError, CheckpointFiles
+from .names import any_matches, is_projection
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_DTYPES = ("F8_E4M3",)
+
+
+@dataclass(frozen=True)
+class Fp8BlockScheme:
+    block: tuple[int, int] = (128, 128)
+    ignore: tuple[str, ...] = ()
+    name: str = "fp8"
+
+    @classmethod
+    def from_config(cls, qc: Mapping[str, Any], source: str) -> Fp8BlockScheme:
+        fmt = qc.get("fmt", "e4m3")
+        if fmt != "e4m3":
+            raise CheckpointError(f"{source}: quantization_config.fmt {fmt!r} is not supported; expected 'e4m3'")
+        block = qc.get("weight_block_size")
+        if block is None or len(block) != 2 or min(block) <= 0:
+            raise CheckpointError(f"{source}: quantization_config.weight_block_size {block!r} must be [rows, cols]")
+        ignore = qc.get("modules_to_not_convert") or qc.get("ignored_layers") or qc.get("ignore") or ()
+        return cls(block=(int(block[0]), int(block[1])), ignore=tuple(ignore))
+
+    def quantizes(self, names: tuple[str, ...]) -> bool:
+        """names: the module as stored and as named in the model (e.g. '...self_attn.q_b_proj')."""
+        return is_projection(names[-1]) and not any_matches(names, self.ignore)
+
+    def stored_names(self, weight: str) -> tuple[str, ...]:
+        return weight, weight + "_scale_inv"
+
+    def logical_shape(self, files: CheckpointFiles, weight: str) -> tuple[int, ...]:
+        shape = files.shape(weight)
+        dtype = files.dtype(weight)
+        if dtype not in FP8_DTYPES:
+            raise CheckpointError(f"{files.file_of(weight)}: tensor {weight} is {dtype}, expected F8_E4M3 (fp8)")
+        scale = weight + "_scale_inv"
+        want = tuple(-(-n // b) for n, b in zip(shape, self.block, strict=True))
+        if files.shape(scale) != want:
+            raise CheckpointError(
+                f"{files.file_of(scale)}: tensor {scale} has shape {list(files.shape(scale))}, expected "
+                f"{list(want)} for a {list(shape)} weight in {list(self.block)} blocks"
+            )
+        return shape
+
+    def read(self, files: CheckpointFiles, weight: str, rows: slice, cols: slice) -> torch.Tensor:
+        """Dequantised fp32 W[rows, cols] (rows/cols: slices with explicit start/stop)."""
+        bm, bn = self.block
+        q = files.read(weight, rows, cols)
+        scale_rows = slice(rows.start // bm, (rows.stop - 1) // bm + 1)
+        scale_cols = slice(cols.start // bn, (cols.stop - 1) // bn + 1)
+        scale = files.read(weight + "_scale_inv", scale_rows, scale_cols)
+        return dequantize_fp8_block(q, scale, self.block, rows.start, cols.start)
+
+
+def dequantize_fp8_block(
+    q: torch.Tensor,  # float8_e4m3fn [m, n]: the window of W starting at (row0, col0)
+    scale_inv: torch.Tensor,  # [.., ..] the scale blocks covering that window, first block = row0//bm, col0//bn
+    block: tuple[int, int],
+    row0: int = 0,
+    col0: int = 0,
+) -> torch.Tensor:  # fp32 [m, n]
+    bm, bn = block
+    m, n = q.shape
+    ri = torch.arange(row0, row0 + m) // bm - row0 // bm  # [m] scale row of each weight row
+    ci = torch.arange(col0, col0 + n) // bn - col0 // bn  # [n]
+    scale = scale_inv.float()[ri][:, ci]  # [m, n]
+    return q.float().mul_(scale)
+
+
+def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [M, N] -> (float8_e4m3fn [M, N], float32 scale_inv [ceil(M/bm), ceil(N/bn)]): amax/448 per block."""
+    bm, bn = block
+    M, N = w.shape
+    Mb, Nb = -(-M // bm), -(-N // bn)
+    padded = torch.zeros(Mb * bm, Nb * bn, dtype=torch.float32)
+    padded[:M, :N] = w.float()
+    blocks = padded.view(Mb, bm, Nb, bn)
+    scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)  # [Mb, Nb]
+    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view(Mb * bm, Nb * bn)[:M, :N]
+    return q.to(torch.float8_e4m3fn).contiguous(), scale.contiguous()

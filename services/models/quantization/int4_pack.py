@@ -1,0 +1,136 @@
+"""INT4 compressed-tensors `pack-quantized` weights, symmetric, group-wise (Kimi K2-Thinking / K2.5 / K2.6).
+
+quantization_config: `{quant_method: compressed-tensors, format: pack-quantized, config_groups: {group_0:
+{targets: [Linear], weights: {num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 32}}},
+ignore: [lm_head, re:.*self_attn.*, re:.*shared_experts.*, re:.*mlp\\.(gate|up|gate_up|down)_proj.*, ...]}`.
+Each quantised Linear `X` [out, in] stores
+- `X.weight_packed` int32 [out, ceil(in/8)]: nibble k of a word (bits 4k..4k+3) holds column 8·word + k as
+  an unsigned value v + 8, so the signed value is nibble - 8 in [-8, 7] (compressed-tensors
+  `pack_to_int32` / `unpack_from_int32`: little-endian bytes, low nibble first);
+- `X.weight_scale` [out, ceil(in/group)] (bf16 in the Kimi checkpoints; read whatever float the header says);
+- `X.weight_shape` int [2] = [out, in].
+W[i, j] = (nibble - 8) · scale[i, j // group]; no zero point. A column slice reads the packed words and
+scales of the groups that cover it and trims; a row slice reads just those rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..checkpoint_files import CheckpointError, CheckpointFiles
+from .names import any_matches, is_targeted
+
+PACK = 8  # nibbles per int32
+
+
+@dataclass(frozen=True)
+class Int4Group:
+    targets: tuple[str, ...]
+    group_size: int
+
+
+@dataclass(frozen=True)
+class Int4PackScheme:
+    groups: tuple[Int4Group, ...]
+    ignore: tuple[str, ...] = ()
+    name: str = "compressed-tensors"
+
+    @classmethod
+    def from_config(cls, qc: Mapping[str, Any], source: str) -> Int4PackScheme:
+        def bad(what: str) -> CheckpointError:
+            return CheckpointError(f"{source}: quantization_config {what} is not supported (INT4 pack-quantized only)")
+
+        fmt = qc.get("format")
+        groups = []
+        for key, g in (qc.get("config_groups") or {}).items():
+            w = g.get("weights") or {}
+            gfmt = g.get("format") or fmt
+            if gfmt != "pack-quantized":
+                raise bad(f"format {gfmt!r} ({key})")
+            spec = (w.get("num_bits"), w.get("type"), w.get("symmetric"), w.get("strategy"))
+            if spec != (4, "int", True, "group"):
+                raise bad(f"{key}.weights num_bits/type/symmetric/strategy {spec}")
+            size = w.get("group_size")
+            if not isinstance(size, int) or size <= 0 or size % PACK:
+                raise bad(f"{key}.weights.group_size {size!r} (must be a multiple of {PACK})")
+            groups.append(Int4Group(tuple(g.get("targets") or ()), size))
+        if not groups:
+            raise bad("without config_groups")
+        return cls(groups=tuple(groups), ignore=tuple(qc.get("ignore") or ()))
+
+    def group_of(self, names: tuple[str, ...]) -> Int4Group | None:
+        if any_matches(names, self.ignore):
+            return None
+        return next((g for g in self.groups if is_targeted(names, g.targets)), None)
+
+    def quantizes(self, names: tuple[str, ...]) -> bool:
+        return self.group_of(names) is not None
+
+    def stored_names(self, weight: str) -> tuple[str, ...]:
+        return weight + "_packed", weight + "_scale", weight + "_shape"
+
+    def logical_shape(self, files: CheckpointFiles, weight: str) -> tuple[int, ...]:
+        packed, scale, shape_name = self.stored_names(weight)
+        if files.dtype(packed) != "I32":
+            raise CheckpointError(f"{files.file_of(packed)}: tensor {packed} is {files.dtype(packed)}, expected I32")
+        out, words = files.shape(packed)
+        shape = tuple(int(v) for v in files.read(shape_name).tolist())
+        if len(shape) != 2 or shape[0] != out or -(-shape[1] // PACK) != words:
+            raise CheckpointError(
+                f"{files.file_of(packed)}: tensor {packed} has shape {[out, words]}, which does not pack "
+                f"{shape_name} = {list(shape)}"
+            )
+        return shape
+
+    def read(
+        self, files: CheckpointFiles, weight: str, rows: slice, cols: slice, group_size: int, in_features: int
+    ) -> torch.Tensor:
+        """Dequantised fp32 W[rows, cols] (slices with explicit start/stop)."""
+        packed, scale = weight + "_packed", weight + "_scale"
+        n_groups = -(-in_features // group_size)
+        if tuple(files.shape(scale)) != (files.shape(packed)[0], n_groups):
+            raise CheckpointError(
+                f"{files.file_of(scale)}: tensor {scale} has shape {list(files.shape(scale))}, expected "
+                f"{[files.shape(packed)[0], n_groups]} (group size {group_size})"
+            )
+        g0, g1 = cols.start // group_size, -(-cols.stop // group_size)  # covering groups
+        w0, w1 = g0 * group_size // PACK, min(g1 * group_size // PACK, files.shape(packed)[1])
+        q = unpack_int4(files.read(packed, rows, slice(w0, w1)))  # int8 [m, 8·(w1-w0)]
+        s = files.read(scale, rows, slice(g0, g1)).float().repeat_interleave(group_size, dim=1)
+        lo = cols.start - g0 * group_size
+        hi = cols.stop - g0 * group_size
+        return q[:, lo:hi].float().mul_(s[:, lo:hi])
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """int32 [m, w] -> int8 [m, 8w] in [-8, 7]: column 8·word + k is nibble k (bits 4k..4k+3) minus 8."""
+    if packed.dtype != torch.int32:
+        raise ValueError(f"packed weights must be int32, got {packed.dtype}")
+    b = packed.contiguous().view(torch.uint8)  # little-endian: byte j holds nibbles 2j (low) and 2j+1 (high)
+    nibbles = torch.stack((b & 0xF, b >> 4), dim=-1).view(packed.shape[0], -1)
+    return nibbles.to(torch.int8) - 8
+
+
+def quantize_int4_group(w: torch.Tensor, group_size: int = 32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [out, in] -> (weight_packed int32 [out, ceil(in/8)], weight_scale bf16 [out, ceil(in/g)], weight_shape).
+
+    Symmetric, scale = amax/7 per group (rounded to bf16 first, then used to quantise), values in [-8, 7].
+    """
+    out, n = w.shape
+    n_groups = -(-n // group_size)
+    padded = torch.zeros(out, n_groups * group_size)
+    padded[:, :n] = w.float()
+    g = padded.view(out, n_groups, group_size)
+    scale = (g.abs().amax(dim=2) / 7.0).clamp(min=1e-8).to(torch.bfloat16)  # [out, n_groups]
+    q = (g / scale.float()[:, :, None]).round().clamp(-8, 7).view(out, -1)[:, :n]
+    words = -(-n // PACK)
+    u = torch.zeros(out, words * PACK, dtype=torch.int64)
+    u[:, :n] = q.to(torch.int64) + 8
+    shifts = torch.arange(PACK, dtype=torch.int64) * 4
+    packed = (u.view(out, words, PACK) << shifts).sum(dim=-1)  # [out, words], < 2^32
+    packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+    return packed.contiguous(), scale.contiguous(), torch.tensor([out, n], dtype=torch.int32)

@@ -1,0 +1,221 @@
+"""Loading FP8 block-scaled, INT4 pack-quantized, sharded and kimi_k25-wrapped checkpoints, whole and sliced.
+
+References: FP8 against transformers' own FP8 loader (it dequantizes on the CPU; it needs block-divisible
+shapes, so that case uses 8x8 blocks) and against an independent repeat_interleave dequant with ragged
+16x32 blocks; INT4 against compressed-tensors' `unpack_from_int32` (when installed) and a brute-force
+bit-by-bit unpack written here.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from services.models.deepseek_v3 import DeepseekV3ForCausalLM
+from services.models.loader import TensorSlice, load_target
+from services.models.quantization import unpack_int4
+from tests.compare import assert_close
+from tests.quantized_checkpoints import (
+    INT4_GROUP, TINY, apply_slice, dequant_fp8_reference, fp8_config, is_routed_expert, logits, odd_slices,
+    shrink_to_slices, state_dict_of, write_variant,
+)  # fmt: skip
+
+IDS = [5, 17, 3, 99, 250, 7, 42, 1, 300, 11]
+
+
+def reference_model(tmp, name, tensors):
+    """Our model loaded from a plain fp32 checkpoint of `tensors` (the independently dequantized weights)."""
+    root, _ = write_variant(tmp / name, "fp32")
+    save_file({n: t.contiguous() for n, t in tensors.items()}, str(root / "model.safetensors"))
+    return load_target(root)
+
+
+# ---- FP8 ---------------------------------------------------------------------------------------------
+def test_fp8_matches_independent_dequant(tmp_path):
+    root, source = write_variant(tmp_path / "fp8", "fp8", shards=3, fp8_skip=("model.layers.1.mlp.shared_experts",))
+    stored = {}
+    for f in root.glob("*.safetensors"):
+        stored.update(load_file(f))
+    assert stored["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"].dtype == torch.float8_e4m3fn
+    assert stored["model.layers.1.mlp.shared_experts.up_proj.weight"].dtype == torch.float32  # ignored module
+    expect = {}
+    for n, t in source.items():
+        scale = stored.get(n + "_scale_inv")
+        expect[n] = t if scale is None else dequant_fp8_reference(stored[n], scale)
+    model = load_target(root)
+    got = state_dict_of(model)
+    for n, t in expect.items():
+        assert torch.equal(got[n], t), n
+    ref = reference_model(tmp_path, "fp8-ref", expect)
+    assert_close("fp8 logits vs dequantized reference", logits(model, IDS), logits(ref, IDS))
+    # the quantization itself is real: fp8 weights differ from the source but stay close
+    w = "model.layers.2.self_attn.q_b_proj.weight"
+    assert not torch.equal(got[w], source[w])
+    assert_close("fp8 vs source weight", got[w], source[w], abs_tol=0.1 * source[w].abs().max().item(), rel_tol=0.07,
+                 cos_tol=1e-3)  # fmt: skip
+
+
+def test_fp8_matches_transformers(tmp_path):
+    pytest.importorskip("accelerate")  # transformers' FP8 loader needs it
+    from transformers import DeepseekV3ForCausalLM as HFModel
+
+    # transformers' CPU dequant needs every dimension divisible by the block
+    cfg = {**TINY, "hidden_size": 128, "q_lora_rank": 48, "moe_intermediate_size": 64, "intermediate_size": 192}
+    root, _ = write_variant(tmp_path / "fp8hf", "fp8", cfg=cfg, fp8_block=(8, 8))
+    config = json.loads((root / "config.json").read_text())
+    assert config["quantization_config"]["weight_block_size"] == [8, 8]
+    hf = HFModel.from_pretrained(root, attn_implementation="eager", dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor(IDS)[None]).logits[0].float()
+    ours = load_target(root)
+    assert_close("fp8 logits vs transformers", logits(ours, IDS), ref)
+
+
+# ---- INT4 --------------------------------------------------------------------------------------------
+def brute_force_unpack(packed: torch.Tensor, cols: int) -> torch.Tensor:
+    """Bit by bit: column 8w+k = ((word >> 4k) & 15) - 8, on the unsigned 32-bit value of each word."""
+    u = packed.to(torch.int64) % (1 << 32)
+    out = torch.empty(packed.shape[0], packed.shape[1] * 8, dtype=torch.int64)
+    for k in range(8):
+        out[:, k::8] = ((u >> (4 * k)) & 15) - 8
+    return out[:, :cols]
+
+
+def test_int4_unpack_matches_compressed_tensors():
+    g = torch.Generator().manual_seed(0)
+    packed = torch.randint(-(2**31), 2**31 - 1, (5, 7), dtype=torch.int32, generator=g)
+    assert torch.equal(unpack_int4(packed).long(), brute_force_unpack(packed, 56))
+    ct = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
+    assert torch.equal(unpack_int4(packed)[:, :53], ct.unpack_from_int32(packed, 4, torch.Size([5, 53])))
+    q = torch.randint(-8, 8, (6, 44), dtype=torch.int8, generator=g)
+    assert torch.equal(unpack_int4(ct.pack_to_int32(q, 4))[:, :44], q)  # their packing, our unpacking
+
+
+def test_int4_matches_unpacked_reference(tmp_path):
+    root, source = write_variant(tmp_path / "int4", "int4", shards=2)
+    stored = {}
+    for f in root.glob("*.safetensors"):
+        stored.update(load_file(f))
+    ct = None
+    try:
+        from compressed_tensors.compressors.pack_quantized import helpers as ct
+    except ImportError:
+        pass
+    expect = {}
+    for n, t in source.items():
+        if not is_routed_expert(n):
+            assert n in stored and stored[n].dtype == torch.float32
+            expect[n] = t
+            continue
+        stem = n.removesuffix(".weight")
+        packed, scale, shape = (stored[stem + s] for s in (".weight_packed", ".weight_scale", ".weight_shape"))
+        assert scale.dtype == torch.bfloat16 and shape.tolist() == list(t.shape)
+        q = brute_force_unpack(packed, t.shape[1])
+        if ct is not None:
+            assert torch.equal(ct.unpack_from_int32(packed, 4, torch.Size(t.shape)).long(), q), n
+        expect[n] = q.float() * scale.float().repeat_interleave(INT4_GROUP, 1)[:, : t.shape[1]]
+    model = load_target(root)
+    got = state_dict_of(model)
+    for n, t in expect.items():
+        assert torch.equal(got[n], t), n
+    ref = reference_model(tmp_path, "int4-ref", expect)
+    assert_close("int4 logits vs unpacked reference", logits(model, IDS), logits(ref, IDS))
+    w = "model.layers.1.mlp.experts.3.down_proj.weight"  # in = 44: a ragged last group and word
+    assert_close("int4 vs source", got[w], source[w], abs_tol=0.25 * source[w].abs().max().item(), rel_tol=0.3,
+                 cos_tol=1e-2)  # fmt: skip
+
+
+# ---- sharded, sliced, kimi_k25 -------------------------------------------------------------------------
+def test_sharded_fp32_equals_single(tmp_path):
+    single, source = write_variant(tmp_path / "one", "fp32")
+    sharded, _ = write_variant(tmp_path / "many", "fp32", shards=4)
+    assert not (sharded / "model.safetensors").exists()
+    a, b = state_dict_of(load_target(single)), state_dict_of(load_target(sharded))
+    assert set(a) == set(b) == set(source)
+    for n in a:
+        assert torch.equal(a[n], b[n]) and torch.equal(a[n], source[n]), n
+    bf16 = load_target(sharded, dtype=torch.bfloat16)
+    assert bf16.lm_head.weight.dtype == torch.bfloat16
+    assert bf16.model.layers[1].mlp.gate.weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize("kind", ["fp32", "fp8", "int4"])
+def test_slice_of_gives_exact_slices(tmp_path, kind):
+    root, _ = write_variant(tmp_path / kind, kind, shards=2)
+    full = state_dict_of(load_target(root, dtype=torch.bfloat16))
+    slice_of = odd_slices({n: tuple(t.shape) for n, t in full.items()})
+    dims = {slice_of(n).dim for n in full if slice_of(n) is not None and full[n].dim() == 2}
+    assert dims == {0, 1}
+    build = lambda c: shrink_to_slices(DeepseekV3ForCausalLM(c), slice_of)  # noqa: E731
+    part = load_target(root, dtype=torch.bfloat16, slice_of=slice_of, build_model=build)
+    got = state_dict_of(part)
+    for n, t in full.items():
+        assert torch.equal(got[n], apply_slice(t, slice_of(n))), n
+
+
+def test_kimi_k25_wrapped_int4(tmp_path):
+    plain, _ = write_variant(tmp_path / "plain", "int4")
+    wrapped, _ = write_variant(tmp_path / "k25", "int4", kimi_k25=True)
+    cfg = json.loads((wrapped / "config.json").read_text())
+    assert cfg["model_type"] == "kimi_k25" and "quantization_config" in cfg["text_config"]
+    a, b = state_dict_of(load_target(plain)), state_dict_of(load_target(wrapped))
+    assert set(a) == set(b)
+    for n in a:
+        assert torch.equal(a[n], b[n]), n
+
+
+def test_skip_drops_experts_without_reading_them(tmp_path):
+    root, source = write_variant(tmp_path / "ep", "fp8")
+    mine = lambda name: ".mlp.experts." not in name or int(name.split(".mlp.experts.")[1].split(".")[0]) < 4  # noqa: E731
+
+    def build(config):
+        model = DeepseekV3ForCausalLM(config)
+        for layer in model.model.layers[config.first_k_dense_replace :]:
+            for e in range(4, config.n_routed_experts):
+                layer.mlp.experts[e] = torch.nn.Module()  # an empty slot: this rank holds experts 0..3
+        return model
+
+    full = state_dict_of(load_target(root))
+    tensors = load_file(root / "model.safetensors")  # break every tensor of the skipped experts: never read
+    for n in tensors:
+        if ".mlp.experts." in n and not mine(n.removesuffix("_scale_inv")):
+            tensors[n] = torch.zeros(1, dtype=tensors[n].dtype)
+    del tensors["model.layers.2.mlp.experts.7.up_proj.weight_scale_inv"]
+    save_file(tensors, str(root / "model.safetensors"))
+    part = state_dict_of(load_target(root, build_model=build, skip=lambda n: not mine(n)))
+    assert set(part) == {n for n in full if mine(n)} and len(part) < len(full)
+    for n, t in part.items():
+        assert torch.equal(t, full[n]), n
+
+
+def test_both_rope_spellings_give_the_same_model(tmp_path):
+    legacy, _ = write_variant(tmp_path / "legacy", "fp32")
+    cfg = json.loads((legacy / "config.json").read_text())
+    modern = tmp_path / "modern"
+    modern.mkdir()
+    scaling = cfg.pop("rope_scaling")
+    cfg["rope_parameters"] = {**{k: v for k, v in scaling.items() if k != "type"}, "rope_type": "yarn",
+                              "rope_theta": cfg.pop("rope_theta")}  # fmt: skip
+    cfg["head_dim"] = cfg["qk_rope_head_dim"]  # as transformers writes it
+    (modern / "config.json").write_text(json.dumps(cfg))
+    (modern / "model.safetensors").symlink_to(legacy / "model.safetensors")
+    a, b = load_target(legacy), load_target(modern)
+    assert a.config == b.config
+    assert torch.equal(a.model.rotary_emb.inv_freq, b.model.rotary_emb.inv_freq)
+    assert torch.equal(logits(a, IDS), logits(b, IDS))
+
+
+def test_fp8_slice_reads_only_covering_scale_blocks(tmp_path):
+    """A one-row slice in the middle of a block dequantizes with that block's scale only."""
+    root, _ = write_variant(tmp_path / "fp8row", "fp8")
+    name = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"  # [40, 96]: rows 32..39 are a ragged block
+    full = load_target(root).state_dict()[name]
+    shapes = {n: tuple(t.shape) for n, t in load_target(root).state_dict().items()}
+    for sl in (TensorSlice(0, 37, 38), TensorSlice(1, 31, 33), TensorSlice(1, 95, 96)):
+        pick = lambda n, sl=sl: sl if n == name else None  # noqa: E731
+        part = load_target(root, slice_of=pick, build_model=lambda c, p=pick: shrink_to_slices(DeepseekV3ForCausalLM(c), p))
+        assert torch.equal(part.state_dict()[name], apply_slice(full, sl)), sl
+        assert shapes[name] == (40, 96)
