@@ -219,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
                 raise
             continue
         module.add_parser(train_sub)
-    for name in ("tools.bench", "tools.diagnose"):  # bench context | twopoint | compare; diagnose
+    for name in ("tools.bench", "tools.diagnose", "services.models.inspect"):  # bench ...; diagnose; inspect
         importlib.import_module(name).add_parser(sub)
     return parser
 
