@@ -5,11 +5,15 @@ single `model.safetensors`, opens a file only when one of its tensors is first n
 `get_slice(...)[rows, cols]` so only the requested bytes are touched (the files are memory-mapped).
 Every safetensors error (truncated file, corrupt header, ...) is re-raised as `CheckpointError` naming the
 file and the tensor being read.
+
+NOTE: safetensors returns views of the mapped file, and every page they touch stays resident (as file
+pages) until the file is closed; callers copy what they keep and `close()` now and then (`mapped_bytes`).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -73,6 +77,7 @@ class CheckpointFiles:
         self.weight_map = checkpoint_weight_map(root) if weight_map is None else weight_map
         self._stack = ExitStack()
         self._handles: dict[Path, Any] = {}
+        self.mapped_bytes = 0  # bytes read through the open mappings since the last close()
 
     def __enter__(self) -> CheckpointFiles:
         return self
@@ -85,6 +90,7 @@ class CheckpointFiles:
         self._stack.close()
         self._stack = ExitStack()
         self._handles.clear()
+        self.mapped_bytes = 0
 
     def __contains__(self, name: str) -> bool:
         return name in self.weight_map
@@ -115,9 +121,14 @@ class CheckpointFiles:
         sl = self._slice(name)
         try:
             if rows is None and cols is None:
-                return sl[:]
-            if cols is None:
-                return sl[rows]
-            return sl[rows if rows is not None else slice(None), cols]
+                out = sl[:]
+            elif cols is None:
+                out = sl[rows]
+            else:
+                out = sl[rows if rows is not None else slice(None), cols]
+            full = sl.get_shape()  # a column slice touches whole rows of the file
+            row = out.element_size() * (math.prod(full[1:]) if len(full) > 1 else 1)
+            self.mapped_bytes += (out.shape[0] if out.dim() else 1) * row
+            return out
         except (SafetensorError, OSError, RuntimeError) as err:
             raise CheckpointError(f"{self.file_of(name)}: cannot read tensor {name}: {err}") from err

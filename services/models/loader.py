@@ -2,8 +2,9 @@
 
 Reads `model.safetensors` or a sharded `model.safetensors.index.json` (every tensor, scales included,
 resolved through `weight_map`), memory-mapped. The model is built on the meta device and each parameter is
-assigned as it is read, one shard at a time, so peak memory is about the weights this process holds plus
-one shard's touched pages. Stored dtypes come from the safetensors headers.
+assigned (copied) as it is read, one shard at a time, and the files are unmapped after each shard or
+every MAX_MAPPED_BYTES read, so peak memory is about the weights this process holds plus the pages of at
+most one shard (or MAX_MAPPED_BYTES). Stored dtypes come from the safetensors headers.
 
 - Quantized weights are dequantized on the CPU while loading: FP8 e4m3 with block `weight_scale_inv`
   (quantization/fp8_block.py) and INT4 compressed-tensors pack-quantized groups (quantization/int4_pack.py).
@@ -42,6 +43,7 @@ __all__ = [
 ]  # fmt: skip
 
 FP32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
+MAX_MAPPED_BYTES = 256 << 20  # unmap the files after this many bytes read: bounds the resident file pages
 TEXT_PREFIX = "language_model."  # kimi_k25: text weights are language_model.model.* / language_model.lm_head.*
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
@@ -85,7 +87,7 @@ def load_tensors(path: str | Path, names: Iterable[str], device: str | torch.dev
         missing = [n for n in names if n not in files]
         if missing:
             raise CheckpointError(f"{_summary(missing)} not found in checkpoint {path}")
-        return {n: files.read(n).to(device) for n in names}
+        return {n: files.read(n).to(device, copy=True) for n in names}  # owned, not the file's mapping
 
 
 def load_target(
@@ -129,7 +131,12 @@ def load_target(
                     sl = slice_of(name) if slice_of else None
                     value = _read(files, name, p, expected[name], sl, scheme)
                     want = torch.float32 if name.endswith(FP32_SUFFIXES) else dtype
-                    _assign(model, name, value.to(device=device, dtype=want))
+                    # copy=True: safetensors hands out tensors backed by the memory-mapped file; the model must
+                    # own its memory so that the file can be unmapped (and changed) after the load
+                    _assign(model, name, value.to(device=device, dtype=want, copy=True))
+                    del value  # the last read view would keep this shard's mapping alive past close()
+                    if files.mapped_bytes > MAX_MAPPED_BYTES:
+                        files.close()
             files.close()
     _move_unsaved_buffers(model, device)
     return model.eval()
