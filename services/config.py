@@ -88,6 +88,12 @@ class VerifierConfig(ServiceConfig):
     device: str = dataclasses.field(default="cpu", metadata={"help": "torch device"})
     dtype: str = dataclasses.field(default="float32", metadata={"help": "float32 | bfloat16 | float16"})
     threads: int = dataclasses.field(default=0, metadata={"help": "torch CPU threads (0 = torch's default)"})
+    tp: int = dataclasses.field(default=1, metadata={
+        "help": "tensor-parallel ranks (torch.distributed; spawned locally unless RANK/WORLD_SIZE are set)"})
+    expert_parallel: bool = dataclasses.field(default=False, metadata={
+        "help": "with tp > 1: each rank holds 1/tp of the routed experts whole, instead of a slice of each"})
+    tp_timeout_s: float = dataclasses.field(default=60.0, metadata={
+        "help": "with tp > 1: a collective waiting longer for a peer fails and the verifier exits"})
 
     def validate(self) -> None:
         super().validate()
@@ -98,6 +104,10 @@ class VerifierConfig(ServiceConfig):
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
         if self.default_budget < 0:
             raise ValueError(f"default_budget must be >= 0, got {self.default_budget}")
+        if self.tp < 1:
+            raise ValueError(f"tp must be >= 1, got {self.tp}")
+        if not self.tp_timeout_s > 0:
+            raise ValueError(f"tp_timeout_s must be > 0, got {self.tp_timeout_s}")
         _check_dtype(self.dtype)
 
 

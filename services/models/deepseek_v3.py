@@ -23,8 +23,9 @@ from .rope import RotaryEmbedding
 
 @dataclass(frozen=True, eq=False)
 class ForwardOutput:
-    logits: torch.Tensor  # fp32 [R, vocab] for the requested rows
+    logits: torch.Tensor | None  # fp32 [R, vocab] for the requested rows (tensor parallel: None unless gathered)
     taps: torch.Tensor | None  # [T, len(tap_layer_ids) * hidden] model dtype, pre-final-norm layer outputs
+    argmax: torch.Tensor | None = None  # int64 [R]; set by the tensor-parallel forward (parallel/tp_model.py)
 
 
 class DeepseekV3DecoderLayer(nn.Module):
@@ -38,10 +39,13 @@ class DeepseekV3DecoderLayer(nn.Module):
             self.mlp = DeepseekV3MLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.tp = None  # a parallel.TPGroup under tensor parallelism: attention and MLP give partial sums
 
     def forward(self, x, positions, meta, kv_layer, backend, rope) -> torch.Tensor:  # [T, d] -> [T, d]
-        x = x + self.self_attn(self.input_layernorm(x), positions, meta, kv_layer, backend, rope)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.self_attn(self.input_layernorm(x), positions, meta, kv_layer, backend, rope)
+        x = x + (h if self.tp is None else self.tp.all_reduce(h))
+        h = self.mlp(self.post_attention_layernorm(x))
+        return x + (h if self.tp is None else self.tp.all_reduce(h))
 
 
 class DeepseekV3Model(nn.Module):

@@ -60,7 +60,10 @@ class DeepseekV3TopkRouter(nn.Module):
 
 
 class DeepseekV3MoE(nn.Module):
-    """y = Σ_j w_j · expert_{idx_j}(x) + shared_experts(x)."""
+    """y = Σ_j w_j · expert_{idx_j}(x) + shared_experts(x).
+
+    Expert parallel (parallel/tp_model.py): `experts[e]` is None for the experts another rank holds, so
+    each rank sums its own experts' part for all tokens and the decoder layer all-reduces."""
 
     def __init__(self, config: DeepseekV3Config):
         super().__init__()
@@ -86,6 +89,8 @@ class DeepseekV3MoE(nn.Module):
                 continue
             tok, pos = token_of[start:start + n], slot_of[start:start + n]
             start += n
+            if self.experts[e] is None:  # expert parallel: another rank holds expert e
+                continue
             y = self.experts[e](x[tok]) * weights[tok, pos, None]  # fp32 after the weight multiply
             out.index_add_(0, tok, y.to(out.dtype))
         if self.shared_experts is not None:

@@ -12,6 +12,7 @@ import torch
 
 from services.drafter.tree import TokenTree
 from services.models.attention import AttentionMetadata, SeqAttention
+from services.models.parallel.tp_model import TensorParallelModel
 from services.verifier.kv_pool import LatentKVPool
 from services.verifier.sequence import Sequence
 from services.verifier.tree_mask import tree_input_ids, tree_mask, tree_positions
@@ -43,6 +44,7 @@ class ItemOutput:
     new_slots: torch.Tensor          # int64 [q_len], slots the new tokens were written to
     logits: torch.Tensor | None      # fp32 [q_len, V] for verify; [1, V] for a last prefill chunk; else None
     taps: torch.Tensor | None        # [q_len, F] tapped features of the new tokens (None without taps)
+    argmax: torch.Tensor | None = None  # int64, one per logits row, when the forward gives it (tensor parallel)
 
 
 def run_batch(model, pool: LatentKVPool, items: list[WorkItem], tap_layer_ids: tuple[int, ...]) -> list[ItemOutput]:
@@ -80,18 +82,27 @@ def run_batch(model, pool: LatentKVPool, items: list[WorkItem], tap_layer_ids: t
     try:
         with torch.inference_mode():
             out = model.forward(torch.cat(ids).to(device), torch.cat(pos).to(device), meta, pool.cache,
-                                logits_rows=rows.to(device), tap_layer_ids=tap_layer_ids)
+                                logits_rows=rows.to(device), tap_layer_ids=tap_layer_ids, **_tp_kwargs(model, items))
     except Exception:
         for slots in allocated:
             pool.free(slots)
         raise
-    logits = out.logits.float()   # stays on the device: choices are made there, only ids come back
+    logits = None if out.logits is None else out.logits.float()   # stays on the device: only ids come back
     taps = out.taps
     results, lrow = [], 0
     for item, sa in zip(items, seqs):
         n_logits = sa.q_len if isinstance(item, VerifyItem) else (1 if item.is_last else 0)
-        item_logits = logits[lrow:lrow + n_logits] if n_logits else None
+        item_logits = logits[lrow:lrow + n_logits] if n_logits and logits is not None else None
+        item_argmax = out.argmax[lrow:lrow + n_logits] if n_logits and out.argmax is not None else None
         lrow += n_logits
         item_taps = taps[sa.q_start:sa.q_start + sa.q_len] if taps is not None else None
-        results.append(ItemOutput(item, sa.new_slots, item_logits, item_taps))
+        results.append(ItemOutput(item, sa.new_slots, item_logits, item_taps, item_argmax))
     return results
+
+
+def _tp_kwargs(model, items: list[WorkItem]) -> dict:
+    """A tensor-parallel model keeps the logits sharded and returns the argmax per row; it gathers the
+    full logits only when some row is sampled at temperature > 0."""
+    if not isinstance(model, TensorParallelModel):
+        return {}
+    return {"gather_logits": any(not it.seq.params.sampling.greedy for it in items)}

@@ -41,9 +41,12 @@ def append_pending(seq: Sequence, tokens: list[int], start: int, features: torch
     seq.pending_commit = pend
 
 
-def _choices(seq: Sequence, logits: torch.Tensor) -> list[int]:
+def _choices(seq: Sequence, out: ItemOutput) -> list[int]:
     """The target's choice per row: argmax, or one sample per row from the request's generator."""
     cfg = seq.params.sampling
+    if cfg.greedy and out.argmax is not None:
+        return out.argmax.tolist()  # tensor parallel: combined from the vocab shards, logits never gathered
+    logits = out.logits
     if not cfg.greedy and not seq.generator_ready:
         seq.generator = make_generator(cfg, logits.device)
         seq.generator_ready = True
@@ -64,7 +67,7 @@ def commit_prefill(out: ItemOutput, pool: LatentKVPool, window: int) -> list[int
     seq.prefill_done = item.end
     if not item.is_last:
         return []
-    first = _choices(seq, out.logits)[0]
+    first = _choices(seq, out)[0]
     seq.root = first
     return [first]
 
@@ -74,7 +77,7 @@ def commit_verify(out: ItemOutput, pool: LatentKVPool, window: int) -> tuple[Ver
     item = out.item
     assert isinstance(item, VerifyItem)
     seq = item.seq
-    choices = _choices(seq, out.logits)
+    choices = _choices(seq, out)
     verdict = accept(item.tree, seq.root, choices)
     acc = torch.tensor(verdict.accepted_nodes, dtype=torch.int64)
     keep = torch.zeros(out.new_slots.numel(), dtype=torch.bool)

@@ -146,13 +146,21 @@ def serve(config: VerifierConfig, model_dir: str) -> RunningServer:
     """Load the target, connect to the drafter (if any), start the scheduler and the gRPC server."""
     import pathlib
 
-    model = load_target(model_dir, dtype=_DTYPES[config.dtype], device=config.device,
-                        attention_backend=resolve_attention_backend(config.attention_backend, config.device))
-    model.eval()
+    backend = resolve_attention_backend(config.attention_backend, config.device)
+    tp = None
+    if config.tp > 1:  # N ranks (tp_worker.py); on ranks > 0 this call does not return
+        from services.verifier.tp_worker import start_tensor_parallel
+        tp = start_tensor_parallel(config, model_dir, backend)
+        model = tp.model
+    else:
+        model = load_target(model_dir, dtype=_DTYPES[config.dtype], device=config.device, attention_backend=backend)
+        model.eval()
     mcfg = model.config
     drafter = DrafterPool(config.drafter, config.draft_timeout_s) if config.drafter else None
     pool = LatentKVPool(mcfg.num_hidden_layers, config.kv_tokens, mcfg.kv_cache_width,
                         _DTYPES[config.dtype], config.device)
+    if tp is not None:
+        tp.model.replicate_kv(pool.cache)  # every rank holds a full copy of the latent cache
     scheduler = Scheduler(model, pool, config, drafter)
     scheduler.start()
     eos_ids = tuple(mcfg.eos_token_ids)
@@ -165,10 +173,14 @@ def serve(config: VerifierConfig, model_dir: str) -> RunningServer:
 
     def on_stop():
         scheduler.stop()
+        if tp is not None:
+            tp.close()
         if drafter is not None:
             drafter.close()
 
     log.info("verifier_ready", model=model_dir, drafter=config.drafter or None, kv_tokens=config.kv_tokens)
     running = start_server("verifier", register, config.host, config.port, config.max_workers, config.grace_s, on_stop)
+    if tp is not None:
+        tp.attach(running)
     serve_metrics(config.metrics_port, config.host)
     return running

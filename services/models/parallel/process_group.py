@@ -1,0 +1,100 @@
+"""The tensor-parallel group: N ranks under torch.distributed (serving.md §7).
+
+Activations (the all-reduces after attention and MLP, the vocab-parallel embedding, the argmax
+combine) go over `device_group`: NCCL on CUDA, gloo on CPU. The per-step broadcast of forward inputs
+from rank 0 is small host data and goes over `cpu_group` (gloo; the same group on CPU).
+
+Ranks on several nodes are launched with the standard torch.distributed variables MASTER_ADDR,
+MASTER_PORT, WORLD_SIZE, RANK, LOCAL_RANK (`launch_env`); these describe the launch, not the service
+configuration, so they are read here and nowhere else. A verifier started without them spawns its other
+local ranks itself (services/verifier/tp_worker.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchEnv:
+    master_addr: str
+    master_port: int
+    world_size: int
+    rank: int
+    local_rank: int
+
+
+def launch_env() -> LaunchEnv | None:
+    """The launcher's rank description, or None when RANK / WORLD_SIZE are not set."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    return LaunchEnv(master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                     master_port=int(os.environ.get("MASTER_PORT", "29500")),
+                     world_size=int(os.environ["WORLD_SIZE"]), rank=int(os.environ["RANK"]),
+                     local_rank=int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def rank_device(device: str, local_rank: int) -> torch.device:
+    """cuda -> cuda:LOCAL_RANK (one GPU per local rank); anything else unchanged."""
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        return torch.device("cuda", local_rank)
+    return d
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TPGroup:
+    rank: int
+    world_size: int
+    device_group: object  # torch.distributed ProcessGroup for activations
+    cpu_group: object  # gloo ProcessGroup for the per-step broadcast
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks, in place; returns x."""
+        dist.all_reduce(x, group=self.device_group)
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[*s] on every rank -> [N, *s], rank order."""
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x.contiguous(), group=self.device_group)
+        return torch.stack(parts)
+
+    def broadcast_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's CPU tensor x to every rank (x is filled in place on the others)."""
+        dist.broadcast(x, src=0, group=self.cpu_group)
+        return x
+
+
+def init_tp(world_size: int, rank: int, device: torch.device, master_addr: str, master_port: int,
+            timeout_s: float) -> TPGroup:
+    """Join the group (blocks until all ranks have joined, at most timeout_s).
+
+    Every collective then fails after timeout_s instead of waiting forever for a dead or stuck peer;
+    rank 0 keeps idle peers alive with pings (tp_model.TensorParallelModel).
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", world_size=world_size,
+                            rank=rank, timeout=timeout)
+    world = dist.group.WORLD
+    cpu = world if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+    return TPGroup(rank=rank, world_size=world_size, device_group=world, cpu_group=cpu)
+
+
+def destroy_tp() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

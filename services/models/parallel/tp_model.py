@@ -1,0 +1,196 @@
+"""The tensor-parallel target: one rank's shard, its forward, and rank 0's broadcasting handle.
+
+Every rank builds DeepseekV3ForCausalLM from a *local* config (H/N heads; I/N dense and, without expert
+parallelism, moe_intermediate_size/N expert widths), so q_b_proj / kv_b_proj hold H/N heads, o_proj and
+every down_proj H/N or I/N input columns, and parameter names stay the checkpoint's. Then:
+- embed_tokens and lm_head are replaced by their V/N-row shards (VocabParallelEmbedding all-reduces);
+- every decoder layer gets `tp`, so it all-reduces once after attention and once after the MLP;
+- under expert parallelism each MoE keeps its E/N whole experts (the others None) and a TP-split
+  shared expert; the router is replicated, so every rank routes every token the same way.
+The latent KV cache has one head: every rank holds a full replica, written by the same forward.
+
+Per forward (`run_shard`, on every rank): the model forward, one all-gather of [R, 2] (max, global id)
+for the argmax, and only when a row is sampled at temperature > 0 an all-gather of the full logits.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from services.models.config import DeepseekV3Config
+from services.models.deepseek_v3 import DeepseekV3ForCausalLM, ForwardOutput
+from services.models.loader import load_target
+from services.models.moe import DeepseekV3MLP, DeepseekV3MoE
+
+from .layers import VocabParallelEmbedding, combine_shard_argmax, shard_argmax
+from .process_group import TPGroup
+from .shard_plan import ShardPlan
+from .step_message import CACHE, FORWARD, PING, STOP, StepInputs, send_step
+
+
+def local_config(plan: ShardPlan) -> DeepseekV3Config:
+    c, n = plan.config, plan.world_size
+    return dataclasses.replace(
+        c, num_attention_heads=c.num_attention_heads // n, intermediate_size=c.intermediate_size // n,
+        moe_intermediate_size=c.moe_intermediate_size if plan.expert_parallel else c.moe_intermediate_size // n)
+
+
+def build_tp_model(plan: ShardPlan, tp: TPGroup | None, attention_backend: str = "torch") -> DeepseekV3ForCausalLM:
+    """The rank's shard with local shapes, uninitialised (build under torch.device("meta"), then load)."""
+    c = plan.config
+    model = DeepseekV3ForCausalLM(local_config(plan), attention_backend=attention_backend)
+    model.config = c  # the logical model (vocab, layers, cache width); modules were built with local sizes
+    lo, hi = plan.vocab_range
+    model.model.embed_tokens = VocabParallelEmbedding(hi - lo, c.hidden_size, lo, tp)
+    model.lm_head = nn.Linear(c.hidden_size, hi - lo, bias=False)
+    e_lo, e_hi = plan.expert_range
+    for layer in model.model.layers:
+        layer.tp = tp
+        if plan.expert_parallel and isinstance(layer.mlp, DeepseekV3MoE):
+            for e in range(c.n_routed_experts):
+                if not e_lo <= e < e_hi:
+                    layer.mlp.experts[e] = None
+            if layer.mlp.shared_experts is not None:
+                width = c.moe_intermediate_size * c.n_shared_experts // plan.world_size
+                layer.mlp.shared_experts = DeepseekV3MLP(c.hidden_size, width)
+    model.tp = tp
+    model.vocab_start = lo
+    return model
+
+
+def load_tp_model(path, tp: TPGroup, expert_parallel: bool = False, dtype: torch.dtype | None = None,
+                  device: str | torch.device = "cpu", attention_backend: str = "torch") -> DeepseekV3ForCausalLM:
+    """Load this rank's shard: only its slices (and, under expert parallelism, its experts) are read."""
+    plans: list[ShardPlan] = []
+
+    def build(config: DeepseekV3Config) -> nn.Module:
+        plans.append(ShardPlan(config, tp.rank, tp.world_size, expert_parallel))
+        return build_tp_model(plans[0], tp, attention_backend)
+
+    model = load_target(path, dtype, device, attention_backend, build_model=build,
+                        slice_of=lambda name: plans[0].slice_of(name), skip=lambda name: plans[0].skip(name))
+    if tp.rank > 0:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                if layer.self_attn.o_proj.bias is not None:
+                    layer.self_attn.o_proj.bias.zero_()  # row-parallel: rank 0 alone adds the bias
+    return model
+
+
+def run_shard(model: DeepseekV3ForCausalLM, tp: TPGroup, s: StepInputs, kv_cache: torch.Tensor) -> ForwardOutput:
+    """One forward on this rank's shard; every rank calls it with the same inputs (collectives inside).
+
+    Returns the full-vocab argmax per row (all ranks), the taps (replicated) and, when s.gather_logits,
+    the full logits fp32 [R, V]."""
+    dev = kv_cache.device
+    rows = None if s.logits_rows is None else s.logits_rows.to(dev)
+    out = model.forward(s.input_ids.to(dev), s.positions.to(dev), s.meta, kv_cache, logits_rows=rows,
+                        tap_layer_ids=s.tap_layer_ids)
+    local = out.logits  # fp32 [R, V/N]
+    R = local.shape[0]
+    if R == 0:  # every rank knows R: all skip the collectives together
+        return ForwardOutput(logits=local.new_empty(0, model.config.vocab_size) if s.gather_logits else None,
+                             taps=out.taps, argmax=torch.empty(0, dtype=torch.int64, device=dev))
+    argmax = combine_shard_argmax(tp.all_gather(shard_argmax(local, model.vocab_start)))  # [R]
+    logits = tp.all_gather(local).permute(1, 0, 2).reshape(R, -1) if s.gather_logits else None  # [R, V]
+    return ForwardOutput(logits=logits, taps=out.taps, argmax=argmax)
+
+
+class TensorParallelModel:
+    """Rank 0's handle, called like DeepseekV3ForCausalLM.forward (plus `gather_logits`).
+
+    Each forward first broadcasts its inputs to the other ranks (step_message.py), then runs rank 0's
+    shard. Collectives are serialised by a lock; while idle, a ping every `ping_interval_s` keeps the
+    other ranks inside their collective timeout. Any failure after a broadcast leaves the ranks out of
+    step, so it is final: `on_failure(message)` is called (the server then exits) and later forwards
+    raise at once.
+    """
+
+    def __init__(self, model: DeepseekV3ForCausalLM, tp: TPGroup, ping_interval_s: float,
+                 on_failure: Callable[[str], None] | None = None):
+        self.model = model
+        self.tp = tp
+        self.config = model.config
+        self.ping_interval_s = ping_interval_s
+        self._on_failure = on_failure
+        self._lock = threading.Lock()
+        self._last_sent = time.monotonic()
+        self._broken: str | None = None
+        self._closed = threading.Event()
+        self._pinger = threading.Thread(target=self._ping_loop, name="tp-ping", daemon=True)
+        self._pinger.start()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @torch.no_grad()
+    def forward(self, input_ids, positions, meta, kv_cache, logits_rows=None, tap_layer_ids=(),
+                gather_logits: bool = False) -> ForwardOutput:
+        inputs = StepInputs(input_ids, positions, meta, logits_rows, tuple(tap_layer_ids), gather_logits)
+        with self._lock:
+            self._check()
+            try:
+                send_step(self.tp, FORWARD, inputs)
+                return run_shard(self.model, self.tp, inputs, kv_cache)
+            except Exception as err:
+                self._fail(f"tensor-parallel forward failed: {err}")
+                raise
+            finally:
+                self._last_sent = time.monotonic()
+
+    __call__ = forward
+
+    def replicate_kv(self, kv_cache: torch.Tensor) -> None:
+        """Have every other rank allocate its replica of rank 0's latent cache [L, S, W] (once, at start)."""
+        with self._lock:
+            self._check()
+            send_step(self.tp, CACHE, num_slots=kv_cache.shape[1])
+            self._last_sent = time.monotonic()
+
+    def close(self) -> None:
+        """Tell the other ranks to stop (their worker loops return)."""
+        with self._lock:
+            if self._closed.is_set():
+                return
+            self._closed.set()
+            if self._broken is None:
+                try:
+                    send_step(self.tp, STOP)
+                except Exception:  # a peer already gone: nothing to stop
+                    pass
+
+    def _check(self) -> None:
+        if self._broken is not None:
+            raise RuntimeError(f"tensor-parallel group is broken: {self._broken}")
+        if self._closed.is_set():
+            raise RuntimeError("tensor-parallel model is closed")
+
+    def _fail(self, message: str) -> None:
+        if self._broken is None:
+            self._broken = message
+            if self._on_failure is not None:
+                self._on_failure(message)
+
+    def _ping_loop(self) -> None:
+        while not self._closed.wait(self.ping_interval_s / 2):
+            with self._lock:
+                if self._closed.is_set() or self._broken is not None:
+                    return
+                if time.monotonic() - self._last_sent < self.ping_interval_s:
+                    continue
+                try:
+                    send_step(self.tp, PING)
+                except Exception as err:
+                    self._fail(f"tensor-parallel ping failed: {err}")
+                    return
+                self._last_sent = time.monotonic()

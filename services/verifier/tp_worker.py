@@ -1,0 +1,178 @@
+"""Tensor-parallel verifier processes (serving.md §7; docs/structure.md "Tensor parallelism").
+
+`ddtree verifier --tp N` runs N ranks. Rank 0 serves gRPC, schedules, owns the KV pool's slot
+allocation and broadcasts every forward's inputs; ranks 1..N-1 run `worker_loop`, replaying each
+forward on their shard into their own replica of the latent KV cache.
+
+Launch: with RANK / WORLD_SIZE (and MASTER_ADDR / MASTER_PORT / LOCAL_RANK) set, each process is one
+rank, possibly on several nodes. Without them the process is rank 0 and spawns ranks 1..N-1 locally; a
+watchdog then turns any rank's exit into `rank k exited with code c` and a non-zero exit of the server.
+Every collective has a timeout (`--tp-timeout-s`), so a peer that dies or hangs mid-collective ends the
+server with an error instead of a hang.
+"""
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import sys
+import threading
+import time
+
+import torch
+
+from services.config import VerifierConfig
+from services.models.parallel.process_group import (LaunchEnv, TPGroup, destroy_tp, free_port, init_tp,
+                                                    launch_env, rank_device)
+from services.models.parallel.step_message import CACHE, FORWARD, STOP, recv_step
+from services.models.parallel.tp_model import TensorParallelModel, load_tp_model, run_shard
+from services.telemetry.logging import get_logger
+
+log = get_logger("ddtree.verifier.tp")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def worker_loop(model, tp: TPGroup, kv_cache: torch.Tensor | None = None) -> None:
+    """Ranks > 0: replay rank 0's forwards until it sends STOP (a broken peer raises out of here).
+    The KV replica is allocated when rank 0 says how large its pool is (CACHE)."""
+    with torch.inference_mode():
+        while True:
+            kind, payload = recv_step(tp)
+            if kind == STOP:
+                return
+            if kind == CACHE:
+                kv_cache = model.new_kv_cache(payload)
+                log.info("tp_kv_replica", rank=tp.rank, slots=payload)
+            elif kind == FORWARD:
+                if kv_cache is None:
+                    raise RuntimeError("FORWARD before CACHE: rank 0 never sized the KV cache")
+                run_shard(model, tp, payload, kv_cache)
+
+
+def _load(config: VerifierConfig, model_dir: str, tp: TPGroup, device: torch.device, backend: str):
+    return load_tp_model(model_dir, tp, config.expert_parallel, _DTYPES[config.dtype], device, backend)
+
+
+def run_worker(config: VerifierConfig, model_dir: str, env: LaunchEnv, backend: str) -> None:
+    """One rank > 0, from joining the group to rank 0's STOP."""
+    device = rank_device(config.device, env.local_rank)
+    tp = init_tp(env.world_size, env.rank, device, env.master_addr, env.master_port, config.tp_timeout_s)
+    model = _load(config, model_dir, tp, device, backend)
+    log.info("tp_worker_ready", rank=env.rank, world_size=env.world_size, device=str(device))
+    worker_loop(model, tp)
+    log.info("tp_worker_stopped", rank=env.rank)
+    destroy_tp()
+
+
+def _spawned_rank(rank: int, config: VerifierConfig, model_dir: str, addr: str, port: int, backend: str) -> None:
+    from services.telemetry.logging import configure_logging
+    configure_logging(config.log_level, config.log_format)
+    if config.threads > 0:
+        torch.set_num_threads(config.threads)
+    try:
+        run_worker(config, model_dir, LaunchEnv(addr, port, config.tp, rank, rank), backend)
+    except BaseException as err:
+        log.error("tp_worker_failed", rank=rank, error=f"{type(err).__name__}: {err}")
+        sys.stderr.flush()
+        os._exit(1)
+
+
+@dataclasses.dataclass
+class TensorParallelVerifier:
+    """Rank 0's side: the broadcasting model handle, the spawned ranks and their watchdog."""
+    model: TensorParallelModel
+    device: torch.device
+    children: dict[int, mp.Process]
+    _server: object = None
+    _stopping: bool = False
+    _fatal_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def attach(self, running) -> None:
+        """The gRPC server to take down when a rank fails."""
+        self._server = running
+
+    def close(self) -> None:
+        """Graceful stop: STOP to the other ranks, wait for them, leave the group."""
+        self._stopping = True
+        self.model.close()
+        for rank, p in self.children.items():
+            p.join(timeout=10)
+            if p.is_alive():
+                log.warning("tp_rank_kill", rank=rank)
+                p.kill()
+        destroy_tp()
+
+    def fatal(self, message: str) -> None:
+        """A rank is gone or a collective failed: answer nothing more and exit non-zero."""
+        if self._stopping or not self._fatal_lock.acquire(blocking=False):
+            return
+        self._stopping = True
+        # A failed collective usually means a dead rank: name it first.
+        dead = [f"rank {r} exited with code {c}" for r, c in self._exited_ranks(wait_s=2.0).items()]
+        message = "; ".join(dict.fromkeys(dead + [message]))
+        log.error("tp_fatal", error=message)
+        print(f"verifier: {message}; stopping", file=sys.stderr, flush=True)
+        server = self._server
+        if server is not None:
+            server.health.enter_graceful_shutdown()
+            server.server.stop(0.5).wait(3.0)  # in-flight streams end with an error
+        for p in self.children.values():
+            if p.is_alive():
+                p.kill()
+        sys.stderr.flush()
+        os._exit(1)
+
+    def _exited_ranks(self, wait_s: float) -> dict[int, int]:
+        """rank -> exit code of the spawned ranks that have exited, waiting up to wait_s for the first."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            gone = {r: p.exitcode for r, p in self.children.items() if p.exitcode is not None}
+            if gone or not self.children or time.monotonic() > deadline:
+                return gone
+            time.sleep(0.05)
+
+    def _watch(self) -> None:
+        pending = dict(self.children)
+        while pending:
+            ready = mp.connection.wait([p.sentinel for p in pending.values()], timeout=1.0)
+            for rank, p in list(pending.items()):
+                if p.sentinel in ready:
+                    p.join()
+                    del pending[rank]
+                    if not self._stopping:
+                        threading.Thread(target=self.fatal, args=(f"rank {rank} exited with code {p.exitcode}",),
+                                         daemon=True).start()
+
+
+def start_tensor_parallel(config: VerifierConfig, model_dir: str, backend: str) -> TensorParallelVerifier:
+    """Join (or create) the N ranks and load rank 0's shard. On ranks > 0 this runs the worker loop and
+    exits the process when rank 0 stops: only rank 0 returns."""
+    if getattr(config, "page_size", 1) > 1:
+        raise ValueError("--tp > 1 needs --page-size 1: KV copies at commit are not replayed on the other ranks")
+    env = launch_env()
+    children: dict[int, mp.Process] = {}
+    if env is None:
+        env = LaunchEnv("127.0.0.1", free_port(), config.tp, 0, 0)
+        ctx = mp.get_context("spawn")  # before any thread or server starts
+        for rank in range(1, config.tp):
+            p = ctx.Process(target=_spawned_rank, name=f"tp-rank-{rank}", daemon=True,
+                            args=(rank, config, model_dir, env.master_addr, env.master_port, backend))
+            p.start()
+            children[rank] = p
+            log.info("tp_rank_spawned", rank=rank, pid=p.pid)
+    elif env.world_size != config.tp:
+        raise ValueError(f"WORLD_SIZE={env.world_size} but --tp {config.tp}")
+    elif env.rank > 0:
+        run_worker(config, model_dir, env, backend)
+        sys.exit(0)
+    tpv = TensorParallelVerifier(model=None, device=rank_device(config.device, env.local_rank), children=children)
+    if children:
+        threading.Thread(target=tpv._watch, name="tp-watchdog", daemon=True).start()
+    started = time.perf_counter()
+    tp = init_tp(env.world_size, 0, tpv.device, env.master_addr, env.master_port, config.tp_timeout_s)
+    shard = _load(config, model_dir, tp, tpv.device, backend)
+    tpv.model = TensorParallelModel(shard, tp, ping_interval_s=config.tp_timeout_s / 4, on_failure=tpv.fatal)
+    log.info("tp_ready", world_size=config.tp, expert_parallel=config.expert_parallel,
+             load_s=round(time.perf_counter() - started, 2))
+    return tpv

@@ -1,0 +1,109 @@
+"""The verifier with --tp 2 as a service: DDTree output token-identical to TP=1, and a dead rank takes
+the verifier down with an error instead of a hang.
+
+The TP=1 reference is the session's oracle stack (conftest); the TP=2 verifier shares its drafter
+(the oracle engine: real multi-token acceptance), so both verifiers see the same trees.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+
+from services.gateway.tokenizer import Tokenizer
+from services.launcher import start_service
+from tests.test_e2e_lossless import PROMPTS, _generate
+
+pytestmark = pytest.mark.slow
+MAX_NEW = 24
+VERIFIER_ARGS = ["--max-batch", "8", "--kv-tokens", "32768", "--max-context", "2048", "--prefill-chunk", "64",
+                 "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(default_ckpt):
+    tok = Tokenizer(default_ckpt.target)
+    return [tok.encode(p) for p in PROMPTS[:4]]
+
+
+@pytest.fixture(scope="module")
+def tp2_verifier(default_ckpt, oracle_stack, tmp_path_factory):
+    proc = start_service("verifier", ["verifier", "--model", str(default_ckpt.target), "--tp", "2",
+                                      "--drafter", oracle_stack.get("drafter").address, *VERIFIER_ARGS],
+                         tmp_path_factory.mktemp("logs-tp2"))
+    yield proc
+    assert proc.stop() == 0, "a graceful stop of a tensor-parallel verifier exits 0"
+    assert '"tp_worker_stopped"' in proc.log_path.read_text(), "rank 1 left its loop on STOP"
+
+
+def _run(address, prompt_ids, steps: list | None = None, **kw):
+    with cf.ThreadPoolExecutor(len(prompt_ids)) as pool:  # concurrent: several sequences per forward
+        results = [f.result() for f in [pool.submit(_generate, address, ids, max_new=MAX_NEW, **kw)
+                                        for ids in prompt_ids]]
+    if steps is not None:
+        steps += [s for _, st, _ in results for s in st]
+    return [tokens for tokens, _, _ in results]
+
+
+@pytest.mark.parametrize("budget", [8, 32])
+def test_tp2_ddtree_greedy_matches_tp1(tp2_verifier, oracle_stack, prompt_ids, budget):
+    ref = _run(oracle_stack.verifier, prompt_ids, no_spec=True)
+    steps = []
+    got = _run(tp2_verifier.address, prompt_ids, steps, no_spec=False, budget=budget)
+    assert all(len(t) == MAX_NEW for t in ref)
+    assert max(s.accept_length for s in steps) > 1 and all(s.tree_nodes > 0 for s in steps)
+    assert got == ref, "TP=2 DDTree output differs from TP=1 AR"
+
+
+def test_tp2_sampling_matches_tp1(tp2_verifier, oracle_stack, prompt_ids):
+    """temperature > 0 gathers the full logits on rank 0: same seed, same draws as TP=1."""
+    kw = dict(no_spec=False, budget=8, temperature=0.8, seed=11)
+    assert _run(tp2_verifier.address, prompt_ids, **kw) == _run(oracle_stack.verifier, prompt_ids, **kw)
+
+
+def test_rank_death_ends_the_verifier(default_ckpt, prompt_ids, tmp_path):
+    proc = start_service("verifier", ["verifier", "--model", str(default_ckpt.target), "--tp", "2",
+                                      "--log-format", "json", *VERIFIER_ARGS], tmp_path)
+    try:
+        rank1 = next(json.loads(line)["pid"] for line in proc.log_path.read_text().splitlines()
+                     if '"tp_rank_spawned"' in line)
+        streaming, outcome = threading.Event(), {}
+
+        def client():
+            try:
+                for _ in _stream(proc.address, prompt_ids[0]):
+                    streaming.set()
+                outcome["error"] = None
+            except grpc.RpcError as err:
+                outcome["error"] = err.code()
+
+        t = threading.Thread(target=client, daemon=True)
+        t.start()
+        assert streaming.wait(60), "the stream never started"
+        killed = time.monotonic()
+        os.kill(rank1, signal.SIGKILL)
+        proc.popen.wait(timeout=30)
+        t.join(timeout=30)
+        elapsed = time.monotonic() - killed
+    finally:
+        if proc.popen.poll() is None:
+            proc.popen.kill()
+    assert proc.popen.returncode != 0, "the verifier must exit non-zero when a rank dies"
+    assert elapsed < 30
+    assert outcome.get("error") in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL,
+                                    grpc.StatusCode.CANCELLED), f"client saw {outcome}"
+    assert "rank 1 exited with code -9" in proc.log_path.read_text()
+
+
+def _stream(address, ids):
+    from services.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+    with grpc.insecure_channel(address) as ch:
+        req = verifier_pb2.GenerateRequest(input_ids=ids, max_new_tokens=1900, ignore_eos=True,
+                                           spec=common_pb2.SpecOptions(no_spec=True))
+        yield from verifier_pb2_grpc.VerifierStub(ch).Generate(req, timeout=120)
