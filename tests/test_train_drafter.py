@@ -289,3 +289,15 @@ def test_trained_drafter_beats_the_untrained_one_through_the_services(trained, t
     print(f"tau untrained {before['tau']:.3f}, trained {after['tau']:.3f}")
     assert before["generated_tokens"] == after["generated_tokens"] == 4 * 64
     assert before["tau"] < 1.2 and after["tau"] > before["tau"] + 0.8, (before["tau"], after["tau"])
+
+
+def test_init_starts_from_a_trained_drafter(trained, target_dir, tmp_path, streams):
+    """--init: a fine-tuning run starts from the given checkpoint's weights (and architecture), not at random."""
+    run, trainer, _ = trained
+    tuned = DrafterTrainer(_args(target_dir, tmp_path / "ft", "--steps", "2", "--pool", "2", "--val-batches", "0",
+                                 "--init", str(run / "export")), streams=streams)
+    source = load_drafter(run / "export").state_dict()
+    assert all(torch.equal(v, source[k]) for k, v in tuned.model.state_dict().items())
+    with pytest.raises(ValueError, match="drafter checkpoint"):
+        DrafterTrainer(_args(target_dir, tmp_path / "bad", "--steps", "2", "--init", str(tmp_path / "missing")),
+                       streams=streams)

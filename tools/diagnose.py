@@ -1,6 +1,6 @@
 """`ddtree diagnose`: why is it slow? One command against a running deployment (design.md §2).
 
-It measures, on the verifier it is pointed at (greedy, fixed length, one prompt per point):
+It measures, on the verifier it is pointed at (greedy, fixed length, --prompts texts per point):
   1. a profile: DDTree and AR at each context: tau, step time (draft / verify / transport), tok/s;
   2. with the drafter's window W > 0 and contexts past it: DDTree tau there again on a verifier whose
      drafter has the same weights and no window (--window-off-verifier, or --start-window-off to start
@@ -97,8 +97,10 @@ def diagnose(args) -> dict:
         skipped = [c for c in parse_ints(args.contexts) if c > room]
         drift_tokens = min(args.drift_tokens, info.max_context - args.drift_context - 8)
         window_contexts = [c for c in contexts if window > 0 and c > window]
-        stream = make_prompts(tok, args.kind, max(contexts + [args.drift_context + drift_tokens // 2]), 1)[0]
-        prompt = lambda n: stream[:n]  # noqa: E731  every prompt is a prefix of one text
+        # --prompts texts; the prompts of context c are their first c tokens (so contexts differ only in length).
+        streams = make_prompts(tok, args.kind, max(contexts + [args.drift_context + drift_tokens // 2]), args.prompts)
+        prompts = lambda n: [s[:n] for s in streams]  # noqa: E731
+        prompt = lambda n: streams[0][:n]  # noqa: E731  the drift generations use the first text
         print(f"diagnose {args.verifier}: model {info.model_id}, max_context {info.max_context}, speculation "
               f"{'on' if info.spec_enabled else 'OFF'}; drafter "
               + (f"{dinfo.model_id}, window {dinfo.window or 'unlimited'}, block {dinfo.block_size}, default budget "
@@ -106,18 +108,19 @@ def diagnose(args) -> dict:
               flush=True)
         warm_up(ep, tok, args.budget)
         can_window_off = bool(args.window_off_verifier or args.start_window_off)
-        units = 2 * len(contexts) + (len(window_contexts) if can_window_off else 0) + 2
+        n = args.prompts
+        units = 2 * n * len(contexts) + (n * len(window_contexts) if can_window_off else 0) + 2
         progress = Progress(units, "diagnose")
         rows = []
         for c in contexts:
-            rows.append(measure_context(ep, [prompt(c)], args.tokens, args.budget, progress, note=f"context {c}"))
+            rows.append(measure_context(ep, prompts(c), args.tokens, args.budget, progress, note=f"context {c}"))
         points = [profile_point(r) for r in rows]
         ar_points = [report.ProfilePoint(r["context"], 1.0, r["ar_record_step_ms"], r["ar_tok_s"]) for r in rows]
         tau_off = {}
         if window_contexts:
             with window_off_endpoint(args, max(window_contexts) + args.tokens + 8) as off:
                 for c in window_contexts if off is not None else []:
-                    tau_off[c] = measure_context(off, [prompt(c)], args.tokens, args.budget, progress, ar=False,
+                    tau_off[c] = measure_context(off, prompts(c), args.tokens, args.budget, progress, ar=False,
                                                  note=f"window off, context {c}")["tau"]
         long = ep.generate(prompt(args.drift_context), drift_tokens, budget=args.budget)
         progress.advance("drift: long generation")
@@ -222,7 +225,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="start that window-off drafter + verifier here, from --model / --drafter-model")
     p.add_argument("--log-dir", default="", help="logs of services started here (default: a temp dir)")
     p.add_argument("--contexts", default="16,1024,2048,4096", help="prompt lengths of the profile")
-    p.add_argument("--tokens", type=int, default=128, help="output tokens per profile generation")
+    p.add_argument("--tokens", type=int, default=256, help="output tokens per profile generation")
+    p.add_argument("--prompts", type=int, default=3, help="prompts (texts) per context; tau is pooled over them")
     p.add_argument("--kind", default="prose", help="padding | code | prose")
     p.add_argument("--budget", type=int, default=0, help="tree node budget (0 = the verifier's default)")
     p.add_argument("--drift-context", type=int, default=256, help="prompt length of the long generation")

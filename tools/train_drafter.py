@@ -35,6 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--run-dir", default="runs/drafter", help="checkpoints, logs, data cache")
     a("--export", default="", help="drafter checkpoint dir written at the end (default RUN_DIR/export)")
     a("--resume", action="store_true", help="continue from RUN_DIR/checkpoint.pt")
+    a("--init", default="", help="start from this drafter checkpoint dir (fine-tune; its architecture wins)")
     g = p.add_argument_group("drafter")
     g.add_argument("--layers", type=int, default=2)
     g.add_argument("--block-size", type=int, default=8)

@@ -124,6 +124,13 @@ class DrafterTrainer:
         if self.state is None:  # a fresh run: nothing of an earlier, unsaved one is reused
             shutil.rmtree(init_dir, ignore_errors=True)
             (self.run_dir / "train_log.jsonl").unlink(missing_ok=True)
+        if self.state is None and getattr(args, "init", ""):  # fine-tune: start from an existing drafter checkpoint
+            src = Path(args.init)
+            if not (src / "config.json").is_file() or not (src / "model.safetensors").is_file():
+                raise ValueError(f"--init {src}: needs config.json and model.safetensors (a drafter checkpoint)")
+            init_dir.mkdir(parents=True)
+            for name in ("config.json", "model.safetensors"):
+                shutil.copyfile(src / name, init_dir / name)
         if not (init_dir / "model.safetensors").is_file():  # same seed and flags: the same bytes
             hidden = int(tcfg["hidden_size"])
             heads = args.heads or (hidden // 128 if hidden >= 1024 else 4)
