@@ -1,7 +1,7 @@
 """Tiny quantized / sharded / kimi_k25-wrapped checkpoints made from one random fp32 model, for loader tests.
 
 `write_variant(dir, kind, ...)` starts from `write_random_target` (fp32, HF layout) and rewrites its tensors:
-- "fp32": as is (optionally sharded);
+- "fp32": as is (optionally sharded); "bf16": cast to bf16 except the router (fp32, as HF saves it);
 - "fp8": every projection weight -> float8_e4m3fn + `weight_scale_inv` block scales (real amax/448 scales);
 - "int4": routed experts only -> compressed-tensors pack-quantized, Kimi's ignore list;
 optionally wrapped as kimi_k25 (`text_config`, `language_model.` prefix, vision tower tensors added).
@@ -34,6 +34,7 @@ TINY: dict[str, Any] = dict(
                       original_max_position_embeddings=32),
     bos_token_id=0, eos_token_id=1,
 )  # fmt: skip
+FP32_KEPT = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")  # stored fp32 in bf16 checkpoints too
 FP8_BLOCK = (16, 32)  # small blocks so that the tiny shapes have ragged edge blocks
 INT4_GROUP = 32
 KIMI_IGNORE = ["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
@@ -77,7 +78,9 @@ def write_variant(
     out: dict[str, torch.Tensor] = {}
     for name, w in source.items():
         stem = name.removesuffix(".weight")
-        if kind == "fp8" and "_proj" in name and name.endswith(".weight") and not any(s in name for s in fp8_skip):
+        if kind == "bf16":
+            out[name] = w if name.endswith(FP32_KEPT) else w.to(torch.bfloat16)
+        elif kind == "fp8" and "_proj" in name and name.endswith(".weight") and not any(s in name for s in fp8_skip):
             out[name], out[name + "_scale_inv"] = quantize_fp8_block(w, fp8_block)
         elif kind == "int4" and is_routed_expert(name):
             out[stem + ".weight_packed"], out[stem + ".weight_scale"], out[stem + ".weight_shape"] = (
@@ -85,6 +88,8 @@ def write_variant(
             )
         else:
             out[name] = w
+    if kind == "bf16":
+        config["torch_dtype"] = "bfloat16"
     if kind == "fp8":
         config["quantization_config"] = fp8_config(fp8_block, modules_to_not_convert=list(fp8_skip) or None)
     elif kind == "int4":

@@ -14,12 +14,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from services.models.checkpoint_files import CheckpointFiles
 from services.models.deepseek_v3 import DeepseekV3ForCausalLM
-from services.models.loader import TensorSlice, load_target
+from services.models.loader import TensorSlice, load_target, load_tensors
 from services.models.quantization import unpack_int4
 from tests.compare import assert_close
 from tests.quantized_checkpoints import (
-    INT4_GROUP, TINY, apply_slice, dequant_fp8_reference, fp8_config, is_routed_expert, logits, odd_slices,
+    FP32_KEPT, INT4_GROUP, TINY, apply_slice, dequant_fp8_reference, fp8_config, is_routed_expert, logits, odd_slices,
     shrink_to_slices, state_dict_of, write_variant,
 )  # fmt: skip
 
@@ -129,20 +130,22 @@ def test_int4_matches_unpacked_reference(tmp_path):
 
 
 # ---- sharded, sliced, kimi_k25 -------------------------------------------------------------------------
-def test_sharded_fp32_equals_single(tmp_path):
-    single, source = write_variant(tmp_path / "one", "fp32")
-    sharded, _ = write_variant(tmp_path / "many", "fp32", shards=4)
+def test_sharded_bf16_equals_single(tmp_path):
+    single, source = write_variant(tmp_path / "one", "bf16")
+    sharded, _ = write_variant(tmp_path / "many", "bf16", shards=4)
     assert not (sharded / "model.safetensors").exists()
     a, b = state_dict_of(load_target(single)), state_dict_of(load_target(sharded))
     assert set(a) == set(b) == set(source)
     for n in a:
-        assert torch.equal(a[n], b[n]) and torch.equal(a[n], source[n]), n
-    bf16 = load_target(sharded, dtype=torch.bfloat16)
-    assert bf16.lm_head.weight.dtype == torch.bfloat16
-    assert bf16.model.layers[1].mlp.gate.weight.dtype == torch.float32
+        want = torch.float32 if n.endswith(FP32_KEPT) else torch.bfloat16
+        assert a[n].dtype == want, n  # dtype=None: the stored dtype of embed_tokens; the router stays fp32
+        assert torch.equal(a[n], b[n]) and torch.equal(a[n], source[n].to(want)), n
+    assert_close("bf16 logits, sharded vs single", logits(load_target(sharded), IDS), logits(load_target(single), IDS))
+    fp32 = load_target(sharded, dtype=torch.float32)
+    assert fp32.lm_head.weight.dtype == torch.float32
 
 
-@pytest.mark.parametrize("kind", ["fp32", "fp8", "int4"])
+@pytest.mark.parametrize("kind", ["bf16", "fp8", "int4"])
 def test_slice_of_gives_exact_slices(tmp_path, kind):
     root, _ = write_variant(tmp_path / kind, kind, shards=2)
     full = state_dict_of(load_target(root, dtype=torch.bfloat16))
@@ -165,6 +168,7 @@ def test_kimi_k25_wrapped_int4(tmp_path):
     assert set(a) == set(b)
     for n in a:
         assert torch.equal(a[n], b[n]), n
+    assert torch.equal(load_tensors(wrapped, ["lm_head.weight"])["lm_head.weight"], a["lm_head.weight"])
 
 
 def test_skip_drops_experts_without_reading_them(tmp_path):
@@ -208,14 +212,35 @@ def test_both_rope_spellings_give_the_same_model(tmp_path):
     assert torch.equal(logits(a, IDS), logits(b, IDS))
 
 
-def test_fp8_slice_reads_only_covering_scale_blocks(tmp_path):
-    """A one-row slice in the middle of a block dequantizes with that block's scale only."""
-    root, _ = write_variant(tmp_path / "fp8row", "fp8")
-    name = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"  # [40, 96]: rows 32..39 are a ragged block
-    full = load_target(root).state_dict()[name]
-    shapes = {n: tuple(t.shape) for n, t in load_target(root).state_dict().items()}
-    for sl in (TensorSlice(0, 37, 38), TensorSlice(1, 31, 33), TensorSlice(1, 95, 96)):
-        pick = lambda n, sl=sl: sl if n == name else None  # noqa: E731
+def test_slices_read_only_the_covering_blocks(tmp_path, monkeypatch):
+    """FP8: a slice reads its rows/cols of the weight and only the scale blocks covering them; INT4: the
+    packed words and scales of the covering groups. Unaligned slices still equal the full load's slice."""
+    reads = []
+    real_read = CheckpointFiles.read
+
+    def spy(self, name, rows=None, cols=None):
+        reads.append((name, rows, cols))
+        return real_read(self, name, rows, cols)
+
+    monkeypatch.setattr(CheckpointFiles, "read", spy)
+    fp8, _ = write_variant(tmp_path / "fp8", "fp8")
+    int4, _ = write_variant(tmp_path / "int4", "int4")
+    kv_a = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"  # [40, 96], blocks 16x32: rows 32..39 ragged
+    down = "model.layers.1.mlp.experts.2.down_proj.weight"  # [96, 44]: groups 0..31, 32..43; words of 8
+    cases = [
+        (fp8, kv_a, TensorSlice(0, 37, 38), {kv_a + "_scale_inv": (slice(2, 3), slice(0, 3)), kv_a: (slice(37, 38), slice(0, 96))}),
+        (fp8, kv_a, TensorSlice(1, 31, 33), {kv_a + "_scale_inv": (slice(0, 3), slice(0, 2)), kv_a: (slice(0, 40), slice(31, 33))}),
+        (fp8, kv_a, TensorSlice(1, 95, 96), {kv_a + "_scale_inv": (slice(0, 3), slice(2, 3))}),
+        (int4, down, TensorSlice(1, 33, 40), {down + "_packed": (slice(0, 96), slice(4, 6)), down + "_scale": (slice(0, 96), slice(1, 2))}),
+        (int4, down, TensorSlice(1, 5, 36), {down + "_packed": (slice(0, 96), slice(0, 6)), down + "_scale": (slice(0, 96), slice(0, 2))}),
+        (int4, down, TensorSlice(0, 10, 20), {down + "_packed": (slice(10, 20), slice(0, 6))}),
+    ]  # fmt: skip
+    for root, name, sl, expected_reads in cases:
+        full = load_target(root).state_dict()[name]
+        pick = lambda n, sl=sl, name=name: sl if n == name else None  # noqa: E731
+        reads.clear()
         part = load_target(root, slice_of=pick, build_model=lambda c, p=pick: shrink_to_slices(DeepseekV3ForCausalLM(c), p))
-        assert torch.equal(part.state_dict()[name], apply_slice(full, sl)), sl
-        assert shapes[name] == (40, 96)
+        assert torch.equal(part.state_dict()[name], apply_slice(full, sl)), (name, sl)
+        seen = {n: (r, c) for n, r, c in reads if n.startswith(name.removesuffix("weight"))}
+        for stored, (rows, cols) in expected_reads.items():
+            assert seen[stored] == (rows, cols), (sl, stored, seen[stored])

@@ -81,13 +81,15 @@ def quantization_config(raw: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def load_tensors(path: str | Path, names: Iterable[str], device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """Read just the named tensors (stored dtype) from a checkpoint directory."""
+    """Read just the named tensors (stored dtype) from a checkpoint directory; a kimi_k25 checkpoint's
+    `language_model.` prefix is implied (ask for `lm_head.weight`)."""
     names = list(names)
     with CheckpointFiles(path) as files:
-        missing = [n for n in names if n not in files]
+        stored = {n: n if n in files else TEXT_PREFIX + n for n in names}
+        missing = [n for n, s in stored.items() if s not in files]
         if missing:
             raise CheckpointError(f"{_summary(missing)} not found in checkpoint {path}")
-        return {n: files.read(n).to(device, copy=True) for n in names}  # owned, not the file's mapping
+        return {n: files.read(s).to(device, copy=True) for n, s in stored.items()}  # owned, not the mapping
 
 
 def load_target(
@@ -125,18 +127,20 @@ def load_target(
             if stored not in FLOAT_DTYPES:
                 raise CheckpointError(f"model.embed_tokens.weight has stored dtype {stored}; pass dtype= explicitly")
             dtype = SAFETENSORS_DTYPES[stored][0]
-        for file in sorted({p.file for p in plan.values()}):  # one shard at a time: its pages are unmapped after
-            for name, p in plan.items():
-                if p.file == file:
-                    sl = slice_of(name) if slice_of else None
-                    value = _read(files, name, p, expected[name], sl, scheme)
-                    want = torch.float32 if name.endswith(FP32_SUFFIXES) else dtype
-                    # copy=True: safetensors hands out tensors backed by the memory-mapped file; the model must
-                    # own its memory so that the file can be unmapped (and changed) after the load
-                    _assign(model, name, value.to(device=device, dtype=want, copy=True))
-                    del value  # the last read view would keep this shard's mapping alive past close()
-                    if files.mapped_bytes > MAX_MAPPED_BYTES:
-                        files.close()
+        by_file: dict[Path, list[str]] = {}
+        for name, p in plan.items():
+            by_file.setdefault(p.file, []).append(name)
+        for file in sorted(by_file):  # one shard at a time: its pages are unmapped after it
+            for name in by_file[file]:
+                sl = slice_of(name) if slice_of else None
+                value = _read(files, name, plan[name], expected[name], sl, scheme)
+                want = torch.float32 if name.endswith(FP32_SUFFIXES) else dtype
+                # copy=True: safetensors hands out views of the memory-mapped file; the model must own its
+                # memory so that the file can be unmapped (and changed) after the load
+                _assign(model, name, value.to(device=device, dtype=want, copy=True))
+                del value  # the last view would keep the mapping alive past close()
+                if files.mapped_bytes > MAX_MAPPED_BYTES:
+                    files.close()
             files.close()
     _move_unsaved_buffers(model, device)
     return model.eval()
@@ -149,7 +153,14 @@ class _Planned:
     quantized: bool
 
 
-def _plan(files, config, raw, scheme, expected, skip) -> dict[str, _Planned]:
+def _plan(
+    files: CheckpointFiles,
+    config: DeepseekV3Config,
+    raw: dict[str, Any],
+    scheme: QuantScheme | None,
+    expected: dict[str, tuple[int, ...]],
+    skip: Callable[[str], bool],
+) -> dict[str, _Planned]:
     """model name -> the checkpoint tensors that make it; fails on missing or unexpected tensors."""
     prefix = TEXT_PREFIX if "text_config" in raw and any(n.startswith(TEXT_PREFIX) for n in files.weight_map) else ""
     plan: dict[str, _Planned] = {}
@@ -176,7 +187,7 @@ def _plan(files, config, raw, scheme, expected, skip) -> dict[str, _Planned]:
             continue
         unexpected.append(n)
     if missing or unexpected:
-        source = root_file(files)
+        source = _source_file(files)
         parts = []
         if missing:
             parts.append(f"missing tensors: {_summary(missing)}")
@@ -187,7 +198,7 @@ def _plan(files, config, raw, scheme, expected, skip) -> dict[str, _Planned]:
     return plan
 
 
-def root_file(files: CheckpointFiles) -> Path:
+def _source_file(files: CheckpointFiles) -> Path:
     index = files.root / INDEX_FILE
     return index if index.exists() else files.root / SINGLE_FILE
 
