@@ -9,7 +9,6 @@ optionally wrapped as kimi_k25 (`text_config`, `language_model.` prefix, vision 
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -178,7 +177,3 @@ def logits(model: DeepseekV3ForCausalLM, ids: list[int]) -> torch.Tensor:
     n = len(ids)
     meta = AttentionMetadata((SeqAttention(0, n, torch.empty(0, dtype=torch.int64), torch.arange(n), None),))
     return model(torch.tensor(ids), torch.arange(n), meta, model.new_kv_cache(n)).logits
-
-
-def copy_config(d: dict[str, Any]) -> dict[str, Any]:
-    return copy.deepcopy(d)

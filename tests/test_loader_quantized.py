@@ -20,7 +20,7 @@ from services.models.loader import TensorSlice, load_target, load_tensors
 from services.models.quantization import unpack_int4
 from tests.compare import assert_close
 from tests.quantized_checkpoints import (
-    FP32_KEPT, INT4_GROUP, TINY, apply_slice, dequant_fp8_reference, fp8_config, is_routed_expert, logits, odd_slices,
+    FP32_KEPT, INT4_GROUP, TINY, apply_slice, dequant_fp8_reference, is_routed_expert, logits, odd_slices,
     shrink_to_slices, state_dict_of, write_variant,
 )  # fmt: skip
 
