@@ -13,6 +13,8 @@ import os
 import pathlib
 from typing import Any
 
+from services.verifier.kv_sizing import kv_setting
+
 ENV_PREFIX = "DDTREE_"
 DEFAULT_CHECKPOINT_DIR = pathlib.Path(os.environ.get("DDTREE_HOME", pathlib.Path.home() / ".cache" / "ddtree"))
 
@@ -74,7 +76,15 @@ class VerifierConfig(ServiceConfig):
     max_new_tokens_limit: int = dataclasses.field(default=4096, metadata={"help": "largest max_new_tokens"})
     max_batch: int = dataclasses.field(default=16, metadata={"help": "sequences stepped together"})
     max_queue: int = dataclasses.field(default=256, metadata={"help": "waiting requests before RESOURCE_EXHAUSTED"})
-    kv_tokens: int = dataclasses.field(default=65536, metadata={"help": "latent KV cache size, tokens"})
+    kv_tokens: int = dataclasses.field(default=0, metadata={
+        "help": "latent KV cache size, tokens (0 = not set: 65536 unless kv_memory_gb or kv_memory_fraction is; "
+                "set at most one of the three)"})
+    kv_memory_gb: float = dataclasses.field(default=0.0, metadata={
+        "help": "latent KV cache size, GiB (0 = not set)"})
+    kv_memory_fraction: float = dataclasses.field(default=0.0, metadata={
+        "help": "latent KV cache size, a fraction of the device memory free after loading the model (0 = not set)"})
+    page_size: int = dataclasses.field(default=1, metadata={
+        "help": "KV slots per page (1 for DDTree: accepted nodes stay in place; > 1: copied into place at commit)"})
     prefill_chunk: int = dataclasses.field(default=512, metadata={"help": "prefill chunk, tokens"})
     default_budget: int = dataclasses.field(default=16, metadata={"help": "tree node budget when a request sets none"})
     draft_timeout_s: float = dataclasses.field(default=10.0, metadata={"help": "Draft RPC deadline"})
@@ -97,15 +107,19 @@ class VerifierConfig(ServiceConfig):
 
     def validate(self) -> None:
         super().validate()
-        for name in ("max_context", "max_new_tokens_limit", "max_batch", "kv_tokens", "prefill_chunk"):
+        for name in ("max_context", "max_new_tokens_limit", "max_batch", "prefill_chunk", "page_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
         if self.default_budget < 0:
             raise ValueError(f"default_budget must be >= 0, got {self.default_budget}")
+        kv_setting(self.kv_tokens, self.kv_memory_gb, self.kv_memory_fraction)
         if self.tp < 1:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
+        if self.tp > 1 and self.page_size > 1:
+            raise ValueError("page_size > 1 is not supported with tp > 1: the KV copies at commit would reach "
+                             "rank 0's cache only")
         if not self.tp_timeout_s > 0:
             raise ValueError(f"tp_timeout_s must be > 0, got {self.tp_timeout_s}")
         _check_dtype(self.dtype)

@@ -1,8 +1,10 @@
 """Builds one target forward from a step's work: tree verifies (AR = empty tree) and prefill chunks.
 
-Every item becomes one SeqAttention: its new tokens get fresh KV slots, its queries see the whole
-committed prefix, and among the new tokens a verify item sees only ancestors (tree mask) while a
-prefill chunk is causal. Positions: verify = start + depth (siblings share one), prefill = absolute.
+Every item becomes one SeqAttention: its new tokens get KV slots from the sequence's page table (page
+size 1: fresh slots; page size P: the positions after the committed tokens, see page_table.py), its
+queries see the whole committed prefix, and among the new tokens a verify item sees only ancestors
+(tree mask) while a prefill chunk is causal. Positions: verify = start + depth (siblings share one),
+prefill = absolute.
 """
 from __future__ import annotations
 
@@ -47,8 +49,18 @@ class ItemOutput:
     argmax: torch.Tensor | None = None  # int64, one per logits row, when the forward gives it (tensor parallel)
 
 
+def q_len_of(item: WorkItem) -> int:
+    return item.tree.n + 1 if isinstance(item, VerifyItem) else item.end - item.start
+
+
+def kv_needed(items: list[WorkItem]) -> int:
+    """KV slots (whole pages) run_batch will allocate for `items`."""
+    return sum(it.seq.table.pages_needed(q_len_of(it)) * it.seq.table.page_size for it in items)
+
+
 def run_batch(model, pool: LatentKVPool, items: list[WorkItem], tap_layer_ids: tuple[int, ...]) -> list[ItemOutput]:
-    """One forward for all items. Slots are allocated here; the caller commits or frees them."""
+    """One forward for all items. Slots are allocated here (in the sequences' page tables); the caller
+    commits them, or trims the tables."""
     ids, pos, seqs, logit_rows, allocated = [], [], [], [], []
     row = 0
     try:
@@ -67,14 +79,14 @@ def run_batch(model, pool: LatentKVPool, items: list[WorkItem], tap_layer_ids: t
                 q_len = item.end - item.start
                 if item.is_last:
                     logit_rows.append(torch.tensor([row + q_len - 1]))
-            slots = pool.alloc(q_len)
-            allocated.append(slots)
+            slots = seq.table.extend(pool, q_len)
+            allocated.append(seq)
             seqs.append(SeqAttention(q_start=row, q_len=q_len, prefix_slots=seq.slots,
                                      new_slots=slots, new_mask=mask))
             row += q_len
     except Exception:
-        for slots in allocated:
-            pool.free(slots)
+        for seq in allocated:
+            seq.table.trim(pool)
         raise
     device = pool.cache.device
     rows = torch.cat(logit_rows) if logit_rows else torch.empty(0, dtype=torch.int64)
@@ -84,8 +96,8 @@ def run_batch(model, pool: LatentKVPool, items: list[WorkItem], tap_layer_ids: t
             out = model.forward(torch.cat(ids).to(device), torch.cat(pos).to(device), meta, pool.cache,
                                 logits_rows=rows.to(device), tap_layer_ids=tap_layer_ids, **_tp_kwargs(model, items))
     except Exception:
-        for slots in allocated:
-            pool.free(slots)
+        for seq in allocated:
+            seq.table.trim(pool)
         raise
     logits = None if out.logits is None else out.logits.float()   # stays on the device: only ids come back
     taps = out.taps

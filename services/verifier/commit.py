@@ -1,10 +1,12 @@
 """Commit the result of one forward into a sequence (design.md §3, steps 3-4).
 
 Verify: the target's choice at every node (argmax, or one sample per node at temperature > 0), the
-accept walk, then keep the accepted nodes' KV slots and free the others. With page size 1 nothing
-moves: node acc[j] sits at depth j, so its latent was computed at position start + j, exactly where it
-now belongs in the slot table. The drafter's next commit is the accepted tokens with the tapped
-features gathered at the accepted node indices (not the first rows).
+accept walk, then the accepted nodes become the next positions (PageTable.commit_tree). Node acc[j]
+sits at depth j, so its latent was computed at position start + j, exactly where it now belongs: with
+page size 1 the table keeps its slot and the others are freed (nothing moves); with page size P it is
+copied to the slot of position start + j and the scratch pages are freed. The drafter's next commit
+is the accepted tokens with the tapped features gathered at the accepted node indices (not the first
+rows).
 """
 from __future__ import annotations
 
@@ -63,7 +65,7 @@ def commit_prefill(out: ItemOutput, pool: LatentKVPool, window: int) -> list[int
     append_pending(seq, chunk, item.start, taps, window)
     _log_features(seq, taps)
     seq.committed.extend(chunk)
-    seq.slots = torch.cat([seq.slots, out.new_slots])
+    seq.table.commit(len(chunk))
     seq.prefill_done = item.end
     if not item.is_last:
         return []
@@ -80,14 +82,11 @@ def commit_verify(out: ItemOutput, pool: LatentKVPool, window: int) -> tuple[Ver
     choices = _choices(seq, out)
     verdict = accept(item.tree, seq.root, choices)
     acc = torch.tensor(verdict.accepted_nodes, dtype=torch.int64)
-    keep = torch.zeros(out.new_slots.numel(), dtype=torch.bool)
-    keep[acc] = True
-    pool.free(out.new_slots[~keep])
+    seq.table.commit_tree(pool, verdict.accepted_nodes)
     start = seq.context_len
     features = out.taps.index_select(0, acc.to(out.taps.device)).cpu() if out.taps is not None else None
     append_pending(seq, list(verdict.accepted_tokens), start, features, window)
     _log_features(seq, features)
     seq.committed.extend(verdict.accepted_tokens)
-    seq.slots = torch.cat([seq.slots, out.new_slots[acc]])
     seq.root = verdict.bonus_token
     return verdict, list(verdict.accepted_tokens[1:]) + [verdict.bonus_token]

@@ -9,6 +9,11 @@ inside the drafter keyed by token ids, would need a new RPC and per-replica affi
 
 Reference counts pin the edges a running sequence uses; eviction frees least-recently-used leaves with
 no reference. Accounting: pool free + slots held by sequences alone + slots in the cache == total.
+
+Page size P > 1 (like SGLang's paged radix cache): the cache holds whole pages only. Edges are cut at
+page boundaries, children are keyed by their first page of tokens, a match is a whole number of pages,
+and insert adopts the whole pages of a sequence and hands the partial last page back (its tokens are
+recomputed by the next request). Page size 1 is the token-granular cache.
 """
 from __future__ import annotations
 
@@ -45,32 +50,43 @@ class PrefixMatch:
 class PrefixCache:
     def __init__(self, pool: LatentKVPool):
         self.pool = pool
+        self.page_size = pool.page_size
         self.root = _Node([], torch.empty(0, dtype=torch.int64), None, None)
         self.cached_slots = 0
         self._lock = threading.RLock()
+
+    def _key(self, tokens: list[int], i: int) -> tuple[int, ...]:
+        """A child's key: its first page of tokens."""
+        return tuple(tokens[i:i + self.page_size])
+
+    def _common(self, edge: list[int], tokens: list[int], i: int) -> int:
+        """Tokens of `edge` that match tokens[i:], rounded down to whole pages."""
+        n = 0
+        while n < len(edge) and i + n < len(tokens) and edge[n] == tokens[i + n]:
+            n += 1
+        return n - n % self.page_size
 
     def _split(self, node: _Node, at: int) -> _Node:
         """Cut node's edge after `at` tokens; returns the new upper node."""
         upper = _Node(node.tokens[:at], node.slots[:at], None if node.features is None else node.features[:at],
                       node.parent)
         upper.ref, upper.last_used = node.ref, node.last_used
-        node.parent.children[upper.tokens[0]] = upper
+        node.parent.children[self._key(upper.tokens, 0)] = upper
         node.tokens, node.slots = node.tokens[at:], node.slots[at:]
         node.features = None if node.features is None else node.features[at:]
         node.parent = upper
-        upper.children[node.tokens[0]] = node
+        upper.children[self._key(node.tokens, 0)] = node
         return upper
 
     def match(self, tokens: list[int]) -> PrefixMatch:
-        """Longest cached prefix of `tokens`; pins its nodes (release() them when done)."""
+        """Longest cached prefix of `tokens` (whole pages); pins its nodes (release() them when done)."""
         with self._lock:
+            tokens = tokens[:len(tokens) - len(tokens) % self.page_size]
             node, i, path = self.root, 0, []
             now = time.monotonic()
-            while i < len(tokens) and tokens[i] in node.children:
-                child = node.children[tokens[i]]
-                n = 0
-                while n < len(child.tokens) and i + n < len(tokens) and child.tokens[n] == tokens[i + n]:
-                    n += 1
+            while i < len(tokens) and self._key(tokens, i) in node.children:
+                child = node.children[self._key(tokens, i)]
+                n = self._common(child.tokens, tokens, i)
                 if n < len(child.tokens):
                     child = self._split(child, n)
                 path.append(child)
@@ -99,26 +115,29 @@ class PrefixCache:
             self._walk_up(match.last, -1)
 
     def insert(self, tokens: list[int], slots: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
-        """Adopt the KV of `tokens` (slots[i] holds token i). Returns the slots the cache did not take
-        (their tokens were cached already); the caller frees them."""
+        """Adopt the KV of `tokens` (slots[i] holds token i; page-aligned: token i at page offset i % P).
+        Returns the pages (page size 1: slots) the cache did not take: those whose tokens were cached
+        already, and a partial last page; the caller frees them."""
         assert len(tokens) == slots.numel()
+        P = self.page_size
+        whole = len(tokens) - len(tokens) % P
+        rejected = [slots[whole::P] // P] if whole < len(tokens) else []  # the partial last page
         with self._lock:
-            node, i, rejected = self.root, 0, []
-            while i < len(tokens):
-                child = node.children.get(tokens[i])
+            node, i = self.root, 0
+            while i < whole:
+                child = node.children.get(self._key(tokens, i))
                 if child is None:
-                    leaf = _Node(list(tokens[i:]), slots[i:].clone(),
-                                 None if features is None else features[i:].clone(), node)
-                    node.children[tokens[i]] = leaf
+                    leaf = _Node(list(tokens[i:whole]), slots[i:whole].clone(),
+                                 None if features is None else features[i:whole].clone(), node)
+                    node.children[self._key(tokens, i)] = leaf
                     self.cached_slots += leaf.slots.numel()
                     break
-                n = 0
-                while n < len(child.tokens) and i + n < len(tokens) and child.tokens[n] == tokens[i + n]:
-                    n += 1
+                n = self._common(child.tokens, tokens[:whole], i)
                 if n < len(child.tokens):
                     child = self._split(child, n)
-                own = slots[i:i + n]
-                rejected.append(own[own != child.slots[:n]])  # the cache's own slots are not ours to free
+                own = self.pool.pages_of(slots[i:i + n])
+                # the cache's own pages (a shared prefix) are not ours to free
+                rejected.append(own[own != self.pool.pages_of(child.slots[:n])])
                 if child.features is None and features is not None:
                     child.features = features[i:i + n].clone()
                 child.last_used = time.monotonic()
@@ -140,10 +159,10 @@ class PrefixCache:
                 if not leaves:
                     break
                 for leaf in sorted(leaves, key=lambda x: x.last_used):
-                    self.pool.free(leaf.slots)
+                    self.pool.free(self.pool.pages_of(leaf.slots))
                     freed += leaf.slots.numel()
                     self.cached_slots -= leaf.slots.numel()
-                    del leaf.parent.children[leaf.tokens[0]]
+                    del leaf.parent.children[self._key(leaf.tokens, 0)]
                     if freed >= need:
                         break
         return freed
@@ -156,3 +175,6 @@ class PrefixCache:
                 out.append(nd.slots)
                 stack.extend(nd.children.values())
             return torch.cat(out) if out else torch.empty(0, dtype=torch.int64)
+
+    def all_pages(self) -> torch.Tensor:
+        return self.pool.pages_of(self.all_slots())

@@ -22,10 +22,11 @@ from services.drafter.tree import TokenTree
 from services.telemetry import metrics
 from services.telemetry.logging import get_logger
 from services.telemetry.step_log import open_step_log
-from services.verifier.batch import PrefillItem, VerifyItem, WorkItem, run_batch
+from services.verifier.batch import PrefillItem, VerifyItem, WorkItem, kv_needed, run_batch
 from services.verifier.commit import append_pending, commit_prefill, commit_verify
 from services.verifier.drafter_client import DraftResult
 from services.verifier.kv_pool import LatentKVPool
+from services.verifier.page_table import PageTable, check_accounting
 from services.verifier.prefix_cache import PrefixCache
 from services.verifier.sequence import Phase, Sequence, StepRecord, StreamEvent
 
@@ -66,6 +67,7 @@ class Scheduler:
 
     # ---- called from RPC threads ----
     def submit(self, seq: Sequence) -> None:
+        seq.table = PageTable(self.pool.page_size)
         need = seq.reserved_slots(seq.params.budget)
         with self._cond:
             if self._stopping:
@@ -154,19 +156,10 @@ class Scheduler:
                     self._finish(seq, None)
 
     def check_accounting(self) -> None:
-        """free + held by sequences == total, with no slot held twice (debug mode, and tests)."""
+        """free + held by sequences + cached == total in slots and pages, no page held twice (debug
+        mode, and tests). A sequence holds its pages after its cached (shared, cache-owned) prefix."""
         with self._cond:
-            self.pool.check()
-            # Slots a sequence holds alone: after its cached (shared, cache-owned) prefix.
-            own = [s.slots[s.cached_len:] for s in self._running]
-            held = torch.cat(own) if own else torch.empty(0, dtype=torch.int64)
-            cached = self.cache.all_slots() if self.cache is not None else torch.empty(0, dtype=torch.int64)
-            both = torch.cat([held, cached])
-            if both.numel() != both.unique().numel():
-                raise AssertionError("a KV slot is held twice (by two sequences, or by one and the cache)")
-            if self.pool.num_free + held.numel() + cached.numel() != self.pool.num_slots:
-                raise AssertionError(f"KV accounting: free {self.pool.num_free} + held {held.numel()} + cached "
-                                     f"{cached.numel()} != total {self.pool.num_slots}")
+            check_accounting(self.pool, [s.table for s in self._running], self.cache)
 
     def _admit(self) -> None:
         while self._waiting and len(self._running) < self.config.max_batch:
@@ -191,8 +184,8 @@ class Scheduler:
             self.cache.release(match)
             return
         seq.prefix_match = match
-        seq.cached_len = seq.prefill_done = match.length
-        seq.slots = match.slots.clone()
+        seq.prefill_done = match.length
+        seq.table.share(match.slots)
         seq.committed = prompt[:match.length]
         if match.features is not None:
             if seq.feature_log is not None:
@@ -228,8 +221,9 @@ class Scheduler:
 
     def _release_kv(self, seq: Sequence) -> None:
         """Hand the committed tokens' KV (and features) to the prefix cache, or free it."""
+        seq.table.trim(self.pool)  # the scratch of a step that failed before its commit
         if self.cache is None:
-            self.pool.free(seq.slots)
+            self.pool.free(seq.table.pages)
         else:
             feats = None
             if seq.feature_log:
@@ -239,12 +233,11 @@ class Scheduler:
             if seq.prefix_match is not None:
                 self.cache.release(seq.prefix_match)
                 seq.prefix_match = None
-        seq.slots = torch.empty(0, dtype=torch.int64)
-        seq.cached_len = 0
+        seq.table = PageTable(self.pool.page_size)
         seq.feature_log = None
 
     def _make_room(self, items: list[WorkItem]) -> None:
-        need = sum(it.tree.n + 1 if isinstance(it, VerifyItem) else it.end - it.start for it in items)
+        need = kv_needed(items)
         if self.cache is not None and self.pool.num_free < need:
             self.cache.evict(need - self.pool.num_free)
 

@@ -1,7 +1,8 @@
 """Per-request state on the verifier, and the messages its stream carries.
 
 A sequence moves WAITING -> PREFILL -> DECODE -> FINISHED. Between steps it holds:
-- `committed`: token ids whose latents are in the KV pool, at positions 0..len-1, in `slots`;
+- `committed`: token ids whose latents are in the KV pool, at positions 0..len-1, addressed by `table`
+  (its pages; `slots` = the committed tokens' slots in position order);
 - `root`: the last emitted token (the previous bonus), not yet in the KV cache, at position len(committed);
 - `pending_commit`: what the drafter has not seen yet (tokens, their start position, tapped features).
 """
@@ -15,6 +16,7 @@ import time
 
 import torch
 
+from services.verifier.page_table import PageTable, pages_for
 from services.verifier.sampling import SamplingConfig
 
 
@@ -72,9 +74,8 @@ class Sequence:
         self.phase = Phase.WAITING
         self.arrival = time.perf_counter() if arrival is None else arrival
         self.committed: list[int] = []
-        self.slots = torch.empty(0, dtype=torch.int64)
+        self.table = PageTable()           # KV pages; the scheduler sets the pool's page size at submit
         self.prefill_done = 0              # prompt tokens already in the KV cache
-        self.cached_len = 0                # leading slots owned by the prefix cache (shared, pinned)
         self.prefix_match = None           # the PrefixMatch pinning them
         self.feature_log: list[torch.Tensor] | None = None  # taps of every committed token (prefix cache)
         self.root: int | None = None
@@ -107,12 +108,18 @@ class Sequence:
         return len(self.committed)
 
     @property
+    def slots(self) -> torch.Tensor:
+        """int64 [context_len]: the committed tokens' KV slots in position order."""
+        return self.table.slots
+
+    @property
     def remaining(self) -> int:
         return self.params.max_new_tokens - len(self.generated)
 
     def reserved_slots(self, budget: int) -> int:
-        """Worst-case KV slots for its whole life: prompt + outputs + one tree in flight."""
-        return self.prompt_len + self.params.max_new_tokens + budget + 1
+        """Worst-case KV slots for its whole life: prompt + outputs + one tree in flight, in whole pages."""
+        page = self.table.page_size
+        return pages_for(self.prompt_len + self.params.max_new_tokens + budget + 1, page) * page
 
     def emit(self, tokens: list[int], step: StepRecord | None) -> bool:
         """Append generated tokens, cut at a stop token or the length limit. Returns True when finished.

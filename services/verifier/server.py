@@ -17,6 +17,7 @@ from services.telemetry.logging import get_logger
 from services.telemetry.metrics import serve_metrics
 from services.verifier.drafter_pool import DrafterPool
 from services.verifier.kv_pool import LatentKVPool
+from services.verifier.kv_sizing import kv_size_for
 from services.verifier.sampling import SamplingConfig
 from services.verifier.scheduler import AdmissionError, Scheduler
 from services.verifier.sequence import GenerateParams, Sequence
@@ -157,8 +158,11 @@ def serve(config: VerifierConfig, model_dir: str) -> RunningServer:
         model.eval()
     mcfg = model.config
     drafter = DrafterPool(config.drafter, config.draft_timeout_s) if config.drafter else None
-    pool = LatentKVPool(mcfg.num_hidden_layers, config.kv_tokens, mcfg.kv_cache_width,
-                        _DTYPES[config.dtype], config.device)
+    kv = kv_size_for(config, mcfg)
+    log.info("kv_pool", tokens=kv.tokens, bytes=kv.bytes, bytes_per_token=kv.bytes_per_token, source=kv.source,
+             page_size=config.page_size)
+    pool = LatentKVPool(mcfg.num_hidden_layers, kv.tokens, mcfg.kv_cache_width,
+                        _DTYPES[config.dtype], config.device, page_size=config.page_size)
     if tp is not None:
         tp.model.replicate_kv(pool.cache)  # every rank holds a full copy of the latent cache
     scheduler = Scheduler(model, pool, config, drafter)
@@ -178,7 +182,7 @@ def serve(config: VerifierConfig, model_dir: str) -> RunningServer:
         if drafter is not None:
             drafter.close()
 
-    log.info("verifier_ready", model=model_dir, drafter=config.drafter or None, kv_tokens=config.kv_tokens)
+    log.info("verifier_ready", model=model_dir, drafter=config.drafter or None, kv_tokens=kv.tokens)
     running = start_server("verifier", register, config.host, config.port, config.max_workers, config.grace_s, on_stop)
     if tp is not None:
         tp.attach(running)

@@ -1,0 +1,76 @@
+"""KV pool sizing: bytes per token, the three settings (exactly one takes effect), page rounding."""
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from services.config import VerifierConfig, config_from_flags
+from services.verifier.kv_sizing import (DEFAULT_KV_TOKENS, GIB, KVSize, free_device_memory, kv_bytes_per_token,
+                                         kv_setting, kv_size_for, size_kv_pool)
+
+V3 = kv_bytes_per_token(61, 512, 64, 2)   # DeepSeek-V3 / Kimi-K2 in bf16
+
+
+def test_bytes_per_token():
+    assert V3 == 61 * 576 * 2 == 70272   # 1152 B per layer (serving.md §1.2)
+    assert kv_bytes_per_token(2, 64, 16, 4) == 640
+
+
+def test_exactly_one_setting_takes_effect():
+    assert size_kv_pool(bytes_per_token=V3) == KVSize(DEFAULT_KV_TOKENS, DEFAULT_KV_TOKENS * V3, V3, "default")
+    s = size_kv_pool(bytes_per_token=V3, kv_tokens=1000)
+    assert (s.tokens, s.bytes, s.source) == (1000, 1000 * V3, "kv_tokens")
+    s = size_kv_pool(bytes_per_token=V3, kv_memory_gb=10)
+    assert (s.tokens, s.source) == (10 * GIB // V3, "kv_memory_gb") and s.bytes <= 10 * GIB
+    s = size_kv_pool(bytes_per_token=V3, kv_memory_fraction=0.5, free_bytes=80 * GIB)
+    assert (s.tokens, s.source) == (40 * GIB // V3, "kv_memory_fraction")
+    with pytest.raises(ValueError, match="needs the free device memory"):
+        size_kv_pool(bytes_per_token=V3, kv_memory_fraction=0.5)
+
+
+def test_rounds_down_to_whole_pages():
+    assert size_kv_pool(bytes_per_token=V3, kv_tokens=1000, page_size=16).tokens == 992
+    assert size_kv_pool(bytes_per_token=V3, kv_memory_gb=1, page_size=64).tokens == GIB // V3 // 64 * 64
+    with pytest.raises(ValueError, match="less than one page of 16"):
+        size_kv_pool(bytes_per_token=V3, kv_tokens=15, page_size=16)
+    with pytest.raises(ValueError, match="0 tokens .*kv_memory_fraction"):
+        size_kv_pool(bytes_per_token=V3, kv_memory_fraction=0.001, free_bytes=1000)
+
+
+@pytest.mark.parametrize("args, message", [
+    ((100, 1.0, 0.0), "set only one of .*--kv-tokens 100, --kv-memory-gb 1.0"),
+    ((0, 2.0, 0.5), "--kv-memory-gb 2.0, --kv-memory-fraction 0.5"),
+    ((-1, 0.0, 0.0), "kv_tokens must be >= 0"),
+    ((0, -2.0, 0.0), "kv_memory_gb must be >= 0"),
+    ((0, 0.0, 1.5), r"kv_memory_fraction must be in \[0, 1\]"),
+    ((0, float("nan"), 0.0), "kv_memory_gb must be >= 0"),
+])
+def test_bad_or_conflicting_settings_are_rejected(args, message):
+    with pytest.raises(ValueError, match=message):
+        kv_setting(*args)
+
+
+def test_config_rejects_conflicts_from_flags_and_environment():
+    assert VerifierConfig().kv_tokens == 0 and VerifierConfig().page_size == 1
+    env = {"DDTREE_KV_MEMORY_FRACTION": "0.8", "DDTREE_PAGE_SIZE": "16"}
+    cfg = config_from_flags(VerifierConfig, None, environ=env)
+    assert (cfg.kv_memory_fraction, cfg.page_size) == (0.8, 16)
+    with pytest.raises(ValueError, match="set only one of --kv-tokens, --kv-memory-gb, --kv-memory-fraction"):
+        config_from_flags(VerifierConfig, None, environ={"DDTREE_KV_TOKENS": "4096", "DDTREE_KV_MEMORY_GB": "2"})
+    with pytest.raises(ValueError, match="page_size must be >= 1"):
+        VerifierConfig(page_size=0).validate()
+    with pytest.raises(ValueError, match="page_size > 1 is not supported with tp > 1"):
+        VerifierConfig(page_size=16, tp=2).validate()
+
+
+def test_free_memory_and_sizing_from_a_config():
+    with open("/proc/meminfo") as f:
+        avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    assert abs(free_device_memory("cpu") - avail) < avail // 4
+    model = types.SimpleNamespace(num_hidden_layers=2, kv_lora_rank=64, qk_rope_head_dim=16)
+    s = kv_size_for(VerifierConfig(dtype="bfloat16", page_size=4, kv_memory_gb=0.001), model)
+    assert (s.bytes_per_token, s.tokens % 4, s.source) == (320, 0, "kv_memory_gb")
+    assert s.tokens == int(0.001 * GIB) // 320 // 4 * 4
+    s = kv_size_for(VerifierConfig(kv_memory_fraction=0.01), model)
+    assert s.bytes_per_token == 640 and 0 < s.bytes <= 0.011 * free_device_memory("cpu")
