@@ -377,3 +377,26 @@ def test_engine_construction_errors(model: DFlashDraftModel) -> None:
         DraftEngine(model, emb, head, default_budget=2000)
     with pytest.raises(ValueError, match="window must be >= 0"):
         DraftEngine(model, emb, head, window=-3)
+
+
+def test_batched_draft_equals_one_sequence_at_a_time(ckpt: Path) -> None:
+    """One Draft call for several sequences (one forward over all blocks) gives each the tree it gets alone:
+    contexts of different lengths, windowed and not, a reset among continuations, a chain request."""
+    emb, head = target_weights()
+    for window in (0, 5):
+        together = DraftEngine(load_drafter(ckpt), emb, head, window=window)
+        alone = DraftEngine(load_drafter(ckpt), emb, head, window=window)
+        rounds = [
+            [seq("a", n=3, budget=9), seq("b", n=9, start=2, anchor=11, fseed=1, budget=20),
+             seq("c", n=1, anchor=3, fseed=2)],
+            [seq("a", n=2, start=3, reset=False, fseed=3, budget=9),
+             seq("b", n=1, start=11, reset=False, fseed=4, budget=20),
+             seq("c", n=7, start=40, anchor=9, fseed=5, budget=4)],  # a fresh context at another position
+            [SeqDraftInput("c", (4,), 47, feats(1, 64, 6), 2, 6, False, chain=True),
+             seq("a", n=4, start=5, reset=False, fseed=7, budget=1)],
+        ]
+        for batch in rounds:
+            got = together.draft(batch)
+            want = [alone.draft([s])[0] for s in batch]
+            assert got == want, (window, [s.seq_id for s in batch])
+        assert together.context_bytes == alone.context_bytes

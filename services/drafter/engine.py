@@ -104,7 +104,7 @@ class DraftEngine:
             self._validate(i, seq, seen)
             seen.add(seq.seq_id)
         with torch.inference_mode():
-            return [self._draft_one(seq) for seq in seqs]
+            return self._draft_all(seqs)
 
     def _validate(self, i: int, seq: SeqDraftInput, seen: set[str]) -> None:
         def fail(msg: str) -> None:
@@ -146,8 +146,9 @@ class DraftEngine:
         if not bool(torch.isfinite(feats).all()):
             fail("commit_features has non-finite values")
 
-    def _draft_one(self, seq: SeqDraftInput) -> TokenTree:
-        cfg, model = self.config, self.model
+    def _extend_context(self, seq: SeqDraftInput) -> DraftContext:
+        """Append the commit's features to the sequence's context (a fresh one when the commit does not
+        continue it); returns the context the next block attends to."""
         n = len(seq.commit_token_ids)
         ctx = self._contexts.get(seq.seq_id)
         # A fresh context also when this commit alone fills the window (n >= W): nothing older survives.
@@ -155,20 +156,34 @@ class DraftEngine:
             ctx = self._contexts[seq.seq_id] = DraftContext(self.window)
         keep = n if self.window == 0 else min(n, self.window)  # rows past the window would be evicted at once
         if keep:
+            model = self.model
             positions = torch.arange(seq.commit_start + n - keep, seq.commit_start + n, device=model.device)  # [keep]
             ctx.append(model.context_kv(seq.commit_features[n - keep:], positions), positions)
+        return ctx
 
-        anchor_pos = seq.commit_start + n
-        block_ids = torch.full((cfg.block_size,), cfg.mask_token_id, dtype=torch.long, device=self.embed_weight.device)
-        block_ids[0] = seq.anchor_token_id
-        embeds = self.embed_weight[block_ids]  # [B, H]
+    def _draft_all(self, seqs: Sequence[SeqDraftInput]) -> list[TokenTree]:
+        """One drafter forward for every sequence's block [anchor, MASK x (B-1)] (S blocks of B slots),
+        one LM head over all S x (B-1) slots, then each sequence's top-K and best-first tree."""
+        if not seqs:
+            return []
+        cfg, model = self.config, self.model
+        contexts = [self._extend_context(seq) for seq in seqs]
+        S, B = len(seqs), cfg.block_size
+        block_ids = torch.full((S, B), cfg.mask_token_id, dtype=torch.long, device=self.embed_weight.device)
+        block_ids[:, 0] = torch.tensor([seq.anchor_token_id for seq in seqs], device=block_ids.device)
+        embeds = self.embed_weight[block_ids]  # [S, B, H]
         if cfg.input_embedding_scale != 1.0:
             embeds = embeds * cfg.input_embedding_scale
-        block_pos = torch.arange(anchor_pos, anchor_pos + cfg.block_size, device=model.device)  # [B]
-        hidden = model.forward_block(embeds, block_pos, ctx.kv)  # [B, H]; block K/V are not cached
-        logits = model.compute_logits(hidden[1:], self.lm_head_weight)  # [D = B-1, V] fp32; slot d -> depth d
-        budget = seq.budget or self.default_budget
-        if seq.chain:  # K = 1: the best-first build can only extend the single path, one node per depth
-            budget = min(budget, cfg.block_size - 1)
-        logprobs, ids = topk_logprobs(logits, 1 if seq.chain else min(budget, self.vocab_size))  # [D, K]
-        return build_tree(logprobs.cpu(), ids.cpu(), budget)
+        anchors = torch.tensor([seq.commit_start + len(seq.commit_token_ids) for seq in seqs], device=model.device)
+        block_pos = anchors[:, None] + torch.arange(B, device=model.device)[None, :]  # [S, B]
+        hidden = model.forward_blocks(embeds, block_pos, [ctx.kv for ctx in contexts])  # [S, B, H]; not cached
+        logits = model.compute_logits(hidden[:, 1:].reshape(S * (B - 1), -1), self.lm_head_weight)  # fp32
+        logits = logits.view(S, B - 1, -1)  # slot d of block s -> depth d of sequence s
+        trees = []
+        for s, seq in enumerate(seqs):
+            budget = seq.budget or self.default_budget
+            if seq.chain:  # K = 1: the best-first build can only extend the single path, one node per depth
+                budget = min(budget, B - 1)
+            logprobs, ids = topk_logprobs(logits[s], 1 if seq.chain else min(budget, self.vocab_size))  # [D, K]
+            trees.append(build_tree(logprobs.cpu(), ids.cpu(), budget))
+        return trees

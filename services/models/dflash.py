@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -289,20 +289,26 @@ class DFlashAttention(nn.Module):
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         return apply_rope(k, cos, sin), v
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx_k: Tensor, ctx_v: Tensor) -> Tensor:
-        """x [B, H] (after input_layernorm), ctx_k/ctx_v [n, kvh, hd] -> [B, H]. No mask."""
-        b = x.shape[0]
-        q = apply_rope(self.q_norm(self.q_proj(x).view(b, self.num_heads, self.head_dim)), cos, sin)  # [B, nh, hd]
-        k, v = self.kv(x, cos, sin)  # [B, kvh, hd]
-        k = torch.cat([ctx_k.to(k.dtype), k], dim=0)  # [n+B, kvh, hd]
-        v = torch.cat([ctx_v.to(v.dtype), v], dim=0)
-        groups = self.num_heads // self.num_kv_heads
-        k = k.repeat_interleave(groups, dim=1)  # [n+B, nh, hd]; query head h uses kv head h // groups
-        v = v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale=self.head_dim ** -0.5
-        )  # [nh, B, hd]
-        return self.o_proj(out.transpose(0, 1).reshape(b, self.num_heads * self.head_dim))
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, contexts: Sequence[tuple[Tensor, Tensor]]) -> Tensor:
+        """x [S*B, H] (S blocks of B slots, after input_layernorm), cos/sin [S*B, hd], contexts[s] = block s's
+        context (K, V) [n_s, kvh, hd] -> [S*B, H]. Block s sees its own context and its own B slots; no mask.
+
+        Projections run over all S*B rows at once; the attention core runs per block, since contexts differ
+        in length (a few small SDPA calls instead of padding every block to the longest context)."""
+        rows, nh, hd = x.shape[0], self.num_heads, self.head_dim
+        b = rows // len(contexts)
+        q = apply_rope(self.q_norm(self.q_proj(x).view(rows, nh, hd)), cos, sin)  # [S*B, nh, hd]
+        k, v = self.kv(x, cos, sin)  # [S*B, kvh, hd]
+        out = torch.empty_like(q)
+        for s, (ctx_k, ctx_v) in enumerate(contexts):
+            blk = slice(s * b, (s + 1) * b)
+            ks = torch.cat([ctx_k.to(k.dtype), k[blk]], dim=0).transpose(0, 1)  # [kvh, n+B, hd]
+            vs = torch.cat([ctx_v.to(v.dtype), v[blk]], dim=0).transpose(0, 1)
+            # enable_gqa: query head h uses kv head h // (nh / kvh), as repeat_interleave would give
+            o = F.scaled_dot_product_attention(q[blk].transpose(0, 1), ks, vs, scale=hd ** -0.5,
+                                               enable_gqa=nh != self.num_kv_heads)  # [nh, B, hd]
+            out[blk] = o.transpose(0, 1)
+        return self.o_proj(out.reshape(rows, nh * hd))
 
 
 class DFlashDecoderLayer(nn.Module):
@@ -313,8 +319,8 @@ class DFlashDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DFlashMLP(cfg)
 
-    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, ctx_k: Tensor, ctx_v: Tensor) -> Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, ctx_k, ctx_v)
+    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, contexts: Sequence[tuple[Tensor, Tensor]]) -> Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, contexts)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -359,21 +365,34 @@ class DFlashDraftModel(nn.Module):
                       context: list[tuple[Tensor, Tensor]]) -> Tensor:
         """block_embeds [B, H], block_positions [B], context per layer (K, V) [n, kvh, hd] (or [] for
         none) -> hidden [B, H] after the final norm. Every block slot sees all context and all slots."""
-        b = block_embeds.shape[0]
-        if block_embeds.dim() != 2 or block_embeds.shape[1] != self.config.hidden_size:
+        if block_embeds.dim() != 2:
             raise ValueError(f"block_embeds must be [B, {self.config.hidden_size}], got {tuple(block_embeds.shape)}")
-        if block_positions.shape != (b,):
-            raise ValueError(f"block_positions must be [{b}], got {tuple(block_positions.shape)}")
-        if context and len(context) != len(self.layers):
-            raise ValueError(f"context has {len(context)} layers, the drafter has {len(self.layers)}")
-        if not context:
-            empty = block_embeds.new_zeros(0, self.config.num_key_value_heads, self.config.head_dim)
-            context = [(empty, empty)] * len(self.layers)
-        h = block_embeds.to(self.device, self.dtype)
-        cos, sin = self._cos_sin(block_positions.to(self.device))
-        for layer, (ck, cv) in zip(self.layers, context):
-            h = layer(h, cos, sin, ck, cv)
-        return self.norm(h)
+        return self.forward_blocks(block_embeds[None], block_positions[None], [context])[0]
+
+    def forward_blocks(self, block_embeds: Tensor, block_positions: Tensor,
+                       contexts: Sequence[list[tuple[Tensor, Tensor]]]) -> Tensor:
+        """S draft blocks at once (one per sequence): block_embeds [S, B, H], block_positions [S, B],
+        contexts[s] = sequence s's per-layer (K, V) [n_s, kvh, hd] (or [] for none) -> hidden [S, B, H]."""
+        cfg = self.config
+        if block_embeds.dim() != 3 or block_embeds.shape[2] != cfg.hidden_size:
+            raise ValueError(f"block_embeds must be [S, B, {cfg.hidden_size}], got {tuple(block_embeds.shape)}")
+        S, b = block_embeds.shape[:2]
+        if block_positions.shape != (S, b):
+            raise ValueError(f"block_positions must be [{S}, {b}], got {tuple(block_positions.shape)}")
+        if len(contexts) != S:
+            raise ValueError(f"{len(contexts)} contexts for {S} blocks")
+        empty = block_embeds.new_zeros(0, cfg.num_key_value_heads, cfg.head_dim, device=self.device)
+        per_layer: list[list[tuple[Tensor, Tensor]]] = [[] for _ in self.layers]  # [layer][block] -> (K, V)
+        for s, context in enumerate(contexts):
+            if context and len(context) != len(self.layers):
+                raise ValueError(f"contexts[{s}] has {len(context)} layers, the drafter has {len(self.layers)}")
+            for i in range(len(self.layers)):
+                per_layer[i].append(context[i] if context else (empty, empty))
+        h = block_embeds.reshape(S * b, cfg.hidden_size).to(self.device, self.dtype)
+        cos, sin = self._cos_sin(block_positions.reshape(S * b).to(self.device))
+        for layer, ctx in zip(self.layers, per_layer):
+            h = layer(h, cos, sin, ctx)
+        return self.norm(h).view(S, b, cfg.hidden_size)
 
     def compute_logits(self, hidden: Tensor, lm_head_weight: Tensor) -> Tensor:
         """hidden [n, H], target lm_head weight [V, H] -> fp32 logits [n, V] (z-lab output extras)."""
