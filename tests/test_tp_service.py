@@ -9,7 +9,10 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import os
+import pathlib
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -18,9 +21,11 @@ import pytest
 
 from services.gateway.tokenizer import Tokenizer
 from services.launcher import start_service
+from services.models.parallel.process_group import free_port
 from tests.test_e2e_lossless import PROMPTS, _generate
 
 pytestmark = pytest.mark.slow
+REPO = pathlib.Path(__file__).resolve().parent.parent
 MAX_NEW = 24
 VERIFIER_ARGS = ["--max-batch", "8", "--kv-tokens", "32768", "--max-context", "2048", "--prefill-chunk", "64",
                  "--threads", "1"]
@@ -67,9 +72,30 @@ def test_tp2_sampling_matches_tp1(tp2_verifier, oracle_stack, prompt_ids):
     assert _run(tp2_verifier.address, prompt_ids, **kw) == _run(oracle_stack.verifier, prompt_ids, **kw)
 
 
-def test_rank_death_ends_the_verifier(default_ckpt, prompt_ids, tmp_path):
+def test_ranks_launched_by_environment(default_ckpt, oracle_stack, prompt_ids, tmp_path):
+    """RANK / WORLD_SIZE / MASTER_* set (as a multi-node launcher would): one process per rank, no spawning."""
+    dist_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
+    args = ["verifier", "--model", str(default_ckpt.target), "--tp", "2", "--log-format", "json", *VERIFIER_ARGS]
+    with open(tmp_path / "rank1.log", "wb") as log:
+        rank1 = subprocess.Popen([sys.executable, "-m", "services.cli", *args], stdout=subprocess.DEVNULL, stderr=log,
+                                 env={**os.environ, **dist_env, "RANK": "1"}, cwd=REPO)
+    try:
+        rank0 = start_service("verifier", args, tmp_path, env={**dist_env, "RANK": "0"})
+        got = _run(rank0.address, prompt_ids, no_spec=True)
+        assert got == _run(oracle_stack.verifier, prompt_ids, no_spec=True)
+        assert '"tp_rank_spawned"' not in rank0.log_path.read_text()
+        assert rank0.stop() == 0
+        assert rank1.wait(timeout=30) == 0, "rank 1 exits 0 on rank 0's STOP"
+    finally:
+        if rank1.poll() is None:
+            rank1.kill()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
+def test_rank_death_ends_the_verifier(default_ckpt, prompt_ids, tmp_path, sig):
+    """A killed rank is seen at once (watchdog, broken connection); a hung one by the collective timeout."""
     proc = start_service("verifier", ["verifier", "--model", str(default_ckpt.target), "--tp", "2",
-                                      "--log-format", "json", *VERIFIER_ARGS], tmp_path)
+                                      "--tp-timeout-s", "5", "--log-format", "json", *VERIFIER_ARGS], tmp_path)
     try:
         rank1 = next(json.loads(line)["pid"] for line in proc.log_path.read_text().splitlines()
                      if '"tp_rank_spawned"' in line)
@@ -87,18 +113,37 @@ def test_rank_death_ends_the_verifier(default_ckpt, prompt_ids, tmp_path):
         t.start()
         assert streaming.wait(60), "the stream never started"
         killed = time.monotonic()
-        os.kill(rank1, signal.SIGKILL)
+        os.kill(rank1, sig)
         proc.popen.wait(timeout=30)
         t.join(timeout=30)
         elapsed = time.monotonic() - killed
     finally:
         if proc.popen.poll() is None:
             proc.popen.kill()
+        deadline = time.monotonic() + 5
+        while _alive(rank1) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        survived = _alive(rank1)
+        if survived:
+            os.kill(rank1, signal.SIGKILL)
     assert proc.popen.returncode != 0, "the verifier must exit non-zero when a rank dies"
     assert elapsed < 30
     assert outcome.get("error") in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL,
                                     grpc.StatusCode.CANCELLED), f"client saw {outcome}"
-    assert "rank 1 exited with code -9" in proc.log_path.read_text()
+    log = proc.log_path.read_text()
+    if sig == signal.SIGKILL:
+        assert "rank 1 exited with code -9" in log
+    else:
+        assert "Timed out" in log and "hung or unreachable" in log
+    assert not survived, "rank 1 outlived the verifier (rank 0 kills the ranks it spawned)"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def _stream(address, ids):

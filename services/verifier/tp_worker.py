@@ -16,6 +16,7 @@ import dataclasses
 import multiprocessing as mp
 import multiprocessing.connection
 import os
+import signal
 import sys
 import threading
 import time
@@ -67,6 +68,10 @@ def run_worker(config: VerifierConfig, model_dir: str, env: LaunchEnv, backend: 
 
 def _spawned_rank(rank: int, config: VerifierConfig, model_dir: str, addr: str, port: int, backend: str) -> None:
     from services.telemetry.logging import configure_logging
+    # Rank 0 owns the lifetime of the ranks it spawned: a Ctrl-C or SIGTERM to the process group stops
+    # rank 0 gracefully, which sends STOP. (A lost rank 0 still ends them: their collectives fail.)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     configure_logging(config.log_level, config.log_format)
     if config.threads > 0:
         torch.set_num_threads(config.threads)
@@ -110,6 +115,8 @@ class TensorParallelVerifier:
         self._stopping = True
         # A failed collective usually means a dead rank: name it first.
         dead = [f"rank {r} exited with code {c}" for r, c in self._exited_ranks(wait_s=2.0).items()]
+        if self.children and not dead:
+            dead = ["no rank exited (one is hung or unreachable)"]
         message = "; ".join(dict.fromkeys(dead + [message]))
         log.error("tp_fatal", error=message)
         print(f"verifier: {message}; stopping", file=sys.stderr, flush=True)
