@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from services.cli import build_parser
-from services.config import DrafterConfig, GatewayConfig, VerifierConfig, env_var_names
+from services.config import DrafterConfig, GatewayConfig, VerifierConfig, config_from_flags, env_var_names
 from services.protocol.ddtree.v1 import gateway_pb2, gateway_pb2_grpc
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -232,3 +232,29 @@ def test_compose_commands_as_processes_with_two_drafters(default_ckpt, tmp_path)
                     p.wait(30)
                 except subprocess.TimeoutExpired:
                     p.kill()
+
+
+def test_kimi_k26_override_and_env_file():
+    """The K2.6 example: the override merges onto real services, every variable of kimi-k26.env is one the
+    compose file uses, and the engine settings it yields are ones the services accept (TP 8, KV by GB)."""
+    override = yaml.safe_load((DOCKER / "compose.kimi-k26.yaml").read_text())
+    base = _compose()
+    assert set(override["services"]) <= set(base["services"])
+    assert override["services"]["verifier"]["ipc"] == "host"
+    env = dict(line.split("=", 1) for line in (DOCKER / "kimi-k26.env").read_text().splitlines()
+               if line and not line.startswith("#"))
+    example = dict(line.split("=", 1) for line in (DOCKER / ".env.example").read_text().splitlines()
+                   if line and not line.startswith("#"))
+    assert set(env) == set(example), set(env) ^ set(example)
+    parser = build_parser()
+    for name in ("drafter", "verifier"):
+        svc = base["services"][name]
+        resolved = {k: _substitute(str(v), env) for k, v in svc["environment"].items()}
+        parser.parse_args(_argv(name, svc))
+        config = config_from_flags(CONFIGS[name], None, environ=resolved)  # parses and validates every variable
+        if name == "verifier":
+            assert config.tp == 8 and config.kv_memory_gb == 8 and config.kv_tokens == 0 and config.device == "cuda"
+        else:
+            assert config.device == "cuda" and config.dtype == "bfloat16"
+        gpus = svc["deploy"]["resources"]["reservations"]["devices"][0]["count"]
+        assert _substitute(str(gpus), env) == ("8" if name == "verifier" else "1")
