@@ -22,7 +22,7 @@ from services.models.loader import load_target
 from services.models.parallel.layers import combine_shard_argmax, shard_argmax
 from services.models.parallel.process_group import destroy_tp, free_port, init_tp
 from services.models.parallel.shard_plan import ShardPlan
-from services.models.parallel.step_message import StepInputs, decode, encode
+from services.models.parallel.step_message import StepInputs, decode, encode, from_runs, runs
 from services.models.parallel.tp_model import TensorParallelModel, build_tp_model, load_tp_model
 from services.models.random_checkpoint import DEFAULT_TARGET_CONFIG, write_random_target
 from services.verifier.tp_worker import worker_loop
@@ -182,3 +182,12 @@ def test_step_message_round_trip():
             assert (a.q_start, a.q_len) == (b.q_start, b.q_len)
             assert torch.equal(a.prefix_slots, b.prefix_slots) and torch.equal(a.new_slots, b.new_slots)
             assert torch.equal(a.visible_new(), b.visible_new())
+
+
+@pytest.mark.parametrize("slots", [[], [7], list(range(10, 30)), [3, 4, 5, 9, 1, 2, 100, 101], "perm"])
+def test_slot_runs_round_trip(slots):
+    t = torch.randperm(64, generator=torch.Generator().manual_seed(0)) if slots == "perm" else torch.tensor(
+        slots, dtype=torch.int64)
+    r = runs(t)
+    assert r.numel() == 1 + 2 * int(r[0])
+    assert torch.equal(from_runs(r[1:]), t)

@@ -3,8 +3,9 @@
 Rank 0 owns the scheduler and the KV pool's slot allocation; the other ranks only replay forwards.
 Each step rank 0 broadcasts a header int64 [3] = (kind, n_ints, n_mask_bytes), then (FORWARD only)
   ints  int64 [n_ints]: T, R (-1 = all rows), n_taps, gather_logits, n_seqs, taps, input_ids [T],
-        positions [T], logits_rows [R], then per sequence q_start, q_len, P, has_mask, prefix_slots [P],
-        new_slots [q_len]
+        positions [T], logits_rows [R], then per sequence q_start, q_len, has_mask, prefix_slots and
+        new_slots as runs (n, start_0, len_0, ..., start_n-1, len_n-1): a sequence's slots are mostly
+        consecutive, so a long context costs a few ints, not one per token
   masks uint8 [n_mask_bytes]: the tree masks [q_len, q_len] of the sequences that have one, in order.
 CACHE (header = (CACHE, num_slots, 0)) makes the other ranks allocate their latent KV cache replica, once,
 after rank 0 has sized its pool. PING keeps idle peers inside their collective timeout; STOP ends the
@@ -42,19 +43,34 @@ def encode(s: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         parts.append(rows.cpu())
     masks = []
     for q in s.meta.seqs:
-        parts.append(torch.tensor([q.q_start, q.q_len, q.prefix_slots.numel(), int(q.new_mask is not None)]))
-        parts += [q.prefix_slots.cpu(), q.new_slots.cpu()]
+        parts.append(torch.tensor([q.q_start, q.q_len, int(q.new_mask is not None)]))
+        parts += [runs(q.prefix_slots.cpu()), runs(q.new_slots.cpu())]
         if q.new_mask is not None:
             masks.append(q.new_mask.cpu().flatten().to(torch.uint8))
     ints = torch.cat([p.to(torch.int64) for p in parts])
     return ints, torch.cat(masks) if masks else torch.empty(0, dtype=torch.uint8)
 
 
+def runs(slots: torch.Tensor) -> torch.Tensor:
+    """int64 [P] -> [n, start_0, len_0, ...]: the maximal runs of consecutive slots."""
+    if slots.numel() == 0:
+        return torch.zeros(1, dtype=torch.int64)
+    first = torch.cat([torch.zeros(1, dtype=torch.int64), torch.nonzero(slots.diff() != 1).flatten() + 1])
+    lens = torch.cat([first, torch.tensor([slots.numel()])]).diff()
+    return torch.cat([torch.tensor([first.numel()]), torch.stack([slots[first], lens], dim=1).flatten()])
+
+
+def from_runs(pairs: torch.Tensor) -> torch.Tensor:
+    """[start_0, len_0, ...] -> int64 [P], the inverse of runs() without its count."""
+    starts, lens = pairs[0::2], pairs[1::2]
+    before = lens.cumsum(0) - lens  # slots in the earlier runs
+    return torch.repeat_interleave(starts - before, lens) + torch.arange(int(lens.sum()))
+
+
 def decode(ints: torch.Tensor, masks: torch.Tensor) -> StepInputs:
-    vals = ints.tolist()
-    T, R, n_taps, gather, n_seqs = vals[:5]
+    T, R, n_taps, gather, n_seqs = ints[:5].tolist()
     at = 5 + n_taps
-    taps = tuple(vals[5:at])
+    taps = tuple(ints[5:at].tolist())
 
     def take(n: int) -> torch.Tensor:
         nonlocal at
@@ -65,8 +81,9 @@ def decode(ints: torch.Tensor, masks: torch.Tensor) -> StepInputs:
     rows = None if R < 0 else take(R)
     seqs, m_at = [], 0
     for _ in range(n_seqs):
-        q_start, q_len, P, has_mask = take(4).tolist()
-        prefix, new = take(P), take(q_len)
+        q_start, q_len, has_mask = take(3).tolist()
+        prefix = from_runs(take(2 * int(take(1))))
+        new = from_runs(take(2 * int(take(1))))
         mask = None
         if has_mask:
             mask = masks[m_at:m_at + q_len * q_len].view(q_len, q_len).bool()
