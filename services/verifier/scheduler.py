@@ -5,7 +5,8 @@ One thread owns the model, the KV pool and every running sequence. RPC threads o
   1. admit waiting requests whose worst-case KV reservation fits (prompt + max_new + one tree);
   2. finish sequences whose client aborted;
   3. Draft (one RPC for all speculative sequences), 4. one target forward over all trees plus at most
-  one prefill chunk, 5. accept + commit per sequence, stream the tokens and the step record.
+  prefill_chunk prompt tokens (several short prompts may share them), 5. accept + commit per sequence,
+  stream the tokens and the step record.
 Admission by reservation means a running sequence never runs out of KV mid-generation.
 """
 from __future__ import annotations
@@ -139,7 +140,7 @@ class Scheduler:
                 self._cond.wait(timeout=0.5)
                 return
             decode = [s for s in self._running if s.phase is Phase.DECODE]
-            prefill = next((s for s in self._running if s.phase is Phase.PREFILL), None)
+            prefill = self._prefill_batch()
             metrics.RUNNING.set(len(self._running))
             metrics.QUEUED.set(len(self._waiting))
             metrics.KV_USED.set(self.kv_held_by_requests)
@@ -151,7 +152,7 @@ class Scheduler:
         except Exception as err:  # a model or pool failure ends this step's sequences, not the server
             log.exception("step_failed", error=str(err))
             with self._cond:
-                for seq in decode + ([prefill] if prefill else []):
+                for seq in decode + prefill:
                     seq.events.put(StreamEvent((), None, "error", error=f"internal error: {err}"))
                     self._finish(seq, None)
 
@@ -260,14 +261,31 @@ class Scheduler:
                 seq.pending_commit = None
         return result
 
-    def _step(self, decode: list[Sequence], prefill: Sequence | None) -> None:
+    def _prefill_batch(self) -> list[Sequence]:
+        """The prefilling sequences this step serves: in admission order until prefill_chunk prompt tokens."""
+        batch, room = [], self.config.prefill_chunk
+        for seq in self._running:
+            if room <= 0:
+                break
+            if seq.phase is Phase.PREFILL:
+                batch.append(seq)
+                room -= seq.prompt_len - seq.prefill_done
+        return batch
+
+    def _step(self, decode: list[Sequence], prefill: list[Sequence]) -> None:
         t0 = time.perf_counter()
         drafted = self._draft(decode)
         trees = drafted.trees if drafted is not None else {}
         items: list[WorkItem] = [VerifyItem(s, trees.get(s.request_id, EMPTY_TREE)) for s in decode]
-        if prefill is not None:
-            end = min(prefill.prefill_done + self.config.prefill_chunk, prefill.prompt_len)
-            items.append(PrefillItem(prefill, prefill.prefill_done, end))
+        # Prefill: up to prefill_chunk prompt tokens per step, taken from the waiting prompts in admission
+        # order (several short prompts share a step; a long one is split across steps).
+        room = self.config.prefill_chunk
+        for seq in prefill:
+            if room <= 0:
+                break
+            end = min(seq.prefill_done + room, seq.prompt_len)
+            items.append(PrefillItem(seq, seq.prefill_done, end))
+            room -= end - seq.prefill_done
         t1 = time.perf_counter()
         with self._cond:
             self._make_room(items)
