@@ -66,7 +66,7 @@ def build_tp_model(plan: ShardPlan, tp: TPGroup | None, attention_backend: str =
 def load_tp_model(path, tp: TPGroup, expert_parallel: bool = False, dtype: torch.dtype | None = None,
                   device: str | torch.device = "cpu", attention_backend: str = "torch") -> DeepseekV3ForCausalLM:
     """Load this rank's shard: only its slices (and, under expert parallelism, its experts) are read."""
-    plans: list[ShardPlan] = []
+    plans: list[ShardPlan] = []  # the loader parses config.json and hands it to build(); the plan needs it
 
     def build(config: DeepseekV3Config) -> nn.Module:
         plans.append(ShardPlan(config, tp.rank, tp.world_size, expert_parallel))
