@@ -20,7 +20,7 @@ from services.models.config import DeepseekV3Config
 from services.models.deepseek_v3 import DeepseekV3ForCausalLM
 from services.models.loader import load_target
 from services.models.parallel.layers import combine_shard_argmax, shard_argmax
-from services.models.parallel.process_group import destroy_tp, free_port, init_tp
+from services.models.parallel.process_group import destroy_tp, init_tp
 from services.models.parallel.shard_plan import ShardPlan
 from services.models.parallel.step_message import StepInputs, decode, encode, from_runs, runs
 from services.models.parallel.tp_model import TensorParallelModel, build_tp_model, load_tp_model
@@ -78,9 +78,9 @@ def write_checkpoint(path: pathlib.Path, cfg: dict) -> pathlib.Path:
     return path
 
 
-def _rank_main(rank: int, port: int, ckpt: str, out: str) -> None:
+def _rank_main(rank: int, ckpt: str, out: str) -> None:
     torch.set_num_threads(1)
-    tp = init_tp(WORLD, rank, torch.device("cpu"), "127.0.0.1", port, timeout_s=60)
+    tp = init_tp(WORLD, rank, torch.device("cpu"), timeout_s=60, init_method=f"file://{out}.store")
     results = {}
     for ep in (False, True):
         model = load_tp_model(ckpt, tp, expert_parallel=ep, dtype=torch.float32)
@@ -103,7 +103,7 @@ def _rank_main(rank: int, port: int, ckpt: str, out: str) -> None:
 def case(request, tmp_path_factory):
     ckpt = write_checkpoint(tmp_path_factory.mktemp(request.param), CONFIGS[request.param])
     out = ckpt / "tp.pt"
-    tmp.spawn(_rank_main, args=(free_port(), str(ckpt), str(out)), nprocs=WORLD, join=True)
+    tmp.spawn(_rank_main, args=(str(ckpt), str(out)), nprocs=WORLD, join=True)
     model = load_target(ckpt, dtype=torch.float32)
     kv = model.new_kv_cache(NUM_SLOTS)
     ref = []

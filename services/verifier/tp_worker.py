@@ -24,8 +24,8 @@ import time
 import torch
 
 from services.config import VerifierConfig
-from services.models.parallel.process_group import (LaunchEnv, TPGroup, destroy_tp, free_port, init_tp,
-                                                    launch_env, rank_device)
+from services.models.parallel.process_group import (LaunchEnv, TPGroup, destroy_tp, init_tp, launch_env,
+                                                    rank_device, rendezvous_store)
 from services.models.parallel.step_message import CACHE, FORWARD, STOP, recv_step
 from services.models.parallel.tp_model import TensorParallelModel, load_tp_model, run_shard
 from services.telemetry.logging import get_logger
@@ -55,10 +55,11 @@ def _load(config: VerifierConfig, model_dir: str, tp: TPGroup, device: torch.dev
     return load_tp_model(model_dir, tp, config.expert_parallel, _DTYPES[config.dtype], device, backend)
 
 
-def run_worker(config: VerifierConfig, model_dir: str, env: LaunchEnv, backend: str) -> None:
-    """One rank > 0, from joining the group to rank 0's STOP."""
+def run_worker(config: VerifierConfig, model_dir: str, env: LaunchEnv, backend: str, store=None) -> None:
+    """One rank > 0, from joining the group (through rank 0's `store` if given) to rank 0's STOP."""
     device = rank_device(config.device, env.local_rank)
-    tp = init_tp(env.world_size, env.rank, device, env.master_addr, env.master_port, config.tp_timeout_s)
+    tp = init_tp(env.world_size, env.rank, device, config.tp_timeout_s, store=store,
+                 init_method=None if store else f"tcp://{env.master_addr}:{env.master_port}")
     model = _load(config, model_dir, tp, device, backend)
     log.info("tp_worker_ready", rank=env.rank, world_size=env.world_size, device=str(device))
     worker_loop(model, tp)
@@ -76,7 +77,8 @@ def _spawned_rank(rank: int, config: VerifierConfig, model_dir: str, addr: str, 
     if config.threads > 0:
         torch.set_num_threads(config.threads)
     try:
-        run_worker(config, model_dir, LaunchEnv(addr, port, config.tp, rank, rank), backend)
+        store = rendezvous_store(addr, config.tp, config.tp_timeout_s, port=port)
+        run_worker(config, model_dir, LaunchEnv(addr, port, config.tp, rank, rank), backend, store)
     except BaseException as err:
         log.error("tp_worker_failed", rank=rank, error=f"{type(err).__name__}: {err}")
         sys.stderr.flush()
@@ -159,8 +161,10 @@ def start_tensor_parallel(config: VerifierConfig, model_dir: str, backend: str) 
         raise ValueError("--tp > 1 needs --page-size 1: KV copies at commit are not replayed on the other ranks")
     env = launch_env()
     children: dict[int, mp.Process] = {}
+    store = None
     if env is None:
-        env = LaunchEnv("127.0.0.1", free_port(), config.tp, 0, 0)
+        store = rendezvous_store("127.0.0.1", config.tp, config.tp_timeout_s)
+        env = LaunchEnv("127.0.0.1", store.port, config.tp, 0, 0)
         ctx = mp.get_context("spawn")  # before any thread or server starts
         for rank in range(1, config.tp):
             p = ctx.Process(target=_spawned_rank, name=f"tp-rank-{rank}", daemon=True,
@@ -177,7 +181,8 @@ def start_tensor_parallel(config: VerifierConfig, model_dir: str, backend: str) 
     if children:
         threading.Thread(target=tpv._watch, name="tp-watchdog", daemon=True).start()
     started = time.perf_counter()
-    tp = init_tp(env.world_size, 0, tpv.device, env.master_addr, env.master_port, config.tp_timeout_s)
+    tp = init_tp(env.world_size, 0, tpv.device, config.tp_timeout_s, store=store,
+                 init_method=None if store else f"tcp://{env.master_addr}:{env.master_port}")
     shard = _load(config, model_dir, tp, tpv.device, backend)
     tpv.model = TensorParallelModel(shard, tp, ping_interval_s=config.tp_timeout_s / 4, on_failure=tpv.fatal)
     log.info("tp_ready", world_size=config.tp, expert_parallel=config.expert_parallel,

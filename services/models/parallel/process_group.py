@@ -77,9 +77,19 @@ class TPGroup:
         return x
 
 
-def init_tp(world_size: int, rank: int, device: torch.device, master_addr: str, master_port: int,
-            timeout_s: float) -> TPGroup:
-    """Join the group (blocks until all ranks have joined, at most timeout_s).
+def rendezvous_store(host: str, world_size: int, timeout_s: float, port: int | None = None) -> dist.TCPStore:
+    """port None: rank 0's store, on a port the OS picks (bound before the spawned ranks are told it, so no
+    port race); else a client of the store at host:port."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if port is None:
+        return dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+    return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+
+
+def init_tp(world_size: int, rank: int, device: torch.device, timeout_s: float, *, init_method: str | None = None,
+            store: dist.Store | None = None) -> TPGroup:
+    """Join the group through `init_method` (tcp://host:port, file://...) or rank 0's `store`; blocks
+    until all ranks have joined, at most timeout_s.
 
     Every collective then fails after timeout_s instead of waiting forever for a dead or stuck peer;
     rank 0 keeps idle peers alive with pings (tp_model.TensorParallelModel).
@@ -88,8 +98,8 @@ def init_tp(world_size: int, rank: int, device: torch.device, master_addr: str, 
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", world_size=world_size,
-                            rank=rank, timeout=timeout)
+    dist.init_process_group(backend, init_method=init_method, store=store, world_size=world_size, rank=rank,
+                            timeout=timeout)
     world = dist.group.WORLD
     cpu = world if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
     return TPGroup(rank=rank, world_size=world_size, device_group=world, cpu_group=cpu)
