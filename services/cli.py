@@ -95,7 +95,9 @@ def _start_stack(args, log_dir: pathlib.Path):
         d = _default_dirs()
         model = model or str(d.target)
         drafter = drafter or str(d.drafter)
-    return start_stack(model, None if args.no_drafter else drafter, log_dir, host=args.host)
+    return start_stack(model, None if args.no_drafter else drafter, log_dir, host=args.host,
+                       verifier_args=tuple(getattr(args, "verifier_args", "").split()),
+                       drafter_args=tuple(getattr(args, "drafter_args", "").split()))
 
 
 def cmd_serve(args) -> None:
@@ -168,6 +170,8 @@ def _add_stack_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-drafter", action="store_true", help="start no drafter: AR decoding only")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--log-dir", default="", help="where the services' logs go (default: a temp dir)")
+    p.add_argument("--verifier-args", default="", help="extra verifier flags, one string (e.g. '--tp 2')")
+    p.add_argument("--drafter-args", default="", help="extra drafter flags, one string (e.g. '--window 512')")
 
 
 def _add_client_flags(p: argparse.ArgumentParser) -> None:

@@ -51,19 +51,29 @@ def _prompt(seed: int, n: int) -> list[int]:
     return [(seed * 7919 + i * 104729 + i * i * 31) % (vocab - 100) + 50 for i in range(n)]
 
 
-def fragmentation(address, out_len=1600, probe=100, budget=16):
-    long = generate(address, _prompt(1, 64), out_len, budget)
-    late = [s for s in long["steps"] if s.context_tokens - 64 >= out_len - 2 * probe]
-    ctx = statistics.median(s.context_tokens for s in late)
-    fresh = generate(address, _prompt(2, int(ctx)), probe, budget)
-    early = fresh["steps"]
+def fragmentation(address, out_len=1600, probe=100, budget=16, repeats=3):
+    """Verify time at equal context: the last 2 x probe tokens of an out_len-token generation (page size 1,
+    scattered commits) vs the first `probe` tokens of a fresh request whose prompt has the length the long
+    one reached. Long and fresh runs alternate `repeats` times so that a drift of the machine's speed
+    touches both sides; medians over all their steps."""
+    late, early = [], []
+    for r in range(repeats):
+        long = generate(address, _prompt(1 + 10 * r, 64), out_len, budget)
+        tail = [s for s in long["steps"] if s.context_tokens - 64 >= out_len - 2 * probe]
+        ctx = statistics.median(s.context_tokens for s in tail)
+        late += tail
+        early += generate(address, _prompt(2 + 10 * r, int(ctx)), probe, budget)["steps"]
     m = lambda steps, k: statistics.median(getattr(s, k) for s in steps)  # noqa: E731
-    row = {"context": ctx, "late_verify_ms": m(late, "verify_ms"), "fresh_verify_ms": m(early, "verify_ms"),
+    row = {"context_late": m(late, "context_tokens"), "context_fresh": m(early, "context_tokens"),
+           "repeats": repeats, "late_steps": len(late), "fresh_steps": len(early),
+           "late_verify_ms": m(late, "verify_ms"), "fresh_verify_ms": m(early, "verify_ms"),
            "late_total_ms": m(late, "total_ms"), "fresh_total_ms": m(early, "total_ms"),
            "late_nodes": m(late, "tree_nodes"), "fresh_nodes": m(early, "tree_nodes")}
     row["verify_ratio"] = row["late_verify_ms"] / row["fresh_verify_ms"]
-    print(f"fragmentation @ context {ctx:.0f}: verify {row['late_verify_ms']:.2f} ms late in a {out_len}-token "
-          f"generation vs {row['fresh_verify_ms']:.2f} ms fresh (ratio {row['verify_ratio']:.3f})")
+    row["total_ratio"] = row["late_total_ms"] / row["fresh_total_ms"]
+    print(f"fragmentation @ context {row['context_late']:.0f} (late) / {row['context_fresh']:.0f} (fresh): verify "
+          f"{row['late_verify_ms']:.2f} ms late in a {out_len}-token generation vs {row['fresh_verify_ms']:.2f} ms "
+          f"fresh (ratio {row['verify_ratio']:.3f}; whole step ratio {row['total_ratio']:.3f}; {repeats} pairs)")
     return row
 
 

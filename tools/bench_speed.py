@@ -89,6 +89,8 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--budget", type=int, default=16)
     p.add_argument("--verifier-args", default="", help="extra verifier flags, one string")
+    p.add_argument("--engine-threads", type=int, default=0,
+                   help="torch threads of the drafter and the verifier it starts (0 = the launcher's default)")
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/bench_speed.json"))
     args = p.parse_args(argv)
     kinds, contexts = args.kinds.split(","), [int(c) for c in args.contexts.split(",")]
@@ -103,8 +105,9 @@ def main(argv=None) -> int:
         rows = bench(args.verifier, args.corpus, tok, kinds, contexts, args.prompts, args.tokens, args.budget)
     else:
         log_dir = pathlib.Path(tempfile.mkdtemp(prefix="ddtree-bench-"))
-        with private_verifier(model, drafter, max(contexts) + args.tokens + 64, log_dir,
-                              verifier_args=tuple(args.verifier_args.split())) as address:
+        threads = ("--threads", str(args.engine_threads)) if args.engine_threads else ()
+        with private_verifier(model, drafter, max(contexts) + args.tokens + 64, log_dir, drafter_args=threads,
+                              verifier_args=threads + tuple(args.verifier_args.split())) as address:
             rows = bench(address, args.corpus, tok, kinds, contexts, args.prompts, args.tokens, args.budget)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"rows": rows, "args": {k: str(v) for k, v in vars(args).items()}}, indent=2))
