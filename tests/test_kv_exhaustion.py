@@ -4,6 +4,8 @@ beyond the queue they are refused with RESOURCE_EXHAUSTED, as is a request large
 and the scheduler goes on serving."""
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 import torch
@@ -65,6 +67,9 @@ def test_requests_beyond_the_cache_queue_then_complete_and_a_full_queue_refuses(
         assert all(s.finish_reason == "length" for s in seqs)
         # the third request could only start once one of the first two had finished and released its KV
         assert seqs[2].first_token_time >= min(seqs[0].last_token_time, seqs[1].last_token_time)
+        deadline = time.monotonic() + 10  # the finish event is sent just before the KV is released
+        while sched.pool.num_used and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert sched.pool.num_used == 0
         later = _seq(0)  # the server keeps serving
         sched.submit(later)

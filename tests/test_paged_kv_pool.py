@@ -380,3 +380,18 @@ def test_paged_scheduler_returns_the_pool_to_empty(default_ckpt):
     finally:
         sched.stop()
         drafter.stop(0)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_allocation_takes_the_lowest_free_pages(page_size):
+    """Pages in use stay packed at the low end of the pool whatever the order of frees (the fragmentation
+    fix: a LIFO free list scattered long contexts across the pool)."""
+    pool = _pool(page_size=page_size, slots=16 * page_size)
+    first = pool.alloc(6)
+    assert first.tolist() == [0, 1, 2, 3, 4, 5]
+    pool.free(torch.tensor([4, 1]))
+    pool.free(torch.tensor([3]))
+    assert pool.alloc(4).tolist() == [1, 3, 4, 6]
+    pool.free(torch.arange(0, 7))
+    assert pool.alloc(16).tolist() == list(range(16)) and pool.num_free == 0
+    pool.check()

@@ -128,6 +128,7 @@ def main(argv=None) -> int:
     p.add_argument("--verifier", default="", help="a running verifier (default: start one with a drafter)")
     p.add_argument("--only", default="fragmentation,prefix,batching")
     p.add_argument("--budget", type=int, default=16)
+    p.add_argument("--verifier-args", default="", help="extra verifier flags, one string (e.g. '--page-size 16')")
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/bench_serving.json"))
     args = p.parse_args(argv)
     todo = args.only.split(",")
@@ -149,7 +150,8 @@ def main(argv=None) -> int:
         d = default_checkpoint()
         stack = start_stack(args.model or str(d.target), args.drafter or str(d.drafter),
                             pathlib.Path(tempfile.mkdtemp(prefix="ddtree-bench-serving-")),
-                            verifier_args=("--max-context", "4096", "--kv-tokens", "65536"))
+                            verifier_args=("--max-context", "4096", "--kv-tokens", "65536",
+                                           *args.verifier_args.split()))
         try:
             run(stack.verifier)
         finally:

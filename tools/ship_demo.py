@@ -47,7 +47,7 @@ def ship(target: pathlib.Path, drafter: pathlib.Path, out: pathlib.Path) -> dict
                                             "sha256": hashlib.sha256(p.read_bytes()).hexdigest()} for p in files},
         "total_bytes": sum(p.stat().st_size for p in files),
         "target_training": _json_or_none(target / "training_info.json"),
-        "drafter_training": _json_or_none(drafter / "training_info.json"),
+        "drafter_training": _json_or_none(drafter / "training_info.json") or _json_or_none(drafter / "training.json"),
     }
     if manifest["total_bytes"] > LIMIT_BYTES:
         raise SystemExit(f"the demo pair is {manifest['total_bytes'] / 2**20:.1f} MB, over the 30 MB limit")
