@@ -51,7 +51,9 @@ class DrafterConfig(ServiceConfig):
     max_budget: int = dataclasses.field(default=1024, metadata={"help": "largest tree budget accepted"})
     max_sequences: int = dataclasses.field(default=4096, metadata={"help": "draft contexts held at once"})
     device: str = dataclasses.field(default="cpu", metadata={"help": "torch device"})
-    dtype: str = dataclasses.field(default="float32", metadata={"help": "float32 | bfloat16 | float16"})
+    dtype: str = dataclasses.field(default="auto", metadata={
+        "help": "auto | float32 | bfloat16 | float16 (auto = bfloat16 where matmuls have it natively: CUDA, "
+                "AVX512-BF16/AMX CPUs; else float32)"})
     threads: int = dataclasses.field(default=0, metadata={"help": "torch CPU threads (0 = torch's default)"})
     engine: str = dataclasses.field(default="dflash", metadata={
         "help": "dflash | oracle (test/diagnosis drafter: the target's own greedy continuation with noise)"})
@@ -65,7 +67,7 @@ class DrafterConfig(ServiceConfig):
             raise ValueError(f"window must be >= 0 (0 = unlimited), got {self.window}")
         if not 1 <= self.default_budget <= self.max_budget:
             raise ValueError(f"default_budget must be in [1, max_budget={self.max_budget}], got {self.default_budget}")
-        _check_dtype(self.dtype)
+        _check_dtype(self.dtype, allow_auto=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,9 +172,10 @@ class GatewayConfig(ServiceConfig):
             raise ValueError(f"max_tokens_limit must be >= default_max_tokens={self.default_max_tokens}, got {self.max_tokens_limit}")
 
 
-def _check_dtype(name: str) -> None:
-    if name not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"dtype must be float32 | bfloat16 | float16, got {name!r}")
+def _check_dtype(name: str, allow_auto: bool = False) -> None:
+    names = ("auto", "float32", "bfloat16", "float16") if allow_auto else ("float32", "bfloat16", "float16")
+    if name not in names:
+        raise ValueError(f"dtype must be {' | '.join(names)}, got {name!r}")
 
 
 def env_var_name(field_name: str) -> str:

@@ -400,3 +400,14 @@ def test_batched_draft_equals_one_sequence_at_a_time(ckpt: Path) -> None:
             want = [alone.draft([s])[0] for s in batch]
             assert got == want, (window, [s.seq_id for s in batch])
         assert together.context_bytes == alone.context_bytes
+
+
+def test_drafter_dtype_auto() -> None:
+    from services.config import DrafterConfig, VerifierConfig
+    from services.drafter.factory import drafter_dtype
+    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert drafter_dtype(DrafterConfig()) == (torch.bfloat16 if native else torch.float32)
+    assert drafter_dtype(DrafterConfig(engine="oracle")) == torch.float32  # replays the fp32 verifier's choices
+    assert drafter_dtype(DrafterConfig(dtype="float16")) == torch.float16
+    with pytest.raises(ValueError, match="auto"):
+        VerifierConfig(dtype="auto").validate()  # the verifier's dtype is the output's: always explicit

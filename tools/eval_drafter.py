@@ -47,7 +47,7 @@ def load_prompts(corpus_dir: str | Path, tokenizer_dir: str | Path, kind: str, c
 
 
 def measure_tau(target_dir: str | Path, drafter_dir: str | Path, prompts: list[list[int]], budget: int = 16,
-                tokens: int = 256, max_batch: int = 8, window: int = 2048) -> dict:
+                tokens: int = 256, max_batch: int = 8, window: int = 2048, drafter_dtype: str = "float32") -> dict:
     """Greedy generations through scheduler + drafter service; returns tau and per-prompt details."""
     from services.config import DrafterConfig, VerifierConfig
     from services.drafter.factory import make_engine
@@ -61,7 +61,7 @@ def measure_tau(target_dir: str | Path, drafter_dir: str | Path, prompts: list[l
 
     model = load_target(target_dir, dtype=torch.float32)
     dcfg = DrafterConfig(port=0, grace_s=0.0, window=window, default_budget=max(budget, 1),
-                         max_budget=max(budget, 1024))
+                         max_budget=max(budget, 1024), dtype=drafter_dtype)
     engine = make_engine(dcfg, str(drafter_dir), str(target_dir))
     drafter = serve_engine(engine, dcfg)
     client = DrafterClient(f"127.0.0.1:{drafter.port}", timeout_s=120)
@@ -115,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--window", type=int, default=2048, help="drafter context window")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    p.add_argument("--drafter-dtype", default="float32", help="float32 | bfloat16 | float16: the drafter's compute dtype")
     p.add_argument("--out", default="", help="JSON file (default runs/eval/<drafter dir name>_b<budget>.json)")
     args = p.parse_args(argv)
     from services.telemetry.logging import configure_logging
@@ -124,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {"target": args.target, "drafter": args.drafter, "kinds": {}}
     for kind in [k for k in args.kind.split(",") if k]:
         prompts = load_prompts(args.corpus, args.target, kind, args.prompts, args.prompt_len)
-        r = measure_tau(args.target, args.drafter, prompts, args.budget, args.tokens, args.max_batch, args.window)
+        r = measure_tau(args.target, args.drafter, prompts, args.budget, args.tokens, args.max_batch, args.window,
+                        args.drafter_dtype)
         result["kinds"][kind] = r
         print(f"{kind:6s} tau {r['tau']:.3f} (per prompt {r['tau_per_prompt']:.3f}) over {r['steps']} steps, "
               f"{r['generated_tokens']} tokens, budget {args.budget}, {r['wall_s']:.1f} s", flush=True)

@@ -8,8 +8,22 @@ from services.config import DrafterConfig
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def drafter_dtype(cfg: DrafterConfig) -> torch.dtype:
+    """cfg.dtype, with "auto" resolved: the DFlash drafter computes in bfloat16 where matmuls have it natively
+    (CUDA; CPUs with AVX512-BF16 or AMX, as oneDNN reports), else float32; the oracle engine (a test drafter
+    that replays the target's own greedy choices) stays in float32 to match the verifier. The drafter's
+    precision can only change which tokens it proposes, never the output: the verifier decides every token."""
+    if cfg.dtype != "auto":
+        return _DTYPES[cfg.dtype]
+    if cfg.engine == "oracle":
+        return torch.float32
+    if torch.device(cfg.device).type == "cuda":
+        return torch.bfloat16
+    return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+
+
 def make_engine(cfg: DrafterConfig, model_dir: str, target_dir: str):
-    dtype = _DTYPES[cfg.dtype]
+    dtype = drafter_dtype(cfg)
     if cfg.engine == "oracle":
         from services.drafter.oracle import OracleDraftEngine
         from services.models.loader import load_target
