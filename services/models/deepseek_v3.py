@@ -26,6 +26,7 @@ class ForwardOutput:
     logits: torch.Tensor | None  # fp32 [R, vocab] for the requested rows (tensor parallel: None unless gathered)
     taps: torch.Tensor | None  # [T, len(tap_layer_ids) * hidden] model dtype, pre-final-norm layer outputs
     argmax: torch.Tensor | None = None  # int64 [R]; set by the tensor-parallel forward (parallel/tp_model.py)
+    hidden: torch.Tensor | None = None  # [R, d] final-normed rows, instead of logits (forward(hidden_only=True))
 
 
 class DeepseekV3DecoderLayer(nn.Module):
@@ -100,6 +101,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         kv_cache: torch.Tensor,  # [num_layers, num_slots, kv_cache_width], written in place
         logits_rows: torch.Tensor | None = None,  # int64 [R]; None = all T rows
         tap_layer_ids: tuple[int, ...] = (),
+        hidden_only: bool = False,  # return the final-normed rows (ForwardOutput.hidden), no LM head
     ) -> ForwardOutput:
         c = self.config
         T = input_ids.shape[0]
@@ -124,6 +126,11 @@ class DeepseekV3ForCausalLM(nn.Module):
             if i in wanted:
                 taps[i] = x
         rows = x if logits_rows is None else x[logits_rows]  # [R, d]
-        logits = self.lm_head(self.model.norm(rows)).float()  # [R, vocab]
         tap = torch.cat([taps[i] for i in tap_layer_ids], dim=-1) if tap_layer_ids else None
-        return ForwardOutput(logits=logits, taps=tap)
+        if hidden_only:
+            return ForwardOutput(logits=None, taps=tap, hidden=self.model.norm(rows))
+        return ForwardOutput(logits=self.compute_logits(self.model.norm(rows)), taps=tap)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final-normed rows [R, d] -> fp32 logits [R, vocab]."""
+        return self.lm_head(hidden).float()

@@ -15,6 +15,7 @@ import torch
 from services.drafter.tree import TokenTree
 from services.models.attention import AttentionMetadata, SeqAttention
 from services.models.parallel.tp_model import TensorParallelModel
+from services.verifier.greedy_head import greedy_walk_choices
 from services.verifier.kv_pool import LatentKVPool
 from services.verifier.sequence import Sequence
 from services.verifier.tree_mask import tree_input_ids, tree_mask, tree_positions
@@ -91,25 +92,56 @@ def run_batch(model, pool: LatentKVPool, items: list[WorkItem], tap_layer_ids: t
     device = pool.cache.device
     rows = torch.cat(logit_rows) if logit_rows else torch.empty(0, dtype=torch.int64)
     meta = AttentionMetadata(seqs=tuple(seqs))
+    lazy = not isinstance(model, TensorParallelModel)  # greedy rows: the LM head along the walk only
     try:
         with torch.inference_mode():
             out = model.forward(torch.cat(ids).to(device), torch.cat(pos).to(device), meta, pool.cache,
-                                logits_rows=rows.to(device), tap_layer_ids=tap_layer_ids, **_tp_kwargs(model, items))
+                                logits_rows=rows.to(device), tap_layer_ids=tap_layer_ids,
+                                **({"hidden_only": True} if lazy else _tp_kwargs(model, items)))
+            per_item = _split_rows(items, seqs, out)
+            if lazy:
+                per_item = _heads(model, items, per_item)
     except Exception:
         for seq in allocated:
             seq.table.trim(pool)
         raise
-    logits = None if out.logits is None else out.logits.float()   # stays on the device: only ids come back
     taps = out.taps
-    results, lrow = [], 0
-    for item, sa in zip(items, seqs):
-        n_logits = sa.q_len if isinstance(item, VerifyItem) else (1 if item.is_last else 0)
-        item_logits = logits[lrow:lrow + n_logits] if n_logits and logits is not None else None
-        item_argmax = out.argmax[lrow:lrow + n_logits] if n_logits and out.argmax is not None else None
-        lrow += n_logits
+    results = []
+    for item, sa, (item_logits, item_argmax) in zip(items, seqs, per_item):
         item_taps = taps[sa.q_start:sa.q_start + sa.q_len] if taps is not None else None
         results.append(ItemOutput(item, sa.new_slots, item_logits, item_taps, item_argmax))
     return results
+
+
+def _split_rows(items: list[WorkItem], seqs: list[SeqAttention], out) -> list[tuple]:
+    """Per item (logits or final-normed hidden rows, argmax) of its requested rows; (None, None) for none."""
+    blocks, lrow = [], 0
+    rows = out.hidden if out.hidden is not None else out.logits
+    for item, sa in zip(items, seqs):
+        n = sa.q_len if isinstance(item, VerifyItem) else (1 if item.is_last else 0)
+        block = rows[lrow:lrow + n] if n and rows is not None else None
+        argmax = out.argmax[lrow:lrow + n] if n and out.argmax is not None else None
+        blocks.append((block, argmax))
+        lrow += n
+    return blocks
+
+
+def _heads(model, items: list[WorkItem], hidden: list[tuple]) -> list[tuple]:
+    """From final-normed rows to what commit needs: the argmax along the accept walk for greedy trees
+    (greedy_head.py), full fp32 logits for sampled trees and for a prompt's last row."""
+    out = [(None if h is None else model.compute_logits(h), None) if not _walks(item) else None
+           for item, (h, _) in zip(items, hidden)]
+    greedy = [i for i, item in enumerate(items) if _walks(item)]
+    if greedy:
+        walks = greedy_walk_choices([items[i].tree for i in greedy], [hidden[i][0] for i in greedy],
+                                    model.compute_logits)
+        for i, choices in zip(greedy, walks):
+            out[i] = (None, choices)
+    return out
+
+
+def _walks(item: WorkItem) -> bool:
+    return isinstance(item, VerifyItem) and item.seq.params.sampling.greedy
 
 
 def _tp_kwargs(model, items: list[WorkItem]) -> dict:

@@ -65,6 +65,11 @@ def run_worker(config: VerifierConfig, model_dir: str, env: LaunchEnv, backend: 
     worker_loop(model, tp)
     log.info("tp_worker_stopped", rank=env.rank)
     destroy_tp()
+    # Nothing of a worker rank outlives its loop. Exit at once: letting the interpreter tear down torch's
+    # gloo threads sometimes ends in std::terminate (SIGABRT), which would read as a crashed rank.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _spawned_rank(rank: int, config: VerifierConfig, model_dir: str, addr: str, port: int, backend: str) -> None:
