@@ -89,6 +89,9 @@ class VerifierConfig(ServiceConfig):
         "help": "KV slots per page (1 for DDTree: accepted nodes stay in place; > 1: copied into place at commit)"})
     prefill_chunk: int = dataclasses.field(default=512, metadata={"help": "prefill chunk, tokens"})
     default_budget: int = dataclasses.field(default=16, metadata={"help": "tree node budget when a request sets none"})
+    max_tree_tokens: int = dataclasses.field(default=0, metadata={
+        "help": "tree tokens (root + nodes) verified per step over the whole batch (0 = no limit): with n "
+                "speculative sequences each tree gets at most max_tree_tokens // n - 1 nodes"})
     draft_timeout_s: float = dataclasses.field(default=10.0, metadata={"help": "Draft RPC deadline"})
     step_log: str = dataclasses.field(default="", metadata={
         "help": "step records: '' = the service log (level info), off = none, PATH = a JSON-lines file"})
@@ -116,6 +119,8 @@ class VerifierConfig(ServiceConfig):
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
         if self.default_budget < 0:
             raise ValueError(f"default_budget must be >= 0, got {self.default_budget}")
+        if self.max_tree_tokens < 0:
+            raise ValueError(f"max_tree_tokens must be >= 0 (0 = no limit), got {self.max_tree_tokens}")
         kv_setting(self.kv_tokens, self.kv_memory_gb, self.kv_memory_fraction)
         if self.tp < 1:
             raise ValueError(f"tp must be >= 1, got {self.tp}")

@@ -28,18 +28,19 @@ from services.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_g
 def generate(address, ids, max_new, budget=16, no_spec=False, request_id=""):
     req = verifier_pb2.GenerateRequest(request_id=request_id, input_ids=ids, max_new_tokens=max_new, ignore_eos=True,
                                        spec=common_pb2.SpecOptions(no_spec=no_spec, budget=budget))
-    tokens, steps, usage, first, last = [], [], None, None, None
+    tokens, steps, usage, first, last, arrivals = [], [], None, None, None, []
     t0 = time.perf_counter()
     with grpc.insecure_channel(address) as ch:
         for msg in verifier_pb2_grpc.VerifierStub(ch).Generate(req, timeout=3600):
             if msg.token_ids:
                 last = time.perf_counter()
                 first = first or last
+                arrivals.append((last, len(msg.token_ids)))
             tokens.extend(msg.token_ids)
             steps.extend(msg.steps)
             usage = msg.usage if msg.finish_reason else usage
     return {"tokens": tokens, "steps": steps, "usage": usage, "wall_s": time.perf_counter() - t0,
-            "first_token_s": first, "last_token_s": last}
+            "first_token_s": first, "last_token_s": last, "arrivals": arrivals}
 
 
 VOCAB = {"size": 4096}   # set from the verifier's GetInfo before anything runs
@@ -92,8 +93,10 @@ def prefix(address, n=2048, out=64, budget=16):
 
 def batching(address, streams=8, out=256, budget=16):
     """Decode tokens per second, client clock: a stream's tokens after its first over first -> last token;
-    for the concurrent streams all tokens after each stream's first over the earliest first token to the
-    latest last token (a stream still in prefill while others decode counts against the aggregate)."""
+    for the concurrent streams (1) all tokens after each stream's first over the earliest first token to
+    the latest last token (ramp-up and tail included: streams still in prefill, or already finished, count
+    against the aggregate), and (2) the steady state: tokens arriving while all streams decode (after the
+    last first token, before the first last token) over that window."""
     prompts = [_prompt(10 + i, 200) for i in range(streams)]
     solo = [generate(address, p, out, budget) for p in prompts]
     t0 = time.perf_counter()
@@ -103,19 +106,24 @@ def batching(address, streams=8, out=256, budget=16):
     single_tps = statistics.median((len(r["tokens"]) - 1) / (r["last_token_s"] - r["first_token_s"]) for r in solo)
     span = max(r["last_token_s"] for r in together) - min(r["first_token_s"] for r in together)
     aggregate_tps = sum(len(r["tokens"]) - 1 for r in together) / span
+    lo, hi = max(r["first_token_s"] for r in together), min(r["last_token_s"] for r in together)
+    steady_tokens = sum(n for r in together for t, n in r["arrivals"] if lo < t <= hi)
+    steady_tps = steady_tokens / (hi - lo) if hi > lo else 0.0
     # The same ratio over whole requests (prefill and first token included), for comparison.
     solo_wall_tps = statistics.median(len(r["tokens"]) / r["wall_s"] for r in solo)
     steps = lambda rs: sum(len(r["steps"]) for r in rs)  # noqa: E731
     tau = lambda rs: sum(s.accept_length for r in rs for s in r["steps"]) / max(steps(rs), 1)  # noqa: E731
     step_ms = lambda rs: statistics.median(s.total_ms for r in rs for s in r["steps"])  # noqa: E731
     row = {"streams": streams, "tokens": out, "single_stream_tok_s": single_tps, "aggregate_tok_s": aggregate_tps,
-           "ratio": aggregate_tps / single_tps,
+           "ratio": aggregate_tps / single_tps, "steady_tok_s": steady_tps, "steady_ratio": steady_tps / single_tps,
+           "steady_window_s": max(hi - lo, 0.0),
            "whole_request_ratio": (sum(len(r["tokens"]) for r in together) / wall) / solo_wall_tps,
            "tau_solo": tau(solo), "tau_together": tau(together),
            "step_ms_solo": step_ms(solo), "step_ms_together": step_ms(together),
            "identical_to_solo": all(a["tokens"] == b["tokens"] for a, b in zip(solo, together))}
     print(f"batching: {streams} streams {aggregate_tps:.1f} decode tok/s aggregate vs {single_tps:.1f} single "
-          f"(x{row['ratio']:.2f}; whole requests x{row['whole_request_ratio']:.2f}); tau {row['tau_solo']:.2f} solo, "
+          f"(x{row['ratio']:.2f}; all {streams} decoding: {steady_tps:.1f} tok/s over {row['steady_window_s']:.2f} s, "
+          f"x{row['steady_ratio']:.2f}; whole requests x{row['whole_request_ratio']:.2f}); tau {row['tau_solo']:.2f} solo, "
           f"{row['tau_together']:.2f} together; median step {row['step_ms_solo']:.1f} ms solo, "
           f"{row['step_ms_together']:.1f} ms together; identical to solo runs: {row['identical_to_solo']}")
     return row

@@ -35,6 +35,15 @@ log = get_logger("ddtree.verifier.scheduler")
 EMPTY_TREE = TokenTree((), (), ())
 
 
+def tree_budget(requested: int, speculating: int, max_tree_tokens: int) -> int:
+    """A sequence's tree budget this step: what it asked for, shrunk so that the trees of all `speculating`
+    sequences (root + nodes each) fit in max_tree_tokens (0 = no limit), and at least one node. The
+    output does not depend on it (the verifier decides every token); only how many drafts each step checks."""
+    if max_tree_tokens <= 0 or requested <= 0:
+        return requested
+    return max(1, min(requested, max_tree_tokens // speculating - 1))
+
+
 class AdmissionError(Exception):
     """Raised by submit; `code` is the gRPC status to answer with."""
 
@@ -243,9 +252,10 @@ class Scheduler:
             self.cache.evict(need - self.pool.num_free)
 
     def _draft(self, decode: list[Sequence]) -> DraftResult | None:
-        spec = [(s, s.params.budget) for s in decode if s.use_spec]
+        spec = [s for s in decode if s.use_spec]
         if not spec or self.drafter is None:
             return None
+        spec = [(s, tree_budget(s.params.budget, len(spec), self.config.max_tree_tokens)) for s in spec]
         try:
             result = self.drafter.draft(spec, self.vocab_size)
             failed = result.failed
