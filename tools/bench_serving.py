@@ -3,8 +3,10 @@
     python -m tools.bench_serving [--model DIR --drafter DIR] [--out runs/bench_serving.json]
         [--only fragmentation,prefix,batching]
 
-- fragmentation: one long generation (page size 1, scattered tree commits) against a fresh request
-  whose prompt has the length the long one has reached: step time at equal context must not drift.
+- fragmentation: the late steps of one long generation (page size 1, scattered tree commits) against a
+  fresh request whose prompt is that generation's own text up to the same point (prefilled into fresh
+  KV, on a verifier without the prefix cache): same context, same tokens and trees, only the KV layout
+  differs, so step time must not drift.
 - prefix: the same 2k-token prompt twice: time to first token, output and acceptance of each.
 - batching: 8 concurrent streams against 1: aggregate decode tokens per second, and every stream's
   output against its solo run.
@@ -53,28 +55,38 @@ def _prompt(seed: int, n: int) -> list[int]:
 
 
 def fragmentation(address, out_len=1600, probe=100, budget=16, repeats=3):
-    """Verify time at equal context: the last 2 x probe tokens of an out_len-token generation (page size 1,
-    scattered commits) vs the first `probe` tokens of a fresh request whose prompt has the length the long
-    one reached. Long and fresh runs alternate `repeats` times so that a drift of the machine's speed
-    touches both sides; medians over all their steps."""
-    late, early = [], []
+    """Verify time at equal context and equal work: the last 2 x probe tokens of an out_len-token
+    generation (page size 1: its KV is the scattered result of many tree commits) against a fresh request
+    whose prompt is that generation's own text up to the same point (its KV is one fresh prefill). Greedy
+    decoding then replays the same tokens with the same trees and accept lengths, so the only difference
+    is where the KV sits. Long and fresh runs alternate `repeats` times (different texts), so that a drift
+    of the machine's speed touches both sides; medians over all their steps."""
+    late, early, same = [], [], True
     for r in range(repeats):
-        long = generate(address, _prompt(1 + 10 * r, 64), out_len, budget)
-        tail = [s for s in long["steps"] if s.context_tokens - 64 >= out_len - 2 * probe]
-        ctx = statistics.median(s.context_tokens for s in tail)
+        prompt = _prompt(1 + 10 * r, 64)
+        long = generate(address, prompt, out_len, budget)
+        cut = out_len - 2 * probe  # generated tokens before the compared stretch
+        start = len(prompt) + cut
+        tail = [s for s in long["steps"] if s.context_tokens >= start]
+        fresh = generate(address, prompt + long["tokens"][:cut], 2 * probe, budget)
+        same &= fresh["tokens"][:len(long["tokens"]) - cut] == long["tokens"][cut:cut + len(fresh["tokens"])]
         late += tail
-        early += generate(address, _prompt(2 + 10 * r, int(ctx)), probe, budget)["steps"]
+        early += fresh["steps"]
     m = lambda steps, k: statistics.median(getattr(s, k) for s in steps)  # noqa: E731
+    mean = lambda steps, k: statistics.mean(getattr(s, k) for s in steps)  # noqa: E731
     row = {"context_late": m(late, "context_tokens"), "context_fresh": m(early, "context_tokens"),
-           "repeats": repeats, "late_steps": len(late), "fresh_steps": len(early),
+           "repeats": repeats, "late_steps": len(late), "fresh_steps": len(early), "same_tokens": same,
+           "accept_late": mean(late, "accept_length"), "accept_fresh": mean(early, "accept_length"),
            "late_verify_ms": m(late, "verify_ms"), "fresh_verify_ms": m(early, "verify_ms"),
            "late_total_ms": m(late, "total_ms"), "fresh_total_ms": m(early, "total_ms"),
            "late_nodes": m(late, "tree_nodes"), "fresh_nodes": m(early, "tree_nodes")}
     row["verify_ratio"] = row["late_verify_ms"] / row["fresh_verify_ms"]
     row["total_ratio"] = row["late_total_ms"] / row["fresh_total_ms"]
-    print(f"fragmentation @ context {row['context_late']:.0f} (late) / {row['context_fresh']:.0f} (fresh): verify "
-          f"{row['late_verify_ms']:.2f} ms late in a {out_len}-token generation vs {row['fresh_verify_ms']:.2f} ms "
-          f"fresh (ratio {row['verify_ratio']:.3f}; whole step ratio {row['total_ratio']:.3f}; {repeats} pairs)")
+    print(f"fragmentation @ context {row['context_late']:.0f} (late) / {row['context_fresh']:.0f} (fresh), same "
+          f"text (tokens identical: {same}; accept length {row['accept_late']:.2f} late, {row['accept_fresh']:.2f} "
+          f"fresh): verify {row['late_verify_ms']:.2f} ms late in a {out_len}-token generation vs "
+          f"{row['fresh_verify_ms']:.2f} ms fresh (ratio {row['verify_ratio']:.3f}; whole step ratio "
+          f"{row['total_ratio']:.3f}; {repeats} pairs)")
     return row
 
 
@@ -142,28 +154,35 @@ def main(argv=None) -> int:
     todo = args.only.split(",")
     results = {}
 
-    def run(address):
+    def run(address, names):
         with grpc.insecure_channel(address) as ch:
             VOCAB["size"] = verifier_pb2_grpc.VerifierStub(ch).GetInfo(verifier_pb2.VerifierInfoRequest(),
                                                                       timeout=60).vocab_size
-        for name in todo:
+        for name in names:
             results[name] = {"fragmentation": fragmentation, "prefix": prefix, "batching": batching}[name](
                 address, budget=args.budget)
 
     if args.verifier:
-        run(args.verifier)
+        run(args.verifier, todo)
     else:
         from services.launcher import start_stack
         from services.models.default_checkpoint import default_checkpoint
         d = default_checkpoint()
-        stack = start_stack(args.model or str(d.target), args.drafter or str(d.drafter),
-                            pathlib.Path(tempfile.mkdtemp(prefix="ddtree-bench-serving-")),
-                            verifier_args=("--max-context", "4096", "--kv-tokens", "65536",
-                                           *args.verifier_args.split()))
-        try:
-            run(stack.verifier)
-        finally:
-            stack.stop()
+        # fragmentation gets its own verifier without the prefix cache: its fresh request re-reads the long
+        # generation's text, which must be prefilled into fresh KV, not found in the cache.
+        groups = [(["fragmentation"], ("--prefix-cache", "false"))] if "fragmentation" in todo else []
+        groups += [([n for n in todo if n != "fragmentation"], ())]
+        for names, extra in groups:
+            if not names:
+                continue
+            stack = start_stack(args.model or str(d.target), args.drafter or str(d.drafter),
+                                pathlib.Path(tempfile.mkdtemp(prefix="ddtree-bench-serving-")),
+                                verifier_args=("--max-context", "4096", "--kv-tokens", "65536", *extra,
+                                               *args.verifier_args.split()))
+            try:
+                run(stack.verifier, names)
+            finally:
+                stack.stop()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2))
     print(f"saved {args.out}")
