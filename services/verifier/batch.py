@@ -4,7 +4,9 @@ Every item becomes one SeqAttention: its new tokens get KV slots from the sequen
 size 1: fresh slots; page size P: the positions after the committed tokens, see page_table.py), its
 queries see the whole committed prefix, and among the new tokens a verify item sees only ancestors
 (tree mask) while a prefill chunk is causal. Positions: verify = start + depth (siblings share one),
-prefill = absolute.
+prefill = absolute. On one device the forward returns final-normed rows and the LM head runs here: along
+the accept walk for greedy trees, over every row for sampled trees and a prompt's last row; a
+tensor-parallel model returns per-shard argmax (and logits only when some row is sampled).
 """
 from __future__ import annotations
 
@@ -127,10 +129,14 @@ def _split_rows(items: list[WorkItem], seqs: list[SeqAttention], out) -> list[tu
 
 
 def _heads(model, items: list[WorkItem], hidden: list[tuple]) -> list[tuple]:
-    """From final-normed rows to what commit needs: the argmax along the accept walk for greedy trees
-    (greedy_head.py), full fp32 logits for sampled trees and for a prompt's last row."""
-    out = [(None if h is None else model.compute_logits(h), None) if not _walks(item) else None
-           for item, (h, _) in zip(items, hidden)]
+    """From final-normed rows to what commit needs, per item (logits, argmax): the argmax along the accept
+    walk for greedy trees (greedy_head.py), full fp32 logits for sampled trees and a prompt's last row."""
+    out: list[tuple] = []
+    for item, (rows, _) in zip(items, hidden):
+        if _walks(item):
+            out.append((None, None))  # filled below, all greedy trees together
+        else:
+            out.append((None if rows is None else model.compute_logits(rows), None))
     greedy = [i for i, item in enumerate(items) if _walks(item)]
     if greedy:
         walks = greedy_walk_choices([items[i].tree for i in greedy], [hidden[i][0] for i in greedy],
