@@ -117,16 +117,17 @@ class TorchMLAAttention:
             if s.q_len == 0:
                 continue
             rows = slice(s.q_start, s.q_start + s.q_len)
-            P = s.prefix_slots.numel()
+            P, n = s.prefix_slots.numel(), s.q_len
             slots = torch.cat([s.prefix_slots, s.new_slots]).to(kv_layer.device)  # [P+q]
             keys = kv_layer[slots].float()  # [P+q, r+dr]
-            scores = torch.einsum("qhc,kc->hqk", q[rows], keys) * scale  # [H, q, P+q]
-            visible = torch.ones(s.q_len, P + s.q_len, dtype=torch.bool, device=scores.device)
-            visible[:, P:] = s.visible_new().to(scores.device)  # [q, P+q]
-            scores = scores.masked_fill(~visible, float("-inf"))
-            probs = torch.softmax(scores, dim=-1)  # [H, q, P+q] fp32
-            o = torch.einsum("hqk,kc->qhc", probs, keys[:, :r])  # [q, H, r]
-            out[rows] = o.to(out.dtype)
+            # [q·H, r+dr] @ [r+dr, P+q]: every head of every query row in one matmul
+            scores = (q[rows].reshape(n * H, r + dr) @ keys.T).view(n, H, P + n)  # [q, H, P+q]
+            scores.mul_(scale)
+            # The prefix is fully visible; among the new tokens, the causal or tree mask.
+            hidden = ~s.visible_new().to(scores.device)  # [q, q]
+            scores[:, :, P:].masked_fill_(hidden[:, None, :], float("-inf"))
+            probs = torch.softmax(scores, dim=-1)  # [q, H, P+q] fp32
+            out[rows] = (probs.view(n * H, P + n) @ keys[:, :r]).view(n, H, r).to(out.dtype)
         return out
 
 
