@@ -43,7 +43,8 @@ def test_generate_json_through_the_gateway(oracle_stack):
 
 def test_serve_starts_three_services_and_stops_cleanly(default_ckpt, tmp_path):
     env = {"DDTREE_HOME": str(default_ckpt.root.parent)}
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "--log-dir", str(tmp_path)],
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "--log-dir", str(tmp_path),
+                             "--verifier-args", "--kv-tokens 4096 --max-tree-tokens 32"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
                             env={**os.environ, **env})
     lines = []
@@ -59,6 +60,9 @@ def test_serve_starts_three_services_and_stops_cleanly(default_ckpt, tmp_path):
     gateway = next(line.split()[1] for line in lines if line.startswith("gateway"))
     res = _ddtree("generate", "--gateway", gateway, "--prompt", "hi", "--max-tokens", "5", "--json")
     assert res.returncode == 0 and json.loads(res.stdout)["usage"]["completion_tokens"] >= 1
+    ready = [json.loads(line) for line in (tmp_path / "verifier.log").read_text().splitlines()
+             if '"verifier_ready"' in line]
+    assert ready and ready[0]["kv_tokens"] == 4096  # --verifier-args reached the verifier
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0
