@@ -89,6 +89,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--budget", type=int, default=16)
     p.add_argument("--verifier-args", default="", help="extra verifier flags, one string")
+    p.add_argument("--drafter-args", default="", help="extra drafter flags, one string (e.g. '--window 256')")
     p.add_argument("--engine-threads", type=int, default=0,
                    help="torch threads of the drafter and the verifier it starts (0 = the launcher's default)")
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/bench_speed.json"))
@@ -106,7 +107,8 @@ def main(argv=None) -> int:
     else:
         log_dir = pathlib.Path(tempfile.mkdtemp(prefix="ddtree-bench-"))
         threads = ("--threads", str(args.engine_threads)) if args.engine_threads else ()
-        with private_verifier(model, drafter, max(contexts) + args.tokens + 64, log_dir, drafter_args=threads,
+        with private_verifier(model, drafter, max(contexts) + args.tokens + 64, log_dir,
+                              drafter_args=threads + tuple(args.drafter_args.split()),
                               verifier_args=threads + tuple(args.verifier_args.split())) as address:
             rows = bench(address, args.corpus, tok, kinds, contexts, args.prompts, args.tokens, args.budget)
     args.out.parent.mkdir(parents=True, exist_ok=True)
