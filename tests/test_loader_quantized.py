@@ -46,12 +46,7 @@ def test_fp8_matches_independent_dequant(tmp_path):
     for n, t in source.items():
         scale = stored.get(n + "_scale_inv")
         expect[n] = t if scale is None else dequant_fp8_reference(stored[n], scale)
-    model = load_target(root)
-    got = state_dict_of(model)
-    for n, t in expect.items():
-        assert torch.equal(got[n], t), n
-    ref = reference_model(tmp_path, "fp8-ref", expect)
-    assert_close("fp8 logits vs dequantized reference", logits(model, IDS), logits(ref, IDS))
+    got = _loads_as(root, expect, tmp_path, "fp8", "dequantized")
     # the quantization itself is real: fp8 weights differ from the source but stay close
     w = "model.layers.2.self_attn.q_b_proj.weight"
     assert not torch.equal(got[w], source[w])
@@ -118,12 +113,7 @@ def test_int4_matches_unpacked_reference(tmp_path):
         if ct is not None:
             assert torch.equal(ct.unpack_from_int32(packed, 4, torch.Size(t.shape)).long(), q), n
         expect[n] = q.float() * scale.float().repeat_interleave(INT4_GROUP, 1)[:, : t.shape[1]]
-    model = load_target(root)
-    got = state_dict_of(model)
-    for n, t in expect.items():
-        assert torch.equal(got[n], t), n
-    ref = reference_model(tmp_path, "int4-ref", expect)
-    assert_close("int4 logits vs unpacked reference", logits(model, IDS), logits(ref, IDS))
+    got = _loads_as(root, expect, tmp_path, "int4", "unpacked")
     w = "model.layers.1.mlp.experts.3.down_proj.weight"  # in = 44: a ragged last group and word
     assert_close("int4 vs source", got[w], source[w], abs_tol=0.25 * source[w].abs().max().item(), rel_tol=0.3,
                  cos_tol=1e-2)  # fmt: skip
@@ -244,3 +234,15 @@ def test_slices_read_only_the_covering_blocks(tmp_path, monkeypatch):
         seen = {n: (r, c) for n, r, c in reads if n.startswith(name.removesuffix("weight"))}
         for stored, (rows, cols) in expected_reads.items():
             assert seen[stored] == (rows, cols), (sl, stored, seen[stored])
+
+
+def _loads_as(root, expect: dict, tmp_path, name: str, how: str) -> dict:
+    """load_target(root) holds exactly `expect` (the independently decoded weights), and its logits match
+    a plain model built from them; returns the loaded state dict."""
+    model = load_target(root)
+    got = state_dict_of(model)
+    for n, t in expect.items():
+        assert torch.equal(got[n], t), n
+    ref = reference_model(tmp_path, f"{name}-ref", expect)
+    assert_close(f"{name} logits vs {how} reference", logits(model, IDS), logits(ref, IDS))
+    return got
