@@ -149,7 +149,7 @@ class Scheduler:
                 self._cond.wait(timeout=0.5)
                 return
             decode = [s for s in self._running if s.phase is Phase.DECODE]
-            prefill = self._prefill_batch()
+            prefill = self._prefill_items()
             metrics.RUNNING.set(len(self._running))
             metrics.QUEUED.set(len(self._waiting))
             metrics.KV_USED.set(self.kv_held_by_requests)
@@ -161,7 +161,7 @@ class Scheduler:
         except Exception as err:  # a model or pool failure ends this step's sequences, not the server
             log.exception("step_failed", error=str(err))
             with self._cond:
-                for seq in decode + prefill:
+                for seq in decode + [item.seq for item in prefill]:
                     seq.events.put(StreamEvent((), None, "error", error=f"internal error: {err}"))
                     self._finish(seq, None)
 
@@ -271,31 +271,25 @@ class Scheduler:
                 seq.pending_commit = None
         return result
 
-    def _prefill_batch(self) -> list[Sequence]:
-        """The prefilling sequences this step serves: in admission order until prefill_chunk prompt tokens."""
-        batch, room = [], self.config.prefill_chunk
+    def _prefill_items(self) -> list[PrefillItem]:
+        """This step's prefill: up to prefill_chunk prompt tokens, taken from the prefilling sequences in
+        admission order (several short prompts share a step; a long one is split across steps)."""
+        items, room = [], self.config.prefill_chunk
         for seq in self._running:
             if room <= 0:
                 break
             if seq.phase is Phase.PREFILL:
-                batch.append(seq)
-                room -= seq.prompt_len - seq.prefill_done
-        return batch
+                end = min(seq.prefill_done + room, seq.prompt_len)
+                items.append(PrefillItem(seq, seq.prefill_done, end))
+                room -= end - seq.prefill_done
+        return items
 
-    def _step(self, decode: list[Sequence], prefill: list[Sequence]) -> None:
+    def _step(self, decode: list[Sequence], prefill: list[PrefillItem]) -> None:
         t0 = time.perf_counter()
         drafted = self._draft(decode)
         trees = drafted.trees if drafted is not None else {}
         items: list[WorkItem] = [VerifyItem(s, trees.get(s.request_id, EMPTY_TREE)) for s in decode]
-        # Prefill: up to prefill_chunk prompt tokens per step, taken from the waiting prompts in admission
-        # order (several short prompts share a step; a long one is split across steps).
-        room = self.config.prefill_chunk
-        for seq in prefill:
-            if room <= 0:
-                break
-            end = min(seq.prefill_done + room, seq.prompt_len)
-            items.append(PrefillItem(seq, seq.prefill_done, end))
-            room -= end - seq.prefill_done
+        items += prefill
         t1 = time.perf_counter()
         with self._cond:
             self._make_room(items)
