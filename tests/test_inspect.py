@@ -150,3 +150,12 @@ def test_kimi_k26_config_report(capsys):
     assert "70,272 B per token" in out and f"{r.max_context_tokens:,} tokens" in out
     assert main(["inspect", str(path), "--json", "--ep", "--tp", "8"]) == 0
     assert json.loads(capsys.readouterr().out)["ep"] is True
+
+
+def test_missing_checkpoint_is_one_clear_line(tmp_path):
+    import subprocess
+    import sys
+    res = subprocess.run([sys.executable, "-m", "services.cli", "inspect", str(tmp_path)], capture_output=True,
+                         text=True)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert f"{tmp_path}: no checkpoint config here" in res.stderr and "config.json" in res.stderr

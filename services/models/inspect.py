@@ -358,7 +358,10 @@ def add_parser(sub) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    report = inspect_checkpoint(args.checkpoint, args.tp, args.device_memory_gb, args.kv_dtype, args.ep)
+    try:
+        report = inspect_checkpoint(args.checkpoint, args.tp, args.device_memory_gb, args.kv_dtype, args.ep)
+    except FileNotFoundError as err:  # one clear line from the CLI, not a traceback
+        raise ValueError(f"{args.checkpoint}: no checkpoint config here ({err.strerror}: {err.filename})") from None
     if args.json:
         d = asdict(report)
         d["config"] = d["config"]["model_type"]
