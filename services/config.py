@@ -92,6 +92,9 @@ class VerifierConfig(ServiceConfig):
     max_tree_tokens: int = dataclasses.field(default=0, metadata={
         "help": "tree tokens (root + nodes) verified per step over the whole batch (0 = no limit): with n "
                 "speculative sequences each tree gets at most max_tree_tokens // n - 1 nodes"})
+    overlap_draft_min_batch: int = dataclasses.field(default=0, metadata={
+        "help": "with at least this many speculative sequences, draft half of them while verifying the other "
+                "half (0 = never); see services/verifier/draft_overlap.py"})
     draft_timeout_s: float = dataclasses.field(default=10.0, metadata={"help": "Draft RPC deadline"})
     step_log: str = dataclasses.field(default="", metadata={
         "help": "step records: '' = the service log (level info), off = none, PATH = a JSON-lines file"})
@@ -121,6 +124,8 @@ class VerifierConfig(ServiceConfig):
             raise ValueError(f"default_budget must be >= 0, got {self.default_budget}")
         if self.max_tree_tokens < 0:
             raise ValueError(f"max_tree_tokens must be >= 0 (0 = no limit), got {self.max_tree_tokens}")
+        if self.overlap_draft_min_batch < 0:
+            raise ValueError(f"overlap_draft_min_batch must be >= 0 (0 = never), got {self.overlap_draft_min_batch}")
         kv_setting(self.kv_tokens, self.kv_memory_gb, self.kv_memory_fraction)
         if self.tp < 1:
             raise ValueError(f"tp must be >= 1, got {self.tp}")

@@ -411,3 +411,21 @@ def test_drafter_dtype_auto() -> None:
     assert drafter_dtype(DrafterConfig(dtype="float16")) == torch.float16
     with pytest.raises(ValueError, match="auto"):
         VerifierConfig(dtype="auto").validate()  # the verifier's dtype is the output's: always explicit
+
+
+@pytest.mark.parametrize("n,dtype", [(1, torch.float32), (37, torch.float32), (300, torch.bfloat16)])
+def test_grouped_attention_matches_sdpa(n, dtype):
+    """The drafter's bmm attention equals torch's SDPA with enable_gqa (fp32 reference)."""
+    from services.models.dflash import grouped_attention
+
+    g = torch.Generator().manual_seed(n)
+    q = torch.randn(8, 4, 16, generator=g).to(dtype)  # [B, nh, hd]
+    k = torch.randn(n, 2, 16, generator=g).to(dtype)  # [n, kvh, hd]
+    v = torch.randn(n, 2, 16, generator=g).to(dtype)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.float().transpose(0, 1), k.float().transpose(0, 1), v.float().transpose(0, 1), scale=0.25,
+        enable_gqa=True).transpose(0, 1)
+    got = grouped_attention(q, k, v, 0.25)
+    assert got.dtype == dtype and got.shape == q.shape
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's rounding
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)

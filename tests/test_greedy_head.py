@@ -55,10 +55,40 @@ def test_walk_matches_full_argmax_verdicts():
             read = [i for i in range(tree.n + 1) if got[i] != NOT_READ]
             assert read == list(want.accepted_nodes), "only the walked nodes are read"
             assert all(got[i] == full[i] for i in read)
-        assert len(calls) == max(len(accept(t, 5, (h @ head.T).argmax(-1)).accepted_nodes)
-                                 for t, h in zip(trees, hidden))
-        assert sum(calls) == sum(len(accept(t, 5, (h @ head.T).argmax(-1)).accepted_nodes)
-                                 for t, h in zip(trees, hidden))
+        # Rounds: one, plus one each time a walk leaves its primary chain (moves to a child that is not
+        # its parent's lowest-index child). Rows: the primary chains from each round's start, each once.
+        rounds, rows = [], 0
+        for t, h in zip(trees, hidden):
+            nodes = accept(t, 5, (h @ head.T).argmax(-1)).accepted_nodes
+            first = _first_children_brute(t)
+            starts = [0] + [b for a, b in zip(nodes, nodes[1:]) if first[a] != b]
+            rounds.append(len(starts))
+            rows += sum(len(_chain_brute(first, s)) for s in starts)
+        assert len(calls) == max(rounds)
+        assert sum(calls) == rows <= sum(t.n + 1 for t in trees)
+
+
+def _first_children_brute(tree: TokenTree) -> list[int]:
+    return [min((j for j in range(1, tree.n + 1) if tree.parents[j - 1] == i), default=-1)
+            for i in range(tree.n + 1)]
+
+
+def _chain_brute(first: list[int], node: int) -> list[int]:
+    return [node] + (_chain_brute(first, first[node]) if first[node] >= 0 else [])
+
+
+def test_a_walk_along_first_children_takes_one_round():
+    """A chain tree whose every node the target agrees with: one LM-head call over the whole chain."""
+    tree = TokenTree((3, 4, 5), (0, 1, 2), (1, 2, 3))
+    head = torch.zeros(V, D)
+    head[:D, :D] = torch.eye(D)  # token t < D has logit hidden[t]
+    hidden = torch.zeros(4, D)
+    for row, tok in enumerate((3, 4, 5, 7)):  # root -> 3 -> 4 -> 5, bonus 7
+        hidden[row, tok] = 1.0
+    calls = []
+    got = greedy_walk_choices([tree], [hidden], lambda r: calls.append(r.shape[0]) or r @ head.T)
+    assert calls == [4]
+    assert got[0].tolist() == [3, 4, 5, 7]
 
 
 def test_shape_errors():

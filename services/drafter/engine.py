@@ -146,20 +146,31 @@ class DraftEngine:
         if not bool(torch.isfinite(feats).all()):
             fail("commit_features has non-finite values")
 
-    def _extend_context(self, seq: SeqDraftInput) -> DraftContext:
-        """Append the commit's features to the sequence's context (a fresh one when the commit does not
-        continue it); returns the context the next block attends to."""
-        n = len(seq.commit_token_ids)
-        ctx = self._contexts.get(seq.seq_id)
-        # A fresh context also when this commit alone fills the window (n >= W): nothing older survives.
-        if seq.reset or ctx is None or seq.commit_start != ctx.end or (self.window and n >= self.window):
-            ctx = self._contexts[seq.seq_id] = DraftContext(self.window)
-        keep = n if self.window == 0 else min(n, self.window)  # rows past the window would be evicted at once
-        if keep:
-            model = self.model
-            positions = torch.arange(seq.commit_start + n - keep, seq.commit_start + n, device=model.device)  # [keep]
-            ctx.append(model.context_kv(seq.commit_features[n - keep:], positions), positions)
-        return ctx
+    def _extend_contexts(self, seqs: Sequence[SeqDraftInput]) -> list[DraftContext]:
+        """Append each commit's features to its sequence's context (a fresh one when the commit does not
+        continue it); returns the contexts the blocks attend to. The K/V of all commits are computed in
+        one drafter call (context_kv is row-wise), then split per sequence."""
+        contexts, rows, positions = [], [], []
+        for seq in seqs:
+            n = len(seq.commit_token_ids)
+            ctx = self._contexts.get(seq.seq_id)
+            # A fresh context also when this commit alone fills the window (n >= W): nothing older survives.
+            if seq.reset or ctx is None or seq.commit_start != ctx.end or (self.window and n >= self.window):
+                ctx = self._contexts[seq.seq_id] = DraftContext(self.window)
+            keep = n if self.window == 0 else min(n, self.window)  # rows past the window would be evicted at once
+            contexts.append(ctx)
+            rows.append(seq.commit_features[n - keep:])  # [keep, F]
+            positions.append(torch.arange(seq.commit_start + n - keep, seq.commit_start + n))  # [keep]
+        counts = [p.shape[0] for p in positions]
+        if sum(counts):
+            device = self.model.device
+            kv = self.model.context_kv(torch.cat([r.to(device, self.model.dtype) for r in rows]),
+                                       torch.cat(positions).to(device))  # per layer (K, V) [sum(keep), kvh, hd]
+            split = [(k.split(counts), v.split(counts)) for k, v in kv]
+            for i, (ctx, pos) in enumerate(zip(contexts, positions)):
+                if counts[i]:
+                    ctx.append([(k[i], v[i]) for k, v in split], pos.to(device))
+        return contexts
 
     def _draft_all(self, seqs: Sequence[SeqDraftInput]) -> list[TokenTree]:
         """One drafter forward for every sequence's block [anchor, MASK x (B-1)] (S blocks of B slots),
@@ -167,7 +178,7 @@ class DraftEngine:
         if not seqs:
             return []
         cfg, model = self.config, self.model
-        contexts = [self._extend_context(seq) for seq in seqs]
+        contexts = self._extend_contexts(seqs)
         S, B = len(seqs), cfg.block_size
         block_ids = torch.full((S, B), cfg.mask_token_id, dtype=torch.long, device=self.embed_weight.device)
         block_ids[:, 0] = torch.tensor([seq.anchor_token_id for seq in seqs], device=block_ids.device)
@@ -179,11 +190,12 @@ class DraftEngine:
         hidden = model.forward_blocks(embeds, block_pos, [ctx.kv for ctx in contexts])  # [S, B, H]; not cached
         logits = model.compute_logits(hidden[:, 1:].reshape(S * (B - 1), -1), self.lm_head_weight)  # fp32
         logits = logits.view(S, B - 1, -1)  # slot d of block s -> depth d of sequence s
-        trees = []
-        for s, seq in enumerate(seqs):
-            budget = seq.budget or self.default_budget
-            if seq.chain:  # K = 1: the best-first build can only extend the single path, one node per depth
-                budget = min(budget, B - 1)
-            logprobs, ids = topk_logprobs(logits[s], 1 if seq.chain else min(budget, self.vocab_size))  # [D, K]
-            trees.append(build_tree(logprobs.cpu(), ids.cpu(), budget))
+        budgets = [min(seq.budget or self.default_budget, B - 1) if seq.chain else seq.budget or self.default_budget
+                   for seq in seqs]  # chain (K = 1): the best-first build can only extend one path
+        ks = [1 if seq.chain else min(budget, self.vocab_size) for seq, budget in zip(seqs, budgets)]
+        # One top-K over every sequence's rows; a sequence takes the first k of its rows' sorted top-K.
+        logprobs, ids = topk_logprobs(logits.view(S * (B - 1), -1), max(ks))  # [S*D, K]
+        logprobs, ids = logprobs.cpu().view(S, B - 1, -1), ids.cpu().view(S, B - 1, -1)
+        trees = [build_tree(logprobs[s, :, :k], ids[s, :, :k], budget)
+                 for s, (k, budget) in enumerate(zip(ks, budgets))]
         return trees

@@ -17,6 +17,7 @@ plus its own new tokens through `new_mask`:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -45,6 +46,19 @@ class SeqAttention:
         ):
             raise ValueError(f"new_mask must be bool [{self.q_len}, {self.q_len}], got "
                              f"{self.new_mask.dtype} {tuple(self.new_mask.shape)}")  # fmt: skip
+
+    @functools.cached_property
+    def key_slots(self) -> torch.Tensor:
+        """int64 [P + q_len]: every slot this sequence's queries attend to, prefix first (computed once per
+        forward, read by every layer)."""
+        return torch.cat([self.prefix_slots, self.new_slots])
+
+    @functools.cached_property
+    def hidden_new(self) -> torch.Tensor | None:
+        """bool [q_len, q_len]: True where a new query must not see a new key; None when it sees them all."""
+        if self.q_len <= 1:
+            return None
+        return ~self.visible_new()
 
     def visible_new(self) -> torch.Tensor:
         """bool [q_len, q_len]: which new keys each new query sees (causal when new_mask is None)."""
@@ -118,14 +132,13 @@ class TorchMLAAttention:
                 continue
             rows = slice(s.q_start, s.q_start + s.q_len)
             P, n = s.prefix_slots.numel(), s.q_len
-            slots = torch.cat([s.prefix_slots, s.new_slots]).to(kv_layer.device)  # [P+q]
-            keys = kv_layer[slots].float()  # [P+q, r+dr]
+            keys = kv_layer[s.key_slots.to(kv_layer.device)].float()  # [P+q, r+dr]
             # [q·H, r+dr] @ [r+dr, P+q]: every head of every query row in one matmul
             scores = (q[rows].reshape(n * H, r + dr) @ keys.T).view(n, H, P + n)  # [q, H, P+q]
             scores.mul_(scale)
             # The prefix is fully visible; among the new tokens, the causal or tree mask.
-            hidden = ~s.visible_new().to(scores.device)  # [q, q]
-            scores[:, :, P:].masked_fill_(hidden[:, None, :], float("-inf"))
+            if s.hidden_new is not None:  # [q, q]
+                scores[:, :, P:].masked_fill_(s.hidden_new.to(scores.device)[:, None, :], float("-inf"))
             probs = torch.softmax(scores, dim=-1)  # [q, H, P+q] fp32
             out[rows] = (probs.view(n * H, P + n) @ keys[:, :r]).view(n, H, r).to(out.dtype)
         return out

@@ -12,6 +12,7 @@ Admission by reservation means a running sequence never runs out of KV mid-gener
 from __future__ import annotations
 
 import collections
+import concurrent.futures as cf
 import threading
 import time
 
@@ -25,11 +26,12 @@ from services.telemetry.logging import get_logger
 from services.telemetry.step_log import open_step_log
 from services.verifier.batch import PrefillItem, VerifyItem, WorkItem, kv_needed, run_batch
 from services.verifier.commit import append_pending, commit_prefill, commit_verify
+from services.verifier.draft_overlap import overlapping, split_drafts
 from services.verifier.drafter_client import DraftResult
 from services.verifier.kv_pool import LatentKVPool
 from services.verifier.page_table import PageTable, check_accounting
 from services.verifier.prefix_cache import PrefixCache
-from services.verifier.sequence import Phase, Sequence, StepRecord, StreamEvent
+from services.verifier.sequence import DraftedTree, Phase, Sequence, StepRecord, StreamEvent
 
 log = get_logger("ddtree.verifier.scheduler")
 EMPTY_TREE = TokenTree((), (), ())
@@ -71,9 +73,11 @@ class Scheduler:
         self._reserved = 0
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="verifier-scheduler", daemon=True)
+        self._draft_thread: cf.ThreadPoolExecutor | None = None  # drafts overlapping a verify (draft_overlap.py)
         metrics.KV_TOTAL.set(pool.num_slots)
         self.total_steps = 0
         self.total_tokens = 0
+        self.drafted_ahead = 0  # sequences drafted while another group was verified (draft_overlap.py)
 
     # ---- called from RPC threads ----
     def submit(self, seq: Sequence) -> None:
@@ -126,6 +130,8 @@ class Scheduler:
             self._stopping = True
             self._cond.notify_all()
         self._thread.join(timeout=30)
+        if self._draft_thread is not None:
+            self._draft_thread.shutdown(wait=True)
         with self._cond:
             for seq in list(self._running) + list(self._waiting):
                 self._finish(seq, "abort")
@@ -251,25 +257,46 @@ class Scheduler:
         if self.cache is not None and self.pool.num_free < need:
             self.cache.evict(need - self.pool.num_free)
 
-    def _draft(self, decode: list[Sequence]) -> DraftResult | None:
-        spec = [s for s in decode if s.use_spec]
-        if not spec or self.drafter is None:
-            return None
-        spec = [(s, tree_budget(s.params.budget, len(spec), self.config.max_tree_tokens)) for s in spec]
+    def _draft(self, seqs: list[Sequence], started: float) -> None:
+        """One Draft call for seqs (speculative, none holding a tree); each gets its tree (EMPTY_TREE if the
+        drafter gave none: an AR step) and what its step record needs. Runs on the scheduler thread, or on
+        the draft-ahead thread while the scheduler verifies other sequences (it touches only seqs)."""
+        if not seqs:
+            return
+        spec = [(s, tree_budget(s.params.budget, len(seqs), self.config.max_tree_tokens)) for s in seqs]
         try:
-            result = self.drafter.draft(spec, self.vocab_size)
+            result: DraftResult | None = self.drafter.draft(spec, self.vocab_size)
             failed = result.failed
         except grpc.RpcError as err:
             log.error("draft_failed", code=str(err.code()), details=err.details(), sequences=len(spec))
-            result, failed = None, frozenset(s.request_id for s, _ in spec)
-        for seq, _ in spec:
+            result, failed = None, frozenset(s.request_id for s in seqs)
+        for seq in seqs:
+            seq.draft_started = started
             if seq.request_id in failed:
                 # The drafter's state for this sequence is lost or unknown: it finishes with AR
                 # decoding, which yields exactly the same tokens.
                 log.warning("draft_fallback_ar", request_id=seq.request_id)
                 seq.use_spec = False
                 seq.pending_commit = None
-        return result
+                seq.draft = None
+                continue
+            tree = result.trees.get(seq.request_id)
+            seq.draft = DraftedTree(tree if tree is not None else EMPTY_TREE, result.draft_ms if tree else 0.0,
+                                    max(result.rpc_ms - result.draft_ms, 0.0),
+                                    result.feature_bytes.get(seq.request_id, 0))
+
+    def _plan(self, decode: list[Sequence]) -> tuple[list[Sequence], list[Sequence], list[Sequence]]:
+        """(draft now on this thread, draft in the background, verify) for this step (draft_overlap.py)."""
+        spec = [s for s in decode if s.use_spec and self.drafter is not None]
+        needing = [s for s in spec if s.draft is None]
+        if not overlapping(len(spec), self.config.overlap_draft_min_batch):
+            return needing, [], decode
+        by_id = {s.request_id: s for s in needing}
+        now, _ = split_drafts(list(by_id), len(spec) - len(needing),
+                              {s.request_id: s.last_token_time or s.arrival for s in needing})
+        background = [by_id[rid] for rid in now]
+        waiting = set(by_id)
+        return [], background, [s for s in decode if s.request_id not in waiting]
 
     def _prefill_items(self) -> list[PrefillItem]:
         """This step's prefill: up to prefill_chunk prompt tokens, taken from the prefilling sequences in
@@ -286,25 +313,19 @@ class Scheduler:
 
     def _step(self, decode: list[Sequence], prefill: list[PrefillItem]) -> None:
         t0 = time.perf_counter()
-        drafted = self._draft(decode)
-        trees = drafted.trees if drafted is not None else {}
-        items: list[WorkItem] = [VerifyItem(s, trees.get(s.request_id, EMPTY_TREE)) for s in decode]
-        items += prefill
-        t1 = time.perf_counter()
-        with self._cond:
-            self._make_room(items)
-        outputs = run_batch(self.model, self.pool, items, self.tap_layer_ids)
-        committed = []
-        for out in outputs:
-            if isinstance(out.item, VerifyItem):
-                verdict, tokens = commit_verify(out, self.pool, self.window)
-                committed.append((out.item, tokens, len(verdict.accepted_nodes)))
-            else:
-                tokens = commit_prefill(out, self.pool, self.window)
-                committed.append((out.item, tokens, 0))
-        t2 = time.perf_counter()
-        draft_ms = drafted.draft_ms if drafted else 0.0
-        transport_ms = max(drafted.rpc_ms - drafted.draft_ms, 0.0) if drafted else 0.0
+        now, background, verify = self._plan(decode)
+        self._draft(now, t0)
+        ahead = self._draft_ahead().submit(self._draft, background, t0) if background else None
+        self.drafted_ahead += len(background)
+        try:
+            items: list[WorkItem] = [VerifyItem(s, s.draft.tree if s.draft else EMPTY_TREE) for s in verify]
+            items += prefill
+            t1 = time.perf_counter()
+            committed = self._verify(items) if items else []
+            t2 = time.perf_counter()
+        finally:
+            if ahead is not None:
+                ahead.result()  # the background drafts are done before the next step plans
         with self._cond:
             for item, tokens, accept_length in committed:
                 seq = item.seq
@@ -317,23 +338,51 @@ class Scheduler:
                     if seq.emit(tokens, None):
                         self._finish(seq, None)
                     continue
-                record = StepRecord(step=seq.steps, context_tokens=seq.context_len - accept_length,
-                                    tree_nodes=item.tree.n, accept_length=accept_length,
-                                    draft_ms=draft_ms if seq.request_id in trees else 0.0,
-                                    verify_ms=(t2 - t1) * 1e3, transport_ms=transport_ms if drafted else 0.0,
-                                    total_ms=(t2 - t0) * 1e3,
-                                    feature_bytes=drafted.feature_bytes.get(seq.request_id, 0) if drafted else 0)
-                seq.steps += 1
-                seq.accept_lengths.append(accept_length)
-                self.total_steps += 1
-                self.total_tokens += accept_length
-                if self.step_log is not None:
-                    self.step_log.info("step", request_id=seq.request_id, **record.__dict__)
-                metrics.observe_step({"draft": record.draft_ms, "verify": record.verify_ms,
-                                      "transport": record.transport_ms, "total": record.total_ms},
-                                     accept_length, record.context_tokens, record.tree_nodes, record.feature_bytes)
+                record = self._record(seq, item.tree, accept_length, t0, t1, t2)
+                seq.draft = None
                 if seq.last_token_time is not None:
                     metrics.ITL.observe((time.perf_counter() - seq.last_token_time) / max(len(tokens), 1))
                 metrics.GENERATED_TOKENS.inc(len(tokens))
                 if seq.emit(tokens, record):
                     self._finish(seq, None)
+
+    def _draft_ahead(self):
+        if self._draft_thread is None:
+            self._draft_thread = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-ahead")
+        return self._draft_thread
+
+    def _verify(self, items: list[WorkItem]) -> list[tuple[WorkItem, list[int], int]]:
+        """One target forward over the items, then accept + commit each: (item, tokens, accept length)."""
+        with self._cond:
+            self._make_room(items)
+        outputs = run_batch(self.model, self.pool, items, self.tap_layer_ids)
+        committed = []
+        for out in outputs:
+            if isinstance(out.item, VerifyItem):
+                verdict, tokens = commit_verify(out, self.pool, self.window)
+                committed.append((out.item, tokens, len(verdict.accepted_nodes)))
+            else:
+                committed.append((out.item, commit_prefill(out, self.pool, self.window), 0))
+        return committed
+
+    def _record(self, seq: Sequence, tree: TokenTree, accept_length: int, t0: float, t1: float,
+                t2: float) -> StepRecord:
+        """The step record of a verified sequence (logged, exported, streamed). total_ms runs from the
+        start of the step that drafted its tree (one step earlier when drafting overlapped) to its commit."""
+        drafted = seq.draft
+        record = StepRecord(step=seq.steps, context_tokens=seq.context_len - accept_length,
+                            tree_nodes=tree.n, accept_length=accept_length,
+                            draft_ms=drafted.draft_ms if drafted else 0.0, verify_ms=(t2 - t1) * 1e3,
+                            transport_ms=drafted.transport_ms if drafted else 0.0,
+                            total_ms=(t2 - (seq.draft_started if drafted else t0)) * 1e3,
+                            feature_bytes=drafted.feature_bytes if drafted else 0)
+        seq.steps += 1
+        seq.accept_lengths.append(accept_length)
+        self.total_steps += 1
+        self.total_tokens += accept_length
+        if self.step_log is not None:
+            self.step_log.info("step", request_id=seq.request_id, **record.__dict__)
+        metrics.observe_step({"draft": record.draft_ms, "verify": record.verify_ms,
+                              "transport": record.transport_ms, "total": record.total_ms},
+                             accept_length, record.context_tokens, record.tree_nodes, record.feature_bytes)
+        return record

@@ -4,7 +4,8 @@ A sequence moves WAITING -> PREFILL -> DECODE -> FINISHED. Between steps it hold
 - `committed`: token ids whose latents are in the KV pool, at positions 0..len-1, addressed by `table`
   (its pages; `slots` = the committed tokens' slots in position order);
 - `root`: the last emitted token (the previous bonus), not yet in the KV cache, at position len(committed);
-- `pending_commit`: what the drafter has not seen yet (tokens, their start position, tapped features).
+- `pending_commit`: what the drafter has not seen yet (tokens, their start position, tapped features);
+- `draft`: the tree drafted from root for the next verify, when drafting ran ahead (draft_overlap.py).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import time
 
 import torch
 
+from services.drafter.tree import TokenTree
 from services.verifier.page_table import PageTable, pages_for
 from services.verifier.sampling import SamplingConfig
 
@@ -68,6 +70,15 @@ class PendingCommit:
     features: torch.Tensor | None  # [n, num_taps * hidden]
 
 
+@dataclasses.dataclass(frozen=True)
+class DraftedTree:
+    """A tree drafted for the sequence's next verify, with what its step record reports."""
+    tree: TokenTree
+    draft_ms: float
+    transport_ms: float
+    feature_bytes: int
+
+
 class Sequence:
     def __init__(self, params: GenerateParams, arrival: float | None = None):
         self.params = params
@@ -82,6 +93,8 @@ class Sequence:
         self.generated: list[int] = []
         self.pending_commit: PendingCommit | None = None
         self.drafter_seeded = False        # the drafter holds this sequence's context
+        self.draft: DraftedTree | None = None  # drafted, not yet verified
+        self.draft_started = 0.0           # perf_counter when the step that drafted it began
         self.use_spec = params.use_spec
         self.steps = 0
         self.accept_lengths: list[int] = []   # per step: root + matched nodes

@@ -19,16 +19,18 @@ def tree_mask(tree: TokenTree) -> Tensor:
     ancestor of every node, and the root row sees only itself. All committed context (the target KV
     cache before the root) is visible to every row as well; that part is not represented here.
 
-    Built in one pass: row i = row parent(i) plus the diagonal. Valid because parent(i) < i, so the
-    parent's row is complete when row i is built.
+    Built level by level: every row marks itself, then its parent, its grandparent, ... (the root is
+    its own parent here, so rows that reached it just mark it again): max depth vectorised steps.
     """
     tree.validate()
     t = tree.n + 1
-    mask = torch.zeros(t, t, dtype=torch.bool)  # [T, T]
-    mask[0, 0] = True
-    for i, parent in enumerate(tree.parents, start=1):
-        mask[i, :i] = mask[parent, :i]
-        mask[i, i] = True
+    parent = torch.tensor((0,) + tuple(tree.parents), dtype=torch.int64)  # [T]
+    mask = torch.eye(t, dtype=torch.bool)  # [T, T]
+    rows = torch.arange(t)
+    node = rows
+    for _ in range(max(tree.depths, default=0)):
+        node = parent[node]  # [T]: each row's ancestor one level further up
+        mask[rows, node] = True
     return mask
 
 
