@@ -42,7 +42,7 @@ def _wait(running) -> None:
 
 
 def cmd_drafter(args) -> None:
-    from services.telemetry.logging import configure_logging
+    from services.telemetry.logging import configure_logging, get_logger
     cfg = config_from_flags(DrafterConfig, args)
     configure_logging(cfg.log_level, cfg.log_format)
     _set_threads(cfg.threads)
@@ -52,7 +52,11 @@ def cmd_drafter(args) -> None:
         model, target = model or str(d.drafter), target or str(d.target)
     from services.drafter.factory import make_engine
     from services.drafter.server import serve_engine
-    _wait(serve_engine(make_engine(cfg, model, target), cfg))
+    engine = make_engine(cfg, model, target)
+    if cfg.warmup_sequences and hasattr(engine, "warm_up"):
+        seconds = engine.warm_up(cfg.warmup_sequences)
+        get_logger("ddtree.drafter").info("warmed_up", sequences=cfg.warmup_sequences, seconds=round(seconds, 3))
+    _wait(serve_engine(engine, cfg))
 
 
 def cmd_verifier(args) -> None:

@@ -58,9 +58,14 @@ class DrafterConfig(ServiceConfig):
     engine: str = dataclasses.field(default="dflash", metadata={
         "help": "dflash | oracle (test/diagnosis drafter: the target's own greedy continuation with noise)"})
     oracle_seed: int = dataclasses.field(default=0, metadata={"help": "noise seed of the oracle engine"})
+    warmup_sequences: int = dataclasses.field(default=16, metadata={
+        "help": "before serving, run the matmul shapes of Draft calls of up to this many sequences once "
+                "(0 = none): bf16 kernels on the CPU are built per shape, inside the first steps otherwise"})
 
     def validate(self) -> None:
         super().validate()
+        if self.warmup_sequences < 0:
+            raise ValueError(f"warmup_sequences must be >= 0, got {self.warmup_sequences}")
         if self.engine not in ("dflash", "oracle"):
             raise ValueError(f"engine must be dflash | oracle, got {self.engine!r}")
         if self.window < 0:

@@ -307,6 +307,16 @@ def test_engine_deterministic(ckpt: Path) -> None:
     assert len({t.token_ids for t in ta}) == 3
 
 
+def test_warm_up_leaves_no_state_and_changes_no_tree(ckpt: Path) -> None:
+    emb, head = target_weights()
+    steps = [seq(n=5, budget=9), seq(n=3, start=5, reset=False, fseed=1, budget=20)]
+    cold = DraftEngine(load_drafter(ckpt), emb, head)
+    warm = DraftEngine(load_drafter(ckpt), emb, head)
+    assert warm.warm_up(3) > 0
+    assert warm.active_sequences == 0 and warm.context_bytes == 0
+    assert [warm.draft([s])[0] for s in steps] == [cold.draft([s])[0] for s in steps]
+
+
 def test_engine_window_equals_fresh(model: DFlashDraftModel) -> None:
     emb, head = target_weights()
     w = 6

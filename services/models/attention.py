@@ -84,6 +84,13 @@ class AttentionMetadata:
         """T: total number of new tokens (rows) across sequences."""
         return sum(s.q_len for s in self.seqs)
 
+    @functools.cached_property
+    def key_slots(self) -> torch.Tensor:
+        """int64 [sum(P + q_len)]: each sequence's key_slots (prefix, then its new tokens), sequences with
+        queries in order; one gather per layer reads every sequence's keys."""
+        parts = [s.key_slots for s in self.seqs if s.q_len > 0]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+
     @property
     def write_slots(self) -> torch.Tensor:
         """int64 [T]: cache slot of each new token, in row order."""
@@ -125,22 +132,29 @@ class TorchMLAAttention:
             f"kv_layer {tuple(kv_layer.shape)} must be [S, {r + dr}]"
         )
         assert meta.num_tokens == T, f"metadata covers {meta.num_tokens} rows, q has {T}"
-        out = torch.empty_like(q_lat)
-        q = torch.cat([q_lat, q_pe], dim=-1).float()  # [T, H, r+dr]
-        for s in meta.seqs:
-            if s.q_len == 0:
-                continue
+        out = torch.empty(T, H, r, dtype=q_lat.dtype, device=q_lat.device)  # contiguous, whatever q_lat's strides
+        # The scale goes into q once (per element, so every row gets the same numbers alone or in a batch).
+        q = torch.cat([q_lat, q_pe], dim=-1).float() * scale  # [T, H, r+dr]
+        seqs = [s for s in meta.seqs if s.q_len > 0]
+        # Every sequence's keys in one gather: [sum(P+q), r+dr], each sequence a contiguous block of rows.
+        keys_all = kv_layer[meta.key_slots.to(kv_layer.device)].float()
+        k0 = 0
+        for s in seqs:
             rows = slice(s.q_start, s.q_start + s.q_len)
             P, n = s.prefix_slots.numel(), s.q_len
-            keys = kv_layer[s.key_slots.to(kv_layer.device)].float()  # [P+q, r+dr]
+            keys = keys_all[k0:k0 + P + n]  # [P+q, r+dr]
+            k0 += P + n
             # [q·H, r+dr] @ [r+dr, P+q]: every head of every query row in one matmul
             scores = (q[rows].reshape(n * H, r + dr) @ keys.T).view(n, H, P + n)  # [q, H, P+q]
-            scores.mul_(scale)
             # The prefix is fully visible; among the new tokens, the causal or tree mask.
             if s.hidden_new is not None:  # [q, q]
                 scores[:, :, P:].masked_fill_(s.hidden_new.to(scores.device)[:, None, :], float("-inf"))
             probs = torch.softmax(scores, dim=-1)  # [q, H, P+q] fp32
-            out[rows] = (probs.view(n * H, P + n) @ keys[:, :r]).view(n, H, r).to(out.dtype)
+            o = out[rows].view(n * H, r)  # this sequence's rows of out: a contiguous block
+            if o.dtype == torch.float32:
+                torch.mm(probs.view(n * H, P + n), keys[:, :r], out=o)
+            else:
+                o.copy_(probs.view(n * H, P + n) @ keys[:, :r])
         return out
 
 
