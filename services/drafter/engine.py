@@ -211,8 +211,9 @@ class DraftEngine:
         hidden = model.forward_blocks(embeds, block_pos, [ctx.kv for ctx in contexts])  # [S, B, H]; not cached
         logits = model.compute_logits(hidden[:, 1:].reshape(S * (B - 1), -1), self.lm_head_weight)  # fp32
         logits = logits.view(S, B - 1, -1)  # slot d of block s -> depth d of sequence s
-        budgets = [min(seq.budget or self.default_budget, B - 1) if seq.chain else seq.budget or self.default_budget
-                   for seq in seqs]  # chain (K = 1): the best-first build can only extend one path
+        budgets = [seq.budget or self.default_budget for seq in seqs]
+        # chain (K = 1): the best-first build can only extend the single path, one node per depth
+        budgets = [min(b, B - 1) if seq.chain else b for seq, b in zip(seqs, budgets)]
         ks = [1 if seq.chain else min(budget, self.vocab_size) for seq, budget in zip(seqs, budgets)]
         # One top-K over every sequence's rows; a sequence takes the first k of its rows' sorted top-K.
         logprobs, ids = topk_logprobs(logits.view(S * (B - 1), -1), max(ks))  # [S*D, K]

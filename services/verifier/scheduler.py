@@ -6,7 +6,8 @@ One thread owns the model, the KV pool and every running sequence. RPC threads o
   2. finish sequences whose client aborted;
   3. Draft (one RPC for all speculative sequences), 4. one target forward over all trees plus at most
   prefill_chunk prompt tokens (several short prompts may share them), 5. accept + commit per sequence,
-  stream the tokens and the step record.
+  stream the tokens and the step record. With --overlap-draft-min-batch, step 3 drafts half of the
+  sequences on the draft-ahead thread while step 4 verifies the other half's trees (draft_overlap.py).
 Admission by reservation means a running sequence never runs out of KV mid-generation.
 """
 from __future__ import annotations
@@ -295,8 +296,8 @@ class Scheduler:
         now, _ = split_drafts(list(by_id), len(spec) - len(needing),
                               {s.request_id: s.last_token_time or s.arrival for s in needing})
         background = [by_id[rid] for rid in now]
-        waiting = set(by_id)
-        return [], background, [s for s in decode if s.request_id not in waiting]
+        # Verify the sequences holding a tree (and AR ones); those without one draft now or wait a step.
+        return [], background, [s for s in decode if s.request_id not in by_id]
 
     def _prefill_items(self) -> list[PrefillItem]:
         """This step's prefill: up to prefill_chunk prompt tokens, taken from the prefilling sequences in
