@@ -312,7 +312,8 @@ class DFlashAttention(nn.Module):
         context (K, V) [n_s, kvh, hd] -> [S*B, H]. Block s sees its own context and its own B slots; no mask.
 
         Projections run over all S*B rows at once; the attention core runs per block, since contexts differ
-        in length (a few small SDPA calls instead of padding every block to the longest context)."""
+        in length (grouped_attention per block; padding every block to the longest context measured slower:
+        the padded copies cost more than the calls they save)."""
         rows, nh, hd = x.shape[0], self.num_heads, self.head_dim
         b = rows // len(contexts)
         q = apply_rope(self.q_norm(self.q_proj(x).view(rows, nh, hd)), cos, sin)  # [S*B, nh, hd]
