@@ -95,8 +95,9 @@ class VerifierConfig(ServiceConfig):
     prefill_chunk: int = dataclasses.field(default=512, metadata={"help": "prefill chunk, tokens"})
     default_budget: int = dataclasses.field(default=16, metadata={"help": "tree node budget when a request sets none"})
     max_tree_tokens: int = dataclasses.field(default=0, metadata={
-        "help": "tree tokens (root + nodes) verified per step over the whole batch (0 = no limit): with n "
-                "speculative sequences each tree gets at most max_tree_tokens // n - 1 nodes"})
+        "help": "tree tokens (root + nodes) verified per step over the whole batch (0 = no limit): every tree "
+                "keeps its first node and the rest goes to the drafter's best-scoring nodes over the batch "
+                "(an equal share, max_tree_tokens // n - 1 nodes each, when the drafter gives no scores)"})
     overlap_draft_min_batch: int = dataclasses.field(default=0, metadata={
         "help": "with at least this many speculative sequences, draft half of them while verifying the other "
                 "half (0 = never); see services/verifier/draft_overlap.py"})

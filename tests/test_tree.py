@@ -96,6 +96,33 @@ def test_build_tree_matches_brute_force(case: Case, seed: int) -> None:
     scores = node_scores(tree, lp, ids)
     assert all(a >= b for a, b in zip(scores, scores[1:])), "pop order must be non-increasing in score"
     assert all(d <= case.depth for d in tree.depths)
+    # the tree's own scores are the brute force's left-to-right path sums, exactly
+    assert list(tree.scores) == [r[2] for r in ref]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_prefix_is_the_smaller_budget_tree(case: Case) -> None:
+    """Cutting a best-first tree to its first k nodes gives the tree of budget k (what a capped batch
+    relies on), scores included."""
+    lp, ids = random_table(case.depth, case.width, case.vocab, 5, case.quantize)
+    full = build_tree(lp, ids, case.budget)
+    for k in range(full.n + 1):
+        small = build_tree(lp, ids, k)
+        cut = full.prefix(k)
+        cut.validate()
+        assert cut == small and cut.scores == small.scores
+
+
+@pytest.mark.parametrize("scores, msg", [
+    ((-1.0,), "1 scores for 2 nodes"),
+    ((-1.0, -0.5), "non-increasing"),
+    ((-1.0, 0.5), "finite log-probs"),
+    ((-1.0, float("nan")), "finite log-probs"),
+])
+def test_token_tree_rejects_bad_scores(scores, msg: str) -> None:
+    with pytest.raises(ValueError, match=msg):
+        TokenTree((3, 4), (0, 1), (1, 2), scores).validate()
+    assert TokenTree((3, 4), (0, 1), (1, 2), scores) == TokenTree((3, 4), (0, 1), (1, 2))  # nodes decide equality
 
 
 def test_named_shapes() -> None:

@@ -8,8 +8,8 @@
   KV, on a verifier without the prefix cache): same context, same tokens and trees, only the KV layout
   differs, so step time must not drift.
 - prefix: the same 2k-token prompt twice: time to first token, output and acceptance of each.
-- batching: 8 concurrent streams against 1: aggregate decode tokens per second, and every stream's
-  output against its solo run.
+- batching: 8 concurrent streams against 1: aggregate decode tokens per second (sustained: 8 clients
+  sending requests back to back; and one burst of 8), and every stream's output against its solo run.
 Times come from the verifier's step records and usage (its own clock). Prints and saves JSON.
 """
 from __future__ import annotations
@@ -103,41 +103,70 @@ def prefix(address, n=2048, out=64, budget=16):
     return row
 
 
-def batching(address, streams=8, out=256, budget=16):
-    """Decode tokens per second, client clock: a stream's tokens after its first over first -> last token;
-    for the concurrent streams (1) all tokens after each stream's first over the earliest first token to
-    the latest last token (ramp-up and tail included: streams still in prefill, or already finished, count
-    against the aggregate), and (2) the steady state: tokens arriving while all streams decode (after the
-    last first token, before the first last token) over that window."""
-    prompts = [_prompt(10 + i, 200) for i in range(streams)]
-    solo = [generate(address, p, out, budget) for p in prompts]
-    t0 = time.perf_counter()
-    with cf.ThreadPoolExecutor(streams) as pool:
-        together = list(pool.map(lambda p: generate(address, p, out, budget), prompts))
-    wall = time.perf_counter() - t0
-    single_tps = statistics.median((len(r["tokens"]) - 1) / (r["last_token_s"] - r["first_token_s"]) for r in solo)
-    span = max(r["last_token_s"] for r in together) - min(r["first_token_s"] for r in together)
-    aggregate_tps = sum(len(r["tokens"]) - 1 for r in together) / span
-    lo, hi = max(r["first_token_s"] for r in together), min(r["last_token_s"] for r in together)
-    steady_tokens = sum(n for r in together for t, n in r["arrivals"] if lo < t <= hi)
-    steady_tps = steady_tokens / (hi - lo) if hi > lo else 0.0
-    # The same ratio over whole requests (prefill and first token included), for comparison.
-    solo_wall_tps = statistics.median(len(r["tokens"]) / r["wall_s"] for r in solo)
-    steps = lambda rs: sum(len(r["steps"]) for r in rs)  # noqa: E731
-    tau = lambda rs: sum(s.accept_length for r in rs for s in r["steps"]) / max(steps(rs), 1)  # noqa: E731
-    step_ms = lambda rs: statistics.median(s.total_ms for r in rs for s in r["steps"])  # noqa: E731
-    row = {"streams": streams, "tokens": out, "single_stream_tok_s": single_tps, "aggregate_tok_s": aggregate_tps,
-           "ratio": aggregate_tps / single_tps, "steady_tok_s": steady_tps, "steady_ratio": steady_tps / single_tps,
-           "steady_window_s": max(hi - lo, 0.0),
-           "whole_request_ratio": (sum(len(r["tokens"]) for r in together) / wall) / solo_wall_tps,
-           "tau_solo": tau(solo), "tau_together": tau(together),
-           "step_ms_solo": step_ms(solo), "step_ms_together": step_ms(together),
-           "identical_to_solo": all(a["tokens"] == b["tokens"] for a, b in zip(solo, together))}
-    print(f"batching: {streams} streams {aggregate_tps:.1f} decode tok/s aggregate vs {single_tps:.1f} single "
-          f"(x{row['ratio']:.2f}; all {streams} decoding: {steady_tps:.1f} tok/s over {row['steady_window_s']:.2f} s, "
-          f"x{row['steady_ratio']:.2f}; whole requests x{row['whole_request_ratio']:.2f}); tau {row['tau_solo']:.2f} solo, "
-          f"{row['tau_together']:.2f} together; median step {row['step_ms_solo']:.1f} ms solo, "
-          f"{row['step_ms_together']:.1f} ms together; identical to solo runs: {row['identical_to_solo']}")
+def _decode_tps(r) -> float:
+    """One request's decode speed: its tokens after the first over first -> last token (client clock)."""
+    return (len(r["tokens"]) - 1) / (r["last_token_s"] - r["first_token_s"])
+
+
+def _window_tokens(runs, lo: float, hi: float) -> int:
+    """Decode tokens (each request's first token excluded: it comes from the prefill) arriving in (lo, hi]."""
+    return sum(n - (i == 0) for r in runs for i, (t, n) in enumerate(r["arrivals"]) if lo < t <= hi)
+
+
+def _summary(rs) -> dict:
+    steps = [s for r in rs for s in r["steps"]]
+    return {"tau": sum(s.accept_length for s in steps) / max(len(steps), 1),
+            "step_ms": statistics.median(s.total_ms for s in steps), "tree_nodes": statistics.mean(s.tree_nodes for s in steps)}
+
+
+def batching(address, streams=8, out=256, budget=16, rounds=3):
+    """Decode tokens per second of `streams` concurrent streams against one stream, client clock, every
+    output checked against the same prompt run alone. Single stream: the median over the prompts run alone
+    of a request's decode speed (_decode_tps). Two loads:
+
+    - sustained (the figure): `streams` clients, each sending `rounds` requests back to back (a new one as
+      soon as its previous ends), so `streams` requests are always in flight, new prompts prefilled between
+      decode steps as in serving. Aggregate = decode tokens arriving while every client is busy (from the
+      moment all have their first token to the moment the first client is done) over that window; the same
+      over the whole run (the last round's tail of streams finishing one by one included) is shown beside.
+    - burst: one request per client at once (the first round's prompts): over the whole span (ramp-up of
+      the prefills and the tail included) and while all `streams` decode."""
+    prompts = [[_prompt(10 + w * rounds + r, 200) for r in range(rounds)] for w in range(streams)]
+    solo = [[generate(address, p, out, budget) for p in ps] for ps in prompts]
+    single_tps = statistics.median(_decode_tps(r) for rs in solo for r in rs)
+
+    with cf.ThreadPoolExecutor(streams) as pool:  # burst: the first round at once
+        burst = list(pool.map(lambda ps: generate(address, ps[0], out, budget), prompts))
+    span = max(r["last_token_s"] for r in burst) - min(r["first_token_s"] for r in burst)
+    burst_tps = sum(len(r["tokens"]) - 1 for r in burst) / span
+    lo, hi = max(r["first_token_s"] for r in burst), min(r["last_token_s"] for r in burst)
+    burst_steady_tps = _window_tokens(burst, lo, hi) / (hi - lo) if hi > lo else 0.0
+
+    with cf.ThreadPoolExecutor(streams) as pool:  # sustained: each client's requests back to back
+        clients = list(pool.map(lambda ps: [generate(address, p, out, budget) for p in ps], prompts))
+    flat = [r for rs in clients for r in rs]
+    lo = max(rs[0]["first_token_s"] for rs in clients)  # every client has started decoding
+    hi = min(rs[-1]["last_token_s"] for rs in clients)  # the first client is done
+    sustained_tps = _window_tokens(flat, lo, hi) / (hi - lo)
+    whole_lo, whole_hi = min(r["first_token_s"] for r in flat), max(r["last_token_s"] for r in flat)
+    sustained_whole_tps = sum(len(r["tokens"]) - 1 for r in flat) / (whole_hi - whole_lo)
+
+    identical = (all(a["tokens"] == b[0]["tokens"] for a, b in zip(burst, solo))
+                 and all(a["tokens"] == b["tokens"] for ca, cb in zip(clients, solo) for a, b in zip(ca, cb)))
+    solo_flat = [r for rs in solo for r in rs]
+    row = {"streams": streams, "rounds": rounds, "tokens": out, "single_stream_tok_s": single_tps,
+           "sustained_tok_s": sustained_tps, "ratio": sustained_tps / single_tps, "sustained_window_s": hi - lo,
+           "sustained_whole_tok_s": sustained_whole_tps, "whole_ratio": sustained_whole_tps / single_tps,
+           "burst_tok_s": burst_tps, "burst_ratio": burst_tps / single_tps,
+           "burst_steady_tok_s": burst_steady_tps, "burst_steady_ratio": burst_steady_tps / single_tps,
+           "solo": _summary(solo_flat), "sustained": _summary(flat), "identical_to_solo": identical}
+    print(f"batching: {streams} streams sustained {sustained_tps:.1f} decode tok/s vs {single_tps:.1f} single "
+          f"(x{row['ratio']:.2f} over {row['sustained_window_s']:.2f} s with all {streams} busy; x{row['whole_ratio']:.2f} "
+          f"over the whole run of {rounds} rounds); one burst x{row['burst_ratio']:.2f} over its span, "
+          f"x{row['burst_steady_ratio']:.2f} while all decode; tau {row['solo']['tau']:.2f} solo, "
+          f"{row['sustained']['tau']:.2f} sustained; median step {row['solo']['step_ms']:.1f} ms solo, "
+          f"{row['sustained']['step_ms']:.1f} ms sustained (mean tree {row['sustained']['tree_nodes']:.1f} nodes); "
+          f"identical to solo runs: {identical}")
     return row
 
 

@@ -65,7 +65,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         metrics.DRAFT_SECONDS.observe(draft_ms / 1e3)
         resp = drafter_pb2.DraftResponse(draft_ms=draft_ms)
         for s, tree in zip(seqs, trees):
-            resp.trees.add(seq_id=s.seq_id, token_ids=tree.token_ids, parents=tree.parents, depths=tree.depths)
+            resp.trees.add(seq_id=s.seq_id, token_ids=tree.token_ids, parents=tree.parents, depths=tree.depths,
+                           scores=tree.scores)
         return resp
 
     def Release(self, request, context):

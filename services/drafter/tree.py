@@ -9,7 +9,8 @@ its per-depth log-probs.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -23,11 +24,18 @@ class TokenTree:
     (0 = the root) and always < i, so ancestors precede descendants; depth(root) = 0 and
     depth(child) = depth(parent) + 1. Siblings carry distinct tokens (the accept walk keys children
     by token).
+
+    scores[i-1], when the drafter gives them, is node i's path log-prob under the drafter (the sum of
+    its per-depth log-probs from the root): non-increasing in node order for a best-first build, so the
+    first k nodes are the k best prefixes. They steer how a capped batch shares tree tokens
+    (services/verifier/tree_budget.py) and never affect which tokens are accepted; empty = not given.
+    Trees compare equal by their nodes alone.
     """
 
     token_ids: tuple[int, ...] = ()
     parents: tuple[int, ...] = ()
     depths: tuple[int, ...] = ()
+    scores: tuple[float, ...] = field(default=(), compare=False)
 
     @property
     def n(self) -> int:
@@ -63,6 +71,20 @@ class TokenTree:
             if (parent, tok) in seen:
                 raise ValueError(f"TokenTree node {i}: token {tok} repeats among children of node {parent}")
             seen.add((parent, tok))
+        if self.scores:
+            if len(self.scores) != n:
+                raise ValueError(f"TokenTree has {len(self.scores)} scores for {n} nodes")
+            if not all(math.isfinite(x) and x <= 0 for x in self.scores):
+                raise ValueError("TokenTree scores must be finite log-probs (<= 0)")
+            if any(b > a for a, b in zip(self.scores, self.scores[1:])):
+                raise ValueError("TokenTree scores must be non-increasing in node order")
+
+    def prefix(self, k: int) -> "TokenTree":
+        """The first k nodes (a valid tree: parents precede children). For a best-first build this is
+        exactly the tree the same table gives with budget k."""
+        if k >= self.n:
+            return self
+        return TokenTree(self.token_ids[:k], self.parents[:k], self.depths[:k], self.scores[:k])
 
     def child_maps(self) -> list[dict[int, int]]:
         """child_maps()[i] = {token: child node index} for node i in 0..n."""
@@ -125,7 +147,8 @@ def build_tree(logprobs: Tensor, token_ids: Tensor, budget: int) -> TokenTree:
     """Best-first DDTree build (ddtree.md §2).
 
     logprobs [D, K] fp32, rows sorted descending (depth d+1 uses row d); token_ids [D, K] int64.
-    Returns the `budget` highest-scoring prefixes (fewer if the table has fewer), in pop order.
+    Returns the `budget` highest-scoring prefixes (fewer if the table has fewer), in pop order, with
+    each node's score (TokenTree.scores; non-increasing, since every push scores <= its pop).
 
     A candidate is a rank tuple (r_1..r_d): the prefix taking the r_j-th best token at depth j.
     score = lp[0, r_1] + ... + lp[d-1, r_d]. Popping a candidate pushes at most two new ones:
@@ -150,6 +173,7 @@ def build_tree(logprobs: Tensor, token_ids: Tensor, budget: int) -> TokenTree:
     tokens: list[int] = []
     parents: list[int] = []
     depths: list[int] = []
+    scores: list[float] = []
     # heap entry: (-score, ranks, parent node, depth, rank, parent score)
     heap: list[tuple[float, tuple[int, ...], int, int, int, float]] = [
         (-lp[0][0], (0,), 0, 1, 0, 0.0)
@@ -160,6 +184,7 @@ def build_tree(logprobs: Tensor, token_ids: Tensor, budget: int) -> TokenTree:
         tokens.append(ids[depth - 1][rank])
         parents.append(parent)
         depths.append(depth)
+        scores.append(score)
         node = len(tokens)
         if rank + 1 < width:  # next sibling
             s = parent_score + lp[depth - 1][rank + 1]
@@ -167,4 +192,4 @@ def build_tree(logprobs: Tensor, token_ids: Tensor, budget: int) -> TokenTree:
         if depth < depth_max:  # first child
             s = score + lp[depth][0]
             heapq.heappush(heap, (-s, ranks + (0,), node, depth + 1, 0, score))
-    return TokenTree(tuple(tokens), tuple(parents), tuple(depths))
+    return TokenTree(tuple(tokens), tuple(parents), tuple(depths), tuple(scores))

@@ -78,6 +78,7 @@ class DrafterClient:
             try:
                 tree = TokenTree(tuple(tree_msg.token_ids), tuple(tree_msg.parents), tuple(tree_msg.depths))
                 tree.validate()
+                tree = _with_scores(tree, tuple(tree_msg.scores), rid)
                 if tree.n > budgets[rid]:
                     raise ValueError(f"tree has {tree.n} nodes, budget {budgets[rid]}")
                 if any(not 0 <= t < vocab_size for t in tree.token_ids):
@@ -98,3 +99,17 @@ class DrafterClient:
 
     def close(self) -> None:
         self.channel.close()
+
+
+def _with_scores(tree: TokenTree, scores: tuple[float, ...], request_id: str) -> TokenTree:
+    """The tree with the drafter's node scores when they are well formed; without them otherwise (scores
+    only steer how a capped batch shares tree tokens, so bad ones cost nothing but that)."""
+    if not scores:
+        return tree
+    scored = TokenTree(tree.token_ids, tree.parents, tree.depths, scores)
+    try:
+        scored.validate()
+    except ValueError as err:
+        log.warning("drafter_bad_scores", request_id=request_id, reason=str(err))
+        return tree
+    return scored

@@ -33,18 +33,10 @@ from services.verifier.kv_pool import LatentKVPool
 from services.verifier.page_table import PageTable, check_accounting
 from services.verifier.prefix_cache import PrefixCache
 from services.verifier.sequence import DraftedTree, Phase, Sequence, StepRecord, StreamEvent
+from services.verifier.tree_budget import allocate_nodes, tree_budget
 
 log = get_logger("ddtree.verifier.scheduler")
 EMPTY_TREE = TokenTree((), (), ())
-
-
-def tree_budget(requested: int, speculating: int, max_tree_tokens: int) -> int:
-    """A sequence's tree budget this step: what it asked for, shrunk so that the trees of all `speculating`
-    sequences (root + nodes each) fit in max_tree_tokens (0 = no limit), and at least one node. The
-    output does not depend on it (the verifier decides every token); only how many drafts each step checks."""
-    if max_tree_tokens <= 0 or requested <= 0:
-        return requested
-    return max(1, min(requested, max_tree_tokens // speculating - 1))
 
 
 class AdmissionError(Exception):
@@ -264,13 +256,15 @@ class Scheduler:
         the draft-ahead thread while the scheduler verifies other sequences (it touches only seqs)."""
         if not seqs:
             return
-        spec = [(s, tree_budget(s.params.budget, len(seqs), self.config.max_tree_tokens)) for s in seqs]
+        # Full budgets: under --max-tree-tokens the trees are cut to fit after drafting (_fit_trees).
+        spec = [(s, s.params.budget) for s in seqs]
         try:
             result: DraftResult | None = self.drafter.draft(spec, self.vocab_size)
             failed = result.failed
         except grpc.RpcError as err:
             log.error("draft_failed", code=str(err.code()), details=err.details(), sequences=len(spec))
             result, failed = None, frozenset(s.request_id for s in seqs)
+        trees = self._fit_trees(seqs, result.trees) if result is not None else {}
         for seq in seqs:
             seq.draft_started = started
             if seq.request_id in failed:
@@ -281,10 +275,24 @@ class Scheduler:
                 seq.pending_commit = None
                 seq.draft = None
                 continue
-            tree = result.trees.get(seq.request_id)
+            tree = trees.get(seq.request_id)
             seq.draft = DraftedTree(tree if tree is not None else EMPTY_TREE, result.draft_ms if tree else 0.0,
                                     max(result.rpc_ms - result.draft_ms, 0.0),
                                     result.feature_bytes.get(seq.request_id, 0))
+
+    def _fit_trees(self, seqs: list[Sequence], trees: dict[str, TokenTree]) -> dict[str, TokenTree]:
+        """The drafted trees cut to fit --max-tree-tokens over the sequences of one Draft call (tree_budget.py):
+        the best-scoring nodes over the batch when every tree carries the drafter's scores, else an equal
+        share. Uncapped (0): unchanged."""
+        cap = self.config.max_tree_tokens
+        if cap <= 0:
+            return trees
+        drafted = [trees.get(s.request_id, EMPTY_TREE) for s in seqs]
+        if all(t.scores or t.n == 0 for t in drafted):
+            kept = allocate_nodes([t.scores for t in drafted], cap)
+        else:
+            kept = [tree_budget(t.n, len(seqs), cap) for t in drafted]
+        return {s.request_id: t.prefix(k) for s, t, k in zip(seqs, drafted, kept) if s.request_id in trees}
 
     def _plan(self, decode: list[Sequence]) -> tuple[list[Sequence], list[Sequence], list[Sequence]]:
         """(draft now on this thread, draft in the background, verify) for this step (draft_overlap.py)."""

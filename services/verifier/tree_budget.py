@@ -1,0 +1,53 @@
+"""How the speculating sequences of one step share a cap on tree tokens (`--max-tree-tokens`).
+
+On a device where every verified row costs time (a CPU), a step of many sequences verifies fewer
+draft nodes per sequence: the trees of the n sequences drafted together, root + nodes each, must fit in
+max_tree_tokens (0 = no cap). Every sequence keeps at least one node. Two rules, pure functions:
+
+- `tree_budget`: the same share for everyone, max_tree_tokens // n - 1 nodes (what a sequence asks the
+  drafter for when its drafter gives no node scores);
+- `allocate_nodes`: the drafter built every tree with the sequence's full budget and scored each node
+  with its path log-prob s (TokenTree.scores). Under the drafter's own model a node is on the accepted
+  path with probability exp(s), so the expected accepted drafts of a step are the sum of exp(s) over the
+  verified nodes. Taking the best-scoring nodes over the whole batch maximises that sum for the cap: a
+  confident sequence lends nodes to an uncertain one. Scores fall along each tree's node order, so the
+  best nodes of a tree are its first ones, and keeping the first k_i nodes of tree i (TokenTree.prefix)
+  is exactly the tree its drafter would have built with budget k_i.
+
+Neither rule changes the output: the verifier decides every token; they only decide how many drafts each
+step checks.
+"""
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+
+def tree_budget(requested: int, speculating: int, max_tree_tokens: int) -> int:
+    """A sequence's tree budget this step: what it asked for, shrunk so that the trees of all `speculating`
+    sequences (root + nodes each) fit in max_tree_tokens (0 = no limit), and at least one node."""
+    if max_tree_tokens <= 0 or requested <= 0:
+        return requested
+    return max(1, min(requested, max_tree_tokens // speculating - 1))
+
+
+def allocate_nodes(scores: Sequence[Sequence[float]], max_tree_tokens: int) -> list[int]:
+    """scores[i]: tree i's node scores, non-increasing (one per node). Returns k_i, the nodes tree i keeps.
+
+    Every tree with nodes keeps its first; the room left in max_tree_tokens after the roots (one row per
+    tree) and those first nodes goes to the highest scores over all trees, ties to the lower tree index.
+    0 = no cap: every tree keeps all its nodes."""
+    sizes = [len(s) for s in scores]
+    if max_tree_tokens <= 0:
+        return sizes
+    kept = [min(1, n) for n in sizes]
+    room = max_tree_tokens - len(scores) - sum(kept)
+    heap = [(-s[1], i) for i, s in enumerate(scores) if len(s) > 1]  # each tree's best node not yet kept
+    heapq.heapify(heap)
+    while room > 0 and heap:
+        _, i = heapq.heappop(heap)
+        kept[i] += 1
+        room -= 1
+        if kept[i] < sizes[i]:
+            heapq.heappush(heap, (-scores[i][kept[i]], i))
+    return kept
