@@ -89,3 +89,33 @@ def test_drafter_lost_mid_stream_falls_back_to_ar(default_ckpt, tmp_path):
     finally:
         verifier.stop()
         drafter.stop()
+
+
+class BadScoresEngine(HostileEngine):
+    """Valid trees whose node scores are broken (rising, wrong count, positive): the verifier must still
+    verify the trees, only without the scores."""
+    SCORES = [(-0.5, -0.1, -2.0), (-0.5,), (0.5, -1.0, -2.0)]
+
+    def draft(self, seqs):
+        self.calls += 1
+        return [TokenTree((100, 101, 102), (0, 1, 1), (1, 2, 2), self.SCORES[(self.calls + i) % 3])
+                for i, _ in enumerate(seqs)]
+
+
+def test_bad_node_scores_are_dropped_not_the_trees(default_ckpt, tmp_path):
+    engine = BadScoresEngine(hidden=256)
+    drafter = serve_engine(engine, DrafterConfig(port=0, grace_s=0.0))
+    verifier = start_service("verifier", ["verifier", "--model", str(default_ckpt.target), "--port", "0",
+                                          "--drafter", f"127.0.0.1:{drafter.port}", "--max-tree-tokens", "3"],
+                             tmp_path)
+    try:
+        spec_tokens, steps = _generate(verifier.address, no_spec=False)
+        ar_tokens, _ = _generate(verifier.address, no_spec=True)
+        assert spec_tokens == ar_tokens
+        assert steps and all(s.tree_nodes == 2 for s in steps)  # verified, cut to the cap's equal share (3 // 1 - 1)
+        log = verifier.log_path.read_text()
+        for reason in ("must be non-increasing", "1 scores for 3 nodes", "must be finite log-probs"):
+            assert reason in log, f"no drafter_bad_scores record mentioning {reason!r}"
+    finally:
+        verifier.stop()
+        drafter.stop(0)
