@@ -435,7 +435,12 @@ def test_grouped_attention_matches_sdpa(n, dtype):
     want = torch.nn.functional.scaled_dot_product_attention(
         q.float().transpose(0, 1), k.float().transpose(0, 1), v.float().transpose(0, 1), scale=0.25,
         enable_gqa=True).transpose(0, 1)
-    got = grouped_attention(q, k, v, 0.25)
+    got = grouped_attention(q, (k,), (v,), 0.25)
     assert got.dtype == dtype and got.shape == q.shape
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's rounding
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    # the same keys in parts (a context and a block, the context in fp32 as the engine keeps it, one part
+    # possibly empty): attention over their concatenation
+    for cut in (0, n // 3, n):
+        parts = grouped_attention(q, (k[:cut].float(), k[cut:]), (v[:cut].float(), v[cut:]), 0.25)
+        torch.testing.assert_close(parts.float(), want, atol=tol, rtol=tol)

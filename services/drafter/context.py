@@ -11,6 +11,7 @@ fresh context built from the last W features alone.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 
@@ -20,12 +21,17 @@ class DraftContext:
     Storage: per layer one K and one V buffer [capacity, kvh, hd]; the held tokens are rows [lo, hi).
     Appends write at hi; when a buffer is full the held rows move to the front (windowed) or the
     capacity doubles (unlimited), so an append costs O(n) amortised instead of a copy of the window.
+
+    dtype: the buffers' dtype (None = the appended K/V's). The drafter attends over the context in fp32,
+    so a bf16 drafter keeps fp32 buffers: each row is converted once when appended (exactly), not the
+    whole window at every layer of every draft.
     """
 
-    def __init__(self, window: int = 0):
+    def __init__(self, window: int = 0, dtype: torch.dtype | None = None):
         if window < 0:
             raise ValueError(f"window must be >= 0 (0 = unlimited), got {window}")
         self.window = window
+        self.dtype = dtype
         self._buf: list[tuple[Tensor, Tensor]] = []  # per layer: K, V [capacity, kvh, hd]
         self._lo = 0
         self._hi = 0
@@ -92,8 +98,8 @@ class DraftContext:
             return
         need = keep_old + keep_new
         new_cap = max(need, 2 * self.window if self.window else 2 * max(capacity, need), 16)
-        fresh = [(k.new_empty((new_cap, *k.shape[1:])), v.new_empty((new_cap, *v.shape[1:])))
-                 for k, v in kv_per_layer]
+        fresh = [(k.new_empty((new_cap, *k.shape[1:]), dtype=self.dtype or k.dtype),
+                  v.new_empty((new_cap, *v.shape[1:]), dtype=self.dtype or v.dtype)) for k, v in kv_per_layer]
         for (fk, fv), (bk, bv) in zip(fresh, self._buf):
             fk[:keep_old] = bk[self._lo:self._hi]
             fv[:keep_old] = bv[self._lo:self._hi]

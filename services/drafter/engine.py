@@ -177,7 +177,7 @@ class DraftEngine:
             ctx = self._contexts.get(seq.seq_id)
             # A fresh context also when this commit alone fills the window (n >= W): nothing older survives.
             if seq.reset or ctx is None or seq.commit_start != ctx.end or (self.window and n >= self.window):
-                ctx = self._contexts[seq.seq_id] = DraftContext(self.window)
+                ctx = self._contexts[seq.seq_id] = DraftContext(self.window, dtype=torch.float32)  # attended in fp32
             keep = n if self.window == 0 else min(n, self.window)  # rows past the window would be evicted at once
             contexts.append(ctx)
             rows.append(seq.commit_features[n - keep:])  # [keep, F]

@@ -269,21 +269,30 @@ class DFlashMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def grouped_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
-    """Unmasked grouped-query attention of one block: q [B, nh, hd], k/v [n, kvh, hd] -> [B, nh, hd] (q's dtype).
+def grouped_attention(q: Tensor, keys: Sequence[Tensor], values: Sequence[Tensor], scale: float) -> Tensor:
+    """Unmasked grouped-query attention of one block over keys/values given in parts (the cached context,
+    then the block's own): q [B, nh, hd], keys[j] / values[j] [n_j, kvh, hd] -> [B, nh, hd] (q's dtype).
+    The result is attention over the parts' concatenation; the parts are never concatenated: scores are
+    computed per part and joined ([kvh, B·g, sum n_j], small), and the weighted sum adds each part's share,
+    so a long context is read in place, not copied at every layer of every draft.
 
     Query head h reads kv head h // (nh / kvh) (as repeat_interleave, or SDPA's enable_gqa). Scores,
-    softmax and the weighted sum are fp32 whatever the model dtype. Two bmm over [kvh, B·g, n] rather
-    than SDPA: for a few queries over a long context, CPU SDPA costs about 3x more (the block is 8 rows,
-    the context up to the window).
+    softmax and the weighted sum are fp32 whatever the model dtype (a part already in fp32 is read as is).
+    Bmm over [kvh, B·g, n] rather than SDPA: for a few queries over a long context, CPU SDPA costs about
+    3x more (the block is 8 rows, the context up to the window).
     """
     B, nh, hd = q.shape
-    kvh = k.shape[1]
+    kvh = keys[0].shape[1]
     g = nh // kvh
     qg = q.view(B, kvh, g, hd).permute(1, 0, 2, 3).reshape(kvh, B * g, hd).float()  # [kvh, B*g, hd]
-    scores = torch.bmm(qg, k.float().permute(1, 2, 0)) * scale  # [kvh, B*g, n]
+    scores = torch.cat([torch.bmm(qg, k.float().permute(1, 2, 0)) for k in keys], dim=-1) * scale  # [kvh, B*g, n]
     probs = torch.softmax(scores, dim=-1)
-    o = torch.bmm(probs, v.float().transpose(0, 1))  # [kvh, B*g, hd]
+    o, start = None, 0
+    for v in values:  # o = sum_j probs[:, :, part j] @ V_j
+        n = v.shape[0]
+        share = torch.bmm(probs[:, :, start:start + n], v.float().transpose(0, 1))  # [kvh, B*g, hd]
+        o = share if o is None else o.add_(share)
+        start += n
     return o.view(kvh, B, g, hd).permute(1, 0, 2, 3).reshape(B, nh, hd).to(q.dtype)
 
 
@@ -320,10 +329,8 @@ class DFlashAttention(nn.Module):
         k, v = self.kv(x, cos, sin)  # [S*B, kvh, hd]
         out = torch.empty_like(q)
         for s, (ctx_k, ctx_v) in enumerate(contexts):
-            blk = slice(s * b, (s + 1) * b)
-            ks = torch.cat([ctx_k.to(k.dtype), k[blk]], dim=0)  # [n+B, kvh, hd]
-            vs = torch.cat([ctx_v.to(v.dtype), v[blk]], dim=0)
-            out[blk] = grouped_attention(q[blk], ks, vs, hd ** -0.5)
+            blk = slice(s * b, (s + 1) * b)  # keys: the context [n_s], then the block's own B slots
+            out[blk] = grouped_attention(q[blk], (ctx_k, k[blk]), (ctx_v, v[blk]), hd ** -0.5)
         return self.o_proj(out.reshape(rows, nh * hd))
 
 
