@@ -68,18 +68,27 @@ def test_allocate_nodes_lends_nodes_to_the_uncertain_tree():
     assert allocate_nodes([[], uncertain], 5) == [0, 3]  # an empty tree costs its root row only
 
 
-def test_capped_trees_are_lossless(default_ckpt, tmp_path):
+def _ar_then_concurrent(ckpt, tmp_path, texts, max_new, drafter_args=()):
+    """On one capped stack: each prompt alone with AR, then all four at once with DDTree (budget 16).
+    Returns (AR tokens per prompt, (tokens, step records) per concurrent run)."""
     from services.gateway.tokenizer import Tokenizer
     from services.launcher import start_stack
-    tok = Tokenizer(default_ckpt.target)
-    prompts = [tok.encode(f"def function_{i}(x):\n    return x * {i} + ") for i in range(4)]
-    with start_stack(str(default_ckpt.target), str(default_ckpt.drafter), tmp_path,
-                     drafter_args=("--engine", "oracle", "--oracle-seed", "7"),
+    tok = Tokenizer(ckpt.target)
+    prompts = [tok.encode(t) for t in texts]
+    with start_stack(str(ckpt.target), str(ckpt.drafter), tmp_path, drafter_args=drafter_args,
                      verifier_args=("--max-tree-tokens", str(CAP), "--max-batch", "4")) as stack:
-        ar = [_generate(stack.verifier, ids, no_spec=True, max_new=48)[0] for ids in prompts]
+        ar = [_generate(stack.verifier, ids, no_spec=True, max_new=max_new)[0] for ids in prompts]
         with cf.ThreadPoolExecutor(4) as pool:
-            runs = list(pool.map(lambda ids: _generate(stack.verifier, ids, no_spec=False, budget=16, max_new=48),
-                                 prompts))
+            runs = list(pool.map(lambda ids: _generate(stack.verifier, ids, no_spec=False, budget=16,
+                                                       max_new=max_new)[:2], prompts))
+    return ar, runs
+
+
+def test_capped_trees_are_lossless(default_ckpt, tmp_path):
+    """The oracle drafter gives no node scores: equal shares."""
+    ar, runs = _ar_then_concurrent(default_ckpt, tmp_path, [f"def function_{i}(x):\n    return x * {i} + "
+                                                            for i in range(4)], 48,
+                                   drafter_args=("--engine", "oracle", "--oracle-seed", "7"))
     assert [r[0] for r in runs] == ar
     nodes = [s.tree_nodes for r in runs for s in r[1]]
     assert max(nodes) <= CAP - 1  # a sequence alone: at most cap - 1 nodes
@@ -89,18 +98,10 @@ def test_capped_trees_are_lossless(default_ckpt, tmp_path):
 
 
 def test_scored_trees_share_the_cap_and_stay_lossless(default_ckpt, tmp_path):
-    """The DFlash drafter scores its nodes, so the capped batch is shared by score: trees of different
-    sizes in one step, never more tree tokens than the cap per Draft call, the AR output."""
-    from services.gateway.tokenizer import Tokenizer
-    from services.launcher import start_stack
-    tok = Tokenizer(default_ckpt.target)
-    prompts = [tok.encode(f"class Widget{i}:\n    def size(self):\n        return ") for i in range(4)]
-    with start_stack(str(default_ckpt.target), str(default_ckpt.drafter), tmp_path,
-                     verifier_args=("--max-tree-tokens", str(CAP), "--max-batch", "4")) as stack:
-        ar = [_generate(stack.verifier, ids, no_spec=True, max_new=32)[0] for ids in prompts]
-        with cf.ThreadPoolExecutor(4) as pool:
-            runs = list(pool.map(lambda ids: _generate(stack.verifier, ids, no_spec=False, budget=16, max_new=32),
-                                 prompts))
+    """The DFlash drafter scores its nodes, so the capped batch is shared by score: tree sizes that equal
+    shares never give, never more than the cap allows, the AR output."""
+    ar, runs = _ar_then_concurrent(default_ckpt, tmp_path, [f"class Widget{i}:\n    def size(self):\n        return "
+                                                            for i in range(4)], 32)
     assert [r[0] for r in runs] == ar
     nodes = [s.tree_nodes for r in runs for s in r[1]]
     assert max(nodes) <= CAP - 1 and min(nodes) >= 1
