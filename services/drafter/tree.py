@@ -71,6 +71,11 @@ class TokenTree:
             if (parent, tok) in seen:
                 raise ValueError(f"TokenTree node {i}: token {tok} repeats among children of node {parent}")
             seen.add((parent, tok))
+        self.validate_scores()
+
+    def validate_scores(self) -> None:
+        """Raise ValueError when scores are given but not one finite log-prob per node, non-increasing."""
+        n = len(self.token_ids)
         if self.scores:
             if len(self.scores) != n:
                 raise ValueError(f"TokenTree has {len(self.scores)} scores for {n} nodes")

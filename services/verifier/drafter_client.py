@@ -108,7 +108,7 @@ def _with_scores(tree: TokenTree, scores: tuple[float, ...], request_id: str) ->
         return tree
     scored = TokenTree(tree.token_ids, tree.parents, tree.depths, scores)
     try:
-        scored.validate()
+        scored.validate_scores()  # the nodes were validated already
     except ValueError as err:
         log.warning("drafter_bad_scores", request_id=request_id, reason=str(err))
         return tree
