@@ -307,6 +307,23 @@ def test_engine_deterministic(ckpt: Path) -> None:
     assert len({t.token_ids for t in ta}) == 3
 
 
+def test_bf16_engine_keeps_an_fp32_context_with_the_same_trees(ckpt: Path) -> None:
+    """On the CPU a bf16 drafter keeps its context in fp32 (each row converted once, exactly): same trees
+    and scores as a context kept in bf16 and converted at every draft."""
+    emb, head = (w.bfloat16() for w in target_weights())
+    steps = [seq(n=5, budget=9), seq(n=3, start=5, reset=False, fseed=1, budget=20),
+             seq(n=2, start=8, reset=False, fseed=2, budget=12)]
+    fp32_ctx = DraftEngine(load_drafter(ckpt, dtype=torch.bfloat16), emb, head)
+    bf16_ctx = DraftEngine(load_drafter(ckpt, dtype=torch.bfloat16), emb, head)
+    bf16_ctx._context_dtype = None  # the buffers take the K/V's dtype, as on a GPU
+    for s in steps:
+        a, b = fp32_ctx.draft([s])[0], bf16_ctx.draft([s])[0]
+        assert a == b and a.scores == b.scores
+    assert fp32_ctx._contexts["s"].kv[0][0].dtype == torch.float32
+    assert bf16_ctx._contexts["s"].kv[0][0].dtype == torch.bfloat16
+    assert fp32_ctx.context_bytes == 2 * bf16_ctx.context_bytes
+
+
 def test_warm_up_leaves_no_state_and_changes_no_tree(ckpt: Path) -> None:
     emb, head = target_weights()
     steps = [seq(n=5, budget=9), seq(n=3, start=5, reset=False, fseed=1, budget=20)]

@@ -23,8 +23,8 @@ class DraftContext:
     capacity doubles (unlimited), so an append costs O(n) amortised instead of a copy of the window.
 
     dtype: the buffers' dtype (None = the appended K/V's). The drafter attends over the context in fp32,
-    so a bf16 drafter keeps fp32 buffers: each row is converted once when appended (exactly), not the
-    whole window at every layer of every draft.
+    so a bf16 drafter on the CPU keeps fp32 buffers: each row is converted once when appended (exactly),
+    not the whole window at every layer of every draft (engine.py).
     """
 
     def __init__(self, window: int = 0, dtype: torch.dtype | None = None):

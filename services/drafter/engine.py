@@ -67,6 +67,10 @@ class DraftEngine:
         self.max_budget = max_budget
         self.model_id = model_id
         self._contexts: dict[str, DraftContext] = {}
+        # Attention over the context is fp32. On the CPU the context is kept in fp32 (converted once per row)
+        # rather than converting the whole window at every layer of every draft; on a GPU, where the
+        # conversion is cheap and memory is what limits sequences, it stays in the model dtype.
+        self._context_dtype = torch.float32 if model.device.type == "cpu" else None
 
     @property
     def vocab_size(self) -> int:
@@ -177,7 +181,7 @@ class DraftEngine:
             ctx = self._contexts.get(seq.seq_id)
             # A fresh context also when this commit alone fills the window (n >= W): nothing older survives.
             if seq.reset or ctx is None or seq.commit_start != ctx.end or (self.window and n >= self.window):
-                ctx = self._contexts[seq.seq_id] = DraftContext(self.window, dtype=torch.float32)  # attended in fp32
+                ctx = self._contexts[seq.seq_id] = DraftContext(self.window, dtype=self._context_dtype)
             keep = n if self.window == 0 else min(n, self.window)  # rows past the window would be evicted at once
             contexts.append(ctx)
             rows.append(seq.commit_features[n - keep:])  # [keep, F]
