@@ -109,3 +109,22 @@ def test_diagnose_window_on_and_off(default_ckpt, tmp_path):
     window = report["flags"][1]
     assert window["checked"] and "context 40" in window["evidence"]  # measured with the window on and off
     assert list(report["tau_window_off"]) == ["40"]
+
+
+def test_bench_serving_batching_and_prefix(default_ckpt, tmp_path):
+    """tools.bench_serving's batching (solo, burst, sustained) and prefix parts, tiny sizes."""
+    out = tmp_path / "serving.json"
+    res = subprocess.run([sys.executable, "-m", "tools.bench_serving", "--only", "prefix,batching", "--streams", "3",
+                          "--tokens", "12", "--rounds", "3", "--out", str(out), *_dirs(default_ckpt)],
+                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    results = json.loads(out.read_text())
+    b = results["batching"]
+    assert b["identical_to_solo"] and b["streams"] == 3 and b["rounds"] == 3
+    assert b["single_stream_tok_s"] > 0 and b["sustained_tok_s"] > 0 and b["burst_tok_s"] > 0
+    assert b["sustained"]["tau"] >= 1.0 and b["solo"]["tau"] >= 1.0
+    p = results["prefix"]
+    assert p["same_output"] and p["same_acceptance"] and p["ttft_ratio"] < 1.0  # the second prompt hits the cache
+    bad = subprocess.run([sys.executable, "-m", "tools.bench_serving", "--only", "nonsense"], capture_output=True,
+                         text=True, timeout=60, cwd=REPO)
+    assert bad.returncode == 2 and "--only takes" in bad.stderr

@@ -147,7 +147,7 @@ def batching(address, streams=8, out=256, budget=16, rounds=3):
     flat = [r for rs in clients for r in rs]
     lo = max(rs[0]["first_token_s"] for rs in clients)  # every client has started decoding
     hi = min(rs[-1]["last_token_s"] for rs in clients)  # the first client is done
-    sustained_tps = _window_tokens(flat, lo, hi) / (hi - lo)
+    sustained_tps = _window_tokens(flat, lo, hi) / (hi - lo) if hi > lo else 0.0  # 0: no moment all were busy
     whole_lo, whole_hi = min(r["first_token_s"] for r in flat), max(r["last_token_s"] for r in flat)
     sustained_whole_tps = sum(len(r["tokens"]) - 1 for r in flat) / (whole_hi - whole_lo)
 
@@ -155,7 +155,7 @@ def batching(address, streams=8, out=256, budget=16, rounds=3):
                  and all(a["tokens"] == b["tokens"] for ca, cb in zip(clients, solo) for a, b in zip(ca, cb)))
     solo_flat = [r for rs in solo for r in rs]
     row = {"streams": streams, "rounds": rounds, "tokens": out, "single_stream_tok_s": single_tps,
-           "sustained_tok_s": sustained_tps, "ratio": sustained_tps / single_tps, "sustained_window_s": hi - lo,
+           "sustained_tok_s": sustained_tps, "ratio": sustained_tps / single_tps, "sustained_window_s": max(hi - lo, 0.0),
            "sustained_whole_tok_s": sustained_whole_tps, "whole_ratio": sustained_whole_tps / single_tps,
            "burst_tok_s": burst_tps, "burst_ratio": burst_tps / single_tps,
            "burst_steady_tok_s": burst_steady_tps, "burst_steady_ratio": burst_steady_tps / single_tps,
@@ -177,19 +177,27 @@ def main(argv=None) -> int:
     p.add_argument("--verifier", default="", help="a running verifier (default: start one with a drafter)")
     p.add_argument("--only", default="fragmentation,prefix,batching")
     p.add_argument("--budget", type=int, default=16)
+    p.add_argument("--streams", type=int, default=8, help="batching: concurrent streams")
+    p.add_argument("--tokens", type=int, default=256, help="batching: tokens per request")
+    p.add_argument("--rounds", type=int, default=3, help="batching: requests per client in the sustained load")
     p.add_argument("--verifier-args", default="", help="extra verifier flags, one string (e.g. '--page-size 16')")
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/bench_serving.json"))
     args = p.parse_args(argv)
     todo = args.only.split(",")
+    unknown = set(todo) - {"fragmentation", "prefix", "batching"}
+    if unknown or min(args.streams, args.tokens, args.rounds) < 1 or args.tokens < 2:
+        p.error(f"--only takes fragmentation,prefix,batching (got {sorted(unknown)}); --streams, --rounds >= 1, "
+                "--tokens >= 2")
     results = {}
 
     def run(address, names):
         with grpc.insecure_channel(address) as ch:
             VOCAB["size"] = verifier_pb2_grpc.VerifierStub(ch).GetInfo(verifier_pb2.VerifierInfoRequest(),
                                                                       timeout=60).vocab_size
+        sizes = {"batching": dict(streams=args.streams, out=args.tokens, rounds=args.rounds)}
         for name in names:
             results[name] = {"fragmentation": fragmentation, "prefix": prefix, "batching": batching}[name](
-                address, budget=args.budget)
+                address, budget=args.budget, **sizes.get(name, {}))
 
     if args.verifier:
         run(args.verifier, todo)
