@@ -116,7 +116,8 @@ def _window_tokens(runs, lo: float, hi: float) -> int:
 def _summary(rs) -> dict:
     steps = [s for r in rs for s in r["steps"]]
     return {"tau": sum(s.accept_length for s in steps) / max(len(steps), 1),
-            "step_ms": statistics.median(s.total_ms for s in steps), "tree_nodes": statistics.mean(s.tree_nodes for s in steps)}
+            "step_ms": statistics.median(s.total_ms for s in steps),
+            "tree_nodes": statistics.mean(s.tree_nodes for s in steps)}
 
 
 def batching(address, streams=8, out=256, budget=16, rounds=3):
@@ -155,7 +156,8 @@ def batching(address, streams=8, out=256, budget=16, rounds=3):
                  and all(a["tokens"] == b["tokens"] for ca, cb in zip(clients, solo) for a, b in zip(ca, cb)))
     solo_flat = [r for rs in solo for r in rs]
     row = {"streams": streams, "rounds": rounds, "tokens": out, "single_stream_tok_s": single_tps,
-           "sustained_tok_s": sustained_tps, "ratio": sustained_tps / single_tps, "sustained_window_s": max(hi - lo, 0.0),
+           "sustained_tok_s": sustained_tps, "ratio": sustained_tps / single_tps,
+           "sustained_window_s": max(hi - lo, 0.0),
            "sustained_whole_tok_s": sustained_whole_tps, "whole_ratio": sustained_whole_tps / single_tps,
            "burst_tok_s": burst_tps, "burst_ratio": burst_tps / single_tps,
            "burst_steady_tok_s": burst_steady_tps, "burst_steady_ratio": burst_steady_tps / single_tps,
@@ -185,9 +187,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     todo = args.only.split(",")
     unknown = set(todo) - {"fragmentation", "prefix", "batching"}
-    if unknown or min(args.streams, args.tokens, args.rounds) < 1 or args.tokens < 2:
-        p.error(f"--only takes fragmentation,prefix,batching (got {sorted(unknown)}); --streams, --rounds >= 1, "
-                "--tokens >= 2")
+    if unknown:
+        p.error(f"--only takes fragmentation,prefix,batching; unknown: {', '.join(sorted(unknown))}")
+    if min(args.streams, args.rounds) < 1 or args.tokens < 2:
+        p.error("--streams and --rounds must be >= 1 and --tokens >= 2 (a decode speed needs two tokens)")
     results = {}
 
     def run(address, names):

@@ -4,8 +4,8 @@ On a device where every verified row costs time (a CPU), a step of many sequence
 draft nodes per sequence: the trees of the n sequences drafted together, root + nodes each, must fit in
 max_tree_tokens (0 = no cap). Every sequence keeps at least one node. Two rules, pure functions:
 
-- `tree_budget`: the same share for everyone, max_tree_tokens // n - 1 nodes (what a sequence asks the
-  drafter for when its drafter gives no node scores);
+- `tree_budget`: the same share for everyone, max_tree_tokens // n - 1 nodes (how the trees are cut when
+  the drafter gives no node scores);
 - `allocate_nodes`: the drafter built every tree with the sequence's full budget and scored each node
   with its path log-prob s (TokenTree.scores). Under the drafter's own model a node is on the accepted
   path with probability exp(s), so the expected accepted drafts of a step are the sum of exp(s) over the
