@@ -10,7 +10,7 @@ pytestmark = pytest.mark.slow
 
 
 def _run(address, ids, budget=8):
-    # The same request id both times: the oracle drafter's noise is seeded by id and history.
+    # The oracle drafter's noise is seeded by the token history: the same prompt gets the same trees.
     req = verifier_pb2.GenerateRequest(request_id="prefix-reuse", input_ids=ids, max_new_tokens=48, ignore_eos=True,
                                        spec=common_pb2.SpecOptions(budget=budget))
     with grpc.insecure_channel(address) as ch:

@@ -7,12 +7,14 @@ the verifier through zero, partial and full-depth acceptance (and a correct sibl
 first child), and how `diagnose` can show the verifier's best case. The tree it returns is honest
 input: the verifier still checks every token against its own forward.
 
-Noise, per tree, from a seeded RNG: the chain breaks at depth b drawn uniformly from 1..D+1
+Noise, per tree, from an RNG seeded by the engine's seed and the sequence's token history (not by its
+id, which the verifier makes fresh per request), so the same history always gets the same tree: the chain breaks at depth b drawn uniformly from 1..D+1
 (b = D+1: the whole chain is right); with probability 1/3 the right token at depth b is also present
 as a later sibling; the remaining budget goes to wrong siblings at random depths.
 """
 from __future__ import annotations
 
+import array
 import random
 import zlib
 
@@ -79,7 +81,7 @@ class OracleDraftEngine:
             if s.chain:  # noisy_tree's first `depth` nodes are its chain; no room left for siblings
                 budget = min(budget, self.depth)
             truth = self._greedy(hist + [s.anchor_token_id], self.depth)
-            rng = random.Random(zlib.crc32(f"{self.seed}:{s.seq_id}:{len(hist)}".encode()))
+            rng = random.Random(zlib.crc32(array.array("q", hist).tobytes(), self.seed & 0xFFFFFFFF))
             trees.append(noisy_tree(truth, budget, self.vocab_size, rng))
         return trees
 

@@ -54,26 +54,26 @@ class DrafterClient:
             pend = seq.pending_commit
             tokens = pend.token_ids if pend is not None else []
             feats = tensor_to_proto(pend.features) if pend is not None else None
-            msg = drafter_pb2.SeqDraft(seq_id=seq.request_id, commit_token_ids=tokens,
+            msg = drafter_pb2.SeqDraft(seq_id=seq.draft_id, commit_token_ids=tokens,
                                        commit_start=pend.start if pend is not None else seq.context_len,
                                        anchor_token_id=seq.root, budget=budget,
                                        reset=not seq.drafter_seeded, chain=seq.params.chain)
             if feats is not None:
                 msg.commit_features.CopyFrom(feats)
             msgs.append(msg)
-            sent[seq.request_id] = len(feats.data) if feats is not None else 0
+            sent[seq.draft_id] = len(feats.data) if feats is not None else 0
         t0 = time.perf_counter()
         resp = self.stub.Draft(drafter_pb2.DraftRequest(seqs=msgs), timeout=self.timeout_s)
         rpc_ms = (time.perf_counter() - t0) * 1e3
         for seq, _ in batch:
             seq.pending_commit = None
             seq.drafter_seeded = True
-        budgets = {seq.request_id: budget for seq, budget in batch}
+        budgets = {seq.draft_id: budget for seq, budget in batch}
         trees = {}
         for tree_msg in resp.trees:
             rid = tree_msg.seq_id
             if rid not in budgets or rid in trees:
-                log.error("drafter_bad_tree", request_id=rid, reason="unknown or duplicate seq_id")
+                log.error("drafter_bad_tree", draft_id=rid, reason="unknown or duplicate seq_id")
                 continue
             try:
                 tree = TokenTree(tuple(tree_msg.token_ids), tuple(tree_msg.parents), tuple(tree_msg.depths))
@@ -84,24 +84,24 @@ class DrafterClient:
                 if any(not 0 <= t < vocab_size for t in tree.token_ids):
                     raise ValueError(f"token id outside [0, {vocab_size})")
             except ValueError as err:
-                log.error("drafter_bad_tree", request_id=rid, reason=str(err))
+                log.error("drafter_bad_tree", draft_id=rid, reason=str(err))
                 continue
             trees[rid] = tree
         return DraftResult(trees, resp.draft_ms, rpc_ms, sent)
 
-    def release(self, request_ids: list[str]) -> None:
-        if not request_ids:
+    def release(self, draft_ids: list[str]) -> None:
+        if not draft_ids:
             return
         try:
-            self.stub.Release(drafter_pb2.ReleaseRequest(seq_ids=request_ids), timeout=self.timeout_s)
+            self.stub.Release(drafter_pb2.ReleaseRequest(seq_ids=draft_ids), timeout=self.timeout_s)
         except grpc.RpcError as err:
-            log.warning("drafter_release_failed", code=str(err.code()), count=len(request_ids))
+            log.warning("drafter_release_failed", code=str(err.code()), count=len(draft_ids))
 
     def close(self) -> None:
         self.channel.close()
 
 
-def _with_scores(tree: TokenTree, scores: tuple[float, ...], request_id: str) -> TokenTree:
+def _with_scores(tree: TokenTree, scores: tuple[float, ...], draft_id: str) -> TokenTree:
     """The tree with the drafter's node scores when they are well formed; without them otherwise (scores
     only steer how a capped batch shares tree tokens, so bad ones cost nothing but that)."""
     if not scores:
@@ -110,6 +110,6 @@ def _with_scores(tree: TokenTree, scores: tuple[float, ...], request_id: str) ->
     try:
         scored.validate_scores()  # the nodes were validated already
     except ValueError as err:
-        log.warning("drafter_bad_scores", request_id=request_id, reason=str(err))
+        log.warning("drafter_bad_scores", draft_id=draft_id, reason=str(err))
         return tree
     return scored

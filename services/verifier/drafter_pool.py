@@ -110,7 +110,7 @@ class DrafterPool:
     # ---- per step ----
     def _replica_for(self, seq: Sequence) -> str | None:
         with self._lock:
-            addr = self._assigned.get(seq.request_id)
+            addr = self._assigned.get(seq.draft_id)
             if addr is not None and addr in self._clients:
                 return addr
             if addr is not None or seq.drafter_seeded:
@@ -122,7 +122,7 @@ class DrafterPool:
                 if a in load:
                     load[a] += 1
             addr = min(load, key=lambda a: (load[a], a))
-            self._assigned[seq.request_id] = addr
+            self._assigned[seq.draft_id] = addr
             return addr
 
     def draft(self, batch: list[tuple[Sequence, int]], vocab_size: int) -> DraftResult:
@@ -131,13 +131,13 @@ class DrafterPool:
         for seq, budget in batch:
             addr = self._replica_for(seq)
             if addr is None:
-                failed.add(seq.request_id)
+                failed.add(seq.draft_id)
             else:
                 groups.setdefault(addr, []).append((seq, budget))
         with self._lock:
             clients = {a: self._clients.get(a) for a in groups}
         for addr in [a for a, c in clients.items() if c is None]:  # dropped since assignment
-            failed.update(seq.request_id for seq, _ in groups.pop(addr))
+            failed.update(seq.draft_id for seq, _ in groups.pop(addr))
         if len(groups) == 1:  # the common case: no thread hop
             (addr, group), = groups.items()
             futures = {addr: cf.Future()}
@@ -152,7 +152,7 @@ class DrafterPool:
             try:
                 res = fut.result()
             except grpc.RpcError as err:
-                ids = [seq.request_id for seq, _ in groups[addr]]
+                ids = [seq.draft_id for seq, _ in groups[addr]]
                 failed.update(ids)
                 if err.code() == grpc.StatusCode.UNAVAILABLE:
                     self._drop(addr, f"{err.code()}: {err.details()}")
@@ -167,10 +167,10 @@ class DrafterPool:
             draft_ms, rpc_ms = max(draft_ms, res.draft_ms), max(rpc_ms, res.rpc_ms)
         return DraftResult(trees, draft_ms, rpc_ms, fbytes, frozenset(failed))
 
-    def release(self, request_ids: list[str]) -> None:
+    def release(self, draft_ids: list[str]) -> None:
         by_addr: dict[str, list[str]] = {}
         with self._lock:
-            for rid in request_ids:
+            for rid in draft_ids:
                 addr = self._assigned.pop(rid, None)
                 if addr in self._clients:
                     by_addr.setdefault(addr, []).append(rid)

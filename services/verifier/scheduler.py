@@ -93,13 +93,23 @@ class Scheduler:
             self._cond.notify_all()
 
     def abort(self, request_id: str) -> bool:
+        """Abort the running request with this id (Verifier.Abort); False when none runs."""
         with self._cond:
             seq = self._by_id.get(request_id)
             if seq is None:
                 return False
-            seq.abort_requested.set()
-            self._cond.notify_all()
+            self._abort_locked(seq)
             return True
+
+    def abort_sequence(self, seq: Sequence) -> None:
+        """Abort this very sequence (its RPC ended). Never by id: a client may reuse the id for a new
+        request as soon as a stream finishes, and this RPC's late callback must not abort that one."""
+        with self._cond:
+            self._abort_locked(seq)
+
+    def _abort_locked(self, seq: Sequence) -> None:
+        seq.abort_requested.set()  # a finished sequence ignores it
+        self._cond.notify_all()
 
     @property
     def kv_cached(self) -> int:
@@ -226,7 +236,7 @@ class Scheduler:
         seq.phase = Phase.FINISHED
         if self.drafter is not None and seq.drafter_seeded:
             # Release outside the hot path would be nicer; it is one small RPC per finished request.
-            threading.Thread(target=self.drafter.release, args=([seq.request_id],), daemon=True).start()
+            threading.Thread(target=self.drafter.release, args=([seq.draft_id],), daemon=True).start()
 
     def _release_kv(self, seq: Sequence) -> None:
         """Hand the committed tokens' KV (and features) to the prefix cache, or free it."""
@@ -263,11 +273,11 @@ class Scheduler:
             failed = result.failed
         except grpc.RpcError as err:
             log.error("draft_failed", code=str(err.code()), details=err.details(), sequences=len(spec))
-            result, failed = None, frozenset(s.request_id for s in seqs)
+            result, failed = None, frozenset(s.draft_id for s in seqs)
         trees = self._fit_trees(seqs, result.trees) if result is not None else {}
         for seq in seqs:
             seq.draft_started = started
-            if seq.request_id in failed:
+            if seq.draft_id in failed:
                 # The drafter's state for this sequence is lost or unknown: it finishes with AR
                 # decoding, which yields exactly the same tokens.
                 log.warning("draft_fallback_ar", request_id=seq.request_id)
@@ -275,10 +285,10 @@ class Scheduler:
                 seq.pending_commit = None
                 seq.draft = None
                 continue
-            tree = trees.get(seq.request_id)
+            tree = trees.get(seq.draft_id)
             seq.draft = DraftedTree(tree if tree is not None else EMPTY_TREE, result.draft_ms if tree else 0.0,
                                     max(result.rpc_ms - result.draft_ms, 0.0),
-                                    result.feature_bytes.get(seq.request_id, 0))
+                                    result.feature_bytes.get(seq.draft_id, 0))
 
     def _fit_trees(self, seqs: list[Sequence], trees: dict[str, TokenTree]) -> dict[str, TokenTree]:
         """The drafted trees cut to fit --max-tree-tokens over the sequences of one Draft call (tree_budget.py):
@@ -287,12 +297,12 @@ class Scheduler:
         cap = self.config.max_tree_tokens
         if cap <= 0:
             return trees
-        drafted = [trees.get(s.request_id, EMPTY_TREE) for s in seqs]
+        drafted = [trees.get(s.draft_id, EMPTY_TREE) for s in seqs]
         if all(t.scores or t.n == 0 for t in drafted):
             kept = allocate_nodes([t.scores for t in drafted], cap)
         else:
             kept = [tree_budget(t.n, len(seqs), cap) for t in drafted]
-        return {s.request_id: t.prefix(k) for s, t, k in zip(seqs, drafted, kept) if s.request_id in trees}
+        return {s.draft_id: t.prefix(k) for s, t, k in zip(seqs, drafted, kept) if s.draft_id in trees}
 
     def _plan(self, decode: list[Sequence]) -> tuple[list[Sequence], list[Sequence], list[Sequence]]:
         """(draft now on this thread, draft in the background, verify) for this step (draft_overlap.py)."""

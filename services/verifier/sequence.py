@@ -14,6 +14,7 @@ import enum
 import queue
 import threading
 import time
+import uuid
 
 import torch
 
@@ -93,6 +94,10 @@ class Sequence:
         self.generated: list[int] = []
         self.pending_commit: PendingCommit | None = None
         self.drafter_seeded = False        # the drafter holds this sequence's context
+        # The drafter's key for this sequence's context: unique per Sequence (and across verifiers
+        # sharing a drafter), never the client's request id, so that a late Release of a finished
+        # request cannot drop the context of a new request that reuses its id.
+        self.draft_id = uuid.uuid4().hex
         self.draft: DraftedTree | None = None  # drafted, not yet verified
         self.draft_started = 0.0           # perf_counter when the step that drafted it began
         self.use_spec = params.use_spec

@@ -100,7 +100,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             self.scheduler.submit(seq)
         except AdmissionError as err:
             context.abort(err.code, str(err))
-        context.add_callback(lambda: self.scheduler.abort(seq.request_id))
+        context.add_callback(lambda: self.scheduler.abort_sequence(seq))
         while True:
             try:
                 event = seq.events.get(timeout=1.0)
