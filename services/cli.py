@@ -192,6 +192,37 @@ def _add_client_flags(p: argparse.ArgumentParser) -> None:
     _add_stack_flags(p)
 
 
+# Commands that live in their own modules: (parent command, name, module with add_parser(subparsers)).
+COMMAND_MODULES = (("train", "target", "tools.train_target"), ("train", "drafter", "tools.train_drafter"),
+                   ("", "bench", "tools.bench"), ("", "diagnose", "tools.diagnose"),
+                   ("", "inspect", "services.models.inspect"))
+# What the engine install has and the gateway's (docker/requirements-gateway.txt) does not.
+ENGINE_ONLY = frozenset({"torch", "numpy", "safetensors"})
+
+
+def _add_command(sub, name: str, module_name: str) -> None:
+    """Register a command from its module; in an install without torch (the gateway's) the command is
+    still listed, and says what it needs instead of breaking every other command."""
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        missing = (err.name or "").partition(".")[0]
+        if missing not in ENGINE_ONLY:
+            raise
+        # Takes any arguments (no prefix character: every word is a positional), so it can say what it needs.
+        p = sub.add_parser(name, help=f"(needs {missing}: not in this install)", add_help=False, prefix_chars="\0")
+        p.add_argument("rest", nargs="*")
+
+        def unavailable(args, missing=missing) -> int:
+            print(f"ddtree: this command needs {missing}, which this install does not have "
+                  f"(the gateway's); install the engine: pip install torch==2.13.0 ddtree-serve", file=sys.stderr)
+            return 2
+
+        p.set_defaults(fn=unavailable)
+        return
+    module.add_parser(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ddtree", description="DDTree speculative decoding for MLA + MoE models")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -219,16 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_demo)
     p = sub.add_parser("train", help="train a model (tools/train_*.py)")
     train_sub = p.add_subparsers(dest="train_command", required=True)
-    for name in ("tools.train_target", "tools.train_drafter"):
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as err:
-            if err.name != name:
-                raise
-            continue
-        module.add_parser(train_sub)
-    for name in ("tools.bench", "tools.diagnose", "services.models.inspect"):  # bench ...; diagnose; inspect
-        importlib.import_module(name).add_parser(sub)
+    for parent, name, module_name in COMMAND_MODULES:
+        _add_command(train_sub if parent == "train" else sub, name, module_name)
     return parser
 
 

@@ -87,6 +87,67 @@ def test_dockerfiles_parse(name):
                 assert (REPO / src).exists(), f"{name}: COPY source {src} does not exist"
 
 
+def _pip_installs(name: str) -> list[list[str]]:
+    """The argument lists of every `pip install` the Dockerfile runs, ARG defaults substituted."""
+    lines = _dockerfile(name)
+    args = {}
+    for kw, rest in lines:
+        if kw == "ARG" and "=" in rest:
+            key, _, value = rest.partition("=")
+            args[key] = value.strip('"')
+    installs = []
+    for kw, rest in lines:
+        if kw != "RUN":
+            continue
+        for part in rest.split("&&"):
+            words = re.sub(r"\$\{(\w+)\}", lambda m: args.get(m.group(1), ""), part).split()
+            if words[:2] == ["pip", "install"]:
+                installs.append(words[2:])
+    return installs
+
+
+def test_engine_image_installs_the_package_with_its_dependencies():
+    """The engine runs verifier and drafter: torch, then the package with every runtime dependency
+    (tests/test_runtime_install.py checks that those cover every module's imports)."""
+    installs = _pip_installs("Dockerfile.engine")
+    assert any(any(w.startswith("torch") for w in words) for words in installs), installs
+    package = [words for words in installs if "." in words]
+    assert package and "--no-deps" not in package[-1], installs
+
+
+def test_gateway_image_installs_the_gateway_requirements_and_no_torch():
+    installs = _pip_installs("Dockerfile.gateway")
+    flat = [w for words in installs for w in words]
+    assert not any(w.startswith("torch") for w in flat), installs
+    reqs = [words[words.index("-r") + 1] for words in installs if "-r" in words]
+    assert reqs == ["docker/requirements-gateway.txt"], installs
+    copied = [rest.split()[:-1] for kw, rest in _dockerfile("Dockerfile.gateway") if kw == "COPY"]
+    assert any(reqs[0] in srcs for srcs in copied), "the requirement file is not copied into the image"
+    package = [words for words in installs if "." in words]
+    assert package and "--no-deps" in package[-1], "the package's own dependencies would pull torch"
+
+
+def test_compose_serves_the_demo_checkpoint_by_default():
+    """With no settings, every service's model path is inside the default /checkpoints mount and exists."""
+    services = _compose()["services"]
+    mounts = {}
+    for name in ("drafter", "verifier", "gateway"):
+        for volume in services[name]["volumes"]:
+            src, _, rest = _substitute(volume, {}).partition(":")
+            mounts[rest.split(":")[0]] = (DOCKER / src).resolve()
+    assert set(mounts) >= {"/checkpoints"}
+    paths = {name: {k: _substitute(str(v), {}) for k, v in services[name]["environment"].items()
+                    if k in ("DDTREE_MODEL", "DDTREE_TARGET", "DDTREE_TOKENIZER")}
+             for name in ("drafter", "verifier", "gateway")}
+    for name, env in paths.items():
+        assert env, f"{name}: no model path set"
+        for key, value in env.items():
+            assert value.startswith("/checkpoints/demo/"), f"{name} {key}={value!r}: not the demo pair"
+            host = mounts["/checkpoints"] / value.removeprefix("/checkpoints/")
+            assert (host / "config.json").is_file(), f"{name} {key}: {host} has no config.json"
+    assert (mounts["/checkpoints"] / "demo" / "target" / "tokenizer.json").is_file()
+
+
 def test_compose_services_commands_env_and_health():
     compose = _compose()
     services = compose["services"]
@@ -181,6 +242,8 @@ def test_compose_commands_as_processes_with_two_drafters(default_ckpt, tmp_path)
         m = re.fullmatch(r"([a-z]+):(\d+)", value)
         if m and m.group(1) in hosts:
             return ",".join(f"{h}:{ports.get(m.group(2), m.group(2))}" for h in hosts[m.group(1)])
+        if value.startswith("/checkpoints/"):  # the default mount: the repository's checkpoints/
+            return str(REPO / "checkpoints" / value.removeprefix("/checkpoints/"))
         m = re.fullmatch(r"127\.0\.0\.1:(\d+)", value)
         if m:
             return f"127.0.0.1:{ports.get(m.group(1), m.group(1))}"

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 
-from tools.gen_proto import DEFAULT_OUT, generate
+from scripts.gen_proto import DEFAULT_OUT, generate
 
 
 def test_committed_stubs_are_fresh(tmp_path):
@@ -16,7 +16,7 @@ def test_committed_stubs_are_fresh(tmp_path):
             stale.append(str(rel))
     extra = {p.relative_to(DEFAULT_OUT) for p in (DEFAULT_OUT / "ddtree" / "v1").glob("*_pb2*.py")}
     extra -= {p.relative_to(tmp_path) for p in written}
-    assert not stale, f"stale stubs {stale}: run `python -m tools.gen_proto`"
+    assert not stale, f"stale stubs {stale}: run `python -m scripts.gen_proto`"
     assert not extra, f"stubs without a .proto: {sorted(map(str, extra))}"
 
 

@@ -75,7 +75,7 @@ def _want_hf(args) -> bool:
         import transformers  # noqa: F401
     except ModuleNotFoundError:
         if args.hf == "on":
-            raise SystemExit("--hf on needs transformers: pip install transformers") from None
+            raise SystemExit("--hf on needs transformers: pip install 'ddtree-serve[bench]'") from None
         return False
     # The checkpoint must be on this machine: a private endpoint, or --model named explicitly.
     return args.hf == "on" or bool(args.model) or not (args.verifier or args.gateway)

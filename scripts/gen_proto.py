@@ -1,6 +1,6 @@
 """Generate the Python gRPC stubs of proto/ddtree/v1/*.proto into services/protocol/.
 
-Usage: python -m tools.gen_proto [OUT_DIR]   (default: services/protocol)
+Usage: python -m scripts.gen_proto [OUT_DIR]   (default: services/protocol)
 
 The generated modules import each other as `ddtree.v1.x_pb2`; they are rewritten to import
 `services.protocol.ddtree.v1.x_pb2` so the stubs live inside our package. tests/test_proto_stubs.py

@@ -1,0 +1,1 @@
+"""One-off scripts of the project (corpus building, shipping the demo, stub generation): not installed."""
