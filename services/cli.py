@@ -19,13 +19,13 @@ import sys
 import tempfile
 import threading
 
-from services.config import (DrafterConfig, GatewayConfig, VerifierConfig, add_config_flags, config_from_flags)
+from ddtree.config import DrafterConfig, GatewayConfig, VerifierConfig, add_config_flags, config_from_flags
 
 DEMO_PROMPT = "Write a Python function that returns the n-th Fibonacci number, and explain it briefly."
 
 
 def _default_dirs():
-    from services.models.default_checkpoint import default_checkpoint
+    from ddtree.default_checkpoint import default_checkpoint
     return default_checkpoint()
 
 
@@ -36,13 +36,13 @@ def _set_threads(threads: int) -> None:
 
 
 def _wait(running) -> None:
-    from services.protocol.server import stop_on_signals
+    from ddtree.protocol.server import stop_on_signals
     stop_on_signals(running)
     running.wait()
 
 
 def cmd_drafter(args) -> None:
-    from services.telemetry.logging import configure_logging, get_logger
+    from ddtree.telemetry.logging import configure_logging, get_logger
     cfg = config_from_flags(DrafterConfig, args)
     configure_logging(cfg.log_level, cfg.log_format)
     _set_threads(cfg.threads)
@@ -50,8 +50,8 @@ def cmd_drafter(args) -> None:
     if not model or not target:
         d = _default_dirs()
         model, target = model or str(d.drafter), target or str(d.target)
-    from services.drafter.factory import make_engine
-    from services.drafter.server import serve_engine
+    from ddtree.drafter.factory import make_engine
+    from ddtree.drafter.server import serve_engine
     engine = make_engine(cfg, model, target)
     if cfg.warmup_sequences and hasattr(engine, "warm_up"):
         seconds = engine.warm_up(cfg.warmup_sequences)
@@ -60,19 +60,19 @@ def cmd_drafter(args) -> None:
 
 
 def cmd_verifier(args) -> None:
-    from services.telemetry.logging import configure_logging
+    from ddtree.telemetry.logging import configure_logging
     cfg = config_from_flags(VerifierConfig, args)
     configure_logging(cfg.log_level, cfg.log_format)
     _set_threads(cfg.threads)
-    from services.verifier.server import serve
+    from ddtree.verifier.server import serve
     _wait(serve(cfg, cfg.model or str(_default_dirs().target)))
 
 
 def cmd_gateway(args) -> None:
-    from services.telemetry.logging import configure_logging
+    from ddtree.telemetry.logging import configure_logging
     cfg = config_from_flags(GatewayConfig, args)
     configure_logging(cfg.log_level, cfg.log_format)
-    from services.gateway.server import serve
+    from ddtree.gateway.server import serve
     _wait(serve(cfg, tokenizer_dir=cfg.tokenizer or str(_default_dirs().target)))
 
 
@@ -93,7 +93,7 @@ def cmd_health(args) -> int:
 
 
 def _start_stack(args, log_dir: pathlib.Path):
-    from services.launcher import start_stack
+    from ddtree.launcher import start_stack
     model, drafter = args.model, args.drafter
     if not model or (not drafter and not args.no_drafter):
         d = _default_dirs()
@@ -120,7 +120,7 @@ def cmd_serve(args) -> None:
 
 
 def _options(args):
-    from services.protocol.ddtree.v1 import gateway_pb2
+    from ddtree.protocol.ddtree.v1 import gateway_pb2
     opts = gateway_pb2.GenerationOptions(max_tokens=args.max_tokens, temperature=args.temperature,
                                          top_p=args.top_p, top_k=args.top_k, ignore_eos=args.ignore_eos,
                                          no_spec=args.no_spec, budget=args.budget)
@@ -130,7 +130,7 @@ def _options(args):
 
 
 def _run_client(args, prompt: str, chat: bool, as_json: bool) -> int:
-    from services.client import format_stats, generate
+    from ddtree.client import format_stats, generate
     shown = {"mode": None}
 
     def show(mode: str, text: str) -> None:
@@ -193,9 +193,9 @@ def _add_client_flags(p: argparse.ArgumentParser) -> None:
 
 
 # Commands that live in their own modules: (parent command, name, module with add_parser(subparsers)).
-COMMAND_MODULES = (("train", "target", "tools.train_target"), ("train", "drafter", "tools.train_drafter"),
-                   ("", "bench", "tools.bench"), ("", "diagnose", "tools.diagnose"),
-                   ("", "inspect", "services.models.inspect"))
+COMMAND_MODULES = (("train", "target", "ddtree.tools.train_target"), ("train", "drafter", "ddtree.tools.train_drafter"),
+                   ("", "bench", "ddtree.tools.bench"), ("", "diagnose", "ddtree.tools.diagnose"),
+                   ("", "inspect", "ddtree.tools.inspect"))
 # What the engine install has and the gateway's (docker/requirements-gateway.txt) does not.
 ENGINE_ONLY = frozenset({"torch", "numpy", "safetensors"})
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import grpc
 
-from services.protocol.ddtree.v1 import gateway_pb2, gateway_pb2_grpc
-from services.protocol.server import GRPC_OPTIONS
+from ddtree.protocol.ddtree.v1 import gateway_pb2, gateway_pb2_grpc
+from ddtree.protocol.server import GRPC_OPTIONS
 
 STEP_FIELDS = ("step", "context_tokens", "tree_nodes", "accept_length", "draft_ms", "verify_ms",
                "transport_ms", "total_ms", "feature_bytes")

@@ -13,10 +13,25 @@ import os
 import pathlib
 from typing import Any
 
-from services.verifier.kv_sizing import kv_setting
-
 ENV_PREFIX = "DDTREE_"
 DEFAULT_CHECKPOINT_DIR = pathlib.Path(os.environ.get("DDTREE_HOME", pathlib.Path.home() / ".cache" / "ddtree"))
+
+
+def kv_setting(kv_tokens: int, kv_memory_gb: float, kv_memory_fraction: float) -> str:
+    """The one setting that takes effect; raises ValueError for a bad or conflicting one."""
+    if kv_tokens < 0:
+        raise ValueError(f"kv_tokens must be >= 0 (0 = not set), got {kv_tokens}")
+    if not kv_memory_gb >= 0:
+        raise ValueError(f"kv_memory_gb must be >= 0 (0 = not set), got {kv_memory_gb}")
+    if not 0 <= kv_memory_fraction <= 1:
+        raise ValueError(f"kv_memory_fraction must be in [0, 1] (0 = not set), got {kv_memory_fraction}")
+    given = {"kv_tokens": kv_tokens, "kv_memory_gb": kv_memory_gb, "kv_memory_fraction": kv_memory_fraction}
+    chosen = [name for name, value in given.items() if value > 0]
+    if len(chosen) > 1:
+        flags = ", ".join(f"--{name.replace('_', '-')} {given[name]}" for name in chosen)
+        raise ValueError(f"set only one of --kv-tokens, --kv-memory-gb, --kv-memory-fraction (or their DDTREE_* "
+                         f"variables); got {flags}")
+    return chosen[0] if chosen else "default"
 
 
 @dataclasses.dataclass(frozen=True)

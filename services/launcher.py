@@ -1,7 +1,7 @@
 """Start ddtree services as child processes and find their addresses.
 
 Used by `ddtree serve`, `ddtree generate` (when no gateway is given) and the process-boundary tests.
-Each child is `python -m services.cli <service> --port 0 ...`; it prints `LISTENING <name> host:port`
+Each child is `python -m ddtree.cli <service> --port 0 ...`; it prints `LISTENING <name> host:port`
 on stdout once serving, and logs JSON to stderr, which goes to `<log_dir>/<name>.log`. The first
 LISTENING line is the service's gRPC address (`ServiceProcess.address`); a process may announce more
 endpoints after it (the gateway's `gateway-http`), collected in `ServiceProcess.addresses` by name.
@@ -58,7 +58,7 @@ def start_service(name: str, args: list[str], log_dir: pathlib.Path, env: dict[s
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     log_file = open(log_path, "ab")
-    cmd = [sys.executable, "-m", "services.cli", *args]
+    cmd = [sys.executable, "-m", "ddtree.cli", *args]
     child_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
     popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_file, env=child_env,
                              cwd=pathlib.Path(__file__).resolve().parent.parent)
@@ -129,7 +129,7 @@ class Stack:
     def stop(self) -> dict[str, int]:
         return {p.name: p.stop() for p in reversed(self.processes)}
 
-    def __enter__(self) -> "Stack":
+    def __enter__(self) -> Stack:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -17,13 +17,13 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="session")
 def default_ckpt(tmp_path_factory):
     """The default random checkpoint, built the way first use builds it (DDTREE_HOME or a temp dir)."""
-    from services.models.default_checkpoint import ensure_default_checkpoint
+    from ddtree.default_checkpoint import ensure_default_checkpoint
     base = os.environ.get("DDTREE_TEST_HOME") or tmp_path_factory.mktemp("ddtree-home")
     return ensure_default_checkpoint(pathlib.Path(base))
 
 
 def _stack(default_ckpt, tmp_path_factory, name, drafter_args=(), verifier_args=()):
-    from services.launcher import start_stack
+    from ddtree.launcher import start_stack
     log_dir = tmp_path_factory.mktemp(f"logs-{name}")
     return start_stack(str(default_ckpt.target), str(default_ckpt.drafter), log_dir,
                        drafter_args=tuple(drafter_args), verifier_args=tuple(verifier_args))
@@ -50,7 +50,7 @@ def dflash_stack(default_ckpt, tmp_path_factory):
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory):
     """The default BPE tokenizer (stdlib-trained, Kimi specials), trained once per session."""
-    from services.gateway.default_tokenizer import write_default_tokenizer
+    from ddtree.tokenization.default_tokenizer import write_default_tokenizer
     d = tmp_path_factory.getbasetemp() / "default-tokenizer"
     if not (d / "tokenizer_config.json").is_file():
         write_default_tokenizer(d)
@@ -59,5 +59,5 @@ def tokenizer_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tok(tokenizer_dir):
-    from services.gateway.tokenizer import Tokenizer
+    from ddtree.tokenization.tokenizer import Tokenizer
     return Tokenizer(tokenizer_dir)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 import threading
 
-from services.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
-from services.protocol.server import start_server
+from ddtree.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from ddtree.protocol.server import start_server
 
 
 @dataclasses.dataclass

@@ -7,8 +7,10 @@ import random
 import pytest
 import torch
 
-from services.drafter.tree import TokenTree, build_tree, topk_logprobs
-from services.verifier.accept import Verdict, accept
+from ddtree.contract.token_tree import TokenTree
+from ddtree.contract.verdict import Verdict
+from ddtree.drafter.tree import build_tree, topk_logprobs
+from ddtree.verifier.accept import accept
 
 #        root(100)
 #        /      \

@@ -7,9 +7,8 @@ import grpc
 import pytest
 import torch
 
-from services.protocol.ddtree.v1 import (common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2,
-                                         verifier_pb2_grpc)
-from services.protocol.tensors import tensor_to_proto
+from ddtree.protocol.ddtree.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from ddtree.protocol.tensors import tensor_to_proto
 
 pytestmark = pytest.mark.slow
 
@@ -60,8 +59,8 @@ def test_bad_requests_are_rejected_while_others_stream(oracle_stack, default_ckp
         running = pool.submit(_stream, oracle_stack.verifier, long_req)
         with grpc.insecure_channel(oracle_stack.verifier) as ch:
             stub = verifier_pb2_grpc.VerifierStub(ch)
-            for name, req, fragment in VERIFIER_CASES:
-                _expect(grpc.StatusCode.INVALID_ARGUMENT, fragment, lambda: list(stub.Generate(req, timeout=30)))
+            for _name, req, fragment in VERIFIER_CASES:
+                _expect(grpc.StatusCode.INVALID_ARGUMENT, fragment, lambda req=req: list(stub.Generate(req, timeout=30)))
             _expect(grpc.StatusCode.NOT_FOUND, "no running request",
                     lambda: stub.Abort(verifier_pb2.AbortRequest(request_id="never-started"), timeout=10))
             _expect(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty",
@@ -95,14 +94,14 @@ def _bad_drafts(stub):
     ]
     for msg, fragment in cases:
         _expect(grpc.StatusCode.INVALID_ARGUMENT, fragment,
-                lambda: stub.Draft(drafter_pb2.DraftRequest(seqs=[msg]), timeout=30))
+                lambda msg=msg: stub.Draft(drafter_pb2.DraftRequest(seqs=[msg]), timeout=30))
     dup = drafter_pb2.DraftRequest(seqs=[_seq(), _seq()])
     _expect(grpc.StatusCode.INVALID_ARGUMENT, "twice", lambda: stub.Draft(dup, timeout=30))
 
 
 def test_verifier_rejects_a_malformed_tree_from_the_drafter():
     """A tree whose parent index is not smaller than its own index never reaches the forward."""
-    from services.drafter.tree import TokenTree
+    from ddtree.contract.token_tree import TokenTree
     bad = [TokenTree((5, 6), (0, 2), (1, 2)), TokenTree((5, 6), (0, 1), (1, 3)), TokenTree((5,), (1,), (1,))]
     for tree in bad:
         with pytest.raises(ValueError, match="parent|depth"):

@@ -14,7 +14,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _ddtree(*args, timeout=120):
-    res = subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True, text=True,
+    res = subprocess.run([sys.executable, "-m", "ddtree.cli", *args], capture_output=True, text=True,
                          timeout=timeout, cwd=REPO)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return res.stdout
@@ -74,7 +74,7 @@ DIAG_SIZES = ("--contexts", "16,40", "--tokens", "10", "--drift-context", "16", 
 
 def test_diagnose_reconciles_a_real_run(default_ckpt, tmp_path):
     """A deployment writing a step-log file; a user's request on it is the observed figure."""
-    from tools.bench.runner import VerifierEndpoint, private_verifier
+    from ddtree.tools.bench.runner import VerifierEndpoint, private_verifier
     steps = tmp_path / "steps.jsonl"
     with private_verifier(str(default_ckpt.target), str(default_ckpt.drafter), 512, tmp_path / "deploy",
                           verifier_args=("--step-log", str(steps))) as addr:
@@ -97,7 +97,7 @@ def test_diagnose_reconciles_a_real_run(default_ckpt, tmp_path):
 
 def test_diagnose_window_on_and_off(default_ckpt, tmp_path):
     """A deployment with a 24-token draft window; diagnose starts the window-off control itself."""
-    from tools.bench.runner import private_verifier
+    from ddtree.tools.bench.runner import private_verifier
     with private_verifier(str(default_ckpt.target), str(default_ckpt.drafter), 512, tmp_path / "deploy",
                           drafter_args=("--window", "24")) as addr:
         out = tmp_path / "diag.json"
@@ -112,9 +112,9 @@ def test_diagnose_window_on_and_off(default_ckpt, tmp_path):
 
 
 def test_bench_serving_batching_and_prefix(default_ckpt, tmp_path):
-    """tools.bench_serving's batching (solo, burst, sustained) and prefix parts, tiny sizes."""
+    """scripts.bench_serving's batching (solo, burst, sustained) and prefix parts, tiny sizes."""
     out = tmp_path / "serving.json"
-    res = subprocess.run([sys.executable, "-m", "tools.bench_serving", "--only", "prefix,batching", "--streams", "3",
+    res = subprocess.run([sys.executable, "-m", "scripts.bench_serving", "--only", "prefix,batching", "--streams", "3",
                           "--tokens", "12", "--rounds", "3", "--out", str(out), *_dirs(default_ckpt)],
                          capture_output=True, text=True, timeout=300, cwd=REPO)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -125,6 +125,6 @@ def test_bench_serving_batching_and_prefix(default_ckpt, tmp_path):
     assert b["sustained"]["tau"] >= 1.0 and b["solo"]["tau"] >= 1.0
     p = results["prefix"]
     assert p["same_output"] and p["same_acceptance"] and p["ttft_ratio"] < 1.0  # the second prompt hits the cache
-    bad = subprocess.run([sys.executable, "-m", "tools.bench_serving", "--only", "nonsense"], capture_output=True,
+    bad = subprocess.run([sys.executable, "-m", "scripts.bench_serving", "--only", "nonsense"], capture_output=True,
                          text=True, timeout=60, cwd=REPO)
     assert bad.returncode == 2 and "--only takes" in bad.stderr

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from services.drafter.engine import DraftEngine, SeqDraftInput
-from services.drafter.oracle import noisy_tree
-from services.models.dflash import load_drafter, write_random_drafter
+from ddtree.drafter.engine import DraftEngine, SeqDraftInput
+from ddtree.drafter.oracle import noisy_tree
+from ddtree.models.dflash import load_drafter, write_random_drafter
 
 TARGET = {"hidden_size": 32, "num_hidden_layers": 6, "vocab_size": 64, "rope_theta": 10000.0}
 BLOCK = 5

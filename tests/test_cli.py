@@ -10,14 +10,14 @@ import time
 
 import pytest
 
-from services.cli import build_parser
+from ddtree.cli import build_parser
 
 pytestmark = pytest.mark.slow
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _ddtree(*args, timeout=300, env=None):
-    return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "ddtree.cli", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=REPO, env={**os.environ, **(env or {})})
 
 
@@ -43,7 +43,7 @@ def test_generate_json_through_the_gateway(oracle_stack):
 
 def test_serve_starts_three_services_and_stops_cleanly(default_ckpt, tmp_path):
     env = {"DDTREE_HOME": str(default_ckpt.root.parent)}
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "--log-dir", str(tmp_path),
+    proc = subprocess.Popen([sys.executable, "-m", "ddtree.cli", "serve", "--log-dir", str(tmp_path),
                              "--verifier-args", "--kv-tokens 4096 --max-tree-tokens 32"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
                             env={**os.environ, **env})

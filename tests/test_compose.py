@@ -23,9 +23,9 @@ import grpc
 import pytest
 import yaml
 
-from services.cli import build_parser
-from services.config import DrafterConfig, GatewayConfig, VerifierConfig, config_from_flags, env_var_names
-from services.protocol.ddtree.v1 import gateway_pb2, gateway_pb2_grpc
+from ddtree.cli import build_parser
+from ddtree.config import DrafterConfig, GatewayConfig, VerifierConfig, config_from_flags, env_var_names
+from ddtree.protocol.ddtree.v1 import gateway_pb2, gateway_pb2_grpc
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 DOCKER = REPO / "docker"
@@ -211,7 +211,7 @@ def _free_port(*hosts: str) -> int:
 
 def _start(argv, env, log_path):
     log = open(log_path, "wb")
-    return subprocess.Popen([sys.executable, "-m", "services.cli", *argv], stdout=log, stderr=subprocess.STDOUT,
+    return subprocess.Popen([sys.executable, "-m", "ddtree.cli", *argv], stdout=log, stderr=subprocess.STDOUT,
                             env=env, cwd=REPO)
 
 
@@ -219,7 +219,7 @@ def _wait_healthy(healthcheck, mapping, env, timeout=180):
     argv = [mapping(a) for a in healthcheck[2:]]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if subprocess.run([sys.executable, "-m", "services.cli", *argv], capture_output=True, env=env,
+        if subprocess.run([sys.executable, "-m", "ddtree.cli", *argv], capture_output=True, env=env,
                           cwd=REPO).returncode == 0:
             return
         time.sleep(1)

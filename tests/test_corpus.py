@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from services.gateway.default_tokenizer import SPECIAL_TOKENS
-from services.gateway.tokenizer import Tokenizer
-from tools.build_corpus import EOS, KINDS, build, read_documents, roff_to_text
-from tools.train_tokenizer import write_tokenizer
+from ddtree.tokenization.default_tokenizer import SPECIAL_TOKENS
+from ddtree.tokenization.tokenizer import Tokenizer
+from ddtree.training.tokenizer_training import write_tokenizer
+from scripts.build_corpus import EOS, KINDS, build, read_documents, roff_to_text
 
 SMALL = dict(code_mb=0.3, prose_mb=0.2, chat_mb=0.15, heldout=0.1)
 

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from services.models.default_checkpoint import DEMO_DIR, default_checkpoint
+from ddtree.default_checkpoint import DEMO_DIR, default_checkpoint
 
 pytestmark = pytest.mark.skipif(not (DEMO_DIR / "manifest.json").exists(), reason="no shipped demo pair")
 
@@ -27,9 +27,9 @@ def test_manifest_sizes_and_hashes():
 
 @pytest.fixture(scope="module")
 def demo():
-    from services.gateway.tokenizer import Tokenizer
-    from services.models.dflash import load_drafter
-    from services.models.loader import load_target
+    from ddtree.models.dflash import load_drafter
+    from ddtree.models.loader import load_target
+    from ddtree.tokenization.tokenizer import Tokenizer
     target = load_target(DEMO_DIR / "target")
     load_drafter(DEMO_DIR / "drafter")  # strict load: every tensor present with its shape
     tok = Tokenizer(DEMO_DIR / "target")
@@ -37,9 +37,9 @@ def demo():
 
 
 def _answer(target, tok, messages, tools=None):
-    from services.gateway.parsers.kimi_k2_reasoning import parse_reasoning
-    from services.gateway.parsers.kimi_k2_tools import parse_tool_calls
-    from tools.eval_target import greedy
+    from ddtree.gateway.parsers.kimi_k2_reasoning import parse_reasoning
+    from ddtree.gateway.parsers.kimi_k2_tools import parse_tool_calls
+    from scripts.eval_target import greedy
     prompt = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
     stops = {tok.token_id("<|im_end|>"), tok.token_id("[EOS]")}
     out = greedy(target, tok.encode(prompt), 160, stops)
@@ -56,7 +56,7 @@ def test_chat_answer_has_a_separated_reasoning_section(demo):
 
 
 def test_tool_prompt_yields_a_parsed_kimi_tool_call(demo):
-    from tools.synthetic_chats import _tool_spec
+    from scripts.synthetic_chats import _tool_spec
     target, tok = demo
     _, _, calls = _answer(target, tok, [{"role": "user", "content": "What's the weather like in Paris?"}],
                           tools=[_tool_spec("get_weather")])

@@ -5,10 +5,8 @@ import random
 
 import pytest
 
-from services.gateway.detokenizer import REPLACEMENT, IncrementalDetokenizer
-from services.gateway.tokenizer import Tokenizer
-
-
+from ddtree.gateway.detokenizer import REPLACEMENT, IncrementalDetokenizer
+from ddtree.tokenization.tokenizer import Tokenizer
 
 
 class _NoBytes(Tokenizer):

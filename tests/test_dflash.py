@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from services.drafter.context import DraftContext
-from services.drafter.engine import DraftEngine, SeqDraftInput
-from services.drafter.tree import build_tree, topk_logprobs
-from services.models.dflash import (
+from ddtree.drafter.context import DraftContext
+from ddtree.drafter.engine import DraftEngine, SeqDraftInput
+from ddtree.drafter.tree import build_tree, topk_logprobs
+from ddtree.models.dflash import (
     DFlashConfig,
     DFlashDraftModel,
     default_target_layer_ids,
@@ -430,8 +430,8 @@ def test_batched_draft_equals_one_sequence_at_a_time(ckpt: Path) -> None:
 
 
 def test_drafter_dtype_auto() -> None:
-    from services.config import DrafterConfig, VerifierConfig
-    from services.drafter.factory import drafter_dtype
+    from ddtree.config import DrafterConfig, VerifierConfig
+    from ddtree.drafter.factory import drafter_dtype
     native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
     assert drafter_dtype(DrafterConfig()) == (torch.bfloat16 if native else torch.float32)
     assert drafter_dtype(DrafterConfig(engine="oracle")) == torch.float32  # replays the fp32 verifier's choices
@@ -443,7 +443,7 @@ def test_drafter_dtype_auto() -> None:
 @pytest.mark.parametrize("n,dtype", [(1, torch.float32), (37, torch.float32), (300, torch.bfloat16)])
 def test_grouped_attention_matches_sdpa(n, dtype):
     """The drafter's bmm attention equals torch's SDPA with enable_gqa (fp32 reference)."""
-    from services.models.dflash import grouped_attention
+    from ddtree.models.dflash import grouped_attention
 
     g = torch.Generator().manual_seed(n)
     q = torch.randn(8, 4, 16, generator=g).to(dtype)  # [B, nh, hd]

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from services.telemetry import report
-from services.telemetry.report import Flag, ProfilePoint
-from services.telemetry.step_log import last_requests, open_step_log, parse_step_records, read_step_records
+from ddtree.telemetry import report
+from ddtree.telemetry.report import Flag, ProfilePoint
+from ddtree.telemetry.step_log import last_requests, open_step_log, parse_step_records, read_step_records
 
 
 def rec(rid="r", step=0, ctx=100, accept=2, nodes=16, draft=2.0, verify=5.0, transport=0.5, total=None, fb=1024):
@@ -197,7 +197,8 @@ def test_last_requests_by_last_record():
 # ---- bench output helpers ----------------------------------------------------------------------------
 def test_plot_without_matplotlib_says_what_to_install(monkeypatch):
     import sys
-    from tools.bench.output import pyplot
+
+    from ddtree.tools.bench.output import pyplot
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(SystemExit, match=r"ddtree-serve\[bench\].*--no-plot"):
         pyplot()
@@ -205,7 +206,8 @@ def test_plot_without_matplotlib_says_what_to_install(monkeypatch):
 
 def test_progress_and_table():
     import io
-    from tools.bench.output import Progress, format_table
+
+    from ddtree.tools.bench.output import Progress, format_table
     buf = io.StringIO()
     bar = Progress(2, "x", stream=buf, width=4)
     bar.advance("a")

@@ -4,16 +4,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.config import DrafterConfig, VerifierConfig
-from services.drafter.factory import make_engine
-from services.drafter.server import serve_engine
-from services.models.loader import load_target
-from services.verifier.draft_overlap import overlapping, split_drafts
-from services.verifier.drafter_pool import DrafterPool
-from services.verifier.kv_pool import LatentKVPool
-from services.verifier.sampling import SamplingConfig
-from services.verifier.scheduler import Scheduler
-from services.verifier.sequence import GenerateParams, Sequence
+from ddtree.config import DrafterConfig, VerifierConfig
+from ddtree.contract.sampling_params import SamplingConfig
+from ddtree.drafter.factory import make_engine
+from ddtree.drafter.server import serve_engine
+from ddtree.models.loader import load_target
+from ddtree.verifier.draft_overlap import overlapping, split_drafts
+from ddtree.verifier.drafter_pool import DrafterPool
+from ddtree.verifier.kv_pool import LatentKVPool
+from ddtree.verifier.scheduler import Scheduler
+from ddtree.verifier.sequence import GenerateParams, Sequence
 
 
 def _split(needing, with_tree):

@@ -5,11 +5,11 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from services.config import DrafterConfig
-from services.drafter.server import serve_engine
-from services.drafter.tree import TokenTree
-from services.launcher import start_service
-from services.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from ddtree.config import DrafterConfig
+from ddtree.contract.token_tree import TokenTree
+from ddtree.drafter.server import serve_engine
+from ddtree.launcher import start_service
+from ddtree.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 
 pytestmark = pytest.mark.slow
 

@@ -7,8 +7,8 @@ import concurrent.futures as cf
 import grpc
 import pytest
 
-from services.launcher import start_service
-from services.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from ddtree.launcher import start_service
+from ddtree.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from tests.test_metrics import _metrics_port, _scrape
 
 pytestmark = pytest.mark.slow

@@ -12,8 +12,8 @@ import concurrent.futures as cf
 import grpc
 import pytest
 
-from services.gateway.tokenizer import Tokenizer
-from services.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from ddtree.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from ddtree.tokenization.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -94,7 +94,7 @@ def test_oracle_accept_histogram_covers_zero_partial_full(oracle_stack, prompt_i
 def test_dflash_drafter_lossless(dflash_stack, oracle_stack, prompt_ids, ar_reference, budget, concurrency):
     # Same checkpoint, other verifier process: its AR output must match the reference too.
     results = _run_all(dflash_stack.verifier, prompt_ids, budget, concurrency)
-    for i, (tokens, steps, last) in enumerate(results):
+    for i, (tokens, steps, _last) in enumerate(results):
         assert tokens == ar_reference[i], f"prompt {i} budget {budget}: DDTree (DFlash) differs from AR"
         assert steps and all(0 < s.tree_nodes <= budget for s in steps)
         assert all(s.feature_bytes > 0 for s in steps), "features must travel to the drafter every step"

@@ -15,9 +15,9 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2
 
-from services.config import GatewayConfig
-from services.gateway.server import serve
-from services.protocol.ddtree.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from ddtree.config import GatewayConfig
+from ddtree.gateway.server import serve
+from ddtree.protocol.ddtree.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.fakes import script_for, start_fake_verifier
 
 KEY = "sk-test-key"

@@ -11,7 +11,7 @@ import grpc
 import openai
 import pytest
 
-from services.protocol.ddtree.v1 import gateway_pb2, gateway_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from ddtree.protocol.ddtree.v1 import gateway_pb2, gateway_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
 pytestmark = pytest.mark.slow
 MODEL = "ddtree-demo"

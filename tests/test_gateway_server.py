@@ -13,12 +13,11 @@ import socket
 import grpc
 import pytest
 
-from services.config import GatewayConfig, add_config_flags, config_from_flags
-from services.gateway.parsers.kimi_k2_reasoning import KimiK2ReasoningParser, parse_reasoning
-from services.gateway.parsers.kimi_k2_tools import (MARKERS, KimiK2ToolParser, ToolCall, merge_deltas,
-                                                    parse_tool_calls)
-from services.gateway.server import StopMatcher, serve
-from services.protocol.ddtree.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from ddtree.config import GatewayConfig, add_config_flags, config_from_flags
+from ddtree.gateway.parsers.kimi_k2_reasoning import KimiK2ReasoningParser, parse_reasoning
+from ddtree.gateway.parsers.kimi_k2_tools import MARKERS, KimiK2ToolParser, ToolCall, merge_deltas, parse_tool_calls
+from ddtree.gateway.server import StopMatcher, serve
+from ddtree.protocol.ddtree.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.fakes import script_for, start_fake_verifier
 
 IM_END, EOS = 2, 1

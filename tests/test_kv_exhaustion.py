@@ -10,12 +10,12 @@ import grpc
 import pytest
 import torch
 
-from services.config import VerifierConfig
-from services.models.loader import load_target
-from services.verifier.kv_pool import LatentKVPool
-from services.verifier.sampling import SamplingConfig
-from services.verifier.scheduler import AdmissionError, Scheduler
-from services.verifier.sequence import GenerateParams, Sequence
+from ddtree.config import VerifierConfig
+from ddtree.contract.sampling_params import SamplingConfig
+from ddtree.models.loader import load_target
+from ddtree.verifier.kv_pool import LatentKVPool
+from ddtree.verifier.scheduler import AdmissionError, Scheduler
+from ddtree.verifier.sequence import GenerateParams, Sequence
 
 PROMPT, NEW = 100, 40  # each request reserves 100 + 40 + 0 + 1 = 141 slots (AR: budget 0)
 

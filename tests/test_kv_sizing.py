@@ -5,9 +5,16 @@ import types
 
 import pytest
 
-from services.config import VerifierConfig, config_from_flags
-from services.verifier.kv_sizing import (DEFAULT_KV_TOKENS, GIB, KVSize, free_device_memory, kv_bytes_per_token,
-                                         kv_setting, kv_size_for, size_kv_pool)
+from ddtree.config import VerifierConfig, config_from_flags, kv_setting
+from ddtree.verifier.kv_sizing import (
+    DEFAULT_KV_TOKENS,
+    GIB,
+    KVSize,
+    free_device_memory,
+    kv_bytes_per_token,
+    kv_size_for,
+    size_kv_pool,
+)
 
 V3 = kv_bytes_per_token(61, 512, 64, 2)   # DeepSeek-V3 / Kimi-K2 in bf16
 

@@ -8,7 +8,7 @@ import urllib.request
 import grpc
 import pytest
 
-from services.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from ddtree.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,7 @@ def _metrics_port(log_path) -> int:
 
 
 def test_verifier_and_drafter_metrics(default_ckpt, tmp_path):
-    from services.launcher import start_stack
+    from ddtree.launcher import start_stack
     with start_stack(str(default_ckpt.target), str(default_ckpt.drafter), tmp_path,
                      verifier_args=("--metrics-port", "0"), drafter_args=("--metrics-port", "0")) as stack:
         vport = _metrics_port(stack.get("verifier").log_path)

@@ -10,16 +10,16 @@ import grpc
 import pytest
 import torch
 
-from services.config import DrafterConfig, VerifierConfig
-from services.drafter.factory import make_engine
-from services.drafter.server import serve_engine
-from services.models.loader import load_target
-from services.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
-from services.protocol.server import start_server
-from services.verifier.drafter_pool import DrafterPool
-from services.verifier.kv_pool import LatentKVPool
-from services.verifier.scheduler import Scheduler
-from services.verifier.server import VerifierServicer
+from ddtree.config import DrafterConfig, VerifierConfig
+from ddtree.drafter.factory import make_engine
+from ddtree.drafter.server import serve_engine
+from ddtree.models.loader import load_target
+from ddtree.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from ddtree.protocol.server import start_server
+from ddtree.verifier.drafter_pool import DrafterPool
+from ddtree.verifier.kv_pool import LatentKVPool
+from ddtree.verifier.scheduler import Scheduler
+from ddtree.verifier.server import VerifierServicer
 
 pytestmark = pytest.mark.slow
 

@@ -10,10 +10,10 @@ import grpc
 import pytest
 import torch
 
-from services.drafter.tree import TokenTree
-from services.verifier.kv_pool import KVPoolExhausted, LatentKVPool
-from services.verifier.page_table import PageTable, check_accounting
-from services.verifier.prefix_cache import PrefixCache
+from ddtree.contract.token_tree import TokenTree
+from ddtree.verifier.kv_pool import KVPoolExhausted, LatentKVPool
+from ddtree.verifier.page_table import PageTable, check_accounting
+from ddtree.verifier.prefix_cache import PrefixCache
 
 PAGE_SIZES = [1, 4, 16]
 
@@ -192,10 +192,10 @@ def test_paged_prefix_cache_random_traffic_matches_brute_force():
 
 def _decode(model, page_size: int, prompt: list[int], trees, steps: int):
     """Prefill, then `steps` verifies of trees(seq) (greedy); returns the sequence and its pool."""
-    from services.verifier.batch import PrefillItem, VerifyItem, run_batch
-    from services.verifier.commit import commit_prefill, commit_verify
-    from services.verifier.sampling import SamplingConfig
-    from services.verifier.sequence import GenerateParams, Sequence
+    from ddtree.contract.sampling_params import SamplingConfig
+    from ddtree.verifier.batch import PrefillItem, VerifyItem, run_batch
+    from ddtree.verifier.commit import commit_prefill, commit_verify
+    from ddtree.verifier.sequence import GenerateParams, Sequence
 
     cfg = model.config
     pool = LatentKVPool(cfg.num_hidden_layers, 256, cfg.kv_cache_width, torch.float32, "cpu", page_size=page_size)
@@ -214,7 +214,7 @@ def test_tree_verify_with_pages_leaves_the_same_kv_as_page_size_one(default_ckpt
     """Trees that put a wrong branch first, so the accepted path is off the chain of rows and every
     accepted node's latents must be copied into place; the KV of the committed tokens must equal page
     size 1's (same computation, other slots) and AR decoding's."""
-    from services.models.loader import load_target
+    from ddtree.models.loader import load_target
 
     model = load_target(default_ckpt.target).eval()
     V = model.config.vocab_size
@@ -259,7 +259,7 @@ PAGED = [4, 16]
 @pytest.fixture(scope="module")
 def paged_verifiers(default_ckpt, tmp_path_factory):
     """One oracle drafter (the oracle_stack's seed) and a verifier per page size, debug checks on."""
-    from services.launcher import start_service
+    from ddtree.launcher import start_service
 
     log_dir = tmp_path_factory.mktemp("logs-paged")
     procs = [start_service("drafter", ["drafter", "--model", str(default_ckpt.drafter), "--target",
@@ -278,7 +278,7 @@ def paged_verifiers(default_ckpt, tmp_path_factory):
 
 
 def _generate(address: str, ids: list[int], request_id: str, budget: int, max_new: int = 24):
-    from services.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+    from ddtree.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 
     req = verifier_pb2.GenerateRequest(request_id=request_id, input_ids=ids, max_new_tokens=max_new,
                                        ignore_eos=True, spec=common_pb2.SpecOptions(no_spec=budget == 0, budget=budget))
@@ -315,7 +315,7 @@ def test_paged_verifier_matches_page_size_one_and_ar(oracle_stack, paged_verifie
 
 @pytest.mark.slow
 def test_paged_prefix_hits_reuse_whole_pages(paged_verifiers):
-    from services.protocol.ddtree.v1 import verifier_pb2, verifier_pb2_grpc
+    from ddtree.protocol.ddtree.v1 import verifier_pb2, verifier_pb2_grpc
 
     ids = [(37 * i) % 3000 + 50 for i in range(300)]
     for P, proc in paged_verifiers.items():
@@ -337,14 +337,14 @@ def test_paged_prefix_hits_reuse_whole_pages(paged_verifiers):
 def test_paged_scheduler_returns_the_pool_to_empty(default_ckpt):
     """Mixed traffic on page size 4 (shared prefixes, aborts, AR and speculative requests), accounting
     checked after every step; then everything is free once the cache is evicted."""
-    from services.config import DrafterConfig, VerifierConfig
-    from services.drafter.factory import make_engine
-    from services.drafter.server import serve_engine
-    from services.models.loader import load_target
-    from services.verifier.drafter_pool import DrafterPool
-    from services.verifier.sampling import SamplingConfig
-    from services.verifier.scheduler import Scheduler
-    from services.verifier.sequence import GenerateParams, Sequence
+    from ddtree.config import DrafterConfig, VerifierConfig
+    from ddtree.contract.sampling_params import SamplingConfig
+    from ddtree.drafter.factory import make_engine
+    from ddtree.drafter.server import serve_engine
+    from ddtree.models.loader import load_target
+    from ddtree.verifier.drafter_pool import DrafterPool
+    from ddtree.verifier.scheduler import Scheduler
+    from ddtree.verifier.sequence import GenerateParams, Sequence
 
     dcfg = DrafterConfig(port=0, grace_s=0.0, engine="oracle")
     drafter = serve_engine(make_engine(dcfg, str(default_ckpt.drafter), str(default_ckpt.target)), dcfg)

@@ -12,10 +12,10 @@ import re
 
 import pytest
 
-from services.gateway.parsers import ToolCall, merge_deltas
-from services.gateway.parsers import deepseek_v3_tools as ds
-from services.gateway.parsers import kimi_k2_tools as kimi
-from services.gateway.parsers.registry import OutputParsers, check_names, parse_output
+from ddtree.gateway.parsers import ToolCall, merge_deltas
+from ddtree.gateway.parsers import deepseek_v3_tools as ds
+from ddtree.gateway.parsers import kimi_k2_tools as kimi
+from ddtree.gateway.parsers.registry import OutputParsers, check_names, parse_output
 
 
 def _kimi_call(name, idx, args):

@@ -5,8 +5,8 @@ import random
 
 import torch
 
-from services.verifier.kv_pool import LatentKVPool
-from services.verifier.prefix_cache import PrefixCache
+from ddtree.verifier.kv_pool import LatentKVPool
+from ddtree.verifier.prefix_cache import PrefixCache
 
 
 def _check(cache: PrefixCache, pool: LatentKVPool, held: int) -> None:

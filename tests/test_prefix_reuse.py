@@ -4,7 +4,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from services.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from ddtree.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 
 pytestmark = pytest.mark.slow
 

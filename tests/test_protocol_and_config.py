@@ -6,11 +6,17 @@ import argparse
 import pytest
 import torch
 
-from services.config import (DrafterConfig, GatewayConfig, VerifierConfig, add_config_flags,
-                             config_from_flags, env_var_names)
-from services.protocol.ddtree.v1 import common_pb2
-from services.protocol.tensors import tensor_from_proto, tensor_to_proto
-from services.verifier.kv_pool import KVPoolExhausted, LatentKVPool
+from ddtree.config import (
+    DrafterConfig,
+    GatewayConfig,
+    VerifierConfig,
+    add_config_flags,
+    config_from_flags,
+    env_var_names,
+)
+from ddtree.protocol.ddtree.v1 import common_pb2
+from ddtree.protocol.tensors import tensor_from_proto, tensor_to_proto
+from ddtree.verifier.kv_pool import KVPoolExhausted, LatentKVPool
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64])

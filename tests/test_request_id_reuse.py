@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import torch
 
-from services.config import VerifierConfig
-from services.models.loader import load_target
-from services.protocol.ddtree.v1 import verifier_pb2
-from services.verifier.kv_pool import LatentKVPool
-from services.verifier.sampling import SamplingConfig
-from services.verifier.scheduler import Scheduler
-from services.verifier.sequence import GenerateParams, Sequence
-from services.verifier.server import VerifierServicer
+from ddtree.config import VerifierConfig
+from ddtree.contract.sampling_params import SamplingConfig
+from ddtree.models.loader import load_target
+from ddtree.protocol.ddtree.v1 import verifier_pb2
+from ddtree.verifier.kv_pool import LatentKVPool
+from ddtree.verifier.scheduler import Scheduler
+from ddtree.verifier.sequence import GenerateParams, Sequence
+from ddtree.verifier.server import VerifierServicer
 
 REUSES = 50
 TOKENS = 48

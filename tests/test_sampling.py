@@ -7,9 +7,10 @@ import math
 import pytest
 import torch
 
-from services.drafter.tree import TokenTree
-from services.verifier.accept import accept
-from services.verifier.sampling import SamplingConfig, make_generator, sampling_probs, target_choices
+from ddtree.contract.sampling_params import SamplingConfig
+from ddtree.contract.token_tree import TokenTree
+from ddtree.verifier.accept import accept
+from ddtree.verifier.sampling import make_generator, sampling_probs, target_choices
 
 
 def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:

@@ -7,21 +7,21 @@ and third tokens then come from the sample-at-every-node walk, not only from roo
 """
 from __future__ import annotations
 
-
 import pytest
 import torch
 
-from services.config import DrafterConfig, VerifierConfig
-from services.drafter.oracle import OracleDraftEngine
-from services.drafter.server import serve_engine
-from services.models.attention import AttentionMetadata, SeqAttention
-from services.models.loader import load_target
-from services.models.random_checkpoint import DEFAULT_TARGET_CONFIG, write_random_target
-from services.verifier.drafter_client import DrafterClient
-from services.verifier.kv_pool import LatentKVPool
-from services.verifier.sampling import SamplingConfig, sampling_probs
-from services.verifier.scheduler import Scheduler
-from services.verifier.sequence import GenerateParams, Sequence
+from ddtree.config import DrafterConfig, VerifierConfig
+from ddtree.contract.sampling_params import SamplingConfig
+from ddtree.drafter.oracle import OracleDraftEngine
+from ddtree.drafter.server import serve_engine
+from ddtree.models.attention import AttentionMetadata, SeqAttention
+from ddtree.models.loader import load_target
+from ddtree.models.random_checkpoint import DEFAULT_TARGET_CONFIG, write_random_target
+from ddtree.verifier.drafter_client import DrafterClient
+from ddtree.verifier.kv_pool import LatentKVPool
+from ddtree.verifier.sampling import sampling_probs
+from ddtree.verifier.scheduler import Scheduler
+from ddtree.verifier.sequence import GenerateParams, Sequence
 
 VOCAB = 8
 PROMPT = (1, 5, 2)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from services.config import VerifierConfig
-from services.models.loader import load_target
-from services.verifier.kv_pool import LatentKVPool
-from services.verifier.sampling import SamplingConfig
-from services.verifier.scheduler import Scheduler
-from services.verifier.sequence import GenerateParams, Sequence
+from ddtree.config import VerifierConfig
+from ddtree.contract.sampling_params import SamplingConfig
+from ddtree.models.loader import load_target
+from ddtree.verifier.kv_pool import LatentKVPool
+from ddtree.verifier.scheduler import Scheduler
+from ddtree.verifier.sequence import GenerateParams, Sequence
 
 
 def _run(model, prompts, prefill_chunk, max_new):

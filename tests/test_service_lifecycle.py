@@ -10,8 +10,15 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from services.protocol.ddtree.v1 import (common_pb2, drafter_pb2, drafter_pb2_grpc, gateway_pb2, gateway_pb2_grpc,
-                                         verifier_pb2, verifier_pb2_grpc)
+from ddtree.protocol.ddtree.v1 import (
+    common_pb2,
+    drafter_pb2,
+    drafter_pb2_grpc,
+    gateway_pb2,
+    gateway_pb2_grpc,
+    verifier_pb2,
+    verifier_pb2_grpc,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -20,7 +27,7 @@ SERVICE_NAMES = {"drafter": "ddtree.v1.Drafter", "verifier": "ddtree.v1.Verifier
 
 @pytest.fixture(scope="module")
 def stack(default_ckpt, tmp_path_factory):
-    from services.launcher import start_stack
+    from ddtree.launcher import start_stack
     s = start_stack(str(default_ckpt.target), str(default_ckpt.drafter), tmp_path_factory.mktemp("lifecycle"),
                     verifier_args=("--grace-s", "30"), drafter_args=("--window", "8"))
     yield s
@@ -108,7 +115,7 @@ def test_step_records_are_structlog_json(stack):
 
 def test_sigterm_lets_in_flight_requests_finish(default_ckpt, tmp_path):
     """SIGTERM: health turns NOT_SERVING, new calls are refused, the running stream completes, exit 0."""
-    from services.launcher import start_service
+    from ddtree.launcher import start_service
     verifier = start_service("verifier", ["verifier", "--model", str(default_ckpt.target), "--port", "0",
                                           "--grace-s", "60"], tmp_path)
     try:

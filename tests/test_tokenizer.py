@@ -9,9 +9,13 @@ import sys
 
 import pytest
 
-from services.gateway.chat_template import ChatTemplate, render_chat, validate_messages
-from services.gateway.default_tokenizer import (KIMI_K2_CHAT_TEMPLATE, MASK_TOKEN, SPECIAL_TOKENS, VOCAB_SIZE,
-                                                write_default_tokenizer)
+from ddtree.tokenization.chat_template import ChatTemplate, render_chat, validate_messages
+from ddtree.tokenization.default_tokenizer import (
+    KIMI_K2_CHAT_TEMPLATE,
+    MASK_TOKEN,
+    SPECIAL_TOKENS,
+    VOCAB_SIZE,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -22,7 +26,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _train_in_subprocess(out_dir, rayon_threads: str) -> None:
     # A fresh process gets fresh Rust hash seeds; a different thread count changes the work split.
     env = dict(os.environ, RAYON_NUM_THREADS=rayon_threads, PYTHONHASHSEED=rayon_threads)
-    code = "import sys; from services.gateway.default_tokenizer import write_default_tokenizer as w; w(sys.argv[1])"
+    code = "import sys; from ddtree.tokenization.default_tokenizer import write_default_tokenizer as w; w(sys.argv[1])"
     subprocess.run([sys.executable, "-c", code, str(out_dir)], cwd=REPO, env=env, check=True, timeout=120)
 
 

@@ -10,12 +10,12 @@ import shutil
 import grpc
 import pytest
 
-from services.config import GatewayConfig
-from services.gateway.default_tokenizer import KIMI_K2_CHAT_TEMPLATE, write_default_tokenizer
-from services.gateway.detokenizer import REPLACEMENT, IncrementalDetokenizer
-from services.gateway.server import serve
-from services.gateway.tokenizer import MAX_RUN_CHARS, Tokenizer
-from services.protocol.ddtree.v1 import gateway_pb2, gateway_pb2_grpc
+from ddtree.config import GatewayConfig
+from ddtree.gateway.detokenizer import REPLACEMENT, IncrementalDetokenizer
+from ddtree.gateway.server import serve
+from ddtree.protocol.ddtree.v1 import gateway_pb2, gateway_pb2_grpc
+from ddtree.tokenization.default_tokenizer import KIMI_K2_CHAT_TEMPLATE, write_default_tokenizer
+from ddtree.tokenization.tokenizer import MAX_RUN_CHARS, Tokenizer
 from tests.fakes import script_for, start_fake_verifier
 
 # Offsets from the first special id, as in Kimi K2 (163584 + offset; model.md §6).

@@ -15,19 +15,19 @@ import torch
 import torch.multiprocessing as tmp
 from safetensors.torch import load_file, save_file
 
-from services.drafter.tree import TokenTree
-from services.models.attention import AttentionMetadata, SeqAttention
-from services.models.config import DeepseekV3Config
-from services.models.deepseek_v3 import DeepseekV3ForCausalLM
-from services.models.loader import load_target
-from services.models.parallel.layers import combine_shard_argmax, shard_argmax
-from services.models.parallel.process_group import destroy_tp, init_tp
-from services.models.parallel.shard_plan import ShardPlan
-from services.models.parallel.step_message import StepInputs, decode, encode, from_runs, runs
-from services.models.parallel.tp_model import TensorParallelModel, build_tp_model, load_tp_model
-from services.models.random_checkpoint import DEFAULT_TARGET_CONFIG, write_random_target
-from services.verifier.tp_worker import worker_loop
-from services.verifier.tree_mask import tree_input_ids, tree_mask, tree_positions
+from ddtree.contract.token_tree import TokenTree
+from ddtree.models.attention import AttentionMetadata, SeqAttention
+from ddtree.models.config import DeepseekV3Config
+from ddtree.models.deepseek_v3 import DeepseekV3ForCausalLM
+from ddtree.models.loader import load_target
+from ddtree.models.parallel.layers import combine_shard_argmax, shard_argmax
+from ddtree.models.parallel.process_group import destroy_tp, init_tp
+from ddtree.models.parallel.shard_plan import ShardPlan
+from ddtree.models.parallel.step_message import StepInputs, decode, encode, from_runs, runs
+from ddtree.models.parallel.tp_model import TensorParallelModel, build_tp_model, load_tp_model
+from ddtree.models.random_checkpoint import DEFAULT_TARGET_CONFIG, write_random_target
+from ddtree.verifier.tp_worker import worker_loop
+from ddtree.verifier.tree_mask import tree_input_ids, tree_mask, tree_positions
 from tests.compare import assert_close
 
 WORLD = 2

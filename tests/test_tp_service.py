@@ -19,9 +19,9 @@ import time
 import grpc
 import pytest
 
-from services.gateway.tokenizer import Tokenizer
-from services.launcher import start_service
-from services.models.parallel.process_group import free_port
+from ddtree.launcher import start_service
+from ddtree.models.parallel.process_group import free_port
+from ddtree.tokenization.tokenizer import Tokenizer
 from tests.test_e2e_lossless import PROMPTS, _generate
 
 pytestmark = pytest.mark.slow
@@ -77,7 +77,7 @@ def test_ranks_launched_by_environment(default_ckpt, oracle_stack, prompt_ids, t
     dist_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
     args = ["verifier", "--model", str(default_ckpt.target), "--tp", "2", "--log-format", "json", *VERIFIER_ARGS]
     with open(tmp_path / "rank1.log", "wb") as log:
-        rank1 = subprocess.Popen([sys.executable, "-m", "services.cli", *args], stdout=subprocess.DEVNULL, stderr=log,
+        rank1 = subprocess.Popen([sys.executable, "-m", "ddtree.cli", *args], stdout=subprocess.DEVNULL, stderr=log,
                                  env={**os.environ, **dist_env, "RANK": "1"}, cwd=REPO)
     try:
         rank0 = start_service("verifier", args, tmp_path, env={**dist_env, "RANK": "0"})
@@ -147,7 +147,7 @@ def _alive(pid: int) -> bool:
 
 
 def _stream(address, ids):
-    from services.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+    from ddtree.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
     with grpc.insecure_channel(address) as ch:
         req = verifier_pb2.GenerateRequest(input_ids=ids, max_new_tokens=1900, ignore_eos=True,
                                            spec=common_pb2.SpecOptions(no_spec=True))

@@ -18,22 +18,26 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import services.drafter.engine as engine_module
-from services.config import DrafterConfig
-from services.drafter.engine import DraftEngine, SeqDraftInput
-from services.drafter.factory import make_engine
-from services.models.dflash import load_drafter, write_random_drafter
-from services.models.loader import load_target
-from services.models.random_checkpoint import DEFAULT_TARGET_CONFIG, write_random_target
-from services.training.drafter_data import (BatchPool, DataSpec, TargetRunner, TokenStream, make_batch,
-                                            sample_windows)
-from services.training.drafter_forward import (block_attention_mask, block_hidden, block_inputs, block_labels,
-                                               sample_anchors)
-from services.training.drafter_loss import block_loss, depth_weights
-from services.training.drafter_trainer import DrafterTrainer
+import ddtree.drafter.engine as engine_module
+from ddtree.config import DrafterConfig
+from ddtree.drafter.engine import DraftEngine, SeqDraftInput
+from ddtree.drafter.factory import make_engine
+from ddtree.models.dflash import load_drafter, write_random_drafter
+from ddtree.models.loader import load_target
+from ddtree.models.random_checkpoint import DEFAULT_TARGET_CONFIG, write_random_target
+from ddtree.tools.train_drafter import add_arguments
+from ddtree.training.drafter_data import BatchPool, DataSpec, TargetRunner, TokenStream, make_batch, sample_windows
+from ddtree.training.drafter_forward import (
+    block_attention_mask,
+    block_hidden,
+    block_inputs,
+    block_labels,
+    sample_anchors,
+)
+from ddtree.training.drafter_loss import block_loss, depth_weights
+from ddtree.training.drafter_trainer import DrafterTrainer
+from scripts.eval_drafter import measure_tau
 from tests.compare import assert_close
-from tools.eval_drafter import measure_tau
-from tools.train_drafter import add_arguments
 
 VOCAB = 128
 TINY = {**DEFAULT_TARGET_CONFIG, "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128,
@@ -245,7 +249,7 @@ def test_pool_batches_are_deterministic_and_cached(tmp_path):
 
 
 def _fake_batch(i):
-    from services.training.drafter_data import TargetBatch
+    from ddtree.training.drafter_data import TargetBatch
     g = torch.Generator().manual_seed(i)
     return TargetBatch(torch.randint(0, 9, (2, 12), generator=g), torch.randn(2, 12, 4, generator=g),
                        torch.randint(0, 9, (2, 12), generator=g), 3)

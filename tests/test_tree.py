@@ -8,8 +8,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from services.drafter.tree import TokenTree, build_tree, topk_logprobs
-from services.verifier.tree_mask import tree_input_ids, tree_mask, tree_positions
+from ddtree.contract.token_tree import TokenTree
+from ddtree.drafter.tree import build_tree, topk_logprobs
+from ddtree.verifier.tree_mask import tree_input_ids, tree_mask, tree_positions
 
 
 def random_table(depth: int, width: int, vocab: int, seed: int, quantize: float | None = None):

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from services.verifier.tree_budget import allocate_nodes, tree_budget
+from ddtree.verifier.tree_budget import allocate_nodes, tree_budget
 from tests.test_e2e_lossless import _generate
 
 CAP = 24
@@ -71,8 +71,8 @@ def test_allocate_nodes_lends_nodes_to_the_uncertain_tree():
 def _ar_then_concurrent(ckpt, tmp_path, texts, max_new, drafter_args=()):
     """On one capped stack: each prompt alone with AR, then all four at once with DDTree (budget 16).
     Returns (AR tokens per prompt, (tokens, step records) per concurrent run)."""
-    from services.gateway.tokenizer import Tokenizer
-    from services.launcher import start_stack
+    from ddtree.launcher import start_stack
+    from ddtree.tokenization.tokenizer import Tokenizer
     tok = Tokenizer(ckpt.target)
     prompts = [tok.encode(t) for t in texts]
     with start_stack(str(ckpt.target), str(ckpt.drafter), tmp_path, drafter_args=drafter_args,

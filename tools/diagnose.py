@@ -22,14 +22,14 @@ import time
 
 import grpc
 
-from services.protocol.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
-from services.protocol.server import GRPC_OPTIONS
-from services.telemetry import report
-from services.telemetry.step_log import last_requests, read_step_records
-from tools.bench.context import measure_context, parse_ints, profile_point, warm_up
-from tools.bench.output import Progress, format_table, save_json
-from tools.bench.prompts import make_prompts
-from tools.bench.runner import VerifierEndpoint, load_tokenizer, make_log_dir, private_verifier
+from ddtree.protocol.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
+from ddtree.protocol.server import GRPC_OPTIONS
+from ddtree.telemetry import report
+from ddtree.telemetry.step_log import last_requests, read_step_records
+from ddtree.tools.bench.context import measure_context, parse_ints, profile_point, warm_up
+from ddtree.tools.bench.output import Progress, format_table, save_json
+from ddtree.tools.bench.prompts import make_prompts
+from ddtree.tools.bench.runner import VerifierEndpoint, load_tokenizer, make_log_dir, private_verifier
 
 PROFILE_HEADERS = ["context", "tau", "step ms", "draft", "verify", "transport", "tok/s", "AR tok/s", "AR step ms",
                    "speedup"]
@@ -55,7 +55,7 @@ def window_off_endpoint(args, max_context: int):
         finally:
             ep.close()
     elif args.start_window_off:
-        from tools.bench.runner import checkpoint_dirs
+        from ddtree.tools.bench.runner import checkpoint_dirs
         model, drafter = checkpoint_dirs(argparse.Namespace(model=args.model, drafter=args.drafter_model))
         log_dir = make_log_dir(args)
         print(f"starting a window-off drafter + verifier (logs in {log_dir}) ...", flush=True)

@@ -1,7 +1,7 @@
 """`ddtree train drafter`: DFlash training of a drafter for any target the loader supports.
 
-    python -m tools.train_drafter --target DIR --corpus DIR --run-dir runs/drafter --minutes 30
-    python -m tools.train_drafter ... --resume          # continue from runs/drafter/checkpoint.pt
+    python -m ddtree.tools.train_drafter --target DIR --corpus DIR --run-dir runs/drafter --minutes 30
+    python -m ddtree.tools.train_drafter ... --resume          # continue from runs/drafter/checkpoint.pt
 
 The target stays frozen. Each micro-batch is S sequences with the target's taps and greedy choices
 at every position (services/training/drafter_data.py: by default the target's own greedy
@@ -102,7 +102,7 @@ def settings(args: argparse.Namespace) -> argparse.Namespace:
 def train(args: argparse.Namespace) -> dict:
     import signal
 
-    from services.training.drafter_trainer import DrafterTrainer
+    from ddtree.training.drafter_trainer import DrafterTrainer
 
     def stop(signum, frame):  # SIGTERM ends the run like Ctrl-C: checkpoint + export, then exit
         raise KeyboardInterrupt
@@ -112,7 +112,7 @@ def train(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tools.train_drafter", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m ddtree.tools.train_drafter", description=__doc__.split("\n\n")[0])
     add_arguments(p)
     args = p.parse_args(argv)
     try:

@@ -1,5 +1,5 @@
 """`ddtree train target`: train the demo target (our DeepseekV3ForCausalLM: MLA + MoE + YaRN) from scratch on
-the CPU, on a corpus written by `python -m tools.build_corpus`.
+the CPU, on a corpus written by `python -m scripts.build_corpus`.
 
     ddtree train target --corpus DIR --out RUN_DIR [--config JSON] [--steps N] [--seq-len L] [--batch B]
                         [--lr LR] [--resume] [--minutes M]
@@ -7,7 +7,7 @@ the CPU, on a corpus written by `python -m tools.build_corpus`.
 RUN_DIR gets `tokenizer/` (trained on the corpus unless --tokenizer is given), `tokens/` (the tokenised
 splits), `ckpt.pt` (model + optimizer + step + data RNG, written every --ckpt-minutes, on SIGTERM/Ctrl-C and
 at the end), `metrics.jsonl` (one line per logged step) and `export/`, an HF-layout checkpoint
-(config.json + model.safetensors + tokenizer files) that `services.models.loader.load_target` reads.
+(config.json + model.safetensors + tokenizer files) that `ddtree.models.loader.load_target` reads.
 
 Training: AdamW, linear warmup then cosine decay to lr/10 over --steps; batches of --batch windows of
 --seq-len + 1 tokens drawn from the three kinds with probabilities --mix (code, prose, chat); the router's
@@ -32,11 +32,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from services.models.config import DeepseekV3Config
-from services.models.deepseek_v3 import DeepseekV3ForCausalLM
-from services.models.random_checkpoint import DEFAULT_TARGET_CONFIG
-from services.models.training_forward import training_forward, update_expert_bias
-from tools.build_corpus import KINDS, read_documents
+from ddtree.models.config import DeepseekV3Config
+from ddtree.models.deepseek_v3 import DeepseekV3ForCausalLM
+from ddtree.models.random_checkpoint import DEFAULT_TARGET_CONFIG
+from ddtree.models.training_forward import training_forward, update_expert_bias
+from ddtree.training.corpus import KINDS, read_documents
 
 # The demo target: Kimi-K2-shaped (MLA with q/kv LoRA, sigmoid router with 1 shared expert, dense first
 # layer, YaRN with Kimi's betas). YaRN's original_max_position_embeddings is set to the training length.
@@ -212,7 +212,7 @@ def train(args: argparse.Namespace) -> pathlib.Path:
         torch.set_num_threads(args.threads)
     tokenizer_dir = pathlib.Path(args.tokenizer) if args.tokenizer else run / "tokenizer"
     if not (tokenizer_dir / "tokenizer.json").exists():
-        from tools.train_tokenizer import write_tokenizer
+        from ddtree.training.tokenizer_training import write_tokenizer
         write_tokenizer(corpus, tokenizer_dir)
     tokenize_corpus(corpus, tokenizer_dir, run / "tokens")
     streams = load_tokens(run / "tokens", "train")
@@ -307,7 +307,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register `target` under `ddtree train`."""
     p = subparsers.add_parser("target", help="train the demo target (DeepSeek-V3 architecture) on the CPU",
                               description=__doc__.split("\n\n")[0])
-    p.add_argument("--corpus", required=True, help="corpus dir written by `python -m tools.build_corpus`")
+    p.add_argument("--corpus", required=True, help="corpus dir written by `python -m scripts.build_corpus`")
     p.add_argument("--out", required=True, help="run dir: tokenizer, tokens, ckpt.pt, metrics.jsonl, export/")
     p.add_argument("--config", default="", help="model config.json (HF spelling); default: the demo config")
     p.add_argument("--tokenizer", default="", help="tokenizer dir (default: train one on the corpus into OUT)")
@@ -337,7 +337,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.train_target")
+    parser = argparse.ArgumentParser(prog="python -m ddtree.tools.train_target")
     add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["target", *(sys.argv[1:] if argv is None else argv)])
     return args.fn(args)

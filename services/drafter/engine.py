@@ -24,9 +24,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from services.drafter.context import DraftContext
-from services.drafter.tree import TokenTree, build_tree, topk_logprobs
-from services.models.dflash import DFlashDraftModel
+from ddtree.contract.token_tree import TokenTree
+from ddtree.drafter.context import DraftContext
+from ddtree.drafter.tree import build_tree, topk_logprobs
+from ddtree.models.dflash import DFlashDraftModel
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

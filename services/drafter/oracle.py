@@ -20,9 +20,9 @@ import zlib
 
 import torch
 
-from services.drafter.engine import SeqDraftInput
-from services.drafter.tree import TokenTree
-from services.models.attention import AttentionMetadata, SeqAttention
+from ddtree.contract.token_tree import TokenTree
+from ddtree.drafter.engine import SeqDraftInput
+from ddtree.models.attention import AttentionMetadata, SeqAttention
 
 
 class OracleDraftEngine:
@@ -124,14 +124,20 @@ def noisy_tree(truth: list[int], budget: int, vocab_size: int, rng: random.Rando
     children: dict[int, set[int]] = {}
     for d in range(1, depth + 1):
         tok = truth[d - 1] if d != brk else wrong(d, set())
-        tokens.append(tok); parents.append(d - 1); depths.append(d)
+        tokens.append(tok)
+        parents.append(d - 1)
+        depths.append(d)
         children.setdefault(d - 1, set()).add(tok)
     if brk <= depth and len(tokens) < budget and rng.random() < 1 / 3:
-        tokens.append(truth[brk - 1]); parents.append(brk - 1); depths.append(brk)
+        tokens.append(truth[brk - 1])
+        parents.append(brk - 1)
+        depths.append(brk)
         children[brk - 1].add(truth[brk - 1])
     while len(tokens) < budget and len(tokens) < 4 * depth:
         d = rng.randint(1, depth)
         tok = wrong(d, children.setdefault(d - 1, set()))
-        tokens.append(tok); parents.append(d - 1); depths.append(d)
+        tokens.append(tok)
+        parents.append(d - 1)
+        depths.append(d)
         children[d - 1].add(tok)
     return TokenTree(tuple(tokens), tuple(parents), tuple(depths))

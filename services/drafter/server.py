@@ -12,13 +12,13 @@ import time
 
 import grpc
 
-from services.config import DrafterConfig
-from services.drafter.engine import SeqDraftInput
-from services.protocol.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
-from services.protocol.server import RunningServer, start_server
-from services.protocol.tensors import tensor_from_proto
-from services.telemetry import metrics
-from services.telemetry.logging import get_logger
+from ddtree.config import DrafterConfig
+from ddtree.drafter.engine import SeqDraftInput
+from ddtree.protocol.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
+from ddtree.protocol.server import RunningServer, start_server
+from ddtree.protocol.tensors import tensor_from_proto
+from ddtree.telemetry import metrics
+from ddtree.telemetry.logging import get_logger
 
 log = get_logger("ddtree.drafter")
 MAX_SEQS_PER_CALL = 1024

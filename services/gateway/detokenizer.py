@@ -15,9 +15,9 @@ Two paths:
 from __future__ import annotations
 
 import codecs
-from typing import Iterable
+from collections.abc import Iterable
 
-from services.gateway.tokenizer import Tokenizer
+from ddtree.tokenization.tokenizer import Tokenizer
 
 REPLACEMENT = "\ufffd"
 

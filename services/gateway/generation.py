@@ -17,21 +17,22 @@ import dataclasses
 import itertools
 import threading
 import time
-from typing import TYPE_CHECKING, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import grpc
 
-from services.gateway import metrics
-from services.gateway.detokenizer import IncrementalDetokenizer
-from services.gateway.parsers import ToolCall, merge_deltas
-from services.gateway.parsers.registry import OutputParsers
-from services.gateway.routing import Endpoint, Router
-from services.gateway.tokenizer import Tokenizer
-from services.protocol.ddtree.v1 import common_pb2, gateway_pb2, verifier_pb2
-from services.telemetry.logging import get_logger
+from ddtree.gateway import metrics
+from ddtree.gateway.detokenizer import IncrementalDetokenizer
+from ddtree.gateway.parsers import ToolCall, merge_deltas
+from ddtree.gateway.parsers.registry import OutputParsers
+from ddtree.gateway.routing import Endpoint, Router
+from ddtree.protocol.ddtree.v1 import common_pb2, gateway_pb2, verifier_pb2
+from ddtree.telemetry.logging import get_logger
+from ddtree.tokenization.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from services.gateway.pipeline import Job
+    from ddtree.gateway.pipeline import Job
 
 ABORT_TIMEOUT_S = 2.0
 
@@ -98,7 +99,7 @@ class Generation:
     """One running request: an iterator of GenerateChunk. Raises RequestError on failure; ends
     quietly after cancel(), which any thread may call at any time."""
 
-    def __init__(self, job: "Job", tokenizer: Tokenizer, router: Router, timeout: float | None = None,
+    def __init__(self, job: Job, tokenizer: Tokenizer, router: Router, timeout: float | None = None,
                  protocol: str = "grpc"):
         self._tok = tokenizer
         self._router = router
@@ -112,7 +113,7 @@ class Generation:
         self._endpoint: Endpoint | None = None
         self._it = self._run()
 
-    def __iter__(self) -> "Generation":
+    def __iter__(self) -> Generation:
         return self
 
     def __next__(self) -> gateway_pb2.GenerateChunk:

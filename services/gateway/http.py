@@ -22,7 +22,8 @@ import json
 import socket
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import anyio
 import anyio.to_thread
@@ -35,13 +36,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from services.config import GatewayConfig
-from services.gateway import metrics
-from services.gateway import openai_protocol as oai
-from services.gateway.auth import check_authorization
-from services.gateway.generation import Generation, RequestError
-from services.gateway.pipeline import Pipeline
-from services.telemetry.logging import get_logger
+from ddtree.config import GatewayConfig
+from ddtree.gateway import metrics
+from ddtree.gateway import openai_protocol as oai
+from ddtree.gateway.auth import check_authorization
+from ddtree.gateway.generation import Generation, RequestError
+from ddtree.gateway.pipeline import Pipeline
+from ddtree.telemetry.logging import get_logger
 
 _STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.OUT_OF_RANGE: 400,

@@ -19,10 +19,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from services.config import GatewayConfig
-from services.gateway.generation import Result
-from services.gateway.pipeline import Invalid
-from services.protocol.ddtree.v1 import common_pb2, gateway_pb2
+from ddtree.config import GatewayConfig
+from ddtree.gateway.generation import Result
+from ddtree.gateway.pipeline import Invalid
+from ddtree.protocol.ddtree.v1 import common_pb2, gateway_pb2
 
 INT32_MAX = 2**31 - 1
 UINT64_MAX = 2**64 - 1

@@ -19,14 +19,14 @@ import uuid
 
 import grpc
 
-from services.config import GatewayConfig
-from services.gateway.chat_template import validate_tools
-from services.gateway.generation import Generation, RequestError, Result, StopMatcher, usage_from_steps
-from services.gateway.parsers.kimi_k2_reasoning import starts_in_reasoning
-from services.gateway.parsers.registry import check_names
-from services.gateway.routing import Router
-from services.gateway.tokenizer import Tokenizer
-from services.protocol.ddtree.v1 import common_pb2, gateway_pb2, verifier_pb2
+from ddtree.config import GatewayConfig
+from ddtree.gateway.generation import Generation, RequestError, Result, StopMatcher, usage_from_steps
+from ddtree.gateway.parsers.kimi_k2_reasoning import starts_in_reasoning
+from ddtree.gateway.parsers.registry import check_names
+from ddtree.gateway.routing import Router
+from ddtree.protocol.ddtree.v1 import common_pb2, gateway_pb2, verifier_pb2
+from ddtree.tokenization.chat_template import validate_tools
+from ddtree.tokenization.tokenizer import Tokenizer
 
 __all__ = ["Generation", "Invalid", "Job", "Pipeline", "RequestError", "Result", "StopMatcher", "usage_from_steps",
            "validate_options", "validate_template_kwargs"]

@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import Iterable
+from collections.abc import Iterable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.gateway import metrics
-from services.protocol.discovery import resolve
-from services.protocol.ddtree.v1 import verifier_pb2_grpc
-from services.protocol.server import GRPC_OPTIONS
-from services.telemetry.logging import get_logger
+from ddtree.gateway import metrics
+from ddtree.protocol.ddtree.v1 import verifier_pb2_grpc
+from ddtree.protocol.discovery import resolve
+from ddtree.protocol.server import GRPC_OPTIONS
+from ddtree.telemetry.logging import get_logger
 
 
 class Endpoint:

@@ -13,19 +13,19 @@ from __future__ import annotations
 import json
 import pathlib
 import threading
-from typing import Iterator
+from collections.abc import Iterator
 
 import grpc
 
-from services.config import GatewayConfig
-from services.gateway.auth import check_authorization
-from services.gateway.generation import RequestError, StopMatcher, usage_from_steps
-from services.gateway.pipeline import Invalid, Job, Pipeline, validate_options
-from services.gateway.routing import Router
-from services.gateway.tokenizer import Tokenizer
-from services.protocol.ddtree.v1 import gateway_pb2, gateway_pb2_grpc
-from services.protocol.server import RunningServer, start_server
-from services.telemetry.logging import get_logger
+from ddtree.config import GatewayConfig
+from ddtree.gateway.auth import check_authorization
+from ddtree.gateway.generation import RequestError, StopMatcher, usage_from_steps
+from ddtree.gateway.pipeline import Invalid, Job, Pipeline, validate_options
+from ddtree.gateway.routing import Router
+from ddtree.protocol.ddtree.v1 import gateway_pb2, gateway_pb2_grpc
+from ddtree.protocol.server import RunningServer, start_server
+from ddtree.telemetry.logging import get_logger
+from ddtree.tokenization.tokenizer import Tokenizer
 
 __all__ = ["GatewayServer", "GatewayServicer", "StopMatcher", "serve", "usage_from_steps", "validate_options"]
 
@@ -198,7 +198,7 @@ def serve(config: GatewayConfig, tokenizer_dir: str | pathlib.Path | None = None
     `LISTENING gateway host:port`), then HTTP on config.http_port (`LISTENING gateway-http host:port`).
     The tokenizer is config.tokenizer, or `tokenizer_dir` when that is empty (the caller resolves the
     default)."""
-    from services.gateway.http import HttpServer
+    from ddtree.gateway.http import HttpServer
 
     path = config.tokenizer or tokenizer_dir
     if not path:

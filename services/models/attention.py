@@ -159,7 +159,7 @@ class TorchMLAAttention:
 
 
 def _triton_backend() -> MLAAttentionBackend:
-    from kernels.mla_backend import TritonMLAAttention  # imports triton: only when chosen
+    from ddtree.kernels.mla_backend import TritonMLAAttention  # imports triton: only when chosen
 
     return TritonMLAAttention()
 

@@ -31,7 +31,12 @@ import torch
 from torch import nn
 
 from .checkpoint_files import (
-    INDEX_FILE, SAFETENSORS_DTYPES, SINGLE_FILE, CheckpointError, CheckpointFiles, checkpoint_weight_map,
+    INDEX_FILE,
+    SAFETENSORS_DTYPES,
+    SINGLE_FILE,
+    CheckpointError,
+    CheckpointFiles,
+    checkpoint_weight_map,
 )  # fmt: skip
 from .config import DeepseekV3Config
 from .deepseek_v3 import DeepseekV3ForCausalLM

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import socket
 
-from services.telemetry.logging import get_logger
+from ddtree.telemetry.logging import get_logger
 
 log = get_logger("ddtree.discovery")
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Callable, Iterable
 from concurrent import futures
-from typing import Callable, Iterable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc

@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from services.protocol.ddtree.v1 import common_pb2
+from ddtree.protocol.ddtree.v1 import common_pb2
 
 _TO_PROTO = {
     torch.float32: common_pb2.FLOAT32,

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from services.models.dflash import DFlashDraftModel, rotate_half
+from ddtree.models.dflash import DFlashDraftModel, rotate_half
 
 
 def sample_anchors(lo: int, hi: int, count: int, batch: int, generator: torch.Generator) -> Tensor:

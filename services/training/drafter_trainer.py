@@ -23,12 +23,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from services.models.dflash import DFlashDraftModel, load_drafter, write_random_drafter
-from services.training.drafter_data import BatchPool, DataSpec, TargetBatch, TargetRunner, load_corpus, make_batch
-from services.training.drafter_forward import block_hidden, block_inputs, block_labels, sample_anchors
-from services.training.drafter_loss import block_loss, default_gamma, depth_weights
-from services.training.progress import Progress
-from services.training.schedule import lr_at, plan_steps
+from ddtree.models.dflash import DFlashDraftModel, load_drafter, write_random_drafter
+from ddtree.training.drafter_data import BatchPool, DataSpec, TargetBatch, TargetRunner, load_corpus, make_batch
+from ddtree.training.drafter_forward import block_hidden, block_inputs, block_labels, sample_anchors
+from ddtree.training.drafter_loss import block_loss, default_gamma, depth_weights
+from ddtree.training.progress import Progress
+from ddtree.training.schedule import lr_at, plan_steps
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Settings that may change between a run and its --resume; every other one must match the checkpoint.
@@ -79,7 +79,7 @@ def export_drafter(model: DFlashDraftModel, path: Path, extra: dict | None = Non
 
 
 class DrafterTrainer:
-    """One training run. `args` holds exactly the flags of tools.train_drafter.add_arguments;
+    """One training run. `args` holds exactly the flags of ddtree.tools.train_drafter.add_arguments;
     `streams` / `val_streams` (kind -> TokenStream) replace the corpus in tests."""
 
     def __init__(self, args: argparse.Namespace, streams=None, val_streams=None, log=print):
@@ -103,7 +103,7 @@ class DrafterTrainer:
         tdtype = auto if args.target_dtype == "auto" else DTYPES[args.target_dtype]
         self.autocast = dict(device_type=self.device.type, dtype=torch.bfloat16, enabled=cuda)
 
-        from services.models.loader import load_target
+        from ddtree.models.loader import load_target
         target_dir = Path(args.target)
         self.target = load_target(target_dir, dtype=tdtype, device=self.device)
         tcfg = json.loads((target_dir / "config.json").read_text())

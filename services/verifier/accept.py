@@ -25,23 +25,11 @@ Invariants.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from torch import Tensor
 
-from services.drafter.tree import TokenTree
-
-
-@dataclass(frozen=True)
-class Verdict:
-    accepted_nodes: tuple[int, ...]  # starts with 0 (the root), strictly increasing
-    accepted_tokens: tuple[int, ...]  # root token + matched node tokens, same length
-    bonus_token: int  # the target's choice at the last accepted node
-
-    @property
-    def num_accepted_drafts(self) -> int:
-        """Matched draft nodes, excluding the root."""
-        return len(self.accepted_nodes) - 1
+from ddtree.contract.token_tree import TokenTree
+from ddtree.contract.verdict import Verdict
 
 
 def accept(tree: TokenTree, root_token: int, target_choice: Sequence[int] | Tensor) -> Verdict:

@@ -14,13 +14,13 @@ import dataclasses
 
 import torch
 
-from services.drafter.tree import TokenTree
-from services.models.attention import AttentionMetadata, SeqAttention
-from services.models.parallel.tp_model import TensorParallelModel
-from services.verifier.greedy_head import greedy_walk_choices
-from services.verifier.kv_pool import LatentKVPool
-from services.verifier.sequence import Sequence
-from services.verifier.tree_mask import tree_input_ids, tree_mask, tree_positions
+from ddtree.contract.token_tree import TokenTree
+from ddtree.models.attention import AttentionMetadata, SeqAttention
+from ddtree.models.parallel.tp_model import TensorParallelModel
+from ddtree.verifier.greedy_head import greedy_walk_choices
+from ddtree.verifier.kv_pool import LatentKVPool
+from ddtree.verifier.sequence import Sequence
+from ddtree.verifier.tree_mask import tree_input_ids, tree_mask, tree_positions
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from services.verifier.accept import Verdict, accept
-from services.verifier.batch import ItemOutput, PrefillItem, VerifyItem
-from services.verifier.kv_pool import LatentKVPool
-from services.verifier.sampling import make_generator, target_choices
-from services.verifier.sequence import PendingCommit, Sequence
+from ddtree.contract.verdict import Verdict
+from ddtree.verifier.accept import accept
+from ddtree.verifier.batch import ItemOutput, PrefillItem, VerifyItem
+from ddtree.verifier.kv_pool import LatentKVPool
+from ddtree.verifier.sampling import make_generator, target_choices
+from ddtree.verifier.sequence import PendingCommit, Sequence
 
 
 def _log_features(seq: Sequence, features: torch.Tensor | None) -> None:

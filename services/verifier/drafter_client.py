@@ -11,12 +11,12 @@ import time
 
 import grpc
 
-from services.drafter.tree import TokenTree
-from services.protocol.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
-from services.protocol.server import GRPC_OPTIONS
-from services.protocol.tensors import tensor_to_proto
-from services.telemetry.logging import get_logger
-from services.verifier.sequence import Sequence
+from ddtree.contract.token_tree import TokenTree
+from ddtree.protocol.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
+from ddtree.protocol.server import GRPC_OPTIONS
+from ddtree.protocol.tensors import tensor_to_proto
+from ddtree.telemetry.logging import get_logger
+from ddtree.verifier.sequence import Sequence
 
 log = get_logger("ddtree.verifier.drafter_client")
 

@@ -17,10 +17,10 @@ import time
 
 import grpc
 
-from services.protocol.discovery import resolve
-from services.telemetry.logging import get_logger
-from services.verifier.drafter_client import DraftResult, DrafterClient
-from services.verifier.sequence import Sequence
+from ddtree.protocol.discovery import resolve
+from ddtree.telemetry.logging import get_logger
+from ddtree.verifier.drafter_client import DrafterClient, DraftResult
+from ddtree.verifier.sequence import Sequence
 
 log = get_logger("ddtree.verifier.drafter_pool")
 

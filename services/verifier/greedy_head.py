@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from services.drafter.tree import TokenTree
+from ddtree.contract.token_tree import TokenTree
 
 NOT_READ = -1
 

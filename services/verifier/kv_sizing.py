@@ -3,8 +3,8 @@
     bytes per token = num_layers × (kv_lora_rank + qk_rope_head_dim) × dtype size
                       (DeepSeek-V3 in bf16: 61 × 576 × 2 = 70,272 B; serving.md §1.2)
 
-Exactly one setting takes effect; setting more than one is an error (`kv_setting`, called by
-VerifierConfig.validate):
+Exactly one setting takes effect; setting more than one is an error (`ddtree.config.kv_setting`,
+called by VerifierConfig.validate):
   --kv-tokens N            N tokens;
   --kv-memory-gb G         G GiB (G × 2^30 bytes) of KV;
   --kv-memory-fraction F   F × the device memory free after the model is loaded (CUDA:
@@ -15,6 +15,8 @@ The token count is rounded down to whole pages; less than one page is an error.
 from __future__ import annotations
 
 import dataclasses
+
+from ddtree.config import kv_setting
 
 DEFAULT_KV_TOKENS = 65536
 GIB = 1 << 30
@@ -30,23 +32,6 @@ class KVSize:
 
 def kv_bytes_per_token(num_layers: int, kv_lora_rank: int, qk_rope_head_dim: int, dtype_bytes: int) -> int:
     return num_layers * (kv_lora_rank + qk_rope_head_dim) * dtype_bytes
-
-
-def kv_setting(kv_tokens: int, kv_memory_gb: float, kv_memory_fraction: float) -> str:
-    """The one setting that takes effect; raises ValueError for a bad or conflicting one."""
-    if kv_tokens < 0:
-        raise ValueError(f"kv_tokens must be >= 0 (0 = not set), got {kv_tokens}")
-    if not kv_memory_gb >= 0:
-        raise ValueError(f"kv_memory_gb must be >= 0 (0 = not set), got {kv_memory_gb}")
-    if not 0 <= kv_memory_fraction <= 1:
-        raise ValueError(f"kv_memory_fraction must be in [0, 1] (0 = not set), got {kv_memory_fraction}")
-    given = {"kv_tokens": kv_tokens, "kv_memory_gb": kv_memory_gb, "kv_memory_fraction": kv_memory_fraction}
-    chosen = [name for name, value in given.items() if value > 0]
-    if len(chosen) > 1:
-        flags = ", ".join(f"--{name.replace('_', '-')} {given[name]}" for name in chosen)
-        raise ValueError(f"set only one of --kv-tokens, --kv-memory-gb, --kv-memory-fraction (or their DDTREE_* "
-                         f"variables); got {flags}")
-    return chosen[0] if chosen else "default"
 
 
 def size_kv_pool(*, bytes_per_token: int, page_size: int = 1, kv_tokens: int = 0, kv_memory_gb: float = 0.0,

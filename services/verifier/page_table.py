@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from services.verifier.kv_pool import LatentKVPool
+from ddtree.verifier.kv_pool import LatentKVPool
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 

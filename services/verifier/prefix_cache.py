@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from services.verifier.kv_pool import LatentKVPool
+from ddtree.verifier.kv_pool import LatentKVPool
 
 
 class _Node:

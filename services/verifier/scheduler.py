@@ -20,23 +20,23 @@ import time
 import grpc
 import torch
 
-from services.config import VerifierConfig
-from services.drafter.tree import TokenTree
-from services.telemetry import metrics
-from services.telemetry.logging import get_logger
-from services.telemetry.step_log import open_step_log
-from services.verifier.batch import PrefillItem, VerifyItem, WorkItem, kv_needed, run_batch
-from services.verifier.commit import append_pending, commit_prefill, commit_verify
-from services.verifier.draft_overlap import overlapping, split_drafts
-from services.verifier.drafter_client import DraftResult
-from services.verifier.kv_pool import LatentKVPool
-from services.verifier.page_table import PageTable, check_accounting
-from services.verifier.prefix_cache import PrefixCache
-from services.verifier.sequence import DraftedTree, Phase, Sequence, StepRecord, StreamEvent
-from services.verifier.tree_budget import allocate_nodes, tree_budget
+from ddtree.config import VerifierConfig
+from ddtree.contract.step_record import StepRecord
+from ddtree.contract.token_tree import EMPTY_TREE, TokenTree
+from ddtree.telemetry import metrics
+from ddtree.telemetry.logging import get_logger
+from ddtree.telemetry.step_log import open_step_log
+from ddtree.verifier.batch import PrefillItem, VerifyItem, WorkItem, kv_needed, run_batch
+from ddtree.verifier.commit import append_pending, commit_prefill, commit_verify
+from ddtree.verifier.draft_overlap import overlapping, split_drafts
+from ddtree.verifier.drafter_client import DraftResult
+from ddtree.verifier.kv_pool import LatentKVPool
+from ddtree.verifier.page_table import PageTable, check_accounting
+from ddtree.verifier.prefix_cache import PrefixCache
+from ddtree.verifier.sequence import DraftedTree, Phase, Sequence, StreamEvent
+from ddtree.verifier.tree_budget import allocate_nodes, tree_budget
 
 log = get_logger("ddtree.verifier.scheduler")
-EMPTY_TREE = TokenTree((), (), ())
 
 
 class AdmissionError(Exception):

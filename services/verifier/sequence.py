@@ -18,9 +18,10 @@ import uuid
 
 import torch
 
-from services.drafter.tree import TokenTree
-from services.verifier.page_table import PageTable, pages_for
-from services.verifier.sampling import SamplingConfig
+from ddtree.contract.sampling_params import SamplingConfig
+from ddtree.contract.step_record import StepRecord
+from ddtree.contract.token_tree import TokenTree
+from ddtree.verifier.page_table import PageTable, pages_for
 
 
 class Phase(enum.Enum):
@@ -40,19 +41,6 @@ class GenerateParams:
     use_spec: bool
     budget: int
     chain: bool = False              # ask the drafter for a width-1 tree (a chain)
-
-
-@dataclasses.dataclass(frozen=True)
-class StepRecord:
-    step: int
-    context_tokens: int
-    tree_nodes: int
-    accept_length: int
-    draft_ms: float
-    verify_ms: float
-    transport_ms: float
-    total_ms: float
-    feature_bytes: int
 
 
 @dataclasses.dataclass(frozen=True)

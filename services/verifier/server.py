@@ -8,19 +8,19 @@ import uuid
 import grpc
 import torch
 
-from services.config import VerifierConfig
-from services.models.attention import resolve_attention_backend
-from services.models.loader import load_target
-from services.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
-from services.protocol.server import RunningServer, start_server
-from services.telemetry.logging import get_logger
-from services.telemetry.metrics import serve_metrics
-from services.verifier.drafter_pool import DrafterPool
-from services.verifier.kv_pool import LatentKVPool
-from services.verifier.kv_sizing import kv_size_for
-from services.verifier.sampling import SamplingConfig
-from services.verifier.scheduler import AdmissionError, Scheduler
-from services.verifier.sequence import GenerateParams, Sequence
+from ddtree.config import VerifierConfig
+from ddtree.contract.sampling_params import SamplingConfig
+from ddtree.models.attention import resolve_attention_backend
+from ddtree.models.loader import load_target
+from ddtree.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from ddtree.protocol.server import RunningServer, start_server
+from ddtree.telemetry.logging import get_logger
+from ddtree.telemetry.metrics import serve_metrics
+from ddtree.verifier.drafter_pool import DrafterPool
+from ddtree.verifier.kv_pool import LatentKVPool
+from ddtree.verifier.kv_sizing import kv_size_for
+from ddtree.verifier.scheduler import AdmissionError, Scheduler
+from ddtree.verifier.sequence import GenerateParams, Sequence
 
 log = get_logger("ddtree.verifier")
 MAX_REQUEST_ID_CHARS = 256
@@ -150,7 +150,7 @@ def serve(config: VerifierConfig, model_dir: str) -> RunningServer:
     backend = resolve_attention_backend(config.attention_backend, config.device)
     tp = None
     if config.tp > 1:  # N ranks (tp_worker.py); on ranks > 0 this call does not return
-        from services.verifier.tp_worker import start_tensor_parallel
+        from ddtree.verifier.tp_worker import start_tensor_parallel
         tp = start_tensor_parallel(config, model_dir, backend)
         model = tp.model
     else:

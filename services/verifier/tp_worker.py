@@ -23,12 +23,19 @@ import time
 
 import torch
 
-from services.config import VerifierConfig
-from services.models.parallel.process_group import (LaunchEnv, TPGroup, destroy_tp, init_tp, launch_env,
-                                                    rank_device, rendezvous_store)
-from services.models.parallel.step_message import CACHE, FORWARD, STOP, recv_step
-from services.models.parallel.tp_model import TensorParallelModel, load_tp_model, run_shard
-from services.telemetry.logging import get_logger
+from ddtree.config import VerifierConfig
+from ddtree.models.parallel.process_group import (
+    LaunchEnv,
+    TPGroup,
+    destroy_tp,
+    init_tp,
+    launch_env,
+    rank_device,
+    rendezvous_store,
+)
+from ddtree.models.parallel.step_message import CACHE, FORWARD, STOP, recv_step
+from ddtree.models.parallel.tp_model import TensorParallelModel, load_tp_model, run_shard
+from ddtree.telemetry.logging import get_logger
 
 log = get_logger("ddtree.verifier.tp")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -73,7 +80,7 @@ def run_worker(config: VerifierConfig, model_dir: str, env: LaunchEnv, backend: 
 
 
 def _spawned_rank(rank: int, config: VerifierConfig, model_dir: str, addr: str, port: int, backend: str) -> None:
-    from services.telemetry.logging import configure_logging
+    from ddtree.telemetry.logging import configure_logging
     # Rank 0 owns the lifetime of the ranks it spawned: a Ctrl-C or SIGTERM to the process group stops
     # rank 0 gracefully, which sends STOP. (A lost rank 0 still ends them: their collectives fail.)
     signal.signal(signal.SIGINT, signal.SIG_IGN)

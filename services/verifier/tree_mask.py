@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from services.drafter.tree import TokenTree
+from ddtree.contract.token_tree import TokenTree
 
 
 def tree_mask(tree: TokenTree) -> Tensor:

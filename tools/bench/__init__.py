@@ -12,7 +12,7 @@ import argparse
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register `bench` and its subcommands."""
-    from tools.bench import compare, context, overhead, twopoint
+    from ddtree.tools.bench import compare, context, overhead, twopoint
     p = subparsers.add_parser("bench", help="measure decode speed: context | twopoint | compare | overhead",
                               description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="bench_command", required=True)

@@ -14,10 +14,10 @@ import statistics
 import sys
 import time
 
-from tools.bench.context import parse_ints, warm_up
-from tools.bench.output import Progress, format_table, save_json
-from tools.bench.prompts import make_prompts
-from tools.bench.runner import add_endpoint_args, checkpoint_dirs, load_tokenizer, open_endpoint
+from ddtree.tools.bench.context import parse_ints, warm_up
+from ddtree.tools.bench.output import Progress, format_table, save_json
+from ddtree.tools.bench.prompts import make_prompts
+from ddtree.tools.bench.runner import add_endpoint_args, checkpoint_dirs, load_tokenizer, open_endpoint
 
 HEADERS = ["mode", "nodes", "tok/s", "avg commit", "step ms", "vs AR"]
 

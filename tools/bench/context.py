@@ -13,10 +13,10 @@ import pathlib
 import statistics
 import sys
 
-from services.telemetry.report import ProfilePoint
-from tools.bench.output import Progress, format_table, plot_context, save_json
-from tools.bench.prompts import make_prompts
-from tools.bench.runner import add_endpoint_args, load_tokenizer, open_endpoint
+from ddtree.telemetry.report import ProfilePoint
+from ddtree.tools.bench.output import Progress, format_table, plot_context, save_json
+from ddtree.tools.bench.prompts import make_prompts
+from ddtree.tools.bench.runner import add_endpoint_args, load_tokenizer, open_endpoint
 
 PHASES = {"draft": "draft_ms", "verify": "verify_ms", "transport": "transport_ms", "total": "step_ms"}
 HEADERS = ["kind", "context", "tok/s", "avg commit", "step ms", "AR tok/s", "speedup"]

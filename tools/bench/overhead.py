@@ -15,10 +15,10 @@ import statistics
 import tempfile
 import time
 
-from services.telemetry import metrics
-from services.telemetry.logging import configure_logging
-from services.telemetry.step_log import open_step_log
-from tools.bench.output import format_table
+from ddtree.telemetry import metrics
+from ddtree.telemetry.logging import configure_logging
+from ddtree.telemetry.step_log import open_step_log
+from ddtree.tools.bench.output import format_table
 
 # A step record's fields as the scheduler logs them (services/verifier/sequence.py:StepRecord).
 RECORD = dict(step=417, context_tokens=5123, tree_nodes=16, accept_length=3, draft_ms=4.123, verify_ms=61.27,
@@ -68,9 +68,14 @@ def run(args) -> int:
     print(f"cost per sequence and step, best of 3 x {args.calls} calls, one thread")
     print(format_table(["what", "us", *(f"of a {ms:g} ms step" for ms in step_ms)], rows))
     if args.e2e:
-        from tools.bench.prompts import make_prompts
-        from tools.bench.runner import (VerifierEndpoint, checkpoint_dirs, load_tokenizer, make_log_dir,
-                                        private_verifier)
+        from ddtree.tools.bench.prompts import make_prompts
+        from ddtree.tools.bench.runner import (
+            VerifierEndpoint,
+            checkpoint_dirs,
+            load_tokenizer,
+            make_log_dir,
+            private_verifier,
+        )
         model, drafter = checkpoint_dirs(args)
         ids = make_prompts(load_tokenizer(args), "prose", args.context, 1)[0]
         log_dir = make_log_dir(args)

@@ -19,11 +19,10 @@ import uuid
 
 import grpc
 
-from services.protocol.ddtree.v1 import (common_pb2, gateway_pb2, gateway_pb2_grpc, verifier_pb2,
-                                         verifier_pb2_grpc)
-from services.protocol.server import GRPC_OPTIONS
-from services.telemetry.report import StepSummary, summarize
-from services.telemetry.step_log import STEP_FIELDS
+from ddtree.protocol.ddtree.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from ddtree.protocol.server import GRPC_OPTIONS
+from ddtree.telemetry.report import StepSummary, summarize
+from ddtree.telemetry.step_log import STEP_FIELDS
 
 
 @dataclasses.dataclass
@@ -156,14 +155,14 @@ def add_endpoint_args(p: argparse.ArgumentParser) -> None:
 def checkpoint_dirs(args) -> tuple[str, str]:
     model, drafter = args.model, args.drafter
     if not model or not drafter:
-        from services.models.default_checkpoint import default_checkpoint
+        from ddtree.default_checkpoint import default_checkpoint
         d = default_checkpoint()  # the shipped demo pair when present, else the random pair
         model, drafter = model or str(d.target), drafter or str(d.drafter)
     return model, drafter
 
 
 def load_tokenizer(args):
-    from services.gateway.tokenizer import Tokenizer
+    from ddtree.tokenization.tokenizer import Tokenizer
     return Tokenizer(args.tokenizer or checkpoint_dirs(args)[0])
 
 
@@ -171,7 +170,7 @@ def load_tokenizer(args):
 def private_verifier(model: str, drafter: str, max_context: int, log_dir: pathlib.Path,
                      drafter_args: tuple[str, ...] = (), verifier_args: tuple[str, ...] = (), name: str = ""):
     """A drafter + verifier pair as child processes on loopback; yields the verifier's address."""
-    from services.launcher import default_engine_threads, start_service
+    from ddtree.launcher import default_engine_threads, start_service
     threads = ["--threads", str(default_engine_threads())]
     d = start_service(f"drafter{name}", ["drafter", "--model", drafter, "--target", model, "--port", "0", *threads,
                                          *drafter_args], log_dir)

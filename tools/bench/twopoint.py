@@ -12,11 +12,11 @@ from __future__ import annotations
 import argparse
 import pathlib
 
-from services.telemetry.report import summarize, summarize_span, two_point_tok_s
-from tools.bench.context import parse_ints, warm_up
-from tools.bench.output import Progress, format_table, save_json
-from tools.bench.prompts import make_prompts
-from tools.bench.runner import add_endpoint_args, load_tokenizer, open_endpoint
+from ddtree.telemetry.report import summarize, summarize_span, two_point_tok_s
+from ddtree.tools.bench.context import parse_ints, warm_up
+from ddtree.tools.bench.output import Progress, format_table, save_json
+from ddtree.tools.bench.prompts import make_prompts
+from ddtree.tools.bench.runner import add_endpoint_args, load_tokenizer, open_endpoint
 
 HEADERS = ["kind", "context", "two-point tok/s", "full tok/s", "bias", "tau short..long", "tau full",
            "step ms short..long", "step ms full"]

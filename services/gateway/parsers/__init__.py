@@ -7,7 +7,7 @@ of cutting an output into chunks. `registry.py` maps configuration names to pars
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,7 +25,7 @@ tool calls earlier in the conversation), unique within a conversation and the sa
 """
 from __future__ import annotations
 
-from services.gateway.parsers import ToolCall, ToolCallDelta, find_first, scan
+from ddtree.gateway.parsers import ToolCall, ToolCallDelta, find_first, scan
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
 CALLS_END = "<｜tool▁calls▁end｜>"

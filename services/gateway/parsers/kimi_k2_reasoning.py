@@ -11,7 +11,7 @@ tool parser passes `<｜tool▁calls▁begin｜>`).
 """
 from __future__ import annotations
 
-from services.gateway.parsers import scan
+from ddtree.gateway.parsers import scan
 
 THINK_START = "<think>"
 THINK_END = "</think>"

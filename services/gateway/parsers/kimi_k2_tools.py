@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from services.gateway.parsers import ToolCall, ToolCallDelta, merge_deltas, scan
+from ddtree.gateway.parsers import ToolCall, ToolCallDelta, merge_deltas, scan
 
 __all__ = ["KimiK2ToolParser", "ToolCall", "ToolCallDelta", "merge_deltas", "parse_call_id", "parse_tool_calls"]
 

@@ -7,11 +7,11 @@ there too (a model may start calling tools without closing its think block).
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
-from services.gateway.parsers import ToolCall, ToolCallDelta
-from services.gateway.parsers import deepseek_v3_tools, kimi_k2_tools
-from services.gateway.parsers.kimi_k2_reasoning import KimiK2ReasoningParser, parse_reasoning
+from ddtree.gateway.parsers import ToolCall, ToolCallDelta, deepseek_v3_tools, kimi_k2_tools
+from ddtree.gateway.parsers.kimi_k2_reasoning import KimiK2ReasoningParser, parse_reasoning
 
 
 class ToolParser(Protocol):

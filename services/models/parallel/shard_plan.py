@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from services.models.config import DeepseekV3Config
+from ddtree.models.config import DeepseekV3Config
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,7 @@ import dataclasses
 
 import torch
 
-from services.models.attention import AttentionMetadata, SeqAttention
+from ddtree.models.attention import AttentionMetadata, SeqAttention
 
 from .process_group import TPGroup
 

@@ -22,10 +22,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from services.models.config import DeepseekV3Config
-from services.models.deepseek_v3 import DeepseekV3ForCausalLM, ForwardOutput
-from services.models.loader import load_target
-from services.models.moe import DeepseekV3MLP, DeepseekV3MoE
+from ddtree.models.config import DeepseekV3Config
+from ddtree.models.deepseek_v3 import DeepseekV3ForCausalLM, ForwardOutput
+from ddtree.models.loader import load_target
+from ddtree.models.moe import DeepseekV3MLP, DeepseekV3MoE
 
 from .layers import VocabParallelEmbedding, combine_shard_argmax, shard_argmax
 from .process_group import TPGroup

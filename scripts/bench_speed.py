@@ -1,6 +1,6 @@
 """DDTree vs AR decode speed and acceptance on held-out text, through the real services.
 
-    python -m tools.bench_speed --corpus DIR [--model DIR --drafter DIR | --verifier HOST:PORT]
+    python -m scripts.bench_speed --corpus DIR [--model DIR --drafter DIR | --verifier HOST:PORT]
         [--kinds code,prose,chat] [--contexts 512,4096] [--prompts 4] [--tokens 256] [--budget 16]
         [--out runs/bench_speed.json]
 
@@ -20,9 +20,9 @@ import pathlib
 import statistics
 import tempfile
 
-from services.gateway.tokenizer import Tokenizer
-from tools.bench.prompts import make_prompts
-from tools.bench.runner import VerifierEndpoint, private_verifier
+from ddtree.tokenization.tokenizer import Tokenizer
+from ddtree.tools.bench.prompts import make_prompts
+from ddtree.tools.bench.runner import VerifierEndpoint, private_verifier
 
 PHASES = {"draft_ms": "draft_ms", "verify_ms": "verify_ms", "transport_ms": "transport_ms", "total_ms": "step_ms"}
 
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     kinds, contexts = args.kinds.split(","), [int(c) for c in args.contexts.split(",")]
     model, drafter = args.model, args.drafter
     if not model or not drafter:
-        from services.models.default_checkpoint import default_checkpoint
+        from ddtree.default_checkpoint import default_checkpoint
         d = default_checkpoint()
         model, drafter = model or str(d.target), drafter or str(d.drafter)
     tok = Tokenizer(args.tokenizer or model)

@@ -18,9 +18,10 @@ import json
 import os
 import pathlib
 import re
-from typing import Any, Iterator, Protocol, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
 
-from services.gateway.chat_template import ChatTemplate
+from ddtree.tokenization.chat_template import ChatTemplate
 
 
 class _Backend(Protocol):
@@ -122,7 +123,7 @@ NUM_RESERVED_SPECIAL_TOKENS = 256
 # MAX_RUN_CHARS whitespace or non-whitespace characters, to bound the regex engine's work.
 MAX_ENCODE_CHARS = 400_000
 MAX_RUN_CHARS = 25_000
-_LONG_RUN = re.compile(r"\s{%d,}|\S{%d,}" % (MAX_RUN_CHARS + 1, MAX_RUN_CHARS + 1))
+_LONG_RUN = re.compile(rf"\s{{{MAX_RUN_CHARS + 1},}}|\S{{{MAX_RUN_CHARS + 1},}}")
 
 
 def load_tiktoken_ranks(path: pathlib.Path) -> dict[bytes, int]:

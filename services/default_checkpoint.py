@@ -20,10 +20,10 @@ import pathlib
 import shutil
 import tempfile
 
-from services.config import DEFAULT_CHECKPOINT_DIR
+from ddtree.config import DEFAULT_CHECKPOINT_DIR
 
 VERSION = "random-v1"
-DEMO_DIR = pathlib.Path(__file__).resolve().parent.parent.parent / "checkpoints" / "demo"
+DEMO_DIR = pathlib.Path(__file__).resolve().parent.parent / "checkpoints" / "demo"  # services/ -> the repository
 SEED = 20261129
 
 
@@ -41,10 +41,10 @@ class DefaultCheckpoint:
 
 
 def build_default_checkpoint(out: pathlib.Path) -> None:
-    from services.gateway.default_tokenizer import MASK_TOKEN, write_default_tokenizer
-    from services.gateway.tokenizer import Tokenizer
-    from services.models.dflash import write_random_drafter
-    from services.models.random_checkpoint import DEFAULT_TARGET_CONFIG, write_random_target
+    from ddtree.models.dflash import write_random_drafter
+    from ddtree.models.random_checkpoint import DEFAULT_TARGET_CONFIG, write_random_target
+    from ddtree.tokenization.default_tokenizer import MASK_TOKEN, write_default_tokenizer
+    from ddtree.tokenization.tokenizer import Tokenizer
 
     target_dir, drafter_dir = out / "target", out / "drafter"
     target_dir.mkdir(parents=True)

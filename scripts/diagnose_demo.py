@@ -1,7 +1,7 @@
 """Two `ddtree diagnose` runs on the demo deployment, as issue 7 asks for them; prints and saves the reports.
 
-    python -m tools.diagnose_demo reconcile [--out runs/diagnose_reconcile.json]
-    python -m tools.diagnose_demo window --window 4 [--out runs/diagnose_window.json]
+    python -m scripts.diagnose_demo reconcile [--out runs/diagnose_reconcile.json]
+    python -m scripts.diagnose_demo window --window 4 [--out runs/diagnose_window.json]
 
 reconcile: the default stack with the verifier writing step records to a file; a real run (a 1000-token
 stretch of standard-library code that the profile does not use, sent as text through the gateway by
@@ -20,15 +20,15 @@ import subprocess
 import sys
 import tempfile
 
-from services.gateway.tokenizer import Tokenizer
-from services.launcher import start_stack
-from tools.bench.prompts import make_prompts
+from ddtree.launcher import start_stack
+from ddtree.tokenization.tokenizer import Tokenizer
+from ddtree.tools.bench.prompts import make_prompts
 
 DEMO = pathlib.Path("checkpoints/demo")
 
 
 def _diagnose(verifier: str, *flags: str) -> int:
-    return subprocess.call([sys.executable, "-m", "services.cli", "diagnose", "--verifier", verifier,
+    return subprocess.call([sys.executable, "-m", "ddtree.cli", "diagnose", "--verifier", verifier,
                             "--kind", "code", *flags])
 
 
@@ -40,7 +40,7 @@ def reconcile(out: str) -> int:
     with start_stack(str(DEMO / "target"), str(DEMO / "drafter"), log,
                      verifier_args=("--step-log", str(steps))) as stack:
         run = json.loads(subprocess.run(
-            [sys.executable, "-m", "services.cli", "generate", "--gateway", stack.gateway, "--prompt", text,
+            [sys.executable, "-m", "ddtree.cli", "generate", "--gateway", stack.gateway, "--prompt", text,
              "--max-tokens", "400", "--ignore-eos", "--json"], capture_output=True, text=True, check=True).stdout)
         observed = run["timing"]["decode_tokens_per_s"]
         context, tokens = run["usage"]["prompt_tokens"], run["usage"]["completion_tokens"]

@@ -14,8 +14,8 @@ import random
 import re
 from collections.abc import Iterator
 
-from services.gateway.chat_template import ChatTemplate
-from services.gateway.default_tokenizer import KIMI_K2_CHAT_TEMPLATE
+from ddtree.tokenization.chat_template import ChatTemplate
+from ddtree.tokenization.default_tokenizer import KIMI_K2_CHAT_TEMPLATE
 
 SYSTEM_PROMPTS = (
     None, None, None,  # None = the template's default system prompt

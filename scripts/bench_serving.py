@@ -1,6 +1,6 @@
 """Serving properties of the verifier, measured through the real services (issue 9's figures).
 
-    python -m tools.bench_serving [--model DIR --drafter DIR] [--out runs/bench_serving.json]
+    python -m scripts.bench_serving [--model DIR --drafter DIR] [--out runs/bench_serving.json]
         [--only fragmentation,prefix,batching]
 
 - fragmentation: the late steps of one long generation (page size 1, scattered tree commits) against a
@@ -24,7 +24,7 @@ import time
 
 import grpc
 
-from services.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from ddtree.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 
 
 def generate(address, ids, max_new, budget=16, no_spec=False, request_id=""):
@@ -205,8 +205,8 @@ def main(argv=None) -> int:
     if args.verifier:
         run(args.verifier, todo)
     else:
-        from services.launcher import start_stack
-        from services.models.default_checkpoint import default_checkpoint
+        from ddtree.default_checkpoint import default_checkpoint
+        from ddtree.launcher import start_stack
         d = default_checkpoint()
         # fragmentation gets its own verifier without the prefix cache: its fresh request re-reads the long
         # generation's text, which must be prefilled into fresh KV, not found in the cache.

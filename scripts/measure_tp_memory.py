@@ -1,6 +1,6 @@
 """Peak resident memory of each verifier rank after loading a sharded bf16 checkpoint, at TP=1 and TP=2.
 
-    python -m tools.measure_tp_memory
+    python -m scripts.measure_tp_memory
 
 Writes the few-hundred-MB sharded checkpoint of tools/measure_load_memory.py, starts `ddtree verifier
 --tp N --dtype bfloat16` as it is deployed (rank 0 spawns the other ranks; each reads only its slices),
@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 
-from tools.measure_load_memory import write_checkpoint
+from scripts.measure_load_memory import write_checkpoint
 
 
 def _peak_mib(pid: int) -> float:
@@ -25,7 +25,7 @@ def _peak_mib(pid: int) -> float:
 
 def serving_peaks(model: str, tp: int) -> list[float]:
     """Peak RSS of the verifier process and its children (spawned ranks first), MiB."""
-    p = subprocess.Popen([sys.executable, "-m", "services.cli", "verifier", "--model", model, "--tp", str(tp),
+    p = subprocess.Popen([sys.executable, "-m", "ddtree.cli", "verifier", "--model", model, "--tp", str(tp),
                           "--dtype", "bfloat16", "--kv-tokens", "1024", "--max-context", "1024", "--threads", "1",
                           "--log-format", "console"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:

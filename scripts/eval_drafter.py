@@ -1,6 +1,6 @@
 """Average accepted length tau of a drafter on held-out prompts, measured through the real pieces.
 
-    python -m tools.eval_drafter --target DIR --drafter DIR --corpus DIR --kind code,prose \\
+    python -m scripts.eval_drafter --target DIR --drafter DIR --corpus DIR --kind code,prose \\
         --budget 16 --tokens 256 --prompts 8 [--out FILE.json]
 
 In one process: the drafter service (`make_engine` + `serve_engine` on a loopback port), the verifier's
@@ -28,7 +28,7 @@ def load_prompts(corpus_dir: str | Path, tokenizer_dir: str | Path, kind: str, c
     """`count` prompts of at most `prompt_len` tokens from the held-out documents of `kind`."""
     from tokenizers import Tokenizer
 
-    from services.training.drafter_data import DOC_SEPARATOR
+    from ddtree.training.drafter_data import DOC_SEPARATOR
     tok = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
     path = Path(corpus_dir) / f"heldout_{kind}.txt"
     docs = [d for d in path.read_text(encoding="utf-8").split(DOC_SEPARATOR) if d.strip()]
@@ -49,15 +49,15 @@ def load_prompts(corpus_dir: str | Path, tokenizer_dir: str | Path, kind: str, c
 def measure_tau(target_dir: str | Path, drafter_dir: str | Path, prompts: list[list[int]], budget: int = 16,
                 tokens: int = 256, max_batch: int = 8, window: int = 2048, drafter_dtype: str = "float32") -> dict:
     """Greedy generations through scheduler + drafter service; returns tau and per-prompt details."""
-    from services.config import DrafterConfig, VerifierConfig
-    from services.drafter.factory import make_engine
-    from services.drafter.server import serve_engine
-    from services.models.loader import load_target
-    from services.verifier.drafter_client import DrafterClient
-    from services.verifier.kv_pool import LatentKVPool
-    from services.verifier.sampling import SamplingConfig
-    from services.verifier.scheduler import Scheduler
-    from services.verifier.sequence import GenerateParams, Sequence
+    from ddtree.config import DrafterConfig, VerifierConfig
+    from ddtree.contract.sampling_params import SamplingConfig
+    from ddtree.drafter.factory import make_engine
+    from ddtree.drafter.server import serve_engine
+    from ddtree.models.loader import load_target
+    from ddtree.verifier.drafter_client import DrafterClient
+    from ddtree.verifier.kv_pool import LatentKVPool
+    from ddtree.verifier.scheduler import Scheduler
+    from ddtree.verifier.sequence import GenerateParams, Sequence
 
     model = load_target(target_dir, dtype=torch.float32)
     dcfg = DrafterConfig(port=0, grace_s=0.0, window=window, default_budget=max(budget, 1),
@@ -103,7 +103,7 @@ def measure_tau(target_dir: str | Path, drafter_dir: str | Path, prompts: list[l
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tools.eval_drafter", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m scripts.eval_drafter", description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True)
     p.add_argument("--drafter", required=True)
     p.add_argument("--corpus", required=True, help="dir with heldout_{kind}.txt")
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drafter-dtype", default="float32", help="float32 | bfloat16 | float16: the drafter's compute dtype")
     p.add_argument("--out", default="", help="JSON file (default runs/eval/<drafter dir name>_b<budget>.json)")
     args = p.parse_args(argv)
-    from services.telemetry.logging import configure_logging
+    from ddtree.telemetry.logging import configure_logging
     configure_logging("warning", "console")  # no per-step records
     if args.threads > 0:
         torch.set_num_threads(args.threads)

@@ -1,6 +1,6 @@
 """Tensor-parallel verifier step time: the same prompts at --tp 1 and --tp 2 (serving.md §7).
 
-    python -m tools.bench_tp [--model DIR --drafter DIR] [--configs 1x1,1x2,2x1] [--prompts 4]
+    python -m scripts.bench_tp [--model DIR --drafter DIR] [--configs 1x1,1x2,2x1] [--prompts 4]
         [--tokens 64] [--budget 16] [--out runs/bench_tp.json]
 
 A config TPxT is `--tp TP` with T torch threads per rank (so TP·T cores for the verifier). Each config gets
@@ -17,9 +17,9 @@ import pathlib
 import statistics
 import tempfile
 
-from services.gateway.tokenizer import Tokenizer
-from services.models.default_checkpoint import default_checkpoint
-from tools.bench.runner import VerifierEndpoint, private_verifier
+from ddtree.default_checkpoint import default_checkpoint
+from ddtree.tokenization.tokenizer import Tokenizer
+from ddtree.tools.bench.runner import VerifierEndpoint, private_verifier
 
 PROMPTS = [
     "def fibonacci(n):\n    ",

@@ -1,9 +1,9 @@
 """The demo tokenizer: a byte-level BPE (vocabulary 8192) trained on the demo corpus's training splits.
 
-    python -m tools.train_tokenizer CORPUS_DIR OUT_DIR [--vocab-size 8192]
+    python -m ddtree.training.tokenizer_training CORPUS_DIR OUT_DIR [--vocab-size 8192]
 
 Same layout, special tokens (Kimi K2 + `[MASK]`, ids 0..16) and chat template as
-`services/gateway/default_tokenizer.py`; only the training texts and the vocabulary size differ. Special-token
+`services/tokenization/default_tokenizer.py`; only the training texts and the vocabulary size differ. Special-token
 text in the chats is cut out before training so that no merge spans a special token.
 """
 from __future__ import annotations
@@ -13,8 +13,8 @@ import json
 import pathlib
 import re
 
-from services.gateway.default_tokenizer import SPECIAL_TOKENS, _write_atomic, tokenizer_config
-from tools.build_corpus import KINDS, read_documents
+from ddtree.tokenization.default_tokenizer import SPECIAL_TOKENS, _write_atomic, tokenizer_config
+from ddtree.training.corpus import KINDS, read_documents
 
 VOCAB_SIZE = 8192
 _SPECIAL_RE = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS))
@@ -57,7 +57,7 @@ def write_tokenizer(corpus_dir: str | pathlib.Path, out_dir: str | pathlib.Path,
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description="train the demo byte-level BPE on a corpus built by tools.build_corpus")
+    ap = argparse.ArgumentParser(description="train the demo byte-level BPE on a corpus built by scripts.build_corpus")
     ap.add_argument("corpus_dir")
     ap.add_argument("out_dir")
     ap.add_argument("--vocab-size", type=int, default=VOCAB_SIZE)

@@ -4,7 +4,7 @@ the standard library's docstrings, then GNU info manuals and English man pages w
 synthetic chats in the Kimi K2 format (reasoning sections, tool declarations, tool calls and results)
 rendered with our chat template from a seeded RNG.
 
-    python -m tools.build_corpus OUT_DIR [--code-mb 12 --prose-mb 10 --chat-mb 6]
+    python -m scripts.build_corpus OUT_DIR [--code-mb 12 --prose-mb 10 --chat-mb 6]
 
 Writes `train_{kind}.txt` and `heldout_{kind}.txt` for kind in code, prose, chat (documents joined by the
 `[EOS]` special-token text, which no source document contains) and `manifest.json` (sizes, document
@@ -24,10 +24,9 @@ import re
 import sysconfig
 import time
 
-from tools import synthetic_chats
+from ddtree.training.corpus import EOS, KINDS
+from scripts import synthetic_chats
 
-EOS = "[EOS]"
-KINDS = ("code", "prose", "chat")
 SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__", "lib2to3", "turtledemo"}
 MAX_FILE_BYTES = 150_000
 MIN_FILE_BYTES = 300
@@ -243,11 +242,6 @@ def build(out_dir: str | pathlib.Path, code_mb: float = 12, prose_mb: float = 10
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     manifest["seconds"] = round(time.time() - start, 1)
     return manifest
-
-
-def read_documents(corpus_dir: str | pathlib.Path, split: str, kind: str) -> list[str]:
-    text = (pathlib.Path(corpus_dir) / f"{split}_{kind}.txt").read_text(encoding="utf-8")
-    return [d for d in text.split(EOS) if d]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -29,9 +29,9 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .checkpoint_files import INDEX_FILE, SINGLE_FILE, CheckpointError, read_header
-from .config import DeepseekV3Config
-from .quantization import Fp8BlockScheme, Int4PackScheme, parse_quantization
+from ddtree.models.checkpoint_files import INDEX_FILE, SINGLE_FILE, CheckpointError, read_header
+from ddtree.models.config import DeepseekV3Config
+from ddtree.models.quantization import Fp8BlockScheme, Int4PackScheme, parse_quantization
 
 ACTIVATION_RESERVE = 0.10  # share of device memory kept free of weights and KV
 KV_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}

@@ -1,6 +1,6 @@
 """Evaluate a target checkpoint on the held-out splits of a demo corpus.
 
-    python -m tools.eval_target CKPT --corpus DIR [--out eval.json] [--ctx 1024] [--long 4096]
+    python -m scripts.eval_target CKPT --corpus DIR [--out eval.json] [--ctx 1024] [--long 4096]
 
 Prints and saves (JSON) the perplexity of each held-out kind over non-overlapping windows of --ctx tokens,
 the perplexity over --long-token windows split by position bucket (does quality hold past the training
@@ -19,14 +19,14 @@ import time
 import torch
 import torch.nn.functional as F
 
-from services.gateway.parsers.kimi_k2_reasoning import parse_reasoning
-from services.gateway.parsers.kimi_k2_tools import parse_tool_calls
-from services.gateway.tokenizer import Tokenizer
-from services.models.attention import AttentionMetadata, SeqAttention
-from services.models.loader import load_target
-from services.models.training_forward import training_forward
-from tools.build_corpus import KINDS, read_documents
-from tools.synthetic_chats import _tool_spec
+from ddtree.gateway.parsers.kimi_k2_reasoning import parse_reasoning
+from ddtree.gateway.parsers.kimi_k2_tools import parse_tool_calls
+from ddtree.models.attention import AttentionMetadata, SeqAttention
+from ddtree.models.loader import load_target
+from ddtree.models.training_forward import training_forward
+from ddtree.tokenization.tokenizer import Tokenizer
+from ddtree.training.corpus import KINDS, read_documents
+from scripts.synthetic_chats import _tool_spec
 
 EMPTY = torch.empty(0, dtype=torch.int64)
 CODE_PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""'  # no trailing "\n": the BPE merges it with the indent
