@@ -284,10 +284,26 @@ def compile_report(arch: int) -> list[dict]:
                  dict(NUM_HEADS=H, R=r, DR=dr, BLOCK_R=r, BLOCK_DR=dr, BLOCK_M=bm, BLOCK_N=cfg.block_n,
                       PAGE_SIZE=ps, DOT_PRECISION="tf32", BF16_VIA_FP32=False), cfg.num_warps, cfg.num_stages)
                 for bm in (16, cfg.block_m) for ps in (1, 16)]  # fmt: skip
-    variants.append(("merge", _mla_merge_kernel, merge_sig,
-                     dict(NUM_HEADS=H, R=r, BLOCK_R=r, BLOCK_M=cfg.block_m, MERGE_V=MERGE_V, CHUNK=CHUNK), 4, 1))
-    variants.append(("latent_write", _latent_write_kernel, write_sig,
-                     dict(R=r, DR=dr, BLOCK_R=r, HALF_DR=dr // 2, IS_BF16=True), 4, 1))
+    variants.append(
+        (
+            "merge",
+            _mla_merge_kernel,
+            merge_sig,
+            dict(NUM_HEADS=H, R=r, BLOCK_R=r, BLOCK_M=cfg.block_m, MERGE_V=MERGE_V, CHUNK=CHUNK),
+            4,
+            1,
+        )
+    )
+    variants.append(
+        (
+            "latent_write",
+            _latent_write_kernel,
+            write_sig,
+            dict(R=r, DR=dr, BLOCK_R=r, HALF_DR=dr // 2, IS_BF16=True),
+            4,
+            1,
+        )
+    )
     rows = []
     for name, fn, sig, consts, warps, stages in variants:
         src = ASTSource(fn, {**sig, **{k: "constexpr" for k in consts}}, consts)

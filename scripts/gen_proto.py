@@ -6,6 +6,7 @@ The generated modules import each other as `ddtree.v1.x_pb2`; they are rewritten
 `ddtree.protocol.ddtree.v1.x_pb2` so the stubs live inside our package. tests/test_proto_stubs.py
 regenerates into a temporary folder and fails when the committed stubs differ.
 """
+
 from __future__ import annotations
 
 import pathlib
@@ -24,8 +25,14 @@ def generate(out_dir: pathlib.Path) -> list[pathlib.Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     protos = sorted(str(p.relative_to(PROTO_ROOT)) for p in PROTO_ROOT.glob("ddtree/v1/*.proto"))
     include = str(pathlib.Path(grpc_tools.__file__).parent / "_proto")
-    args = ["protoc", f"-I{PROTO_ROOT}", f"-I{include}", f"--python_out={out_dir}",
-            f"--grpc_python_out={out_dir}", *protos]
+    args = [
+        "protoc",
+        f"-I{PROTO_ROOT}",
+        f"-I{include}",
+        f"--python_out={out_dir}",
+        f"--grpc_python_out={out_dir}",
+        *protos,
+    ]
     if protoc.main(args) != 0:
         raise RuntimeError(f"protoc failed: {' '.join(args)}")
     written = sorted((out_dir / "ddtree" / "v1").glob("*_pb2*.py"))

@@ -132,8 +132,10 @@ def main(argv: list[str] | None = None) -> int:
             cmd = [sys.executable, __file__, "--child", str(root), mode]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=cwd)
             r = json.loads(out.stdout.strip().splitlines()[-1])
-            print(f"{mode:>5}: peak RSS over baseline {r['load_peak_mib']:8.1f} MiB  (model holds {r['model_mib']:.1f} "
-                  f"MiB; RSS after imports {r['imported_mib']:.1f}, after a warm-up load {r['baseline_mib']:.1f} MiB)")
+            print(
+                f"{mode:>5}: peak RSS over baseline {r['load_peak_mib']:8.1f} MiB  (model holds {r['model_mib']:.1f} "
+                f"MiB; RSS after imports {r['imported_mib']:.1f}, after a warm-up load {r['baseline_mib']:.1f} MiB)"
+            )
     return 0
 
 

@@ -1,4 +1,5 @@
 """Shared fixtures: the default checkpoint (built once per session) and service stacks as processes."""
+
 from __future__ import annotations
 
 import os
@@ -18,22 +19,34 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 def default_ckpt(tmp_path_factory):
     """The default random checkpoint, built the way first use builds it (DDTREE_HOME or a temp dir)."""
     from ddtree.default_checkpoint import ensure_default_checkpoint
+
     base = os.environ.get("DDTREE_TEST_HOME") or tmp_path_factory.mktemp("ddtree-home")
     return ensure_default_checkpoint(pathlib.Path(base))
 
 
 def _stack(default_ckpt, tmp_path_factory, name, drafter_args=(), verifier_args=()):
     from ddtree.launcher import start_stack
+
     log_dir = tmp_path_factory.mktemp(f"logs-{name}")
-    return start_stack(str(default_ckpt.target), str(default_ckpt.drafter), log_dir,
-                       drafter_args=tuple(drafter_args), verifier_args=tuple(verifier_args))
+    return start_stack(
+        str(default_ckpt.target),
+        str(default_ckpt.drafter),
+        log_dir,
+        drafter_args=tuple(drafter_args),
+        verifier_args=tuple(verifier_args),
+    )
 
 
 @pytest.fixture(scope="session")
 def oracle_stack(default_ckpt, tmp_path_factory):
     """Drafter = the oracle engine (the target's own continuation with noise): real multi-token acceptance."""
-    stack = _stack(default_ckpt, tmp_path_factory, "oracle", ["--engine", "oracle", "--oracle-seed", "7"],
-                   ["--max-batch", "8", "--kv-tokens", "32768", "--max-context", "2048", "--prefill-chunk", "64"])
+    stack = _stack(
+        default_ckpt,
+        tmp_path_factory,
+        "oracle",
+        ["--engine", "oracle", "--oracle-seed", "7"],
+        ["--max-batch", "8", "--kv-tokens", "32768", "--max-context", "2048", "--prefill-chunk", "64"],
+    )
     yield stack
     stack.stop()
 
@@ -41,8 +54,13 @@ def oracle_stack(default_ckpt, tmp_path_factory):
 @pytest.fixture(scope="session")
 def dflash_stack(default_ckpt, tmp_path_factory):
     """Drafter = the random DFlash model of the default checkpoint."""
-    stack = _stack(default_ckpt, tmp_path_factory, "dflash", [],
-                   ["--max-batch", "8", "--kv-tokens", "32768", "--max-context", "2048"])
+    stack = _stack(
+        default_ckpt,
+        tmp_path_factory,
+        "dflash",
+        [],
+        ["--max-batch", "8", "--kv-tokens", "32768", "--max-context", "2048"],
+    )
     yield stack
     stack.stop()
 
@@ -51,6 +69,7 @@ def dflash_stack(default_ckpt, tmp_path_factory):
 def tokenizer_dir(tmp_path_factory):
     """The default BPE tokenizer (stdlib-trained, Kimi specials), trained once per session."""
     from ddtree.tokenization.default_tokenizer import write_default_tokenizer
+
     d = tmp_path_factory.getbasetemp() / "default-tokenizer"
     if not (d / "tokenizer_config.json").is_file():
         write_default_tokenizer(d)
@@ -60,4 +79,5 @@ def tokenizer_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tok(tokenizer_dir):
     from ddtree.tokenization.tokenizer import Tokenizer
+
     return Tokenizer(tokenizer_dir)

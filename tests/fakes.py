@@ -1,6 +1,7 @@
 """A fake in-process verifier for gateway tests: streams scripted token ids, records what it was sent.
 
 Used by tests/test_gateway_server.py (gRPC) and tests/test_gateway_http.py (HTTP, routing)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,9 +15,10 @@ from ddtree.protocol.server import start_server
 class _Run:
     """What one test scripted and what the fake saw during it. Generate binds the run current at its
     start, so a stream left over from an earlier test cannot touch a later test's record."""
+
     script: list
-    error: tuple | None = None   # (code, message): abort after streaming the script
-    delay_s: float = 0.0         # wait before every message but the first
+    error: tuple | None = None  # (code, message): abort after streaming the script
+    delay_s: float = 0.0  # wait before every message but the first
     requests: list = dataclasses.field(default_factory=list)
     aborts: list = dataclasses.field(default_factory=list)
     time_remaining: list = dataclasses.field(default_factory=list)
@@ -68,10 +70,17 @@ def script_for(ids, sizes=None, finish="length", usage=None, request_id="r"):
     assert sum(sizes) == len(ids)
     msgs, pos = [], 0
     for step, n in enumerate(sizes):
-        msgs.append(verifier_pb2.GenerateResponse(
-            request_id=request_id, token_ids=ids[pos:pos + n],
-            steps=[common_pb2.StepStats(step=step, context_tokens=10 + pos, tree_nodes=8, accept_length=n,
-                                        verify_ms=1.5, total_ms=2.0)]))
+        msgs.append(
+            verifier_pb2.GenerateResponse(
+                request_id=request_id,
+                token_ids=ids[pos : pos + n],
+                steps=[
+                    common_pb2.StepStats(
+                        step=step, context_tokens=10 + pos, tree_nodes=8, accept_length=n, verify_ms=1.5, total_ms=2.0
+                    )
+                ],
+            )
+        )
         pos += n
     if not msgs:
         msgs.append(verifier_pb2.GenerateResponse(request_id=request_id))

@@ -7,6 +7,7 @@ metadata; `blocker_source(allowed)` is Python source that, run first in a fresh 
 import of a module that only a distribution outside `allowed` provides raise ModuleNotFoundError, as if
 that distribution were not installed.
 """
+
 from __future__ import annotations
 
 import importlib.metadata as md

@@ -1,4 +1,5 @@
 """Bad input gets a clear error with the right status code, and requests in flight are untouched."""
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -52,19 +53,28 @@ VERIFIER_CASES = [
 def test_bad_requests_are_rejected_while_others_stream(oracle_stack, default_ckpt):
     """A long greedy generation runs while every bad request is sent; it must finish with exactly
     the tokens it gives when run alone."""
-    long_req = _gen(input_ids=[11, 12, 13, 14], max_new_tokens=96, ignore_eos=True,
-                    spec=common_pb2.SpecOptions(budget=8))
+    long_req = _gen(
+        input_ids=[11, 12, 13, 14], max_new_tokens=96, ignore_eos=True, spec=common_pb2.SpecOptions(budget=8)
+    )
     alone = _stream(oracle_stack.verifier, long_req)
     with cf.ThreadPoolExecutor(1) as pool:
         running = pool.submit(_stream, oracle_stack.verifier, long_req)
         with grpc.insecure_channel(oracle_stack.verifier) as ch:
             stub = verifier_pb2_grpc.VerifierStub(ch)
             for _name, req, fragment in VERIFIER_CASES:
-                _expect(grpc.StatusCode.INVALID_ARGUMENT, fragment, lambda req=req: list(stub.Generate(req, timeout=30)))
-            _expect(grpc.StatusCode.NOT_FOUND, "no running request",
-                    lambda: stub.Abort(verifier_pb2.AbortRequest(request_id="never-started"), timeout=10))
-            _expect(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty",
-                    lambda: stub.Abort(verifier_pb2.AbortRequest(), timeout=10))
+                _expect(
+                    grpc.StatusCode.INVALID_ARGUMENT, fragment, lambda req=req: list(stub.Generate(req, timeout=30))
+                )
+            _expect(
+                grpc.StatusCode.NOT_FOUND,
+                "no running request",
+                lambda: stub.Abort(verifier_pb2.AbortRequest(request_id="never-started"), timeout=10),
+            )
+            _expect(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "request_id is empty",
+                lambda: stub.Abort(verifier_pb2.AbortRequest(), timeout=10),
+            )
         with grpc.insecure_channel(oracle_stack.get("drafter").address) as ch:
             _bad_drafts(drafter_pb2_grpc.DrafterStub(ch))
         assert running.result() == alone
@@ -93,8 +103,11 @@ def _bad_drafts(stub):
         (_seq(budget=-1), "budget"),
     ]
     for msg, fragment in cases:
-        _expect(grpc.StatusCode.INVALID_ARGUMENT, fragment,
-                lambda msg=msg: stub.Draft(drafter_pb2.DraftRequest(seqs=[msg]), timeout=30))
+        _expect(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            fragment,
+            lambda msg=msg: stub.Draft(drafter_pb2.DraftRequest(seqs=[msg]), timeout=30),
+        )
     dup = drafter_pb2.DraftRequest(seqs=[_seq(), _seq()])
     _expect(grpc.StatusCode.INVALID_ARGUMENT, "twice", lambda: stub.Draft(dup, timeout=30))
 
@@ -102,6 +115,7 @@ def _bad_drafts(stub):
 def test_verifier_rejects_a_malformed_tree_from_the_drafter():
     """A tree whose parent index is not smaller than its own index never reaches the forward."""
     from ddtree.contract.token_tree import TokenTree
+
     bad = [TokenTree((5, 6), (0, 2), (1, 2)), TokenTree((5, 6), (0, 1), (1, 3)), TokenTree((5,), (1,), (1,))]
     for tree in bad:
         with pytest.raises(ValueError, match="parent|depth"):

@@ -5,6 +5,7 @@ of its layer when they are joined by ":" (not when joined by "|": the three serv
 talk over gRPC only), and from every layer below; never from a layer above. Every module of the
 package belongs to exactly one group. Imports inside functions count as much as top-level ones.
 """
+
 from __future__ import annotations
 
 import ast
@@ -93,11 +94,9 @@ def layer_violations() -> list[str]:
                 continue  # `ddtree` itself, or the module's own group
             (si, sep), (di, _) = groups[src], groups[dst]
             if di < si:
-                problems.append(f"{path}:{line}: {module} ({src}) imports {target} "
-                                f"from a higher layer ({dst})")
+                problems.append(f"{path}:{line}: {module} ({src}) imports {target} from a higher layer ({dst})")
             elif di == si and sep == "|":
-                problems.append(f"{path}:{line}: {module} ({src}) imports {target} "
-                                f"from an independent sibling ({dst})")
+                problems.append(f"{path}:{line}: {module} ({src}) imports {target} from an independent sibling ({dst})")
     return problems
 
 
@@ -117,8 +116,9 @@ def test_the_layer_check_sees_a_back_import(monkeypatch, tmp_path):
 
 
 def _ruff(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ruff", *args], cwd=env.ROOT, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "ruff", *args], cwd=env.ROOT, capture_output=True, text=True, timeout=300
+    )
 
 
 @pytest.mark.parametrize("args", [("check", "."), ("format", "--check", ".")], ids=["lint", "format"])

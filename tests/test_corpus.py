@@ -1,5 +1,6 @@
 """The demo corpus builder is deterministic and its held-out splits never overlap training; the demo
 tokenizer trained on it keeps the Kimi special tokens at their fixed ids."""
+
 from __future__ import annotations
 
 import json
@@ -44,8 +45,15 @@ def test_chats_are_kimi_format(corpus):
     chats = read_documents(corpus, "train", "chat")
     assert all(c.startswith("<|im_system|>") and c.endswith("<|im_end|>") for c in chats)
     text = "".join(chats)
-    for marker in ("<think>", "</think>", "<|tool_calls_section_begin|>", "<|tool_call_begin|>functions.",
-                   "<|tool_call_argument_begin|>{", "## Return of functions.", "<|im_system|>tool_declare"):
+    for marker in (
+        "<think>",
+        "</think>",
+        "<|tool_calls_section_begin|>",
+        "<|tool_call_begin|>functions.",
+        "<|tool_call_argument_begin|>{",
+        "## Return of functions.",
+        "<|im_system|>tool_declare",
+    ):
         assert marker in text, marker
     assert "<think></think>" in text  # some turns with thinking off
 

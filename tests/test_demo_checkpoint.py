@@ -4,6 +4,7 @@ Greedy decoding is deterministic, so these are checks of the shipped weights: a 
 reasoning section the Kimi reasoning parser separates, and a tool prompt yields a Kimi-format tool call
 that the tool-call parser turns into a call with valid JSON arguments.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -30,6 +31,7 @@ def demo():
     from ddtree.models.dflash import load_drafter
     from ddtree.models.loader import load_target
     from ddtree.tokenization.tokenizer import Tokenizer
+
     target = load_target(DEMO_DIR / "target")
     load_drafter(DEMO_DIR / "drafter")  # strict load: every tensor present with its shape
     tok = Tokenizer(DEMO_DIR / "target")
@@ -40,6 +42,7 @@ def _answer(target, tok, messages, tools=None):
     from ddtree.gateway.parsers.kimi_k2_reasoning import parse_reasoning
     from ddtree.gateway.parsers.kimi_k2_tools import parse_tool_calls
     from scripts.eval_target import greedy
+
     prompt = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
     stops = {tok.token_id("<|im_end|>"), tok.token_id("[EOS]")}
     out = greedy(target, tok.encode(prompt), 160, stops)
@@ -57,9 +60,14 @@ def test_chat_answer_has_a_separated_reasoning_section(demo):
 
 def test_tool_prompt_yields_a_parsed_kimi_tool_call(demo):
     from scripts.synthetic_chats import _tool_spec
+
     target, tok = demo
-    _, _, calls = _answer(target, tok, [{"role": "user", "content": "What's the weather like in Paris?"}],
-                          tools=[_tool_spec("get_weather")])
+    _, _, calls = _answer(
+        target,
+        tok,
+        [{"role": "user", "content": "What's the weather like in Paris?"}],
+        tools=[_tool_spec("get_weather")],
+    )
     assert calls, "no tool call parsed"
     assert calls[0].name == "get_weather"
     assert "city" in json.loads(calls[0].arguments)

@@ -1,4 +1,5 @@
 """DNS discovery of replicas: a name stands for every address it resolves to."""
+
 from __future__ import annotations
 
 import pytest

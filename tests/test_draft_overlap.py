@@ -1,4 +1,5 @@
 """Drafting one group while verifying the other (draft_overlap.py): the policy, and the tokens it yields."""
+
 from __future__ import annotations
 
 import pytest
@@ -60,17 +61,28 @@ def demo(default_ckpt):
 
 
 def _generate(model, drafter_address, prompts, tokens, **config) -> tuple[list[list[int]], Scheduler]:
-    vcfg = VerifierConfig(kv_tokens=4000, max_batch=8, prefill_chunk=64, debug_checks=True, max_context=1024,
-                          **config)
-    pool = LatentKVPool(model.config.num_hidden_layers, vcfg.kv_tokens, model.config.kv_cache_width,
-                        torch.float32, "cpu")
+    vcfg = VerifierConfig(kv_tokens=4000, max_batch=8, prefill_chunk=64, debug_checks=True, max_context=1024, **config)
+    pool = LatentKVPool(
+        model.config.num_hidden_layers, vcfg.kv_tokens, model.config.kv_cache_width, torch.float32, "cpu"
+    )
     drafter = DrafterPool(drafter_address, 30) if drafter_address else None
     sched = Scheduler(model, pool, vcfg, drafter)
     sched.start()
     try:
-        seqs = [Sequence(GenerateParams(f"{'ov' if drafter else 'ar'}-{i}", tuple(p), SamplingConfig(temperature=0.0),
-                                        tokens, frozenset(), True, 12 if drafter else 0))
-                for i, p in enumerate(prompts)]
+        seqs = [
+            Sequence(
+                GenerateParams(
+                    f"{'ov' if drafter else 'ar'}-{i}",
+                    tuple(p),
+                    SamplingConfig(temperature=0.0),
+                    tokens,
+                    frozenset(),
+                    True,
+                    12 if drafter else 0,
+                )
+            )
+            for i, p in enumerate(prompts)
+        ]
         for seq in seqs:
             sched.submit(seq)
         for seq in seqs:

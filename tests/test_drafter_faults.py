@@ -1,5 +1,6 @@
 """A drafter that misbehaves never changes a token: malformed trees become AR steps, and a drafter
 that disappears mid-stream leaves its sequences to finish with AR decoding."""
+
 from __future__ import annotations
 
 import grpc
@@ -16,12 +17,13 @@ pytestmark = pytest.mark.slow
 
 class HostileEngine:
     """Speaks the Draft contract but returns broken trees, in rotation."""
+
     BAD = [
-        TokenTree((5, 6), (0, 2), (1, 2)),          # parent index not smaller than its own
-        TokenTree((5, 6), (0, 0), (1, 2)),          # depth inconsistent with parent
-        TokenTree((5, 10**7), (0, 1), (1, 2)),      # token outside the vocabulary
+        TokenTree((5, 6), (0, 2), (1, 2)),  # parent index not smaller than its own
+        TokenTree((5, 6), (0, 0), (1, 2)),  # depth inconsistent with parent
+        TokenTree((5, 10**7), (0, 1), (1, 2)),  # token outside the vocabulary
         TokenTree(tuple(range(40)), tuple(range(40)), tuple(range(1, 41))),  # over the budget
-        TokenTree((7, 7), (0, 0), (1, 1)),          # duplicate sibling tokens
+        TokenTree((7, 7), (0, 0), (1, 1)),  # duplicate sibling tokens
     ]
 
     def __init__(self, hidden: int):
@@ -29,8 +31,18 @@ class HostileEngine:
         self.hidden = hidden
 
     def info(self):
-        return dict(model_id="hostile", block_size=8, mask_token_id=14, target_layer_ids=[0], window=0,
-                    default_budget=8, max_budget=64, hidden_size=self.hidden, vocab_size=4096, active_sequences=0)
+        return dict(
+            model_id="hostile",
+            block_size=8,
+            mask_token_id=14,
+            target_layer_ids=[0],
+            window=0,
+            default_budget=8,
+            max_budget=64,
+            hidden_size=self.hidden,
+            vocab_size=4096,
+            active_sequences=0,
+        )
 
     def draft(self, seqs):
         self.calls += 1
@@ -41,8 +53,12 @@ class HostileEngine:
 
 
 def _generate(address, no_spec):
-    req = verifier_pb2.GenerateRequest(input_ids=[40, 41, 42, 43], max_new_tokens=30, ignore_eos=True,
-                                       spec=common_pb2.SpecOptions(no_spec=no_spec, budget=8))
+    req = verifier_pb2.GenerateRequest(
+        input_ids=[40, 41, 42, 43],
+        max_new_tokens=30,
+        ignore_eos=True,
+        spec=common_pb2.SpecOptions(no_spec=no_spec, budget=8),
+    )
     with grpc.insecure_channel(address) as ch:
         msgs = list(verifier_pb2_grpc.VerifierStub(ch).Generate(req, timeout=120))
     return [t for m in msgs for t in m.token_ids], [s for m in msgs for s in m.steps]
@@ -51,8 +67,11 @@ def _generate(address, no_spec):
 def test_malformed_trees_become_ar_steps(default_ckpt, tmp_path):
     engine = HostileEngine(hidden=256)
     drafter = serve_engine(engine, DrafterConfig(port=0, grace_s=0.0))
-    verifier = start_service("verifier", ["verifier", "--model", str(default_ckpt.target), "--port", "0",
-                                          "--drafter", f"127.0.0.1:{drafter.port}"], tmp_path)
+    verifier = start_service(
+        "verifier",
+        ["verifier", "--model", str(default_ckpt.target), "--port", "0", "--drafter", f"127.0.0.1:{drafter.port}"],
+        tmp_path,
+    )
     try:
         spec_tokens, steps = _generate(verifier.address, no_spec=False)
         ar_tokens, _ = _generate(verifier.address, no_spec=True)
@@ -68,14 +87,31 @@ def test_malformed_trees_become_ar_steps(default_ckpt, tmp_path):
 
 
 def test_drafter_lost_mid_stream_falls_back_to_ar(default_ckpt, tmp_path):
-    drafter = start_service("drafter", ["drafter", "--model", str(default_ckpt.drafter), "--target",
-                                        str(default_ckpt.target), "--port", "0"], tmp_path)
-    verifier = start_service("verifier", ["verifier", "--model", str(default_ckpt.target), "--port", "0",
-                                          "--drafter", drafter.address, "--draft-timeout-s", "5"], tmp_path)
+    drafter = start_service(
+        "drafter",
+        ["drafter", "--model", str(default_ckpt.drafter), "--target", str(default_ckpt.target), "--port", "0"],
+        tmp_path,
+    )
+    verifier = start_service(
+        "verifier",
+        [
+            "verifier",
+            "--model",
+            str(default_ckpt.target),
+            "--port",
+            "0",
+            "--drafter",
+            drafter.address,
+            "--draft-timeout-s",
+            "5",
+        ],
+        tmp_path,
+    )
     try:
         ar_tokens, _ = _generate(verifier.address, no_spec=True)
-        req = verifier_pb2.GenerateRequest(input_ids=[40, 41, 42, 43], max_new_tokens=30, ignore_eos=True,
-                                           spec=common_pb2.SpecOptions(budget=8))
+        req = verifier_pb2.GenerateRequest(
+            input_ids=[40, 41, 42, 43], max_new_tokens=30, ignore_eos=True, spec=common_pb2.SpecOptions(budget=8)
+        )
         tokens, steps = [], []
         with grpc.insecure_channel(verifier.address) as ch:
             for msg in verifier_pb2_grpc.VerifierStub(ch).Generate(req, timeout=120):
@@ -94,20 +130,35 @@ def test_drafter_lost_mid_stream_falls_back_to_ar(default_ckpt, tmp_path):
 class BadScoresEngine(HostileEngine):
     """Valid trees whose node scores are broken (rising, wrong count, positive): the verifier must still
     verify the trees, only without the scores."""
+
     SCORES = [(-0.5, -0.1, -2.0), (-0.5,), (0.5, -1.0, -2.0)]
 
     def draft(self, seqs):
         self.calls += 1
-        return [TokenTree((100, 101, 102), (0, 1, 1), (1, 2, 2), self.SCORES[(self.calls + i) % 3])
-                for i, _ in enumerate(seqs)]
+        return [
+            TokenTree((100, 101, 102), (0, 1, 1), (1, 2, 2), self.SCORES[(self.calls + i) % 3])
+            for i, _ in enumerate(seqs)
+        ]
 
 
 def test_bad_node_scores_are_dropped_not_the_trees(default_ckpt, tmp_path):
     engine = BadScoresEngine(hidden=256)
     drafter = serve_engine(engine, DrafterConfig(port=0, grace_s=0.0))
-    verifier = start_service("verifier", ["verifier", "--model", str(default_ckpt.target), "--port", "0",
-                                          "--drafter", f"127.0.0.1:{drafter.port}", "--max-tree-tokens", "3"],
-                             tmp_path)
+    verifier = start_service(
+        "verifier",
+        [
+            "verifier",
+            "--model",
+            str(default_ckpt.target),
+            "--port",
+            "0",
+            "--drafter",
+            f"127.0.0.1:{drafter.port}",
+            "--max-tree-tokens",
+            "3",
+        ],
+        tmp_path,
+    )
     try:
         spec_tokens, steps = _generate(verifier.address, no_spec=False)
         ar_tokens, _ = _generate(verifier.address, no_spec=True)

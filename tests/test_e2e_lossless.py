@@ -5,6 +5,7 @@ DFlash drafter of the default checkpoint (accepts little), and the oracle drafte
 target's own continuation with controlled noise, so zero, partial and full-depth acceptance, sibling
 acceptance, KV compaction and positions are all exercised.
 """
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -27,16 +28,28 @@ PROMPTS = [
 MAX_NEW = 24
 
 
-def _generate(address: str, ids: list[int], *, no_spec: bool, budget: int = 0, max_new: int = MAX_NEW,
-              temperature: float = 0.0, seed: int | None = None):
+def _generate(
+    address: str,
+    ids: list[int],
+    *,
+    no_spec: bool,
+    budget: int = 0,
+    max_new: int = MAX_NEW,
+    temperature: float = 0.0,
+    seed: int | None = None,
+):
     with grpc.insecure_channel(address) as ch:
         stub = verifier_pb2_grpc.VerifierStub(ch)
         sampling = common_pb2.SamplingParams(temperature=temperature)
         if seed is not None:
             sampling.seed = seed
-        req = verifier_pb2.GenerateRequest(input_ids=ids, max_new_tokens=max_new, ignore_eos=True,
-                                           sampling=sampling,
-                                           spec=common_pb2.SpecOptions(no_spec=no_spec, budget=budget))
+        req = verifier_pb2.GenerateRequest(
+            input_ids=ids,
+            max_new_tokens=max_new,
+            ignore_eos=True,
+            sampling=sampling,
+            spec=common_pb2.SpecOptions(no_spec=no_spec, budget=budget),
+        )
         tokens, steps, last = [], [], None
         for msg in stub.Generate(req, timeout=300):
             tokens.extend(msg.token_ids)

@@ -1,4 +1,5 @@
 """The LM head along the accept walk gives exactly the verdict of the full-row argmax, reading fewer rows."""
+
 from __future__ import annotations
 
 import random
@@ -72,8 +73,7 @@ def test_walk_matches_full_argmax_verdicts():
 
 
 def _first_children_brute(tree: TokenTree) -> list[int]:
-    return [min((j for j in range(1, tree.n + 1) if tree.parents[j - 1] == i), default=-1)
-            for i in range(tree.n + 1)]
+    return [min((j for j in range(1, tree.n + 1) if tree.parents[j - 1] == i), default=-1) for i in range(tree.n + 1)]
 
 
 def _chain_brute(first: list[int], node: int) -> list[int]:

@@ -159,7 +159,7 @@ def test_kimi_k26_config_report(capsys):
 def test_missing_checkpoint_is_one_clear_line(tmp_path):
     import subprocess
     import sys
-    res = subprocess.run([sys.executable, "-m", "ddtree.cli", "inspect", str(tmp_path)], capture_output=True,
-                         text=True)
+
+    res = subprocess.run([sys.executable, "-m", "ddtree.cli", "inspect", str(tmp_path)], capture_output=True, text=True)
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert f"{tmp_path}: no checkpoint config here" in res.stderr and "config.json" in res.stderr

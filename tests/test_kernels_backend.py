@@ -147,7 +147,8 @@ def test_bench_kernels_dry_run(tmp_path):
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     result = json.loads(out.read_text())
     assert {(r["kind"], r["batch"], r["prefix"]) for r in result["rows"]} == {
-        (k, b, p) for k in ("decode", "tree4") for b in (1, 2) for p in (16, 64)}
+        (k, b, p) for k in ("decode", "tree4") for b in (1, 2) for p in (16, 64)
+    }
     assert all(r["ok"] and r["triton_us"] > 0 and r["sdpa_us"] > 0 for r in result["rows"])
     assert set(result["summary"]["ratio_long_over_short"]) == {"decode_b1", "decode_b2", "tree4_b1", "tree4_b2"}
     assert result["latent_write"] and "t(64)/t(16)" in " ".join(result["summary"]["targets"])

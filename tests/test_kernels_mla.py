@@ -107,8 +107,9 @@ KIMI = dict(heads=8, r=512, dr=64, dtype=torch.bfloat16)
 CASES = [
     # decode (q_len 1 per sequence; the same kernels as a one-node tree)
     Case("decode_prefix1", ((1, "decode", 0),), heads=8),
-    Case("decode_batch_ragged", ((1, "decode", 0), (300, "decode", 0), (1000, "decode", 0), (37, "decode", 0)),
-         heads=8),
+    Case(
+        "decode_batch_ragged", ((1, "decode", 0), (300, "decode", 0), (1000, "decode", 0), (37, "decode", 0)), heads=8
+    ),
     Case("decode_split_edges", ((256, "decode", 0), (257, "decode", 0), (512, "decode", 0), (255, "decode", 0))),
     # tree verify
     Case("empty_tree_no_prefix", ((0, "empty", 0),)),
@@ -123,8 +124,10 @@ CASES = [
     Case("prefill_no_prefix", ((0, "prefill", 40),)),
     Case("extend_cached_prefix", ((260, "prefill", 33),), config=SMALL_SPLITS),
     # mixed batches, a sequence with no new token, heads 1 .. 16, odd widths
-    Case("mixed_batch", ((0, "prefill", 20), (700, "tree", 16), (50, "decode", 0), (1, "empty", 0),
-                         (10, "none", 0), (33, "wide", 7))),
+    Case(
+        "mixed_batch",
+        ((0, "prefill", 20), (700, "tree", 16), (50, "decode", 0), (1, "empty", 0), (10, "none", 0), (33, "wide", 7)),
+    ),
     Case("heads_1", ((100, "decode", 0), (64, "tree", 10))),
     Case("heads_3", ((100, "chain", 4), (0, "prefill", 9)), heads=3),
     Case("heads_16", ((300, "tree", 16),), heads=16),

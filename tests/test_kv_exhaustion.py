@@ -2,6 +2,7 @@
 requests beyond what the cache holds wait in the queue and then complete with the tokens they get alone;
 beyond the queue they are refused with RESOURCE_EXHAUSTED, as is a request larger than the whole cache,
 and the scheduler goes on serving."""
+
 from __future__ import annotations
 
 import time
@@ -32,8 +33,9 @@ def _drain(seqs: list[Sequence]) -> None:
 
 
 def _scheduler(model, kv_tokens: int, max_queue: int) -> Scheduler:
-    vcfg = VerifierConfig(kv_tokens=kv_tokens, max_batch=8, max_queue=max_queue, prefill_chunk=64,
-                          debug_checks=True, prefix_cache=False)
+    vcfg = VerifierConfig(
+        kv_tokens=kv_tokens, max_batch=8, max_queue=max_queue, prefill_chunk=64, debug_checks=True, prefix_cache=False
+    )
     pool = LatentKVPool(model.config.num_hidden_layers, kv_tokens, model.config.kv_cache_width, torch.float32, "cpu")
     return Scheduler(model, pool, vcfg, None)
 

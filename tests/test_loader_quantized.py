@@ -238,7 +238,9 @@ def test_slices_read_only_the_covering_blocks(tmp_path, monkeypatch):
         full = load_target(root).state_dict()[name]
         pick = lambda n, sl=sl, name=name: sl if n == name else None  # noqa: E731
         reads.clear()
-        part = load_target(root, slice_of=pick, build_model=lambda c, p=pick: shrink_to_slices(DeepseekV3ForCausalLM(c), p))
+        part = load_target(
+            root, slice_of=pick, build_model=lambda c, p=pick: shrink_to_slices(DeepseekV3ForCausalLM(c), p)
+        )
         assert torch.equal(part.state_dict()[name], apply_slice(full, sl)), (name, sl)
         seen = {n: (r, c) for n, r, c in reads if n.startswith(name.removesuffix("weight"))}
         for stored, (rows, cols) in expected_reads.items():

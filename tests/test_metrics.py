@@ -1,4 +1,5 @@
 """Prometheus metrics (design.md §8 names) are served and move with real traffic."""
+
 from __future__ import annotations
 
 import re
@@ -35,12 +36,19 @@ def _metrics_port(log_path) -> int:
 
 def test_verifier_and_drafter_metrics(default_ckpt, tmp_path):
     from ddtree.launcher import start_stack
-    with start_stack(str(default_ckpt.target), str(default_ckpt.drafter), tmp_path,
-                     verifier_args=("--metrics-port", "0"), drafter_args=("--metrics-port", "0")) as stack:
+
+    with start_stack(
+        str(default_ckpt.target),
+        str(default_ckpt.drafter),
+        tmp_path,
+        verifier_args=("--metrics-port", "0"),
+        drafter_args=("--metrics-port", "0"),
+    ) as stack:
         vport = _metrics_port(stack.get("verifier").log_path)
         dport = _metrics_port(stack.get("drafter").log_path)
-        req = verifier_pb2.GenerateRequest(input_ids=[7, 8, 9], max_new_tokens=12, ignore_eos=True,
-                                           spec=common_pb2.SpecOptions(budget=8))
+        req = verifier_pb2.GenerateRequest(
+            input_ids=[7, 8, 9], max_new_tokens=12, ignore_eos=True, spec=common_pb2.SpecOptions(budget=8)
+        )
         with grpc.insecure_channel(stack.verifier) as ch:
             steps = [s for m in verifier_pb2_grpc.VerifierStub(ch).Generate(req, timeout=60) for s in m.steps]
         v = _scrape(vport)

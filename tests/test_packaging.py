@@ -1,4 +1,5 @@
 """The project installs one import package, `ddtree`, mapped onto the design card's folders."""
+
 from __future__ import annotations
 
 import importlib.metadata as md
@@ -21,12 +22,20 @@ def test_every_package_folder_is_listed_and_nothing_else():
 
 def test_only_ddtree_is_importable_from_outside_the_repository(tmp_path):
     """From a folder outside the checkout (no repository folder on sys.path), only `ddtree` resolves."""
-    code = ("import importlib.util, json; print(json.dumps({n: importlib.util.find_spec(n) is not None "
-            "for n in ('ddtree', 'ddtree.kernels', 'ddtree.tools', 'services', 'kernels', 'tools')}))")
+    code = (
+        "import importlib.util, json; print(json.dumps({n: importlib.util.find_spec(n) is not None "
+        "for n in ('ddtree', 'ddtree.kernels', 'ddtree.tools', 'services', 'kernels', 'tools')}))"
+    )
     res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
-    assert json.loads(res.stdout) == {"ddtree": True, "ddtree.kernels": True, "ddtree.tools": True,
-                                      "services": False, "kernels": False, "tools": False}
+    assert json.loads(res.stdout) == {
+        "ddtree": True,
+        "ddtree.kernels": True,
+        "ddtree.tools": True,
+        "services": False,
+        "kernels": False,
+        "tools": False,
+    }
 
 
 def test_the_distribution_declares_one_top_level_name():

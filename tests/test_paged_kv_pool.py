@@ -1,6 +1,7 @@
 """The paged latent KV pool (page size P > 1) against page size 1: allocation and accounting, page tables
 that copy accepted tree nodes into place, a prefix cache that shares whole pages, and the verifier with
 --page-size 4 / 16 giving the same tokens and acceptance as page size 1 and AR."""
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -120,7 +121,7 @@ def test_page_size_one_commit_moves_nothing():
 def test_prefix_cache_shares_whole_pages_only():
     pool = _pool(4, 64)
     cache = PrefixCache(pool)
-    a = list(range(1, 11))                       # 10 tokens: 2 whole pages + a partial one
+    a = list(range(1, 11))  # 10 tokens: 2 whole pages + a partial one
     ta = PageTable(4)
     ta.extend(pool, 10)
     ta.commit(10)
@@ -142,7 +143,7 @@ def test_prefix_cache_shares_whole_pages_only():
     tb.commit(8)
     check_accounting(pool, [tb], cache)
     b = a[:8] + [9, 10, 77, 78, 79, 80, 81, 82]
-    pool.free(cache.insert(b, tb.slots, None))   # pages 0-1 are the cache's, page 2-3 adopted
+    pool.free(cache.insert(b, tb.slots, None))  # pages 0-1 are the cache's, page 2-3 adopted
     cache.release(m)
     cache.release(m7)
     assert cache.cached_slots == 16
@@ -162,7 +163,7 @@ def test_paged_prefix_cache_random_traffic_matches_brute_force():
     cache = PrefixCache(pool)
     for _ in range(200):
         seq = [rng.randint(0, 1) for _ in range(rng.randint(1, 20))]
-        cached = set()                                   # brute force: every cached whole-page prefix
+        cached = set()  # brute force: every cached whole-page prefix
         stack = [((), cache.root)]
         while stack:
             prefix, node = stack.pop()
@@ -189,6 +190,7 @@ def test_paged_prefix_cache_random_traffic_matches_brute_force():
 
 
 # ---- the target model: tree verify with page size P leaves the same KV as page size 1 ----
+
 
 def _decode(model, page_size: int, prompt: list[int], trees, steps: int):
     """Prefill, then `steps` verifies of trees(seq) (greedy); returns the sequence and its pool."""
@@ -220,14 +222,14 @@ def test_tree_verify_with_pages_leaves_the_same_kv_as_page_size_one(default_ckpt
     V = model.config.vocab_size
     prompt = [(11 * i) % 500 + 30 for i in range(21)]
     ar_seq, ar_pool, _ = _decode(model, 1, prompt, lambda s: TokenTree(), 46)
-    truth = ar_seq.committed[len(prompt):] + [ar_seq.root]       # the greedy continuation
+    truth = ar_seq.committed[len(prompt) :] + [ar_seq.root]  # the greedy continuation
     rng = random.Random(0)
 
     def trees(seq):
-        i = seq.context_len - len(prompt)                        # seq.root == truth[i]
-        right = truth[i + 1:i + 1 + rng.randint(0, 4)]
+        i = seq.context_len - len(prompt)  # seq.root == truth[i]
+        right = truth[i + 1 : i + 1 + rng.randint(0, 4)]
         w = (truth[i + 1] + 1) % V
-        tokens, parents, depths = [w, (w + 1) % V], [0, 1], [1, 2]   # a wrong branch first
+        tokens, parents, depths = [w, (w + 1) % V], [0, 1], [1, 2]  # a wrong branch first
         for d, tok in enumerate(right, start=1):
             tokens.append(tok)
             parents.append(0 if d == 1 else len(tokens) - 1)
@@ -262,15 +264,58 @@ def paged_verifiers(default_ckpt, tmp_path_factory):
     from ddtree.launcher import start_service
 
     log_dir = tmp_path_factory.mktemp("logs-paged")
-    procs = [start_service("drafter", ["drafter", "--model", str(default_ckpt.drafter), "--target",
-                                       str(default_ckpt.target), "--engine", "oracle", "--oracle-seed", "7",
-                                       "--port", "0", "--threads", "1"], log_dir)]
+    procs = [
+        start_service(
+            "drafter",
+            [
+                "drafter",
+                "--model",
+                str(default_ckpt.drafter),
+                "--target",
+                str(default_ckpt.target),
+                "--engine",
+                "oracle",
+                "--oracle-seed",
+                "7",
+                "--port",
+                "0",
+                "--threads",
+                "1",
+            ],
+            log_dir,
+        )
+    ]
     try:
         for P in PAGED:
-            procs.append(start_service(f"verifier-p{P}", [
-                "verifier", "--model", str(default_ckpt.target), "--drafter", procs[0].address, "--port", "0",
-                "--threads", "1", "--page-size", str(P), "--debug-checks", "true", "--max-batch", "8",
-                "--kv-tokens", "8192", "--max-context", "2048", "--prefill-chunk", "64"], log_dir))
+            procs.append(
+                start_service(
+                    f"verifier-p{P}",
+                    [
+                        "verifier",
+                        "--model",
+                        str(default_ckpt.target),
+                        "--drafter",
+                        procs[0].address,
+                        "--port",
+                        "0",
+                        "--threads",
+                        "1",
+                        "--page-size",
+                        str(P),
+                        "--debug-checks",
+                        "true",
+                        "--max-batch",
+                        "8",
+                        "--kv-tokens",
+                        "8192",
+                        "--max-context",
+                        "2048",
+                        "--prefill-chunk",
+                        "64",
+                    ],
+                    log_dir,
+                )
+            )
         yield {P: p for P, p in zip(PAGED, procs[1:])}
     finally:
         for p in reversed(procs):
@@ -280,8 +325,13 @@ def paged_verifiers(default_ckpt, tmp_path_factory):
 def _generate(address: str, ids: list[int], request_id: str, budget: int, max_new: int = 24):
     from ddtree.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 
-    req = verifier_pb2.GenerateRequest(request_id=request_id, input_ids=ids, max_new_tokens=max_new,
-                                       ignore_eos=True, spec=common_pb2.SpecOptions(no_spec=budget == 0, budget=budget))
+    req = verifier_pb2.GenerateRequest(
+        request_id=request_id,
+        input_ids=ids,
+        max_new_tokens=max_new,
+        ignore_eos=True,
+        spec=common_pb2.SpecOptions(no_spec=budget == 0, budget=budget),
+    )
     with grpc.insecure_channel(address) as ch:
         msgs = list(verifier_pb2_grpc.VerifierStub(ch).Generate(req, timeout=300))
     return [t for m in msgs for t in m.token_ids], [s.accept_length for m in msgs for s in m.steps]
@@ -289,8 +339,7 @@ def _generate(address: str, ids: list[int], request_id: str, budget: int, max_ne
 
 def _run(address: str, prompts: list[list[int]], budget: int, tag: str):
     with cf.ThreadPoolExecutor(4) as ex:
-        return list(ex.map(lambda ip: _generate(address, ip[1], f"{tag}-{budget}-{ip[0]}", budget),
-                           enumerate(prompts)))
+        return list(ex.map(lambda ip: _generate(address, ip[1], f"{tag}-{budget}-{ip[0]}", budget), enumerate(prompts)))
 
 
 PROMPTS = [[(37 * i + 11 * k) % 3000 + 50 for i in range(n)] for k, n in enumerate([1, 5, 16, 17, 63, 130])]
@@ -323,7 +372,7 @@ def test_paged_prefix_hits_reuse_whole_pages(paged_verifiers):
         second = _generate(proc.address, ids, "paged-reuse", 8, max_new=40)
         assert second == first, f"page size {P}: tokens or acceptance changed with a prefix hit"
         assert f'"cached_tokens": {299 // P * P}' in proc.log_path.read_text(), "no whole-page prefix reuse"
-        turn2 = ids + first[0][:30] + [61, 62, 63]       # a second chat turn: prompt + answer cached
+        turn2 = ids + first[0][:30] + [61, 62, 63]  # a second chat turn: prompt + answer cached
         spec = _generate(proc.address, turn2, "paged-turn2", 8)
         assert f'"cached_tokens": {330 // P * P}' in proc.log_path.read_text(), "no reuse of prompt + answer"
         assert spec[0] == _generate(proc.address, turn2, "paged-turn2-ar", 0)[0]
@@ -349,10 +398,10 @@ def test_paged_scheduler_returns_the_pool_to_empty(default_ckpt):
     dcfg = DrafterConfig(port=0, grace_s=0.0, engine="oracle")
     drafter = serve_engine(make_engine(dcfg, str(default_ckpt.drafter), str(default_ckpt.target)), dcfg)
     model = load_target(default_ckpt.target).eval()
-    vcfg = VerifierConfig(kv_tokens=2048, page_size=4, max_batch=6, max_queue=100, prefill_chunk=32,
-                          debug_checks=True)
-    pool = LatentKVPool(model.config.num_hidden_layers, vcfg.kv_tokens, model.config.kv_cache_width,
-                        torch.float32, "cpu", page_size=4)
+    vcfg = VerifierConfig(kv_tokens=2048, page_size=4, max_batch=6, max_queue=100, prefill_chunk=32, debug_checks=True)
+    pool = LatentKVPool(
+        model.config.num_hidden_layers, vcfg.kv_tokens, model.config.kv_cache_width, torch.float32, "cpu", page_size=4
+    )
     sched = Scheduler(model, pool, vcfg, DrafterPool(f"127.0.0.1:{drafter.port}", 10))
     sched.start()
     rng = random.Random(0)
@@ -360,9 +409,18 @@ def test_paged_scheduler_returns_the_pool_to_empty(default_ckpt):
     seqs = []
     try:
         for i in range(30):
-            ids = base[:rng.randint(1, 90)] + [i + 7] * rng.randint(0, 9)
-            seq = Sequence(GenerateParams(f"r{i}", tuple(ids), SamplingConfig(temperature=0.0), rng.randint(1, 20),
-                                          frozenset(), i % 4 != 0, 0 if i % 4 == 0 else 8))
+            ids = base[: rng.randint(1, 90)] + [i + 7] * rng.randint(0, 9)
+            seq = Sequence(
+                GenerateParams(
+                    f"r{i}",
+                    tuple(ids),
+                    SamplingConfig(temperature=0.0),
+                    rng.randint(1, 20),
+                    frozenset(),
+                    i % 4 != 0,
+                    0 if i % 4 == 0 else 8,
+                )
+            )
             sched.submit(seq)
             seqs.append(seq)
             if i % 5 == 4:

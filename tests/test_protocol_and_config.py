@@ -1,4 +1,5 @@
 """Wire tensors, service configuration and the KV pool's accounting."""
+
 from __future__ import annotations
 
 import argparse
@@ -33,11 +34,14 @@ def test_tensor_non_contiguous_is_sent_in_logical_order():
     assert torch.equal(tensor_from_proto(tensor_to_proto(x)), x)
 
 
-@pytest.mark.parametrize("msg,fragment", [
-    (common_pb2.Tensor(data=b"\0" * 7, shape=[2], dtype=common_pb2.FLOAT32), "needs 8 bytes, got 7"),
-    (common_pb2.Tensor(data=b"", shape=[2], dtype=common_pb2.DTYPE_UNSPECIFIED), "unsupported dtype"),
-    (common_pb2.Tensor(data=b"", shape=[-1, 2], dtype=common_pb2.FLOAT32), "negative dimension"),
-])
+@pytest.mark.parametrize(
+    "msg,fragment",
+    [
+        (common_pb2.Tensor(data=b"\0" * 7, shape=[2], dtype=common_pb2.FLOAT32), "needs 8 bytes, got 7"),
+        (common_pb2.Tensor(data=b"", shape=[2], dtype=common_pb2.DTYPE_UNSPECIFIED), "unsupported dtype"),
+        (common_pb2.Tensor(data=b"", shape=[-1, 2], dtype=common_pb2.FLOAT32), "negative dimension"),
+    ],
+)
 def test_tensor_from_proto_rejects_inconsistent_messages(msg, fragment):
     with pytest.raises(ValueError, match=fragment):
         tensor_from_proto(msg, what="features")

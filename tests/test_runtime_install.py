@@ -7,6 +7,7 @@
 - gateway (`docker/requirements-gateway.txt`, no torch): `ddtree gateway` starts and answers a chat
   with only those distributions importable.
 """
+
 from __future__ import annotations
 
 import ast
@@ -27,8 +28,16 @@ from tests.fakes import script_for, start_fake_verifier
 GATEWAY_REQUIREMENTS = env.ROOT / "docker" / "requirements-gateway.txt"
 DEMO_TARGET = env.ROOT / "checkpoints" / "demo" / "target"
 # The modules the `ddtree` command runs: they must import with the runtime dependencies alone.
-ENTRY_MODULES = ("ddtree.cli", "ddtree.verifier.server", "ddtree.drafter.server", "ddtree.drafter.factory",
-                 "ddtree.gateway.server", "ddtree.gateway.http", "ddtree.launcher", "ddtree.client")
+ENTRY_MODULES = (
+    "ddtree.cli",
+    "ddtree.verifier.server",
+    "ddtree.drafter.server",
+    "ddtree.drafter.factory",
+    "ddtree.gateway.server",
+    "ddtree.gateway.http",
+    "ddtree.launcher",
+    "ddtree.client",
+)
 
 
 def _names(requirements: list[str]) -> set[str]:
@@ -36,8 +45,13 @@ def _names(requirements: list[str]) -> set[str]:
 
 
 def _run_isolated(allowed: set[str], code: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", env.blocker_source(allowed) + code], cwd=env.ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", env.blocker_source(allowed) + code],
+        cwd=env.ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_every_module_imports_with_the_runtime_dependencies_alone():
@@ -70,7 +84,9 @@ print(json.dumps(results))
     needs_extra = {m: r.removeprefix("missing:") for m, r in results.items() if r and r.startswith("missing:")}
     undeclared = {m: top for m, top in needs_extra.items() if not providers.get(top, {top}) & optional}
     assert not undeclared, f"modules that import a distribution neither runtime nor an optional extra: {undeclared}"
-    assert not needs_extra.keys() & set(ENTRY_MODULES), {m: needs_extra[m] for m in needs_extra.keys() & set(ENTRY_MODULES)}
+    assert not needs_extra.keys() & set(ENTRY_MODULES), {
+        m: needs_extra[m] for m in needs_extra.keys() & set(ENTRY_MODULES)
+    }
     for name in ENTRY_MODULES:
         assert name in results, f"{name} was not found by the walk"
 
@@ -127,6 +143,7 @@ def test_the_gateway_serves_a_completion_with_the_gateway_requirements_alone():
     allowed = env.closure(_gateway_requirements()) | {env.project_name()}
     assert "torch" not in allowed
     from ddtree.tokenization.tokenizer import Tokenizer
+
     tok = Tokenizer(DEMO_TARGET)
     fake, fake_server = start_fake_verifier()
     ids = tok.encode("Hello from a gateway without torch")
@@ -137,8 +154,13 @@ from ddtree.cli import main
 sys.exit(main(["gateway", "--port", "0", "--http-port", "-1", "--verifier", {fake.address!r},
                "--tokenizer", {str(DEMO_TARGET)!r}, "--log-level", "warning"]))
 """
-    proc = subprocess.Popen([sys.executable, "-c", env.blocker_source(allowed) + code], cwd=env.ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", env.blocker_source(allowed) + code],
+        cwd=env.ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = proc.stdout.readline()
         assert line.startswith("LISTENING gateway "), (line, proc.stderr.read() if proc.poll() is not None else "")
@@ -163,7 +185,6 @@ sys.exit(main(["gateway", "--port", "0", "--http-port", "-1", "--verifier", {fak
         proc.terminate()
         proc.wait(timeout=30)
         fake_server.stop(0)
-
 
 
 def test_engine_commands_in_the_gateway_install_say_what_they_need():

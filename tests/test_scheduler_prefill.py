@@ -1,5 +1,6 @@
 """Chunked prefill packs several prompts into one forward, up to prefill_chunk prompt tokens per step, and
 every prompt still gets exactly the first tokens it gets when prefilled alone in one piece."""
+
 from __future__ import annotations
 
 import torch
@@ -13,10 +14,12 @@ from ddtree.verifier.sequence import GenerateParams, Sequence
 
 
 def _run(model, prompts, prefill_chunk, max_new):
-    vcfg = VerifierConfig(kv_tokens=4096, max_batch=8, prefill_chunk=prefill_chunk, debug_checks=True,
-                          prefix_cache=False)
-    pool = LatentKVPool(model.config.num_hidden_layers, vcfg.kv_tokens, model.config.kv_cache_width,
-                        torch.float32, "cpu")
+    vcfg = VerifierConfig(
+        kv_tokens=4096, max_batch=8, prefill_chunk=prefill_chunk, debug_checks=True, prefix_cache=False
+    )
+    pool = LatentKVPool(
+        model.config.num_hidden_layers, vcfg.kv_tokens, model.config.kv_cache_width, torch.float32, "cpu"
+    )
     sched = Scheduler(model, pool, vcfg, None)
     calls = []
     forward = model.forward
@@ -26,8 +29,10 @@ def _run(model, prompts, prefill_chunk, max_new):
         return forward(input_ids, *args, **kwargs)
 
     model.forward = counting
-    seqs = [Sequence(GenerateParams(f"r{i}", tuple(p), SamplingConfig(temperature=0.0), max_new, frozenset(),
-                                    False, 0)) for i, p in enumerate(prompts)]
+    seqs = [
+        Sequence(GenerateParams(f"r{i}", tuple(p), SamplingConfig(temperature=0.0), max_new, frozenset(), False, 0))
+        for i, p in enumerate(prompts)
+    ]
     try:
         for seq in seqs:  # all queued before the loop starts: they are admitted together
             sched.submit(seq)

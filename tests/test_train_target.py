@@ -1,4 +1,5 @@
 """`ddtree train target` on a tiny corpus and model: the loss falls, resume is exact, the export loads."""
+
 from __future__ import annotations
 
 import json
@@ -69,7 +70,8 @@ def test_resume_is_exact_and_export_loads(setup, tmp_path):
 
     export = tmp_path / "full" / "export"
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
-        p.name for p in export.iterdir()}
+        p.name for p in export.iterdir()
+    }
     loaded = load_target(export)
     ref = DeepseekV3ForCausalLM(loaded.config).eval()
     ref.load_state_dict(full["model"])

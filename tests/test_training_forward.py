@@ -1,4 +1,5 @@
 """The batched training forward (naive MLA + SDPA, grouped MoE) gives the serving forward's logits."""
+
 from __future__ import annotations
 
 import pytest

@@ -19,6 +19,7 @@ and export/ (the drafter checkpoint: config.json in the DFlash format + model.sa
 `load_drafter` and `ddtree drafter --model` load. --minutes without --steps sizes the cosine schedule
 from the measured cost of the first steps (the plan is stored, so a resumed run keeps it).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,8 +47,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mask-token-id", type=int, default=-1, help="-1 = the tokenizer's [MASK], else vocab-1")
     g = p.add_argument_group("data")
     g.add_argument("--kinds", default=",".join(KINDS), help="corpus kinds, drawn uniformly")
-    g.add_argument("--source", default="generate", choices=("generate", "corpus"),
-                   help="generate: the target's greedy continuations of corpus prompts; corpus: teacher forcing")
+    g.add_argument(
+        "--source",
+        default="generate",
+        choices=("generate", "corpus"),
+        help="generate: the target's greedy continuations of corpus prompts; corpus: teacher forcing",
+    )
     g.add_argument("--batch", type=int, default=16, help="sequences per micro-batch")
     g.add_argument("--prompt-min", type=int, default=16)
     g.add_argument("--prompt-max", type=int, default=512, help="prompt length is log-uniform in [min, max]")
@@ -71,8 +76,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("runtime")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda[:i]")
-    g.add_argument("--target-dtype", default="auto", choices=("auto", *DTYPE_NAMES),
-                   help="auto = bfloat16 on CUDA, float32 on CPU")
+    g.add_argument(
+        "--target-dtype", default="auto", choices=("auto", *DTYPE_NAMES), help="auto = bfloat16 on CUDA, float32 on CPU"
+    )
     g.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     g.add_argument("--save-every", type=int, default=100)
     g.add_argument("--log-every", type=int, default=10)
@@ -80,8 +86,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register `drafter` under the `ddtree train` sub-command group."""
-    p = subparsers.add_parser("drafter", help="train a DFlash drafter for a target (DFlash recipe)",
-                              description=__doc__.split("\n\n")[0])
+    p = subparsers.add_parser(
+        "drafter", help="train a DFlash drafter for a target (DFlash recipe)", description=__doc__.split("\n\n")[0]
+    )
     add_arguments(p)
     p.set_defaults(fn=cmd_train_drafter)
     return p

@@ -1,4 +1,5 @@
 """A request's sampling parameters, validated (the verifier's `GenerateRequest.sampling`, in Python)."""
+
 from __future__ import annotations
 
 import math

@@ -1,4 +1,5 @@
 """One verify step of one sequence, as measured: streamed in `GenerateResponse.steps`, logged, summed in usage."""
+
 from __future__ import annotations
 
 import dataclasses

@@ -3,6 +3,7 @@
 A tree is plain data with its invariants checked by `validate`; `ddtree.drafter.tree.build_tree` builds
 one, `ddtree.verifier` masks, verifies and walks it.
 """
+
 from __future__ import annotations
 
 import math
@@ -44,8 +45,7 @@ class TokenTree:
         n = len(self.token_ids)
         if len(self.parents) != n or len(self.depths) != n:
             raise ValueError(
-                f"TokenTree lengths differ: {n} token_ids, {len(self.parents)} parents, "
-                f"{len(self.depths)} depths"
+                f"TokenTree lengths differ: {n} token_ids, {len(self.parents)} parents, {len(self.depths)} depths"
             )
         seen: set[tuple[int, int]] = set()  # (parent, token) pairs
         for i in range(1, n + 1):
@@ -58,9 +58,7 @@ class TokenTree:
                 raise ValueError(f"TokenTree node {i}: parent {parent} >= own index {i}")
             parent_depth = 0 if parent == 0 else self.depths[parent - 1]
             if depth != parent_depth + 1:
-                raise ValueError(
-                    f"TokenTree node {i}: depth {depth} != parent {parent} depth {parent_depth} + 1"
-                )
+                raise ValueError(f"TokenTree node {i}: depth {depth} != parent {parent} depth {parent_depth} + 1")
             if (parent, tok) in seen:
                 raise ValueError(f"TokenTree node {i}: token {tok} repeats among children of node {parent}")
             seen.add((parent, tok))

@@ -1,4 +1,5 @@
 """The accept walk's result (`ddtree.verifier.accept.accept`): which nodes of a tree were accepted."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

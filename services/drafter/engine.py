@@ -45,13 +45,22 @@ class SeqDraftInput:
 
 
 class DraftEngine:
-    def __init__(self, model: DFlashDraftModel, embed_weight: Tensor, lm_head_weight: Tensor,
-                 window: int = 2048, default_budget: int | None = None, max_budget: int = 1024,
-                 model_id: str = "dflash"):
+    def __init__(
+        self,
+        model: DFlashDraftModel,
+        embed_weight: Tensor,
+        lm_head_weight: Tensor,
+        window: int = 2048,
+        default_budget: int | None = None,
+        max_budget: int = 1024,
+        model_id: str = "dflash",
+    ):
         cfg = model.config
         if embed_weight.dim() != 2 or tuple(embed_weight.shape) != (cfg.vocab_size, cfg.hidden_size):
-            raise ValueError(f"embed_weight must be [vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size}], "
-                             f"got {tuple(embed_weight.shape)}")
+            raise ValueError(
+                f"embed_weight must be [vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size}], "
+                f"got {tuple(embed_weight.shape)}"
+            )
         if tuple(lm_head_weight.shape) != tuple(embed_weight.shape):
             raise ValueError(f"lm_head_weight must be {tuple(embed_weight.shape)}, got {tuple(lm_head_weight.shape)}")
         if window < 0:
@@ -88,11 +97,18 @@ class DraftEngine:
     def info(self) -> dict:
         """DrafterInfo fields (proto/ddtree/v1/drafter.proto)."""
         cfg = self.config
-        return dict(model_id=self.model_id, block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
-                    target_layer_ids=list(cfg.target_layer_ids), window=self.window,
-                    default_budget=self.default_budget, max_budget=self.max_budget,
-                    hidden_size=cfg.target_hidden_size, vocab_size=self.vocab_size,
-                    active_sequences=self.active_sequences)
+        return dict(
+            model_id=self.model_id,
+            block_size=cfg.block_size,
+            mask_token_id=cfg.mask_token_id,
+            target_layer_ids=list(cfg.target_layer_ids),
+            window=self.window,
+            default_budget=self.default_budget,
+            max_budget=self.max_budget,
+            hidden_size=cfg.target_hidden_size,
+            vocab_size=self.vocab_size,
+            active_sequences=self.active_sequences,
+        )
 
     def warm_up(self, max_seqs: int) -> float:
         """Run once every matmul shape that steady-state Draft calls of up to max_seqs sequences use, so
@@ -165,8 +181,10 @@ class DraftEngine:
         if not isinstance(feats, Tensor):
             fail(f"commit_features must be a tensor, got {type(feats).__name__}")
         if tuple(feats.shape) != want:
-            fail(f"commit_features shape {tuple(feats.shape)} != [len(commit_token_ids), "
-                 f"len(target_layer_ids) * target_hidden_size] = {list(want)}")
+            fail(
+                f"commit_features shape {tuple(feats.shape)} != [len(commit_token_ids), "
+                f"len(target_layer_ids) * target_hidden_size] = {list(want)}"
+            )
         if feats.dtype not in _FLOAT_DTYPES:
             fail(f"commit_features dtype {feats.dtype} is not a float dtype")
         if not bool(torch.isfinite(feats).all()):
@@ -185,13 +203,14 @@ class DraftEngine:
                 ctx = self._contexts[seq.seq_id] = DraftContext(self.window, dtype=self._context_dtype)
             keep = n if self.window == 0 else min(n, self.window)  # rows past the window would be evicted at once
             contexts.append(ctx)
-            rows.append(seq.commit_features[n - keep:])  # [keep, F]
+            rows.append(seq.commit_features[n - keep :])  # [keep, F]
             positions.append(torch.arange(seq.commit_start + n - keep, seq.commit_start + n))  # [keep]
         counts = [p.shape[0] for p in positions]
         if sum(counts):
             device = self.model.device
-            kv = self.model.context_kv(torch.cat([r.to(device, self.model.dtype) for r in rows]),
-                                       torch.cat(positions).to(device))  # per layer (K, V) [sum(keep), kvh, hd]
+            kv = self.model.context_kv(
+                torch.cat([r.to(device, self.model.dtype) for r in rows]), torch.cat(positions).to(device)
+            )  # per layer (K, V) [sum(keep), kvh, hd]
             split = [(k.split(counts), v.split(counts)) for k, v in kv]
             for i, (ctx, pos) in enumerate(zip(contexts, positions)):
                 if counts[i]:
@@ -223,6 +242,7 @@ class DraftEngine:
         # One top-K over every sequence's rows; a sequence takes the first k of its rows' sorted top-K.
         logprobs, ids = topk_logprobs(logits.view(S * (B - 1), -1), max(ks))  # [S*D, K]
         logprobs, ids = logprobs.cpu().view(S, B - 1, -1), ids.cpu().view(S, B - 1, -1)
-        trees = [build_tree(logprobs[s, :, :k], ids[s, :, :k], budget)
-                 for s, (k, budget) in enumerate(zip(ks, budgets))]
+        trees = [
+            build_tree(logprobs[s, :, :k], ids[s, :, :k], budget) for s, (k, budget) in enumerate(zip(ks, budgets))
+        ]
         return trees

@@ -8,10 +8,12 @@ first child), and how `diagnose` can show the verifier's best case. The tree it 
 input: the verifier still checks every token against its own forward.
 
 Noise, per tree, from an RNG seeded by the engine's seed and the sequence's token history (not by its
-id, which the verifier makes fresh per request), so the same history always gets the same tree: the chain breaks at depth b drawn uniformly from 1..D+1
-(b = D+1: the whole chain is right); with probability 1/3 the right token at depth b is also present
-as a later sibling; the remaining budget goes to wrong siblings at random depths.
+id, which the verifier makes fresh per request), so the same history always gets the same tree: the chain
+breaks at depth b drawn uniformly from 1..D+1 (b = D+1: the whole chain is right); with probability 1/3
+the right token at depth b is also present as a later sibling; the remaining budget goes to wrong
+siblings at random depths.
 """
+
 from __future__ import annotations
 
 import array
@@ -26,8 +28,15 @@ from ddtree.models.attention import AttentionMetadata, SeqAttention
 
 
 class OracleDraftEngine:
-    def __init__(self, target, depth: int = 7, default_budget: int = 16, max_budget: int = 1024,
-                 seed: int = 0, tap_layer_ids: tuple[int, ...] = (0,)):
+    def __init__(
+        self,
+        target,
+        depth: int = 7,
+        default_budget: int = 16,
+        max_budget: int = 1024,
+        seed: int = 0,
+        tap_layer_ids: tuple[int, ...] = (0,),
+    ):
         self.target = target
         self.depth = depth
         self.default_budget = default_budget
@@ -39,10 +48,18 @@ class OracleDraftEngine:
         self.history: dict[str, list[int]] = {}
 
     def info(self) -> dict:
-        return dict(model_id="oracle", block_size=self.depth + 1, mask_token_id=-1,
-                    target_layer_ids=list(self.tap_layer_ids), window=0, default_budget=self.default_budget,
-                    max_budget=self.max_budget, hidden_size=self.target.config.hidden_size,
-                    vocab_size=self.vocab_size, active_sequences=len(self.history))
+        return dict(
+            model_id="oracle",
+            block_size=self.depth + 1,
+            mask_token_id=-1,
+            target_layer_ids=list(self.tap_layer_ids),
+            window=0,
+            default_budget=self.default_budget,
+            max_budget=self.max_budget,
+            hidden_size=self.target.config.hidden_size,
+            vocab_size=self.vocab_size,
+            active_sequences=len(self.history),
+        )
 
     def release(self, seq_ids) -> int:
         return sum(self.history.pop(s, None) is not None for s in seq_ids)
@@ -59,15 +76,19 @@ class OracleDraftEngine:
                 raise ValueError(f"{where} is unknown; send reset=true with its context first")
             expected = len(self.history[s.seq_id]) if known else 0
             if s.commit_start != expected:
-                raise ValueError(f"{where}: commit_start {s.commit_start}, expected {expected} "
-                                 f"(the oracle needs the whole history: window 0)")
+                raise ValueError(
+                    f"{where}: commit_start {s.commit_start}, expected {expected} "
+                    f"(the oracle needs the whole history: window 0)"
+                )
             if s.reset and not s.commit_token_ids:
                 raise ValueError(f"{where}: reset with an empty commit")
             if any(not 0 <= t < self.vocab_size for t in (*s.commit_token_ids, s.anchor_token_id)):
                 raise ValueError(f"{where}: token id outside [0, {self.vocab_size})")
             if tuple(s.commit_features.shape) != (len(s.commit_token_ids), self.feature_width):
-                raise ValueError(f"{where}: commit_features shape {tuple(s.commit_features.shape)}, expected "
-                                 f"({len(s.commit_token_ids)}, {self.feature_width})")
+                raise ValueError(
+                    f"{where}: commit_features shape {tuple(s.commit_features.shape)}, expected "
+                    f"({len(s.commit_token_ids)}, {self.feature_width})"
+                )
             if not 0 <= s.budget <= self.max_budget:
                 raise ValueError(f"{where}: budget {s.budget} outside [0, {self.max_budget}]")
 
@@ -98,8 +119,13 @@ class OracleDraftEngine:
         for _ in range(steps):
             n = ids.numel()
             meta = AttentionMetadata(seqs=(SeqAttention(0, n, torch.arange(pos), torch.arange(pos, pos + n), None),))
-            res = self.target.forward(ids.to(param.device), torch.arange(pos, pos + n, device=param.device), meta,
-                                      cache, logits_rows=torch.tensor([n - 1], device=param.device))
+            res = self.target.forward(
+                ids.to(param.device),
+                torch.arange(pos, pos + n, device=param.device),
+                meta,
+                cache,
+                logits_rows=torch.tensor([n - 1], device=param.device),
+            )
             tok = int(res.logits[0].argmax())
             out.append(tok)
             pos += n

@@ -5,6 +5,7 @@ and `info() -> dict` of DrafterInfo fields: the DFlash engine, or the oracle dra
 diagnosis. A malformed call is answered INVALID_ARGUMENT as a whole and changes no sequence's state
 (the engine validates every sequence before touching any).
 """
+
 from __future__ import annotations
 
 import threading
@@ -33,10 +34,18 @@ def decode_request(req: drafter_pb2.DraftRequest) -> list[SeqDraftInput]:
         if not s.seq_id or len(s.seq_id) > MAX_SEQ_ID_CHARS:
             raise ValueError(f"seqs[{i}].seq_id must be 1..{MAX_SEQ_ID_CHARS} characters")
         feats = tensor_from_proto(s.commit_features, what=f"seqs[{i}] ({s.seq_id}) commit_features")
-        out.append(SeqDraftInput(seq_id=s.seq_id, commit_token_ids=tuple(s.commit_token_ids),
-                                 commit_start=s.commit_start, commit_features=feats,
-                                 anchor_token_id=s.anchor_token_id, budget=s.budget, reset=s.reset,
-                                 chain=s.chain))
+        out.append(
+            SeqDraftInput(
+                seq_id=s.seq_id,
+                commit_token_ids=tuple(s.commit_token_ids),
+                commit_start=s.commit_start,
+                commit_features=feats,
+                anchor_token_id=s.anchor_token_id,
+                budget=s.budget,
+                reset=s.reset,
+                chain=s.chain,
+            )
+        )
     return out
 
 
@@ -65,8 +74,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         metrics.DRAFT_SECONDS.observe(draft_ms / 1e3)
         resp = drafter_pb2.DraftResponse(draft_ms=draft_ms)
         for s, tree in zip(seqs, trees):
-            resp.trees.add(seq_id=s.seq_id, token_ids=tree.token_ids, parents=tree.parents, depths=tree.depths,
-                           scores=tree.scores)
+            resp.trees.add(
+                seq_id=s.seq_id, token_ids=tree.token_ids, parents=tree.parents, depths=tree.depths, scores=tree.scores
+            )
         return resp
 
     def Release(self, request, context):

@@ -40,8 +40,7 @@ def _check_table(logprobs: Tensor, token_ids: Tensor, budget: int) -> tuple[list
         raise ValueError(f"budget must be >= 0, got {budget}")
     if logprobs.dim() != 2 or tuple(logprobs.shape) != tuple(token_ids.shape):
         raise ValueError(
-            f"logprobs and token_ids must both be [D, K]; got {tuple(logprobs.shape)} and "
-            f"{tuple(token_ids.shape)}"
+            f"logprobs and token_ids must both be [D, K]; got {tuple(logprobs.shape)} and {tuple(token_ids.shape)}"
         )
     if token_ids.dtype.is_floating_point or token_ids.dtype == torch.bool:
         raise ValueError(f"token_ids must be an integer tensor, got {token_ids.dtype}")
@@ -97,9 +96,7 @@ def build_tree(logprobs: Tensor, token_ids: Tensor, budget: int) -> TokenTree:
     depths: list[int] = []
     scores: list[float] = []
     # heap entry: (-score, ranks, parent node, depth, rank, parent score)
-    heap: list[tuple[float, tuple[int, ...], int, int, int, float]] = [
-        (-lp[0][0], (0,), 0, 1, 0, 0.0)
-    ]
+    heap: list[tuple[float, tuple[int, ...], int, int, int, float]] = [(-lp[0][0], (0,), 0, 1, 0, 0.0)]
     while heap and len(tokens) < budget:
         neg_score, ranks, parent, depth, rank, parent_score = heapq.heappop(heap)
         score = -neg_score

@@ -142,7 +142,7 @@ class TorchMLAAttention:
         for s in seqs:
             rows = slice(s.q_start, s.q_start + s.q_len)
             P, n = s.prefix_slots.numel(), s.q_len
-            keys = keys_all[k0:k0 + P + n]  # [P+q, r+dr]
+            keys = keys_all[k0 : k0 + P + n]  # [P+q, r+dr]
             k0 += P + n
             # [q·H, r+dr] @ [r+dr, P+q]: every head of every query row in one matmul
             scores = (q[rows].reshape(n * H, r + dr) @ keys.T).view(n, H, P + n)  # [q, H, P+q]
@@ -182,6 +182,8 @@ def resolve_attention_backend(name: str, device: str | torch.device) -> str:
 
 def make_attention_backend(name: str) -> MLAAttentionBackend:
     if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choices: {sorted(ATTENTION_BACKENDS)}"
-                         + (" (resolve 'auto' with resolve_attention_backend first)" if name == "auto" else ""))
+        raise ValueError(
+            f"unknown attention backend {name!r}; choices: {sorted(ATTENTION_BACKENDS)}"
+            + (" (resolve 'auto' with resolve_attention_backend first)" if name == "auto" else "")
+        )
     return ATTENTION_BACKENDS[name]()

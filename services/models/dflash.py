@@ -97,15 +97,26 @@ class DFlashConfig:
         return len(self.target_layer_ids) * self.target_hidden_size
 
     def validate(self) -> None:
-        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "vocab_size", "block_size", "target_hidden_size"):
+        for name in (
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "vocab_size",
+            "block_size",
+            "target_hidden_size",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"DFlashConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.block_size < 2:
             raise ValueError(f"DFlashConfig.block_size must be >= 2 (anchor + one mask), got {self.block_size}")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"DFlashConfig.num_attention_heads {self.num_attention_heads} is not a "
-                             f"multiple of num_key_value_heads {self.num_key_value_heads}")
+            raise ValueError(
+                f"DFlashConfig.num_attention_heads {self.num_attention_heads} is not a "
+                f"multiple of num_key_value_heads {self.num_key_value_heads}"
+            )
         if self.head_dim % 2:
             raise ValueError(f"DFlashConfig.head_dim must be even for RoPE, got {self.head_dim}")
         if not 0 <= self.mask_token_id < self.vocab_size:
@@ -115,8 +126,10 @@ class DFlashConfig:
         top = self.num_target_layers
         for i in self.target_layer_ids:
             if i < 0 or (top is not None and i >= top):
-                raise ValueError(f"DFlashConfig.target_layer_ids {list(self.target_layer_ids)}: id {i} "
-                                 f"outside [0, num_target_layers={top})")
+                raise ValueError(
+                    f"DFlashConfig.target_layer_ids {list(self.target_layer_ids)}: id {i} "
+                    f"outside [0, num_target_layers={top})"
+                )
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> DFlashConfig:
@@ -173,8 +186,11 @@ class DFlashConfig:
     def to_dict(self) -> dict[str, Any]:
         """DFlash-format config.json content."""
         extra: dict[str, Any] = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
-        for name, default in (("input_embedding_scale", 1.0), ("output_multiplier", 1.0),
-                              ("final_logit_softcapping", None)):
+        for name, default in (
+            ("input_embedding_scale", 1.0),
+            ("output_multiplier", 1.0),
+            ("final_logit_softcapping", None),
+        ):
             if getattr(self, name) != default:
                 extra[name] = getattr(self, name)
         scaling = None
@@ -218,8 +234,11 @@ def rope_inv_freq(cfg: DFlashConfig) -> tuple[Tensor, float]:
 
     attn = rs.attention_factor
     if attn is None:
-        attn = mscale(rs.factor, rs.mscale) / mscale(rs.factor, rs.mscale_all_dim) \
-            if rs.mscale and rs.mscale_all_dim else mscale(rs.factor)
+        attn = (
+            mscale(rs.factor, rs.mscale) / mscale(rs.factor, rs.mscale_all_dim)
+            if rs.mscale and rs.mscale_all_dim
+            else mscale(rs.factor)
+        )
 
     def corr_dim(rot: float) -> float:
         return dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))
@@ -290,7 +309,7 @@ def grouped_attention(q: Tensor, keys: Sequence[Tensor], values: Sequence[Tensor
     o, start = None, 0
     for v in values:  # o = sum_j probs[:, :, part j] @ V_j
         n = v.shape[0]
-        share = torch.bmm(probs[:, :, start:start + n], v.float().transpose(0, 1))  # [kvh, B*g, hd]
+        share = torch.bmm(probs[:, :, start : start + n], v.float().transpose(0, 1))  # [kvh, B*g, hd]
         o = share if o is None else o.add_(share)
         start += n
     return o.view(kvh, B, g, hd).permute(1, 0, 2, 3).reshape(B, nh, hd).to(q.dtype)
@@ -330,7 +349,7 @@ class DFlashAttention(nn.Module):
         out = torch.empty_like(q)
         for s, (ctx_k, ctx_v) in enumerate(contexts):
             blk = slice(s * b, (s + 1) * b)  # keys: the context [n_s], then the block's own B slots
-            out[blk] = grouped_attention(q[blk], (ctx_k, k[blk]), (ctx_v, v[blk]), hd ** -0.5)
+            out[blk] = grouped_attention(q[blk], (ctx_k, k[blk]), (ctx_v, v[blk]), hd**-0.5)
         return self.o_proj(out.reshape(rows, nh * hd))
 
 
@@ -384,16 +403,18 @@ class DFlashDraftModel(nn.Module):
         cos, sin = self._cos_sin(positions.to(self.device))
         return [layer.self_attn.kv(ctx, cos, sin) for layer in self.layers]
 
-    def forward_block(self, block_embeds: Tensor, block_positions: Tensor,
-                      context: list[tuple[Tensor, Tensor]]) -> Tensor:
+    def forward_block(
+        self, block_embeds: Tensor, block_positions: Tensor, context: list[tuple[Tensor, Tensor]]
+    ) -> Tensor:
         """block_embeds [B, H], block_positions [B], context per layer (K, V) [n, kvh, hd] (or [] for
         none) -> hidden [B, H] after the final norm. Every block slot sees all context and all slots."""
         if block_embeds.dim() != 2:
             raise ValueError(f"block_embeds must be [B, {self.config.hidden_size}], got {tuple(block_embeds.shape)}")
         return self.forward_blocks(block_embeds[None], block_positions[None], [context])[0]
 
-    def forward_blocks(self, block_embeds: Tensor, block_positions: Tensor,
-                       contexts: Sequence[list[tuple[Tensor, Tensor]]]) -> Tensor:
+    def forward_blocks(
+        self, block_embeds: Tensor, block_positions: Tensor, contexts: Sequence[list[tuple[Tensor, Tensor]]]
+    ) -> Tensor:
         """S draft blocks at once (one per sequence): block_embeds [S, B, H], block_positions [S, B],
         contexts[s] = sequence s's per-layer (K, V) [n_s, kvh, hd] (or [] for none) -> hidden [S, B, H]."""
         cfg = self.config
@@ -441,8 +462,9 @@ def _read_state(path: Path) -> dict[str, Tensor]:
     return state
 
 
-def load_drafter(path: str | Path, dtype: torch.dtype | None = None,
-                 device: torch.device | str = "cpu") -> DFlashDraftModel:
+def load_drafter(
+    path: str | Path, dtype: torch.dtype | None = None, device: torch.device | str = "cpu"
+) -> DFlashDraftModel:
     """Load config.json + *.safetensors. Strict: every missing, unexpected or misshapen key is named.
 
     dtype None = the checkpoint's fc.weight dtype (all weights are cast to one dtype).
@@ -458,21 +480,37 @@ def load_drafter(path: str | Path, dtype: torch.dtype | None = None,
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
-    misshapen = [f"{k} {tuple(state[k].shape)} != {expected[k]}" for k in sorted(set(expected) & set(state))
-                 if tuple(state[k].shape) != expected[k]]
+    misshapen = [
+        f"{k} {tuple(state[k].shape)} != {expected[k]}"
+        for k in sorted(set(expected) & set(state))
+        if tuple(state[k].shape) != expected[k]
+    ]
     if missing or unexpected or misshapen:
-        raise ValueError(f"{path}: drafter weights do not match config.json: missing keys {missing}; "
-                         f"unexpected keys {unexpected}; shape mismatches {misshapen}")
+        raise ValueError(
+            f"{path}: drafter weights do not match config.json: missing keys {missing}; "
+            f"unexpected keys {unexpected}; shape mismatches {misshapen}"
+        )
     dtype = dtype or state["fc.weight"].dtype
     model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state.items()}, strict=True, assign=True)
     return model.eval()
 
 
-def write_random_drafter(path: str | Path, target: Mapping[str, Any], seed: int = 0, *, block_size: int = 8,
-                         num_layers: int = 2, num_attention_heads: int = 4, num_key_value_heads: int = 2,
-                         head_dim: int | None = None, intermediate_size: int | None = None,
-                         mask_token_id: int | None = None, target_layer_ids: tuple[int, ...] | None = None,
-                         rope_theta: float | None = None, dtype: torch.dtype = torch.float32) -> Path:
+def write_random_drafter(
+    path: str | Path,
+    target: Mapping[str, Any],
+    seed: int = 0,
+    *,
+    block_size: int = 8,
+    num_layers: int = 2,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    head_dim: int | None = None,
+    intermediate_size: int | None = None,
+    mask_token_id: int | None = None,
+    target_layer_ids: tuple[int, ...] | None = None,
+    rope_theta: float | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
     """Write a reproducible random drafter for `target` (a target config.json dict, or just
     {hidden_size, num_hidden_layers, vocab_size}) to path/{config.json, model.safetensors}.
 
@@ -488,11 +526,18 @@ def write_random_drafter(path: str | Path, target: Mapping[str, Any], seed: int 
             ids = tuple(sorted({round(i * (num_target - 1) / max(m - 1, 1)) for i in range(m)}))
         target_layer_ids = ids
     cfg = DFlashConfig(
-        hidden_size=hidden, intermediate_size=intermediate_size or 2 * hidden, num_hidden_layers=num_layers,
-        num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
-        head_dim=head_dim or hidden // num_attention_heads, vocab_size=vocab, block_size=block_size,
+        hidden_size=hidden,
+        intermediate_size=intermediate_size or 2 * hidden,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=head_dim or hidden // num_attention_heads,
+        vocab_size=vocab,
+        block_size=block_size,
         mask_token_id=vocab - 1 if mask_token_id is None else mask_token_id,
-        target_layer_ids=tuple(target_layer_ids), target_hidden_size=hidden, num_target_layers=num_target,
+        target_layer_ids=tuple(target_layer_ids),
+        target_hidden_size=hidden,
+        num_target_layers=num_target,
         rms_norm_eps=float(target.get("rms_norm_eps", 1e-6)),
         rope_theta=float(rope_theta or target.get("rope_theta", 10000.0)),
         max_position_embeddings=int(target.get("max_position_embeddings", 32768)),

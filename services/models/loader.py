@@ -118,7 +118,9 @@ def load_target(
     config = DeepseekV3Config.from_dict(raw)
     scheme = parse_quantization(quantization_config(raw), str(root / "config.json"))
     with torch.device("meta"):
-        model = build_model(config) if build_model else DeepseekV3ForCausalLM(config, attention_backend=attention_backend)
+        model = (
+            build_model(config) if build_model else DeepseekV3ForCausalLM(config, attention_backend=attention_backend)
+        )
     expected = {n: tuple(t.shape) for n, t in model.state_dict().items()}
     skip = skip or (lambda name: False)
     held = [n for n in expected if skip(n)]
@@ -209,7 +211,12 @@ def _source_file(files: CheckpointFiles) -> Path:
 
 
 def _read(
-    files: CheckpointFiles, name: str, p: _Planned, want: tuple[int, ...], sl: TensorSlice | None, scheme: QuantScheme | None
+    files: CheckpointFiles,
+    name: str,
+    p: _Planned,
+    want: tuple[int, ...],
+    sl: TensorSlice | None,
+    scheme: QuantScheme | None,
 ) -> torch.Tensor:
     head = p.stored[0]
     if p.quantized:

@@ -3,6 +3,7 @@
 docker compose gives one A record per replica of a scaled service, so resolving the service name
 finds them all; callers re-resolve periodically to see replicas come and go.
 """
+
 from __future__ import annotations
 
 import socket

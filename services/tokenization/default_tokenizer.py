@@ -8,6 +8,7 @@ couple of seconds on two cores.
 
 The special tokens are those of Kimi K2 (model.md §6) plus the drafter's `[MASK]`, at fixed ids 0..16.
 """
+
 from __future__ import annotations
 
 import ast
@@ -53,7 +54,8 @@ DEFAULT_SYSTEM_PROMPT = "You are Kimi, an AI assistant created by Moonshot AI."
 # everywhere, as K2.6 does) and the K2.5 generation prompt (prefilled `<think>`, or `<think></think>` when
 # `thinking` is false). No newlines between messages, no BOS. Every literal is an expression so template
 # whitespace never leaks into the prompt.
-KIMI_K2_CHAT_TEMPLATE = """\
+KIMI_K2_CHAT_TEMPLATE = (
+    """\
 {%- macro role_header(message) -%}
   {%- if message['role'] == 'user' -%}
     {{- '<|im_user|>' -}}
@@ -90,7 +92,9 @@ KIMI_K2_CHAT_TEMPLATE = """\
   {{- '<|im_system|>tool_declare<|im_middle|>' ~ (tools | tojson) ~ '<|im_end|>' -}}
 {%- endif -%}
 {%- if messages | length == 0 or messages[0]['role'] != 'system' -%}
-  {{- '<|im_system|>system<|im_middle|>""" + DEFAULT_SYSTEM_PROMPT + """<|im_end|>' -}}
+  {{- '<|im_system|>system<|im_middle|>"""
+    + DEFAULT_SYSTEM_PROMPT
+    + """<|im_end|>' -}}
 {%- endif -%}
 {%- for message in messages -%}
   {{- role_header(message) -}}
@@ -120,20 +124,67 @@ KIMI_K2_CHAT_TEMPLATE = """\
   {%- endif -%}
 {%- endif -%}
 """
+)
 
 # Corpus: a fixed list, read in this order (paths relative to the standard library directory). Files a
 # stripped-down install lacks are skipped, which changes the result only on such installs.
 CORPUS_FILES: tuple[str, ...] = (
-    "argparse.py", "ast.py", "asyncio/events.py", "asyncio/tasks.py", "base64.py", "bisect.py",
-    "calendar.py", "collections/__init__.py", "concurrent/futures/_base.py", "configparser.py",
-    "contextlib.py", "csv.py", "dataclasses.py", "datetime.py", "decimal.py", "difflib.py", "doctest.py",
-    "email/message.py", "enum.py", "fractions.py", "functools.py", "gettext.py", "heapq.py",
-    "html/parser.py", "http/client.py", "inspect.py", "ipaddress.py", "json/__init__.py",
-    "json/decoder.py", "json/encoder.py", "locale.py", "logging/__init__.py", "mailbox.py",
-    "optparse.py", "pathlib.py", "pdb.py", "pickle.py", "pprint.py", "random.py", "shlex.py",
-    "shutil.py", "smtplib.py", "statistics.py", "string.py", "subprocess.py", "tarfile.py",
-    "tempfile.py", "textwrap.py", "threading.py", "tokenize.py", "traceback.py", "typing.py",
-    "unittest/case.py", "urllib/parse.py", "uuid.py", "zipfile.py",
+    "argparse.py",
+    "ast.py",
+    "asyncio/events.py",
+    "asyncio/tasks.py",
+    "base64.py",
+    "bisect.py",
+    "calendar.py",
+    "collections/__init__.py",
+    "concurrent/futures/_base.py",
+    "configparser.py",
+    "contextlib.py",
+    "csv.py",
+    "dataclasses.py",
+    "datetime.py",
+    "decimal.py",
+    "difflib.py",
+    "doctest.py",
+    "email/message.py",
+    "enum.py",
+    "fractions.py",
+    "functools.py",
+    "gettext.py",
+    "heapq.py",
+    "html/parser.py",
+    "http/client.py",
+    "inspect.py",
+    "ipaddress.py",
+    "json/__init__.py",
+    "json/decoder.py",
+    "json/encoder.py",
+    "locale.py",
+    "logging/__init__.py",
+    "mailbox.py",
+    "optparse.py",
+    "pathlib.py",
+    "pdb.py",
+    "pickle.py",
+    "pprint.py",
+    "random.py",
+    "shlex.py",
+    "shutil.py",
+    "smtplib.py",
+    "statistics.py",
+    "string.py",
+    "subprocess.py",
+    "tarfile.py",
+    "tempfile.py",
+    "textwrap.py",
+    "threading.py",
+    "tokenize.py",
+    "traceback.py",
+    "typing.py",
+    "unittest/case.py",
+    "urllib/parse.py",
+    "uuid.py",
+    "zipfile.py",
 )
 # Plain English prose: the interactive help topics (Python reference manual excerpts).
 PROSE_FILE = "pydoc_data/topics.py"
@@ -164,8 +215,11 @@ def _prose(path: pathlib.Path) -> list[str]:
     tree = ast.parse(path.read_text(encoding="utf-8"))
     for node in tree.body:
         if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict):
-            items = [(k.value, v.value) for k, v in zip(node.value.keys, node.value.values)
-                     if isinstance(k, ast.Constant) and isinstance(v, ast.Constant) and isinstance(v.value, str)]
+            items = [
+                (k.value, v.value)
+                for k, v in zip(node.value.keys, node.value.values)
+                if isinstance(k, ast.Constant) and isinstance(v, ast.Constant) and isinstance(v.value, str)
+            ]
             return [text for _, text in sorted(items)]
     return []
 
@@ -211,11 +265,19 @@ def tokenizer_config() -> dict:
     """The tokenizer_config.json contents (Hugging Face layout)."""
     return {
         "added_tokens_decoder": {
-            str(i): {"content": token, "lstrip": False, "normalized": False, "rstrip": False,
-                     "single_word": False, "special": True}
+            str(i): {
+                "content": token,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": True,
+            }
             for i, token in enumerate(SPECIAL_TOKENS)
         },
-        "additional_special_tokens": [t for t in SPECIAL_TOKENS if t not in (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, UNK_TOKEN, MASK_TOKEN)],
+        "additional_special_tokens": [
+            t for t in SPECIAL_TOKENS if t not in (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, UNK_TOKEN, MASK_TOKEN)
+        ],
         "bos_token": BOS_TOKEN,
         "eos_token": EOS_TOKEN,
         "pad_token": PAD_TOKEN,
@@ -235,8 +297,7 @@ def write_default_tokenizer(directory: str | os.PathLike) -> pathlib.Path:
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = _train(corpus())
     _write_atomic(out / "tokenizer.json", tokenizer.to_str(pretty=True) + "\n")
-    _write_atomic(out / "tokenizer_config.json",
-                  json.dumps(tokenizer_config(), indent=2, ensure_ascii=False) + "\n")
+    _write_atomic(out / "tokenizer_config.json", json.dumps(tokenizer_config(), indent=2, ensure_ascii=False) + "\n")
     return out
 
 

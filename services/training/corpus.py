@@ -3,6 +3,7 @@
 `python -m scripts.build_corpus OUT_DIR` writes such a corpus (train and heldout splits of code, prose and
 chat); `ddtree train target`, the tokenizer trainer and the evaluation scripts read it through here.
 """
+
 from __future__ import annotations
 
 import pathlib

@@ -17,6 +17,7 @@ train/serve test in tests/test_train_drafter.py checks this against DraftEngine.
 The math per layer is DFlashAttention's, written for a leading batch dimension; the weights are the
 DFlashDraftModel's own modules, so training updates exactly what load_drafter loads.
 """
+
 from __future__ import annotations
 
 import torch
@@ -65,8 +66,9 @@ def _cos_sin(model: DFlashDraftModel, positions: Tensor) -> tuple[Tensor, Tensor
     return cos.view(*positions.shape, -1), sin.view(*positions.shape, -1)
 
 
-def block_hidden(model: DFlashDraftModel, features: Tensor, block_embeds: Tensor, anchors: Tensor,
-                 window: int = 0) -> Tensor:
+def block_hidden(
+    model: DFlashDraftModel, features: Tensor, block_embeds: Tensor, anchors: Tensor, window: int = 0
+) -> Tensor:
     """Hidden states of all draft blocks after the final norm.
 
     features [S, T, F] target taps of every position; block_embeds [S, m, B, H] (already scaled by
@@ -94,8 +96,9 @@ def block_hidden(model: DFlashDraftModel, features: Tensor, block_embeds: Tensor
         vb = attn.v_proj(x).view(s, m * b, kvh, hd)
         k = torch.cat([kc.to(kb.dtype), kb], dim=1).repeat_interleave(groups, dim=2)  # [S, T+mB, nh, hd]
         v = torch.cat([vc.to(vb.dtype), vb], dim=1).repeat_interleave(groups, dim=2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             attn_mask=mask, scale=hd ** -0.5)  # [S, nh, mB, hd]
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=hd**-0.5
+        )  # [S, nh, mB, hd]
         h = h + attn.o_proj(out.transpose(1, 2).reshape(s, m * b, nh * hd))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     return model.norm(h).view(s, m, b, h_dim)

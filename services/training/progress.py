@@ -1,4 +1,5 @@
 """A dependency-free progress bar: redrawn in place on a terminal, one line per `every` steps otherwise."""
+
 from __future__ import annotations
 
 import sys
@@ -27,8 +28,10 @@ class Progress:
         frac = step / self.total if self.total else 0.0
         bar = "#" * int(frac * self.width)
         info = " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in fields.items())
-        line = (f"step {step}/{self.total} [{bar:<{self.width}}] {info} | {rate:.2f} s/step "
-                f"elapsed {_hms(elapsed)} eta {_hms(rate * (self.total - step))}")
+        line = (
+            f"step {step}/{self.total} [{bar:<{self.width}}] {info} | {rate:.2f} s/step "
+            f"elapsed {_hms(elapsed)} eta {_hms(rate * (self.total - step))}"
+        )
         self.stream.write(("\r" + line + "\033[K") if self.tty else line + "\n")
         self.stream.flush()
 

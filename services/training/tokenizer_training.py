@@ -6,6 +6,7 @@ Same layout, special tokens (Kimi K2 + `[MASK]`, ids 0..16) and chat template as
 `services/tokenization/default_tokenizer.py`; only the training texts and the vocabulary size differ. Special-token
 text in the chats is cut out before training so that no merge spans a special token.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,13 @@ def train(texts: list[str], vocab_size: int = VOCAB_SIZE):
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(texts, trainer=trainer, length=len(texts))
     for i, token in enumerate(SPECIAL_TOKENS):
         if tokenizer.token_to_id(token) != i:
@@ -45,8 +51,9 @@ def train(texts: list[str], vocab_size: int = VOCAB_SIZE):
     return tokenizer
 
 
-def write_tokenizer(corpus_dir: str | pathlib.Path, out_dir: str | pathlib.Path,
-                    vocab_size: int = VOCAB_SIZE) -> pathlib.Path:
+def write_tokenizer(
+    corpus_dir: str | pathlib.Path, out_dir: str | pathlib.Path, vocab_size: int = VOCAB_SIZE
+) -> pathlib.Path:
     """Train on `corpus_dir` and write tokenizer.json + tokenizer_config.json into `out_dir`."""
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

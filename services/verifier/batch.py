@@ -8,6 +8,7 @@ prefill = absolute. On one device the forward returns final-normed rows and the 
 the accept walk for greedy trees, over every row for sampled trees and a prompt's last row; a
 tensor-parallel model returns per-shard argmax (and logits only when some row is sampled).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,13 +27,13 @@ from ddtree.verifier.tree_mask import tree_input_ids, tree_mask, tree_positions
 @dataclasses.dataclass(frozen=True)
 class VerifyItem:
     seq: Sequence
-    tree: TokenTree           # empty tree = one AR step
+    tree: TokenTree  # empty tree = one AR step
 
 
 @dataclasses.dataclass(frozen=True)
 class PrefillItem:
     seq: Sequence
-    start: int                # prompt[start:end] is this chunk
+    start: int  # prompt[start:end] is this chunk
     end: int
 
     @property
@@ -46,9 +47,9 @@ WorkItem = VerifyItem | PrefillItem
 @dataclasses.dataclass(frozen=True)
 class ItemOutput:
     item: WorkItem
-    new_slots: torch.Tensor          # int64 [q_len], slots the new tokens were written to
-    logits: torch.Tensor | None      # fp32 [q_len, V] for verify; [1, V] for a last prefill chunk; else None
-    taps: torch.Tensor | None        # [q_len, F] tapped features of the new tokens (None without taps)
+    new_slots: torch.Tensor  # int64 [q_len], slots the new tokens were written to
+    logits: torch.Tensor | None  # fp32 [q_len, V] for verify; [1, V] for a last prefill chunk; else None
+    taps: torch.Tensor | None  # [q_len, F] tapped features of the new tokens (None without taps)
     argmax: torch.Tensor | None = None  # int64, one per logits row, when the forward gives it (tensor parallel)
 
 
@@ -76,7 +77,7 @@ def run_batch(model, pool: LatentKVPool, items: list[WorkItem], tap_layer_ids: t
                 q_len = item.tree.n + 1
                 logit_rows.append(torch.arange(row, row + q_len))
             else:
-                ids.append(torch.tensor(seq.params.input_ids[item.start:item.end], dtype=torch.int64))
+                ids.append(torch.tensor(seq.params.input_ids[item.start : item.end], dtype=torch.int64))
                 pos.append(torch.arange(item.start, item.end, dtype=torch.int64))
                 mask = None
                 q_len = item.end - item.start
@@ -84,8 +85,7 @@ def run_batch(model, pool: LatentKVPool, items: list[WorkItem], tap_layer_ids: t
                     logit_rows.append(torch.tensor([row + q_len - 1]))
             slots = seq.table.extend(pool, q_len)
             allocated.append(seq)
-            seqs.append(SeqAttention(q_start=row, q_len=q_len, prefix_slots=seq.slots,
-                                     new_slots=slots, new_mask=mask))
+            seqs.append(SeqAttention(q_start=row, q_len=q_len, prefix_slots=seq.slots, new_slots=slots, new_mask=mask))
             row += q_len
     except Exception:
         for seq in allocated:
@@ -97,9 +97,15 @@ def run_batch(model, pool: LatentKVPool, items: list[WorkItem], tap_layer_ids: t
     lazy = not isinstance(model, TensorParallelModel)  # greedy rows: the LM head along the walk only
     try:
         with torch.inference_mode():
-            out = model.forward(torch.cat(ids).to(device), torch.cat(pos).to(device), meta, pool.cache,
-                                logits_rows=rows.to(device), tap_layer_ids=tap_layer_ids,
-                                **({"hidden_only": True} if lazy else _tp_kwargs(model, items)))
+            out = model.forward(
+                torch.cat(ids).to(device),
+                torch.cat(pos).to(device),
+                meta,
+                pool.cache,
+                logits_rows=rows.to(device),
+                tap_layer_ids=tap_layer_ids,
+                **({"hidden_only": True} if lazy else _tp_kwargs(model, items)),
+            )
             per_item = _split_rows(items, seqs, out)
             if lazy:
                 per_item = _heads(model, items, per_item)
@@ -110,7 +116,7 @@ def run_batch(model, pool: LatentKVPool, items: list[WorkItem], tap_layer_ids: t
     taps = out.taps
     results = []
     for item, sa, (item_logits, item_argmax) in zip(items, seqs, per_item):
-        item_taps = taps[sa.q_start:sa.q_start + sa.q_len] if taps is not None else None
+        item_taps = taps[sa.q_start : sa.q_start + sa.q_len] if taps is not None else None
         results.append(ItemOutput(item, sa.new_slots, item_logits, item_taps, item_argmax))
     return results
 
@@ -121,8 +127,8 @@ def _split_rows(items: list[WorkItem], seqs: list[SeqAttention], out) -> list[tu
     rows = out.hidden if out.hidden is not None else out.logits
     for item, sa in zip(items, seqs):
         n = sa.q_len if isinstance(item, VerifyItem) else (1 if item.is_last else 0)
-        block = rows[lrow:lrow + n] if n and rows is not None else None
-        argmax = out.argmax[lrow:lrow + n] if n and out.argmax is not None else None
+        block = rows[lrow : lrow + n] if n and rows is not None else None
+        argmax = out.argmax[lrow : lrow + n] if n and out.argmax is not None else None
         blocks.append((block, argmax))
         lrow += n
     return blocks
@@ -139,8 +145,9 @@ def _heads(model, items: list[WorkItem], hidden: list[tuple]) -> list[tuple]:
             out.append((None if rows is None else model.compute_logits(rows), None))
     greedy = [i for i, item in enumerate(items) if _walks(item)]
     if greedy:
-        walks = greedy_walk_choices([items[i].tree for i in greedy], [hidden[i][0] for i in greedy],
-                                    model.compute_logits)
+        walks = greedy_walk_choices(
+            [items[i].tree for i in greedy], [hidden[i][0] for i in greedy], model.compute_logits
+        )
         for i, choices in zip(greedy, walks):
             out[i] = (None, choices)
     return out

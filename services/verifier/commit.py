@@ -8,6 +8,7 @@ copied to the slot of position start + j and the scratch pages are freed. The dr
 is the accepted tokens with the tapped features gathered at the accepted node indices (not the first
 rows).
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,8 +26,7 @@ def _log_features(seq: Sequence, features: torch.Tensor | None) -> None:
         seq.feature_log.append(features)
 
 
-def append_pending(seq: Sequence, tokens: list[int], start: int, features: torch.Tensor | None,
-                   window: int) -> None:
+def append_pending(seq: Sequence, tokens: list[int], start: int, features: torch.Tensor | None, window: int) -> None:
     """Queue committed tokens for the drafter, keeping at most `window` of them (0 = all)."""
     if not seq.use_spec:
         return
@@ -39,8 +39,9 @@ def append_pending(seq: Sequence, tokens: list[int], start: int, features: torch
         pend = PendingCommit(pend.token_ids + list(tokens), pend.start, feats)
     if window and len(pend.token_ids) > window:
         cut = len(pend.token_ids) - window
-        pend = PendingCommit(pend.token_ids[cut:], pend.start + cut,
-                             None if pend.features is None else pend.features[cut:].clone())
+        pend = PendingCommit(
+            pend.token_ids[cut:], pend.start + cut, None if pend.features is None else pend.features[cut:].clone()
+        )
     seq.pending_commit = pend
 
 
@@ -61,7 +62,7 @@ def commit_prefill(out: ItemOutput, pool: LatentKVPool, window: int) -> list[int
     item = out.item
     assert isinstance(item, PrefillItem)
     seq = item.seq
-    chunk = list(seq.params.input_ids[item.start:item.end])
+    chunk = list(seq.params.input_ids[item.start : item.end])
     taps = None if out.taps is None else out.taps.cpu()
     append_pending(seq, chunk, item.start, taps, window)
     _log_features(seq, taps)

@@ -16,6 +16,7 @@ in hand is verified while at most max(k, ceil(n / 2)) of the sequences without a
 longest-waiting first. Starting from nothing drafted, the first step drafts half (the other half waits
 one step); from then on the groups swap.
 """
+
 from __future__ import annotations
 
 import math

@@ -9,6 +9,7 @@ sends one Draft RPC per replica, in parallel. When a replica fails, it leaves th
 sequences continue with AR decoding, which yields exactly the same tokens; later sequences go to the
 replicas that remain.
 """
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -26,14 +27,13 @@ log = get_logger("ddtree.verifier.drafter_pool")
 
 
 class DrafterPool:
-    def __init__(self, spec: str, timeout_s: float, connect_timeout_s: float = 60.0,
-                 resolve_interval_s: float = 10.0):
+    def __init__(self, spec: str, timeout_s: float, connect_timeout_s: float = 60.0, resolve_interval_s: float = 10.0):
         self.spec = spec
         self.timeout_s = timeout_s
         self.resolve_interval_s = resolve_interval_s
         self._lock = threading.Lock()
         self._clients: dict[str, DrafterClient] = {}
-        self._assigned: dict[str, str] = {}   # request id -> replica address
+        self._assigned: dict[str, str] = {}  # request id -> replica address
         self._executor = cf.ThreadPoolExecutor(max_workers=8, thread_name_prefix="draft-rpc")
         deadline = time.monotonic() + connect_timeout_s
         while not self._clients:
@@ -69,8 +69,12 @@ class DrafterPool:
         info = getattr(self, "info", None)
         if info is None:
             return True
-        same = (client.info.window == info.window and list(client.info.target_layer_ids) == list(info.target_layer_ids)
-                and client.info.hidden_size == info.hidden_size and client.info.vocab_size == info.vocab_size)
+        same = (
+            client.info.window == info.window
+            and list(client.info.target_layer_ids) == list(info.target_layer_ids)
+            and client.info.hidden_size == info.hidden_size
+            and client.info.vocab_size == info.vocab_size
+        )
         if not same:
             log.error("drafter_replica_incompatible", address=client.address)
         return same
@@ -139,7 +143,7 @@ class DrafterPool:
         for addr in [a for a, c in clients.items() if c is None]:  # dropped since assignment
             failed.update(seq.draft_id for seq, _ in groups.pop(addr))
         if len(groups) == 1:  # the common case: no thread hop
-            (addr, group), = groups.items()
+            ((addr, group),) = groups.items()
             futures = {addr: cf.Future()}
             try:
                 futures[addr].set_result(clients[addr].draft(group, vocab_size))

@@ -24,6 +24,7 @@ The result is what accept() needs: per tree node the argmax where the walk reads
 does (computed but unread rows stay -1). accept() then walks the same path (same tree, same choices),
 so nothing else changes.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -51,8 +52,9 @@ def first_children(tree: TokenTree) -> list[int]:
     return first
 
 
-def greedy_walk_choices(trees: Sequence[TokenTree], hidden: Sequence[torch.Tensor],
-                        lm_head: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+def greedy_walk_choices(
+    trees: Sequence[TokenTree], hidden: Sequence[torch.Tensor], lm_head: Callable[[torch.Tensor], torch.Tensor]
+) -> list[torch.Tensor]:
     """trees[s] with hidden[s] [n_s + 1, d] (row 0 = root, row i = node i; final-normed) -> per sequence
     int64 [n_s + 1]: the argmax of lm_head(hidden row) at the nodes the accept walk reads, -1 elsewhere.
 

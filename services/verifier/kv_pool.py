@@ -19,6 +19,7 @@ Units: `alloc`/`free` take pages (page ids; page size 1: slot ids); `num_free`/`
 count slots (tokens), `num_free_pages`/`num_used_pages`/`num_pages` count pages.
 Invariant (checked by `check()`): free + in use == total, no page both free and in use.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -32,8 +33,15 @@ class KVPoolExhausted(RuntimeError):
 
 
 class LatentKVPool:
-    def __init__(self, num_layers: int, num_slots: int, width: int, dtype: torch.dtype, device: str | torch.device,
-                 page_size: int = 1):
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        width: int,
+        dtype: torch.dtype,
+        device: str | torch.device,
+        page_size: int = 1,
+    ):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         if num_slots < page_size or num_slots % page_size:
@@ -107,7 +115,7 @@ class LatentKVPool:
         if self.page_size == 1:
             return slots
         assert slots.numel() % self.page_size == 0, "slots must cover whole pages"
-        return slots[::self.page_size] // self.page_size
+        return slots[:: self.page_size] // self.page_size
 
     def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """cache[:, dst[i]] = cache[:, src[i]] in every layer; src is read in full before any write."""
@@ -119,5 +127,6 @@ class LatentKVPool:
         with self._lock:
             used = int(self._in_use.sum())
             if used + len(self._free) != self.num_pages or len(set(self._free)) != len(self._free):
-                raise AssertionError(f"KV accounting broken: used {used} + free {len(self._free)} "
-                                     f"!= {self.num_pages} pages")
+                raise AssertionError(
+                    f"KV accounting broken: used {used} + free {len(self._free)} != {self.num_pages} pages"
+                )

@@ -12,6 +12,7 @@ called by VerifierConfig.validate):
   none of them             DEFAULT_KV_TOKENS.
 The token count is rounded down to whole pages; less than one page is an error.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,18 +25,25 @@ GIB = 1 << 30
 
 @dataclasses.dataclass(frozen=True)
 class KVSize:
-    tokens: int              # pool slots, a multiple of the page size
-    bytes: int               # tokens × bytes_per_token
+    tokens: int  # pool slots, a multiple of the page size
+    bytes: int  # tokens × bytes_per_token
     bytes_per_token: int
-    source: str              # kv_tokens | kv_memory_gb | kv_memory_fraction | default
+    source: str  # kv_tokens | kv_memory_gb | kv_memory_fraction | default
 
 
 def kv_bytes_per_token(num_layers: int, kv_lora_rank: int, qk_rope_head_dim: int, dtype_bytes: int) -> int:
     return num_layers * (kv_lora_rank + qk_rope_head_dim) * dtype_bytes
 
 
-def size_kv_pool(*, bytes_per_token: int, page_size: int = 1, kv_tokens: int = 0, kv_memory_gb: float = 0.0,
-                 kv_memory_fraction: float = 0.0, free_bytes: int | None = None) -> KVSize:
+def size_kv_pool(
+    *,
+    bytes_per_token: int,
+    page_size: int = 1,
+    kv_tokens: int = 0,
+    kv_memory_gb: float = 0.0,
+    kv_memory_fraction: float = 0.0,
+    free_bytes: int | None = None,
+) -> KVSize:
     """The pool's size. `free_bytes` (device memory free after loading the model) is needed only with
     kv_memory_fraction."""
     if bytes_per_token < 1 or page_size < 1:
@@ -53,8 +61,10 @@ def size_kv_pool(*, bytes_per_token: int, page_size: int = 1, kv_tokens: int = 0
         tokens = DEFAULT_KV_TOKENS
     tokens -= tokens % page_size
     if tokens < page_size:
-        raise ValueError(f"the KV pool would hold {tokens} tokens (from {source}, {bytes_per_token} B per token), "
-                         f"less than one page of {page_size}")
+        raise ValueError(
+            f"the KV pool would hold {tokens} tokens (from {source}, {bytes_per_token} B per token), "
+            f"less than one page of {page_size}"
+        )
     return KVSize(tokens, tokens * bytes_per_token, bytes_per_token, source)
 
 
@@ -76,9 +86,15 @@ def kv_size_for(config, model_config) -> KVSize:
     import torch
 
     dtype_bytes = torch.empty(0, dtype=getattr(torch, config.dtype)).element_size()
-    per_token = kv_bytes_per_token(model_config.num_hidden_layers, model_config.kv_lora_rank,
-                                   model_config.qk_rope_head_dim, dtype_bytes)
+    per_token = kv_bytes_per_token(
+        model_config.num_hidden_layers, model_config.kv_lora_rank, model_config.qk_rope_head_dim, dtype_bytes
+    )
     free = free_device_memory(config.device) if config.kv_memory_fraction > 0 else None
-    return size_kv_pool(bytes_per_token=per_token, page_size=config.page_size, kv_tokens=config.kv_tokens,
-                        kv_memory_gb=config.kv_memory_gb, kv_memory_fraction=config.kv_memory_fraction,
-                        free_bytes=free)
+    return size_kv_pool(
+        bytes_per_token=per_token,
+        page_size=config.page_size,
+        kv_tokens=config.kv_tokens,
+        kv_memory_gb=config.kv_memory_gb,
+        kv_memory_fraction=config.kv_memory_fraction,
+        free_bytes=free,
+    )

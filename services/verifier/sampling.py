@@ -63,9 +63,7 @@ def sampling_probs(logits: Tensor, cfg: SamplingConfig) -> Tensor:
     return probs
 
 
-def target_choices(
-    logits: Tensor, cfg: SamplingConfig, generator: torch.Generator | None = None
-) -> Tensor:
+def target_choices(logits: Tensor, cfg: SamplingConfig, generator: torch.Generator | None = None) -> Tensor:
     """logits [N, V] (one row per tree node) -> LongTensor [N] of chosen tokens.
 
     Temperature 0: argmax per row (top_k / top_p do not change the argmax). Otherwise one independent
@@ -79,8 +77,10 @@ def target_choices(
     if cfg.greedy:
         return logits.argmax(dim=-1)
     if generator is not None and generator.device.type != logits.device.type:
-        raise ValueError(f"generator is on {generator.device} but logits are on {logits.device}; "
-                         f"create it with make_generator(cfg, logits.device)")
+        raise ValueError(
+            f"generator is on {generator.device} but logits are on {logits.device}; "
+            f"create it with make_generator(cfg, logits.device)"
+        )
     probs = sampling_probs(logits, cfg)  # [N, V]
     race = torch.empty_like(probs).exponential_(1.0, generator=generator)  # [N, V]
     # NOTE: an exact 0 draw would make 0/0 = NaN win the argmax for a zero-probability token.

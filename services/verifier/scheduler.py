@@ -10,6 +10,7 @@ One thread owns the model, the KV pool and every running sequence. RPC threads o
   sequences on the draft-ahead thread while step 4 verifies the other half's trees (draft_overlap.py).
 Admission by reservation means a running sequence never runs out of KV mid-generation.
 """
+
 from __future__ import annotations
 
 import collections
@@ -80,14 +81,20 @@ class Scheduler:
             if self._stopping:
                 raise AdmissionError(grpc.StatusCode.UNAVAILABLE, "verifier is shutting down")
             if seq.request_id in self._by_id:
-                raise AdmissionError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {seq.request_id!r} is already running")
+                raise AdmissionError(
+                    grpc.StatusCode.ALREADY_EXISTS, f"request_id {seq.request_id!r} is already running"
+                )
             if need > self.pool.num_slots:
-                raise AdmissionError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                     f"request needs {need} KV tokens (prompt + max_new_tokens + tree), "
-                                     f"the cache holds {self.pool.num_slots}")
+                raise AdmissionError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"request needs {need} KV tokens (prompt + max_new_tokens + tree), "
+                    f"the cache holds {self.pool.num_slots}",
+                )
             if len(self._waiting) >= self.config.max_queue:
-                raise AdmissionError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                     f"queue full ({self.config.max_queue} waiting requests); retry later")
+                raise AdmissionError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"queue full ({self.config.max_queue} waiting requests); retry later",
+                )
             self._waiting.append(seq)
             self._by_id[seq.request_id] = seq
             self._cond.notify_all()
@@ -205,7 +212,7 @@ class Scheduler:
         seq.prefix_match = match
         seq.prefill_done = match.length
         seq.table.share(match.slots)
-        seq.committed = prompt[:match.length]
+        seq.committed = prompt[: match.length]
         if match.features is not None:
             if seq.feature_log is not None:
                 seq.feature_log.append(match.features)
@@ -286,9 +293,12 @@ class Scheduler:
                 seq.draft = None
                 continue
             tree = trees.get(seq.draft_id)
-            seq.draft = DraftedTree(tree if tree is not None else EMPTY_TREE, result.draft_ms if tree else 0.0,
-                                    max(result.rpc_ms - result.draft_ms, 0.0),
-                                    result.feature_bytes.get(seq.draft_id, 0))
+            seq.draft = DraftedTree(
+                tree if tree is not None else EMPTY_TREE,
+                result.draft_ms if tree else 0.0,
+                max(result.rpc_ms - result.draft_ms, 0.0),
+                result.feature_bytes.get(seq.draft_id, 0),
+            )
 
     def _fit_trees(self, seqs: list[Sequence], trees: dict[str, TokenTree]) -> dict[str, TokenTree]:
         """The drafted trees cut to fit --max-tree-tokens over the sequences of one Draft call (tree_budget.py):
@@ -311,8 +321,9 @@ class Scheduler:
         if not overlapping(len(spec), self.config.overlap_draft_min_batch):
             return needing, [], decode
         by_id = {s.request_id: s for s in needing}
-        now, _ = split_drafts(list(by_id), len(spec) - len(needing),
-                              {s.request_id: s.last_token_time or s.arrival for s in needing})
+        now, _ = split_drafts(
+            list(by_id), len(spec) - len(needing), {s.request_id: s.last_token_time or s.arrival for s in needing}
+        )
         background = [by_id[rid] for rid in now]
         # Verify the sequences holding a tree (and AR ones); those without one draft now or wait a step.
         return [], background, [s for s in decode if s.request_id not in by_id]
@@ -384,24 +395,39 @@ class Scheduler:
                 committed.append((out.item, commit_prefill(out, self.pool, self.window), 0))
         return committed
 
-    def _record(self, seq: Sequence, tree: TokenTree, accept_length: int, t0: float, t1: float,
-                t2: float) -> StepRecord:
+    def _record(
+        self, seq: Sequence, tree: TokenTree, accept_length: int, t0: float, t1: float, t2: float
+    ) -> StepRecord:
         """The step record of a verified sequence (logged, exported, streamed). total_ms runs from the
         start of the step that drafted its tree (one step earlier when drafting overlapped) to its commit."""
         drafted = seq.draft
-        record = StepRecord(step=seq.steps, context_tokens=seq.context_len - accept_length,
-                            tree_nodes=tree.n, accept_length=accept_length,
-                            draft_ms=drafted.draft_ms if drafted else 0.0, verify_ms=(t2 - t1) * 1e3,
-                            transport_ms=drafted.transport_ms if drafted else 0.0,
-                            total_ms=(t2 - (seq.draft_started if drafted else t0)) * 1e3,
-                            feature_bytes=drafted.feature_bytes if drafted else 0)
+        record = StepRecord(
+            step=seq.steps,
+            context_tokens=seq.context_len - accept_length,
+            tree_nodes=tree.n,
+            accept_length=accept_length,
+            draft_ms=drafted.draft_ms if drafted else 0.0,
+            verify_ms=(t2 - t1) * 1e3,
+            transport_ms=drafted.transport_ms if drafted else 0.0,
+            total_ms=(t2 - (seq.draft_started if drafted else t0)) * 1e3,
+            feature_bytes=drafted.feature_bytes if drafted else 0,
+        )
         seq.steps += 1
         seq.accept_lengths.append(accept_length)
         self.total_steps += 1
         self.total_tokens += accept_length
         if self.step_log is not None:
             self.step_log.info("step", request_id=seq.request_id, **record.__dict__)
-        metrics.observe_step({"draft": record.draft_ms, "verify": record.verify_ms,
-                              "transport": record.transport_ms, "total": record.total_ms},
-                             accept_length, record.context_tokens, record.tree_nodes, record.feature_bytes)
+        metrics.observe_step(
+            {
+                "draft": record.draft_ms,
+                "verify": record.verify_ms,
+                "transport": record.transport_ms,
+                "total": record.total_ms,
+            },
+            accept_length,
+            record.context_tokens,
+            record.tree_nodes,
+            record.feature_bytes,
+        )
         return record

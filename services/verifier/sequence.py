@@ -7,6 +7,7 @@ A sequence moves WAITING -> PREFILL -> DECODE -> FINISHED. Between steps it hold
 - `pending_commit`: what the drafter has not seen yet (tokens, their start position, tapped features);
 - `draft`: the tree drafted from root for the next verify, when drafting ran ahead (draft_overlap.py).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,15 +38,16 @@ class GenerateParams:
     input_ids: tuple[int, ...]
     sampling: SamplingConfig
     max_new_tokens: int
-    stop_token_ids: frozenset[int]   # eos ids (unless ignore_eos) + the request's stop ids
+    stop_token_ids: frozenset[int]  # eos ids (unless ignore_eos) + the request's stop ids
     use_spec: bool
     budget: int
-    chain: bool = False              # ask the drafter for a width-1 tree (a chain)
+    chain: bool = False  # ask the drafter for a width-1 tree (a chain)
 
 
 @dataclasses.dataclass(frozen=True)
 class StreamEvent:
     """One message to the client: tokens committed by a step (or the first token)."""
+
     token_ids: tuple[int, ...]
     step: StepRecord | None = None
     finish_reason: str | None = None
@@ -62,6 +64,7 @@ class PendingCommit:
 @dataclasses.dataclass(frozen=True)
 class DraftedTree:
     """A tree drafted for the sequence's next verify, with what its step record reports."""
+
     tree: TokenTree
     draft_ms: float
     transport_ms: float
@@ -74,23 +77,23 @@ class Sequence:
         self.phase = Phase.WAITING
         self.arrival = time.perf_counter() if arrival is None else arrival
         self.committed: list[int] = []
-        self.table = PageTable()           # KV pages; the scheduler sets the pool's page size at submit
-        self.prefill_done = 0              # prompt tokens already in the KV cache
-        self.prefix_match = None           # the PrefixMatch pinning them
+        self.table = PageTable()  # KV pages; the scheduler sets the pool's page size at submit
+        self.prefill_done = 0  # prompt tokens already in the KV cache
+        self.prefix_match = None  # the PrefixMatch pinning them
         self.feature_log: list[torch.Tensor] | None = None  # taps of every committed token (prefix cache)
         self.root: int | None = None
         self.generated: list[int] = []
         self.pending_commit: PendingCommit | None = None
-        self.drafter_seeded = False        # the drafter holds this sequence's context
+        self.drafter_seeded = False  # the drafter holds this sequence's context
         # The drafter's key for this sequence's context: unique per Sequence (and across verifiers
         # sharing a drafter), never the client's request id, so that a late Release of a finished
         # request cannot drop the context of a new request that reuses its id.
         self.draft_id = uuid.uuid4().hex
         self.draft: DraftedTree | None = None  # drafted, not yet verified
-        self.draft_started = 0.0           # perf_counter when the step that drafted it began
+        self.draft_started = 0.0  # perf_counter when the step that drafted it began
         self.use_spec = params.use_spec
         self.steps = 0
-        self.accept_lengths: list[int] = []   # per step: root + matched nodes
+        self.accept_lengths: list[int] = []  # per step: root + matched nodes
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.finish_reason: str | None = None

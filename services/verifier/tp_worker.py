@@ -10,6 +10,7 @@ watchdog then turns any rank's exit into `rank k exited with code c` and a non-z
 Every collective has a timeout (`--tp-timeout-s`), so a peer that dies or hangs mid-collective ends the
 server with an error instead of a hang.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -65,8 +66,14 @@ def _load(config: VerifierConfig, model_dir: str, tp: TPGroup, device: torch.dev
 def run_worker(config: VerifierConfig, model_dir: str, env: LaunchEnv, backend: str, store=None) -> None:
     """One rank > 0, from joining the group (through rank 0's `store` if given) to rank 0's STOP."""
     device = rank_device(config.device, env.local_rank)
-    tp = init_tp(env.world_size, env.rank, device, config.tp_timeout_s, store=store,
-                 init_method=None if store else f"tcp://{env.master_addr}:{env.master_port}")
+    tp = init_tp(
+        env.world_size,
+        env.rank,
+        device,
+        config.tp_timeout_s,
+        store=store,
+        init_method=None if store else f"tcp://{env.master_addr}:{env.master_port}",
+    )
     model = _load(config, model_dir, tp, device, backend)
     log.info("tp_worker_ready", rank=env.rank, world_size=env.world_size, device=str(device))
     worker_loop(model, tp)
@@ -81,6 +88,7 @@ def run_worker(config: VerifierConfig, model_dir: str, env: LaunchEnv, backend: 
 
 def _spawned_rank(rank: int, config: VerifierConfig, model_dir: str, addr: str, port: int, backend: str) -> None:
     from ddtree.telemetry.logging import configure_logging
+
     # Rank 0 owns the lifetime of the ranks it spawned: a Ctrl-C or SIGTERM to the process group stops
     # rank 0 gracefully, which sends STOP. (A lost rank 0 still ends them: their collectives fail.)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -100,6 +108,7 @@ def _spawned_rank(rank: int, config: VerifierConfig, model_dir: str, addr: str, 
 @dataclasses.dataclass
 class TensorParallelVerifier:
     """Rank 0's side: the broadcasting model handle, the spawned ranks and their watchdog."""
+
     model: TensorParallelModel
     device: torch.device
     children: dict[int, mp.Process]
@@ -162,8 +171,9 @@ class TensorParallelVerifier:
                     p.join()
                     del pending[rank]
                     if not self._stopping:
-                        threading.Thread(target=self.fatal, args=(f"rank {rank} exited with code {p.exitcode}",),
-                                         daemon=True).start()
+                        threading.Thread(
+                            target=self.fatal, args=(f"rank {rank} exited with code {p.exitcode}",), daemon=True
+                        ).start()
 
 
 def start_tensor_parallel(config: VerifierConfig, model_dir: str, backend: str) -> TensorParallelVerifier:
@@ -179,8 +189,12 @@ def start_tensor_parallel(config: VerifierConfig, model_dir: str, backend: str) 
         env = LaunchEnv("127.0.0.1", store.port, config.tp, 0, 0)
         ctx = mp.get_context("spawn")  # before any thread or server starts
         for rank in range(1, config.tp):
-            p = ctx.Process(target=_spawned_rank, name=f"tp-rank-{rank}", daemon=True,
-                            args=(rank, config, model_dir, env.master_addr, env.master_port, backend))
+            p = ctx.Process(
+                target=_spawned_rank,
+                name=f"tp-rank-{rank}",
+                daemon=True,
+                args=(rank, config, model_dir, env.master_addr, env.master_port, backend),
+            )
             p.start()
             children[rank] = p
             log.info("tp_rank_spawned", rank=rank, pid=p.pid)
@@ -193,10 +207,20 @@ def start_tensor_parallel(config: VerifierConfig, model_dir: str, backend: str) 
     if children:
         threading.Thread(target=tpv._watch, name="tp-watchdog", daemon=True).start()
     started = time.perf_counter()
-    tp = init_tp(env.world_size, 0, tpv.device, config.tp_timeout_s, store=store,
-                 init_method=None if store else f"tcp://{env.master_addr}:{env.master_port}")
+    tp = init_tp(
+        env.world_size,
+        0,
+        tpv.device,
+        config.tp_timeout_s,
+        store=store,
+        init_method=None if store else f"tcp://{env.master_addr}:{env.master_port}",
+    )
     shard = _load(config, model_dir, tp, tpv.device, backend)
     tpv.model = TensorParallelModel(shard, tp, ping_interval_s=config.tp_timeout_s / 4, on_failure=tpv.fatal)
-    log.info("tp_ready", world_size=config.tp, expert_parallel=config.expert_parallel,
-             load_s=round(time.perf_counter() - started, 2))
+    log.info(
+        "tp_ready",
+        world_size=config.tp,
+        expert_parallel=config.expert_parallel,
+        load_s=round(time.perf_counter() - started, 2),
+    )
     return tpv

@@ -17,6 +17,7 @@ max_tree_tokens (0 = no cap). Every sequence keeps at least one node. Two rules,
 Neither rule changes the output: the verifier decides every token; they only decide how many drafts each
 step checks.
 """
+
 from __future__ import annotations
 
 import heapq

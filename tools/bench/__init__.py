@@ -5,6 +5,7 @@ generation), `prompts.py` (prompts of an exact length by kind of text) and `outp
 tables, JSON, plots) are shared with `ddtree diagnose` (tools/diagnose.py). The arithmetic over step
 records lives in services/telemetry/report.py.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -13,8 +14,12 @@ import argparse
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register `bench` and its subcommands."""
     from ddtree.tools.bench import compare, context, overhead, twopoint
-    p = subparsers.add_parser("bench", help="measure decode speed: context | twopoint | compare | overhead",
-                              description=__doc__.split("\n\n")[0])
+
+    p = subparsers.add_parser(
+        "bench",
+        help="measure decode speed: context | twopoint | compare | overhead",
+        description=__doc__.split("\n\n")[0],
+    )
     sub = p.add_subparsers(dest="bench_command", required=True)
     for module in (context, twopoint, compare, overhead):
         module.add_parser(sub)

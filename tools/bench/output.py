@@ -1,4 +1,5 @@
 """What the bench commands print and save: a progress bar, text tables, JSON, PNG plots."""
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,10 @@ class Progress:
         elapsed = time.monotonic() - self.t0
         eta = elapsed / self.done * (self.total - self.done)
         fill = round(self.width * self.done / self.total)
-        line = (f"{self.label} [{'#' * fill}{'.' * (self.width - fill)}] {self.done}/{self.total} "
-                f"{_clock(elapsed)} eta {_clock(eta)} {note}")
+        line = (
+            f"{self.label} [{'#' * fill}{'.' * (self.width - fill)}] {self.done}/{self.total} "
+            f"{_clock(elapsed)} eta {_clock(eta)} {note}"
+        )
         if self.tty:
             self.stream.write("\r\x1b[2K" + line)
             if self.done >= self.total:
@@ -58,10 +61,13 @@ def pyplot():
     try:
         import matplotlib
     except ModuleNotFoundError:
-        raise SystemExit("the PNG plot needs matplotlib: pip install 'ddtree-serve[bench]' "
-                         "(or pip install matplotlib), or pass --no-plot") from None
+        raise SystemExit(
+            "the PNG plot needs matplotlib: pip install 'ddtree-serve[bench]' "
+            "(or pip install matplotlib), or pass --no-plot"
+        ) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     return plt
 
 

@@ -9,6 +9,7 @@ With a corpus dir (`python -m scripts.build_corpus` writes `heldout_{kind}.txt`,
 and machine builds the same prompts for the same tokenizer; prompt i is tokens [i*C, (i+1)*C) of the
 kind's token stream.
 """
+
 from __future__ import annotations
 
 import ast
@@ -16,8 +17,10 @@ import pathlib
 import sysconfig
 from collections.abc import Iterator
 
-PADDING = ("The quick brown fox jumps over the lazy dog while the five boxing wizards jump quickly, "
-           "and the padding goes on in the same words. ")
+PADDING = (
+    "The quick brown fox jumps over the lazy dog while the five boxing wizards jump quickly, "
+    "and the padding goes on in the same words. "
+)
 EOS_TEXT = "[EOS]"
 BUILTIN_KINDS = ("padding", "code", "prose")
 
@@ -76,4 +79,4 @@ def make_prompts(tokenizer, kind: str, context: int, count: int, corpus: pathlib
             break
     if len(ids) < need:
         raise ValueError(f"{kind} text gives {len(ids)} tokens, {count} prompt(s) of {context} need {need}")
-    return [ids[i * context:(i + 1) * context] for i in range(count)]
+    return [ids[i * context : (i + 1) * context] for i in range(count)]

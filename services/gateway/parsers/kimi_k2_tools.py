@@ -17,6 +17,7 @@ kept as they are.
 The OpenAI id of a call is the model's `functions.NAME:IDX`; when the model wrote no index, IDX is
 `index_offset` (tool calls earlier in the conversation) + the call's index in this answer.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -50,7 +51,7 @@ def parse_call_id(raw: str, index: int, index_offset: int = 0) -> tuple[str, str
     m = _ID.match(raw)
     if m:
         return f"functions.{m['name']}:{m['index']}", m["name"]
-    name = raw[len("functions."):] if raw.startswith("functions.") else raw
+    name = raw[len("functions.") :] if raw.startswith("functions.") else raw
     return f"functions.{name}:{index_offset + index}", name
 
 
@@ -74,7 +75,7 @@ class KimiK2ToolParser:
             if marker is None:
                 self._buffer = self._buffer[pos:]
                 break
-            self._buffer = self._buffer[pos + len(marker):]
+            self._buffer = self._buffer[pos + len(marker) :]
             self._on_marker(marker, deltas)
         return "".join(content), deltas
 

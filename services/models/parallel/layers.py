@@ -9,6 +9,7 @@ so it is added once.
 The vocabulary is split by rows for the embedding and the LM head. Logits stay sharded: the greedy
 choice is combined from each rank's (max, global argmax) without ever gathering [R, V].
 """
+
 from __future__ import annotations
 
 import torch

@@ -14,6 +14,7 @@ A pure function of (name, config, rank, world size, expert parallel). Shapes are
 | routed experts, expert parallel | experts E/N·r … whole; the others are skipped |
 | everything else (q_a / kv_a projections, norms, router, `o_proj.bias`) | all of it (replicated) |
 """
+
 from __future__ import annotations
 
 import dataclasses
