@@ -155,7 +155,7 @@ def bench_shape(shape: Shape, dims: dict, device, measure, config, peak_gbs, tim
 
     q_lat, q_pe, kv, seqs, masks = build(shape, dims, device)
     H, r, dr = dims["heads"], dims["r"], dims["dr"]
-    scale = 1.0 / math.sqrt(192)  # qk_nope 128 + rope 64 (model.md §3: not 576^-0.5)
+    scale = 1.0 / math.sqrt(192)  # qk_nope 128 + rope 64 (docs/design.md §5: not 576^-0.5)
     t0 = time.perf_counter()
     plan = plan_mla(seqs, H, num_cache_slots=kv.shape[0], device=device, config=config)
     plan_s = time.perf_counter() - t0

@@ -1,4 +1,4 @@
-"""Tensor-parallel verifier step time: the same prompts at --tp 1 and --tp 2 (serving.md §7).
+"""Tensor-parallel verifier step time: the same prompts at --tp 1 and --tp 2 (docs/design.md §7.5).
 
     python -m scripts.bench_tp [--model DIR --drafter DIR] [--configs 1x1,1x2,2x1] [--prompts 4]
         [--tokens 64] [--budget 16] [--out runs/bench_tp.json]

@@ -69,6 +69,7 @@ def measure_tau(
     from ddtree.verifier.kv_pool import LatentKVPool
     from ddtree.verifier.scheduler import Scheduler
     from ddtree.verifier.sequence import GenerateParams, Sequence
+    from ddtree.verifier.target import LocalTarget
 
     model = load_target(target_dir, dtype=torch.float32)
     dcfg = DrafterConfig(
@@ -93,7 +94,7 @@ def measure_tau(
         max_context=longest + tokens + 1,
     )
     pool = LatentKVPool(model.config.num_hidden_layers, kv_tokens, model.config.kv_cache_width, torch.float32, "cpu")
-    sched = Scheduler(model, pool, vcfg, client)
+    sched = Scheduler(LocalTarget(model), pool, vcfg, client)
     sched.start()
     t0 = time.perf_counter()
     try:

@@ -1,4 +1,4 @@
-"""The `ddtree` command (design.md §6).
+"""The `ddtree` command (README.md, "The `ddtree` command").
 
 ddtree serve      all three services on loopback (default: the embedded demo checkpoint)
 ddtree drafter | verifier | gateway    one service, as containers run them

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import grpc
 
+from ddtree.contract.usage import avg_accept_length
 from ddtree.protocol.ddtree.v1 import gateway_pb2, gateway_pb2_grpc
 from ddtree.protocol.server import GRPC_OPTIONS
 
@@ -47,7 +48,7 @@ class GenerateResult:
         return {
             "steps": len(lengths),
             "accept_lengths": lengths,
-            "avg_accept_length": sum(lengths) / len(lengths) if lengths else 0.0,
+            "avg_accept_length": avg_accept_length(lengths),
             "histogram": {str(k): hist[k] for k in sorted(hist)},
         }
 

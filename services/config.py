@@ -15,6 +15,9 @@ import pathlib
 from typing import Any
 
 ENV_PREFIX = "DDTREE_"
+# The floating-point dtypes a service or tool may be asked to compute in, by name (torch.float32, ...;
+# `ddtree.models.dtypes.TORCH_DTYPES` maps them: this module does not import torch).
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DEFAULT_CHECKPOINT_DIR = pathlib.Path(os.environ.get("DDTREE_HOME", pathlib.Path.home() / ".cache" / "ddtree"))
 
 
@@ -67,7 +70,13 @@ class DrafterConfig(ServiceConfig):
     window: int = dataclasses.field(default=2048, metadata={"help": "draft context window, tokens (0 = unlimited)"})
     default_budget: int = dataclasses.field(default=16, metadata={"help": "tree node budget when a request sets none"})
     max_budget: int = dataclasses.field(default=1024, metadata={"help": "largest tree budget accepted"})
-    max_sequences: int = dataclasses.field(default=4096, metadata={"help": "draft contexts held at once"})
+    max_sequences: int = dataclasses.field(
+        default=4096,
+        metadata={
+            "help": "draft contexts held at once; a Draft that would start more answers RESOURCE_EXHAUSTED, "
+            "and the verifier sends a replica at its cap no new sequences (they decode with AR)"
+        },
+    )
     device: str = dataclasses.field(default="cpu", metadata={"help": "torch device"})
     dtype: str = dataclasses.field(
         default="auto",
@@ -98,6 +107,8 @@ class DrafterConfig(ServiceConfig):
             raise ValueError(f"engine must be dflash | oracle, got {self.engine!r}")
         if self.window < 0:
             raise ValueError(f"window must be >= 0 (0 = unlimited), got {self.window}")
+        if self.max_sequences < 1:
+            raise ValueError(f"max_sequences must be >= 1, got {self.max_sequences}")
         if not 1 <= self.default_budget <= self.max_budget:
             raise ValueError(f"default_budget must be in [1, max_budget={self.max_budget}], got {self.default_budget}")
         _check_dtype(self.dtype, allow_auto=True)
@@ -141,13 +152,6 @@ class VerifierConfig(ServiceConfig):
             "(an equal share, max_tree_tokens // n - 1 nodes each, when the drafter gives no scores)"
         },
     )
-    overlap_draft_min_batch: int = dataclasses.field(
-        default=0,
-        metadata={
-            "help": "with at least this many speculative sequences, draft half of them while verifying the other "
-            "half (0 = never); see services/verifier/draft_overlap.py"
-        },
-    )
     draft_timeout_s: float = dataclasses.field(default=10.0, metadata={"help": "Draft RPC deadline"})
     step_log: str = dataclasses.field(
         default="",
@@ -189,8 +193,6 @@ class VerifierConfig(ServiceConfig):
             raise ValueError(f"default_budget must be >= 0, got {self.default_budget}")
         if self.max_tree_tokens < 0:
             raise ValueError(f"max_tree_tokens must be >= 0 (0 = no limit), got {self.max_tree_tokens}")
-        if self.overlap_draft_min_batch < 0:
-            raise ValueError(f"overlap_draft_min_batch must be >= 0 (0 = never), got {self.overlap_draft_min_batch}")
         kv_setting(self.kv_tokens, self.kv_memory_gb, self.kv_memory_fraction)
         if self.tp < 1:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
@@ -266,7 +268,7 @@ class GatewayConfig(ServiceConfig):
 
 
 def _check_dtype(name: str, allow_auto: bool = False) -> None:
-    names = ("auto", "float32", "bfloat16", "float16") if allow_auto else ("float32", "bfloat16", "float16")
+    names = ("auto", *DTYPE_NAMES) if allow_auto else DTYPE_NAMES
     if name not in names:
         raise ValueError(f"dtype must be {' | '.join(names)}, got {name!r}")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import types
 
 from ddtree.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from ddtree.protocol.server import start_server
@@ -88,6 +89,22 @@ def script_for(ids, sizes=None, finish="length", usage=None, request_id="r"):
     if usage is not None:
         msgs[-1].usage.CopyFrom(usage)
     return msgs
+
+
+def verifier_usage(prompt_tokens: int, msgs) -> common_pb2.Usage:
+    """The usage the real verifier sends at the end of a request that streamed `msgs`: its own `usage_of`
+    over a finished sequence that took these steps (timings left at 0)."""
+    from ddtree.verifier.server import usage_of  # torch: only the tests that call this import it
+
+    seq = types.SimpleNamespace(
+        prompt_len=prompt_tokens,
+        generated=[t for m in msgs for t in m.token_ids],
+        accept_lengths=[s.accept_length for m in msgs for s in m.steps],
+        arrival=0.0,
+        first_token_time=None,
+        last_token_time=None,
+    )
+    return usage_of(seq)
 
 
 def start_fake_verifier(name: str = "fake-verifier"):

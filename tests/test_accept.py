@@ -86,6 +86,6 @@ def test_greedy_equals_target_argmax_path(seed: int) -> None:
     deepest = max(matched, key=lambda i: len(paths[i]))
     assert v.accepted_nodes[-1] == deepest
     assert v.accepted_tokens == (root,) + paths[deepest]
-    assert v.bonus_token == ar[len(paths[deepest])]
+    assert v.next_root == ar[len(paths[deepest])]
     assert list(v.accepted_nodes) == sorted(set(v.accepted_nodes)) and v.accepted_nodes[0] == 0
     assert [len(paths[i]) for i in v.accepted_nodes] == list(range(len(v.accepted_nodes)))

@@ -81,7 +81,7 @@ def test_bad_requests_are_rejected_while_others_stream(oracle_stack, default_ckp
 
 
 def _seq(**kw):
-    base = dict(seq_id="bad-1", commit_token_ids=[1, 2], commit_start=0, anchor_token_id=3, budget=4, reset=True)
+    base = dict(seq_id="bad-1", commit_token_ids=[1, 2], commit_start=0, root_token_id=3, budget=4, reset=True)
     base.update(kw)
     feats = kw.pop("features", None)
     base.pop("features", None)
@@ -97,7 +97,7 @@ def _bad_drafts(stub):
         (_seq(features=common_pb2.Tensor(data=b"\0" * 7, shape=[2, 256], dtype=common_pb2.FLOAT32)), "bytes"),
         (_seq(features=common_pb2.Tensor(data=b"", shape=[2, 256], dtype=99)), "unsupported dtype"),
         (_seq(commit_token_ids=[1, 10**6]), "outside [0, 4096)"),
-        (_seq(anchor_token_id=-5), "outside [0, 4096)"),
+        (_seq(root_token_id=-5), "outside [0, 4096)"),
         (_seq(reset=False, seq_id="unknown-seq"), "unknown"),
         (_seq(seq_id=""), "seq_id"),
         (_seq(budget=-1), "budget"),

@@ -7,7 +7,7 @@ import torch
 
 from ddtree.drafter.engine import DraftEngine, SeqDraftInput
 from ddtree.drafter.oracle import noisy_tree
-from ddtree.models.dflash import load_drafter, write_random_drafter
+from ddtree.models.dflash_checkpoint import load_drafter, write_random_drafter
 
 TARGET = {"hidden_size": 32, "num_hidden_layers": 6, "vocab_size": 64, "rope_theta": 10000.0}
 BLOCK = 5
@@ -30,7 +30,7 @@ def _seq(seq_id: str, budget: int, chain: bool) -> SeqDraftInput:
         commit_token_ids=(1, 2, 3, 4),
         commit_start=0,
         commit_features=feats,
-        anchor_token_id=5,
+        root_token_id=5,
         budget=budget,
         reset=True,
         chain=chain,

@@ -9,8 +9,9 @@ import pytest
 
 from ddtree.tokenization.default_tokenizer import SPECIAL_TOKENS
 from ddtree.tokenization.tokenizer import Tokenizer
+from ddtree.training.corpus import EOS, KINDS, read_documents
 from ddtree.training.tokenizer_training import write_tokenizer
-from scripts.build_corpus import EOS, KINDS, build, read_documents, roff_to_text
+from scripts.build_corpus import build, roff_to_text
 
 SMALL = dict(code_mb=0.3, prose_mb=0.2, chat_mb=0.15, heldout=0.1)
 

@@ -28,7 +28,7 @@ def test_manifest_sizes_and_hashes():
 
 @pytest.fixture(scope="module")
 def demo():
-    from ddtree.models.dflash import load_drafter
+    from ddtree.models.dflash_checkpoint import load_drafter
     from ddtree.models.loader import load_target
     from ddtree.tokenization.tokenizer import Tokenizer
 

@@ -1,4 +1,4 @@
-"""DFlash drafter model (services/models/dflash.py), draft context and draft engine."""
+"""DFlash drafter (services/models/dflash*.py: config, model, checkpoint), draft context and draft engine."""
 
 from __future__ import annotations
 
@@ -15,14 +15,9 @@ from safetensors.torch import load_file, save_file
 from ddtree.drafter.context import DraftContext
 from ddtree.drafter.engine import DraftEngine, SeqDraftInput
 from ddtree.drafter.tree import build_tree, topk_logprobs
-from ddtree.models.dflash import (
-    DFlashConfig,
-    DFlashDraftModel,
-    default_target_layer_ids,
-    load_drafter,
-    rope_inv_freq,
-    write_random_drafter,
-)
+from ddtree.models.dflash import DFlashDraftModel, rope_inv_freq
+from ddtree.models.dflash_checkpoint import load_drafter, write_random_drafter
+from ddtree.models.dflash_config import DFlashConfig, default_target_layer_ids
 
 TARGET = {"hidden_size": 32, "num_hidden_layers": 6, "vocab_size": 64, "rope_theta": 10000.0}
 BLOCK = 5
@@ -70,7 +65,7 @@ def naive_block(state: dict[str, torch.Tensor], cfg: DFlashConfig, ctx_feats, ct
         out = torch.empty_like(x)
         half = hd // 2
         for j in range(half):
-            theta = pos.double() * cfg.rope_theta ** (-2.0 * j / hd)
+            theta = pos.double() * cfg.rope.theta ** (-2.0 * j / hd)
             c, s = torch.cos(theta), torch.sin(theta)
             out[:, j] = x[:, j] * c - x[:, j + half] * s
             out[:, j + half] = x[:, j + half] * c + x[:, j] * s
@@ -339,13 +334,13 @@ def test_load_dtype(ckpt: Path) -> None:
 # ---------------------------------------------------------------- engine
 
 
-def seq(seq_id="s", n=4, start=0, anchor=5, budget=0, reset=True, f=None, ids=None, fseed=0):
+def seq(seq_id="s", n=4, start=0, root=5, budget=0, reset=True, f=None, ids=None, fseed=0):
     return SeqDraftInput(
         seq_id=seq_id,
         commit_token_ids=tuple(ids if ids is not None else range(1, n + 1)),
         commit_start=start,
         commit_features=feats(n, 64, fseed) if f is None else f,
-        anchor_token_id=anchor,
+        root_token_id=root,
         budget=budget,
         reset=reset,
     )
@@ -354,7 +349,7 @@ def seq(seq_id="s", n=4, start=0, anchor=5, budget=0, reset=True, f=None, ids=No
 def test_engine_tree_equals_manual_pipeline(model: DFlashDraftModel) -> None:
     emb, head = target_weights()
     eng = DraftEngine(model, emb, head, window=16)
-    s = seq(n=6, start=3, anchor=7, budget=12)
+    s = seq(n=6, start=3, root=7, budget=12)
     tree = eng.draft([s])[0]
     cfg = model.config
     pos = torch.arange(3, 9)
@@ -451,12 +446,12 @@ ENGINE_ERRORS = [
     ("budget_big", lambda: [seq(budget=65)], r"budget must be in \[0, 64\].*got 65"),
     ("token_oov", lambda: [seq(ids=(1, 2, 64, 3))], r"commit_token_ids has ids outside \[0, 64\): \[64\]"),
     ("token_neg", lambda: [seq(ids=(1, -2, 3, 4))], r"outside \[0, 64\): \[-2\]"),
-    ("anchor_oov", lambda: [seq(anchor=64)], r"anchor_token_id 64 outside \[0, 64\)"),
+    ("root_oov", lambda: [seq(root=64)], r"root_token_id 64 outside \[0, 64\)"),
     ("feat_rows", lambda: [seq(f=feats(3, 64, 0))], r"commit_features shape \(3, 64\) != .* = \[4, 64\]"),
     ("feat_width", lambda: [seq(f=feats(4, 32, 0))], r"commit_features shape \(4, 32\)"),
     ("feat_dtype", lambda: [seq(f=torch.zeros(4, 64, dtype=torch.int32))], "dtype torch.int32 is not a float"),
     ("feat_nan", lambda: [seq(f=torch.full((4, 64), float("nan")))], "non-finite"),
-    ("second_bad", lambda: [seq(seq_id="ok"), seq(seq_id="bad", anchor=99)], r"seqs\[1\] \(seq_id='bad'\): anchor"),
+    ("second_bad", lambda: [seq(seq_id="ok"), seq(seq_id="bad", root=99)], r"seqs\[1\] \(seq_id='bad'\): root"),
 ]
 
 
@@ -500,13 +495,13 @@ def test_batched_draft_equals_one_sequence_at_a_time(ckpt: Path) -> None:
         rounds = [
             [
                 seq("a", n=3, budget=9),
-                seq("b", n=9, start=2, anchor=11, fseed=1, budget=20),
-                seq("c", n=1, anchor=3, fseed=2),
+                seq("b", n=9, start=2, root=11, fseed=1, budget=20),
+                seq("c", n=1, root=3, fseed=2),
             ],
             [
                 seq("a", n=2, start=3, reset=False, fseed=3, budget=9),
                 seq("b", n=1, start=11, reset=False, fseed=4, budget=20),
-                seq("c", n=7, start=40, anchor=9, fseed=5, budget=4),
+                seq("c", n=7, start=40, root=9, fseed=5, budget=4),
             ],  # a fresh context at another position
             [
                 SeqDraftInput("c", (4,), 47, feats(1, 64, 6), 2, 6, False, chain=True),

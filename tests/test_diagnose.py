@@ -231,7 +231,8 @@ def test_plot_without_matplotlib_says_what_to_install(monkeypatch):
 def test_progress_and_table():
     import io
 
-    from ddtree.tools.bench.output import Progress, format_table
+    from ddtree.tools.bench.output import format_table
+    from ddtree.training.progress import Progress
 
     buf = io.StringIO()
     bar = Progress(2, "x", stream=buf, width=4)

@@ -48,6 +48,9 @@ class HostileEngine:
         self.calls += 1
         return [self.BAD[(self.calls + i) % len(self.BAD)] for i, _ in enumerate(seqs)]
 
+    def knows(self, seq_id):
+        return False
+
     def release(self, ids):
         return len(ids)
 
@@ -170,3 +173,62 @@ def test_bad_node_scores_are_dropped_not_the_trees(default_ckpt, tmp_path):
     finally:
         verifier.stop()
         drafter.stop(0)
+
+
+def test_a_drafter_at_max_sequences_leaves_new_sequences_to_ar(default_ckpt, tmp_path):
+    """--max-sequences 1: the drafter refuses a Draft that would start a second context
+    (RESOURCE_EXHAUSTED), the verifier sends it no second sequence, and that one decodes with AR."""
+    from ddtree.protocol.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
+
+    drafter = start_service(
+        "drafter",
+        ["drafter", "--model", str(default_ckpt.drafter), "--target", str(default_ckpt.target), "--port", "0",
+         "--max-sequences", "1"],
+        tmp_path,
+    )  # fmt: skip
+    try:
+        with grpc.insecure_channel(drafter.address) as ch:
+            stub = drafter_pb2_grpc.DrafterStub(ch)
+            info = stub.GetInfo(drafter_pb2.DrafterInfoRequest(), timeout=30)
+            assert info.max_sequences == 1
+            width = len(info.target_layer_ids) * info.hidden_size
+            feats = {"data": b"\0" * (2 * width * 4), "shape": [2, width], "dtype": common_pb2.FLOAT32}
+
+            def seq(seq_id):
+                return drafter_pb2.SeqDraft(seq_id=seq_id, commit_token_ids=[5, 6], commit_start=0,
+                                            commit_features=common_pb2.Tensor(**feats), root_token_id=7, reset=True)  # fmt: skip
+
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Draft(drafter_pb2.DraftRequest(seqs=[seq("a"), seq("b")]), timeout=30)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "max_sequences is 1" in err.value.details()
+            assert stub.GetInfo(drafter_pb2.DrafterInfoRequest(), timeout=30).active_sequences == 0
+            assert len(stub.Draft(drafter_pb2.DraftRequest(seqs=[seq("a")]), timeout=30).trees) == 1
+            stub.Release(drafter_pb2.ReleaseRequest(seq_ids=["a"]), timeout=30)
+
+        verifier = start_service(
+            "verifier",
+            ["verifier", "--model", str(default_ckpt.target), "--port", "0", "--drafter", drafter.address],
+            tmp_path,
+        )
+        try:
+            ar_tokens, _ = _generate(verifier.address, no_spec=True)
+            long_req = verifier_pb2.GenerateRequest(
+                input_ids=[40, 41, 42, 43], max_new_tokens=300, ignore_eos=True, spec=common_pb2.SpecOptions(budget=8)
+            )
+            with grpc.insecure_channel(verifier.address) as ch:
+                first = verifier_pb2_grpc.VerifierStub(ch).Generate(long_req, timeout=120)
+                for msg in first:  # until the first sequence holds the drafter's one context (a drafted tree)
+                    if any(st.tree_nodes > 0 for st in msg.steps):
+                        break
+                tokens, steps = _generate(verifier.address, no_spec=False)
+                first.cancel()
+            assert tokens == ar_tokens
+            assert steps and all(s.tree_nodes == 0 for s in steps), "the second sequence was drafted past the cap"
+            # The verifier kept to the cap itself: no Draft call was refused, so the first sequence (drafted
+            # in the same calls) never lost its drafter.
+            assert "RESOURCE_EXHAUSTED" not in verifier.log_path.read_text()
+        finally:
+            verifier.stop()
+    finally:
+        drafter.stop()

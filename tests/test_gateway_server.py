@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import math
 import random
@@ -19,7 +20,7 @@ from ddtree.gateway.parsers.kimi_k2_reasoning import KimiK2ReasoningParser, pars
 from ddtree.gateway.parsers.kimi_k2_tools import MARKERS, KimiK2ToolParser, ToolCall, merge_deltas, parse_tool_calls
 from ddtree.gateway.server import StopMatcher, serve
 from ddtree.protocol.ddtree.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from tests.fakes import script_for, start_fake_verifier
+from tests.fakes import script_for, start_fake_verifier, verifier_usage
 
 IM_END, EOS = 2, 1
 
@@ -205,6 +206,43 @@ def test_stop_string_in_last_message_needs_no_abort(gateway, fake, tok):
     out = _complete(gateway, stop=["two"])
     assert out["text"] == "one " and out["finish"] == ["stop"] and fake.aborts == []
     assert out["usage"] == USAGE
+
+
+@pytest.mark.parametrize("mode", ["spec", "no_spec"])
+def test_stop_string_and_length_report_avg_accept_length_alike(gateway, fake, tok, mode):
+    """avg_accept_length is tokens per verify step over every step, with or without a tree: the same whether
+    the verifier computed the usage (the request ran to its length) or the gateway did (it cut the stream
+    at a stop string). A no_spec request reads 1.0 either way."""
+    ids = tok.encode("one two three four five six seven eight nine ten eleven twelve thirteen")
+    if mode == "spec":  # steps of 3, 1 (no tree: an AR step) and 2 tokens
+        pattern, sizes = itertools.cycle([3, 1, 2]), []
+        while sum(sizes) < len(ids):
+            sizes.append(min(next(pattern), len(ids) - sum(sizes)))
+    else:
+        sizes = [1] * len(ids)
+    script = script_for(ids, sizes, finish="length")
+    for msg in script:
+        if mode == "no_spec" or len(msg.token_ids) == 1:
+            msg.steps[0].tree_nodes = 0
+    prompt_tokens = len(tok.encode("Hello"))
+    script[-1].usage.CopyFrom(verifier_usage(prompt_tokens, script))
+
+    fake.reset(script)
+    by_length = _complete(gateway, max_tokens=100)
+    fake.reset(script)
+    by_stop = _complete(gateway, max_tokens=100, stop=[" seven"])
+    assert by_length["finish"] == ["length"] and by_length["usage"] == script[-1].usage
+    assert by_stop["finish"] == ["stop"] and fake.aborts == [fake.requests[0].request_id]  # usage by the gateway
+    assert len(by_stop["steps"]) < len(by_length["steps"])
+    for out in (by_length, by_stop):
+        lengths = [s.accept_length for s in out["steps"]]
+        usage = out["usage"]
+        assert usage.prompt_tokens == prompt_tokens and usage.completion_tokens == len(out["ids"]) == sum(lengths)
+        assert usage.verify_steps == len(lengths)
+        assert usage.avg_accept_length == pytest.approx(sum(lengths) / len(lengths))
+        assert list(usage.accept_histogram) == [lengths.count(k) for k in range(max(lengths) + 1)]
+        if mode == "no_spec":
+            assert usage.avg_accept_length == 1.0 and list(usage.accept_histogram) == [0, len(lengths)]
 
 
 @pytest.mark.parametrize("seed", range(5))

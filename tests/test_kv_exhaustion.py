@@ -17,6 +17,7 @@ from ddtree.models.loader import load_target
 from ddtree.verifier.kv_pool import LatentKVPool
 from ddtree.verifier.scheduler import AdmissionError, Scheduler
 from ddtree.verifier.sequence import GenerateParams, Sequence
+from ddtree.verifier.target import LocalTarget
 
 PROMPT, NEW = 100, 40  # each request reserves 100 + 40 + 0 + 1 = 141 slots (AR: budget 0)
 
@@ -37,7 +38,7 @@ def _scheduler(model, kv_tokens: int, max_queue: int) -> Scheduler:
         kv_tokens=kv_tokens, max_batch=8, max_queue=max_queue, prefill_chunk=64, debug_checks=True, prefix_cache=False
     )
     pool = LatentKVPool(model.config.num_hidden_layers, kv_tokens, model.config.kv_cache_width, torch.float32, "cpu")
-    return Scheduler(model, pool, vcfg, None)
+    return Scheduler(LocalTarget(model), pool, vcfg, None)
 
 
 def test_requests_beyond_the_cache_queue_then_complete_and_a_full_queue_refuses(default_ckpt):

@@ -21,7 +21,7 @@ V3 = kv_bytes_per_token(61, 512, 64, 2)  # DeepSeek-V3 / Kimi-K2 in bf16
 
 
 def test_bytes_per_token():
-    assert V3 == 61 * 576 * 2 == 70272  # 1152 B per layer (serving.md §1.2)
+    assert V3 == 61 * 576 * 2 == 70272  # 1152 B per layer (docs/design.md §7.1)
     assert kv_bytes_per_token(2, 64, 16, 4) == 640
 
 

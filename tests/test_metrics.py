@@ -1,4 +1,4 @@
-"""Prometheus metrics (design.md §8 names) are served and move with real traffic."""
+"""Prometheus metrics (docs/design.md §8 names) are served and move with real traffic."""
 
 from __future__ import annotations
 

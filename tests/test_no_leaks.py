@@ -21,6 +21,7 @@ from ddtree.verifier.drafter_pool import DrafterPool
 from ddtree.verifier.kv_pool import LatentKVPool
 from ddtree.verifier.scheduler import Scheduler
 from ddtree.verifier.server import VerifierServicer
+from ddtree.verifier.target import LocalTarget
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +37,7 @@ def test_pool_returns_to_empty_after_mixed_traffic(default_ckpt):
     pool = LatentKVPool(
         model.config.num_hidden_layers, vcfg.kv_tokens, model.config.kv_cache_width, torch.float32, "cpu"
     )
-    sched = Scheduler(model, pool, vcfg, DrafterPool(f"127.0.0.1:{drafter.port}", 10))
+    sched = Scheduler(LocalTarget(model), pool, vcfg, DrafterPool(f"127.0.0.1:{drafter.port}", 10))
     sched.start()
     servicer = VerifierServicer(sched, vcfg, "test", "{}", tuple(model.config.eos_token_ids))
 

@@ -198,15 +198,16 @@ def _decode(model, page_size: int, prompt: list[int], trees, steps: int):
     from ddtree.verifier.batch import PrefillItem, VerifyItem, run_batch
     from ddtree.verifier.commit import commit_prefill, commit_verify
     from ddtree.verifier.sequence import GenerateParams, Sequence
+    from ddtree.verifier.target import LocalTarget
 
     cfg = model.config
     pool = LatentKVPool(cfg.num_hidden_layers, 256, cfg.kv_cache_width, torch.float32, "cpu", page_size=page_size)
     seq = Sequence(GenerateParams("s", tuple(prompt), SamplingConfig(temperature=0.0), 64, frozenset(), True, 16))
     seq.table = PageTable(page_size)
-    commit_prefill(run_batch(model, pool, [PrefillItem(seq, 0, len(prompt))], ())[0], pool, 0)
+    commit_prefill(run_batch(LocalTarget(model), pool, [PrefillItem(seq, 0, len(prompt))], ())[0], pool, 0)
     accepted = []
     for _ in range(steps):
-        verdict, _ = commit_verify(run_batch(model, pool, [VerifyItem(seq, trees(seq))], ())[0], pool, 0)
+        verdict, _ = commit_verify(run_batch(LocalTarget(model), pool, [VerifyItem(seq, trees(seq))], ())[0], pool, 0)
         accepted.append(verdict.accepted_nodes)
         check_accounting(pool, [seq.table])
     return seq, pool, accepted
@@ -394,6 +395,7 @@ def test_paged_scheduler_returns_the_pool_to_empty(default_ckpt):
     from ddtree.verifier.drafter_pool import DrafterPool
     from ddtree.verifier.scheduler import Scheduler
     from ddtree.verifier.sequence import GenerateParams, Sequence
+    from ddtree.verifier.target import LocalTarget
 
     dcfg = DrafterConfig(port=0, grace_s=0.0, engine="oracle")
     drafter = serve_engine(make_engine(dcfg, str(default_ckpt.drafter), str(default_ckpt.target)), dcfg)
@@ -402,7 +404,7 @@ def test_paged_scheduler_returns_the_pool_to_empty(default_ckpt):
     pool = LatentKVPool(
         model.config.num_hidden_layers, vcfg.kv_tokens, model.config.kv_cache_width, torch.float32, "cpu", page_size=4
     )
-    sched = Scheduler(model, pool, vcfg, DrafterPool(f"127.0.0.1:{drafter.port}", 10))
+    sched = Scheduler(LocalTarget(model), pool, vcfg, DrafterPool(f"127.0.0.1:{drafter.port}", 10))
     sched.start()
     rng = random.Random(0)
     base = [(13 * j) % 2000 + 40 for j in range(90)]

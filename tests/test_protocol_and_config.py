@@ -61,8 +61,6 @@ def test_config_precedence_flag_env_default():
         config_from_flags(DrafterConfig, None, environ={"DDTREE_WINDOW": "-1"})
     with pytest.raises(ValueError, match="warmup_sequences must be >= 0, got -2"):
         config_from_flags(DrafterConfig, None, environ={"DDTREE_WARMUP_SEQUENCES": "-2"})
-    with pytest.raises(ValueError, match="overlap_draft_min_batch must be >= 0"):
-        config_from_flags(VerifierConfig, None, environ={"DDTREE_OVERLAP_DRAFT_MIN_BATCH": "-1"})
     assert "DDTREE_VERIFIER" in env_var_names(GatewayConfig)
 
 

@@ -21,6 +21,7 @@ from ddtree.verifier.kv_pool import LatentKVPool
 from ddtree.verifier.scheduler import Scheduler
 from ddtree.verifier.sequence import GenerateParams, Sequence
 from ddtree.verifier.server import VerifierServicer
+from ddtree.verifier.target import LocalTarget
 
 REUSES = 50
 TOKENS = 48
@@ -53,7 +54,7 @@ def test_a_reused_request_id_gets_its_whole_answer_every_time(default_ckpt):
     pool = LatentKVPool(
         model.config.num_hidden_layers, cfg.kv_tokens, model.config.kv_cache_width, torch.float32, "cpu"
     )
-    scheduler = Scheduler(model, pool, cfg, None)
+    scheduler = Scheduler(LocalTarget(model), pool, cfg, None)
     servicer = VerifierServicer(scheduler, cfg, "target", "{}", ())
 
     def load_sequence(k: int) -> Sequence:  # decoding beside the reused id; replaced when it finishes

@@ -156,7 +156,7 @@ def test_sample_and_walk_is_exact() -> None:
     first, second = [], {0: [], 1: []}
     for row in draws.tolist():
         v = accept(tree, 9, row)
-        emitted = v.accepted_tokens[1:] + (v.bonus_token,)
+        emitted = v.accepted_tokens[1:] + (v.next_root,)
         first.append(emitted[0])
         if len(emitted) > 1:
             second[emitted[0]].append(emitted[1])

@@ -23,6 +23,7 @@ from ddtree.verifier.kv_pool import LatentKVPool
 from ddtree.verifier.sampling import sampling_probs
 from ddtree.verifier.scheduler import Scheduler
 from ddtree.verifier.sequence import GenerateParams, Sequence
+from ddtree.verifier.target import LocalTarget
 
 VOCAB = 8
 PROMPT = (1, 5, 2)
@@ -95,7 +96,7 @@ def _sample_through_ddtree(model, cfg: SamplingConfig):
     pool = LatentKVPool(
         model.config.num_hidden_layers, vcfg.kv_tokens, model.config.kv_cache_width, torch.float32, "cpu"
     )
-    sched = Scheduler(model, pool, vcfg, client)
+    sched = Scheduler(LocalTarget(model), pool, vcfg, client)
     sched.start()
     try:
         seqs = []

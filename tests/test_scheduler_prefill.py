@@ -11,6 +11,7 @@ from ddtree.models.loader import load_target
 from ddtree.verifier.kv_pool import LatentKVPool
 from ddtree.verifier.scheduler import Scheduler
 from ddtree.verifier.sequence import GenerateParams, Sequence
+from ddtree.verifier.target import LocalTarget
 
 
 def _run(model, prompts, prefill_chunk, max_new):
@@ -20,7 +21,7 @@ def _run(model, prompts, prefill_chunk, max_new):
     pool = LatentKVPool(
         model.config.num_hidden_layers, vcfg.kv_tokens, model.config.kv_cache_width, torch.float32, "cpu"
     )
-    sched = Scheduler(model, pool, vcfg, None)
+    sched = Scheduler(LocalTarget(model), pool, vcfg, None)
     calls = []
     forward = model.forward
 

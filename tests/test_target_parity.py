@@ -1,6 +1,6 @@
 """Parity of our DeepSeek-V3 target (absorbed MLA over a latent cache) with transformers, fp32, eager.
 
-Tiny random configs follow model.md §8. Checkpoints are written by transformers `save_pretrained` and
+Tiny random configs cover every path the code has (docs/design.md §5). Checkpoints are written by transformers `save_pretrained` and
 read by OUR loader; HF reloads the same directory with attn_implementation="eager".
 """
 

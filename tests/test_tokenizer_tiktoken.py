@@ -19,7 +19,7 @@ from ddtree.tokenization.default_tokenizer import KIMI_K2_CHAT_TEMPLATE, write_d
 from ddtree.tokenization.tokenizer import MAX_RUN_CHARS, Tokenizer
 from tests.fakes import script_for, start_fake_verifier
 
-# Offsets from the first special id, as in Kimi K2 (163584 + offset; model.md §6).
+# Offsets from the first special id, as in Kimi K2 (163584 + offset; docs/design.md §9.1).
 KIMI_SPECIALS = {
     "[BOS]": 0,
     "[EOS]": 1,

@@ -23,7 +23,7 @@ import ddtree.drafter.engine as engine_module
 from ddtree.config import DrafterConfig
 from ddtree.drafter.engine import DraftEngine, SeqDraftInput
 from ddtree.drafter.factory import make_engine
-from ddtree.models.dflash import load_drafter, write_random_drafter
+from ddtree.models.dflash_checkpoint import load_drafter, write_random_drafter
 from ddtree.models.loader import load_target
 from ddtree.models.random_checkpoint import DEFAULT_TARGET_CONFIG, write_random_target
 from ddtree.tools.train_drafter import add_arguments
@@ -202,7 +202,7 @@ def test_training_forward_matches_serving(target, target_dir, tmp_path, monkeypa
                     commit_token_ids=tuple(ids[i, start:a].tolist()),
                     commit_start=start,
                     commit_features=taps[i, start:a],
-                    anchor_token_id=int(ids[i, a]),
+                    root_token_id=int(ids[i, a]),
                     reset=j == 0,
                 )
             )

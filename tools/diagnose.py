@@ -1,4 +1,4 @@
-"""`ddtree diagnose`: why is it slow? One command against a running deployment (design.md §2).
+"""`ddtree diagnose`: why is it slow? One command against a running deployment (docs/design.md §2).
 
 It measures, on the verifier it is pointed at (greedy, fixed length, --prompts texts per point):
   1. a profile: DDTree and AR at each context: tau, step time (draft / verify / transport), tok/s;
@@ -28,9 +28,10 @@ from ddtree.protocol.server import GRPC_OPTIONS
 from ddtree.telemetry import report
 from ddtree.telemetry.step_log import last_requests, read_step_records
 from ddtree.tools.bench.context import measure_context, parse_ints, profile_point, warm_up
-from ddtree.tools.bench.output import Progress, format_table, save_json
+from ddtree.tools.bench.output import format_table, save_json
 from ddtree.tools.bench.prompts import make_prompts
 from ddtree.tools.bench.runner import VerifierEndpoint, load_tokenizer, make_log_dir, private_verifier
+from ddtree.training.progress import Progress
 
 PROFILE_HEADERS = [
     "context",

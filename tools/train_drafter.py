@@ -25,8 +25,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ddtree.config import DTYPE_NAMES
+
 KINDS = ("code", "prose", "chat")
-DTYPE_NAMES = ("bfloat16", "float16", "float32")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

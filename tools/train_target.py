@@ -35,9 +35,12 @@ import torch.nn.functional as F
 
 from ddtree.models.config import DeepseekV3Config
 from ddtree.models.deepseek_v3 import DeepseekV3ForCausalLM
+from ddtree.models.dtypes import TORCH_DTYPES
 from ddtree.models.random_checkpoint import DEFAULT_TARGET_CONFIG
 from ddtree.models.training_forward import training_forward, update_expert_bias
 from ddtree.training.corpus import KINDS, read_documents
+from ddtree.training.progress import Progress
+from ddtree.training.schedule import lr_at
 
 # The demo target: Kimi-K2-shaped (MLA with q/kv LoRA, sigmoid router with 1 shared expert, dense first
 # layer, YaRN with Kimi's betas). YaRN's original_max_position_embeddings is set to the training length.
@@ -54,6 +57,7 @@ DEMO_TARGET_CONFIG: dict[str, Any] = {
 DEFAULT_MIX = (0.45, 0.30, 0.25)  # code, prose, chat
 CKPT = "ckpt.pt"
 DEFAULT_STEPS = 900
+MIN_LR_RATIO = 0.1  # the cosine decays to lr / 10
 EOS_ID = 1
 
 
@@ -144,13 +148,6 @@ def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> to
     )
 
 
-def lr_at(step: int, total: int, lr: float, warmup: int) -> float:
-    if step < warmup:
-        return lr * (step + 1) / warmup
-    t = min(1.0, (step - warmup) / max(1, total - warmup))
-    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
-
-
 def loss_fn(model: DeepseekV3ForCausalLM, batch: torch.Tensor, bf16: bool = False):
     """Mean next-token cross-entropy; bf16 autocasts the matmuls (fp32 master weights, fp32 loss)."""
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
@@ -205,24 +202,6 @@ def export(
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return out
-
-
-# ---- progress --------------------------------------------------------------------------------------------
-class Progress:
-    """One line per `every` steps (a redrawn bar on a terminal): step, loss, lr, tokens/s, ETA."""
-
-    def __init__(self, total: int, every: int):
-        self.total, self.every, self.tty = total, every, sys.stderr.isatty()
-
-    def update(self, step: int, loss: float, lr: float, tok_s: float, elapsed: float, eta: float) -> None:
-        if not self.tty and step % self.every and step != self.total:
-            return
-        filled = int(30 * step / max(1, self.total))
-        line = (
-            f"[{'#' * filled}{'.' * (30 - filled)}] {step}/{self.total} loss {loss:.3f} lr {lr:.2e} "
-            f"{tok_s:,.0f} tok/s {elapsed / 60:.1f} min, eta {eta / 60:.1f} min"
-        )
-        print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
 
 
 # ---- training loop ---------------------------------------------------------------------------------------
@@ -286,7 +265,7 @@ def train(args: argparse.Namespace) -> pathlib.Path:
         stop["signal"] = signum
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    progress = Progress(total, args.log_every)
+    progress = Progress(total, start=step, every=args.log_every)
     start = time.time()
     deadline = start + args.minutes * 60 if args.minutes else math.inf
     last_ckpt, start_step, ema = start, step, None
@@ -294,7 +273,7 @@ def train(args: argparse.Namespace) -> pathlib.Path:
     try:
         end = min(total, args.stop_at) if args.stop_at else total
         while step < end and stop["signal"] is None and time.time() < deadline:
-            lr = lr_at(step, total, meta["lr"], meta["warmup"])
+            lr = lr_at(step, total, meta["warmup"], meta["lr"], MIN_LR_RATIO)
             for group in opt.param_groups:
                 group["lr"] = lr
             batch = sample_batch(streams, mix, B, L, gen)
@@ -310,7 +289,7 @@ def train(args: argparse.Namespace) -> pathlib.Path:
             elapsed = time.time() - start
             tok_s = (step - start_step) * B * L / elapsed
             eta = (total - step) * elapsed / (step - start_step)
-            progress.update(step, ema, lr, tok_s, elapsed, min(eta, deadline - time.time()))
+            progress.update(step, eta_s=min(eta, deadline - time.time()), loss=ema, lr=lr, tok_s=round(tok_s))
             if step % args.log_every == 0 or step == total:
                 balance = {i: round(float(x.max()) / max(1.0, float(x.float().mean())), 2) for i, x in loads.items()}
                 metrics.write(
@@ -333,6 +312,7 @@ def train(args: argparse.Namespace) -> pathlib.Path:
                 save_checkpoint(run, model, opt, step, gen, meta)
                 last_ckpt = time.time()
     finally:
+        progress.close()
         metrics.close()
         for s, h in old.items():
             signal.signal(s, h)
@@ -346,7 +326,7 @@ def train(args: argparse.Namespace) -> pathlib.Path:
         if step == args.stop_at
         else "time budget"
     )
-    print(f"\nstopped at step {step}/{total} ({why}); checkpoint {run / CKPT}", file=sys.stderr, flush=True)
+    print(f"stopped at step {step}/{total} ({why}); checkpoint {run / CKPT}", file=sys.stderr, flush=True)
     info = {
         "step": step,
         "steps": total,
@@ -356,7 +336,7 @@ def train(args: argparse.Namespace) -> pathlib.Path:
         **{k: v for k, v in meta.items() if k != "config"},
     }
     if args.export:
-        out = export(run, model.eval(), tokenizer_dir, info, getattr(torch, args.export_dtype))
+        out = export(run, model.eval(), tokenizer_dir, info, TORCH_DTYPES[args.export_dtype])
         print(f"exported {out}", file=sys.stderr, flush=True)
     return run
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class TokenTree:
-    """Nodes 1..n in pop order; node 0 is the root (the anchor / bonus token) and is not stored.
+    """Nodes 1..n in pop order; node 0 is the root (the last emitted token: the previous step's next_root) and is not stored.
 
     token_ids[i-1], parents[i-1], depths[i-1] describe node i. parents[i-1] is the parent's node index
     (0 = the root) and always < i, so ancestors precede descendants; depth(root) = 0 and

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 class Verdict:
     accepted_nodes: tuple[int, ...]  # starts with 0 (the root), strictly increasing
     accepted_tokens: tuple[int, ...]  # root token + matched node tokens, same length
-    bonus_token: int  # the target's choice at the last accepted node
+    next_root: int  # the target's choice at the last accepted node (the bonus token): the next tree's root
 
     @property
     def num_accepted_drafts(self) -> int:

@@ -1,11 +1,11 @@
 """Per-sequence draft context: cached drafter K/V of committed tokens, optionally windowed.
 
 Only committed tokens ever enter (their features come from the target's accepted nodes); the draft
-block's K/V are never stored, so there is nothing to roll back (ddtree.md §1.4).
+block's K/V are never stored, so there is nothing to roll back (docs/design.md §3.1).
 
 Window W > 0 keeps only the last W committed tokens. RoPE positions stay absolute: the K/V were
 rotated at their true positions when computed, and dropping old rows does not change them
-(ddtree.md §1.4, "compact draft KV"). Attention over the context is unmasked, so the result equals a
+(docs/design.md §3.1). Attention over the context is unmasked, so the result equals a
 fresh context built from the last W features alone.
 """
 

@@ -1,17 +1,17 @@
-"""Draft engine: per-sequence windowed contexts + one DFlash block + the DDTree build (design.md §3.1).
+"""Draft engine: per-sequence windowed contexts + one DFlash block + the DDTree build (docs/design.md §3.1).
 
 One `draft` call takes, per sequence, the commit of the previous step (token ids, absolute start,
-the target's tapped features of those tokens) and the anchor (the previous bonus token, not yet
+the target's tapped features of those tokens) and the root (the previous bonus token, not yet
 committed), and returns one TokenTree per sequence, in input order.
 
 Commit / window contract (with window W > 0):
   - `commit_features` has exactly one row per `commit_token_ids` entry, and the tokens sit at absolute
-    positions [commit_start, commit_start + n). The anchor sits at commit_start + n.
+    positions [commit_start, commit_start + n). The root sits at commit_start + n.
   - Tokens that fall outside the window never need to be sent: the verifier may drop the oldest
     commit tokens and move commit_start forward accordingly. A non-reset commit must start exactly
     at the context's end, unless it alone fills the window (n >= W), in which case a gap is allowed
     because everything before it would be evicted anyway.
-  - The commit token ids are not model inputs (the drafter conditions on features, and on the anchor
+  - The commit token ids are not model inputs (the drafter conditions on features, and on the root
     through the embedding); they are checked for range and count only.
 """
 
@@ -38,7 +38,7 @@ class SeqDraftInput:
     commit_token_ids: tuple[int, ...]
     commit_start: int  # absolute position of commit_token_ids[0]
     commit_features: Tensor  # [n, len(target_layer_ids) * H_target], n = len(commit_token_ids)
-    anchor_token_id: int  # the previous bonus token, at position commit_start + n
+    root_token_id: int  # the previous bonus token, at position commit_start + n
     budget: int = 0  # non-root tree nodes; 0 = the engine's default
     reset: bool = False  # forget any earlier context of this sequence first
     chain: bool = False  # width 1: the top-1 token per depth, min(budget, block_size - 1) nodes
@@ -89,6 +89,10 @@ class DraftEngine:
     @property
     def active_sequences(self) -> int:
         return len(self._contexts)
+
+    def knows(self, seq_id: str) -> bool:
+        """Whether the engine holds a draft context for seq_id."""
+        return seq_id in self._contexts
 
     @property
     def context_bytes(self) -> int:
@@ -174,8 +178,8 @@ class DraftEngine:
         bad = [t for t in seq.commit_token_ids if not 0 <= t < vocab]
         if bad:
             fail(f"commit_token_ids has ids outside [0, {vocab}): {bad[:4]}")
-        if not 0 <= seq.anchor_token_id < vocab:
-            fail(f"anchor_token_id {seq.anchor_token_id} outside [0, {vocab})")
+        if not 0 <= seq.root_token_id < vocab:
+            fail(f"root_token_id {seq.root_token_id} outside [0, {vocab})")
         feats = seq.commit_features
         want = (n, self.config.feature_size)
         if not isinstance(feats, Tensor):
@@ -218,7 +222,7 @@ class DraftEngine:
         return contexts
 
     def _draft_all(self, seqs: Sequence[SeqDraftInput]) -> list[TokenTree]:
-        """One drafter forward for every sequence's block [anchor, MASK x (B-1)] (S blocks of B slots),
+        """One drafter forward for every sequence's block [root, MASK x (B-1)] (S blocks of B slots),
         one LM head over all S x (B-1) slots, then each sequence's top-K and best-first tree."""
         if not seqs:
             return []
@@ -226,12 +230,14 @@ class DraftEngine:
         contexts = self._extend_contexts(seqs)
         S, B = len(seqs), cfg.block_size
         block_ids = torch.full((S, B), cfg.mask_token_id, dtype=torch.long, device=self.embed_weight.device)
-        block_ids[:, 0] = torch.tensor([seq.anchor_token_id for seq in seqs], device=block_ids.device)
+        block_ids[:, 0] = torch.tensor([seq.root_token_id for seq in seqs], device=block_ids.device)
         embeds = self.embed_weight[block_ids]  # [S, B, H]
         if cfg.input_embedding_scale != 1.0:
             embeds = embeds * cfg.input_embedding_scale
-        anchors = torch.tensor([seq.commit_start + len(seq.commit_token_ids) for seq in seqs], device=model.device)
-        block_pos = anchors[:, None] + torch.arange(B, device=model.device)[None, :]  # [S, B]
+        root_pos = torch.tensor([seq.commit_start + len(seq.commit_token_ids) for seq in seqs], device=model.device)
+        block_pos = (
+            root_pos[:, None] + torch.arange(B, device=model.device)[None, :]
+        )  # [S, B]: the root's position first
         hidden = model.forward_blocks(embeds, block_pos, [ctx.kv for ctx in contexts])  # [S, B, H]; not cached
         logits = model.compute_logits(hidden[:, 1:].reshape(S * (B - 1), -1), self.lm_head_weight)  # fp32
         logits = logits.view(S, B - 1, -1)  # slot d of block s -> depth d of sequence s

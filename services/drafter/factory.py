@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 
 from ddtree.config import DrafterConfig
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from ddtree.models.dtypes import TORCH_DTYPES
 
 
 def drafter_dtype(cfg: DrafterConfig) -> torch.dtype:
@@ -15,7 +14,7 @@ def drafter_dtype(cfg: DrafterConfig) -> torch.dtype:
     that replays the target's own greedy choices) stays in float32 to match the verifier. The drafter's
     precision can only change which tokens it proposes, never the output: the verifier decides every token."""
     if cfg.dtype != "auto":
-        return _DTYPES[cfg.dtype]
+        return TORCH_DTYPES[cfg.dtype]
     if cfg.engine == "oracle":
         return torch.float32
     if torch.device(cfg.device).type == "cuda":
@@ -34,7 +33,7 @@ def make_engine(cfg: DrafterConfig, model_dir: str, target_dir: str):
             target, default_budget=cfg.default_budget, max_budget=cfg.max_budget, seed=cfg.oracle_seed
         )
     from ddtree.drafter.engine import DraftEngine
-    from ddtree.models.dflash import load_drafter
+    from ddtree.models.dflash_checkpoint import load_drafter
     from ddtree.models.loader import load_tensors
 
     model = load_drafter(model_dir).to(device=cfg.device, dtype=dtype).eval()

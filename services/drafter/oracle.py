@@ -2,7 +2,7 @@
 
 It speaks the Drafter contract like the DFlash engine but ignores the features: it keeps each
 sequence's full token history and asks the target model (loaded in this process) for the greedy
-continuation after the anchor. A random drafter rarely matches anything, so this is how tests drive
+continuation after the root. A random drafter rarely matches anything, so this is how tests drive
 the verifier through zero, partial and full-depth acceptance (and a correct sibling that is not the
 first child), and how `diagnose` can show the verifier's best case. The tree it returns is honest
 input: the verifier still checks every token against its own forward.
@@ -61,6 +61,9 @@ class OracleDraftEngine:
             active_sequences=len(self.history),
         )
 
+    def knows(self, seq_id: str) -> bool:
+        return seq_id in self.history
+
     def release(self, seq_ids) -> int:
         return sum(self.history.pop(s, None) is not None for s in seq_ids)
 
@@ -82,7 +85,7 @@ class OracleDraftEngine:
                 )
             if s.reset and not s.commit_token_ids:
                 raise ValueError(f"{where}: reset with an empty commit")
-            if any(not 0 <= t < self.vocab_size for t in (*s.commit_token_ids, s.anchor_token_id)):
+            if any(not 0 <= t < self.vocab_size for t in (*s.commit_token_ids, s.root_token_id)):
                 raise ValueError(f"{where}: token id outside [0, {self.vocab_size})")
             if tuple(s.commit_features.shape) != (len(s.commit_token_ids), self.feature_width):
                 raise ValueError(
@@ -101,7 +104,7 @@ class OracleDraftEngine:
             budget = s.budget or self.default_budget
             if s.chain:  # noisy_tree's first `depth` nodes are its chain; no room left for siblings
                 budget = min(budget, self.depth)
-            truth = self._greedy(hist + [s.anchor_token_id], self.depth)
+            truth = self._greedy(hist + [s.root_token_id], self.depth)
             rng = random.Random(zlib.crc32(array.array("q", hist).tobytes(), self.seed & 0xFFFFFFFF))
             trees.append(noisy_tree(truth, budget, self.vocab_size, rng))
         return trees

@@ -40,7 +40,7 @@ def decode_request(req: drafter_pb2.DraftRequest) -> list[SeqDraftInput]:
                 commit_token_ids=tuple(s.commit_token_ids),
                 commit_start=s.commit_start,
                 commit_features=feats,
-                anchor_token_id=s.anchor_token_id,
+                root_token_id=s.root_token_id,
                 budget=s.budget,
                 reset=s.reset,
                 chain=s.chain,
@@ -50,8 +50,9 @@ def decode_request(req: drafter_pb2.DraftRequest) -> list[SeqDraftInput]:
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
-    def __init__(self, engine):
+    def __init__(self, engine, max_sequences: int):
         self.engine = engine
+        self.max_sequences = max_sequences  # draft contexts held at once (--max-sequences)
         # The engine holds per-sequence state: one Draft call at a time.
         self._lock = threading.Lock()
 
@@ -62,6 +63,15 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         t0 = time.perf_counter()
         with self._lock:
+            new = sum(not self.engine.knows(s.seq_id) for s in seqs)
+            held = self.engine.info()["active_sequences"]
+            if new and held + new > self.max_sequences:
+                # Nothing is drafted: the caller decodes these sequences without a drafter (AR, same tokens).
+                context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"drafter holds {held} draft contexts and the call starts {new} more; "
+                    f"max_sequences is {self.max_sequences}",
+                )
             try:
                 trees = self.engine.draft(seqs)
             except ValueError as err:
@@ -86,11 +96,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     def GetInfo(self, request, context):
         with self._lock:
-            return drafter_pb2.DrafterInfo(**self.engine.info())
+            return drafter_pb2.DrafterInfo(**self.engine.info(), max_sequences=self.max_sequences)
 
 
 def serve_engine(engine, config: DrafterConfig) -> RunningServer:
-    servicer = DrafterServicer(engine)
+    servicer = DrafterServicer(engine, config.max_sequences)
 
     def register(server):
         drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)

@@ -1,4 +1,4 @@
-"""DDTree token tree: the best-first tree build over per-depth draft marginals (ddtree.md §2).
+"""DDTree token tree: the best-first tree build over per-depth draft marginals (docs/design.md §4.1).
 
 Pure functions, no state. The drafter produces one row of logits per depth (slot d of the draft
 block predicts depth d); `topk_logprobs` turns them into true log-probs of the K best tokens, and
@@ -65,7 +65,7 @@ def _check_table(logprobs: Tensor, token_ids: Tensor, budget: int) -> tuple[list
 
 
 def build_tree(logprobs: Tensor, token_ids: Tensor, budget: int) -> TokenTree:
-    """Best-first DDTree build (ddtree.md §2).
+    """Best-first DDTree build (docs/design.md §4.1).
 
     logprobs [D, K] fp32, rows sorted descending (depth d+1 uses row d); token_ids [D, K] int64.
     Returns the `budget` highest-scoring prefixes (fewer if the table has fewer), in pop order, with

@@ -2,8 +2,10 @@
 text, reasoning and tool-call deltas, stop it early, cancel it.
 
 - Stop strings are matched on the raw text across chunk boundaries (`StopMatcher`); on a match the
-  text is cut before it, the verifier request is aborted, and the answer finishes with "stop". Usage is
-  then computed by the gateway from the steps seen (ttft/decode on the gateway's clock).
+  text is cut before it, the verifier request is aborted, and the answer finishes with "stop".
+- Usage is the verifier's, passed on. When the gateway cut the stream itself it computes it by the
+  same definition (`ddtree.contract.usage`) over the tokens and steps it passed on (ttft/decode on the
+  gateway's clock).
 - The token that stopped generation is reported in token_ids but not rendered into text.
 - `cancel()` (the client left) cancels the verifier call; the verifier aborts the request and frees
   its KV. The generation then ends quietly.
@@ -23,9 +25,10 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from ddtree.contract.usage import usage_from_steps
 from ddtree.gateway import metrics
 from ddtree.gateway.detokenizer import IncrementalDetokenizer
-from ddtree.gateway.parsers import ToolCall, merge_deltas
+from ddtree.gateway.parsers import ToolCall, merge_deltas, scan
 from ddtree.gateway.parsers.registry import OutputParsers
 from ddtree.gateway.routing import Endpoint, Router
 from ddtree.protocol.ddtree.v1 import common_pb2, gateway_pb2, verifier_pb2
@@ -70,37 +73,14 @@ class StopMatcher:
         """Returns (text safe to release, whether a stop string matched). After a match the stream
         is over: the text up to the match is returned and the rest dropped."""
         pending = self._pending + text
-        hits = [p for p in (pending.find(s) for s in self._stops) if p != -1]
-        if hits:
+        pos, stop = scan(pending, self._stops)
+        if stop is not None:
             self._pending = ""
-            return pending[: min(hits)], True
-        hold = 0
-        if not final:
-            for stop in self._stops:
-                for k in range(min(len(stop) - 1, len(pending)), hold, -1):
-                    if pending.endswith(stop[:k]):
-                        hold = k
-                        break
-        self._pending = pending[len(pending) - hold :]
-        return pending[: len(pending) - hold], False
-
-
-def usage_from_steps(
-    prompt_tokens: int, completion_tokens: int, steps: list[common_pb2.StepStats], ttft_ms: float, decode_ms: float
-) -> common_pb2.Usage:
-    spec = [s for s in steps if s.tree_nodes > 0]
-    histogram = [0] * (max((s.accept_length for s in spec), default=0) + 1)
-    for s in spec:
-        histogram[s.accept_length] += 1
-    return common_pb2.Usage(
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        verify_steps=len(steps),
-        avg_accept_length=sum(s.accept_length for s in spec) / len(spec) if spec else 0.0,
-        accept_histogram=histogram if spec else [],
-        ttft_ms=ttft_ms,
-        decode_ms=decode_ms,
-    )
+            return pending[:pos], True
+        if final:
+            pos = len(pending)
+        self._pending = pending[pos:]
+        return pending[:pos], False
 
 
 class Generation:
@@ -267,8 +247,9 @@ class Generation:
             else:  # the gateway ended the request itself (stop string) or the verifier sent no usage
                 ttft_ms = (first_token_at - started) * 1000.0 if first_token_at else 0.0
                 decode_ms = (last_token_at - first_token_at) * 1000.0 if first_token_at else 0.0
+                lengths = (s.accept_length for s in steps)
                 chunk.usage.CopyFrom(
-                    usage_from_steps(len(job.request.input_ids), completion, steps, ttft_ms, decode_ms)
+                    usage_from_steps(len(job.request.input_ids), completion, lengths, ttft_ms, decode_ms)
                 )
             metrics.PROMPT_TOKENS.inc(chunk.usage.prompt_tokens)
             metrics.COMPLETION_TOKENS.inc(chunk.usage.completion_tokens)

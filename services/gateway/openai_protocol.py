@@ -1,4 +1,4 @@
-"""OpenAI request parsing and response formatting (serving.md §5), independent of the web framework.
+"""OpenAI request parsing and response formatting (docs/design.md §9.4), independent of the web framework.
 
 Parsing turns a JSON body into the pipeline's inputs. A field of the wrong JSON type raises
 `FieldTypeError` (HTTP 422); any other bad or unsupported value raises `Invalid` (HTTP 400). Both name

@@ -21,7 +21,7 @@ import uuid
 import grpc
 
 from ddtree.config import GatewayConfig
-from ddtree.gateway.generation import Generation, RequestError, Result, StopMatcher, usage_from_steps
+from ddtree.gateway.generation import Generation, RequestError, Result, StopMatcher
 from ddtree.gateway.parsers.kimi_k2_reasoning import starts_in_reasoning
 from ddtree.gateway.parsers.registry import check_names
 from ddtree.gateway.routing import Router
@@ -37,7 +37,6 @@ __all__ = [
     "RequestError",
     "Result",
     "StopMatcher",
-    "usage_from_steps",
     "validate_options",
     "validate_template_kwargs",
 ]

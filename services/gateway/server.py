@@ -20,7 +20,7 @@ import grpc
 
 from ddtree.config import GatewayConfig
 from ddtree.gateway.auth import check_authorization
-from ddtree.gateway.generation import RequestError, StopMatcher, usage_from_steps
+from ddtree.gateway.generation import RequestError, StopMatcher
 from ddtree.gateway.pipeline import Invalid, Job, Pipeline, validate_options
 from ddtree.gateway.routing import Router
 from ddtree.protocol.ddtree.v1 import gateway_pb2, gateway_pb2_grpc
@@ -28,7 +28,7 @@ from ddtree.protocol.server import RunningServer, start_server
 from ddtree.telemetry.logging import get_logger
 from ddtree.tokenization.tokenizer import Tokenizer
 
-__all__ = ["GatewayServer", "GatewayServicer", "StopMatcher", "serve", "usage_from_steps", "validate_options"]
+__all__ = ["GatewayServer", "GatewayServicer", "StopMatcher", "serve", "validate_options"]
 
 # grpc reports an RPC without deadline as one ~forever away; anything beyond this is "no deadline".
 _NO_DEADLINE_S = 1e7

@@ -1,7 +1,7 @@
 """DeepSeek-V3 / Kimi-K2 model configuration, read from a Hugging Face `config.json`.
 
 One frozen dataclass holds every architecture field the engine uses. `from_dict` accepts the spellings
-found in the wild (see docs in /work/shared/reference/model.md §1):
+found in the wild (docs/design.md §5):
 
 - RoPE: legacy `rope_theta` + `rope_scaling{type|rope_type, factor, ...}` (hub checkpoints), or
   `rope_parameters{rope_type, rope_theta, ...}` (what transformers 5.x `save_pretrained` writes).

@@ -1,4 +1,4 @@
-"""Load an HF-layout DeepSeek-V3 / Kimi-K2 / Kimi-K2.5 checkpoint into a model (model.md §5).
+"""Load an HF-layout DeepSeek-V3 / Kimi-K2 / Kimi-K2.5 checkpoint into a model (docs/design.md §6).
 
 Reads `model.safetensors` or a sharded `model.safetensors.index.json` (every tensor, scales included,
 resolved through `weight_map`), memory-mapped. The model is built on the meta device and each parameter is

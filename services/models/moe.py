@@ -1,4 +1,4 @@
-"""Dense MLP and the DeepSeek-V3 MoE block (model.md §4). Module names mirror the checkpoint:
+"""Dense MLP and the DeepSeek-V3 MoE block (docs/design.md §5). Module names mirror the checkpoint:
 `mlp.{gate,up,down}_proj` (dense), `mlp.gate.{weight,e_score_correction_bias}`,
 `mlp.experts.{e}.{gate,up,down}_proj`, `mlp.shared_experts.{gate,up,down}_proj`."""
 

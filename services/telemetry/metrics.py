@@ -1,4 +1,4 @@
-"""Prometheus metrics of the services (names fixed by design.md §8).
+"""Prometheus metrics of the services (names fixed by docs/design.md §8).
 
 Metrics live in the process-wide default registry, so each service exposes exactly its own: the
 verifier's step metrics, the drafter's draft metrics, the gateway's request latencies. A service with

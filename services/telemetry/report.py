@@ -1,6 +1,6 @@
 """Why is it slow? The arithmetic of `ddtree diagnose` and `ddtree bench`, as pure functions.
 
-Throughput = accepted tokens per step (tau) / step time (design.md §2): every function here keeps the
+Throughput = accepted tokens per step (tau) / step time (docs/design.md §2): every function here keeps the
 two factors apart. Inputs are step records (dicts with the StepStats fields and `request_id`, as the
 verifier streams and logs them) or `ProfilePoint`s measured at controlled contexts; outputs are numbers
 and `Flag`s that carry their evidence as a sentence. No I/O: tests/test_diagnose.py drives every flag

@@ -6,7 +6,7 @@ fixed, ordered list of standard-library sources, their docstrings and the `pydoc
 read in that order, so the same Python version gives the same bytes on every machine. It takes a
 couple of seconds on two cores.
 
-The special tokens are those of Kimi K2 (model.md §6) plus the drafter's `[MASK]`, at fixed ids 0..16.
+The special tokens are those of Kimi K2 (docs/design.md §9.1) plus the drafter's `[MASK]`, at fixed ids 0..16.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ SPECIAL_TOKENS: tuple[str, ...] = (
 
 DEFAULT_SYSTEM_PROMPT = "You are Kimi, an AI assistant created by Moonshot AI."
 
-# Kimi K2 structure (model.md §6): K2-Thinking history rules (assistant turns up to the last one without
+# Kimi K2 structure (docs/design.md §9.2): K2-Thinking history rules (assistant turns up to the last one without
 # tool calls get an empty <think></think>, later ones keep reasoning_content; `preserve_thinking` keeps it
 # everywhere, as K2.6 does) and the K2.5 generation prompt (prefilled `<think>`, or `<think></think>` when
 # `thinking` is false). No newlines between messages, no BOS. Every literal is an expression so template

@@ -9,7 +9,7 @@ two encodings behind a small backend interface:
   `tokenizer.json`: `_TiktokenBackend`. Special tokens come by id from `added_tokens_decoder`; the
   ids from the end of the BPE ranks up to `num_reserved_special_tokens` (256, Kimi's) past it are all
   special, unnamed ones as `<|reserved_token_{id}|>`. The pre-tokenizer is Kimi's pattern
-  (`KIMI_PAT_STR`, model.md §6) unless tokenizer_config.json sets `pat_str`. No remote code runs.
+  (`KIMI_PAT_STR`, docs/design.md §9.1) unless tokenizer_config.json sets `pat_str`. No remote code runs.
 """
 
 from __future__ import annotations

@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ddtree.models.dflash import DFlashDraftModel, rotate_half
+from ddtree.models.dflash import DFlashDraftModel
+from ddtree.models.rope import apply_rope
 
 
 def sample_anchors(lo: int, hi: int, count: int, batch: int, generator: torch.Generator) -> Tensor:
@@ -56,13 +57,13 @@ def block_attention_mask(anchors: Tensor, context_len: int, block_size: int, win
 
 
 def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [..., n, heads, hd], cos/sin [..., n, hd] (dflash.apply_rope with leading dims)."""
-    return x * cos.unsqueeze(-2) + rotate_half(x) * sin.unsqueeze(-2)
+    """x [..., n, heads, hd], cos/sin [..., n, hd]: the drafter's rotate-half RoPE with leading dims."""
+    return apply_rope(x, cos.unsqueeze(-2), sin.unsqueeze(-2), interleaved=False)
 
 
 def _cos_sin(model: DFlashDraftModel, positions: Tensor) -> tuple[Tensor, Tensor]:
     """positions int64 [...] -> cos, sin [..., hd] (the model's own RoPE, any leading shape)."""
-    cos, sin = model._cos_sin(positions.reshape(-1))
+    cos, sin = model.cos_sin(positions.reshape(-1))
     return cos.view(*positions.shape, -1), sin.view(*positions.shape, -1)
 
 

@@ -24,14 +24,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ddtree.models.dflash import DFlashDraftModel, load_drafter, write_random_drafter
+from ddtree.models.dflash import DFlashDraftModel
+from ddtree.models.dflash_checkpoint import load_drafter, write_random_drafter
+from ddtree.models.dtypes import TORCH_DTYPES
 from ddtree.training.drafter_data import BatchPool, DataSpec, TargetBatch, TargetRunner, load_corpus, make_batch
 from ddtree.training.drafter_forward import block_hidden, block_inputs, block_labels, sample_anchors
 from ddtree.training.drafter_loss import block_loss, default_gamma, depth_weights
 from ddtree.training.progress import Progress
 from ddtree.training.schedule import lr_at, plan_steps
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Settings that may change between a run and its --resume; every other one must match the checkpoint.
 RESUMABLE = {
     "target",
@@ -79,7 +80,7 @@ def _eos_id(target_dir: Path, target_config: dict) -> int:
 
 
 def export_drafter(model: DFlashDraftModel, path: Path, extra: dict | None = None) -> Path:
-    """config.json (DFlash format, ddtree.md §1.5) + model.safetensors, written into a fresh dir."""
+    """config.json (DFlash format, docs/design.md §6) + model.safetensors, written into a fresh dir."""
     path.mkdir(parents=True, exist_ok=True)
     config = model.config.to_dict() | {"torch_dtype": str(model.dtype).removeprefix("torch.")}
     state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
@@ -119,7 +120,7 @@ class DrafterTrainer:
         )
         cuda = self.device.type == "cuda"
         auto = torch.bfloat16 if cuda else torch.float32
-        tdtype = auto if args.target_dtype == "auto" else DTYPES[args.target_dtype]
+        tdtype = auto if args.target_dtype == "auto" else TORCH_DTYPES[args.target_dtype]
         self.autocast = dict(device_type=self.device.type, dtype=torch.bfloat16, enabled=cuda)
 
         from ddtree.models.loader import load_target
@@ -203,7 +204,7 @@ class DrafterTrainer:
         )
         self.spec.validate(self.block)
         self._check_data_cache(target_dir, kinds, cfg.target_layer_ids)
-        taps_dtype = DTYPES[args.taps_dtype]
+        taps_dtype = TORCH_DTYPES[args.taps_dtype]
         self.runner = TargetRunner(self.target, cfg.target_layer_ids, taps_dtype)
         self.pool = BatchPool(
             self.run_dir / "data", args.pool, lambda i: make_batch(i, self.spec, streams, self.runner)

@@ -1,4 +1,4 @@
-"""The DDTree accept walk (ddtree.md §3): pure function from target choices to a Verdict.
+"""The DDTree accept walk (docs/design.md §3.4): pure function from target choices to a Verdict.
 
 Setting. The target ran one forward over the flattened tree (root + n nodes) with the ancestor-only
 mask, so its distribution at node i is p(. | context, path(i)), where path(i) is the root..i token

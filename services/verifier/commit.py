@@ -1,4 +1,4 @@
-"""Commit the result of one forward into a sequence (design.md §3, steps 3-4).
+"""Commit the result of one forward into a sequence (docs/design.md §3.4-§3.5).
 
 Verify: the target's choice at every node (argmax, or one sample per node at temperature > 0), the
 accept walk, then the accepted nodes become the next positions (PageTable.commit_tree). Node acc[j]
@@ -90,5 +90,5 @@ def commit_verify(out: ItemOutput, pool: LatentKVPool, window: int) -> tuple[Ver
     append_pending(seq, list(verdict.accepted_tokens), start, features, window)
     _log_features(seq, features)
     seq.committed.extend(verdict.accepted_tokens)
-    seq.root = verdict.bonus_token
-    return verdict, list(verdict.accepted_tokens[1:]) + [verdict.bonus_token]
+    seq.root = verdict.next_root
+    return verdict, list(verdict.accepted_tokens[1:]) + [verdict.next_root]

@@ -1,7 +1,7 @@
 """The verifier's side of the Drafter contract: one Draft RPC per step for the whole batch.
 
 Each sequence sends only what the drafter has not seen (its pending commit, already trimmed to the
-draft window) and its anchor. Trees coming back are validated like any untrusted input: a bad tree
+draft window) and its root. Trees coming back are validated like any untrusted input: a bad tree
 turns into an AR step for that sequence, never into a wrong token.
 """
 
@@ -58,7 +58,7 @@ class DrafterClient:
                 seq_id=seq.draft_id,
                 commit_token_ids=tokens,
                 commit_start=pend.start if pend is not None else seq.context_len,
-                anchor_token_id=seq.root,
+                root_token_id=seq.root,
                 budget=budget,
                 reset=not seq.drafter_seeded,
                 chain=seq.params.chain,

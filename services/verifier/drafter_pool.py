@@ -125,7 +125,11 @@ class DrafterPool:
             for a in self._assigned.values():
                 if a in load:
                     load[a] += 1
-            addr = min(load, key=lambda a: (load[a], a))
+            # A replica at its max_sequences takes no new sequence (0 = an older drafter: no cap known).
+            room = [a for a, c in self._clients.items() if not c.info.max_sequences or load[a] < c.info.max_sequences]
+            if not room:
+                return None  # every replica is full: this sequence decodes with AR
+            addr = min(room, key=lambda a: (load[a], a))
             self._assigned[seq.draft_id] = addr
             return addr
 

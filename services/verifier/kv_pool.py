@@ -1,7 +1,7 @@
 """The latent KV pool: one tensor [num_layers, num_slots, kv_lora_rank + qk_rope_head_dim], handed out in
 pages of `page_size` position-contiguous slots (page k = slots k·P .. k·P + P - 1).
 
-Page size 1 (the default, what DDTree wants, serving.md §2.3): a page is a slot, every token owns one, and
+Page size 1 (the default, what DDTree wants, docs/design.md §7.2): a page is a slot, every token owns one, and
 tree verify writes the root and all nodes into fresh slots; commit keeps the accepted nodes' slots (their
 latents were computed at exactly the positions they now hold, because an accepted path has depths
 0..len-1) and frees the rest, so no KV data moves. Page size P > 1: a sequence's token at position p sits

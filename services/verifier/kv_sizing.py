@@ -1,7 +1,7 @@
 """How many tokens the latent KV pool holds, from one of three settings (pure, apart from reading memory).
 
     bytes per token = num_layers × (kv_lora_rank + qk_rope_head_dim) × dtype size
-                      (DeepSeek-V3 in bf16: 61 × 576 × 2 = 70,272 B; serving.md §1.2)
+                      (DeepSeek-V3 in bf16: 61 × 576 × 2 = 70,272 B; docs/design.md §7.1)
 
 Exactly one setting takes effect; setting more than one is an error (`ddtree.config.kv_setting`,
 called by VerifierConfig.validate):
@@ -85,7 +85,9 @@ def kv_size_for(config, model_config) -> KVSize:
     """The pool size for a VerifierConfig and a loaded model's config (measures free memory if needed)."""
     import torch
 
-    dtype_bytes = torch.empty(0, dtype=getattr(torch, config.dtype)).element_size()
+    from ddtree.models.dtypes import TORCH_DTYPES
+
+    dtype_bytes = torch.empty(0, dtype=TORCH_DTYPES[config.dtype]).element_size()
     per_token = kv_bytes_per_token(
         model_config.num_hidden_layers, model_config.kv_lora_rank, model_config.qk_rope_head_dim, dtype_bytes
     )

@@ -1,6 +1,6 @@
 """Target token choice per tree node: argmax at temperature 0, else one sample per row.
 
-Why "sample at every node and walk" is exact (ddtree.md §3, §6.10):
+Why "sample at every node and walk" is exact (docs/design.md §3.7):
   The tree is a deterministic function of the drafter's output (top-K marginals, nothing sampled on
   the draft side), so it is independent of the target's draws. Row i's sample is drawn from the
   target's (filtered) conditional p(. | prefix, path(i)), independently of every other row. The walk

@@ -5,7 +5,7 @@ A sequence moves WAITING -> PREFILL -> DECODE -> FINISHED. Between steps it hold
   (its pages; `slots` = the committed tokens' slots in position order);
 - `root`: the last emitted token (the previous bonus), not yet in the KV cache, at position len(committed);
 - `pending_commit`: what the drafter has not seen yet (tokens, their start position, tapped features);
-- `draft`: the tree drafted from root for the next verify, when drafting ran ahead (draft_overlap.py).
+- `draft`: the tree drafted from root for this step's verify (set by the Draft call, cleared at commit).
 """
 
 from __future__ import annotations
@@ -90,7 +90,6 @@ class Sequence:
         # request cannot drop the context of a new request that reuses its id.
         self.draft_id = uuid.uuid4().hex
         self.draft: DraftedTree | None = None  # drafted, not yet verified
-        self.draft_started = 0.0  # perf_counter when the step that drafted it began
         self.use_spec = params.use_spec
         self.steps = 0
         self.accept_lengths: list[int] = []  # per step: root + matched nodes

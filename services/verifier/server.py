@@ -7,11 +7,12 @@ import queue
 import uuid
 
 import grpc
-import torch
 
 from ddtree.config import VerifierConfig
 from ddtree.contract.sampling_params import SamplingConfig
+from ddtree.contract.usage import usage_from_steps
 from ddtree.models.attention import resolve_attention_backend
+from ddtree.models.dtypes import TORCH_DTYPES
 from ddtree.models.loader import load_target
 from ddtree.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from ddtree.protocol.server import RunningServer, start_server
@@ -22,27 +23,17 @@ from ddtree.verifier.kv_pool import LatentKVPool
 from ddtree.verifier.kv_sizing import kv_size_for
 from ddtree.verifier.scheduler import AdmissionError, Scheduler
 from ddtree.verifier.sequence import GenerateParams, Sequence
+from ddtree.verifier.target import LocalTarget, ShardedTarget
 
 log = get_logger("ddtree.verifier")
 MAX_REQUEST_ID_CHARS = 256
 
 
 def usage_of(seq: Sequence) -> common_pb2.Usage:
-    lengths = seq.accept_lengths
-    hist = [0] * (max(lengths) + 1 if lengths else 0)
-    for n in lengths:
-        hist[n] += 1
+    """The usage of a finished sequence (ddtree.contract.usage defines its fields), on the verifier's clock."""
     ttft = (seq.first_token_time - seq.arrival) * 1e3 if seq.first_token_time else 0.0
     decode = (seq.last_token_time - seq.first_token_time) * 1e3 if seq.last_token_time and seq.first_token_time else 0.0
-    return common_pb2.Usage(
-        prompt_tokens=seq.prompt_len,
-        completion_tokens=len(seq.generated),
-        verify_steps=seq.steps,
-        avg_accept_length=sum(lengths) / len(lengths) if lengths else 0.0,
-        accept_histogram=hist,
-        ttft_ms=ttft,
-        decode_ms=decode,
-    )
+    return usage_from_steps(seq.prompt_len, len(seq.generated), seq.accept_lengths, ttft, decode)
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
@@ -175,9 +166,6 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         )
 
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def serve(config: VerifierConfig, model_dir: str) -> RunningServer:
     """Load the target, connect to the drafter (if any), start the scheduler and the gRPC server."""
     import pathlib
@@ -189,9 +177,13 @@ def serve(config: VerifierConfig, model_dir: str) -> RunningServer:
 
         tp = start_tensor_parallel(config, model_dir, backend)
         model = tp.model
+        target = ShardedTarget(model)
     else:
-        model = load_target(model_dir, dtype=_DTYPES[config.dtype], device=config.device, attention_backend=backend)
+        model = load_target(
+            model_dir, dtype=TORCH_DTYPES[config.dtype], device=config.device, attention_backend=backend
+        )
         model.eval()
+        target = LocalTarget(model)
     mcfg = model.config
     drafter = DrafterPool(config.drafter, config.draft_timeout_s) if config.drafter else None
     kv = kv_size_for(config, mcfg)
@@ -207,13 +199,13 @@ def serve(config: VerifierConfig, model_dir: str) -> RunningServer:
         mcfg.num_hidden_layers,
         kv.tokens,
         mcfg.kv_cache_width,
-        _DTYPES[config.dtype],
+        TORCH_DTYPES[config.dtype],
         config.device,
         page_size=config.page_size,
     )
     if tp is not None:
         tp.model.replicate_kv(pool.cache)  # every rank holds a full copy of the latent cache
-    scheduler = Scheduler(model, pool, config, drafter)
+    scheduler = Scheduler(target, pool, config, drafter)
     scheduler.start()
     eos_ids = tuple(mcfg.eos_token_ids)
     config_json = (pathlib.Path(model_dir) / "config.json").read_text()

@@ -1,4 +1,4 @@
-"""Tensor-parallel verifier processes (serving.md §7; docs/structure.md "Tensor parallelism").
+"""Tensor-parallel verifier processes (docs/design.md §7.5; docs/structure.md "Tensor parallelism").
 
 `ddtree verifier --tp N` runs N ranks. Rank 0 serves gRPC, schedules, owns the KV pool's slot
 allocation and broadcasts every forward's inputs; ranks 1..N-1 run `worker_loop`, replaying each
@@ -25,6 +25,7 @@ import time
 import torch
 
 from ddtree.config import VerifierConfig
+from ddtree.models.dtypes import TORCH_DTYPES
 from ddtree.models.parallel.process_group import (
     LaunchEnv,
     TPGroup,
@@ -39,7 +40,6 @@ from ddtree.models.parallel.tp_model import TensorParallelModel, load_tp_model, 
 from ddtree.telemetry.logging import get_logger
 
 log = get_logger("ddtree.verifier.tp")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def worker_loop(model, tp: TPGroup, kv_cache: torch.Tensor | None = None) -> None:
@@ -60,7 +60,7 @@ def worker_loop(model, tp: TPGroup, kv_cache: torch.Tensor | None = None) -> Non
 
 
 def _load(config: VerifierConfig, model_dir: str, tp: TPGroup, device: torch.device, backend: str):
-    return load_tp_model(model_dir, tp, config.expert_parallel, _DTYPES[config.dtype], device, backend)
+    return load_tp_model(model_dir, tp, config.expert_parallel, TORCH_DTYPES[config.dtype], device, backend)
 
 
 def run_worker(config: VerifierConfig, model_dir: str, env: LaunchEnv, backend: str, store=None) -> None:

@@ -1,6 +1,6 @@
-"""Target-side inputs for verifying one DDTree token tree (ddtree.md §2 "Compile", §6.5-6).
+"""Target-side inputs for verifying one DDTree token tree (docs/design.md §3.3).
 
-The tree is flattened to T = n + 1 rows: row 0 is the root (the anchor / bonus token, not yet in
+The tree is flattened to T = n + 1 rows: row 0 is the root (the last emitted token, not yet in
 the target KV cache), rows 1..n are the nodes in pop order. Pure functions.
 """
 

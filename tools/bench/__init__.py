@@ -1,8 +1,8 @@
-"""`ddtree bench context | twopoint | compare | overhead`: decode speed measured the way design.md §8 asks.
+"""`ddtree bench context | twopoint | compare | overhead`: decode speed measured the way docs/design.md §8 asks.
 
 Each subcommand is one module here with its own `add_parser`; `runner.py` (endpoints, one measured
-generation), `prompts.py` (prompts of an exact length by kind of text) and `output.py` (progress bar,
-tables, JSON, plots) are shared with `ddtree diagnose` (tools/diagnose.py). The arithmetic over step
+generation), `prompts.py` (prompts of an exact length by kind of text) and `output.py` (tables, JSON,
+plots) are shared with `ddtree diagnose` (tools/diagnose.py). The arithmetic over step
 records lives in services/telemetry/report.py.
 """
 

@@ -1,6 +1,6 @@
 """`ddtree bench compare`: AR vs DDTree over a sweep of budgets vs a chain, and HF `generate`.
 
-All in one run, on the same prompts and machine, so the ratios compare like with like (design.md §8):
+All in one run, on the same prompts and machine, so the ratios compare like with like (docs/design.md §8):
 AR (the verifier with no_spec), DDTree at each tree budget, a chain (width 1: the drafter's top-1 token
 at each depth, as DFlash verifies it) as deep as the drafter's block allows, and, when transformers is
 installed and the checkpoint is on this machine, Hugging Face `DeepseekV3ForCausalLM.generate` on the
@@ -15,10 +15,12 @@ import statistics
 import sys
 import time
 
+from ddtree.config import DTYPE_NAMES
 from ddtree.tools.bench.context import parse_ints, warm_up
-from ddtree.tools.bench.output import Progress, format_table, save_json
+from ddtree.tools.bench.output import format_table, save_json
 from ddtree.tools.bench.prompts import make_prompts
 from ddtree.tools.bench.runner import add_endpoint_args, checkpoint_dirs, load_tokenizer, open_endpoint
+from ddtree.training.progress import Progress
 
 HEADERS = ["mode", "nodes", "tok/s", "avg commit", "step ms", "vs AR"]
 
@@ -47,7 +49,9 @@ def hf_generate(
     import torch
     from transformers import DeepseekV3ForCausalLM
 
-    model = DeepseekV3ForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
+    from ddtree.models.dtypes import TORCH_DTYPES
+
+    model = DeepseekV3ForCausalLM.from_pretrained(model_dir, dtype=TORCH_DTYPES[dtype]).to(device).eval()
 
     def timed(ids: list[int], n: int):
         x = torch.tensor([ids], device=device)
@@ -189,7 +193,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="HF generate row (auto: when transformers is installed and the checkpoint is local)",
     )
     p.add_argument("--hf-device", default="", help="default: cuda when available, else cpu")
-    p.add_argument("--hf-dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--hf-dtype", default="float32", choices=DTYPE_NAMES)
     p.add_argument("--corpus", default="", help="dir with heldout_{kind}.txt (default: the standard library)")
     p.add_argument("--out", default="runs/bench_compare.json")
     add_endpoint_args(p)

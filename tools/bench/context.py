@@ -1,4 +1,4 @@
-"""`ddtree bench context`: decode speed against context length, per kind of text (design.md §2, §8).
+"""`ddtree bench context`: decode speed against context length, per kind of text (docs/design.md §2, §8).
 
 The field case's controlled experiment: prompts padded to fixed context lengths, a fixed output
 length (ignore_eos, greedy), speed from the verifier's own clock (non-streaming measure), each prompt
@@ -15,9 +15,10 @@ import statistics
 import sys
 
 from ddtree.telemetry.report import ProfilePoint
-from ddtree.tools.bench.output import Progress, format_table, plot_context, save_json
+from ddtree.tools.bench.output import format_table, plot_context, save_json
 from ddtree.tools.bench.prompts import make_prompts
 from ddtree.tools.bench.runner import add_endpoint_args, load_tokenizer, open_endpoint
+from ddtree.training.progress import Progress
 
 PHASES = {"draft": "draft_ms", "verify": "verify_ms", "transport": "transport_ms", "total": "step_ms"}
 HEADERS = ["kind", "context", "tok/s", "avg commit", "step ms", "AR tok/s", "speedup"]

@@ -3,7 +3,7 @@
 The two-point method times two generations of one prompt end to end (a stopwatch around each request)
 and divides the extra tokens by the extra time: (long - short) / (t_long - t_short). Prefill cancels,
 but the rate covers only tokens short..long, the early part of an answer, where acceptance is often
-highest and the context shortest (design.md §2). The full measure decodes `--full` tokens and reads
+highest and the context shortest (docs/design.md §2). The full measure decodes `--full` tokens and reads
 the verifier's clock. Both columns, and tau / step time over tokens short..long vs the whole
 generation, show the bias and where it comes from.
 """
@@ -15,9 +15,10 @@ import pathlib
 
 from ddtree.telemetry.report import summarize, summarize_span, two_point_tok_s
 from ddtree.tools.bench.context import parse_ints, warm_up
-from ddtree.tools.bench.output import Progress, format_table, save_json
+from ddtree.tools.bench.output import format_table, save_json
 from ddtree.tools.bench.prompts import make_prompts
 from ddtree.tools.bench.runner import add_endpoint_args, load_tokenizer, open_endpoint
+from ddtree.training.progress import Progress
 
 HEADERS = [
     "kind",

@@ -1,4 +1,4 @@
-"""DeepSeek-V3 tool-call parser (serving.md §4.3).
+"""DeepSeek-V3 tool-call parser (docs/design.md §9.3).
 
 The model writes (`｜` and `▁` are the full-width characters of DeepSeek's special tokens)
 

@@ -1,4 +1,4 @@
-"""Kimi K2 reasoning parser: split `<think>…</think>` reasoning from the answer (serving.md §4.2).
+"""Kimi K2 reasoning parser: split `<think>…</think>` reasoning from the answer (docs/design.md §9.3).
 
 States: BEFORE (no reasoning yet: text is content; `<think>` opens reasoning, once), REASONING (text is
 reasoning; `</think>` closes it and is dropped; `<|tool_calls_section_begin|>` also ends it and is

@@ -1,4 +1,4 @@
-"""Kimi K2 tool-call parser (serving.md §4.1, model.md §6).
+"""Kimi K2 tool-call parser (docs/design.md §9.3).
 
 The model writes
 

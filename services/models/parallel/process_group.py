@@ -1,4 +1,4 @@
-"""The tensor-parallel group: N ranks under torch.distributed (serving.md §7).
+"""The tensor-parallel group: N ranks under torch.distributed (docs/design.md §7.5).
 
 Activations (the all-reduces after attention and MLP, the vocab-parallel embedding, the argmax
 combine) go over `device_group`: NCCL on CUDA, gloo on CPU. The per-step broadcast of forward inputs

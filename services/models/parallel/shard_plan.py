@@ -1,4 +1,4 @@
-"""Which part of each checkpoint tensor a tensor-parallel rank holds (serving.md §7).
+"""Which part of each checkpoint tensor a tensor-parallel rank holds (docs/design.md §7.5).
 
 A pure function of (name, config, rank, world size, expert parallel). Shapes are the logical
 (dequantized) 2-D weights, [out, in] as nn.Linear stores them:
