@@ -86,11 +86,6 @@ class DrafterConfig(ServiceConfig):
         },
     )
     threads: int = dataclasses.field(default=0, metadata={"help": "torch CPU threads (0 = torch's default)"})
-    engine: str = dataclasses.field(
-        default="dflash",
-        metadata={"help": "dflash | oracle (test/diagnosis drafter: the target's own greedy continuation with noise)"},
-    )
-    oracle_seed: int = dataclasses.field(default=0, metadata={"help": "noise seed of the oracle engine"})
     warmup_sequences: int = dataclasses.field(
         default=16,
         metadata={
@@ -103,8 +98,6 @@ class DrafterConfig(ServiceConfig):
         super().validate()
         if self.warmup_sequences < 0:
             raise ValueError(f"warmup_sequences must be >= 0, got {self.warmup_sequences}")
-        if self.engine not in ("dflash", "oracle"):
-            raise ValueError(f"engine must be dflash | oracle, got {self.engine!r}")
         if self.window < 0:
             raise ValueError(f"window must be >= 0 (0 = unlimited), got {self.window}")
         if self.max_sequences < 1:

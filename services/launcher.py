@@ -54,12 +54,19 @@ class ServiceProcess:
 
 
 def start_service(
-    name: str, args: list[str], log_dir: pathlib.Path, env: dict[str, str] | None = None, timeout: float = 180.0
+    name: str,
+    args: list[str],
+    log_dir: pathlib.Path,
+    env: dict[str, str] | None = None,
+    timeout: float = 180.0,
+    module: str = "ddtree.cli",
 ) -> ServiceProcess:
+    """`python -m MODULE ARGS` as a child that announces `LISTENING <name> host:port` (module: the
+    `ddtree` command, or a stand-in that speaks the same protocol, such as the tests' oracle drafter)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     log_file = open(log_path, "ab")
-    cmd = [sys.executable, "-m", "ddtree.cli", *args]
+    cmd = [sys.executable, "-m", module, *args]
     child_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
     popen = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=log_file, env=child_env, cwd=pathlib.Path(__file__).resolve().parent.parent
@@ -148,6 +155,7 @@ def start_stack(
     drafter_args: tuple[str, ...] = (),
     gateway_args: tuple[str, ...] = (),
     ports: tuple[int, int, int] = (0, 0, 0),
+    drafter_module: str = "ddtree.cli",
 ) -> Stack:
     """drafter_dir None = AR only (no drafter process).
 
@@ -175,6 +183,7 @@ def start_stack(
                     *drafter_args,
                 ],
                 log_dir,
+                module=drafter_module,
             )
             procs.append(d)
             verifier_flags += ["--drafter", d.address]

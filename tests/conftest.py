@@ -13,6 +13,7 @@ if not pathlib.Path("/dev/nvidia0").exists():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
+ORACLE_DRAFTER = "tests.oracle_drafter"  # `python -m` module of the oracle drafter process (test-only engine)
 
 
 @pytest.fixture(scope="session")
@@ -24,7 +25,7 @@ def default_ckpt(tmp_path_factory):
     return ensure_default_checkpoint(pathlib.Path(base))
 
 
-def _stack(default_ckpt, tmp_path_factory, name, drafter_args=(), verifier_args=()):
+def _stack(default_ckpt, tmp_path_factory, name, drafter_args=(), verifier_args=(), drafter_module="ddtree.cli"):
     from ddtree.launcher import start_stack
 
     log_dir = tmp_path_factory.mktemp(f"logs-{name}")
@@ -34,6 +35,7 @@ def _stack(default_ckpt, tmp_path_factory, name, drafter_args=(), verifier_args=
         log_dir,
         drafter_args=tuple(drafter_args),
         verifier_args=tuple(verifier_args),
+        drafter_module=drafter_module,
     )
 
 
@@ -44,8 +46,9 @@ def oracle_stack(default_ckpt, tmp_path_factory):
         default_ckpt,
         tmp_path_factory,
         "oracle",
-        ["--engine", "oracle", "--oracle-seed", "7"],
+        ["--oracle-seed", "7"],
         ["--max-batch", "8", "--kv-tokens", "32768", "--max-context", "2048", "--prefill-chunk", "64"],
+        drafter_module=ORACLE_DRAFTER,
     )
     yield stack
     stack.stop()

@@ -521,7 +521,6 @@ def test_drafter_dtype_auto() -> None:
 
     native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
     assert drafter_dtype(DrafterConfig()) == (torch.bfloat16 if native else torch.float32)
-    assert drafter_dtype(DrafterConfig(engine="oracle")) == torch.float32  # replays the fp32 verifier's choices
     assert drafter_dtype(DrafterConfig(dtype="float16")) == torch.float16
     with pytest.raises(ValueError, match="auto"):
         VerifierConfig(dtype="auto").validate()  # the verifier's dtype is the output's: always explicit

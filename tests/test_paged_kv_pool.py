@@ -263,6 +263,7 @@ PAGED = [4, 16]
 def paged_verifiers(default_ckpt, tmp_path_factory):
     """One oracle drafter (the oracle_stack's seed) and a verifier per page size, debug checks on."""
     from ddtree.launcher import start_service
+    from tests.conftest import ORACLE_DRAFTER
 
     log_dir = tmp_path_factory.mktemp("logs-paged")
     procs = [
@@ -274,8 +275,6 @@ def paged_verifiers(default_ckpt, tmp_path_factory):
                 str(default_ckpt.drafter),
                 "--target",
                 str(default_ckpt.target),
-                "--engine",
-                "oracle",
                 "--oracle-seed",
                 "7",
                 "--port",
@@ -284,6 +283,7 @@ def paged_verifiers(default_ckpt, tmp_path_factory):
                 "1",
             ],
             log_dir,
+            module=ORACLE_DRAFTER,
         )
     ]
     try:
@@ -389,17 +389,19 @@ def test_paged_scheduler_returns_the_pool_to_empty(default_ckpt):
     checked after every step; then everything is free once the cache is evicted."""
     from ddtree.config import DrafterConfig, VerifierConfig
     from ddtree.contract.sampling_params import SamplingConfig
-    from ddtree.drafter.factory import make_engine
     from ddtree.drafter.server import serve_engine
     from ddtree.models.loader import load_target
     from ddtree.verifier.drafter_pool import DrafterPool
     from ddtree.verifier.scheduler import Scheduler
     from ddtree.verifier.sequence import GenerateParams, Sequence
     from ddtree.verifier.target import LocalTarget
+    from tests.oracle_engine import OracleDraftEngine
 
-    dcfg = DrafterConfig(port=0, grace_s=0.0, engine="oracle")
-    drafter = serve_engine(make_engine(dcfg, str(default_ckpt.drafter), str(default_ckpt.target)), dcfg)
+    dcfg = DrafterConfig(port=0, grace_s=0.0)
     model = load_target(default_ckpt.target).eval()
+    oracle = OracleDraftEngine(load_target(default_ckpt.target).eval(), default_budget=dcfg.default_budget,
+                               max_budget=dcfg.max_budget)  # fmt: skip
+    drafter = serve_engine(oracle, dcfg)
     vcfg = VerifierConfig(kv_tokens=2048, page_size=4, max_batch=6, max_queue=100, prefill_chunk=32, debug_checks=True)
     pool = LatentKVPool(
         model.config.num_hidden_layers, vcfg.kv_tokens, model.config.kv_cache_width, torch.float32, "cpu", page_size=4

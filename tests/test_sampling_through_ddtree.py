@@ -13,7 +13,6 @@ import torch
 
 from ddtree.config import DrafterConfig, VerifierConfig
 from ddtree.contract.sampling_params import SamplingConfig
-from ddtree.drafter.oracle import OracleDraftEngine
 from ddtree.drafter.server import serve_engine
 from ddtree.models.attention import AttentionMetadata, SeqAttention
 from ddtree.models.loader import load_target
@@ -24,6 +23,7 @@ from ddtree.verifier.sampling import sampling_probs
 from ddtree.verifier.scheduler import Scheduler
 from ddtree.verifier.sequence import GenerateParams, Sequence
 from ddtree.verifier.target import LocalTarget
+from tests.oracle_engine import OracleDraftEngine
 
 VOCAB = 8
 PROMPT = (1, 5, 2)

@@ -12,6 +12,7 @@ import random
 import pytest
 
 from ddtree.verifier.tree_budget import allocate_nodes, tree_budget
+from tests.conftest import ORACLE_DRAFTER
 from tests.test_e2e_lossless import _generate
 
 CAP = 24
@@ -68,7 +69,7 @@ def test_allocate_nodes_lends_nodes_to_the_uncertain_tree():
     assert allocate_nodes([[], uncertain], 5) == [0, 3]  # an empty tree costs its root row only
 
 
-def _ar_then_concurrent(ckpt, tmp_path, texts, max_new, drafter_args=()):
+def _ar_then_concurrent(ckpt, tmp_path, texts, max_new, drafter_args=(), drafter_module="ddtree.cli"):
     """On one capped stack: each prompt alone with AR, then all four at once with DDTree (budget 16).
     Returns (AR tokens per prompt, (tokens, step records) per concurrent run)."""
     from ddtree.launcher import start_stack
@@ -81,6 +82,7 @@ def _ar_then_concurrent(ckpt, tmp_path, texts, max_new, drafter_args=()):
         str(ckpt.drafter),
         tmp_path,
         drafter_args=drafter_args,
+        drafter_module=drafter_module,
         verifier_args=("--max-tree-tokens", str(CAP), "--max-batch", "4"),
     ) as stack:
         ar = [_generate(stack.verifier, ids, no_spec=True, max_new=max_new)[0] for ids in prompts]
@@ -100,7 +102,8 @@ def test_capped_trees_are_lossless(default_ckpt, tmp_path):
         tmp_path,
         [f"def function_{i}(x):\n    return x * {i} + " for i in range(4)],
         48,
-        drafter_args=("--engine", "oracle", "--oracle-seed", "7"),
+        drafter_args=("--oracle-seed", "7"),
+        drafter_module=ORACLE_DRAFTER,
     )
     assert [r[0] for r in runs] == ar
     nodes = [s.tree_nodes for r in runs for s in r[1]]

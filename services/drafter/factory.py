@@ -1,4 +1,4 @@
-"""Builds the drafter engine a DrafterConfig asks for: the DFlash model or the oracle."""
+"""Builds the DFlash drafter engine a DrafterConfig asks for."""
 
 from __future__ import annotations
 
@@ -10,13 +10,10 @@ from ddtree.models.dtypes import TORCH_DTYPES
 
 def drafter_dtype(cfg: DrafterConfig) -> torch.dtype:
     """cfg.dtype, with "auto" resolved: the DFlash drafter computes in bfloat16 where matmuls have it natively
-    (CUDA; CPUs with AVX512-BF16 or AMX, as oneDNN reports), else float32; the oracle engine (a test drafter
-    that replays the target's own greedy choices) stays in float32 to match the verifier. The drafter's
+    (CUDA; CPUs with AVX512-BF16 or AMX, as oneDNN reports), else float32. The drafter's
     precision can only change which tokens it proposes, never the output: the verifier decides every token."""
     if cfg.dtype != "auto":
         return TORCH_DTYPES[cfg.dtype]
-    if cfg.engine == "oracle":
-        return torch.float32
     if torch.device(cfg.device).type == "cuda":
         return torch.bfloat16
     return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
@@ -24,14 +21,6 @@ def drafter_dtype(cfg: DrafterConfig) -> torch.dtype:
 
 def make_engine(cfg: DrafterConfig, model_dir: str, target_dir: str):
     dtype = drafter_dtype(cfg)
-    if cfg.engine == "oracle":
-        from ddtree.drafter.oracle import OracleDraftEngine
-        from ddtree.models.loader import load_target
-
-        target = load_target(target_dir, dtype=dtype, device=cfg.device).eval()
-        return OracleDraftEngine(
-            target, default_budget=cfg.default_budget, max_budget=cfg.max_budget, seed=cfg.oracle_seed
-        )
     from ddtree.drafter.engine import DraftEngine
     from ddtree.models.dflash_checkpoint import load_drafter
     from ddtree.models.loader import load_tensors

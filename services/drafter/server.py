@@ -1,8 +1,8 @@
 """The Drafter gRPC service: decodes and validates Draft calls, runs the engine, returns trees.
 
 The engine is anything with `draft(list[SeqDraftInput]) -> list[TokenTree]`, `release(ids) -> int`
-and `info() -> dict` of DrafterInfo fields: the DFlash engine, or the oracle drafter used by tests and
-diagnosis. A malformed call is answered INVALID_ARGUMENT as a whole and changes no sequence's state
+and `info() -> dict` of DrafterInfo fields: the DFlash engine (the tests serve an oracle engine through the
+same server). A malformed call is answered INVALID_ARGUMENT as a whole and changes no sequence's state
 (the engine validates every sequence before touching any).
 """
 

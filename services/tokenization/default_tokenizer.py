@@ -239,14 +239,15 @@ def corpus(root: pathlib.Path | None = None) -> list[str]:
     return texts
 
 
-def _train(texts: list[str]):
+def train_bpe(texts: list[str], vocab_size: int = VOCAB_SIZE):
+    """A byte-level BPE of `vocab_size` tokens over texts, the special tokens at ids 0..16 (as Kimi K2 names them)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=vocab_size,
         min_frequency=2,
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
@@ -256,8 +257,8 @@ def _train(texts: list[str]):
     for i, token in enumerate(SPECIAL_TOKENS):
         if tokenizer.token_to_id(token) != i:
             raise RuntimeError(f"special token {token!r} got id {tokenizer.token_to_id(token)}, expected {i}")
-    if tokenizer.get_vocab_size(with_added_tokens=True) != VOCAB_SIZE:
-        raise RuntimeError(f"trained vocab has {tokenizer.get_vocab_size()} tokens, expected {VOCAB_SIZE}")
+    if tokenizer.get_vocab_size(with_added_tokens=True) != vocab_size:
+        raise RuntimeError(f"trained vocab has {tokenizer.get_vocab_size()} tokens, expected {vocab_size}")
     return tokenizer
 
 
@@ -295,7 +296,7 @@ def write_default_tokenizer(directory: str | os.PathLike) -> pathlib.Path:
     (created if needed). Returns the directory. Files are written atomically (temp file + rename)."""
     out = pathlib.Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = _train(corpus())
+    tokenizer = train_bpe(corpus())
     _write_atomic(out / "tokenizer.json", tokenizer.to_str(pretty=True) + "\n")
     _write_atomic(out / "tokenizer_config.json", json.dumps(tokenizer_config(), indent=2, ensure_ascii=False) + "\n")
     return out

@@ -14,7 +14,7 @@ import json
 import pathlib
 import re
 
-from ddtree.tokenization.default_tokenizer import SPECIAL_TOKENS, _write_atomic, tokenizer_config
+from ddtree.tokenization.default_tokenizer import SPECIAL_TOKENS, _write_atomic, tokenizer_config, train_bpe
 from ddtree.training.corpus import KINDS, read_documents
 
 VOCAB_SIZE = 8192
@@ -29,35 +29,13 @@ def training_texts(corpus_dir: str | pathlib.Path) -> list[str]:
     return texts
 
 
-def train(texts: list[str], vocab_size: int = VOCAB_SIZE):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=2,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(texts, trainer=trainer, length=len(texts))
-    for i, token in enumerate(SPECIAL_TOKENS):
-        if tokenizer.token_to_id(token) != i:
-            raise RuntimeError(f"special token {token!r} got id {tokenizer.token_to_id(token)}, expected {i}")
-    if tokenizer.get_vocab_size(with_added_tokens=True) != vocab_size:
-        raise RuntimeError(f"trained vocab has {tokenizer.get_vocab_size()} tokens, expected {vocab_size}")
-    return tokenizer
-
-
 def write_tokenizer(
     corpus_dir: str | pathlib.Path, out_dir: str | pathlib.Path, vocab_size: int = VOCAB_SIZE
 ) -> pathlib.Path:
     """Train on `corpus_dir` and write tokenizer.json + tokenizer_config.json into `out_dir`."""
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = train(training_texts(corpus_dir), vocab_size)
+    tokenizer = train_bpe(training_texts(corpus_dir), vocab_size)
     _write_atomic(out / "tokenizer.json", tokenizer.to_str(pretty=True) + "\n")
     _write_atomic(out / "tokenizer_config.json", json.dumps(tokenizer_config(), indent=2, ensure_ascii=False) + "\n")
     return out

@@ -24,7 +24,7 @@ import torch
 
 from ddtree.contract.token_tree import TokenTree
 from ddtree.models.attention import AttentionMetadata
-from ddtree.models.deepseek_v3 import DeepseekV3ForCausalLM, ForwardOutput
+from ddtree.models.deepseek_v3 import DeepseekV3ForCausalLM
 from ddtree.models.parallel.tp_model import TensorParallelModel
 from ddtree.verifier.greedy_head import greedy_walk_choices
 
@@ -37,6 +37,13 @@ class ForwardInputs:
     kv_cache: torch.Tensor  # [num_layers, num_slots, kv_cache_width], written in place
     logits_rows: torch.Tensor  # int64 [R]: the rows the items ask for, in item order
     tap_layer_ids: tuple[int, ...]
+
+    def args(self) -> tuple:
+        """The positional and keyword arguments of either model's forward."""
+        return (self.input_ids, self.positions, self.meta, self.kv_cache), {
+            "logits_rows": self.logits_rows,
+            "tap_layer_ids": self.tap_layer_ids,
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +78,8 @@ class LocalTarget:
         self.config = model.config
 
     def run(self, inputs: ForwardInputs, heads: list[ItemHead]) -> tuple[torch.Tensor | None, list[ItemRows]]:
-        out = self._forward(inputs)
+        args, kwargs = inputs.args()
+        out = self.model.forward(*args, **kwargs, hidden_only=True)
         hidden = _blocks(out.hidden, heads)  # final-normed rows per item
         results: list[ItemRows] = [
             (None, None) if h.walk is not None or rows is None else (self.model.compute_logits(rows), None)
@@ -86,17 +94,6 @@ class LocalTarget:
                 results[i] = (None, c)
         return out.taps, results
 
-    def _forward(self, s: ForwardInputs) -> ForwardOutput:
-        return self.model.forward(
-            s.input_ids,
-            s.positions,
-            s.meta,
-            s.kv_cache,
-            logits_rows=s.logits_rows,
-            tap_layer_ids=s.tap_layer_ids,
-            hidden_only=True,
-        )
-
 
 class ShardedTarget:
     def __init__(self, model: TensorParallelModel):
@@ -104,14 +101,6 @@ class ShardedTarget:
         self.config = model.config
 
     def run(self, inputs: ForwardInputs, heads: list[ItemHead]) -> tuple[torch.Tensor | None, list[ItemRows]]:
-        s = inputs
-        out = self.model.forward(
-            s.input_ids,
-            s.positions,
-            s.meta,
-            s.kv_cache,
-            logits_rows=s.logits_rows,
-            tap_layer_ids=s.tap_layer_ids,
-            gather_logits=any(h.sampled for h in heads),
-        )
+        args, kwargs = inputs.args()
+        out = self.model.forward(*args, **kwargs, gather_logits=any(h.sampled for h in heads))
         return out.taps, list(zip(_blocks(out.logits, heads), _blocks(out.argmax, heads)))
