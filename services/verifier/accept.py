@@ -24,7 +24,7 @@ Invariants.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import abc
 
 from torch import Tensor
 
@@ -32,7 +32,7 @@ from ddtree.contract.token_tree import TokenTree
 from ddtree.contract.verdict import Verdict
 
 
-def accept(tree: TokenTree, root_token: int, target_choice: Sequence[int] | Tensor) -> Verdict:
+def accept(tree: TokenTree, root_token: int, target_choice: abc.Sequence[int] | Tensor) -> Verdict:
     """Walk the tree along the target's choices.
 
     target_choice: n + 1 token ids (row 0 = root, row i = node i), a sequence or a 1-D tensor.

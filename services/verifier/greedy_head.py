@@ -27,7 +27,8 @@ so nothing else changes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections import abc
+from collections.abc import Callable
 
 import torch
 
@@ -36,7 +37,7 @@ from ddtree.contract.token_tree import TokenTree
 NOT_READ = -1
 
 
-def primary_chain(first_child: Sequence[int], node: int) -> list[int]:
+def primary_chain(first_child: abc.Sequence[int], node: int) -> list[int]:
     """node, its first child, that child's first child, ... to a leaf. first_child[i] = -1 at a leaf."""
     chain = [node]
     while first_child[chain[-1]] >= 0:
@@ -53,7 +54,7 @@ def first_children(tree: TokenTree) -> list[int]:
 
 
 def greedy_walk_choices(
-    trees: Sequence[TokenTree], hidden: Sequence[torch.Tensor], lm_head: Callable[[torch.Tensor], torch.Tensor]
+    trees: abc.Sequence[TokenTree], hidden: abc.Sequence[torch.Tensor], lm_head: Callable[[torch.Tensor], torch.Tensor]
 ) -> list[torch.Tensor]:
     """trees[s] with hidden[s] [n_s + 1, d] (row 0 = root, row i = node i; final-normed) -> per sequence
     int64 [n_s + 1]: the argmax of lm_head(hidden row) at the nodes the accept walk reads, -1 elsewhere.

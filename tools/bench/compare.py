@@ -17,7 +17,7 @@ import time
 
 from ddtree.config import DTYPE_NAMES
 from ddtree.tools.bench.context import parse_ints, warm_up
-from ddtree.tools.bench.output import format_table, save_json
+from ddtree.tools.bench.output import format_table, save_report
 from ddtree.tools.bench.prompts import make_prompts
 from ddtree.tools.bench.runner import add_endpoint_args, checkpoint_dirs, load_tokenizer, open_endpoint
 from ddtree.training.progress import Progress
@@ -155,17 +155,7 @@ def run(args) -> int:
             ],
         )
     )
-    out = pathlib.Path(args.out)
-    save_json(
-        out,
-        {
-            "command": "bench compare",
-            "args": {k: str(v) for k, v in vars(args).items() if k != "fn"},
-            "endpoint": where,
-            "rows": rows,
-        },
-    )
-    print(f"saved {out}")
+    save_report(args, "bench compare", where, rows)
     return 0
 
 

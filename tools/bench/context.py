@@ -10,13 +10,12 @@ AR tok/s and the speedup; JSON keeps every run, a PNG plots the three factors ag
 from __future__ import annotations
 
 import argparse
-import pathlib
 import statistics
 import sys
 
 from ddtree.telemetry.report import ProfilePoint
-from ddtree.tools.bench.output import format_table, plot_context, save_json
-from ddtree.tools.bench.prompts import make_prompts
+from ddtree.tools.bench.output import format_table, plot_context, save_report
+from ddtree.tools.bench.prompts import make_prompts, prompt_grid
 from ddtree.tools.bench.runner import add_endpoint_args, load_tokenizer, open_endpoint
 from ddtree.training.progress import Progress
 
@@ -109,8 +108,7 @@ def run(args) -> int:
     kinds = [k for k in args.kinds.split(",") if k]
     contexts = parse_ints(args.contexts)
     tok = load_tokenizer(args)
-    corpus = pathlib.Path(args.corpus) if args.corpus else None
-    prompts = {(k, c): make_prompts(tok, k, c, args.prompts, corpus) for k in kinds for c in contexts}
+    prompts = prompt_grid(tok, kinds, contexts, args.prompts, args.corpus)
     rows = []
     with open_endpoint(args, max(contexts) + args.tokens + 8, tok) as ep:
         warm_up(ep, tok, args.budget)
@@ -126,17 +124,7 @@ def run(args) -> int:
         f"(tok/s = avg commit x 1000 / step ms)"
     )
     print(format_table(HEADERS, [table_row(r) for r in rows]))
-    out = pathlib.Path(args.out)
-    save_json(
-        out,
-        {
-            "command": "bench context",
-            "args": {k: str(v) for k, v in vars(args).items() if k != "fn"},
-            "endpoint": where,
-            "rows": rows,
-        },
-    )
-    print(f"saved {out}")
+    out = save_report(args, "bench context", where, rows)
     if not args.no_plot:
         png = out.with_suffix(".png")
         plot_context(

@@ -20,6 +20,16 @@ def save_json(path: pathlib.Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2))
 
 
+def save_report(args, command: str, endpoint: str, rows: list[dict]) -> pathlib.Path:
+    """Every bench command's result file: the command, its arguments, the endpoint measured and the rows,
+    at --out (printed as `saved PATH`)."""
+    out = pathlib.Path(args.out)
+    arguments = {k: str(v) for k, v in vars(args).items() if k != "fn"}
+    save_json(out, {"command": command, "args": arguments, "endpoint": endpoint, "rows": rows})
+    print(f"saved {out}")
+    return out
+
+
 def pyplot():
     """matplotlib.pyplot with a file-only backend, or a clear error naming the extra to install."""
     try:

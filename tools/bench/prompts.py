@@ -80,3 +80,10 @@ def make_prompts(tokenizer, kind: str, context: int, count: int, corpus: pathlib
     if len(ids) < need:
         raise ValueError(f"{kind} text gives {len(ids)} tokens, {count} prompt(s) of {context} need {need}")
     return [ids[i * context : (i + 1) * context] for i in range(count)]
+
+
+def prompt_grid(tokenizer, kinds: list[str], contexts: list[int], n: int, corpus: str) -> dict[tuple[str, int], list]:
+    """(kind, context) -> n prompts of exactly `context` tokens of that kind of text (corpus "" = the
+    standard library): what `bench context`, `bench twopoint` and `diagnose` sweep over."""
+    where = pathlib.Path(corpus) if corpus else None
+    return {(k, c): make_prompts(tokenizer, k, c, n, where) for k in kinds for c in contexts}

@@ -11,12 +11,11 @@ generation, show the bias and where it comes from.
 from __future__ import annotations
 
 import argparse
-import pathlib
 
 from ddtree.telemetry.report import summarize, summarize_span, two_point_tok_s
 from ddtree.tools.bench.context import parse_ints, warm_up
-from ddtree.tools.bench.output import format_table, save_json
-from ddtree.tools.bench.prompts import make_prompts
+from ddtree.tools.bench.output import format_table, save_report
+from ddtree.tools.bench.prompts import prompt_grid
 from ddtree.tools.bench.runner import add_endpoint_args, load_tokenizer, open_endpoint
 from ddtree.training.progress import Progress
 
@@ -68,8 +67,7 @@ def run(args) -> int:
     kinds = [k for k in args.kinds.split(",") if k]
     contexts = parse_ints(args.contexts)
     tok = load_tokenizer(args)
-    corpus = pathlib.Path(args.corpus) if args.corpus else None
-    prompts = {(k, c): make_prompts(tok, k, c, args.prompts, corpus) for k in kinds for c in contexts}
+    prompts = prompt_grid(tok, kinds, contexts, args.prompts, args.corpus)
     rows = []
     with open_endpoint(args, max(contexts) + args.full + 8, tok) as ep:
         warm_up(ep, tok, args.budget)
@@ -108,17 +106,7 @@ def run(args) -> int:
             ],
         )
     )
-    out = pathlib.Path(args.out)
-    save_json(
-        out,
-        {
-            "command": "bench twopoint",
-            "args": {k: str(v) for k, v in vars(args).items() if k != "fn"},
-            "endpoint": where,
-            "rows": rows,
-        },
-    )
-    print(f"saved {out}")
+    save_report(args, "bench twopoint", where, rows)
     return 0
 
 
