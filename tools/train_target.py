@@ -205,6 +205,41 @@ def export(
 
 
 # ---- training loop ---------------------------------------------------------------------------------------
+def run_meta(args: argparse.Namespace, ckpt: dict | None, tokenizer_dir: pathlib.Path, corpus: pathlib.Path) -> dict:
+    """The run's settings: the checkpoint's when resuming (with a new --steps re-planning the rest of the
+    cosine schedule), else from the flags."""
+    if ckpt is not None:
+        meta = ckpt["meta"]
+        if args.steps is not None and args.steps != meta["steps"]:
+            print(f"--steps {args.steps} replaces the checkpoint's {meta['steps']}", file=sys.stderr, flush=True)
+            meta["steps"] = args.steps
+        return meta
+    base = json.loads(pathlib.Path(args.config).read_text()) if args.config else DEMO_TARGET_CONFIG
+    return {
+        "config": make_config(base, args.seq_len),
+        "steps": args.steps or DEFAULT_STEPS,
+        "seq_len": args.seq_len,
+        "batch": args.batch,
+        "lr": args.lr,
+        "warmup": args.warmup,
+        "weight_decay": args.weight_decay,
+        "mix": list(args.mix),
+        "bf16": args.bf16,
+        "bias_gamma": args.bias_gamma,
+        "seed": args.seed,
+        "tokenizer": str(tokenizer_dir),
+        "corpus": str(corpus),
+    }
+
+
+def stop_reason(step: int, total: int, signum: int | None, stop_at: int | None) -> str:
+    if step >= total:
+        return "done"
+    if signum:
+        return f"signal {signum}"
+    return "--stop-at" if step == stop_at else "time budget"
+
+
 def train(args: argparse.Namespace) -> pathlib.Path:
     run = pathlib.Path(args.out)
     run.mkdir(parents=True, exist_ok=True)
@@ -220,28 +255,7 @@ def train(args: argparse.Namespace) -> pathlib.Path:
     streams = load_tokens(run / "tokens", "train")
 
     ckpt = torch.load(run / CKPT, weights_only=False) if args.resume and (run / CKPT).exists() else None
-    if ckpt is not None:
-        meta = ckpt["meta"]
-        if args.steps is not None and args.steps != meta["steps"]:  # re-plan the rest of the cosine schedule
-            print(f"--steps {args.steps} replaces the checkpoint's {meta['steps']}", file=sys.stderr, flush=True)
-            meta["steps"] = args.steps
-    else:
-        base = json.loads(pathlib.Path(args.config).read_text()) if args.config else DEMO_TARGET_CONFIG
-        meta = {
-            "config": make_config(base, args.seq_len),
-            "steps": args.steps or DEFAULT_STEPS,
-            "seq_len": args.seq_len,
-            "batch": args.batch,
-            "lr": args.lr,
-            "warmup": args.warmup,
-            "weight_decay": args.weight_decay,
-            "mix": list(args.mix),
-            "bf16": args.bf16,
-            "bias_gamma": args.bias_gamma,
-            "seed": args.seed,
-            "tokenizer": str(tokenizer_dir),
-            "corpus": str(corpus),
-        }
+    meta = run_meta(args, ckpt, tokenizer_dir, corpus)
     config = DeepseekV3Config.from_dict(meta["config"])
     model = init_model(config, meta["seed"]).train()
     opt = make_optimizer(model, meta["lr"], meta["weight_decay"])
@@ -292,21 +306,10 @@ def train(args: argparse.Namespace) -> pathlib.Path:
             progress.update(step, eta_s=min(eta, deadline - time.time()), loss=ema, lr=lr, tok_s=round(tok_s))
             if step % args.log_every == 0 or step == total:
                 balance = {i: round(float(x.max()) / max(1.0, float(x.float().mean())), 2) for i, x in loads.items()}
-                metrics.write(
-                    json.dumps(
-                        {
-                            "step": step,
-                            "loss": round(value, 4),
-                            "loss_ema": round(ema, 4),
-                            "lr": lr,
-                            "grad_norm": round(float(gnorm), 3),
-                            "tok_s": round(tok_s),
-                            "elapsed_s": round(elapsed),
-                            "max_over_mean_load": balance,
-                        }
-                    )
-                    + "\n"
-                )
+                record = dict(step=step, loss=round(value, 4), loss_ema=round(ema, 4), lr=lr,
+                              grad_norm=round(float(gnorm), 3), tok_s=round(tok_s), elapsed_s=round(elapsed),
+                              max_over_mean_load=balance)  # fmt: skip
+                metrics.write(json.dumps(record) + "\n")
                 metrics.flush()
             if time.time() - last_ckpt >= args.ckpt_minutes * 60:
                 save_checkpoint(run, model, opt, step, gen, meta)
@@ -317,15 +320,7 @@ def train(args: argparse.Namespace) -> pathlib.Path:
         for s, h in old.items():
             signal.signal(s, h)
     save_checkpoint(run, model, opt, step, gen, meta)
-    why = (
-        "done"
-        if step >= total
-        else f"signal {stop['signal']}"
-        if stop["signal"]
-        else "--stop-at"
-        if step == args.stop_at
-        else "time budget"
-    )
+    why = stop_reason(step, total, stop["signal"], args.stop_at)
     print(f"stopped at step {step}/{total} ({why}); checkpoint {run / CKPT}", file=sys.stderr, flush=True)
     info = {
         "step": step,
