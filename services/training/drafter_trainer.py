@@ -93,6 +93,19 @@ def export_drafter(model: DFlashDraftModel, path: Path, extra: dict | None = Non
     return path
 
 
+def _check_args(args: argparse.Namespace, needs_corpus: bool) -> None:
+    """Raise ValueError naming the flag for settings a run cannot start with."""
+    if args.steps <= 0 and args.minutes <= 0:
+        raise ValueError("give --steps, --minutes, or both")
+    if not (Path(args.target) / "config.json").is_file():
+        raise ValueError(f"--target {args.target}: no config.json (expected an HF-layout checkpoint dir)")
+    if needs_corpus and not Path(args.corpus).is_dir():
+        raise ValueError(f"--corpus {args.corpus}: not a directory")
+    for name in ("batch", "anchors", "accum", "layers", "save_every", "log_every"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+
+
 class DrafterTrainer:
     """One training run. `args` holds exactly the flags of ddtree.tools.train_drafter.add_arguments;
     `streams` / `val_streams` (kind -> TokenStream) replace the corpus in tests."""
@@ -101,15 +114,7 @@ class DrafterTrainer:
         self.args, self.log = args, log
         if args.threads > 0:
             torch.set_num_threads(args.threads)
-        if args.steps <= 0 and args.minutes <= 0:
-            raise ValueError("give --steps, --minutes, or both")
-        if not (Path(args.target) / "config.json").is_file():
-            raise ValueError(f"--target {args.target}: no config.json (expected an HF-layout checkpoint dir)")
-        if streams is None and not Path(args.corpus).is_dir():
-            raise ValueError(f"--corpus {args.corpus}: not a directory")
-        for name in ("batch", "anchors", "accum", "layers", "save_every", "log_every"):
-            if getattr(args, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+        _check_args(args, needs_corpus=streams is None)
         self.run_dir = Path(args.run_dir)
         self.device = torch.device(
             "cuda"
@@ -141,33 +146,7 @@ class DrafterTrainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "args.json").write_text(json.dumps(vars(args), indent=2, sort_keys=True) + "\n")
 
-        init_dir = self.run_dir / "init"
-        if self.state is None:  # a fresh run: nothing of an earlier, unsaved one is reused
-            shutil.rmtree(init_dir, ignore_errors=True)
-            (self.run_dir / "train_log.jsonl").unlink(missing_ok=True)
-        if self.state is None and getattr(args, "init", ""):  # fine-tune: start from an existing drafter checkpoint
-            src = Path(args.init)
-            if not (src / "config.json").is_file() or not (src / "model.safetensors").is_file():
-                raise ValueError(f"--init {src}: needs config.json and model.safetensors (a drafter checkpoint)")
-            init_dir.mkdir(parents=True)
-            for name in ("config.json", "model.safetensors"):
-                shutil.copyfile(src / name, init_dir / name)
-        if not (init_dir / "model.safetensors").is_file():  # same seed and flags: the same bytes
-            hidden = int(tcfg["hidden_size"])
-            heads = args.heads or (hidden // 128 if hidden >= 1024 else 4)
-            kv = args.kv_heads or max(1, heads // 4 if heads >= 8 else heads // 2)
-            write_random_drafter(
-                init_dir,
-                tcfg,
-                seed=args.seed,
-                block_size=args.block_size,
-                num_layers=args.layers,
-                num_attention_heads=heads,
-                num_key_value_heads=kv,
-                intermediate_size=args.intermediate or None,
-                mask_token_id=_mask_token(target_dir, int(tcfg["vocab_size"]), args.mask_token_id),
-                target_layer_ids=_tap_ids(args.target_layer_ids),
-            )
+        init_dir = self._initial_drafter(target_dir, tcfg)
         self.model = load_drafter(init_dir, dtype=torch.float32, device=self.device).train()
         for p in self.model.parameters():
             p.requires_grad_(True)
@@ -217,6 +196,38 @@ class DrafterTrainer:
         )
         self.data_s = self.train_s = 0.0
         self.fresh = 0
+
+    def _initial_drafter(self, target_dir: Path, tcfg: dict) -> Path:
+        """run_dir/init: the drafter training starts from (resumed runs load their checkpoint over it): a copy
+        of --init (fine-tuning), or a random drafter for the target (same seed and flags: the same bytes)."""
+        args, init_dir = self.args, self.run_dir / "init"
+        if self.state is None:  # a fresh run: nothing of an earlier, unsaved one is reused
+            shutil.rmtree(init_dir, ignore_errors=True)
+            (self.run_dir / "train_log.jsonl").unlink(missing_ok=True)
+        if self.state is None and getattr(args, "init", ""):
+            src = Path(args.init)
+            if not (src / "config.json").is_file() or not (src / "model.safetensors").is_file():
+                raise ValueError(f"--init {src}: needs config.json and model.safetensors (a drafter checkpoint)")
+            init_dir.mkdir(parents=True)
+            for name in ("config.json", "model.safetensors"):
+                shutil.copyfile(src / name, init_dir / name)
+        if not (init_dir / "model.safetensors").is_file():
+            hidden = int(tcfg["hidden_size"])
+            heads = args.heads or (hidden // 128 if hidden >= 1024 else 4)
+            kv = args.kv_heads or max(1, heads // 4 if heads >= 8 else heads // 2)
+            write_random_drafter(
+                init_dir,
+                tcfg,
+                seed=args.seed,
+                block_size=args.block_size,
+                num_layers=args.layers,
+                num_attention_heads=heads,
+                num_key_value_heads=kv,
+                intermediate_size=args.intermediate or None,
+                mask_token_id=_mask_token(target_dir, int(tcfg["vocab_size"]), args.mask_token_id),
+                target_layer_ids=_tap_ids(args.target_layer_ids),
+            )
+        return init_dir
 
     def _check_data_cache(self, target_dir: Path, kinds: tuple[str, ...], tap_ids: tuple[int, ...]) -> None:
         """Cached data batches are only valid for the same data settings and target weights."""
