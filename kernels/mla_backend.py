@@ -1,8 +1,9 @@
 """`TritonMLAAttention`: the "triton" attention backend of services/models/attention.py.
 
-The model calls `attend` once per layer with the same AttentionMetadata; the kernel plan (mla_plan.py) is
-packed on the first call of a forward and reused by the others (the backend remembers the last metadata
-object through a weak reference, so nothing is written onto the frozen metadata).
+The model calls `write_latent` (the fused latent KV write, latent_write.py) and `attend` once per layer
+with the same AttentionMetadata; the kernel plan (mla_plan.py) is packed on the first call of a forward
+and reused by the others (the backend remembers the last metadata object through a weak reference, so
+nothing is written onto the frozen metadata).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import weakref
 
 import torch
 
+from .latent_write import write_latent
 from .mla_attention import mla_attention
 from .mla_plan import MLAKernelConfig, MLAPlan, MLASeq, plan_mla
 
@@ -32,6 +34,21 @@ class TritonMLAAttention:
                         config=self.config)  # fmt: skip
         self._last = (weakref.ref(meta), key, plan)
         return plan
+
+    def write_latent(self, kv_layer, latent, slots, positions, norm, rope) -> None:
+        """kv_layer[slots] = [norm(c_kv) ; rope(k_pe)] in one launch (latent_write.py); slots come from the
+        verifier's page tables, which hand out each slot once, so the device bounds check (a sync) is off."""
+        write_latent(
+            kv_layer,
+            latent.contiguous(),
+            slots.to(kv_layer.device),
+            positions.to(kv_layer.device),
+            norm.weight,
+            norm.eps,
+            rope.inv_freq,
+            rope.attention_factor,
+            check_slots=False,
+        )
 
     def attend(
         self,

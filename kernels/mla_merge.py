@@ -48,8 +48,11 @@ def _mla_merge_kernel(
         c = c0 + offs_c
         ok = c < n
         lse = tl.load(PART_LSE + (part_start + c) * BLOCK_M + r_local, mask=ok, other=float("-inf"))  # [CHUNK]
-        o = tl.load(PART_O + ((part_start + c) * BLOCK_M + r_local)[:, None] * BLOCK_R + offs_v[None, :],
-                    mask=ok[:, None] & v_ok[None, :], other=0.0)  # [CHUNK, MERGE_V]
+        o = tl.load(
+            PART_O + ((part_start + c) * BLOCK_M + r_local)[:, None] * BLOCK_R + offs_v[None, :],
+            mask=ok[:, None] & v_ok[None, :],
+            other=0.0,
+        )  # [CHUNK, MERGE_V]
         m_new = tl.maximum(m, tl.max(lse, 0))  # finite: every partial saw >= 1 key
         alpha = tl.exp(m - m_new)
         w = tl.where(ok, tl.exp(lse - m_new), 0.0)

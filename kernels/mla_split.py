@@ -87,10 +87,16 @@ def _mla_split_kernel(
     offs_d = tl.arange(0, BLOCK_DR)
     r_ok = offs_r < R
     d_ok = offs_d < DR
-    q = tl.load(Q_LAT + tok[:, None] * stride_lt + head[:, None] * stride_lh + offs_r[None, :],
-                mask=row_ok[:, None] & r_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_R]
-    qp = tl.load(Q_PE + tok[:, None] * stride_pt + head[:, None] * stride_ph + offs_d[None, :],
-                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_DR]
+    q = tl.load(
+        Q_LAT + tok[:, None] * stride_lt + head[:, None] * stride_lh + offs_r[None, :],
+        mask=row_ok[:, None] & r_ok[None, :],
+        other=0.0,
+    )  # [BLOCK_M, BLOCK_R]
+    qp = tl.load(
+        Q_PE + tok[:, None] * stride_pt + head[:, None] * stride_ph + offs_d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )  # [BLOCK_M, BLOCK_DR]
     if BF16_VIA_FP32:
         q = q.to(tl.float32)
         qp = qp.to(tl.float32)
@@ -120,8 +126,11 @@ def _mla_split_kernel(
         ok = j < key_end
         slot = tl.load(NEW_SLOTS + q_start + j, mask=ok, other=0).to(tl.int64)
         k, kp = _load_keys(KV, slot, ok, stride_kv, offs_r, r_ok, offs_d, d_ok, R, BF16_VIA_FP32)
-        word = tl.load(MASK_BITS + mask_off + node[:, None] * mask_words + (j // 32)[None, :],
-                       mask=(row_ok & explicit)[:, None] & ok[None, :], other=0)
+        word = tl.load(
+            MASK_BITS + mask_off + node[:, None] * mask_words + (j // 32)[None, :],
+            mask=(row_ok & explicit)[:, None] & ok[None, :],
+            other=0,
+        )
         bit = ((word >> (j % 32)[None, :]) & 1) != 0
         visible = tl.where(explicit[:, None], bit, j[None, :] <= node[:, None]) & ok[None, :]
         m_i, l_i, acc = _attend_block(q, qp, k, kp, visible, m_i, l_i, acc, scale_log2, DOT_PRECISION)
@@ -129,8 +138,11 @@ def _mla_split_kernel(
     l_i = tl.where(l_i > 0, l_i, 1.0)  # every stored row saw >= 1 key (itself, or the split's)
     o = acc / l_i[:, None]
     if num_parts == 1:  # the tile's only item: this is its output
-        tl.store(OUT + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_r[None, :],
-                 o.to(OUT.dtype.element_ty), mask=row_ok[:, None] & r_ok[None, :])
+        tl.store(
+            OUT + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_r[None, :],
+            o.to(OUT.dtype.element_ty),
+            mask=row_ok[:, None] & r_ok[None, :],
+        )
     else:
         part = pid.to(tl.int64) * BLOCK_M
         lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # base-2 lse -> natural log (ln 2)

@@ -1,13 +1,14 @@
-"""The `ddtree` command (design.md §6).
+"""The `ddtree` command (README.md, "The `ddtree` command").
 
-  ddtree serve      all three services on loopback (default: the embedded demo checkpoint)
-  ddtree drafter | verifier | gateway    one service, as containers run them
-  ddtree generate   a client of the gateway (starts a private stack when --gateway is not given)
-  ddtree demo       the main job: start the stack, stream one chat answer, print the statistics, stop
-  ddtree train target | drafter    train the demo target / a DFlash drafter (tools/train_*.py)
-  ddtree bench context | twopoint | compare    measure decode speed (tools/bench/)
-  ddtree diagnose   explain a deployment's speed: profile, reconciliation, flags (tools/diagnose.py)
+ddtree serve      all three services on loopback (default: the embedded demo checkpoint)
+ddtree drafter | verifier | gateway    one service, as containers run them
+ddtree generate   a client of the gateway (starts a private stack when --gateway is not given)
+ddtree demo       the main job: start the stack, stream one chat answer, print the statistics, stop
+ddtree train target | drafter    train the demo target / a DFlash drafter (tools/train_*.py)
+ddtree bench context | twopoint | compare    measure decode speed (tools/bench/)
+ddtree diagnose   explain a deployment's speed: profile, reconciliation, flags (tools/diagnose.py)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,30 +20,34 @@ import sys
 import tempfile
 import threading
 
-from services.config import (DrafterConfig, GatewayConfig, VerifierConfig, add_config_flags, config_from_flags)
+from ddtree.config import DrafterConfig, GatewayConfig, VerifierConfig, add_config_flags, config_from_flags
 
 DEMO_PROMPT = "Write a Python function that returns the n-th Fibonacci number, and explain it briefly."
 
 
 def _default_dirs():
-    from services.models.default_checkpoint import default_checkpoint
+    from ddtree.default_checkpoint import default_checkpoint
+
     return default_checkpoint()
 
 
 def _set_threads(threads: int) -> None:
     if threads > 0:
         import torch
+
         torch.set_num_threads(threads)
 
 
 def _wait(running) -> None:
-    from services.protocol.server import stop_on_signals
+    from ddtree.protocol.server import stop_on_signals
+
     stop_on_signals(running)
     running.wait()
 
 
 def cmd_drafter(args) -> None:
-    from services.telemetry.logging import configure_logging, get_logger
+    from ddtree.telemetry.logging import configure_logging, get_logger
+
     cfg = config_from_flags(DrafterConfig, args)
     configure_logging(cfg.log_level, cfg.log_format)
     _set_threads(cfg.threads)
@@ -50,8 +55,9 @@ def cmd_drafter(args) -> None:
     if not model or not target:
         d = _default_dirs()
         model, target = model or str(d.drafter), target or str(d.target)
-    from services.drafter.factory import make_engine
-    from services.drafter.server import serve_engine
+    from ddtree.drafter.factory import make_engine
+    from ddtree.drafter.server import serve_engine
+
     engine = make_engine(cfg, model, target)
     if cfg.warmup_sequences and hasattr(engine, "warm_up"):
         seconds = engine.warm_up(cfg.warmup_sequences)
@@ -60,19 +66,23 @@ def cmd_drafter(args) -> None:
 
 
 def cmd_verifier(args) -> None:
-    from services.telemetry.logging import configure_logging
+    from ddtree.telemetry.logging import configure_logging
+
     cfg = config_from_flags(VerifierConfig, args)
     configure_logging(cfg.log_level, cfg.log_format)
     _set_threads(cfg.threads)
-    from services.verifier.server import serve
+    from ddtree.verifier.server import serve
+
     _wait(serve(cfg, cfg.model or str(_default_dirs().target)))
 
 
 def cmd_gateway(args) -> None:
-    from services.telemetry.logging import configure_logging
+    from ddtree.telemetry.logging import configure_logging
+
     cfg = config_from_flags(GatewayConfig, args)
     configure_logging(cfg.log_level, cfg.log_format)
-    from services.gateway.server import serve
+    from ddtree.gateway.server import serve
+
     _wait(serve(cfg, tokenizer_dir=cfg.tokenizer or str(_default_dirs().target)))
 
 
@@ -80,10 +90,12 @@ def cmd_health(args) -> int:
     """grpc.health.v1 check, for container health checks: exit 0 when SERVING, 1 otherwise."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
+
     try:
         with grpc.insecure_channel(args.address) as channel:
             resp = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
+            )
     except grpc.RpcError as err:
         print(f"{args.address} {args.service or '(server)'}: {err.code().name} {err.details() or ''}".strip())
         return 1
@@ -93,15 +105,21 @@ def cmd_health(args) -> int:
 
 
 def _start_stack(args, log_dir: pathlib.Path):
-    from services.launcher import start_stack
+    from ddtree.launcher import start_stack
+
     model, drafter = args.model, args.drafter
     if not model or (not drafter and not args.no_drafter):
         d = _default_dirs()
         model = model or str(d.target)
         drafter = drafter or str(d.drafter)
-    return start_stack(model, None if args.no_drafter else drafter, log_dir, host=args.host,
-                       verifier_args=tuple(getattr(args, "verifier_args", "").split()),
-                       drafter_args=tuple(getattr(args, "drafter_args", "").split()))
+    return start_stack(
+        model,
+        None if args.no_drafter else drafter,
+        log_dir,
+        host=args.host,
+        verifier_args=tuple(getattr(args, "verifier_args", "").split()),
+        drafter_args=tuple(getattr(args, "drafter_args", "").split()),
+    )
 
 
 def cmd_serve(args) -> None:
@@ -120,17 +138,25 @@ def cmd_serve(args) -> None:
 
 
 def _options(args):
-    from services.protocol.ddtree.v1 import gateway_pb2
-    opts = gateway_pb2.GenerationOptions(max_tokens=args.max_tokens, temperature=args.temperature,
-                                         top_p=args.top_p, top_k=args.top_k, ignore_eos=args.ignore_eos,
-                                         no_spec=args.no_spec, budget=args.budget)
+    from ddtree.protocol.ddtree.v1 import gateway_pb2
+
+    opts = gateway_pb2.GenerationOptions(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        ignore_eos=args.ignore_eos,
+        no_spec=args.no_spec,
+        budget=args.budget,
+    )
     if args.seed is not None:
         opts.seed = args.seed
     return opts
 
 
 def _run_client(args, prompt: str, chat: bool, as_json: bool) -> int:
-    from services.client import format_stats, generate
+    from ddtree.client import format_stats, generate
+
     shown = {"mode": None}
 
     def show(mode: str, text: str) -> None:
@@ -141,9 +167,14 @@ def _run_client(args, prompt: str, chat: bool, as_json: bool) -> int:
         print(text, end="", flush=True)
 
     def go(gateway: str):
-        return generate(gateway, prompt, chat=chat, options=_options(args),
-                        on_text=None if as_json else (lambda t: show("answer", t)),
-                        on_reasoning=None if as_json else (lambda t: show("reasoning", t)))
+        return generate(
+            gateway,
+            prompt,
+            chat=chat,
+            options=_options(args),
+            on_text=None if as_json else (lambda t: show("answer", t)),
+            on_reasoning=None if as_json else (lambda t: show("reasoning", t)),
+        )
 
     if args.gateway:
         result = go(args.gateway)
@@ -193,9 +224,13 @@ def _add_client_flags(p: argparse.ArgumentParser) -> None:
 
 
 # Commands that live in their own modules: (parent command, name, module with add_parser(subparsers)).
-COMMAND_MODULES = (("train", "target", "tools.train_target"), ("train", "drafter", "tools.train_drafter"),
-                   ("", "bench", "tools.bench"), ("", "diagnose", "tools.diagnose"),
-                   ("", "inspect", "services.models.inspect"))
+COMMAND_MODULES = (
+    ("train", "target", "ddtree.tools.train_target"),
+    ("train", "drafter", "ddtree.tools.train_drafter"),
+    ("", "bench", "ddtree.tools.bench"),
+    ("", "diagnose", "ddtree.tools.diagnose"),
+    ("", "inspect", "ddtree.tools.inspect"),
+)
 # What the engine install has and the gateway's (docker/requirements-gateway.txt) does not.
 ENGINE_ONLY = frozenset({"torch", "numpy", "safetensors"})
 
@@ -214,8 +249,11 @@ def _add_command(sub, name: str, module_name: str) -> None:
         p.add_argument("rest", nargs="*")
 
         def unavailable(args, missing=missing) -> int:
-            print(f"ddtree: this command needs {missing}, which this install does not have "
-                  f"(the gateway's); install the engine: pip install torch==2.13.0 ddtree-serve", file=sys.stderr)
+            print(
+                f"ddtree: this command needs {missing}, which this install does not have "
+                f"(the gateway's); install the engine: pip install torch==2.13.0 ddtree-serve",
+                file=sys.stderr,
+            )
             return 2
 
         p.set_defaults(fn=unavailable)
@@ -226,8 +264,11 @@ def _add_command(sub, name: str, module_name: str) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ddtree", description="DDTree speculative decoding for MLA + MoE models")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, cls, fn in (("drafter", DrafterConfig, cmd_drafter), ("verifier", VerifierConfig, cmd_verifier),
-                          ("gateway", GatewayConfig, cmd_gateway)):
+    for name, cls, fn in (
+        ("drafter", DrafterConfig, cmd_drafter),
+        ("verifier", VerifierConfig, cmd_verifier),
+        ("gateway", GatewayConfig, cmd_gateway),
+    ):
         p = sub.add_parser(name, help=f"run the {name} service")
         add_config_flags(p, cls)
         p.set_defaults(fn=fn)

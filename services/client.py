@@ -3,19 +3,30 @@
 It streams one chat or completion request, prints text as it arrives (optionally), and summarises the
 speculative statistics the verifier measured per step.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import grpc
 
-from services.protocol.ddtree.v1 import gateway_pb2, gateway_pb2_grpc
-from services.protocol.server import GRPC_OPTIONS
+from ddtree.contract.usage import avg_accept_length
+from ddtree.protocol.ddtree.v1 import gateway_pb2, gateway_pb2_grpc
+from ddtree.protocol.server import GRPC_OPTIONS
 
-STEP_FIELDS = ("step", "context_tokens", "tree_nodes", "accept_length", "draft_ms", "verify_ms",
-               "transport_ms", "total_ms", "feature_bytes")
+STEP_FIELDS = (
+    "step",
+    "context_tokens",
+    "tree_nodes",
+    "accept_length",
+    "draft_ms",
+    "verify_ms",
+    "transport_ms",
+    "total_ms",
+    "feature_bytes",
+)
 
 
 @dataclasses.dataclass
@@ -26,17 +37,20 @@ class GenerateResult:
     steps: list[dict]
     finish_reason: str
     usage: dict
-    ttft_s: float      # client-side: request sent to first token received
-    decode_s: float    # client-side: first token to last chunk
+    ttft_s: float  # client-side: request sent to first token received
+    decode_s: float  # client-side: first token to last chunk
 
     def spec(self) -> dict:
         lengths = [s["accept_length"] for s in self.steps]
         hist: dict[int, int] = {}
         for n in lengths:
             hist[n] = hist.get(n, 0) + 1
-        return {"steps": len(lengths), "accept_lengths": lengths,
-                "avg_accept_length": sum(lengths) / len(lengths) if lengths else 0.0,
-                "histogram": {str(k): hist[k] for k in sorted(hist)}}
+        return {
+            "steps": len(lengths),
+            "accept_lengths": lengths,
+            "avg_accept_length": avg_accept_length(lengths),
+            "histogram": {str(k): hist[k] for k in sorted(hist)},
+        }
 
     def step_ms(self) -> dict:
         n = max(len(self.steps), 1)
@@ -45,31 +59,53 @@ class GenerateResult:
     def to_json(self) -> dict:
         tokens = self.usage.get("completion_tokens", len(self.token_ids))
         return {
-            "text": self.text, "reasoning": self.reasoning, "token_ids": self.token_ids,
-            "finish_reason": self.finish_reason, "usage": self.usage, "spec": self.spec(),
+            "text": self.text,
+            "reasoning": self.reasoning,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "usage": self.usage,
+            "spec": self.spec(),
             "step_ms": self.step_ms(),
-            "timing": {"ttft_s": self.ttft_s, "decode_s": self.decode_s,
-                       "decode_tokens_per_s": (tokens - 1) / self.decode_s if self.decode_s > 0 and tokens > 1 else 0.0},
+            "timing": {
+                "ttft_s": self.ttft_s,
+                "decode_s": self.decode_s,
+                "decode_tokens_per_s": (tokens - 1) / self.decode_s if self.decode_s > 0 and tokens > 1 else 0.0,
+            },
         }
 
 
 def _usage_dict(u) -> dict:
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "verify_steps": u.verify_steps, "avg_accept_length": u.avg_accept_length,
-            "accept_histogram": list(u.accept_histogram), "server_ttft_ms": u.ttft_ms,
-            "server_decode_ms": u.decode_ms}
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "verify_steps": u.verify_steps,
+        "avg_accept_length": u.avg_accept_length,
+        "accept_histogram": list(u.accept_histogram),
+        "server_ttft_ms": u.ttft_ms,
+        "server_decode_ms": u.decode_ms,
+    }
 
 
-def generate(gateway: str, prompt: str, *, chat: bool = True, options: gateway_pb2.GenerationOptions | None = None,
-             on_text: Callable[[str], None] | None = None,
-             on_reasoning: Callable[[str], None] | None = None, timeout_s: float = 600.0,
-             chat_template_kwargs_json: str = "") -> GenerateResult:
+def generate(
+    gateway: str,
+    prompt: str,
+    *,
+    chat: bool = True,
+    options: gateway_pb2.GenerationOptions | None = None,
+    on_text: Callable[[str], None] | None = None,
+    on_reasoning: Callable[[str], None] | None = None,
+    timeout_s: float = 600.0,
+    chat_template_kwargs_json: str = "",
+) -> GenerateResult:
     options = options or gateway_pb2.GenerationOptions()
     with grpc.insecure_channel(gateway, options=GRPC_OPTIONS) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         if chat:
-            req = gateway_pb2.ChatRequest(messages=[gateway_pb2.ChatMessage(role="user", content=prompt)],
-                                          options=options, chat_template_kwargs_json=chat_template_kwargs_json)
+            req = gateway_pb2.ChatRequest(
+                messages=[gateway_pb2.ChatMessage(role="user", content=prompt)],
+                options=options,
+                chat_template_kwargs_json=chat_template_kwargs_json,
+            )
             stream = stub.Chat(req, timeout=timeout_s)
         else:
             stream = stub.Complete(gateway_pb2.CompleteRequest(prompt=prompt, options=options), timeout=timeout_s)
@@ -96,15 +132,25 @@ def generate(gateway: str, prompt: str, *, chat: bool = True, options: gateway_p
                 finish = chunk.finish_reason
                 usage = _usage_dict(chunk.usage)
     first = first or time.perf_counter()
-    return GenerateResult("".join(text), "".join(reasoning), ids, steps, finish, usage,
-                          ttft_s=first - t0, decode_s=(last - first) if last else 0.0)
+    return GenerateResult(
+        "".join(text),
+        "".join(reasoning),
+        ids,
+        steps,
+        finish,
+        usage,
+        ttft_s=first - t0,
+        decode_s=(last - first) if last else 0.0,
+    )
 
 
 def format_stats(result: GenerateResult) -> str:
     j = result.to_json()
     spec, ms, timing = j["spec"], j["step_ms"], j["timing"]
     hist = " ".join(f"{k}:{v}" for k, v in spec["histogram"].items())
-    return (f"finish={result.finish_reason} tokens={j['usage'].get('completion_tokens', 0)} "
-            f"steps={spec['steps']} avg_accept={spec['avg_accept_length']:.2f} histogram[{hist}]\n"
-            f"step ms: draft {ms['draft_ms']:.1f} | verify {ms['verify_ms']:.1f} | transport {ms['transport_ms']:.1f} "
-            f"| total {ms['total_ms']:.1f}    ttft {timing['ttft_s']:.3f}s  decode {timing['decode_tokens_per_s']:.1f} tok/s")
+    return (
+        f"finish={result.finish_reason} tokens={j['usage'].get('completion_tokens', 0)} "
+        f"steps={spec['steps']} avg_accept={spec['avg_accept_length']:.2f} histogram[{hist}]\n"
+        f"step ms: draft {ms['draft_ms']:.1f} | verify {ms['verify_ms']:.1f} | transport {ms['transport_ms']:.1f} "
+        f"| total {ms['total_ms']:.1f}    ttft {timing['ttft_s']:.3f}s  decode {timing['decode_tokens_per_s']:.1f} tok/s"
+    )

@@ -5,6 +5,7 @@ environment variable `DDTREE_FOO_BAR`, or the dataclass default. `add_config_fla
 `config_from_flags` are the only code that reads flags and environment for configuration, so the
 docker files and the CLI can be checked against `env_var_names()`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -13,10 +14,30 @@ import os
 import pathlib
 from typing import Any
 
-from services.verifier.kv_sizing import kv_setting
-
 ENV_PREFIX = "DDTREE_"
+# The floating-point dtypes a service or tool may be asked to compute in, by name (torch.float32, ...;
+# `ddtree.models.dtypes.TORCH_DTYPES` maps them: this module does not import torch).
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DEFAULT_CHECKPOINT_DIR = pathlib.Path(os.environ.get("DDTREE_HOME", pathlib.Path.home() / ".cache" / "ddtree"))
+
+
+def kv_setting(kv_tokens: int, kv_memory_gb: float, kv_memory_fraction: float) -> str:
+    """The one setting that takes effect; raises ValueError for a bad or conflicting one."""
+    if kv_tokens < 0:
+        raise ValueError(f"kv_tokens must be >= 0 (0 = not set), got {kv_tokens}")
+    if not kv_memory_gb >= 0:
+        raise ValueError(f"kv_memory_gb must be >= 0 (0 = not set), got {kv_memory_gb}")
+    if not 0 <= kv_memory_fraction <= 1:
+        raise ValueError(f"kv_memory_fraction must be in [0, 1] (0 = not set), got {kv_memory_fraction}")
+    given = {"kv_tokens": kv_tokens, "kv_memory_gb": kv_memory_gb, "kv_memory_fraction": kv_memory_fraction}
+    chosen = [name for name, value in given.items() if value > 0]
+    if len(chosen) > 1:
+        flags = ", ".join(f"--{name.replace('_', '-')} {given[name]}" for name in chosen)
+        raise ValueError(
+            f"set only one of --kv-tokens, --kv-memory-gb, --kv-memory-fraction (or their DDTREE_* "
+            f"variables); got {flags}"
+        )
+    return chosen[0] if chosen else "default"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,27 +70,38 @@ class DrafterConfig(ServiceConfig):
     window: int = dataclasses.field(default=2048, metadata={"help": "draft context window, tokens (0 = unlimited)"})
     default_budget: int = dataclasses.field(default=16, metadata={"help": "tree node budget when a request sets none"})
     max_budget: int = dataclasses.field(default=1024, metadata={"help": "largest tree budget accepted"})
-    max_sequences: int = dataclasses.field(default=4096, metadata={"help": "draft contexts held at once"})
+    max_sequences: int = dataclasses.field(
+        default=4096,
+        metadata={
+            "help": "draft contexts held at once; a Draft that would start more answers RESOURCE_EXHAUSTED, "
+            "and the verifier sends a replica at its cap no new sequences (they decode with AR)"
+        },
+    )
     device: str = dataclasses.field(default="cpu", metadata={"help": "torch device"})
-    dtype: str = dataclasses.field(default="auto", metadata={
-        "help": "auto | float32 | bfloat16 | float16 (auto = bfloat16 where matmuls have it natively: CUDA, "
-                "AVX512-BF16/AMX CPUs; else float32)"})
+    dtype: str = dataclasses.field(
+        default="auto",
+        metadata={
+            "help": "auto | float32 | bfloat16 | float16 (auto = bfloat16 where matmuls have it natively: CUDA, "
+            "AVX512-BF16/AMX CPUs; else float32)"
+        },
+    )
     threads: int = dataclasses.field(default=0, metadata={"help": "torch CPU threads (0 = torch's default)"})
-    engine: str = dataclasses.field(default="dflash", metadata={
-        "help": "dflash | oracle (test/diagnosis drafter: the target's own greedy continuation with noise)"})
-    oracle_seed: int = dataclasses.field(default=0, metadata={"help": "noise seed of the oracle engine"})
-    warmup_sequences: int = dataclasses.field(default=16, metadata={
-        "help": "before serving, run the matmul shapes of Draft calls of up to this many sequences once "
-                "(0 = none): bf16 kernels on the CPU are built per shape, inside the first steps otherwise"})
+    warmup_sequences: int = dataclasses.field(
+        default=16,
+        metadata={
+            "help": "before serving, run the matmul shapes of Draft calls of up to this many sequences once "
+            "(0 = none): bf16 kernels on the CPU are built per shape, inside the first steps otherwise"
+        },
+    )
 
     def validate(self) -> None:
         super().validate()
         if self.warmup_sequences < 0:
             raise ValueError(f"warmup_sequences must be >= 0, got {self.warmup_sequences}")
-        if self.engine not in ("dflash", "oracle"):
-            raise ValueError(f"engine must be dflash | oracle, got {self.engine!r}")
         if self.window < 0:
             raise ValueError(f"window must be >= 0 (0 = unlimited), got {self.window}")
+        if self.max_sequences < 1:
+            raise ValueError(f"max_sequences must be >= 1, got {self.max_sequences}")
         if not 1 <= self.default_budget <= self.max_budget:
             raise ValueError(f"default_budget must be in [1, max_budget={self.max_budget}], got {self.default_budget}")
         _check_dtype(self.dtype, allow_auto=True)
@@ -83,41 +115,65 @@ class VerifierConfig(ServiceConfig):
     max_new_tokens_limit: int = dataclasses.field(default=4096, metadata={"help": "largest max_new_tokens"})
     max_batch: int = dataclasses.field(default=16, metadata={"help": "sequences stepped together"})
     max_queue: int = dataclasses.field(default=256, metadata={"help": "waiting requests before RESOURCE_EXHAUSTED"})
-    kv_tokens: int = dataclasses.field(default=0, metadata={
-        "help": "latent KV cache size, tokens (0 = not set: 65536 unless kv_memory_gb or kv_memory_fraction is; "
-                "set at most one of the three)"})
-    kv_memory_gb: float = dataclasses.field(default=0.0, metadata={
-        "help": "latent KV cache size, GiB (0 = not set)"})
-    kv_memory_fraction: float = dataclasses.field(default=0.0, metadata={
-        "help": "latent KV cache size, a fraction of the device memory free after loading the model (0 = not set)"})
-    page_size: int = dataclasses.field(default=1, metadata={
-        "help": "KV slots per page (1 for DDTree: accepted nodes stay in place; > 1: copied into place at commit)"})
+    kv_tokens: int = dataclasses.field(
+        default=0,
+        metadata={
+            "help": "latent KV cache size, tokens (0 = not set: 65536 unless kv_memory_gb or kv_memory_fraction is; "
+            "set at most one of the three)"
+        },
+    )
+    kv_memory_gb: float = dataclasses.field(default=0.0, metadata={"help": "latent KV cache size, GiB (0 = not set)"})
+    kv_memory_fraction: float = dataclasses.field(
+        default=0.0,
+        metadata={
+            "help": "latent KV cache size, a fraction of the device memory free after loading the model (0 = not set)"
+        },
+    )
+    page_size: int = dataclasses.field(
+        default=1,
+        metadata={
+            "help": "KV slots per page (1 for DDTree: accepted nodes stay in place; > 1: copied into place at commit)"
+        },
+    )
     prefill_chunk: int = dataclasses.field(default=512, metadata={"help": "prefill chunk, tokens"})
     default_budget: int = dataclasses.field(default=16, metadata={"help": "tree node budget when a request sets none"})
-    max_tree_tokens: int = dataclasses.field(default=0, metadata={
-        "help": "tree tokens (root + nodes) verified per step over the whole batch (0 = no limit): every tree "
-                "keeps its first node and the rest goes to the drafter's best-scoring nodes over the batch "
-                "(an equal share, max_tree_tokens // n - 1 nodes each, when the drafter gives no scores)"})
-    overlap_draft_min_batch: int = dataclasses.field(default=0, metadata={
-        "help": "with at least this many speculative sequences, draft half of them while verifying the other "
-                "half (0 = never); see services/verifier/draft_overlap.py"})
+    max_tree_tokens: int = dataclasses.field(
+        default=0,
+        metadata={
+            "help": "tree tokens (root + nodes) verified per step over the whole batch (0 = no limit): every tree "
+            "keeps its first node and the rest goes to the drafter's best-scoring nodes over the batch "
+            "(an equal share, max_tree_tokens // n - 1 nodes each, when the drafter gives no scores)"
+        },
+    )
     draft_timeout_s: float = dataclasses.field(default=10.0, metadata={"help": "Draft RPC deadline"})
-    step_log: str = dataclasses.field(default="", metadata={
-        "help": "step records: '' = the service log (level info), off = none, PATH = a JSON-lines file"})
-    attention_backend: str = dataclasses.field(default="auto", metadata={"help": "auto | torch | triton (auto = triton on CUDA)"})
-    prefix_cache: bool = dataclasses.field(default=True, metadata={
-        "help": "reuse the KV (and drafter features) of committed prefixes across requests"})
-    debug_checks: bool = dataclasses.field(default=False, metadata={
-        "help": "check KV accounting (free + in use == total) after every step"})
+    step_log: str = dataclasses.field(
+        default="",
+        metadata={"help": "step records: '' = the service log (level info), off = none, PATH = a JSON-lines file"},
+    )
+    attention_backend: str = dataclasses.field(
+        default="auto", metadata={"help": "auto | torch | triton (auto = triton on CUDA)"}
+    )
+    prefix_cache: bool = dataclasses.field(
+        default=True, metadata={"help": "reuse the KV (and drafter features) of committed prefixes across requests"}
+    )
+    debug_checks: bool = dataclasses.field(
+        default=False, metadata={"help": "check KV accounting (free + in use == total) after every step"}
+    )
     device: str = dataclasses.field(default="cpu", metadata={"help": "torch device"})
     dtype: str = dataclasses.field(default="float32", metadata={"help": "float32 | bfloat16 | float16"})
     threads: int = dataclasses.field(default=0, metadata={"help": "torch CPU threads (0 = torch's default)"})
-    tp: int = dataclasses.field(default=1, metadata={
-        "help": "tensor-parallel ranks (torch.distributed; spawned locally unless RANK/WORLD_SIZE are set)"})
-    expert_parallel: bool = dataclasses.field(default=False, metadata={
-        "help": "with tp > 1: each rank holds 1/tp of the routed experts whole, instead of a slice of each"})
-    tp_timeout_s: float = dataclasses.field(default=60.0, metadata={
-        "help": "with tp > 1: a collective waiting longer for a peer fails and the verifier exits"})
+    tp: int = dataclasses.field(
+        default=1,
+        metadata={"help": "tensor-parallel ranks (torch.distributed; spawned locally unless RANK/WORLD_SIZE are set)"},
+    )
+    expert_parallel: bool = dataclasses.field(
+        default=False,
+        metadata={"help": "with tp > 1: each rank holds 1/tp of the routed experts whole, instead of a slice of each"},
+    )
+    tp_timeout_s: float = dataclasses.field(
+        default=60.0,
+        metadata={"help": "with tp > 1: a collective waiting longer for a peer fails and the verifier exits"},
+    )
 
     def validate(self) -> None:
         super().validate()
@@ -130,14 +186,13 @@ class VerifierConfig(ServiceConfig):
             raise ValueError(f"default_budget must be >= 0, got {self.default_budget}")
         if self.max_tree_tokens < 0:
             raise ValueError(f"max_tree_tokens must be >= 0 (0 = no limit), got {self.max_tree_tokens}")
-        if self.overlap_draft_min_batch < 0:
-            raise ValueError(f"overlap_draft_min_batch must be >= 0 (0 = never), got {self.overlap_draft_min_batch}")
         kv_setting(self.kv_tokens, self.kv_memory_gb, self.kv_memory_fraction)
         if self.tp < 1:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
         if self.tp > 1 and self.page_size > 1:
-            raise ValueError("page_size > 1 is not supported with tp > 1: the KV copies at commit would reach "
-                             "rank 0's cache only")
+            raise ValueError(
+                "page_size > 1 is not supported with tp > 1: the KV copies at commit would reach rank 0's cache only"
+            )
         if not self.tp_timeout_s > 0:
             raise ValueError(f"tp_timeout_s must be > 0, got {self.tp_timeout_s}")
         _check_dtype(self.dtype)
@@ -145,26 +200,41 @@ class VerifierConfig(ServiceConfig):
 
 @dataclasses.dataclass(frozen=True)
 class GatewayConfig(ServiceConfig):
-    verifier: str = dataclasses.field(default="127.0.0.1:50062", metadata={
-        "help": "verifier address host:port, or several comma-separated (fewest outstanding requests wins)"})
-    tokenizer: str = dataclasses.field(default="", metadata={
-        "help": "dir with tokenizer.json or tiktoken.model, + tokenizer_config.json ('' = default)"})
+    verifier: str = dataclasses.field(
+        default="127.0.0.1:50062",
+        metadata={"help": "verifier address host:port, or several comma-separated (fewest outstanding requests wins)"},
+    )
+    tokenizer: str = dataclasses.field(
+        default="",
+        metadata={"help": "dir with tokenizer.json or tiktoken.model, + tokenizer_config.json ('' = default)"},
+    )
     model_id: str = dataclasses.field(default="ddtree-demo", metadata={"help": "model name reported to clients"})
     default_max_tokens: int = dataclasses.field(default=256, metadata={"help": "max_tokens when a request sets none"})
     max_prompt_chars: int = dataclasses.field(default=1_000_000, metadata={"help": "largest prompt text accepted"})
     reasoning_parser: str = dataclasses.field(default="kimi_k2", metadata={"help": "kimi_k2 | none"})
     tool_call_parser: str = dataclasses.field(default="kimi_k2", metadata={"help": "kimi_k2 | deepseek_v3 | none"})
-    max_tokens_limit: int = dataclasses.field(default=4096, metadata={"help": "largest max_tokens a request may ask for"})
-    max_prompt_tokens: int = dataclasses.field(default=0, metadata={
-        "help": "largest prompt in tokens (0 = no gateway limit; the verifier's max_context applies)"})
-    http_port: int = dataclasses.field(default=0, metadata={
-        "help": "OpenAI-compatible HTTP port (0 = any free port, -1 = no HTTP)"})
-    max_body_bytes: int = dataclasses.field(default=8 * 1024 * 1024, metadata={
-        "help": "largest HTTP request body (413 above)"})
-    api_key: str = dataclasses.field(default="", metadata={
-        "help": "required as 'Authorization: Bearer KEY' (HTTP) or gRPC metadata ('' = open); prefer the env var"})
-    health_interval_s: float = dataclasses.field(default=2.0, metadata={
-        "help": "seconds between health checks of each verifier"})
+    max_tokens_limit: int = dataclasses.field(
+        default=4096, metadata={"help": "largest max_tokens a request may ask for"}
+    )
+    max_prompt_tokens: int = dataclasses.field(
+        default=0,
+        metadata={"help": "largest prompt in tokens (0 = no gateway limit; the verifier's max_context applies)"},
+    )
+    http_port: int = dataclasses.field(
+        default=0, metadata={"help": "OpenAI-compatible HTTP port (0 = any free port, -1 = no HTTP)"}
+    )
+    max_body_bytes: int = dataclasses.field(
+        default=8 * 1024 * 1024, metadata={"help": "largest HTTP request body (413 above)"}
+    )
+    api_key: str = dataclasses.field(
+        default="",
+        metadata={
+            "help": "required as 'Authorization: Bearer KEY' (HTTP) or gRPC metadata ('' = open); prefer the env var"
+        },
+    )
+    health_interval_s: float = dataclasses.field(
+        default=2.0, metadata={"help": "seconds between health checks of each verifier"}
+    )
 
     @property
     def verifiers(self) -> tuple[str, ...]:
@@ -185,11 +255,13 @@ class GatewayConfig(ServiceConfig):
         if self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
         if self.max_tokens_limit < self.default_max_tokens:
-            raise ValueError(f"max_tokens_limit must be >= default_max_tokens={self.default_max_tokens}, got {self.max_tokens_limit}")
+            raise ValueError(
+                f"max_tokens_limit must be >= default_max_tokens={self.default_max_tokens}, got {self.max_tokens_limit}"
+            )
 
 
 def _check_dtype(name: str, allow_auto: bool = False) -> None:
-    names = ("auto", "float32", "bfloat16", "float16") if allow_auto else ("float32", "bfloat16", "float16")
+    names = ("auto", *DTYPE_NAMES) if allow_auto else DTYPE_NAMES
     if name not in names:
         raise ValueError(f"dtype must be {' | '.join(names)}, got {name!r}")
 
@@ -220,13 +292,20 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type[ServiceConfig]) 
     for f in dataclasses.fields(cls):
         default = f.default
         parser.add_argument(
-            "--" + f.name.replace("_", "-"), dest=f.name, type=_parser_for(type(default)), default=None,
+            "--" + f.name.replace("_", "-"),
+            dest=f.name,
+            type=_parser_for(type(default)),
+            default=None,
             help=f"{f.metadata.get('help', '')} [env {env_var_name(f.name)}, default {default!r}]",
         )
 
 
-def config_from_flags(cls: type[ServiceConfig], args: argparse.Namespace | None = None,
-                      environ: dict[str, str] | None = None, **overrides: Any) -> ServiceConfig:
+def config_from_flags(
+    cls: type[ServiceConfig],
+    args: argparse.Namespace | None = None,
+    environ: dict[str, str] | None = None,
+    **overrides: Any,
+) -> ServiceConfig:
     """Flag > DDTREE_* environment > default; overrides win over all (used by `ddtree serve`)."""
     environ = os.environ if environ is None else environ
     values: dict[str, Any] = {}

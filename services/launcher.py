@@ -1,11 +1,12 @@
 """Start ddtree services as child processes and find their addresses.
 
 Used by `ddtree serve`, `ddtree generate` (when no gateway is given) and the process-boundary tests.
-Each child is `python -m services.cli <service> --port 0 ...`; it prints `LISTENING <name> host:port`
+Each child is `python -m ddtree.cli <service> --port 0 ...`; it prints `LISTENING <name> host:port`
 on stdout once serving, and logs JSON to stderr, which goes to `<log_dir>/<name>.log`. The first
 LISTENING line is the service's gRPC address (`ServiceProcess.address`); a process may announce more
 endpoints after it (the gateway's `gateway-http`), collected in `ServiceProcess.addresses` by name.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,8 +35,7 @@ class ServiceProcess:
     def wait_address(self, name: str, timeout: float = 30.0) -> str:
         """The address announced as `LISTENING <name> ...` (waits for the line, e.g. gateway-http)."""
         with self._announced:
-            if not self._announced.wait_for(lambda: name in self.addresses or self.popen.poll() is not None,
-                                            timeout):
+            if not self._announced.wait_for(lambda: name in self.addresses or self.popen.poll() is not None, timeout):
                 raise ServiceStartError(f"{self.name} announced no {name!r} endpoint within {timeout:.0f}s")
         if name not in self.addresses:
             raise ServiceStartError(f"{self.name} exited before announcing {name!r}; log: {self.log_path}")
@@ -53,15 +53,24 @@ class ServiceProcess:
         return self.popen.returncode
 
 
-def start_service(name: str, args: list[str], log_dir: pathlib.Path, env: dict[str, str] | None = None,
-                  timeout: float = 180.0) -> ServiceProcess:
+def start_service(
+    name: str,
+    args: list[str],
+    log_dir: pathlib.Path,
+    env: dict[str, str] | None = None,
+    timeout: float = 180.0,
+    module: str = "ddtree.cli",
+) -> ServiceProcess:
+    """`python -m MODULE ARGS` as a child that announces `LISTENING <name> host:port` (module: the
+    `ddtree` command, or a stand-in that speaks the same protocol, such as the tests' oracle drafter)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     log_file = open(log_path, "ab")
-    cmd = [sys.executable, "-m", "services.cli", *args]
+    cmd = [sys.executable, "-m", module, *args]
     child_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
-    popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_file, env=child_env,
-                             cwd=pathlib.Path(__file__).resolve().parent.parent)
+    popen = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=log_file, env=child_env, cwd=pathlib.Path(__file__).resolve().parent.parent
+    )
     log_file.close()
     found: dict[str, str] = {}
     addresses: dict[str, str] = {}
@@ -108,6 +117,7 @@ def default_engine_threads() -> int:
 @dataclasses.dataclass
 class Stack:
     """The three services, started in dependency order and stopped in reverse."""
+
     processes: list[ServiceProcess]
 
     def get(self, name: str) -> ServiceProcess:
@@ -129,16 +139,24 @@ class Stack:
     def stop(self) -> dict[str, int]:
         return {p.name: p.stop() for p in reversed(self.processes)}
 
-    def __enter__(self) -> "Stack":
+    def __enter__(self) -> Stack:
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop()
 
 
-def start_stack(model_dir: str, drafter_dir: str | None, log_dir: pathlib.Path, host: str = "127.0.0.1",
-                verifier_args: tuple[str, ...] = (), drafter_args: tuple[str, ...] = (),
-                gateway_args: tuple[str, ...] = (), ports: tuple[int, int, int] = (0, 0, 0)) -> Stack:
+def start_stack(
+    model_dir: str,
+    drafter_dir: str | None,
+    log_dir: pathlib.Path,
+    host: str = "127.0.0.1",
+    verifier_args: tuple[str, ...] = (),
+    drafter_args: tuple[str, ...] = (),
+    gateway_args: tuple[str, ...] = (),
+    ports: tuple[int, int, int] = (0, 0, 0),
+    drafter_module: str = "ddtree.cli",
+) -> Stack:
     """drafter_dir None = AR only (no drafter process).
 
     The drafter and the verifier take turns within a step, and on a small CPU machine two processes
@@ -149,13 +167,45 @@ def start_stack(model_dir: str, drafter_dir: str | None, log_dir: pathlib.Path, 
     try:
         verifier_flags = ["--model", model_dir, "--host", host, "--port", str(ports[1]), *threads, *verifier_args]
         if drafter_dir is not None:
-            d = start_service("drafter", ["drafter", "--model", drafter_dir, "--target", model_dir, "--host", host,
-                                          "--port", str(ports[2]), *threads, *drafter_args], log_dir)
+            d = start_service(
+                "drafter",
+                [
+                    "drafter",
+                    "--model",
+                    drafter_dir,
+                    "--target",
+                    model_dir,
+                    "--host",
+                    host,
+                    "--port",
+                    str(ports[2]),
+                    *threads,
+                    *drafter_args,
+                ],
+                log_dir,
+                module=drafter_module,
+            )
             procs.append(d)
             verifier_flags += ["--drafter", d.address]
         procs.append(start_service("verifier", ["verifier", *verifier_flags], log_dir))
-        procs.append(start_service("gateway", ["gateway", "--verifier", procs[-1].address, "--tokenizer", model_dir,
-                                               "--host", host, "--port", str(ports[0]), *gateway_args], log_dir))
+        procs.append(
+            start_service(
+                "gateway",
+                [
+                    "gateway",
+                    "--verifier",
+                    procs[-1].address,
+                    "--tokenizer",
+                    model_dir,
+                    "--host",
+                    host,
+                    "--port",
+                    str(ports[0]),
+                    *gateway_args,
+                ],
+                log_dir,
+            )
+        )
     except BaseException:
         for p in reversed(procs):
             p.stop()

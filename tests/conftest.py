@@ -1,4 +1,5 @@
 """Shared fixtures: the default checkpoint (built once per session) and service stacks as processes."""
+
 from __future__ import annotations
 
 import os
@@ -12,28 +13,43 @@ if not pathlib.Path("/dev/nvidia0").exists():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
+ORACLE_DRAFTER = "tests.oracle_drafter"  # `python -m` module of the oracle drafter process (test-only engine)
 
 
 @pytest.fixture(scope="session")
 def default_ckpt(tmp_path_factory):
     """The default random checkpoint, built the way first use builds it (DDTREE_HOME or a temp dir)."""
-    from services.models.default_checkpoint import ensure_default_checkpoint
+    from ddtree.default_checkpoint import ensure_default_checkpoint
+
     base = os.environ.get("DDTREE_TEST_HOME") or tmp_path_factory.mktemp("ddtree-home")
     return ensure_default_checkpoint(pathlib.Path(base))
 
 
-def _stack(default_ckpt, tmp_path_factory, name, drafter_args=(), verifier_args=()):
-    from services.launcher import start_stack
+def _stack(default_ckpt, tmp_path_factory, name, drafter_args=(), verifier_args=(), drafter_module="ddtree.cli"):
+    from ddtree.launcher import start_stack
+
     log_dir = tmp_path_factory.mktemp(f"logs-{name}")
-    return start_stack(str(default_ckpt.target), str(default_ckpt.drafter), log_dir,
-                       drafter_args=tuple(drafter_args), verifier_args=tuple(verifier_args))
+    return start_stack(
+        str(default_ckpt.target),
+        str(default_ckpt.drafter),
+        log_dir,
+        drafter_args=tuple(drafter_args),
+        verifier_args=tuple(verifier_args),
+        drafter_module=drafter_module,
+    )
 
 
 @pytest.fixture(scope="session")
 def oracle_stack(default_ckpt, tmp_path_factory):
     """Drafter = the oracle engine (the target's own continuation with noise): real multi-token acceptance."""
-    stack = _stack(default_ckpt, tmp_path_factory, "oracle", ["--engine", "oracle", "--oracle-seed", "7"],
-                   ["--max-batch", "8", "--kv-tokens", "32768", "--max-context", "2048", "--prefill-chunk", "64"])
+    stack = _stack(
+        default_ckpt,
+        tmp_path_factory,
+        "oracle",
+        ["--oracle-seed", "7"],
+        ["--max-batch", "8", "--kv-tokens", "32768", "--max-context", "2048", "--prefill-chunk", "64"],
+        drafter_module=ORACLE_DRAFTER,
+    )
     yield stack
     stack.stop()
 
@@ -41,8 +57,13 @@ def oracle_stack(default_ckpt, tmp_path_factory):
 @pytest.fixture(scope="session")
 def dflash_stack(default_ckpt, tmp_path_factory):
     """Drafter = the random DFlash model of the default checkpoint."""
-    stack = _stack(default_ckpt, tmp_path_factory, "dflash", [],
-                   ["--max-batch", "8", "--kv-tokens", "32768", "--max-context", "2048"])
+    stack = _stack(
+        default_ckpt,
+        tmp_path_factory,
+        "dflash",
+        [],
+        ["--max-batch", "8", "--kv-tokens", "32768", "--max-context", "2048"],
+    )
     yield stack
     stack.stop()
 
@@ -50,7 +71,8 @@ def dflash_stack(default_ckpt, tmp_path_factory):
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory):
     """The default BPE tokenizer (stdlib-trained, Kimi specials), trained once per session."""
-    from services.gateway.default_tokenizer import write_default_tokenizer
+    from ddtree.tokenization.default_tokenizer import write_default_tokenizer
+
     d = tmp_path_factory.getbasetemp() / "default-tokenizer"
     if not (d / "tokenizer_config.json").is_file():
         write_default_tokenizer(d)
@@ -59,5 +81,6 @@ def tokenizer_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tok(tokenizer_dir):
-    from services.gateway.tokenizer import Tokenizer
+    from ddtree.tokenization.tokenizer import Tokenizer
+
     return Tokenizer(tokenizer_dir)

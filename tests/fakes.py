@@ -1,22 +1,25 @@
 """A fake in-process verifier for gateway tests: streams scripted token ids, records what it was sent.
 
 Used by tests/test_gateway_server.py (gRPC) and tests/test_gateway_http.py (HTTP, routing)."""
+
 from __future__ import annotations
 
 import dataclasses
 import threading
+import types
 
-from services.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
-from services.protocol.server import start_server
+from ddtree.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from ddtree.protocol.server import start_server
 
 
 @dataclasses.dataclass
 class _Run:
     """What one test scripted and what the fake saw during it. Generate binds the run current at its
     start, so a stream left over from an earlier test cannot touch a later test's record."""
+
     script: list
-    error: tuple | None = None   # (code, message): abort after streaming the script
-    delay_s: float = 0.0         # wait before every message but the first
+    error: tuple | None = None  # (code, message): abort after streaming the script
+    delay_s: float = 0.0  # wait before every message but the first
     requests: list = dataclasses.field(default_factory=list)
     aborts: list = dataclasses.field(default_factory=list)
     time_remaining: list = dataclasses.field(default_factory=list)
@@ -68,10 +71,17 @@ def script_for(ids, sizes=None, finish="length", usage=None, request_id="r"):
     assert sum(sizes) == len(ids)
     msgs, pos = [], 0
     for step, n in enumerate(sizes):
-        msgs.append(verifier_pb2.GenerateResponse(
-            request_id=request_id, token_ids=ids[pos:pos + n],
-            steps=[common_pb2.StepStats(step=step, context_tokens=10 + pos, tree_nodes=8, accept_length=n,
-                                        verify_ms=1.5, total_ms=2.0)]))
+        msgs.append(
+            verifier_pb2.GenerateResponse(
+                request_id=request_id,
+                token_ids=ids[pos : pos + n],
+                steps=[
+                    common_pb2.StepStats(
+                        step=step, context_tokens=10 + pos, tree_nodes=8, accept_length=n, verify_ms=1.5, total_ms=2.0
+                    )
+                ],
+            )
+        )
         pos += n
     if not msgs:
         msgs.append(verifier_pb2.GenerateResponse(request_id=request_id))
@@ -79,6 +89,22 @@ def script_for(ids, sizes=None, finish="length", usage=None, request_id="r"):
     if usage is not None:
         msgs[-1].usage.CopyFrom(usage)
     return msgs
+
+
+def verifier_usage(prompt_tokens: int, msgs) -> common_pb2.Usage:
+    """The usage the real verifier sends at the end of a request that streamed `msgs`: its own `usage_of`
+    over a finished sequence that took these steps (timings left at 0)."""
+    from ddtree.verifier.server import usage_of  # torch: only the tests that call this import it
+
+    seq = types.SimpleNamespace(
+        prompt_len=prompt_tokens,
+        generated=[t for m in msgs for t in m.token_ids],
+        accept_lengths=[s.accept_length for m in msgs for s in m.steps],
+        arrival=0.0,
+        first_token_time=None,
+        last_token_time=None,
+    )
+    return usage_of(seq)
 
 
 def start_fake_verifier(name: str = "fake-verifier"):

@@ -7,12 +7,13 @@ metadata; `blocker_source(allowed)` is Python source that, run first in a fresh 
 import of a module that only a distribution outside `allowed` provides raise ModuleNotFoundError, as if
 that distribution were not installed.
 """
+
 from __future__ import annotations
 
 import importlib.metadata as md
 import pathlib
-import tomllib
 
+import tomllib
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
@@ -27,10 +28,14 @@ def project_name() -> str:
     return canonicalize_name(pyproject()["project"]["name"])
 
 
+def package_dirs() -> dict[str, pathlib.Path]:
+    """Import package -> the folder it is installed from (`ddtree` -> services/, `ddtree.kernels` -> kernels/, ...)."""
+    return {name: ROOT / folder for name, folder in pyproject()["tool"]["setuptools"]["package-dir"].items()}
+
+
 def import_packages() -> list[str]:
-    """The top-level import packages the project installs."""
-    include = pyproject()["tool"]["setuptools"]["packages"]["find"]["include"]
-    return sorted({pattern.rstrip("*").split(".")[0] for pattern in include})
+    """The package roots the project installs (one top-level name, `ddtree`, mapped onto several folders)."""
+    return sorted(package_dirs())
 
 
 def runtime_requirements() -> list[str]:

@@ -17,11 +17,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from services.models.attention import AttentionMetadata, SeqAttention
-from services.models.deepseek_v3 import DeepseekV3ForCausalLM
-from services.models.loader import TensorSlice
-from services.models.quantization import quantize_fp8_block, quantize_int4_group
-from services.models.random_checkpoint import write_random_target
+from ddtree.models.attention import AttentionMetadata, SeqAttention
+from ddtree.models.deepseek_v3 import DeepseekV3ForCausalLM
+from ddtree.models.loader import TensorSlice
+from ddtree.models.quantization import quantize_fp8_block, quantize_int4_group
+from ddtree.models.random_checkpoint import write_random_target
 
 TINY: dict[str, Any] = dict(
     model_type="deepseek_v3", vocab_size=320, hidden_size=96, intermediate_size=200, moe_intermediate_size=44,

@@ -7,8 +7,10 @@ import random
 import pytest
 import torch
 
-from services.drafter.tree import TokenTree, build_tree, topk_logprobs
-from services.verifier.accept import Verdict, accept
+from ddtree.contract.token_tree import TokenTree
+from ddtree.contract.verdict import Verdict
+from ddtree.drafter.tree import build_tree, topk_logprobs
+from ddtree.verifier.accept import accept
 
 #        root(100)
 #        /      \
@@ -29,15 +31,18 @@ def choices(**by_node: int) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("name, choice, nodes, tokens, bonus", [
-    ("all_rejected", choices(n0=42), (0,), (ROOT,), 42),
-    ("partial", choices(n0=10, n1=13, n5=7), (0, 1, 5), (ROOT, 10, 13), 7),
-    ("full_depth", choices(n0=10, n1=12, n3=15, n6=3), (0, 1, 3, 6), (ROOT, 10, 12, 15), 3),
-    ("sibling_chosen", choices(n0=11, n2=14, n4=8), (0, 2, 4), (ROOT, 11, 14), 8),
-    ("stop_mid_path", choices(n0=10, n1=12, n3=16), (0, 1, 3), (ROOT, 10, 12), 16),
-    # a node token equal to a choice elsewhere does not matter: only children of the current node count
-    ("not_a_child", choices(n0=12), (0,), (ROOT,), 12),
-])
+@pytest.mark.parametrize(
+    "name, choice, nodes, tokens, bonus",
+    [
+        ("all_rejected", choices(n0=42), (0,), (ROOT,), 42),
+        ("partial", choices(n0=10, n1=13, n5=7), (0, 1, 5), (ROOT, 10, 13), 7),
+        ("full_depth", choices(n0=10, n1=12, n3=15, n6=3), (0, 1, 3, 6), (ROOT, 10, 12, 15), 3),
+        ("sibling_chosen", choices(n0=11, n2=14, n4=8), (0, 2, 4), (ROOT, 11, 14), 8),
+        ("stop_mid_path", choices(n0=10, n1=12, n3=16), (0, 1, 3), (ROOT, 10, 12), 16),
+        # a node token equal to a choice elsewhere does not matter: only children of the current node count
+        ("not_a_child", choices(n0=12), (0,), (ROOT,), 12),
+    ],
+)
 def test_walk_cases(name: str, choice: list[int], nodes, tokens, bonus) -> None:
     v = accept(TREE, ROOT, choice)
     assert v == Verdict(nodes, tokens, bonus), name
@@ -81,6 +86,6 @@ def test_greedy_equals_target_argmax_path(seed: int) -> None:
     deepest = max(matched, key=lambda i: len(paths[i]))
     assert v.accepted_nodes[-1] == deepest
     assert v.accepted_tokens == (root,) + paths[deepest]
-    assert v.bonus_token == ar[len(paths[deepest])]
+    assert v.next_root == ar[len(paths[deepest])]
     assert list(v.accepted_nodes) == sorted(set(v.accepted_nodes)) and v.accepted_nodes[0] == 0
     assert [len(paths[i]) for i in v.accepted_nodes] == list(range(len(v.accepted_nodes)))

@@ -1,4 +1,5 @@
 """Bad input gets a clear error with the right status code, and requests in flight are untouched."""
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -7,9 +8,8 @@ import grpc
 import pytest
 import torch
 
-from services.protocol.ddtree.v1 import (common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2,
-                                         verifier_pb2_grpc)
-from services.protocol.tensors import tensor_to_proto
+from ddtree.protocol.ddtree.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from ddtree.protocol.tensors import tensor_to_proto
 
 pytestmark = pytest.mark.slow
 
@@ -53,26 +53,35 @@ VERIFIER_CASES = [
 def test_bad_requests_are_rejected_while_others_stream(oracle_stack, default_ckpt):
     """A long greedy generation runs while every bad request is sent; it must finish with exactly
     the tokens it gives when run alone."""
-    long_req = _gen(input_ids=[11, 12, 13, 14], max_new_tokens=96, ignore_eos=True,
-                    spec=common_pb2.SpecOptions(budget=8))
+    long_req = _gen(
+        input_ids=[11, 12, 13, 14], max_new_tokens=96, ignore_eos=True, spec=common_pb2.SpecOptions(budget=8)
+    )
     alone = _stream(oracle_stack.verifier, long_req)
     with cf.ThreadPoolExecutor(1) as pool:
         running = pool.submit(_stream, oracle_stack.verifier, long_req)
         with grpc.insecure_channel(oracle_stack.verifier) as ch:
             stub = verifier_pb2_grpc.VerifierStub(ch)
-            for name, req, fragment in VERIFIER_CASES:
-                _expect(grpc.StatusCode.INVALID_ARGUMENT, fragment, lambda: list(stub.Generate(req, timeout=30)))
-            _expect(grpc.StatusCode.NOT_FOUND, "no running request",
-                    lambda: stub.Abort(verifier_pb2.AbortRequest(request_id="never-started"), timeout=10))
-            _expect(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty",
-                    lambda: stub.Abort(verifier_pb2.AbortRequest(), timeout=10))
+            for _name, req, fragment in VERIFIER_CASES:
+                _expect(
+                    grpc.StatusCode.INVALID_ARGUMENT, fragment, lambda req=req: list(stub.Generate(req, timeout=30))
+                )
+            _expect(
+                grpc.StatusCode.NOT_FOUND,
+                "no running request",
+                lambda: stub.Abort(verifier_pb2.AbortRequest(request_id="never-started"), timeout=10),
+            )
+            _expect(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "request_id is empty",
+                lambda: stub.Abort(verifier_pb2.AbortRequest(), timeout=10),
+            )
         with grpc.insecure_channel(oracle_stack.get("drafter").address) as ch:
             _bad_drafts(drafter_pb2_grpc.DrafterStub(ch))
         assert running.result() == alone
 
 
 def _seq(**kw):
-    base = dict(seq_id="bad-1", commit_token_ids=[1, 2], commit_start=0, anchor_token_id=3, budget=4, reset=True)
+    base = dict(seq_id="bad-1", commit_token_ids=[1, 2], commit_start=0, root_token_id=3, budget=4, reset=True)
     base.update(kw)
     feats = kw.pop("features", None)
     base.pop("features", None)
@@ -88,21 +97,25 @@ def _bad_drafts(stub):
         (_seq(features=common_pb2.Tensor(data=b"\0" * 7, shape=[2, 256], dtype=common_pb2.FLOAT32)), "bytes"),
         (_seq(features=common_pb2.Tensor(data=b"", shape=[2, 256], dtype=99)), "unsupported dtype"),
         (_seq(commit_token_ids=[1, 10**6]), "outside [0, 4096)"),
-        (_seq(anchor_token_id=-5), "outside [0, 4096)"),
+        (_seq(root_token_id=-5), "outside [0, 4096)"),
         (_seq(reset=False, seq_id="unknown-seq"), "unknown"),
         (_seq(seq_id=""), "seq_id"),
         (_seq(budget=-1), "budget"),
     ]
     for msg, fragment in cases:
-        _expect(grpc.StatusCode.INVALID_ARGUMENT, fragment,
-                lambda: stub.Draft(drafter_pb2.DraftRequest(seqs=[msg]), timeout=30))
+        _expect(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            fragment,
+            lambda msg=msg: stub.Draft(drafter_pb2.DraftRequest(seqs=[msg]), timeout=30),
+        )
     dup = drafter_pb2.DraftRequest(seqs=[_seq(), _seq()])
     _expect(grpc.StatusCode.INVALID_ARGUMENT, "twice", lambda: stub.Draft(dup, timeout=30))
 
 
 def test_verifier_rejects_a_malformed_tree_from_the_drafter():
     """A tree whose parent index is not smaller than its own index never reaches the forward."""
-    from services.drafter.tree import TokenTree
+    from ddtree.contract.token_tree import TokenTree
+
     bad = [TokenTree((5, 6), (0, 2), (1, 2)), TokenTree((5, 6), (0, 1), (1, 3)), TokenTree((5,), (1,), (1,))]
     for tree in bad:
         with pytest.raises(ValueError, match="parent|depth"):

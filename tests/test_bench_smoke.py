@@ -1,5 +1,6 @@
 """`ddtree bench context | twopoint | compare` and `ddtree diagnose` as a user runs them, on the random
 default checkpoint with tiny sizes (the numbers mean nothing here; the plumbing is what is checked)."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _ddtree(*args, timeout=120):
-    res = subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True, text=True,
-                         timeout=timeout, cwd=REPO)
+    res = subprocess.run(
+        [sys.executable, "-m", "ddtree.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=REPO
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return res.stdout
 
@@ -27,12 +29,25 @@ def _dirs(ckpt):
 def test_bench_context(default_ckpt, tmp_path):
     try:
         import matplotlib  # noqa: F401  (the `bench` extra)
+
         plot = []
     except ModuleNotFoundError:
         plot = ["--no-plot"]
     out = tmp_path / "ctx.json"
-    text = _ddtree("bench", "context", "--contexts", "16,40", "--tokens", "10", "--out", str(out),
-                   "--log-dir", str(tmp_path / "logs"), *plot, *_dirs(default_ckpt))
+    text = _ddtree(
+        "bench",
+        "context",
+        "--contexts",
+        "16,40",
+        "--tokens",
+        "10",
+        "--out",
+        str(out),
+        "--log-dir",
+        str(tmp_path / "logs"),
+        *plot,
+        *_dirs(default_ckpt),
+    )
     assert "avg commit" in text and "speedup" in text
     rows = json.loads(out.read_text())["rows"]
     assert [(r["kind"], r["context"]) for r in rows] == [(k, c) for k in ("padding", "code", "prose") for c in (16, 40)]
@@ -45,8 +60,23 @@ def test_bench_context(default_ckpt, tmp_path):
 
 def test_bench_twopoint(default_ckpt, tmp_path):
     out = tmp_path / "tp.json"
-    text = _ddtree("bench", "twopoint", "--contexts", "16", "--short", "4", "--long", "12", "--full", "24",
-                   "--out", str(out), "--log-dir", str(tmp_path / "logs"), *_dirs(default_ckpt))
+    text = _ddtree(
+        "bench",
+        "twopoint",
+        "--contexts",
+        "16",
+        "--short",
+        "4",
+        "--long",
+        "12",
+        "--full",
+        "24",
+        "--out",
+        str(out),
+        "--log-dir",
+        str(tmp_path / "logs"),
+        *_dirs(default_ckpt),
+    )
     assert "two-point tok/s" in text
     (row,) = json.loads(out.read_text())["rows"]
     assert row["two_point_tok_s"] > 0 and row["full_tok_s"] > 0
@@ -56,8 +86,23 @@ def test_bench_twopoint(default_ckpt, tmp_path):
 def test_bench_compare_with_chain_and_hf(default_ckpt, tmp_path):
     pytest.importorskip("transformers")
     out = tmp_path / "cmp.json"
-    text = _ddtree("bench", "compare", "--context", "24", "--tokens", "10", "--budgets", "4,16", "--hf", "on",
-                   "--out", str(out), "--log-dir", str(tmp_path / "logs"), *_dirs(default_ckpt))
+    text = _ddtree(
+        "bench",
+        "compare",
+        "--context",
+        "24",
+        "--tokens",
+        "10",
+        "--budgets",
+        "4,16",
+        "--hf",
+        "on",
+        "--out",
+        str(out),
+        "--log-dir",
+        str(tmp_path / "logs"),
+        *_dirs(default_ckpt),
+    )
     assert "HF generate" in text
     rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
     assert list(rows) == ["AR", "DDTree b=4", "DDTree b=16", "chain", "HF generate"]
@@ -68,24 +113,57 @@ def test_bench_compare_with_chain_and_hf(default_ckpt, tmp_path):
     assert rows["HF generate"]["tok_s"] > 0
 
 
-DIAG_SIZES = ("--contexts", "16,40", "--tokens", "10", "--drift-context", "16", "--drift-tokens", "40",
-              "--head-tokens", "10")
+DIAG_SIZES = (
+    "--contexts",
+    "16,40",
+    "--tokens",
+    "10",
+    "--drift-context",
+    "16",
+    "--drift-tokens",
+    "40",
+    "--head-tokens",
+    "10",
+)
 
 
 def test_diagnose_reconciles_a_real_run(default_ckpt, tmp_path):
     """A deployment writing a step-log file; a user's request on it is the observed figure."""
-    from tools.bench.runner import VerifierEndpoint, private_verifier
+    from ddtree.tools.bench.runner import VerifierEndpoint, private_verifier
+
     steps = tmp_path / "steps.jsonl"
-    with private_verifier(str(default_ckpt.target), str(default_ckpt.drafter), 512, tmp_path / "deploy",
-                          verifier_args=("--step-log", str(steps))) as addr:
+    with private_verifier(
+        str(default_ckpt.target),
+        str(default_ckpt.drafter),
+        512,
+        tmp_path / "deploy",
+        verifier_args=("--step-log", str(steps)),
+    ) as addr:
         ep = VerifierEndpoint(addr)
         observed = ep.generate(list(range(100, 116)), 12)
         ep.close()
         assert len(steps.read_text().splitlines()) == len(observed.steps)
         out = tmp_path / "diag.json"
-        text = _ddtree("diagnose", "--verifier", addr, *DIAG_SIZES, "--model", str(default_ckpt.target),
-                       "--observed-tps", f"{observed.decode_tok_s:.2f}", "--context", "16", "--output", "12",
-                       "--step-log", str(steps), "--last", "1", "--out", str(out))
+        text = _ddtree(
+            "diagnose",
+            "--verifier",
+            addr,
+            *DIAG_SIZES,
+            "--model",
+            str(default_ckpt.target),
+            "--observed-tps",
+            f"{observed.decode_tok_s:.2f}",
+            "--context",
+            "16",
+            "--output",
+            "12",
+            "--step-log",
+            str(steps),
+            "--last",
+            "1",
+            "--out",
+            str(out),
+        )
     assert "reconciliation:" in text and "flags:" in text
     report = json.loads(out.read_text())
     assert len(report["flags"]) == 5 and all(f["evidence"] for f in report["flags"])
@@ -97,13 +175,27 @@ def test_diagnose_reconciles_a_real_run(default_ckpt, tmp_path):
 
 def test_diagnose_window_on_and_off(default_ckpt, tmp_path):
     """A deployment with a 24-token draft window; diagnose starts the window-off control itself."""
-    from tools.bench.runner import private_verifier
-    with private_verifier(str(default_ckpt.target), str(default_ckpt.drafter), 512, tmp_path / "deploy",
-                          drafter_args=("--window", "24")) as addr:
+    from ddtree.tools.bench.runner import private_verifier
+
+    with private_verifier(
+        str(default_ckpt.target), str(default_ckpt.drafter), 512, tmp_path / "deploy", drafter_args=("--window", "24")
+    ) as addr:
         out = tmp_path / "diag.json"
-        text = _ddtree("diagnose", "--verifier", addr, *DIAG_SIZES, "--start-window-off",
-                       "--model", str(default_ckpt.target), "--drafter-model", str(default_ckpt.drafter),
-                       "--out", str(out), "--log-dir", str(tmp_path / "logs"))
+        text = _ddtree(
+            "diagnose",
+            "--verifier",
+            addr,
+            *DIAG_SIZES,
+            "--start-window-off",
+            "--model",
+            str(default_ckpt.target),
+            "--drafter-model",
+            str(default_ckpt.drafter),
+            "--out",
+            str(out),
+            "--log-dir",
+            str(tmp_path / "logs"),
+        )
     assert "window 24" in text
     report = json.loads(out.read_text())
     window = report["flags"][1]
@@ -112,11 +204,30 @@ def test_diagnose_window_on_and_off(default_ckpt, tmp_path):
 
 
 def test_bench_serving_batching_and_prefix(default_ckpt, tmp_path):
-    """tools.bench_serving's batching (solo, burst, sustained) and prefix parts, tiny sizes."""
+    """scripts.bench_serving's batching (solo, burst, sustained) and prefix parts, tiny sizes."""
     out = tmp_path / "serving.json"
-    res = subprocess.run([sys.executable, "-m", "tools.bench_serving", "--only", "prefix,batching", "--streams", "3",
-                          "--tokens", "12", "--rounds", "3", "--out", str(out), *_dirs(default_ckpt)],
-                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "scripts.bench_serving",
+            "--only",
+            "prefix,batching",
+            "--streams",
+            "3",
+            "--tokens",
+            "12",
+            "--rounds",
+            "3",
+            "--out",
+            str(out),
+            *_dirs(default_ckpt),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     results = json.loads(out.read_text())
     b = results["batching"]
@@ -125,6 +236,11 @@ def test_bench_serving_batching_and_prefix(default_ckpt, tmp_path):
     assert b["sustained"]["tau"] >= 1.0 and b["solo"]["tau"] >= 1.0
     p = results["prefix"]
     assert p["same_output"] and p["same_acceptance"] and p["ttft_ratio"] < 1.0  # the second prompt hits the cache
-    bad = subprocess.run([sys.executable, "-m", "tools.bench_serving", "--only", "nonsense"], capture_output=True,
-                         text=True, timeout=60, cwd=REPO)
+    bad = subprocess.run(
+        [sys.executable, "-m", "scripts.bench_serving", "--only", "nonsense"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
     assert bad.returncode == 2 and "--only takes" in bad.stderr

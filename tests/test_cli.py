@@ -1,4 +1,5 @@
 """The `ddtree` command as a user runs it: generate --json through a real gateway, serve + Ctrl-C."""
+
 from __future__ import annotations
 
 import json
@@ -10,22 +11,39 @@ import time
 
 import pytest
 
-from services.cli import build_parser
+from ddtree.cli import build_parser
 
 pytestmark = pytest.mark.slow
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _ddtree(*args, timeout=300, env=None):
-    return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "ddtree.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def test_generate_json_through_the_gateway(oracle_stack):
     runs = {}
     for mode, extra in (("spec", ["--budget", "8"]), ("ar", ["--no-spec"])):
-        res = _ddtree("generate", "--gateway", oracle_stack.gateway, "--prompt", "def add(a, b):", "--chat",
-                      "--max-tokens", "40", "--ignore-eos", "--json", *extra)
+        res = _ddtree(
+            "generate",
+            "--gateway",
+            oracle_stack.gateway,
+            "--prompt",
+            "def add(a, b):",
+            "--chat",
+            "--max-tokens",
+            "40",
+            "--ignore-eos",
+            "--json",
+            *extra,
+        )
         assert res.returncode == 0, res.stderr
         runs[mode] = json.loads(res.stdout)
     spec, ar = runs["spec"], runs["ar"]
@@ -43,10 +61,23 @@ def test_generate_json_through_the_gateway(oracle_stack):
 
 def test_serve_starts_three_services_and_stops_cleanly(default_ckpt, tmp_path):
     env = {"DDTREE_HOME": str(default_ckpt.root.parent)}
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "--log-dir", str(tmp_path),
-                             "--verifier-args", "--kv-tokens 4096 --max-tree-tokens 32"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                            env={**os.environ, **env})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ddtree.cli",
+            "serve",
+            "--log-dir",
+            str(tmp_path),
+            "--verifier-args",
+            "--kv-tokens 4096 --max-tree-tokens 32",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, **env},
+    )
     lines = []
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
@@ -60,8 +91,9 @@ def test_serve_starts_three_services_and_stops_cleanly(default_ckpt, tmp_path):
     gateway = next(line.split()[1] for line in lines if line.startswith("gateway"))
     res = _ddtree("generate", "--gateway", gateway, "--prompt", "hi", "--max-tokens", "5", "--json")
     assert res.returncode == 0 and json.loads(res.stdout)["usage"]["completion_tokens"] >= 1
-    ready = [json.loads(line) for line in (tmp_path / "verifier.log").read_text().splitlines()
-             if '"verifier_ready"' in line]
+    ready = [
+        json.loads(line) for line in (tmp_path / "verifier.log").read_text().splitlines() if '"verifier_ready"' in line
+    ]
     assert ready and ready[0]["kv_tokens"] == 4096  # --verifier-args reached the verifier
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=60)

@@ -8,6 +8,7 @@ environment, service names mapped to loopback addresses (two drafter replicas on
 127.0.0.3), requests stream through the gateway, one drafter replica is killed mid-stream, and every
 request still returns exactly the AR tokens.
 """
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -23,16 +24,32 @@ import grpc
 import pytest
 import yaml
 
-from services.cli import build_parser
-from services.config import DrafterConfig, GatewayConfig, VerifierConfig, config_from_flags, env_var_names
-from services.protocol.ddtree.v1 import gateway_pb2, gateway_pb2_grpc
+from ddtree.cli import build_parser
+from ddtree.config import DrafterConfig, GatewayConfig, VerifierConfig, config_from_flags, env_var_names
+from ddtree.protocol.ddtree.v1 import gateway_pb2, gateway_pb2_grpc
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 DOCKER = REPO / "docker"
 CONFIGS = {"drafter": DrafterConfig, "verifier": VerifierConfig, "gateway": GatewayConfig}
 GRPC_SERVICES = {"drafter": "ddtree.v1.Drafter", "verifier": "ddtree.v1.Verifier", "gateway": "ddtree.v1.Gateway"}
-DOCKERFILE_KEYWORDS = {"FROM", "ARG", "RUN", "COPY", "ADD", "WORKDIR", "USER", "ENV", "ENTRYPOINT", "CMD",
-                       "EXPOSE", "HEALTHCHECK", "LABEL", "VOLUME", "SHELL", "STOPSIGNAL"}
+DOCKERFILE_KEYWORDS = {
+    "FROM",
+    "ARG",
+    "RUN",
+    "COPY",
+    "ADD",
+    "WORKDIR",
+    "USER",
+    "ENV",
+    "ENTRYPOINT",
+    "CMD",
+    "EXPOSE",
+    "HEALTHCHECK",
+    "LABEL",
+    "VOLUME",
+    "SHELL",
+    "STOPSIGNAL",
+}
 
 
 def _compose() -> dict:
@@ -41,9 +58,11 @@ def _compose() -> dict:
 
 def _substitute(value: str, env: dict[str, str]) -> str:
     """Compose's ${VAR:-default} / ${VAR} interpolation."""
+
     def repl(m):
         name, default = m.group(1), m.group(3) or ""
         return env.get(name) or default
+
     return re.sub(r"\$\{([A-Z0-9_]+)(:-([^}]*))?\}", repl, value)
 
 
@@ -136,9 +155,14 @@ def test_compose_serves_the_demo_checkpoint_by_default():
             src, _, rest = _substitute(volume, {}).partition(":")
             mounts[rest.split(":")[0]] = (DOCKER / src).resolve()
     assert set(mounts) >= {"/checkpoints"}
-    paths = {name: {k: _substitute(str(v), {}) for k, v in services[name]["environment"].items()
-                    if k in ("DDTREE_MODEL", "DDTREE_TARGET", "DDTREE_TOKENIZER")}
-             for name in ("drafter", "verifier", "gateway")}
+    paths = {
+        name: {
+            k: _substitute(str(v), {})
+            for k, v in services[name]["environment"].items()
+            if k in ("DDTREE_MODEL", "DDTREE_TARGET", "DDTREE_TOKENIZER")
+        }
+        for name in ("drafter", "verifier", "gateway")
+    }
     for name, env in paths.items():
         assert env, f"{name}: no model path set"
         for key, value in env.items():
@@ -174,8 +198,11 @@ def test_compose_services_commands_env_and_health():
     assert services["gateway"]["depends_on"]["verifier"]["condition"] == "service_healthy"
     gpu = services["verifier"]["deploy"]["resources"]["reservations"]["devices"][0]
     assert gpu["driver"] == "nvidia" and "gpu" in gpu["capabilities"]
-    example = dict(line.split("=", 1) for line in (DOCKER / ".env.example").read_text().splitlines()
-                   if line and not line.startswith("#"))
+    example = dict(
+        line.split("=", 1)
+        for line in (DOCKER / ".env.example").read_text().splitlines()
+        if line and not line.startswith("#")
+    )
     compose_vars = set(re.findall(r"\$\{([A-Z0-9_]+)", (DOCKER / "compose.yaml").read_text()))
     assert compose_vars <= set(example), f"variables missing from .env.example: {compose_vars - set(example)}"
 
@@ -188,10 +215,16 @@ def test_observability_files():
         port = int(compose["services"][name]["environment"]["DDTREE_METRICS_PORT"])
         assert jobs[name]["dns_sd_configs"][0]["port"] == port
     import json
+
     dash = json.loads((DOCKER / "observability" / "grafana" / "dashboards" / "ddtree.json").read_text())
     exprs = " ".join(t["expr"] for p in dash["panels"] for t in p["targets"])
-    for metric in ("ddtree_accept_length", "ddtree_step_seconds", "ddtree_generated_tokens_total",
-                   "ddtree_context_tokens", "ddtree_queued_requests"):
+    for metric in (
+        "ddtree_accept_length",
+        "ddtree_step_seconds",
+        "ddtree_generated_tokens_total",
+        "ddtree_context_tokens",
+        "ddtree_queued_requests",
+    ):
         assert metric in exprs, f"dashboard has no panel on {metric}"
 
 
@@ -211,16 +244,21 @@ def _free_port(*hosts: str) -> int:
 
 def _start(argv, env, log_path):
     log = open(log_path, "wb")
-    return subprocess.Popen([sys.executable, "-m", "services.cli", *argv], stdout=log, stderr=subprocess.STDOUT,
-                            env=env, cwd=REPO)
+    return subprocess.Popen(
+        [sys.executable, "-m", "ddtree.cli", *argv], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO
+    )
 
 
 def _wait_healthy(healthcheck, mapping, env, timeout=180):
     argv = [mapping(a) for a in healthcheck[2:]]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if subprocess.run([sys.executable, "-m", "services.cli", *argv], capture_output=True, env=env,
-                          cwd=REPO).returncode == 0:
+        if (
+            subprocess.run(
+                [sys.executable, "-m", "ddtree.cli", *argv], capture_output=True, env=env, cwd=REPO
+            ).returncode
+            == 0
+        ):
             return
         time.sleep(1)
     raise AssertionError(f"never healthy: {argv}")
@@ -258,12 +296,16 @@ def test_compose_commands_as_processes_with_two_drafters(default_ckpt, tmp_path)
                 env = {k: map_address(_substitute(str(v), {})) for k, v in svc["environment"].items()}
                 env = {k: v for k, v in env.items() if v != ""}
                 env["DDTREE_HOST"] = host
-                procs.setdefault(name, []).append(_start(_argv(name, svc), {**base_env, **env},
-                                                         tmp_path / f"{name}{i}.log"))
+                procs.setdefault(name, []).append(
+                    _start(_argv(name, svc), {**base_env, **env}, tmp_path / f"{name}{i}.log")
+                )
             for host in hosts[name]:
                 # inside its container the check calls 127.0.0.1; here that is the replica's address
-                _wait_healthy(svc["healthcheck"]["test"],
-                              lambda a, h=host: map_address(a).replace("127.0.0.1:", f"{h}:"), base_env)
+                _wait_healthy(
+                    svc["healthcheck"]["test"],
+                    lambda a, h=host: map_address(a).replace("127.0.0.1:", f"{h}:"),
+                    base_env,
+                )
         gateway = f"127.0.0.1:{ports[services['gateway']['environment']['DDTREE_PORT']]}"
         prompts = ["def parse(", "class Stack:", "import json\n", "The river", "for i in range(", "Hello"]
 
@@ -272,7 +314,8 @@ def test_compose_commands_as_processes_with_two_drafters(default_ckpt, tmp_path)
             ids = []
             with grpc.insecure_channel(gateway) as ch:
                 stream = gateway_pb2_grpc.GatewayStub(ch).Complete(
-                    gateway_pb2.CompleteRequest(prompt=prompt, options=opts), timeout=300)
+                    gateway_pb2.CompleteRequest(prompt=prompt, options=opts), timeout=300
+                )
                 for n, chunk in enumerate(stream):
                     ids.extend(chunk.token_ids)
                     if kill and n == 3:
@@ -304,10 +347,16 @@ def test_kimi_k26_override_and_env_file():
     base = _compose()
     assert set(override["services"]) <= set(base["services"])
     assert override["services"]["verifier"]["ipc"] == "host"
-    env = dict(line.split("=", 1) for line in (DOCKER / "kimi-k26.env").read_text().splitlines()
-               if line and not line.startswith("#"))
-    example = dict(line.split("=", 1) for line in (DOCKER / ".env.example").read_text().splitlines()
-                   if line and not line.startswith("#"))
+    env = dict(
+        line.split("=", 1)
+        for line in (DOCKER / "kimi-k26.env").read_text().splitlines()
+        if line and not line.startswith("#")
+    )
+    example = dict(
+        line.split("=", 1)
+        for line in (DOCKER / ".env.example").read_text().splitlines()
+        if line and not line.startswith("#")
+    )
     assert set(env) == set(example), set(env) ^ set(example)
     parser = build_parser()
     for name in ("drafter", "verifier"):

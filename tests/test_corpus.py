@@ -1,15 +1,17 @@
 """The demo corpus builder is deterministic and its held-out splits never overlap training; the demo
 tokenizer trained on it keeps the Kimi special tokens at their fixed ids."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from services.gateway.default_tokenizer import SPECIAL_TOKENS
-from services.gateway.tokenizer import Tokenizer
-from tools.build_corpus import EOS, KINDS, build, read_documents, roff_to_text
-from tools.train_tokenizer import write_tokenizer
+from ddtree.tokenization.default_tokenizer import SPECIAL_TOKENS
+from ddtree.tokenization.tokenizer import Tokenizer
+from ddtree.training.corpus import EOS, KINDS, read_documents
+from ddtree.training.tokenizer_training import write_tokenizer
+from scripts.build_corpus import build, roff_to_text
 
 SMALL = dict(code_mb=0.3, prose_mb=0.2, chat_mb=0.15, heldout=0.1)
 
@@ -44,8 +46,15 @@ def test_chats_are_kimi_format(corpus):
     chats = read_documents(corpus, "train", "chat")
     assert all(c.startswith("<|im_system|>") and c.endswith("<|im_end|>") for c in chats)
     text = "".join(chats)
-    for marker in ("<think>", "</think>", "<|tool_calls_section_begin|>", "<|tool_call_begin|>functions.",
-                   "<|tool_call_argument_begin|>{", "## Return of functions.", "<|im_system|>tool_declare"):
+    for marker in (
+        "<think>",
+        "</think>",
+        "<|tool_calls_section_begin|>",
+        "<|tool_call_begin|>functions.",
+        "<|tool_call_argument_begin|>{",
+        "## Return of functions.",
+        "<|im_system|>tool_declare",
+    ):
         assert marker in text, marker
     assert "<think></think>" in text  # some turns with thinking off
 

@@ -4,6 +4,7 @@ Greedy decoding is deterministic, so these are checks of the shipped weights: a 
 reasoning section the Kimi reasoning parser separates, and a tool prompt yields a Kimi-format tool call
 that the tool-call parser turns into a call with valid JSON arguments.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -11,7 +12,7 @@ import json
 
 import pytest
 
-from services.models.default_checkpoint import DEMO_DIR, default_checkpoint
+from ddtree.default_checkpoint import DEMO_DIR, default_checkpoint
 
 pytestmark = pytest.mark.skipif(not (DEMO_DIR / "manifest.json").exists(), reason="no shipped demo pair")
 
@@ -27,9 +28,10 @@ def test_manifest_sizes_and_hashes():
 
 @pytest.fixture(scope="module")
 def demo():
-    from services.gateway.tokenizer import Tokenizer
-    from services.models.dflash import load_drafter
-    from services.models.loader import load_target
+    from ddtree.models.dflash_checkpoint import load_drafter
+    from ddtree.models.loader import load_target
+    from ddtree.tokenization.tokenizer import Tokenizer
+
     target = load_target(DEMO_DIR / "target")
     load_drafter(DEMO_DIR / "drafter")  # strict load: every tensor present with its shape
     tok = Tokenizer(DEMO_DIR / "target")
@@ -37,9 +39,10 @@ def demo():
 
 
 def _answer(target, tok, messages, tools=None):
-    from services.gateway.parsers.kimi_k2_reasoning import parse_reasoning
-    from services.gateway.parsers.kimi_k2_tools import parse_tool_calls
-    from tools.eval_target import greedy
+    from ddtree.gateway.parsers.kimi_k2_reasoning import parse_reasoning
+    from ddtree.gateway.parsers.kimi_k2_tools import parse_tool_calls
+    from scripts.eval_target import greedy
+
     prompt = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
     stops = {tok.token_id("<|im_end|>"), tok.token_id("[EOS]")}
     out = greedy(target, tok.encode(prompt), 160, stops)
@@ -56,10 +59,15 @@ def test_chat_answer_has_a_separated_reasoning_section(demo):
 
 
 def test_tool_prompt_yields_a_parsed_kimi_tool_call(demo):
-    from tools.synthetic_chats import _tool_spec
+    from scripts.synthetic_chats import _tool_spec
+
     target, tok = demo
-    _, _, calls = _answer(target, tok, [{"role": "user", "content": "What's the weather like in Paris?"}],
-                          tools=[_tool_spec("get_weather")])
+    _, _, calls = _answer(
+        target,
+        tok,
+        [{"role": "user", "content": "What's the weather like in Paris?"}],
+        tools=[_tool_spec("get_weather")],
+    )
     assert calls, "no tool call parsed"
     assert calls[0].name == "get_weather"
     assert "city" in json.loads(calls[0].arguments)

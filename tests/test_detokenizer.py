@@ -1,14 +1,13 @@
 """IncrementalDetokenizer: streamed text equals the full decode, and never shows a broken character."""
+
 from __future__ import annotations
 
 import random
 
 import pytest
 
-from services.gateway.detokenizer import REPLACEMENT, IncrementalDetokenizer
-from services.gateway.tokenizer import Tokenizer
-
-
+from ddtree.gateway.detokenizer import REPLACEMENT, IncrementalDetokenizer
+from ddtree.tokenization.tokenizer import Tokenizer
 
 
 class _NoBytes(Tokenizer):
@@ -30,7 +29,7 @@ def _stream(tok, ids, rng, skip_special=False, max_batch=4):
     pieces, i = [], 0
     while i < len(ids):
         k = rng.randint(0, max_batch)  # 0: empty pushes happen too (a step with no text)
-        pieces.append(d.push(ids[i:i + k]))
+        pieces.append(d.push(ids[i : i + k]))
         i += k
     tail = d.flush()
     return pieces, tail
@@ -75,7 +74,7 @@ def test_incomplete_tail_becomes_replacement_at_flush(tok):
     ids = tok.encode("ok 😀")[:-1]  # cut inside the emoji
     d = IncrementalDetokenizer(tok)
     assert d.push(ids) == "ok "
-    assert d.flush() == tok.decode(ids)[len("ok "):]
+    assert d.flush() == tok.decode(ids)[len("ok ") :]
     assert tok.decode(ids).endswith(REPLACEMENT)
 
 
@@ -88,8 +87,12 @@ def test_random_token_streams_match_full_decode(make_tok, skip_special):
         n = rng.randint(0, 30)
         # Lean on the single-byte tokens (ids just after the specials) to get many invalid and
         # split UTF-8 sequences; mix in specials and arbitrary merges.
-        ids = [rng.choice([rng.randrange(tok.vocab_size), rng.randrange(n_special, n_special + 256),
-                           rng.randrange(n_special)]) for _ in range(n)]
+        ids = [
+            rng.choice(
+                [rng.randrange(tok.vocab_size), rng.randrange(n_special, n_special + 256), rng.randrange(n_special)]
+            )
+            for _ in range(n)
+        ]
         pieces, tail = _stream(tok, ids, rng, skip_special=skip_special)
         assert "".join(pieces) + tail == tok.decode(ids, skip_special=skip_special), (trial, ids)
 

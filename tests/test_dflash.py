@@ -1,4 +1,4 @@
-"""DFlash drafter model (services/models/dflash.py), draft context and draft engine."""
+"""DFlash drafter (services/models/dflash*.py: config, model, checkpoint), draft context and draft engine."""
 
 from __future__ import annotations
 
@@ -12,17 +12,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from services.drafter.context import DraftContext
-from services.drafter.engine import DraftEngine, SeqDraftInput
-from services.drafter.tree import build_tree, topk_logprobs
-from services.models.dflash import (
-    DFlashConfig,
-    DFlashDraftModel,
-    default_target_layer_ids,
-    load_drafter,
-    rope_inv_freq,
-    write_random_drafter,
-)
+from ddtree.drafter.context import DraftContext
+from ddtree.drafter.engine import DraftEngine, SeqDraftInput
+from ddtree.drafter.tree import build_tree, topk_logprobs
+from ddtree.models.dflash import DFlashDraftModel, rope_inv_freq
+from ddtree.models.dflash_checkpoint import load_drafter, write_random_drafter
+from ddtree.models.dflash_config import DFlashConfig, default_target_layer_ids
 
 TARGET = {"hidden_size": 32, "num_hidden_layers": 6, "vocab_size": 64, "rope_theta": 10000.0}
 BLOCK = 5
@@ -30,8 +25,15 @@ BLOCK = 5
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
-    return write_random_drafter(tmp_path_factory.mktemp("drafter"), TARGET, seed=3, block_size=BLOCK,
-                                num_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    return write_random_drafter(
+        tmp_path_factory.mktemp("drafter"),
+        TARGET,
+        seed=3,
+        block_size=BLOCK,
+        num_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +52,7 @@ def feats(n: int, f: int, seed: int) -> torch.Tensor:
 
 # ---------------------------------------------------------------- naive reference (float64, explicit)
 
+
 def naive_block(state: dict[str, torch.Tensor], cfg: DFlashConfig, ctx_feats, ctx_pos, embeds, blk_pos):
     """Recompute everything from scratch: per head, explicit RoPE on (j, j + hd/2) pairs, softmax."""
     w = {k: v.double() for k, v in state.items()}
@@ -62,7 +65,7 @@ def naive_block(state: dict[str, torch.Tensor], cfg: DFlashConfig, ctx_feats, ct
         out = torch.empty_like(x)
         half = hd // 2
         for j in range(half):
-            theta = pos.double() * cfg.rope_theta ** (-2.0 * j / hd)
+            theta = pos.double() * cfg.rope.theta ** (-2.0 * j / hd)
             c, s = torch.cos(theta), torch.sin(theta)
             out[:, j] = x[:, j] * c - x[:, j + half] * s
             out[:, j + half] = x[:, j + half] * c + x[:, j] * s
@@ -78,11 +81,20 @@ def naive_block(state: dict[str, torch.Tensor], cfg: DFlashConfig, ctx_feats, ct
         heads = []
         for head in range(nh):
             kv = head // (nh // nkv)
-            q = rope(rms(x @ w[p + "self_attn.q_proj.weight"][head * hd:(head + 1) * hd].T,
-                         w[p + "self_attn.q_norm.weight"]), blk_pos)
-            k = rope(rms(src @ w[p + "self_attn.k_proj.weight"][kv * hd:(kv + 1) * hd].T,
-                         w[p + "self_attn.k_norm.weight"]), all_pos)
-            v = src @ w[p + "self_attn.v_proj.weight"][kv * hd:(kv + 1) * hd].T
+            q = rope(
+                rms(
+                    x @ w[p + "self_attn.q_proj.weight"][head * hd : (head + 1) * hd].T,
+                    w[p + "self_attn.q_norm.weight"],
+                ),
+                blk_pos,
+            )
+            k = rope(
+                rms(
+                    src @ w[p + "self_attn.k_proj.weight"][kv * hd : (kv + 1) * hd].T, w[p + "self_attn.k_norm.weight"]
+                ),
+                all_pos,
+            )
+            v = src @ w[p + "self_attn.v_proj.weight"][kv * hd : (kv + 1) * hd].T
             heads.append(torch.softmax(q @ k.T / math.sqrt(hd), dim=-1) @ v)
         h = h + torch.cat(heads, dim=-1) @ w[p + "self_attn.o_proj.weight"].T
         x = rms(h, w[p + "post_attention_layernorm.weight"])
@@ -161,12 +173,21 @@ def test_draft_context_errors(model: DFlashDraftModel) -> None:
 
 # ---------------------------------------------------------------- config, checkpoint format, loading
 
+
 def test_default_target_layer_ids() -> None:
     assert default_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)
     assert default_target_layer_ids(36, 1) == (18,)
     assert default_target_layer_ids(61, 3) == (1, 30, 58)
-    d = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 5, "num_attention_heads": 4,
-         "vocab_size": 300, "num_target_layers": 36, "block_size": 16, "dflash_config": {"mask_token_id": 299}}
+    d = {
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 5,
+        "num_attention_heads": 4,
+        "vocab_size": 300,
+        "num_target_layers": 36,
+        "block_size": 16,
+        "dflash_config": {"mask_token_id": 299},
+    }
     cfg = DFlashConfig.from_dict(d)
     assert cfg.target_layer_ids == (1, 9, 17, 25, 33) and cfg.feature_size == 5 * 64
     assert cfg.head_dim == 16 and cfg.num_key_value_heads == 4 and cfg.target_hidden_size == 64
@@ -177,8 +198,14 @@ def test_checkpoint_format(ckpt: Path, model: DFlashDraftModel) -> None:
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["block_size"] == BLOCK
     assert cfg["dflash_config"] == {"mask_token_id": 63, "target_layer_ids": [1, 3]}
     keys = set(load_file(str(ckpt / "model.safetensors")))
-    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.q_norm.weight",
-            "layers.0.mlp.down_proj.weight", "layers.0.post_attention_layernorm.weight"} <= keys
+    assert {
+        "fc.weight",
+        "hidden_norm.weight",
+        "norm.weight",
+        "layers.1.self_attn.q_norm.weight",
+        "layers.0.mlp.down_proj.weight",
+        "layers.0.post_attention_layernorm.weight",
+    } <= keys
     assert not any("embed" in k or "lm_head" in k for k in keys)
     assert tuple(model.fc.weight.shape) == (32, 2 * 32)
     assert DFlashConfig.from_dict(model.config.to_dict()) == model.config
@@ -204,26 +231,41 @@ def _copy(ckpt: Path, dst: Path, edit) -> Path:
     return dst
 
 
-@pytest.mark.parametrize("name, edit, msg", [
-    ("missing", lambda s: s.pop("layers.1.mlp.up_proj.weight"), r"missing keys \['layers.1.mlp.up_proj.weight'\]"),
-    ("unexpected", lambda s: s.update({"lm_head.weight": torch.zeros(64, 32)}),
-     r"unexpected keys \['lm_head.weight'\]"),
-    ("shape", lambda s: s.update({"fc.weight": torch.zeros(32, 96)}),
-     r"shape mismatches \['fc.weight \(32, 96\) != \(32, 64\)'\]"),
-])
+@pytest.mark.parametrize(
+    "name, edit, msg",
+    [
+        ("missing", lambda s: s.pop("layers.1.mlp.up_proj.weight"), r"missing keys \['layers.1.mlp.up_proj.weight'\]"),
+        (
+            "unexpected",
+            lambda s: s.update({"lm_head.weight": torch.zeros(64, 32)}),
+            r"unexpected keys \['lm_head.weight'\]",
+        ),
+        (
+            "shape",
+            lambda s: s.update({"fc.weight": torch.zeros(32, 96)}),
+            r"shape mismatches \['fc.weight \(32, 96\) != \(32, 64\)'\]",
+        ),
+    ],
+)
 def test_strict_loading(ckpt: Path, tmp_path: Path, name: str, edit, msg: str) -> None:
     with pytest.raises(ValueError, match=msg):
         load_drafter(_copy(ckpt, tmp_path / name, edit))
 
 
-@pytest.mark.parametrize("edit, msg", [
-    (lambda c: c.pop("hidden_size"), "missing required field 'hidden_size'"),
-    (lambda c: c["dflash_config"].pop("mask_token_id"), "missing required field 'mask_token_id'"),
-    (lambda c: c.update(layer_types=["full_attention", "sliding_attention"]), "only full_attention"),
-    (lambda c: c.update(rope_scaling={"type": "dynamic", "factor": 2.0}), "unsupported rope_scaling type 'dynamic'"),
-    (lambda c: c["dflash_config"].update(target_layer_ids=[1, 9]), r"id 9 outside \[0, num_target_layers=6\)"),
-    (lambda c: c.update(num_key_value_heads=3), "not a multiple of num_key_value_heads 3"),
-])
+@pytest.mark.parametrize(
+    "edit, msg",
+    [
+        (lambda c: c.pop("hidden_size"), "missing required field 'hidden_size'"),
+        (lambda c: c["dflash_config"].pop("mask_token_id"), "missing required field 'mask_token_id'"),
+        (lambda c: c.update(layer_types=["full_attention", "sliding_attention"]), "only full_attention"),
+        (
+            lambda c: c.update(rope_scaling={"type": "dynamic", "factor": 2.0}),
+            "unsupported rope_scaling type 'dynamic'",
+        ),
+        (lambda c: c["dflash_config"].update(target_layer_ids=[1, 9]), r"id 9 outside \[0, num_target_layers=6\)"),
+        (lambda c: c.update(num_key_value_heads=3), "not a multiple of num_key_value_heads 3"),
+    ],
+)
 def test_config_errors(ckpt: Path, tmp_path: Path, edit, msg: str) -> None:
     dst = tmp_path / "bad"
     shutil.copytree(ckpt, dst)
@@ -236,22 +278,46 @@ def test_config_errors(ckpt: Path, tmp_path: Path, edit, msg: str) -> None:
         load_drafter(tmp_path)
 
 
-@pytest.mark.parametrize("scaling", [
-    {"rope_type": "linear", "factor": 4.0},
-    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
-    {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "mscale": 1.0,
-     "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1},
-])
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        {"rope_type": "linear", "factor": 4.0},
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
+        {
+            "rope_type": "yarn",
+            "factor": 40.0,
+            "original_max_position_embeddings": 4096,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+    ],
+)
 def test_rope_scaling_matches_transformers(scaling: dict) -> None:
     transformers = pytest.importorskip("transformers")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    d = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 1, "num_attention_heads": 4,
-         "head_dim": 16, "vocab_size": 10, "max_position_embeddings": 163840, "rope_theta": 50000.0,
-         "rope_scaling": dict(scaling), "dflash_config": {"mask_token_id": 9, "target_layer_ids": [0]}}
+    d = {
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "head_dim": 16,
+        "vocab_size": 10,
+        "max_position_embeddings": 163840,
+        "rope_theta": 50000.0,
+        "rope_scaling": dict(scaling),
+        "dflash_config": {"mask_token_id": 9, "target_layer_ids": [0]},
+    }
     inv, scale = rope_inv_freq(DFlashConfig.from_dict(d))
-    hf_cfg = transformers.Qwen3Config(hidden_size=64, num_attention_heads=4, head_dim=16,
-                                      max_position_embeddings=163840, rope_parameters=dict(scaling, rope_theta=50000.0))
+    hf_cfg = transformers.Qwen3Config(
+        hidden_size=64,
+        num_attention_heads=4,
+        head_dim=16,
+        max_position_embeddings=163840,
+        rope_parameters=dict(scaling, rope_theta=50000.0),
+    )
     ref_inv, ref_scale = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](hf_cfg, "cpu")
     torch.testing.assert_close(inv, ref_inv)
     assert scale == pytest.approx(ref_scale)
@@ -267,16 +333,23 @@ def test_load_dtype(ckpt: Path) -> None:
 
 # ---------------------------------------------------------------- engine
 
-def seq(seq_id="s", n=4, start=0, anchor=5, budget=0, reset=True, f=None, ids=None, fseed=0):
-    return SeqDraftInput(seq_id=seq_id, commit_token_ids=tuple(ids if ids is not None else range(1, n + 1)),
-                         commit_start=start, commit_features=feats(n, 64, fseed) if f is None else f,
-                         anchor_token_id=anchor, budget=budget, reset=reset)
+
+def seq(seq_id="s", n=4, start=0, root=5, budget=0, reset=True, f=None, ids=None, fseed=0):
+    return SeqDraftInput(
+        seq_id=seq_id,
+        commit_token_ids=tuple(ids if ids is not None else range(1, n + 1)),
+        commit_start=start,
+        commit_features=feats(n, 64, fseed) if f is None else f,
+        root_token_id=root,
+        budget=budget,
+        reset=reset,
+    )
 
 
 def test_engine_tree_equals_manual_pipeline(model: DFlashDraftModel) -> None:
     emb, head = target_weights()
     eng = DraftEngine(model, emb, head, window=16)
-    s = seq(n=6, start=3, anchor=7, budget=12)
+    s = seq(n=6, start=3, root=7, budget=12)
     tree = eng.draft([s])[0]
     cfg = model.config
     pos = torch.arange(3, 9)
@@ -296,8 +369,11 @@ def test_engine_tree_equals_manual_pipeline(model: DFlashDraftModel) -> None:
 
 def test_engine_deterministic(ckpt: Path) -> None:
     emb, head = target_weights()
-    steps = [seq(n=5, budget=9), seq(n=3, start=5, reset=False, fseed=1, budget=20),
-             seq(n=2, start=8, reset=False, fseed=2, budget=3)]
+    steps = [
+        seq(n=5, budget=9),
+        seq(n=3, start=5, reset=False, fseed=1, budget=20),
+        seq(n=2, start=8, reset=False, fseed=2, budget=3),
+    ]
     a = DraftEngine(load_drafter(ckpt), emb, head)
     b = DraftEngine(load_drafter(ckpt), emb, head)
     ta = [a.draft([s])[0] for s in steps]
@@ -311,8 +387,11 @@ def test_bf16_engine_keeps_an_fp32_context_with_the_same_trees(ckpt: Path) -> No
     """On the CPU a bf16 drafter keeps its context in fp32 (each row converted once, exactly): same trees
     and scores as a context kept in bf16 and converted at every draft."""
     emb, head = (w.bfloat16() for w in target_weights())
-    steps = [seq(n=5, budget=9), seq(n=3, start=5, reset=False, fseed=1, budget=20),
-             seq(n=2, start=8, reset=False, fseed=2, budget=12)]
+    steps = [
+        seq(n=5, budget=9),
+        seq(n=3, start=5, reset=False, fseed=1, budget=20),
+        seq(n=2, start=8, reset=False, fseed=2, budget=12),
+    ]
     fp32_ctx = DraftEngine(load_drafter(ckpt, dtype=torch.bfloat16), emb, head)
     bf16_ctx = DraftEngine(load_drafter(ckpt, dtype=torch.bfloat16), emb, head)
     bf16_ctx._context_dtype = None  # the buffers take the K/V's dtype, as on a GPU
@@ -367,12 +446,12 @@ ENGINE_ERRORS = [
     ("budget_big", lambda: [seq(budget=65)], r"budget must be in \[0, 64\].*got 65"),
     ("token_oov", lambda: [seq(ids=(1, 2, 64, 3))], r"commit_token_ids has ids outside \[0, 64\): \[64\]"),
     ("token_neg", lambda: [seq(ids=(1, -2, 3, 4))], r"outside \[0, 64\): \[-2\]"),
-    ("anchor_oov", lambda: [seq(anchor=64)], r"anchor_token_id 64 outside \[0, 64\)"),
+    ("root_oov", lambda: [seq(root=64)], r"root_token_id 64 outside \[0, 64\)"),
     ("feat_rows", lambda: [seq(f=feats(3, 64, 0))], r"commit_features shape \(3, 64\) != .* = \[4, 64\]"),
     ("feat_width", lambda: [seq(f=feats(4, 32, 0))], r"commit_features shape \(4, 32\)"),
     ("feat_dtype", lambda: [seq(f=torch.zeros(4, 64, dtype=torch.int32))], "dtype torch.int32 is not a float"),
     ("feat_nan", lambda: [seq(f=torch.full((4, 64), float("nan")))], "non-finite"),
-    ("second_bad", lambda: [seq(seq_id="ok"), seq(seq_id="bad", anchor=99)], r"seqs\[1\] \(seq_id='bad'\): anchor"),
+    ("second_bad", lambda: [seq(seq_id="ok"), seq(seq_id="bad", root=99)], r"seqs\[1\] \(seq_id='bad'\): root"),
 ]
 
 
@@ -414,13 +493,20 @@ def test_batched_draft_equals_one_sequence_at_a_time(ckpt: Path) -> None:
         together = DraftEngine(load_drafter(ckpt), emb, head, window=window)
         alone = DraftEngine(load_drafter(ckpt), emb, head, window=window)
         rounds = [
-            [seq("a", n=3, budget=9), seq("b", n=9, start=2, anchor=11, fseed=1, budget=20),
-             seq("c", n=1, anchor=3, fseed=2)],
-            [seq("a", n=2, start=3, reset=False, fseed=3, budget=9),
-             seq("b", n=1, start=11, reset=False, fseed=4, budget=20),
-             seq("c", n=7, start=40, anchor=9, fseed=5, budget=4)],  # a fresh context at another position
-            [SeqDraftInput("c", (4,), 47, feats(1, 64, 6), 2, 6, False, chain=True),
-             seq("a", n=4, start=5, reset=False, fseed=7, budget=1)],
+            [
+                seq("a", n=3, budget=9),
+                seq("b", n=9, start=2, root=11, fseed=1, budget=20),
+                seq("c", n=1, root=3, fseed=2),
+            ],
+            [
+                seq("a", n=2, start=3, reset=False, fseed=3, budget=9),
+                seq("b", n=1, start=11, reset=False, fseed=4, budget=20),
+                seq("c", n=7, start=40, root=9, fseed=5, budget=4),
+            ],  # a fresh context at another position
+            [
+                SeqDraftInput("c", (4,), 47, feats(1, 64, 6), 2, 6, False, chain=True),
+                seq("a", n=4, start=5, reset=False, fseed=7, budget=1),
+            ],
         ]
         for batch in rounds:
             got = together.draft(batch)
@@ -430,11 +516,11 @@ def test_batched_draft_equals_one_sequence_at_a_time(ckpt: Path) -> None:
 
 
 def test_drafter_dtype_auto() -> None:
-    from services.config import DrafterConfig, VerifierConfig
-    from services.drafter.factory import drafter_dtype
+    from ddtree.config import DrafterConfig, VerifierConfig
+    from ddtree.drafter.factory import drafter_dtype
+
     native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
     assert drafter_dtype(DrafterConfig()) == (torch.bfloat16 if native else torch.float32)
-    assert drafter_dtype(DrafterConfig(engine="oracle")) == torch.float32  # replays the fp32 verifier's choices
     assert drafter_dtype(DrafterConfig(dtype="float16")) == torch.float16
     with pytest.raises(ValueError, match="auto"):
         VerifierConfig(dtype="auto").validate()  # the verifier's dtype is the output's: always explicit
@@ -443,15 +529,15 @@ def test_drafter_dtype_auto() -> None:
 @pytest.mark.parametrize("n,dtype", [(1, torch.float32), (37, torch.float32), (300, torch.bfloat16)])
 def test_grouped_attention_matches_sdpa(n, dtype):
     """The drafter's bmm attention equals torch's SDPA with enable_gqa (fp32 reference)."""
-    from services.models.dflash import grouped_attention
+    from ddtree.models.dflash import grouped_attention
 
     g = torch.Generator().manual_seed(n)
     q = torch.randn(8, 4, 16, generator=g).to(dtype)  # [B, nh, hd]
     k = torch.randn(n, 2, 16, generator=g).to(dtype)  # [n, kvh, hd]
     v = torch.randn(n, 2, 16, generator=g).to(dtype)
     want = torch.nn.functional.scaled_dot_product_attention(
-        q.float().transpose(0, 1), k.float().transpose(0, 1), v.float().transpose(0, 1), scale=0.25,
-        enable_gqa=True).transpose(0, 1)
+        q.float().transpose(0, 1), k.float().transpose(0, 1), v.float().transpose(0, 1), scale=0.25, enable_gqa=True
+    ).transpose(0, 1)
     got = grouped_attention(q, (k,), (v,), 0.25)
     assert got.dtype == dtype and got.shape == q.shape
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's rounding

@@ -1,21 +1,32 @@
 """The arithmetic of `ddtree diagnose` (services/telemetry/report.py) on synthetic step records, and the
 step-log sink and reader (services/telemetry/step_log.py). Each flag is raised when its condition holds
 and not otherwise; without the data to decide it says so (checked=False)."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from services.telemetry import report
-from services.telemetry.report import Flag, ProfilePoint
-from services.telemetry.step_log import last_requests, open_step_log, parse_step_records, read_step_records
+from ddtree.telemetry import report
+from ddtree.telemetry.report import Flag, ProfilePoint
+from ddtree.telemetry.step_log import last_requests, open_step_log, parse_step_records, read_step_records
 
 
 def rec(rid="r", step=0, ctx=100, accept=2, nodes=16, draft=2.0, verify=5.0, transport=0.5, total=None, fb=1024):
     total = draft + verify + transport if total is None else total
-    return {"request_id": rid, "step": step, "context_tokens": ctx, "tree_nodes": nodes, "accept_length": accept,
-            "draft_ms": draft, "verify_ms": verify, "transport_ms": transport, "total_ms": total, "feature_bytes": fb}
+    return {
+        "request_id": rid,
+        "step": step,
+        "context_tokens": ctx,
+        "tree_nodes": nodes,
+        "accept_length": accept,
+        "draft_ms": draft,
+        "verify_ms": verify,
+        "transport_ms": transport,
+        "total_ms": total,
+        "feature_bytes": fb,
+    }
 
 
 def generation(rid: str, ctx: int, tokens: int, accept=lambda pos: 2, verify=lambda ctx, pos: 5.0, **kw) -> list[dict]:
@@ -57,8 +68,8 @@ def test_interpolate_and_extrapolate():
     pts = [ProfilePoint(0, 4.0, 10.0, 400.0), ProfilePoint(1000, 2.0, 20.0, 100.0)]
     assert report.interpolate(pts, 500, "tau") == pytest.approx(3.0)
     assert report.interpolate(pts, 500, "step_ms") == pytest.approx(15.0)
-    assert report.interpolate(pts, 2000, "tau") == 2.0                        # tau stays flat past the profile
-    assert report.interpolate(pts, 2000, "step_ms") == pytest.approx(30.0)    # step time keeps its slope
+    assert report.interpolate(pts, 2000, "tau") == 2.0  # tau stays flat past the profile
+    assert report.interpolate(pts, 2000, "step_ms") == pytest.approx(30.0)  # step time keeps its slope
     assert report.interpolate(pts, -5, "step_ms") == 10.0
     assert report.interpolate(pts[:1], 123, "tau") == 4.0
 
@@ -107,13 +118,16 @@ def point(ctx, tok_s, ar_tok_s, tau=3.0):
     return ProfilePoint(ctx, tau, 1e3 * tau / tok_s, tok_s, ar_tok_s)
 
 
-@pytest.mark.parametrize("points,raised,checked", [
-    ([point(16, 140, 60), point(5000, 29, 25)], False, True),       # the field case: 1.16x at 5k, barely ahead
-    ([point(16, 140, 60), point(5000, 27, 25)], True, True),        # 1.08x at 5k
-    ([point(16, 110, 100)], True, True),                             # exactly 1.1x counts as not paying
-    ([point(16, 140, 60), point(5000, 40, 25)], False, True),       # 1.6x or more everywhere
-    ([point(16, 140, 0)], False, False),                             # no AR measurement
-])
+@pytest.mark.parametrize(
+    "points,raised,checked",
+    [
+        ([point(16, 140, 60), point(5000, 29, 25)], False, True),  # the field case: 1.16x at 5k, barely ahead
+        ([point(16, 140, 60), point(5000, 27, 25)], True, True),  # 1.08x at 5k
+        ([point(16, 110, 100)], True, True),  # exactly 1.1x counts as not paying
+        ([point(16, 140, 60), point(5000, 40, 25)], False, True),  # 1.6x or more everywhere
+        ([point(16, 140, 0)], False, False),  # no AR measurement
+    ],
+)
 def test_flag_speculation_not_paying(points, raised, checked):
     assert_flag(report.flag_speculation_not_paying(points), raised, checked)
 
@@ -123,13 +137,16 @@ def test_flag_speculation_not_paying_evidence_names_the_context():
     assert "context 5000" in f.evidence and "1.08x" in f.evidence
 
 
-@pytest.mark.parametrize("window,on,off,raised,checked", [
-    (256, {16: 4.0, 1024: 2.0}, {1024: 3.0}, True, True),     # -33% past the window
-    (256, {16: 4.0, 1024: 2.9}, {1024: 3.0}, False, True),    # -3%: noise
-    (256, {16: 4.0, 200: 3.0}, {200: 4.0}, False, False),     # nothing measured past the window
-    (256, {1024: 2.0}, {}, False, False),                     # no window-off run
-    (0, {1024: 2.0}, {1024: 3.0}, False, True),               # unlimited window
-])
+@pytest.mark.parametrize(
+    "window,on,off,raised,checked",
+    [
+        (256, {16: 4.0, 1024: 2.0}, {1024: 3.0}, True, True),  # -33% past the window
+        (256, {16: 4.0, 1024: 2.9}, {1024: 3.0}, False, True),  # -3%: noise
+        (256, {16: 4.0, 200: 3.0}, {200: 4.0}, False, False),  # nothing measured past the window
+        (256, {1024: 2.0}, {}, False, False),  # no window-off run
+        (0, {1024: 2.0}, {1024: 3.0}, False, True),  # unlimited window
+    ],
+)
 def test_flag_draft_window(window, on, off, raised, checked):
     assert_flag(report.flag_draft_window(window, on, off), raised, checked)
 
@@ -137,14 +154,15 @@ def test_flag_draft_window(window, on, off, raised, checked):
 def two_generations(verify):
     """A: context 100, 200 tokens; B: context 200, 100 tokens. Contexts 200..299 are reached by A late
     (output position >= 100) and by B early (< 100)."""
-    return generation("A", 100, 200, accept=lambda p: 1, verify=verify) + \
-        generation("B", 200, 100, accept=lambda p: 1, verify=verify)
+    return generation("A", 100, 200, accept=lambda p: 1, verify=verify) + generation(
+        "B", 200, 100, accept=lambda p: 1, verify=verify
+    )
 
 
 def test_flag_step_drift():
-    drifting = two_generations(lambda ctx, pos: 5.0 + 0.02 * pos)     # +2 ms at equal context, late vs early
+    drifting = two_generations(lambda ctx, pos: 5.0 + 0.02 * pos)  # +2 ms at equal context, late vs early
     assert_flag(report.flag_step_drift(drifting, split_tokens=100), True)
-    by_context = two_generations(lambda ctx, pos: 5.0 + 0.01 * ctx)    # grows with context only: no drift
+    by_context = two_generations(lambda ctx, pos: 5.0 + 0.01 * ctx)  # grows with context only: no drift
     assert_flag(report.flag_step_drift(by_context, split_tokens=100), False)
     alone = generation("A", 100, 200, accept=lambda p: 1, verify=lambda ctx, pos: 5.0 + 0.02 * pos)
     assert_flag(report.flag_step_drift(alone, split_tokens=100), False, checked=False)
@@ -182,8 +200,13 @@ def test_step_log_file_sink_round_trip(tmp_path):
 
 
 def test_parse_step_records_skips_other_lines():
-    lines = ["LISTENING verifier 127.0.0.1:5", "{not json", json.dumps({"event": "verifier_ready"}),
-             json.dumps({**rec("x"), "event": "step", "level": "info"}), ""]
+    lines = [
+        "LISTENING verifier 127.0.0.1:5",
+        "{not json",
+        json.dumps({"event": "verifier_ready"}),
+        json.dumps({**rec("x"), "event": "step", "level": "info"}),
+        "",
+    ]
     assert parse_step_records(lines) == [rec("x")]
 
 
@@ -197,7 +220,9 @@ def test_last_requests_by_last_record():
 # ---- bench output helpers ----------------------------------------------------------------------------
 def test_plot_without_matplotlib_says_what_to_install(monkeypatch):
     import sys
-    from tools.bench.output import pyplot
+
+    from ddtree.tools.bench.output import pyplot
+
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(SystemExit, match=r"ddtree-serve\[bench\].*--no-plot"):
         pyplot()
@@ -205,7 +230,10 @@ def test_plot_without_matplotlib_says_what_to_install(monkeypatch):
 
 def test_progress_and_table():
     import io
-    from tools.bench.output import Progress, format_table
+
+    from ddtree.tools.bench.output import format_table
+    from ddtree.training.progress import Progress
+
     buf = io.StringIO()
     bar = Progress(2, "x", stream=buf, width=4)
     bar.advance("a")

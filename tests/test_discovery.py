@@ -1,10 +1,11 @@
 """DNS discovery of replicas: a name stands for every address it resolves to."""
+
 from __future__ import annotations
 
 import pytest
 
-from services.gateway.routing import Router
-from services.protocol.discovery import resolve
+from ddtree.gateway.routing import Router
+from ddtree.protocol.discovery import resolve
 
 
 def test_resolve_lists_and_names():

@@ -1,27 +1,29 @@
 """A drafter that misbehaves never changes a token: malformed trees become AR steps, and a drafter
 that disappears mid-stream leaves its sequences to finish with AR decoding."""
+
 from __future__ import annotations
 
 import grpc
 import pytest
 
-from services.config import DrafterConfig
-from services.drafter.server import serve_engine
-from services.drafter.tree import TokenTree
-from services.launcher import start_service
-from services.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from ddtree.config import DrafterConfig
+from ddtree.contract.token_tree import TokenTree
+from ddtree.drafter.server import serve_engine
+from ddtree.launcher import start_service
+from ddtree.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 
 pytestmark = pytest.mark.slow
 
 
 class HostileEngine:
     """Speaks the Draft contract but returns broken trees, in rotation."""
+
     BAD = [
-        TokenTree((5, 6), (0, 2), (1, 2)),          # parent index not smaller than its own
-        TokenTree((5, 6), (0, 0), (1, 2)),          # depth inconsistent with parent
-        TokenTree((5, 10**7), (0, 1), (1, 2)),      # token outside the vocabulary
+        TokenTree((5, 6), (0, 2), (1, 2)),  # parent index not smaller than its own
+        TokenTree((5, 6), (0, 0), (1, 2)),  # depth inconsistent with parent
+        TokenTree((5, 10**7), (0, 1), (1, 2)),  # token outside the vocabulary
         TokenTree(tuple(range(40)), tuple(range(40)), tuple(range(1, 41))),  # over the budget
-        TokenTree((7, 7), (0, 0), (1, 1)),          # duplicate sibling tokens
+        TokenTree((7, 7), (0, 0), (1, 1)),  # duplicate sibling tokens
     ]
 
     def __init__(self, hidden: int):
@@ -29,20 +31,37 @@ class HostileEngine:
         self.hidden = hidden
 
     def info(self):
-        return dict(model_id="hostile", block_size=8, mask_token_id=14, target_layer_ids=[0], window=0,
-                    default_budget=8, max_budget=64, hidden_size=self.hidden, vocab_size=4096, active_sequences=0)
+        return dict(
+            model_id="hostile",
+            block_size=8,
+            mask_token_id=14,
+            target_layer_ids=[0],
+            window=0,
+            default_budget=8,
+            max_budget=64,
+            hidden_size=self.hidden,
+            vocab_size=4096,
+            active_sequences=0,
+        )
 
     def draft(self, seqs):
         self.calls += 1
         return [self.BAD[(self.calls + i) % len(self.BAD)] for i, _ in enumerate(seqs)]
+
+    def knows(self, seq_id):
+        return False
 
     def release(self, ids):
         return len(ids)
 
 
 def _generate(address, no_spec):
-    req = verifier_pb2.GenerateRequest(input_ids=[40, 41, 42, 43], max_new_tokens=30, ignore_eos=True,
-                                       spec=common_pb2.SpecOptions(no_spec=no_spec, budget=8))
+    req = verifier_pb2.GenerateRequest(
+        input_ids=[40, 41, 42, 43],
+        max_new_tokens=30,
+        ignore_eos=True,
+        spec=common_pb2.SpecOptions(no_spec=no_spec, budget=8),
+    )
     with grpc.insecure_channel(address) as ch:
         msgs = list(verifier_pb2_grpc.VerifierStub(ch).Generate(req, timeout=120))
     return [t for m in msgs for t in m.token_ids], [s for m in msgs for s in m.steps]
@@ -51,8 +70,11 @@ def _generate(address, no_spec):
 def test_malformed_trees_become_ar_steps(default_ckpt, tmp_path):
     engine = HostileEngine(hidden=256)
     drafter = serve_engine(engine, DrafterConfig(port=0, grace_s=0.0))
-    verifier = start_service("verifier", ["verifier", "--model", str(default_ckpt.target), "--port", "0",
-                                          "--drafter", f"127.0.0.1:{drafter.port}"], tmp_path)
+    verifier = start_service(
+        "verifier",
+        ["verifier", "--model", str(default_ckpt.target), "--port", "0", "--drafter", f"127.0.0.1:{drafter.port}"],
+        tmp_path,
+    )
     try:
         spec_tokens, steps = _generate(verifier.address, no_spec=False)
         ar_tokens, _ = _generate(verifier.address, no_spec=True)
@@ -68,14 +90,31 @@ def test_malformed_trees_become_ar_steps(default_ckpt, tmp_path):
 
 
 def test_drafter_lost_mid_stream_falls_back_to_ar(default_ckpt, tmp_path):
-    drafter = start_service("drafter", ["drafter", "--model", str(default_ckpt.drafter), "--target",
-                                        str(default_ckpt.target), "--port", "0"], tmp_path)
-    verifier = start_service("verifier", ["verifier", "--model", str(default_ckpt.target), "--port", "0",
-                                          "--drafter", drafter.address, "--draft-timeout-s", "5"], tmp_path)
+    drafter = start_service(
+        "drafter",
+        ["drafter", "--model", str(default_ckpt.drafter), "--target", str(default_ckpt.target), "--port", "0"],
+        tmp_path,
+    )
+    verifier = start_service(
+        "verifier",
+        [
+            "verifier",
+            "--model",
+            str(default_ckpt.target),
+            "--port",
+            "0",
+            "--drafter",
+            drafter.address,
+            "--draft-timeout-s",
+            "5",
+        ],
+        tmp_path,
+    )
     try:
         ar_tokens, _ = _generate(verifier.address, no_spec=True)
-        req = verifier_pb2.GenerateRequest(input_ids=[40, 41, 42, 43], max_new_tokens=30, ignore_eos=True,
-                                           spec=common_pb2.SpecOptions(budget=8))
+        req = verifier_pb2.GenerateRequest(
+            input_ids=[40, 41, 42, 43], max_new_tokens=30, ignore_eos=True, spec=common_pb2.SpecOptions(budget=8)
+        )
         tokens, steps = [], []
         with grpc.insecure_channel(verifier.address) as ch:
             for msg in verifier_pb2_grpc.VerifierStub(ch).Generate(req, timeout=120):
@@ -94,20 +133,35 @@ def test_drafter_lost_mid_stream_falls_back_to_ar(default_ckpt, tmp_path):
 class BadScoresEngine(HostileEngine):
     """Valid trees whose node scores are broken (rising, wrong count, positive): the verifier must still
     verify the trees, only without the scores."""
+
     SCORES = [(-0.5, -0.1, -2.0), (-0.5,), (0.5, -1.0, -2.0)]
 
     def draft(self, seqs):
         self.calls += 1
-        return [TokenTree((100, 101, 102), (0, 1, 1), (1, 2, 2), self.SCORES[(self.calls + i) % 3])
-                for i, _ in enumerate(seqs)]
+        return [
+            TokenTree((100, 101, 102), (0, 1, 1), (1, 2, 2), self.SCORES[(self.calls + i) % 3])
+            for i, _ in enumerate(seqs)
+        ]
 
 
 def test_bad_node_scores_are_dropped_not_the_trees(default_ckpt, tmp_path):
     engine = BadScoresEngine(hidden=256)
     drafter = serve_engine(engine, DrafterConfig(port=0, grace_s=0.0))
-    verifier = start_service("verifier", ["verifier", "--model", str(default_ckpt.target), "--port", "0",
-                                          "--drafter", f"127.0.0.1:{drafter.port}", "--max-tree-tokens", "3"],
-                             tmp_path)
+    verifier = start_service(
+        "verifier",
+        [
+            "verifier",
+            "--model",
+            str(default_ckpt.target),
+            "--port",
+            "0",
+            "--drafter",
+            f"127.0.0.1:{drafter.port}",
+            "--max-tree-tokens",
+            "3",
+        ],
+        tmp_path,
+    )
     try:
         spec_tokens, steps = _generate(verifier.address, no_spec=False)
         ar_tokens, _ = _generate(verifier.address, no_spec=True)
@@ -119,3 +173,62 @@ def test_bad_node_scores_are_dropped_not_the_trees(default_ckpt, tmp_path):
     finally:
         verifier.stop()
         drafter.stop(0)
+
+
+def test_a_drafter_at_max_sequences_leaves_new_sequences_to_ar(default_ckpt, tmp_path):
+    """--max-sequences 1: the drafter refuses a Draft that would start a second context
+    (RESOURCE_EXHAUSTED), the verifier sends it no second sequence, and that one decodes with AR."""
+    from ddtree.protocol.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
+
+    drafter = start_service(
+        "drafter",
+        ["drafter", "--model", str(default_ckpt.drafter), "--target", str(default_ckpt.target), "--port", "0",
+         "--max-sequences", "1"],
+        tmp_path,
+    )  # fmt: skip
+    try:
+        with grpc.insecure_channel(drafter.address) as ch:
+            stub = drafter_pb2_grpc.DrafterStub(ch)
+            info = stub.GetInfo(drafter_pb2.DrafterInfoRequest(), timeout=30)
+            assert info.max_sequences == 1
+            width = len(info.target_layer_ids) * info.hidden_size
+            feats = {"data": b"\0" * (2 * width * 4), "shape": [2, width], "dtype": common_pb2.FLOAT32}
+
+            def seq(seq_id):
+                return drafter_pb2.SeqDraft(seq_id=seq_id, commit_token_ids=[5, 6], commit_start=0,
+                                            commit_features=common_pb2.Tensor(**feats), root_token_id=7, reset=True)  # fmt: skip
+
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Draft(drafter_pb2.DraftRequest(seqs=[seq("a"), seq("b")]), timeout=30)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "max_sequences is 1" in err.value.details()
+            assert stub.GetInfo(drafter_pb2.DrafterInfoRequest(), timeout=30).active_sequences == 0
+            assert len(stub.Draft(drafter_pb2.DraftRequest(seqs=[seq("a")]), timeout=30).trees) == 1
+            stub.Release(drafter_pb2.ReleaseRequest(seq_ids=["a"]), timeout=30)
+
+        verifier = start_service(
+            "verifier",
+            ["verifier", "--model", str(default_ckpt.target), "--port", "0", "--drafter", drafter.address],
+            tmp_path,
+        )
+        try:
+            ar_tokens, _ = _generate(verifier.address, no_spec=True)
+            long_req = verifier_pb2.GenerateRequest(
+                input_ids=[40, 41, 42, 43], max_new_tokens=300, ignore_eos=True, spec=common_pb2.SpecOptions(budget=8)
+            )
+            with grpc.insecure_channel(verifier.address) as ch:
+                first = verifier_pb2_grpc.VerifierStub(ch).Generate(long_req, timeout=120)
+                for msg in first:  # until the first sequence holds the drafter's one context (a drafted tree)
+                    if any(st.tree_nodes > 0 for st in msg.steps):
+                        break
+                tokens, steps = _generate(verifier.address, no_spec=False)
+                first.cancel()
+            assert tokens == ar_tokens
+            assert steps and all(s.tree_nodes == 0 for s in steps), "the second sequence was drafted past the cap"
+            # The verifier kept to the cap itself: no Draft call was refused, so the first sequence (drafted
+            # in the same calls) never lost its drafter.
+            assert "RESOURCE_EXHAUSTED" not in verifier.log_path.read_text()
+        finally:
+            verifier.stop()
+    finally:
+        drafter.stop()

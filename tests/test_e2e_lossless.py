@@ -5,6 +5,7 @@ DFlash drafter of the default checkpoint (accepts little), and the oracle drafte
 target's own continuation with controlled noise, so zero, partial and full-depth acceptance, sibling
 acceptance, KV compaction and positions are all exercised.
 """
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -12,8 +13,8 @@ import concurrent.futures as cf
 import grpc
 import pytest
 
-from services.gateway.tokenizer import Tokenizer
-from services.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from ddtree.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from ddtree.tokenization.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -27,16 +28,28 @@ PROMPTS = [
 MAX_NEW = 24
 
 
-def _generate(address: str, ids: list[int], *, no_spec: bool, budget: int = 0, max_new: int = MAX_NEW,
-              temperature: float = 0.0, seed: int | None = None):
+def _generate(
+    address: str,
+    ids: list[int],
+    *,
+    no_spec: bool,
+    budget: int = 0,
+    max_new: int = MAX_NEW,
+    temperature: float = 0.0,
+    seed: int | None = None,
+):
     with grpc.insecure_channel(address) as ch:
         stub = verifier_pb2_grpc.VerifierStub(ch)
         sampling = common_pb2.SamplingParams(temperature=temperature)
         if seed is not None:
             sampling.seed = seed
-        req = verifier_pb2.GenerateRequest(input_ids=ids, max_new_tokens=max_new, ignore_eos=True,
-                                           sampling=sampling,
-                                           spec=common_pb2.SpecOptions(no_spec=no_spec, budget=budget))
+        req = verifier_pb2.GenerateRequest(
+            input_ids=ids,
+            max_new_tokens=max_new,
+            ignore_eos=True,
+            sampling=sampling,
+            spec=common_pb2.SpecOptions(no_spec=no_spec, budget=budget),
+        )
         tokens, steps, last = [], [], None
         for msg in stub.Generate(req, timeout=300):
             tokens.extend(msg.token_ids)
@@ -94,7 +107,7 @@ def test_oracle_accept_histogram_covers_zero_partial_full(oracle_stack, prompt_i
 def test_dflash_drafter_lossless(dflash_stack, oracle_stack, prompt_ids, ar_reference, budget, concurrency):
     # Same checkpoint, other verifier process: its AR output must match the reference too.
     results = _run_all(dflash_stack.verifier, prompt_ids, budget, concurrency)
-    for i, (tokens, steps, last) in enumerate(results):
+    for i, (tokens, steps, _last) in enumerate(results):
         assert tokens == ar_reference[i], f"prompt {i} budget {budget}: DDTree (DFlash) differs from AR"
         assert steps and all(0 < s.tree_nodes <= budget for s in steps)
         assert all(s.feature_bytes > 0 for s in steps), "features must travel to the drafter every step"

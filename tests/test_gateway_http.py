@@ -2,6 +2,7 @@
 (serve(), HTTP and gRPC) in front of FAKE in-process verifiers that stream scripted token ids, so
 reasoning and tool-call behaviour is exact. tests/test_gateway_http_stack.py runs the same API against
 the real services."""
+
 from __future__ import annotations
 
 import http.client
@@ -15,26 +16,40 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2
 
-from services.config import GatewayConfig
-from services.gateway.server import serve
-from services.protocol.ddtree.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from ddtree.config import GatewayConfig
+from ddtree.gateway.server import serve
+from ddtree.protocol.ddtree.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.fakes import script_for, start_fake_verifier
 
 KEY = "sk-test-key"
 MODEL = "ddtree-demo"
 IM_END = 2
-USAGE = common_pb2.Usage(prompt_tokens=3, completion_tokens=9, verify_steps=4, avg_accept_length=2.25,
-                         accept_histogram=[0, 1, 2, 1], ttft_ms=12.5, decode_ms=40.0)
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Weather of a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+USAGE = common_pb2.Usage(
+    prompt_tokens=3,
+    completion_tokens=9,
+    verify_steps=4,
+    avg_accept_length=2.25,
+    accept_histogram=[0, 1, 2, 1],
+    ttft_ms=12.5,
+    decode_ms=40.0,
+)
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather of a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
 REASONING_OUT = "Let me think. 2+2 is 4.</think>The answer is 4."
-TOOL_OUT = ("I should call the tool.</think><|tool_calls_section_begin|>"
-            "<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{\"city\": \"Paris\"}<|tool_call_end|>"
-            "<|tool_call_begin|>functions.get_weather:1<|tool_call_argument_begin|>{\"city\": \"Lyon\"}<|tool_call_end|>"
-            "<|tool_calls_section_end|>")
-
-
+TOOL_OUT = (
+    "I should call the tool.</think><|tool_calls_section_begin|>"
+    '<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|>'
+    '<|tool_call_begin|>functions.get_weather:1<|tool_call_argument_begin|>{"city": "Lyon"}<|tool_call_end|>'
+    "<|tool_calls_section_end|>"
+)
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +61,9 @@ def fake():
 
 @pytest.fixture(scope="module")
 def gw(fake, tokenizer_dir):
-    config = GatewayConfig(verifier=fake.address, max_prompt_chars=10_000, max_prompt_tokens=1500,
-                           max_body_bytes=64 * 1024, api_key=KEY)
+    config = GatewayConfig(
+        verifier=fake.address, max_prompt_chars=10_000, max_prompt_tokens=1500, max_body_bytes=64 * 1024, api_key=KEY
+    )
     config.validate()
     running = serve(config, tokenizer_dir=tokenizer_dir, announce=False)
     yield running
@@ -79,7 +95,7 @@ def _events(data: bytes) -> list:
     out = []
     for block in data.decode().split("\n\n"):
         if block.startswith("data: "):
-            payload = block[len("data: "):]
+            payload = block[len("data: ") :]
             out.append(payload if payload == "[DONE]" else json.loads(payload))
     return out
 
@@ -93,17 +109,28 @@ def test_openai_chat_reasoning(client, fake, tok):
     fake.reset(script_for(tok.encode(REASONING_OUT) + [IM_END], finish="stop", usage=USAGE))
     r = client.chat.completions.create(model=MODEL, messages=_user())
     m = r.choices[0].message
-    assert (m.role, m.content, m.model_extra["reasoning_content"]) == ("assistant", "The answer is 4.",
-                                                                       "Let me think. 2+2 is 4.")
+    assert (m.role, m.content, m.model_extra["reasoning_content"]) == (
+        "assistant",
+        "The answer is 4.",
+        "Let me think. 2+2 is 4.",
+    )
     assert r.choices[0].finish_reason == "stop" and m.tool_calls is None
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (3, 9, 12)
-    assert r.model_extra["spec"] == {"verify_steps": 4, "avg_accept_length": 2.25, "accept_histogram": [0, 1, 2, 1],
-                                     "ttft_ms": 12.5, "decode_ms": 40.0}
+    assert r.model_extra["spec"] == {
+        "verify_steps": 4,
+        "avg_accept_length": 2.25,
+        "accept_histogram": [0, 1, 2, 1],
+        "ttft_ms": 12.5,
+        "decode_ms": 40.0,
+    }
     assert r.object == "chat.completion" and r.model == MODEL and r.id.startswith("chatcmpl-")
 
     fake.reset(script_for(tok.encode(REASONING_OUT) + [IM_END], finish="stop", usage=USAGE))
-    chunks = list(client.chat.completions.create(model=MODEL, messages=_user(), stream=True,
-                                                 stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=_user(), stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == ""
     deltas = [c.choices[0].delta for c in chunks[1:] if c.choices]
     assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == "Let me think. 2+2 is 4."
@@ -122,10 +149,13 @@ def test_openai_chat_tool_calls(client, fake, tok):
     r = client.chat.completions.create(model=MODEL, messages=_user("Weather in Paris and Lyon?"), tools=TOOLS)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls"
-    assert choice.message.content is None and choice.message.model_extra["reasoning_content"] == "I should call the tool."
+    assert (
+        choice.message.content is None and choice.message.model_extra["reasoning_content"] == "I should call the tool."
+    )
     assert [(c.id, c.type, c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
         ("functions.get_weather:0", "function", "get_weather", {"city": "Paris"}),
-        ("functions.get_weather:1", "function", "get_weather", {"city": "Lyon"})]
+        ("functions.get_weather:1", "function", "get_weather", {"city": "Lyon"}),
+    ]
     prompt = tok.decode(fake.requests[-1].input_ids)
     assert prompt.startswith("<|im_system|>tool_declare<|im_middle|>") and '"get_weather"' in prompt
 
@@ -141,16 +171,29 @@ def test_openai_chat_tool_calls(client, fake, tok):
             else:
                 assert d.index in calls and d.function.name is None
                 calls[d.index]["arguments"] += d.function.arguments
-    assert calls == {0: {"id": "functions.get_weather:0", "arguments": '{"city": "Paris"}'},
-                     1: {"id": "functions.get_weather:1", "arguments": '{"city": "Lyon"}'}}
+    assert calls == {
+        0: {"id": "functions.get_weather:0", "arguments": '{"city": "Paris"}'},
+        1: {"id": "functions.get_weather:1", "arguments": '{"city": "Lyon"}'},
+    }
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
     # A multi-turn conversation: the client's call ids and results go back in; new ids continue the count.
     fake.reset(script_for(tok.encode(TOOL_OUT) + [IM_END], finish="stop"))
     history = _user("Weather?") + [
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_abc", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
-        {"role": "tool", "tool_call_id": "call_abc", "content": "rain"}, {"role": "user", "content": "More?"}]
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_abc",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_abc", "content": "rain"},
+        {"role": "user", "content": "More?"},
+    ]
     r = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS)
     assert "## Return of functions.get_weather:0\nrain" in tok.decode(fake.requests[-1].input_ids)
     assert len(r.choices[0].message.tool_calls) == 2
@@ -164,8 +207,9 @@ def test_openai_completion(client, fake, tok):
     assert list(fake.requests[-1].input_ids) == tok.encode("Say") and fake.requests[-1].max_new_tokens == 9
 
     fake.reset(script_for(tok.encode(" hello world 😀"), finish="length", usage=USAGE))
-    chunks = list(client.completions.create(model=MODEL, prompt=[5, 6, 7], stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(model=MODEL, prompt=[5, 6, 7], stream=True, stream_options={"include_usage": True})
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == " hello world 😀"
     assert chunks[-2].choices[0].finish_reason == "length" and chunks[-1].usage.completion_tokens == 9
     assert list(fake.requests[-1].input_ids) == [5, 6, 7]  # a token-id prompt goes as is
@@ -173,15 +217,22 @@ def test_openai_completion(client, fake, tok):
 
 def test_sse_wire_format(gw, fake, tok):
     fake.reset(script_for(tok.encode(REASONING_OUT) + [IM_END], finish="stop", usage=USAGE))
-    status, ctype, data = _http(gw.http_address, "POST", "/v1/chat/completions", {
-        "model": MODEL, "messages": _user(), "stream": True, "stream_options": {"include_usage": True}})
+    status, ctype, data = _http(
+        gw.http_address,
+        "POST",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": _user(), "stream": True, "stream_options": {"include_usage": True}},
+    )
     assert status == 200 and ctype.startswith("text/event-stream")
     events = _events(data)
     assert events[-1] == "[DONE]"
     assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert events[-3]["choices"][0]["finish_reason"] == "stop" and events[-3]["choices"][0]["delta"] == {}
-    assert events[-2]["choices"] == [] and events[-2]["usage"] == {"prompt_tokens": 3, "completion_tokens": 9,
-                                                                   "total_tokens": 12}
+    assert events[-2]["choices"] == [] and events[-2]["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 9,
+        "total_tokens": 12,
+    }
     assert all(e["object"] == "chat.completion.chunk" for e in events[:-1])
     # Without include_usage: no usage chunk.
     fake.reset(script_for(tok.encode("x"), finish="length"))
@@ -193,10 +244,26 @@ def test_sse_wire_format(gw, fake, tok):
 # -- parameters -------------------------------------------------------------------------------------------
 def test_parameters_reach_the_verifier(gw, fake, tok):
     fake.reset(script_for(tok.encode("ok"), finish="length"))
-    status, _, _ = _http(gw.http_address, "POST", "/v1/chat/completions", {
-        "model": MODEL, "messages": _user(), "max_completion_tokens": 33, "max_tokens": 5, "temperature": 0.5,
-        "top_p": 0.9, "top_k": 40, "seed": 7, "stop_token_ids": [100], "budget": 24, "no_spec": True,
-        "user": "ignored", "parallel_tool_calls": True})
+    status, _, _ = _http(
+        gw.http_address,
+        "POST",
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": _user(),
+            "max_completion_tokens": 33,
+            "max_tokens": 5,
+            "temperature": 0.5,
+            "top_p": 0.9,
+            "top_k": 40,
+            "seed": 7,
+            "stop_token_ids": [100],
+            "budget": 24,
+            "no_spec": True,
+            "user": "ignored",
+            "parallel_tool_calls": True,
+        },
+    )
     assert status == 200
     req = fake.requests[-1]
     assert req.max_new_tokens == 33 and abs(req.sampling.temperature - 0.5) < 1e-6
@@ -208,7 +275,9 @@ def test_parameters_reach_the_verifier(gw, fake, tok):
     _http(gw.http_address, "POST", "/v1/completions", {"prompt": "p", "ignore_eos": True, "top_k": -1})
     req = fake.requests[-1]
     assert req.sampling.temperature == 1.0 and req.sampling.top_p == 1.0 and req.sampling.top_k == 0
-    assert req.max_new_tokens == GatewayConfig().default_max_tokens and req.ignore_eos and list(req.stop_token_ids) == []
+    assert (
+        req.max_new_tokens == GatewayConfig().default_max_tokens and req.ignore_eos and list(req.stop_token_ids) == []
+    )
 
 
 def test_stop_strings_across_chunks(client, fake, tok):
@@ -217,8 +286,15 @@ def test_stop_strings_across_chunks(client, fake, tok):
     assert r.choices[0].text == "The answer is " and r.choices[0].finish_reason == "stop"
     assert fake.aborts == [fake.requests[-1].request_id]
     fake.reset(script_for(tok.encode("alpha beta gamma"), finish="length"))
-    chunks = list(client.chat.completions.create(model=MODEL, messages=_user(), stop="beta", stream=True,
-                                                 extra_body={"chat_template_kwargs": {"thinking": False}}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=_user(),
+            stop="beta",
+            stream=True,
+            extra_body={"chat_template_kwargs": {"thinking": False}},
+        )
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == "alpha "
     assert chunks[-1].choices[0].finish_reason == "stop"
 
@@ -226,7 +302,9 @@ def test_stop_strings_across_chunks(client, fake, tok):
 def test_chat_switches(client, fake, tok):
     # thinking off: the template closes the think block in the prompt; output is plain content.
     fake.reset(script_for(tok.encode("Plain."), finish="length"))
-    r = client.chat.completions.create(model=MODEL, messages=_user(), extra_body={"chat_template_kwargs": {"thinking": False}})
+    r = client.chat.completions.create(
+        model=MODEL, messages=_user(), extra_body={"chat_template_kwargs": {"thinking": False}}
+    )
     assert tok.decode(fake.requests[-1].input_ids).endswith("<|im_middle|><think></think>")
     assert r.choices[0].message.content == "Plain." and r.choices[0].message.model_extra["reasoning_content"] is None
     # separate_reasoning off: reasoning stays in the content.
@@ -240,11 +318,18 @@ def test_chat_switches(client, fake, tok):
     assert r.choices[0].message.tool_calls is None and "<|tool_call_begin|>" in r.choices[0].message.content
     # Content as an array of text parts, and the "developer" role (as system).
     fake.reset(script_for(tok.encode("ok"), finish="length"))
-    client.chat.completions.create(model=MODEL, messages=[
-        {"role": "developer", "content": "Be brief."},
-        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
+    client.chat.completions.create(
+        model=MODEL,
+        messages=[
+            {"role": "developer", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        ],
+    )
     prompt = tok.decode(fake.requests[-1].input_ids)
-    assert prompt.startswith("<|im_system|>system<|im_middle|>Be brief.<|im_end|>") and "<|im_middle|>a\nb<|im_end|>" in prompt
+    assert (
+        prompt.startswith("<|im_system|>system<|im_middle|>Be brief.<|im_end|>")
+        and "<|im_middle|>a\nb<|im_end|>" in prompt
+    )
 
 
 # -- bad input: clear status and message, nothing reaches the verifier --------------------------------------
@@ -256,47 +341,153 @@ BAD = [
     ("lone surrogate", CHAT, '{"messages": [{"role": "user", "content": "\\ud800"}]}', None, 400, "surrogate"),
     ("deep nesting", CHAT, "[" * 50_000, None, 400, "nested too deeply"),
     ("messages wrong type", CHAT, {"messages": "hi"}, None, 422, "messages: must be array, got string"),
-    ("temperature wrong type", CHAT, {"messages": _user(), "temperature": "hot"}, None, 422,
-     "temperature: must be number, got string"),
-    ("max_tokens wrong type", CHAT, {"messages": _user(), "max_tokens": "5"}, None, 422,
-     "max_tokens: must be integer, got string"),
+    (
+        "temperature wrong type",
+        CHAT,
+        {"messages": _user(), "temperature": "hot"},
+        None,
+        422,
+        "temperature: must be number, got string",
+    ),
+    (
+        "max_tokens wrong type",
+        CHAT,
+        {"messages": _user(), "max_tokens": "5"},
+        None,
+        422,
+        "max_tokens: must be integer, got string",
+    ),
     ("stream wrong type", CHAT, {"messages": _user(), "stream": "yes"}, None, 422, "stream: must be boolean"),
-    ("content wrong type", CHAT, {"messages": [{"role": "user", "content": 5}]}, None, 422,
-     "messages[0].content: must be string or array of content parts, got integer"),
+    (
+        "content wrong type",
+        CHAT,
+        {"messages": [{"role": "user", "content": 5}]},
+        None,
+        422,
+        "messages[0].content: must be string or array of content parts, got integer",
+    ),
     ("stop wrong type", CHAT, {"messages": _user(), "stop": [1]}, None, 422, "stop[0]: must be string, got integer"),
     ("missing messages", CHAT, {"model": MODEL}, None, 400, "messages: is required"),
     ("empty messages", CHAT, {"messages": []}, None, 400, "messages: must not be empty"),
-    ("unknown role", CHAT, {"messages": [{"role": "robot", "content": "x"}]}, None, 400,
-     "messages[0].role: unknown role 'robot'"),
-    ("image part", CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, None,
-     400, "messages[0].content[0].type: 'image_url' is not supported"),
-    ("tool schema type", CHAT, {"messages": _user(), "tools": [{"type": "function", "function": {
-        "name": "f", "parameters": {"type": "banana"}}}]}, None, 400, "tools[0].function.parameters.type: must be one of"),
-    ("tool schema properties", CHAT, {"messages": _user(), "tools": [{"type": "function", "function": {
-        "name": "f", "parameters": {"type": "object", "properties": {"a": 3}}}}]}, None, 400,
-     "tools[0].function.parameters.properties.a: must be a JSON Schema object"),
-    ("tool name", CHAT, {"messages": _user(), "tools": [{"type": "function", "function": {"name": "get weather"}}]},
-     None, 400, "tools[0].function.name: 'get weather' is not 1-64 letters, digits"),
-    ("tool without function", CHAT, {"messages": _user(), "tools": [{"type": "function"}]}, None, 400,
-     "tools[0].function: must be an object"),
+    (
+        "unknown role",
+        CHAT,
+        {"messages": [{"role": "robot", "content": "x"}]},
+        None,
+        400,
+        "messages[0].role: unknown role 'robot'",
+    ),
+    (
+        "image part",
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        None,
+        400,
+        "messages[0].content[0].type: 'image_url' is not supported",
+    ),
+    (
+        "tool schema type",
+        CHAT,
+        {
+            "messages": _user(),
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "banana"}}}],
+        },
+        None,
+        400,
+        "tools[0].function.parameters.type: must be one of",
+    ),
+    (
+        "tool schema properties",
+        CHAT,
+        {
+            "messages": _user(),
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": 3}}},
+                }
+            ],
+        },
+        None,
+        400,
+        "tools[0].function.parameters.properties.a: must be a JSON Schema object",
+    ),
+    (
+        "tool name",
+        CHAT,
+        {"messages": _user(), "tools": [{"type": "function", "function": {"name": "get weather"}}]},
+        None,
+        400,
+        "tools[0].function.name: 'get weather' is not 1-64 letters, digits",
+    ),
+    (
+        "tool without function",
+        CHAT,
+        {"messages": _user(), "tools": [{"type": "function"}]},
+        None,
+        400,
+        "tools[0].function: must be an object",
+    ),
     ("n > 1", CHAT, {"messages": _user(), "n": 2}, None, 400, "n: only n = 1 is supported, got 2"),
-    ("tool_choice required", CHAT, {"messages": _user(), "tools": TOOLS, "tool_choice": "required"}, None, 400,
-     "tool_choice: 'required' is not supported"),
+    (
+        "tool_choice required",
+        CHAT,
+        {"messages": _user(), "tools": TOOLS, "tool_choice": "required"},
+        None,
+        400,
+        "tool_choice: 'required' is not supported",
+    ),
     ("logprobs", CHAT, {"messages": _user(), "logprobs": True}, None, 400, "logprobs: not supported"),
-    ("max_tokens over limit", CHAT, {"messages": _user(), "max_tokens": 5000}, None, 400,
-     "max_tokens: must be in [1, 4096], got 5000"),
+    (
+        "max_tokens over limit",
+        CHAT,
+        {"messages": _user(), "max_tokens": 5000},
+        None,
+        400,
+        "max_tokens: must be in [1, 4096], got 5000",
+    ),
     ("max_tokens zero", CHAT, {"messages": _user(), "max_tokens": 0}, None, 400, "max_tokens: must be in [1, 4096]"),
-    ("negative temperature", CHAT, {"messages": _user(), "temperature": -1}, None, 400,
-     "temperature: must be a finite number >= 0"),
+    (
+        "negative temperature",
+        CHAT,
+        {"messages": _user(), "temperature": -1},
+        None,
+        400,
+        "temperature: must be a finite number >= 0",
+    ),
     ("top_p", CHAT, {"messages": _user(), "top_p": 1.5}, None, 400, "top_p: must be in (0, 1]"),
-    ("stop token outside vocab", CHAT, {"messages": _user(), "stop_token_ids": [99999]}, None, 400,
-     "stop_token_ids[0]: token id 99999 is outside the vocabulary"),
-    ("thinking not bool", CHAT, {"messages": _user(), "chat_template_kwargs": {"thinking": "no"}}, None, 400,
-     "chat_template_kwargs.thinking: must be true or false"),
-    ("prompt over token limit", "/v1/completions", {"prompt": list(range(1600))}, None, 400,
-     "prompt: 1600 tokens, over the limit of 1500"),
-    ("prompt token outside vocab", "/v1/completions", {"prompt": [1, 5000]}, None, 400,
-     "prompt: token id 5000 is outside the vocabulary"),
+    (
+        "stop token outside vocab",
+        CHAT,
+        {"messages": _user(), "stop_token_ids": [99999]},
+        None,
+        400,
+        "stop_token_ids[0]: token id 99999 is outside the vocabulary",
+    ),
+    (
+        "thinking not bool",
+        CHAT,
+        {"messages": _user(), "chat_template_kwargs": {"thinking": "no"}},
+        None,
+        400,
+        "chat_template_kwargs.thinking: must be true or false",
+    ),
+    (
+        "prompt over token limit",
+        "/v1/completions",
+        {"prompt": list(range(1600))},
+        None,
+        400,
+        "prompt: 1600 tokens, over the limit of 1500",
+    ),
+    (
+        "prompt token outside vocab",
+        "/v1/completions",
+        {"prompt": [1, 5000]},
+        None,
+        400,
+        "prompt: token id 5000 is outside the vocabulary",
+    ),
     ("prompt wrong type", "/v1/completions", {"prompt": 5}, None, 422, "prompt: must be string or array of token ids"),
     ("several prompts", "/v1/completions", {"prompt": ["a", "b"]}, None, 400, "prompt: one prompt per request"),
     ("echo", "/v1/completions", {"prompt": "a", "echo": True}, None, 400, "echo: not supported"),
@@ -366,8 +557,11 @@ def _open_stream(address, path, body):
     host, port = address.rsplit(":", 1)
     sock = socket.create_connection((host, int(port)), timeout=10)
     payload = json.dumps(body).encode()
-    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    sock.sendall(
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\n\r\n".encode()
+        + payload
+    )
     return sock
 
 
@@ -396,8 +590,10 @@ def test_models_health_metrics(gw, client, fake, tok):
     assert [m.id for m in models.data] == [MODEL] and models.data[0].model_extra["max_model_len"] == 1234
     assert client.models.retrieve(MODEL).id == MODEL
     status, _, data = _http(gw.http_address, "GET", "/health", headers={"Authorization": None})
-    assert status == 200 and json.loads(data) == {"status": "ok", "verifiers": [
-        {"address": fake.address, "healthy": True, "outstanding": 0}]}
+    assert status == 200 and json.loads(data) == {
+        "status": "ok",
+        "verifiers": [{"address": fake.address, "healthy": True, "outstanding": 0}],
+    }
     fake.reset(script_for(tok.encode("ok"), finish="length"))
     client.completions.create(model=MODEL, prompt="a")
     status, ctype, data = _http(gw.http_address, "GET", "/metrics", headers={"Authorization": None})
@@ -413,8 +609,10 @@ def test_grpc_needs_the_key(gw, fake, tok):
     with grpc.insecure_channel(gw.address) as ch:
         stub = gateway_pb2_grpc.GatewayStub(ch)
         request = gateway_pb2.CompleteRequest(prompt="hi")
-        for metadata, message in [(None, "missing API key: send metadata 'authorization"),
-                                  ((("authorization", "Bearer nope"),), "invalid API key")]:
+        for metadata, message in [
+            (None, "missing API key: send metadata 'authorization"),
+            ((("authorization", "Bearer nope"),), "invalid API key"),
+        ]:
             with pytest.raises(grpc.RpcError) as err:
                 list(stub.Complete(request, timeout=10, metadata=metadata))
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED and message in err.value.details()
@@ -429,8 +627,12 @@ def test_grpc_needs_the_key(gw, fake, tok):
 # -- routing ------------------------------------------------------------------------------------------------
 def test_routing_fewest_outstanding_and_health(tokenizer_dir, tok):
     (a, a_server), (b, b_server) = start_fake_verifier("fake-a"), start_fake_verifier("fake-b")
-    gw = serve(GatewayConfig(verifier=f"{a.address},{b.address}", tokenizer=str(tokenizer_dir), http_port=-1,
-                             health_interval_s=60), announce=False)
+    gw = serve(
+        GatewayConfig(
+            verifier=f"{a.address},{b.address}", tokenizer=str(tokenizer_dir), http_port=-1, health_interval_s=60
+        ),
+        announce=False,
+    )
     channel = grpc.insecure_channel(gw.address)
     stub = gateway_pb2_grpc.GatewayStub(channel)
 

@@ -1,6 +1,7 @@
 """The OpenAI HTTP API against the real services (the session's oracle stack: drafter, verifier and
 gateway processes on loopback): the official client, streaming and not, agrees with the gRPC API; and a
 client that disconnects frees its KV in the verifier at once."""
+
 from __future__ import annotations
 
 import json
@@ -11,7 +12,7 @@ import grpc
 import openai
 import pytest
 
-from services.protocol.ddtree.v1 import gateway_pb2, gateway_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from ddtree.protocol.ddtree.v1 import gateway_pb2, gateway_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
 pytestmark = pytest.mark.slow
 MODEL = "ddtree-demo"
@@ -19,8 +20,7 @@ MODEL = "ddtree-demo"
 
 @pytest.fixture(scope="module")
 def client(oracle_stack):
-    return openai.OpenAI(base_url=f"http://{oracle_stack.gateway_http}/v1", api_key="none", max_retries=0,
-                         timeout=120)
+    return openai.OpenAI(base_url=f"http://{oracle_stack.gateway_http}/v1", api_key="none", max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -50,30 +50,53 @@ def test_openai_client_on_the_real_stack(oracle_stack, client):
     answer = (m.model_extra.get("reasoning_content") or "", m.content or "")
 
     # Streaming, greedy: the same answer, and the OpenAI chunk order.
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     deltas = [c.choices[0].delta for c in chunks if c.choices]
-    streamed = ("".join(d.model_extra.get("reasoning_content") or "" for d in deltas),
-                "".join(d.content or "" for d in deltas))
+    streamed = (
+        "".join(d.model_extra.get("reasoning_content") or "" for d in deltas),
+        "".join(d.content or "" for d in deltas),
+    )
     assert streamed == answer
     assert chunks[-2].choices[0].finish_reason == r.choices[0].finish_reason
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == usage.completion_tokens
 
     # Completions: fixed length with ignore_eos; the oracle drafter gets several tokens accepted per step.
-    r = client.completions.create(model=MODEL, prompt="def fib(n):", max_tokens=24, temperature=0,
-                                  extra_body={"ignore_eos": True, "budget": 8})
+    r = client.completions.create(
+        model=MODEL, prompt="def fib(n):", max_tokens=24, temperature=0, extra_body={"ignore_eos": True, "budget": 8}
+    )
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 24
     assert r.model_extra["spec"]["avg_accept_length"] > 1.0
-    text = "".join(c.choices[0].text for c in client.completions.create(
-        model=MODEL, prompt="def fib(n):", max_tokens=24, temperature=0, stream=True,
-        extra_body={"ignore_eos": True, "budget": 8}) if c.choices)
+    text = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model=MODEL,
+            prompt="def fib(n):",
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True, "budget": 8},
+        )
+        if c.choices
+    )
     assert text == r.choices[0].text
     # The gRPC API gives the same text for the same request.
     with grpc.insecure_channel(oracle_stack.gateway) as channel:
-        chunks = gateway_pb2_grpc.GatewayStub(channel).Complete(gateway_pb2.CompleteRequest(
-            prompt="def fib(n):", options=gateway_pb2.GenerationOptions(max_tokens=24, ignore_eos=True, budget=8)),
-            timeout=120)
+        chunks = gateway_pb2_grpc.GatewayStub(channel).Complete(
+            gateway_pb2.CompleteRequest(
+                prompt="def fib(n):", options=gateway_pb2.GenerationOptions(max_tokens=24, ignore_eos=True, budget=8)
+            ),
+            timeout=120,
+        )
         assert "".join(c.text_delta for c in chunks) == text
 
 
@@ -81,8 +104,11 @@ def _start(address: str, body: dict) -> socket.socket:
     host, port = address.rsplit(":", 1)
     sock = socket.create_connection((host, int(port)), timeout=60)
     payload = json.dumps(body).encode()
-    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    sock.sendall(
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\n\r\n".encode()
+        + payload
+    )
     return sock
 
 
@@ -91,8 +117,10 @@ def test_disconnect_frees_the_kv(oracle_stack, verifier, stream):
     assert _wait(lambda: verifier().running_requests == 0 and verifier().kv_used_tokens == 0), verifier()
     before = verifier().total_tokens
     max_tokens = 1500
-    sock = _start(oracle_stack.gateway_http, {"prompt": "def f(x):", "max_tokens": max_tokens, "ignore_eos": True,
-                                              "temperature": 0, "stream": stream})
+    sock = _start(
+        oracle_stack.gateway_http,
+        {"prompt": "def f(x):", "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, "stream": stream},
+    )
     try:
         assert _wait(lambda: verifier().kv_used_tokens > 0), "the request never started"
         if stream:

@@ -1,10 +1,12 @@
 """Gateway unit tests: the real GatewayServicer (via serve()) in front of a FAKE in-process verifier
 that streams scripted token ids. Also the pieces of the output pipeline: stop strings and the Kimi K2
 reasoning / tool-call parsers (streaming vs non-streaming twins)."""
+
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import math
 import random
@@ -13,17 +15,14 @@ import socket
 import grpc
 import pytest
 
-from services.config import GatewayConfig, add_config_flags, config_from_flags
-from services.gateway.parsers.kimi_k2_reasoning import KimiK2ReasoningParser, parse_reasoning
-from services.gateway.parsers.kimi_k2_tools import (MARKERS, KimiK2ToolParser, ToolCall, merge_deltas,
-                                                    parse_tool_calls)
-from services.gateway.server import StopMatcher, serve
-from services.protocol.ddtree.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from tests.fakes import script_for, start_fake_verifier
+from ddtree.config import GatewayConfig, add_config_flags, config_from_flags
+from ddtree.gateway.parsers.kimi_k2_reasoning import KimiK2ReasoningParser, parse_reasoning
+from ddtree.gateway.parsers.kimi_k2_tools import MARKERS, KimiK2ToolParser, ToolCall, merge_deltas, parse_tool_calls
+from ddtree.gateway.server import StopMatcher, serve
+from ddtree.protocol.ddtree.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from tests.fakes import script_for, start_fake_verifier, verifier_usage
 
 IM_END, EOS = 2, 1
-
-
 
 
 def _free_port() -> int:
@@ -85,12 +84,23 @@ def _collect(chunks):
 
 
 def _complete(stub, prompt="Hello", timeout=10, **options):
-    return _collect(stub.Complete(gateway_pb2.CompleteRequest(
-        prompt=prompt, options=gateway_pb2.GenerationOptions(**options)), timeout=timeout))
+    return _collect(
+        stub.Complete(
+            gateway_pb2.CompleteRequest(prompt=prompt, options=gateway_pb2.GenerationOptions(**options)),
+            timeout=timeout,
+        )
+    )
 
 
-USAGE = common_pb2.Usage(prompt_tokens=3, completion_tokens=9, verify_steps=4, avg_accept_length=2.25,
-                         accept_histogram=[0, 1, 2, 1], ttft_ms=12.5, decode_ms=40.0)
+USAGE = common_pb2.Usage(
+    prompt_tokens=3,
+    completion_tokens=9,
+    verify_steps=4,
+    avg_accept_length=2.25,
+    accept_histogram=[0, 1, 2, 1],
+    ttft_ms=12.5,
+    decode_ms=40.0,
+)
 STREAM_TEXT = "Streaming 中文 and emoji 😀👍🏽 across tokens: ok."
 
 
@@ -116,11 +126,23 @@ def test_complete_streams_text_ids_steps_usage(gateway, fake, tok, sizes):
 
 def test_complete_maps_options_to_verifier_request(gateway, fake, tok):
     fake.reset(script_for([tok.encode("x")[0]]))
-    _complete(gateway, "p", max_tokens=0, temperature=0.7, top_p=0.9, top_k=40, seed=5, stop_token_ids=[100, IM_END],
-              no_spec=True, budget=32)
+    _complete(
+        gateway,
+        "p",
+        max_tokens=0,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=40,
+        seed=5,
+        stop_token_ids=[100, IM_END],
+        no_spec=True,
+        budget=32,
+    )
     req = fake.requests[-1]
     assert req.max_new_tokens == GatewayConfig().default_max_tokens  # 0 = server default
-    assert math.isclose(req.sampling.temperature, 0.7, rel_tol=1e-6) and math.isclose(req.sampling.top_p, 0.9, rel_tol=1e-6)
+    assert math.isclose(req.sampling.temperature, 0.7, rel_tol=1e-6) and math.isclose(
+        req.sampling.top_p, 0.9, rel_tol=1e-6
+    )
     assert req.sampling.top_k == 40 and req.sampling.HasField("seed") and req.sampling.seed == 5
     assert list(req.stop_token_ids) == [100, IM_END, EOS] and not req.ignore_eos
     assert req.spec.no_spec and req.spec.budget == 32
@@ -186,6 +208,43 @@ def test_stop_string_in_last_message_needs_no_abort(gateway, fake, tok):
     assert out["usage"] == USAGE
 
 
+@pytest.mark.parametrize("mode", ["spec", "no_spec"])
+def test_stop_string_and_length_report_avg_accept_length_alike(gateway, fake, tok, mode):
+    """avg_accept_length is tokens per verify step over every step, with or without a tree: the same whether
+    the verifier computed the usage (the request ran to its length) or the gateway did (it cut the stream
+    at a stop string). A no_spec request reads 1.0 either way."""
+    ids = tok.encode("one two three four five six seven eight nine ten eleven twelve thirteen")
+    if mode == "spec":  # steps of 3, 1 (no tree: an AR step) and 2 tokens
+        pattern, sizes = itertools.cycle([3, 1, 2]), []
+        while sum(sizes) < len(ids):
+            sizes.append(min(next(pattern), len(ids) - sum(sizes)))
+    else:
+        sizes = [1] * len(ids)
+    script = script_for(ids, sizes, finish="length")
+    for msg in script:
+        if mode == "no_spec" or len(msg.token_ids) == 1:
+            msg.steps[0].tree_nodes = 0
+    prompt_tokens = len(tok.encode("Hello"))
+    script[-1].usage.CopyFrom(verifier_usage(prompt_tokens, script))
+
+    fake.reset(script)
+    by_length = _complete(gateway, max_tokens=100)
+    fake.reset(script)
+    by_stop = _complete(gateway, max_tokens=100, stop=[" seven"])
+    assert by_length["finish"] == ["length"] and by_length["usage"] == script[-1].usage
+    assert by_stop["finish"] == ["stop"] and fake.aborts == [fake.requests[0].request_id]  # usage by the gateway
+    assert len(by_stop["steps"]) < len(by_length["steps"])
+    for out in (by_length, by_stop):
+        lengths = [s.accept_length for s in out["steps"]]
+        usage = out["usage"]
+        assert usage.prompt_tokens == prompt_tokens and usage.completion_tokens == len(out["ids"]) == sum(lengths)
+        assert usage.verify_steps == len(lengths)
+        assert usage.avg_accept_length == pytest.approx(sum(lengths) / len(lengths))
+        assert list(usage.accept_histogram) == [lengths.count(k) for k in range(max(lengths) + 1)]
+        if mode == "no_spec":
+            assert usage.avg_accept_length == 1.0 and list(usage.accept_histogram) == [0, len(lengths)]
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_stop_matcher_random_chunking(seed):
     rng = random.Random(seed)
@@ -201,7 +260,7 @@ def test_stop_matcher_random_chunking(seed):
             if matched:
                 break
         hits = [p for p in (text.find(s) for s in stops) if p != -1]
-        assert "".join(out) == (text[:min(hits)] if hits else text)
+        assert "".join(out) == (text[: min(hits)] if hits else text)
         assert matched == bool(hits)
 
 
@@ -214,7 +273,8 @@ def _chat(stub, messages, timeout=10, tools=None, kwargs=None, **options):
         messages=[gateway_pb2.ChatMessage(**m) for m in messages],
         options=gateway_pb2.GenerationOptions(**options),
         tools_json=json.dumps(tools) if tools is not None else "",
-        chat_template_kwargs_json=json.dumps(kwargs) if kwargs is not None else "")
+        chat_template_kwargs_json=json.dumps(kwargs) if kwargs is not None else "",
+    )
     return _collect(stub.Chat(request, timeout=timeout))
 
 
@@ -239,17 +299,24 @@ def test_chat_thinking_off(gateway, fake, tok):
 
 
 def test_chat_tool_calls(gateway, fake, tok):
-    output = ("I should call the tool.</think><|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:1"
-              "<|tool_call_argument_begin|>{\"city\": \"Paris\"}<|tool_call_end|><|tool_calls_section_end|>")
+    output = (
+        "I should call the tool.</think><|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:1"
+        '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>'
+    )
     fake.reset(script_for(tok.encode(output) + [IM_END], finish="stop"))
-    history = [{"role": "user", "content": "Weather in Lyon?"},
-               {"role": "assistant", "content": "", "tool_calls": [
-                   gateway_pb2.ToolCall(id="call_x", name="get_weather", arguments='{"city": "Lyon"}')]},
-               {"role": "tool", "tool_call_id": "call_x", "content": "sunny"},
-               {"role": "user", "content": "And Paris?"}]
+    history = [
+        {"role": "user", "content": "Weather in Lyon?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [gateway_pb2.ToolCall(id="call_x", name="get_weather", arguments='{"city": "Lyon"}')],
+        },
+        {"role": "tool", "tool_call_id": "call_x", "content": "sunny"},
+        {"role": "user", "content": "And Paris?"},
+    ]
     out = _chat(gateway, history, tools=TOOLS)
     prompt = tok.decode(fake.requests[-1].input_ids)
-    assert "<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{\"city\": \"Lyon\"}" in prompt
+    assert '<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "Lyon"}' in prompt
     assert "## Return of functions.get_weather:0\nsunny" in prompt
     assert prompt.startswith("<|im_system|>tool_declare<|im_middle|>" + json.dumps(TOOLS))
     assert out["reasoning"] == "I should call the tool."
@@ -282,18 +349,28 @@ def test_reasoning_parser_off(fake, tokenizer_dir, tok):
 def test_deepseek_v3_tool_parser_selected_by_flag(fake, tokenizer_dir, tok):
     args = argparse.ArgumentParser()
     add_config_flags(args, GatewayConfig)
-    config = config_from_flags(GatewayConfig, args.parse_args(
-        ["--tool-call-parser", "deepseek_v3", "--verifier", fake.address, "--http-port", "-1"]), environ={})
+    config = config_from_flags(
+        GatewayConfig,
+        args.parse_args(["--tool-call-parser", "deepseek_v3", "--verifier", fake.address, "--http-port", "-1"]),
+        environ={},
+    )
     running = serve(config, tokenizer_dir=tokenizer_dir, announce=False)
     channel = grpc.insecure_channel(running.address)
     try:
-        output = ("Use the tool.</think>Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather"
-                  "\n```json\n{\"city\": \"Paris\"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
+        output = (
+            "Use the tool.</think>Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather"
+            '\n```json\n{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>'
+        )
         fake.reset(script_for(tok.encode(output) + [IM_END], finish="stop"))
-        history = [{"role": "user", "content": "Weather?"},
-                   {"role": "assistant", "content": "", "tool_calls": [
-                       gateway_pb2.ToolCall(id="call_0", name="get_weather", arguments='{"city": "Oslo"}')]},
-                   {"role": "tool", "tool_call_id": "call_0", "content": "rain"}]
+        history = [
+            {"role": "user", "content": "Weather?"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [gateway_pb2.ToolCall(id="call_0", name="get_weather", arguments='{"city": "Oslo"}')],
+            },
+            {"role": "tool", "tool_call_id": "call_0", "content": "rain"},
+        ]
         out = _chat(gateway_pb2_grpc.GatewayStub(channel), history, tools=TOOLS)
         assert (out["reasoning"], out["text"]) == ("Use the tool.", "Sure.")
         assert out["calls"] == [{"id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'}]
@@ -313,37 +390,80 @@ def _opts(**kw):
 USER = [gateway_pb2.ChatMessage(role="user", content="hi")]
 INVALID = [
     ("chat", dict(messages=[]), "messages: must not be empty"),
-    ("chat", dict(messages=[gateway_pb2.ChatMessage(role="robot", content="x")]),
-     "messages[0].role: unknown role 'robot'"),
+    (
+        "chat",
+        dict(messages=[gateway_pb2.ChatMessage(role="robot", content="x")]),
+        "messages[0].role: unknown role 'robot'",
+    ),
     ("chat", dict(messages=[gateway_pb2.ChatMessage(content="x")]), "messages[0].role: is required"),
-    ("chat", dict(messages=USER + [gateway_pb2.ChatMessage(role="tool", content="x")]),
-     "messages[1].tool_call_id: is required for tool messages"),
-    ("chat", dict(messages=USER + [gateway_pb2.ChatMessage(role="assistant", tool_calls=[
-        gateway_pb2.ToolCall(id="c", name="f", arguments="{not json")])]),
-     "messages[1].tool_calls[0].function.arguments: not valid JSON"),
-    ("chat", dict(messages=USER + [gateway_pb2.ChatMessage(role="assistant", tool_calls=[
-        gateway_pb2.ToolCall(id="c", arguments="{}")])]),
-     "messages[1].tool_calls[0].function.name: must not be empty"),
+    (
+        "chat",
+        dict(messages=USER + [gateway_pb2.ChatMessage(role="tool", content="x")]),
+        "messages[1].tool_call_id: is required for tool messages",
+    ),
+    (
+        "chat",
+        dict(
+            messages=USER
+            + [
+                gateway_pb2.ChatMessage(
+                    role="assistant", tool_calls=[gateway_pb2.ToolCall(id="c", name="f", arguments="{not json")]
+                )
+            ]
+        ),
+        "messages[1].tool_calls[0].function.arguments: not valid JSON",
+    ),
+    (
+        "chat",
+        dict(
+            messages=USER
+            + [gateway_pb2.ChatMessage(role="assistant", tool_calls=[gateway_pb2.ToolCall(id="c", arguments="{}")])]
+        ),
+        "messages[1].tool_calls[0].function.name: must not be empty",
+    ),
     ("chat", dict(messages=USER, tools_json="[{"), "tools_json: not valid JSON"),
     ("chat", dict(messages=USER, tools_json='{"a": 1}'), "tools: must be a list, got dict"),
-    ("chat", dict(messages=USER, tools_json='[{"type": "function", "function": {}}]'),
-     "tools[0].function.name: is required"),
+    (
+        "chat",
+        dict(messages=USER, tools_json='[{"type": "function", "function": {}}]'),
+        "tools[0].function.name: is required",
+    ),
     ("chat", dict(messages=USER, chat_template_kwargs_json="{oops"), "chat_template_kwargs_json: not valid JSON"),
-    ("chat", dict(messages=USER, chat_template_kwargs_json="[1]"),
-     "chat_template_kwargs_json: must be a JSON object, got list"),
-    ("chat", dict(messages=USER, chat_template_kwargs_json='{"thinking": "no"}'),
-     "chat_template_kwargs.thinking: must be true or false, got 'no'"),
-    ("chat", dict(messages=USER, chat_template_kwargs_json='{"messages": []}'),
-     "chat_template_kwargs.messages: reserved"),
-    ("chat", dict(messages=[gateway_pb2.ChatMessage(role="user", content="x" * 10_001)]),
-     "messages: 10001 characters, over the limit of 10000"),
+    (
+        "chat",
+        dict(messages=USER, chat_template_kwargs_json="[1]"),
+        "chat_template_kwargs_json: must be a JSON object, got list",
+    ),
+    (
+        "chat",
+        dict(messages=USER, chat_template_kwargs_json='{"thinking": "no"}'),
+        "chat_template_kwargs.thinking: must be true or false, got 'no'",
+    ),
+    (
+        "chat",
+        dict(messages=USER, chat_template_kwargs_json='{"messages": []}'),
+        "chat_template_kwargs.messages: reserved",
+    ),
+    (
+        "chat",
+        dict(messages=[gateway_pb2.ChatMessage(role="user", content="x" * 10_001)]),
+        "messages: 10001 characters, over the limit of 10000",
+    ),
     ("complete", dict(prompt=""), "prompt: must not be empty"),
     ("complete", dict(prompt="x" * 10_001), "prompt: 10001 characters, over the limit of 10000"),
     ("complete", dict(options=_opts(max_tokens=-1)), "options.max_tokens: must be >= 0 (0 = server default), got -1"),
     ("complete", dict(options=_opts(max_tokens=4097)), "options.max_tokens: must be <= 4096, got 4097"),
     ("complete", dict(options=_opts(temperature=-0.5)), "options.temperature: must be a finite number >= 0, got -0.5"),
-    ("complete", dict(options=_opts(temperature=float("nan"))), "options.temperature: must be a finite number >= 0, got nan"),
-    ("complete", dict(options=_opts(temperature=float("inf"))), "options.temperature: must be a finite number >= 0, got inf"),
+    (
+        "complete",
+        dict(options=_opts(temperature=float("nan"))),
+        "options.temperature: must be a finite number >= 0, got nan",
+    ),
+    (
+        "complete",
+        dict(options=_opts(temperature=float("inf"))),
+        "options.temperature: must be a finite number >= 0, got inf",
+    ),
     ("complete", dict(options=_opts(top_p=1.5)), "options.top_p: must be in (0, 1] (0 = unset), got 1.5"),
     ("complete", dict(options=_opts(top_p=-0.25)), "options.top_p: must be in (0, 1] (0 = unset), got -0.25"),
     ("complete", dict(options=_opts(top_p=float("nan"))), "options.top_p: must be in (0, 1] (0 = unset), got nan"),
@@ -352,10 +472,16 @@ INVALID = [
     ("complete", dict(options=_opts(stop=["ok", ""])), "options.stop[1]: must not be empty"),
     ("complete", dict(options=_opts(stop=["s"] * 17)), "options.stop: at most 16 stop strings, got 17"),
     ("complete", dict(options=_opts(stop=["s" * 1001])), "options.stop[0]: 1001 characters, over the limit of 1000"),
-    ("complete", dict(options=_opts(stop_token_ids=[5, 4096])),
-     "options.stop_token_ids[1]: token id 4096 is outside the vocabulary (size 4096)"),
-    ("complete", dict(options=_opts(stop_token_ids=[-1])),
-     "options.stop_token_ids[0]: token id -1 is outside the vocabulary (size 4096)"),
+    (
+        "complete",
+        dict(options=_opts(stop_token_ids=[5, 4096])),
+        "options.stop_token_ids[1]: token id 4096 is outside the vocabulary (size 4096)",
+    ),
+    (
+        "complete",
+        dict(options=_opts(stop_token_ids=[-1])),
+        "options.stop_token_ids[0]: token id -1 is outside the vocabulary (size 4096)",
+    ),
 ]
 
 
@@ -375,8 +501,9 @@ def test_invalid_argument(gateway, fake, rpc, fields, message):
 
 def test_tokenize_rejects_bad_messages(gateway):
     with pytest.raises(grpc.RpcError) as err:
-        gateway.Tokenize(gateway_pb2.TokenizeRequest(messages=[gateway_pb2.ChatMessage(role="x", content="y")]),
-                         timeout=5)
+        gateway.Tokenize(
+            gateway_pb2.TokenizeRequest(messages=[gateway_pb2.ChatMessage(role="x", content="y")]), timeout=5
+        )
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details().startswith("messages[0].role: unknown role 'x'")
     with pytest.raises(grpc.RpcError) as err:
@@ -387,19 +514,24 @@ def test_tokenize_rejects_bad_messages(gateway):
 
 # -- verifier failures, cancellation, deadlines ----------------------------------------------------------
 def test_unavailable_when_verifier_is_down(dead_gateway):
-    for call in (lambda: list(dead_gateway.Complete(gateway_pb2.CompleteRequest(prompt="hi"), timeout=10)),
-                 lambda: list(dead_gateway.Chat(gateway_pb2.ChatRequest(messages=USER), timeout=10))):
+    for call in (
+        lambda: list(dead_gateway.Complete(gateway_pb2.CompleteRequest(prompt="hi"), timeout=10)),
+        lambda: list(dead_gateway.Chat(gateway_pb2.ChatRequest(messages=USER), timeout=10)),
+    ):
         with pytest.raises(grpc.RpcError) as err:
             call()
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "verifier at 127.0.0.1:" in err.value.details() and "unavailable" in err.value.details()
 
 
-@pytest.mark.parametrize("code, message", [
-    (grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full: 256 requests waiting"),
-    (grpc.StatusCode.INVALID_ARGUMENT, "prompt of 9000 tokens exceeds max_context 8192"),
-    (grpc.StatusCode.INTERNAL, "kernel exploded"),
-])
+@pytest.mark.parametrize(
+    "code, message",
+    [
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full: 256 requests waiting"),
+        (grpc.StatusCode.INVALID_ARGUMENT, "prompt of 9000 tokens exceeds max_context 8192"),
+        (grpc.StatusCode.INTERNAL, "kernel exploded"),
+    ],
+)
 def test_verifier_errors_pass_through(gateway, fake, tok, code, message):
     ids = tok.encode("partial output")
     script = script_for(ids)
@@ -461,11 +593,15 @@ def test_tokenize_text_and_messages(gateway, tok):
     r = gateway.Tokenize(gateway_pb2.TokenizeRequest(text="Hello 😀<|im_end|>"), timeout=5)
     assert list(r.token_ids) == tok.encode("Hello 😀<|im_end|>") and r.rendered == ""
     assert list(r.tokens) == [tok.id_to_token(i) for i in r.token_ids] and r.tokens[-1] == "<|im_end|>"
-    messages = [gateway_pb2.ChatMessage(role="system", content="Be brief."),
-                gateway_pb2.ChatMessage(role="user", content="hi")]
+    messages = [
+        gateway_pb2.ChatMessage(role="system", content="Be brief."),
+        gateway_pb2.ChatMessage(role="user", content="hi"),
+    ]
     r = gateway.Tokenize(gateway_pb2.TokenizeRequest(messages=messages, add_generation_prompt=True), timeout=5)
-    expected = ("<|im_system|>system<|im_middle|>Be brief.<|im_end|><|im_user|>user<|im_middle|>hi<|im_end|>"
-                "<|im_assistant|>assistant<|im_middle|><think>")
+    expected = (
+        "<|im_system|>system<|im_middle|>Be brief.<|im_end|><|im_user|>user<|im_middle|>hi<|im_end|>"
+        "<|im_assistant|>assistant<|im_middle|><think>"
+    )
     assert r.rendered == expected and list(r.token_ids) == tok.encode(expected)
     r = gateway.Tokenize(gateway_pb2.TokenizeRequest(messages=messages), timeout=5)
     assert r.rendered.endswith("hi<|im_end|>")
@@ -491,8 +627,21 @@ def _chunks(text, rng):
     return out
 
 
-PARSER_ATOMS = list(MARKERS) + ["<think>", "</think>", "functions.get:0", "functions.a.b:12", "lookup", " ",
-                                '{"q": "<|x"}', "<", "<|tool_call", "<|tool_calls_sec", "</thi", "\n", "héllo 😀"]
+PARSER_ATOMS = list(MARKERS) + [
+    "<think>",
+    "</think>",
+    "functions.get:0",
+    "functions.a.b:12",
+    "lookup",
+    " ",
+    '{"q": "<|x"}',
+    "<",
+    "<|tool_call",
+    "<|tool_calls_sec",
+    "</thi",
+    "\n",
+    "héllo 😀",
+]
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -526,22 +675,31 @@ def test_parsers_streaming_equals_non_streaming(seed):
 
 
 def test_tool_parser_cases():
-    text = ('Sure.<|tool_calls_section_begin|> <|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
-            '{"city": "Paris"}<|tool_call_end|><|tool_call_begin|> lookup <|tool_call_argument_begin|>{}'
-            '<|tool_call_end|><|tool_calls_section_end|>')
-    assert parse_tool_calls(text, 2) == ("Sure.", [
-        ToolCall(0, "functions.get_weather:0", "get_weather", '{"city": "Paris"}'),
-        ToolCall(1, "functions.lookup:3", "lookup", "{}")])
+    text = (
+        "Sure.<|tool_calls_section_begin|> <|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+        '{"city": "Paris"}<|tool_call_end|><|tool_call_begin|> lookup <|tool_call_argument_begin|>{}'
+        "<|tool_call_end|><|tool_calls_section_end|>"
+    )
+    assert parse_tool_calls(text, 2) == (
+        "Sure.",
+        [
+            ToolCall(0, "functions.get_weather:0", "get_weather", '{"city": "Paris"}'),
+            ToolCall(1, "functions.lookup:3", "lookup", "{}"),
+        ],
+    )
     # Truncated output: a call whose id never completed is dropped, truncated arguments are kept.
     assert parse_tool_calls("<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0")[1] == []
-    assert parse_tool_calls("<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{\"a\": 1")[1] == [
-        ToolCall(0, "functions.f:0", "f", '{"a": 1')]
+    assert parse_tool_calls('<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{"a": 1')[1] == [
+        ToolCall(0, "functions.f:0", "f", '{"a": 1')
+    ]
     # Streaming: the name comes as soon as the id is complete, arguments as they arrive.
     p = KimiK2ToolParser()
     assert p.push("Hi<|tool_calls_sec") == ("Hi", [])
-    content, deltas = p.push("tion_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{\"a\"")
+    content, deltas = p.push('tion_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{"a"')
     assert content == "" and [(d.index, d.id, d.name, d.arguments_delta) for d in deltas] == [
-        (0, "functions.f:0", "f", ""), (0, "", "", '{"a"')]
+        (0, "functions.f:0", "f", ""),
+        (0, "", "", '{"a"'),
+    ]
     content, deltas = p.push(": 1}<|tool_call_e")
     assert [d.arguments_delta for d in deltas] == [": 1}"]
     assert p.push("nd|><|tool_calls_section_end|>") == ("", [])
@@ -555,7 +713,9 @@ def test_reasoning_parser_cases():
     assert parse_reasoning("no think here") == ("", "no think here")
     # A tool section ends reasoning and is handed on intact.
     assert parse_reasoning("plan<|tool_calls_section_begin|>x", in_reasoning=True) == (
-        "plan", "<|tool_calls_section_begin|>x")
+        "plan",
+        "<|tool_calls_section_begin|>x",
+    )
     r = KimiK2ReasoningParser(in_reasoning=True)
     assert r.push("abc</th") == ("abc", "")
     assert r.push("ink>def") == ("", "def")

@@ -1,4 +1,5 @@
 """The LM head along the accept walk gives exactly the verdict of the full-row argmax, reading fewer rows."""
+
 from __future__ import annotations
 
 import random
@@ -6,9 +7,9 @@ import random
 import pytest
 import torch
 
-from services.drafter.tree import TokenTree
-from services.verifier.accept import accept
-from services.verifier.greedy_head import NOT_READ, greedy_walk_choices
+from ddtree.contract.token_tree import TokenTree
+from ddtree.verifier.accept import accept
+from ddtree.verifier.greedy_head import NOT_READ, greedy_walk_choices
 
 V, D = 12, 8
 
@@ -37,7 +38,7 @@ def test_walk_matches_full_argmax_verdicts():
         seen.extend(tuple(r) for r in rows.tolist())
         return rows @ head.T
 
-    for trial in range(200):
+    for _trial in range(200):
         trees = [_random_tree(rng, rng.randrange(0, 12)) for _ in range(rng.randrange(1, 5))]
         # Steer the hidden rows so that walks go deep: row i's argmax is often a child's token.
         hidden = []
@@ -72,8 +73,7 @@ def test_walk_matches_full_argmax_verdicts():
 
 
 def _first_children_brute(tree: TokenTree) -> list[int]:
-    return [min((j for j in range(1, tree.n + 1) if tree.parents[j - 1] == i), default=-1)
-            for i in range(tree.n + 1)]
+    return [min((j for j in range(1, tree.n + 1) if tree.parents[j - 1] == i), default=-1) for i in range(tree.n + 1)]
 
 
 def _chain_brute(first: list[int], node: int) -> list[int]:

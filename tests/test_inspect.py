@@ -10,13 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.cli import main
-from services.models.config import DeepseekV3Config
-from services.models.deepseek_v3 import DeepseekV3ForCausalLM
-from services.models.inspect import (
-    active_parameters, config_tensors, count_parameters, format_report, inspect_checkpoint,
+from ddtree.cli import main
+from ddtree.models.config import DeepseekV3Config
+from ddtree.models.deepseek_v3 import DeepseekV3ForCausalLM
+from ddtree.models.loader import TensorSlice
+from ddtree.tools.inspect import (
+    active_parameters,
+    config_tensors,
+    count_parameters,
+    format_report,
+    inspect_checkpoint,
 )  # fmt: skip
-from services.models.loader import TensorSlice
 from tests.quantized_checkpoints import TINY, shrink_to_slices, write_variant
 
 REPO = Path(__file__).resolve().parent.parent
@@ -155,7 +159,7 @@ def test_kimi_k26_config_report(capsys):
 def test_missing_checkpoint_is_one_clear_line(tmp_path):
     import subprocess
     import sys
-    res = subprocess.run([sys.executable, "-m", "services.cli", "inspect", str(tmp_path)], capture_output=True,
-                         text=True)
+
+    res = subprocess.run([sys.executable, "-m", "ddtree.cli", "inspect", str(tmp_path)], capture_output=True, text=True)
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert f"{tmp_path}: no checkpoint config here" in res.stderr and "config.json" in res.stderr

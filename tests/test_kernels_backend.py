@@ -11,17 +11,21 @@ import grpc
 import pytest
 import torch
 
-from tests.triton_env import DEVICE, triton_interpret_env  # noqa: F401,I001  (before kernels are imported)
-import kernels.mla_backend
-from kernels.mla_backend import TritonMLAAttention
-from kernels.mla_plan import MLAKernelConfig
-from services.models.attention import (AttentionMetadata, SeqAttention, make_attention_backend,
-                                       resolve_attention_backend)  # fmt: skip
-from services.models.config import DeepseekV3Config
-from services.models.deepseek_v3 import DeepseekV3ForCausalLM
-from services.models.random_checkpoint import DEFAULT_TARGET_CONFIG, random_target_state_dict
+import ddtree.kernels.mla_backend
+from ddtree.kernels.mla_backend import TritonMLAAttention
+from ddtree.kernels.mla_plan import MLAKernelConfig
+from ddtree.models.attention import (
+    AttentionMetadata,
+    SeqAttention,
+    make_attention_backend,
+    resolve_attention_backend,  # fmt: skip
+)
+from ddtree.models.config import DeepseekV3Config
+from ddtree.models.deepseek_v3 import DeepseekV3ForCausalLM
+from ddtree.models.random_checkpoint import DEFAULT_TARGET_CONFIG, random_target_state_dict
 from tests.compare import assert_close
 from tests.conftest import REPO
+from tests.triton_env import DEVICE, triton_interpret_env  # noqa: F401,I001  (before kernels are imported)
 
 SPLITTY = MLAKernelConfig(block_m=16, block_n=16, min_split=16, target_programs=64)  # splits even at prefix 20
 
@@ -84,8 +88,8 @@ def _forwards(model, backend) -> list[torch.Tensor]:
 def test_model_logits_match_torch_backend(model, config, monkeypatch):
     """Mixed batch (prefill, extend over a cached prefix, tree verify, decode): same logits as "torch"."""
     packed = []
-    real_plan = kernels.mla_backend.plan_mla
-    monkeypatch.setattr(kernels.mla_backend, "plan_mla", lambda *a, **k: packed.append(1) or real_plan(*a, **k))
+    real_plan = ddtree.kernels.mla_backend.plan_mla
+    monkeypatch.setattr(ddtree.kernels.mla_backend, "plan_mla", lambda *a, **k: packed.append(1) or real_plan(*a, **k))
     expected = _forwards(model, make_attention_backend("torch"))
     got = _forwards(model, TritonMLAAttention(config) if config else make_attention_backend("triton"))
     for i, (g, e) in enumerate(zip(got, expected)):
@@ -108,8 +112,8 @@ def test_backend_factory():
 @pytest.mark.slow
 def test_verifier_tokens_identical_with_triton_backend(default_ckpt, tmp_path):
     """Two AR verifiers on the default checkpoint, torch and triton (interpreted): the same greedy tokens."""
-    from services.launcher import start_service
-    from services.protocol.ddtree.v1 import verifier_pb2, verifier_pb2_grpc
+    from ddtree.launcher import start_service
+    from ddtree.protocol.ddtree.v1 import verifier_pb2, verifier_pb2_grpc
 
     common = ["verifier", "--model", str(default_ckpt.target), "--port", "0", "--threads", "1",
               "--prefill-chunk", "16", "--kv-tokens", "512", "--max-context", "256"]  # fmt: skip
@@ -138,12 +142,13 @@ def test_verifier_tokens_identical_with_triton_backend(default_ckpt, tmp_path):
 def test_bench_kernels_dry_run(tmp_path):
     out = tmp_path / "bench.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-m", "tools.bench_kernels", "--dry-run", "--out", str(out)],
+    res = subprocess.run([sys.executable, "-m", "scripts.bench_kernels", "--dry-run", "--out", str(out)],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=240)  # fmt: skip
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     result = json.loads(out.read_text())
     assert {(r["kind"], r["batch"], r["prefix"]) for r in result["rows"]} == {
-        (k, b, p) for k in ("decode", "tree4") for b in (1, 2) for p in (16, 64)}
+        (k, b, p) for k in ("decode", "tree4") for b in (1, 2) for p in (16, 64)
+    }
     assert all(r["ok"] and r["triton_us"] > 0 and r["sdpa_us"] > 0 for r in result["rows"])
     assert set(result["summary"]["ratio_long_over_short"]) == {"decode_b1", "decode_b2", "tree4_b1", "tree4_b2"}
     assert result["latent_write"] and "t(64)/t(16)" in " ".join(result["summary"]["targets"])
@@ -155,7 +160,7 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path):
     default block sizes must fit in registers (no stack spills) at the Kimi shapes."""
     out = tmp_path / "compile.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-m", "tools.bench_kernels", "--compile-only", "--arch", "90",
+    res = subprocess.run([sys.executable, "-m", "scripts.bench_kernels", "--compile-only", "--arch", "90",
                           "--out", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     rows = json.loads(out.read_text())["compile"]

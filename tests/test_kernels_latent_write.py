@@ -7,14 +7,14 @@ import dataclasses
 import pytest
 import torch
 
-from tests.triton_env import DEVICE, triton_interpret_env  # noqa: F401,I001  (before kernels are imported)
-from kernels.latent_write import write_latent
-from kernels.reference import write_latent_ref
-from services.models.config import DeepseekV3Config
-from services.models.mla import DeepseekV3Attention
-from services.models.random_checkpoint import DEFAULT_TARGET_CONFIG
-from services.models.rope import RotaryEmbedding
+from ddtree.kernels.latent_write import write_latent
+from ddtree.kernels.reference import write_latent_ref
+from ddtree.models.config import DeepseekV3Config
+from ddtree.models.mla import DeepseekV3Attention
+from ddtree.models.random_checkpoint import DEFAULT_TARGET_CONFIG
+from ddtree.models.rope import RotaryEmbedding
 from tests.compare import assert_close
+from tests.triton_env import DEVICE, triton_interpret_env  # noqa: F401,I001  (before kernels are imported)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,14 +15,14 @@ import dataclasses
 import pytest
 import torch
 
-from tests.triton_env import DEVICE, triton_interpret_env  # noqa: F401,I001  (before kernels are imported)
-from kernels.mla_attention import mla_attention
-from kernels.mla_checks import is_interpreted, kernel_dims
-from kernels.mla_merge import mla_merge
-from kernels.mla_plan import MLAKernelConfig, MLASeq, pack_mask_bits, plan_mla
-from kernels.mla_split import _mla_split_kernel, mla_split_attention
-from kernels.reference import mla_attention_ref, mla_split_partials_ref
+from ddtree.kernels.mla_attention import mla_attention
+from ddtree.kernels.mla_checks import is_interpreted, kernel_dims
+from ddtree.kernels.mla_merge import mla_merge
+from ddtree.kernels.mla_plan import MLAKernelConfig, MLASeq, pack_mask_bits, plan_mla
+from ddtree.kernels.mla_split import _mla_split_kernel, mla_split_attention
+from ddtree.kernels.reference import mla_attention_ref, mla_split_partials_ref
 from tests.compare import assert_close
+from tests.triton_env import DEVICE, triton_interpret_env  # noqa: F401,I001  (before kernels are imported)
 
 SMALL_SPLITS = MLAKernelConfig(block_m=16, min_split=32, target_programs=64)  # many splits at small prefixes
 
@@ -107,8 +107,9 @@ KIMI = dict(heads=8, r=512, dr=64, dtype=torch.bfloat16)
 CASES = [
     # decode (q_len 1 per sequence; the same kernels as a one-node tree)
     Case("decode_prefix1", ((1, "decode", 0),), heads=8),
-    Case("decode_batch_ragged", ((1, "decode", 0), (300, "decode", 0), (1000, "decode", 0), (37, "decode", 0)),
-         heads=8),
+    Case(
+        "decode_batch_ragged", ((1, "decode", 0), (300, "decode", 0), (1000, "decode", 0), (37, "decode", 0)), heads=8
+    ),
     Case("decode_split_edges", ((256, "decode", 0), (257, "decode", 0), (512, "decode", 0), (255, "decode", 0))),
     # tree verify
     Case("empty_tree_no_prefix", ((0, "empty", 0),)),
@@ -123,8 +124,10 @@ CASES = [
     Case("prefill_no_prefix", ((0, "prefill", 40),)),
     Case("extend_cached_prefix", ((260, "prefill", 33),), config=SMALL_SPLITS),
     # mixed batches, a sequence with no new token, heads 1 .. 16, odd widths
-    Case("mixed_batch", ((0, "prefill", 20), (700, "tree", 16), (50, "decode", 0), (1, "empty", 0),
-                         (10, "none", 0), (33, "wide", 7))),
+    Case(
+        "mixed_batch",
+        ((0, "prefill", 20), (700, "tree", 16), (50, "decode", 0), (1, "empty", 0), (10, "none", 0), (33, "wide", 7)),
+    ),
     Case("heads_1", ((100, "decode", 0), (64, "tree", 10))),
     Case("heads_3", ((100, "chain", 4), (0, "prefill", 9)), heads=3),
     Case("heads_16", ((300, "tree", 16),), heads=16),
@@ -218,7 +221,7 @@ def test_plan_splits_cover_each_prefix_once():
     tiles, items = plan.tiles.cpu().tolist(), plan.items.cpu().tolist()
     assert len(tiles) == sum(-(-s.q_len * 8 // plan.block_m) for s in seqs)
     assert len(items) == sum(n for *_, n in tiles)
-    for t, (b, row0, part0, n) in enumerate(tiles):
+    for t, (b, _row0, part0, n) in enumerate(tiles):
         mine = items[part0 : part0 + n]
         assert [it[:2] for it in mine] == [[t, 1]] + [[t, 0]] * (n - 1)  # the first item has the new tokens
         covered = [p for _, _, k0, k1 in mine for p in range(k0, k1)]

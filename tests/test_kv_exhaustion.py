@@ -2,6 +2,7 @@
 requests beyond what the cache holds wait in the queue and then complete with the tokens they get alone;
 beyond the queue they are refused with RESOURCE_EXHAUSTED, as is a request larger than the whole cache,
 and the scheduler goes on serving."""
+
 from __future__ import annotations
 
 import time
@@ -10,12 +11,13 @@ import grpc
 import pytest
 import torch
 
-from services.config import VerifierConfig
-from services.models.loader import load_target
-from services.verifier.kv_pool import LatentKVPool
-from services.verifier.sampling import SamplingConfig
-from services.verifier.scheduler import AdmissionError, Scheduler
-from services.verifier.sequence import GenerateParams, Sequence
+from ddtree.config import VerifierConfig
+from ddtree.contract.sampling_params import SamplingConfig
+from ddtree.models.loader import load_target
+from ddtree.verifier.kv_pool import LatentKVPool
+from ddtree.verifier.scheduler import AdmissionError, Scheduler
+from ddtree.verifier.sequence import GenerateParams, Sequence
+from ddtree.verifier.target import LocalTarget
 
 PROMPT, NEW = 100, 40  # each request reserves 100 + 40 + 0 + 1 = 141 slots (AR: budget 0)
 
@@ -32,10 +34,11 @@ def _drain(seqs: list[Sequence]) -> None:
 
 
 def _scheduler(model, kv_tokens: int, max_queue: int) -> Scheduler:
-    vcfg = VerifierConfig(kv_tokens=kv_tokens, max_batch=8, max_queue=max_queue, prefill_chunk=64,
-                          debug_checks=True, prefix_cache=False)
+    vcfg = VerifierConfig(
+        kv_tokens=kv_tokens, max_batch=8, max_queue=max_queue, prefill_chunk=64, debug_checks=True, prefix_cache=False
+    )
     pool = LatentKVPool(model.config.num_hidden_layers, kv_tokens, model.config.kv_cache_width, torch.float32, "cpu")
-    return Scheduler(model, pool, vcfg, None)
+    return Scheduler(LocalTarget(model), pool, vcfg, None)
 
 
 def test_requests_beyond_the_cache_queue_then_complete_and_a_full_queue_refuses(default_ckpt):

@@ -1,19 +1,27 @@
 """KV pool sizing: bytes per token, the three settings (exactly one takes effect), page rounding."""
+
 from __future__ import annotations
 
 import types
 
 import pytest
 
-from services.config import VerifierConfig, config_from_flags
-from services.verifier.kv_sizing import (DEFAULT_KV_TOKENS, GIB, KVSize, free_device_memory, kv_bytes_per_token,
-                                         kv_setting, kv_size_for, size_kv_pool)
+from ddtree.config import VerifierConfig, config_from_flags, kv_setting
+from ddtree.verifier.kv_sizing import (
+    DEFAULT_KV_TOKENS,
+    GIB,
+    KVSize,
+    free_device_memory,
+    kv_bytes_per_token,
+    kv_size_for,
+    size_kv_pool,
+)
 
-V3 = kv_bytes_per_token(61, 512, 64, 2)   # DeepSeek-V3 / Kimi-K2 in bf16
+V3 = kv_bytes_per_token(61, 512, 64, 2)  # DeepSeek-V3 / Kimi-K2 in bf16
 
 
 def test_bytes_per_token():
-    assert V3 == 61 * 576 * 2 == 70272   # 1152 B per layer (serving.md §1.2)
+    assert V3 == 61 * 576 * 2 == 70272  # 1152 B per layer (docs/design.md §7.1)
     assert kv_bytes_per_token(2, 64, 16, 4) == 640
 
 
@@ -38,14 +46,17 @@ def test_rounds_down_to_whole_pages():
         size_kv_pool(bytes_per_token=V3, kv_memory_fraction=0.001, free_bytes=1000)
 
 
-@pytest.mark.parametrize("args, message", [
-    ((100, 1.0, 0.0), "set only one of .*--kv-tokens 100, --kv-memory-gb 1.0"),
-    ((0, 2.0, 0.5), "--kv-memory-gb 2.0, --kv-memory-fraction 0.5"),
-    ((-1, 0.0, 0.0), "kv_tokens must be >= 0"),
-    ((0, -2.0, 0.0), "kv_memory_gb must be >= 0"),
-    ((0, 0.0, 1.5), r"kv_memory_fraction must be in \[0, 1\]"),
-    ((0, float("nan"), 0.0), "kv_memory_gb must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((100, 1.0, 0.0), "set only one of .*--kv-tokens 100, --kv-memory-gb 1.0"),
+        ((0, 2.0, 0.5), "--kv-memory-gb 2.0, --kv-memory-fraction 0.5"),
+        ((-1, 0.0, 0.0), "kv_tokens must be >= 0"),
+        ((0, -2.0, 0.0), "kv_memory_gb must be >= 0"),
+        ((0, 0.0, 1.5), r"kv_memory_fraction must be in \[0, 1\]"),
+        ((0, float("nan"), 0.0), "kv_memory_gb must be >= 0"),
+    ],
+)
 def test_bad_or_conflicting_settings_are_rejected(args, message):
     with pytest.raises(ValueError, match=message):
         kv_setting(*args)

@@ -14,14 +14,23 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from services.models.checkpoint_files import CheckpointFiles
-from services.models.deepseek_v3 import DeepseekV3ForCausalLM
-from services.models.loader import TensorSlice, load_target, load_tensors
-from services.models.quantization import unpack_int4
+from ddtree.models.checkpoint_files import CheckpointFiles
+from ddtree.models.deepseek_v3 import DeepseekV3ForCausalLM
+from ddtree.models.loader import TensorSlice, load_target, load_tensors
+from ddtree.models.quantization import unpack_int4
 from tests.compare import assert_close
 from tests.quantized_checkpoints import (
-    FP32_KEPT, INT4_GROUP, TINY, apply_slice, dequant_fp8_reference, is_routed_expert, logits, odd_slices,
-    shrink_to_slices, state_dict_of, write_variant,
+    FP32_KEPT,
+    INT4_GROUP,
+    TINY,
+    apply_slice,
+    dequant_fp8_reference,
+    is_routed_expert,
+    logits,
+    odd_slices,
+    shrink_to_slices,
+    state_dict_of,
+    write_variant,
 )  # fmt: skip
 
 IDS = [5, 17, 3, 99, 250, 7, 42, 1, 300, 11]
@@ -229,7 +238,9 @@ def test_slices_read_only_the_covering_blocks(tmp_path, monkeypatch):
         full = load_target(root).state_dict()[name]
         pick = lambda n, sl=sl, name=name: sl if n == name else None  # noqa: E731
         reads.clear()
-        part = load_target(root, slice_of=pick, build_model=lambda c, p=pick: shrink_to_slices(DeepseekV3ForCausalLM(c), p))
+        part = load_target(
+            root, slice_of=pick, build_model=lambda c, p=pick: shrink_to_slices(DeepseekV3ForCausalLM(c), p)
+        )
         assert torch.equal(part.state_dict()[name], apply_slice(full, sl)), (name, sl)
         seen = {n: (r, c) for n, r, c in reads if n.startswith(name.removesuffix("weight"))}
         for stored, (rows, cols) in expected_reads.items():

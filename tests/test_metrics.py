@@ -1,4 +1,5 @@
-"""Prometheus metrics (design.md §8 names) are served and move with real traffic."""
+"""Prometheus metrics (docs/design.md §8 names) are served and move with real traffic."""
+
 from __future__ import annotations
 
 import re
@@ -8,7 +9,7 @@ import urllib.request
 import grpc
 import pytest
 
-from services.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from ddtree.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 
 pytestmark = pytest.mark.slow
 
@@ -34,13 +35,20 @@ def _metrics_port(log_path) -> int:
 
 
 def test_verifier_and_drafter_metrics(default_ckpt, tmp_path):
-    from services.launcher import start_stack
-    with start_stack(str(default_ckpt.target), str(default_ckpt.drafter), tmp_path,
-                     verifier_args=("--metrics-port", "0"), drafter_args=("--metrics-port", "0")) as stack:
+    from ddtree.launcher import start_stack
+
+    with start_stack(
+        str(default_ckpt.target),
+        str(default_ckpt.drafter),
+        tmp_path,
+        verifier_args=("--metrics-port", "0"),
+        drafter_args=("--metrics-port", "0"),
+    ) as stack:
         vport = _metrics_port(stack.get("verifier").log_path)
         dport = _metrics_port(stack.get("drafter").log_path)
-        req = verifier_pb2.GenerateRequest(input_ids=[7, 8, 9], max_new_tokens=12, ignore_eos=True,
-                                           spec=common_pb2.SpecOptions(budget=8))
+        req = verifier_pb2.GenerateRequest(
+            input_ids=[7, 8, 9], max_new_tokens=12, ignore_eos=True, spec=common_pb2.SpecOptions(budget=8)
+        )
         with grpc.insecure_channel(stack.verifier) as ch:
             steps = [s for m in verifier_pb2_grpc.VerifierStub(ch).Generate(req, timeout=60) for s in m.steps]
         v = _scrape(vport)

@@ -1,5 +1,6 @@
 """After 200 requests of mixed lengths, with client disconnects and Abort calls in the middle, the KV
 pool is back to empty and the drafter holds no context (accounting checked after every step)."""
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -10,16 +11,17 @@ import grpc
 import pytest
 import torch
 
-from services.config import DrafterConfig, VerifierConfig
-from services.drafter.factory import make_engine
-from services.drafter.server import serve_engine
-from services.models.loader import load_target
-from services.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
-from services.protocol.server import start_server
-from services.verifier.drafter_pool import DrafterPool
-from services.verifier.kv_pool import LatentKVPool
-from services.verifier.scheduler import Scheduler
-from services.verifier.server import VerifierServicer
+from ddtree.config import DrafterConfig, VerifierConfig
+from ddtree.drafter.factory import make_engine
+from ddtree.drafter.server import serve_engine
+from ddtree.models.loader import load_target
+from ddtree.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from ddtree.protocol.server import start_server
+from ddtree.verifier.drafter_pool import DrafterPool
+from ddtree.verifier.kv_pool import LatentKVPool
+from ddtree.verifier.scheduler import Scheduler
+from ddtree.verifier.server import VerifierServicer
+from ddtree.verifier.target import LocalTarget
 
 pytestmark = pytest.mark.slow
 
@@ -29,11 +31,13 @@ def test_pool_returns_to_empty_after_mixed_traffic(default_ckpt):
     engine = make_engine(dcfg, str(default_ckpt.drafter), str(default_ckpt.target))
     drafter = serve_engine(engine, dcfg)
     model = load_target(default_ckpt.target).eval()
-    vcfg = VerifierConfig(kv_tokens=6000, max_batch=12, max_queue=400, prefill_chunk=64, debug_checks=True,
-                          max_context=1024)
-    pool = LatentKVPool(model.config.num_hidden_layers, vcfg.kv_tokens, model.config.kv_cache_width,
-                        torch.float32, "cpu")
-    sched = Scheduler(model, pool, vcfg, DrafterPool(f"127.0.0.1:{drafter.port}", 10))
+    vcfg = VerifierConfig(
+        kv_tokens=6000, max_batch=12, max_queue=400, prefill_chunk=64, debug_checks=True, max_context=1024
+    )
+    pool = LatentKVPool(
+        model.config.num_hidden_layers, vcfg.kv_tokens, model.config.kv_cache_width, torch.float32, "cpu"
+    )
+    sched = Scheduler(LocalTarget(model), pool, vcfg, DrafterPool(f"127.0.0.1:{drafter.port}", 10))
     sched.start()
     servicer = VerifierServicer(sched, vcfg, "test", "{}", tuple(model.config.eos_token_ids))
 
@@ -44,14 +48,20 @@ def test_pool_returns_to_empty_after_mixed_traffic(default_ckpt):
     server = start_server("verifier", register, "127.0.0.1", 0, 32, 0.0, announce=False)
     errors = []
     rng = random.Random(0)
-    plans = [(i, rng.randint(1, 300), rng.randint(1, 40), rng.choice(["finish"] * 5 + ["disconnect", "abort"] * 2))
-             for i in range(200)]
+    plans = [
+        (i, rng.randint(1, 300), rng.randint(1, 40), rng.choice(["finish"] * 5 + ["disconnect", "abort"] * 2))
+        for i in range(200)
+    ]
 
     def one(plan):
         i, prompt_len, max_new, mode = plan
         req = verifier_pb2.GenerateRequest(
-            request_id=f"req-{i}", input_ids=[(7 * i + j) % 4000 + 20 for j in range(prompt_len)],
-            max_new_tokens=max_new, ignore_eos=bool(i % 2), spec=common_pb2.SpecOptions(no_spec=i % 5 == 0, budget=8))
+            request_id=f"req-{i}",
+            input_ids=[(7 * i + j) % 4000 + 20 for j in range(prompt_len)],
+            max_new_tokens=max_new,
+            ignore_eos=bool(i % 2),
+            spec=common_pb2.SpecOptions(no_spec=i % 5 == 0, budget=8),
+        )
         with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
             stub = verifier_pb2_grpc.VerifierStub(ch)
             stream = stub.Generate(req, timeout=300)
@@ -86,7 +96,9 @@ def test_pool_returns_to_empty_after_mixed_traffic(default_ckpt):
         deadline = time.monotonic() + 10
         while engine.active_sequences and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert engine.active_sequences == 0 and engine.context_bytes == 0, f"draft contexts leaked: {[(k, [p for p in plans if f'req-{p[0]}' == k]) for k in engine._contexts]}"
+        assert engine.active_sequences == 0 and engine.context_bytes == 0, (
+            f"draft contexts leaked: {[(k, [p for p in plans if f'req-{p[0]}' == k]) for k in engine._contexts]}"
+        )
     finally:
         server.stop(0)
         sched.stop()

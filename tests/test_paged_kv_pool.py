@@ -1,6 +1,7 @@
 """The paged latent KV pool (page size P > 1) against page size 1: allocation and accounting, page tables
 that copy accepted tree nodes into place, a prefix cache that shares whole pages, and the verifier with
 --page-size 4 / 16 giving the same tokens and acceptance as page size 1 and AR."""
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -10,10 +11,10 @@ import grpc
 import pytest
 import torch
 
-from services.drafter.tree import TokenTree
-from services.verifier.kv_pool import KVPoolExhausted, LatentKVPool
-from services.verifier.page_table import PageTable, check_accounting
-from services.verifier.prefix_cache import PrefixCache
+from ddtree.contract.token_tree import TokenTree
+from ddtree.verifier.kv_pool import KVPoolExhausted, LatentKVPool
+from ddtree.verifier.page_table import PageTable, check_accounting
+from ddtree.verifier.prefix_cache import PrefixCache
 
 PAGE_SIZES = [1, 4, 16]
 
@@ -120,7 +121,7 @@ def test_page_size_one_commit_moves_nothing():
 def test_prefix_cache_shares_whole_pages_only():
     pool = _pool(4, 64)
     cache = PrefixCache(pool)
-    a = list(range(1, 11))                       # 10 tokens: 2 whole pages + a partial one
+    a = list(range(1, 11))  # 10 tokens: 2 whole pages + a partial one
     ta = PageTable(4)
     ta.extend(pool, 10)
     ta.commit(10)
@@ -142,7 +143,7 @@ def test_prefix_cache_shares_whole_pages_only():
     tb.commit(8)
     check_accounting(pool, [tb], cache)
     b = a[:8] + [9, 10, 77, 78, 79, 80, 81, 82]
-    pool.free(cache.insert(b, tb.slots, None))   # pages 0-1 are the cache's, page 2-3 adopted
+    pool.free(cache.insert(b, tb.slots, None))  # pages 0-1 are the cache's, page 2-3 adopted
     cache.release(m)
     cache.release(m7)
     assert cache.cached_slots == 16
@@ -162,7 +163,7 @@ def test_paged_prefix_cache_random_traffic_matches_brute_force():
     cache = PrefixCache(pool)
     for _ in range(200):
         seq = [rng.randint(0, 1) for _ in range(rng.randint(1, 20))]
-        cached = set()                                   # brute force: every cached whole-page prefix
+        cached = set()  # brute force: every cached whole-page prefix
         stack = [((), cache.root)]
         while stack:
             prefix, node = stack.pop()
@@ -190,21 +191,23 @@ def test_paged_prefix_cache_random_traffic_matches_brute_force():
 
 # ---- the target model: tree verify with page size P leaves the same KV as page size 1 ----
 
+
 def _decode(model, page_size: int, prompt: list[int], trees, steps: int):
     """Prefill, then `steps` verifies of trees(seq) (greedy); returns the sequence and its pool."""
-    from services.verifier.batch import PrefillItem, VerifyItem, run_batch
-    from services.verifier.commit import commit_prefill, commit_verify
-    from services.verifier.sampling import SamplingConfig
-    from services.verifier.sequence import GenerateParams, Sequence
+    from ddtree.contract.sampling_params import SamplingConfig
+    from ddtree.verifier.batch import PrefillItem, VerifyItem, run_batch
+    from ddtree.verifier.commit import commit_prefill, commit_verify
+    from ddtree.verifier.sequence import GenerateParams, Sequence
+    from ddtree.verifier.target import LocalTarget
 
     cfg = model.config
     pool = LatentKVPool(cfg.num_hidden_layers, 256, cfg.kv_cache_width, torch.float32, "cpu", page_size=page_size)
     seq = Sequence(GenerateParams("s", tuple(prompt), SamplingConfig(temperature=0.0), 64, frozenset(), True, 16))
     seq.table = PageTable(page_size)
-    commit_prefill(run_batch(model, pool, [PrefillItem(seq, 0, len(prompt))], ())[0], pool, 0)
+    commit_prefill(run_batch(LocalTarget(model), pool, [PrefillItem(seq, 0, len(prompt))], ())[0], pool, 0)
     accepted = []
     for _ in range(steps):
-        verdict, _ = commit_verify(run_batch(model, pool, [VerifyItem(seq, trees(seq))], ())[0], pool, 0)
+        verdict, _ = commit_verify(run_batch(LocalTarget(model), pool, [VerifyItem(seq, trees(seq))], ())[0], pool, 0)
         accepted.append(verdict.accepted_nodes)
         check_accounting(pool, [seq.table])
     return seq, pool, accepted
@@ -214,20 +217,20 @@ def test_tree_verify_with_pages_leaves_the_same_kv_as_page_size_one(default_ckpt
     """Trees that put a wrong branch first, so the accepted path is off the chain of rows and every
     accepted node's latents must be copied into place; the KV of the committed tokens must equal page
     size 1's (same computation, other slots) and AR decoding's."""
-    from services.models.loader import load_target
+    from ddtree.models.loader import load_target
 
     model = load_target(default_ckpt.target).eval()
     V = model.config.vocab_size
     prompt = [(11 * i) % 500 + 30 for i in range(21)]
     ar_seq, ar_pool, _ = _decode(model, 1, prompt, lambda s: TokenTree(), 46)
-    truth = ar_seq.committed[len(prompt):] + [ar_seq.root]       # the greedy continuation
+    truth = ar_seq.committed[len(prompt) :] + [ar_seq.root]  # the greedy continuation
     rng = random.Random(0)
 
     def trees(seq):
-        i = seq.context_len - len(prompt)                        # seq.root == truth[i]
-        right = truth[i + 1:i + 1 + rng.randint(0, 4)]
+        i = seq.context_len - len(prompt)  # seq.root == truth[i]
+        right = truth[i + 1 : i + 1 + rng.randint(0, 4)]
         w = (truth[i + 1] + 1) % V
-        tokens, parents, depths = [w, (w + 1) % V], [0, 1], [1, 2]   # a wrong branch first
+        tokens, parents, depths = [w, (w + 1) % V], [0, 1], [1, 2]  # a wrong branch first
         for d, tok in enumerate(right, start=1):
             tokens.append(tok)
             parents.append(0 if d == 1 else len(tokens) - 1)
@@ -259,18 +262,61 @@ PAGED = [4, 16]
 @pytest.fixture(scope="module")
 def paged_verifiers(default_ckpt, tmp_path_factory):
     """One oracle drafter (the oracle_stack's seed) and a verifier per page size, debug checks on."""
-    from services.launcher import start_service
+    from ddtree.launcher import start_service
+    from tests.conftest import ORACLE_DRAFTER
 
     log_dir = tmp_path_factory.mktemp("logs-paged")
-    procs = [start_service("drafter", ["drafter", "--model", str(default_ckpt.drafter), "--target",
-                                       str(default_ckpt.target), "--engine", "oracle", "--oracle-seed", "7",
-                                       "--port", "0", "--threads", "1"], log_dir)]
+    procs = [
+        start_service(
+            "drafter",
+            [
+                "drafter",
+                "--model",
+                str(default_ckpt.drafter),
+                "--target",
+                str(default_ckpt.target),
+                "--oracle-seed",
+                "7",
+                "--port",
+                "0",
+                "--threads",
+                "1",
+            ],
+            log_dir,
+            module=ORACLE_DRAFTER,
+        )
+    ]
     try:
         for P in PAGED:
-            procs.append(start_service(f"verifier-p{P}", [
-                "verifier", "--model", str(default_ckpt.target), "--drafter", procs[0].address, "--port", "0",
-                "--threads", "1", "--page-size", str(P), "--debug-checks", "true", "--max-batch", "8",
-                "--kv-tokens", "8192", "--max-context", "2048", "--prefill-chunk", "64"], log_dir))
+            procs.append(
+                start_service(
+                    f"verifier-p{P}",
+                    [
+                        "verifier",
+                        "--model",
+                        str(default_ckpt.target),
+                        "--drafter",
+                        procs[0].address,
+                        "--port",
+                        "0",
+                        "--threads",
+                        "1",
+                        "--page-size",
+                        str(P),
+                        "--debug-checks",
+                        "true",
+                        "--max-batch",
+                        "8",
+                        "--kv-tokens",
+                        "8192",
+                        "--max-context",
+                        "2048",
+                        "--prefill-chunk",
+                        "64",
+                    ],
+                    log_dir,
+                )
+            )
         yield {P: p for P, p in zip(PAGED, procs[1:])}
     finally:
         for p in reversed(procs):
@@ -278,10 +324,15 @@ def paged_verifiers(default_ckpt, tmp_path_factory):
 
 
 def _generate(address: str, ids: list[int], request_id: str, budget: int, max_new: int = 24):
-    from services.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+    from ddtree.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 
-    req = verifier_pb2.GenerateRequest(request_id=request_id, input_ids=ids, max_new_tokens=max_new,
-                                       ignore_eos=True, spec=common_pb2.SpecOptions(no_spec=budget == 0, budget=budget))
+    req = verifier_pb2.GenerateRequest(
+        request_id=request_id,
+        input_ids=ids,
+        max_new_tokens=max_new,
+        ignore_eos=True,
+        spec=common_pb2.SpecOptions(no_spec=budget == 0, budget=budget),
+    )
     with grpc.insecure_channel(address) as ch:
         msgs = list(verifier_pb2_grpc.VerifierStub(ch).Generate(req, timeout=300))
     return [t for m in msgs for t in m.token_ids], [s.accept_length for m in msgs for s in m.steps]
@@ -289,8 +340,7 @@ def _generate(address: str, ids: list[int], request_id: str, budget: int, max_ne
 
 def _run(address: str, prompts: list[list[int]], budget: int, tag: str):
     with cf.ThreadPoolExecutor(4) as ex:
-        return list(ex.map(lambda ip: _generate(address, ip[1], f"{tag}-{budget}-{ip[0]}", budget),
-                           enumerate(prompts)))
+        return list(ex.map(lambda ip: _generate(address, ip[1], f"{tag}-{budget}-{ip[0]}", budget), enumerate(prompts)))
 
 
 PROMPTS = [[(37 * i + 11 * k) % 3000 + 50 for i in range(n)] for k, n in enumerate([1, 5, 16, 17, 63, 130])]
@@ -315,7 +365,7 @@ def test_paged_verifier_matches_page_size_one_and_ar(oracle_stack, paged_verifie
 
 @pytest.mark.slow
 def test_paged_prefix_hits_reuse_whole_pages(paged_verifiers):
-    from services.protocol.ddtree.v1 import verifier_pb2, verifier_pb2_grpc
+    from ddtree.protocol.ddtree.v1 import verifier_pb2, verifier_pb2_grpc
 
     ids = [(37 * i) % 3000 + 50 for i in range(300)]
     for P, proc in paged_verifiers.items():
@@ -323,7 +373,7 @@ def test_paged_prefix_hits_reuse_whole_pages(paged_verifiers):
         second = _generate(proc.address, ids, "paged-reuse", 8, max_new=40)
         assert second == first, f"page size {P}: tokens or acceptance changed with a prefix hit"
         assert f'"cached_tokens": {299 // P * P}' in proc.log_path.read_text(), "no whole-page prefix reuse"
-        turn2 = ids + first[0][:30] + [61, 62, 63]       # a second chat turn: prompt + answer cached
+        turn2 = ids + first[0][:30] + [61, 62, 63]  # a second chat turn: prompt + answer cached
         spec = _generate(proc.address, turn2, "paged-turn2", 8)
         assert f'"cached_tokens": {330 // P * P}' in proc.log_path.read_text(), "no reuse of prompt + answer"
         assert spec[0] == _generate(proc.address, turn2, "paged-turn2-ar", 0)[0]
@@ -337,32 +387,44 @@ def test_paged_prefix_hits_reuse_whole_pages(paged_verifiers):
 def test_paged_scheduler_returns_the_pool_to_empty(default_ckpt):
     """Mixed traffic on page size 4 (shared prefixes, aborts, AR and speculative requests), accounting
     checked after every step; then everything is free once the cache is evicted."""
-    from services.config import DrafterConfig, VerifierConfig
-    from services.drafter.factory import make_engine
-    from services.drafter.server import serve_engine
-    from services.models.loader import load_target
-    from services.verifier.drafter_pool import DrafterPool
-    from services.verifier.sampling import SamplingConfig
-    from services.verifier.scheduler import Scheduler
-    from services.verifier.sequence import GenerateParams, Sequence
+    from ddtree.config import DrafterConfig, VerifierConfig
+    from ddtree.contract.sampling_params import SamplingConfig
+    from ddtree.drafter.server import serve_engine
+    from ddtree.models.loader import load_target
+    from ddtree.verifier.drafter_pool import DrafterPool
+    from ddtree.verifier.scheduler import Scheduler
+    from ddtree.verifier.sequence import GenerateParams, Sequence
+    from ddtree.verifier.target import LocalTarget
+    from tests.oracle_engine import OracleDraftEngine
 
-    dcfg = DrafterConfig(port=0, grace_s=0.0, engine="oracle")
-    drafter = serve_engine(make_engine(dcfg, str(default_ckpt.drafter), str(default_ckpt.target)), dcfg)
+    dcfg = DrafterConfig(port=0, grace_s=0.0)
     model = load_target(default_ckpt.target).eval()
-    vcfg = VerifierConfig(kv_tokens=2048, page_size=4, max_batch=6, max_queue=100, prefill_chunk=32,
-                          debug_checks=True)
-    pool = LatentKVPool(model.config.num_hidden_layers, vcfg.kv_tokens, model.config.kv_cache_width,
-                        torch.float32, "cpu", page_size=4)
-    sched = Scheduler(model, pool, vcfg, DrafterPool(f"127.0.0.1:{drafter.port}", 10))
+    oracle = OracleDraftEngine(load_target(default_ckpt.target).eval(), default_budget=dcfg.default_budget,
+                               max_budget=dcfg.max_budget)  # fmt: skip
+    drafter = serve_engine(oracle, dcfg)
+    vcfg = VerifierConfig(kv_tokens=2048, page_size=4, max_batch=6, max_queue=100, prefill_chunk=32, debug_checks=True)
+    pool = LatentKVPool(
+        model.config.num_hidden_layers, vcfg.kv_tokens, model.config.kv_cache_width, torch.float32, "cpu", page_size=4
+    )
+    sched = Scheduler(LocalTarget(model), pool, vcfg, DrafterPool(f"127.0.0.1:{drafter.port}", 10))
     sched.start()
     rng = random.Random(0)
     base = [(13 * j) % 2000 + 40 for j in range(90)]
     seqs = []
     try:
         for i in range(30):
-            ids = base[:rng.randint(1, 90)] + [i + 7] * rng.randint(0, 9)
-            seq = Sequence(GenerateParams(f"r{i}", tuple(ids), SamplingConfig(temperature=0.0), rng.randint(1, 20),
-                                          frozenset(), i % 4 != 0, 0 if i % 4 == 0 else 8))
+            ids = base[: rng.randint(1, 90)] + [i + 7] * rng.randint(0, 9)
+            seq = Sequence(
+                GenerateParams(
+                    f"r{i}",
+                    tuple(ids),
+                    SamplingConfig(temperature=0.0),
+                    rng.randint(1, 20),
+                    frozenset(),
+                    i % 4 != 0,
+                    0 if i % 4 == 0 else 8,
+                )
+            )
             sched.submit(seq)
             seqs.append(seq)
             if i % 5 == 4:

@@ -5,6 +5,7 @@ Splits checked per output: every single cut; every pair of cuts inside two adjac
 markers cut at every position); one character per chunk; random multi-cuts. Both tool-call formats
 (kimi_k2, deepseek_v3) run behind the kimi_k2 reasoning parser, as in the gateway.
 """
+
 from __future__ import annotations
 
 import random
@@ -12,10 +13,10 @@ import re
 
 import pytest
 
-from services.gateway.parsers import ToolCall, merge_deltas
-from services.gateway.parsers import deepseek_v3_tools as ds
-from services.gateway.parsers import kimi_k2_tools as kimi
-from services.gateway.parsers.registry import OutputParsers, check_names, parse_output
+from ddtree.gateway.parsers import ToolCall, merge_deltas
+from ddtree.gateway.parsers import deepseek_v3_tools as ds
+from ddtree.gateway.parsers import kimi_k2_tools as kimi
+from ddtree.gateway.parsers.registry import OutputParsers, check_names, parse_output
 
 
 def _kimi_call(name, idx, args):
@@ -31,39 +32,124 @@ ARGS = ['{"city": "Paris", "unit": "°C"}', '{"q": "emoji 😀 and <|not a marke
 
 # (name, tool format, in_reasoning, output, expected (content, reasoning, calls) with index_offset 2)
 CASES = [
-    ("kimi-reasoning-text-3-calls", "kimi_k2", True,
-     "Let me check the weather.</think>Checking now."
-     + kimi.SECTION_BEGIN + _kimi_call("get_weather", 2, ARGS[0]) + _kimi_call("search", 3, ARGS[1])
-     + _kimi_call("noop", 4, ARGS[2]) + kimi.SECTION_END,
-     ("Checking now.", "Let me check the weather.",
-      [ToolCall(0, "functions.get_weather:2", "get_weather", ARGS[0]),
-       ToolCall(1, "functions.search:3", "search", ARGS[1]), ToolCall(2, "functions.noop:4", "noop", ARGS[2])])),
-    ("kimi-section-ends-reasoning", "kimi_k2", False,
-     "Intro <think>plan: call two tools" + kimi.SECTION_BEGIN + kimi.CALL_BEGIN + "lookup" + kimi.ARG_BEGIN
-     + ARGS[1] + kimi.CALL_END + _kimi_call("get_weather", 7, ARGS[0]) + kimi.SECTION_END + " after",
-     ("Intro  after", "plan: call two tools",
-      [ToolCall(0, "functions.lookup:2", "lookup", ARGS[1]),
-       ToolCall(1, "functions.get_weather:7", "get_weather", ARGS[0])])),
-    ("kimi-truncated-arguments", "kimi_k2", True,
-     "short</think>" + kimi.SECTION_BEGIN + _kimi_call("a", 0, ARGS[0]) + kimi.CALL_BEGIN + "functions.b:1"
-     + kimi.ARG_BEGIN + '{"x": "cut here',
-     ("", "short", [ToolCall(0, "functions.a:0", "a", ARGS[0]), ToolCall(1, "functions.b:1", "b", '{"x": "cut here')])),
-    ("deepseek-reasoning-text-3-calls", "deepseek_v3", True,
-     "Think about it.</think>Calling tools." + ds.CALLS_BEGIN + _ds_call("get_weather", ARGS[0])
-     + _ds_call("search", ARGS[1]) + _ds_call("noop", ARGS[2], fenced=False) + ds.CALLS_END + " done",
-     ("Calling tools. done", "Think about it.",
-      [ToolCall(0, "call_2", "get_weather", ARGS[0]), ToolCall(1, "call_3", "search", ARGS[1]),
-       ToolCall(2, "call_4", "noop", ARGS[2])])),
-    ("deepseek-section-ends-reasoning", "deepseek_v3", True,
-     "still thinking" + ds.CALLS_BEGIN + _ds_call("lookup", ARGS[1]) + _ds_call("get_weather", ARGS[0]) + ds.CALLS_END,
-     ("", "still thinking", [ToolCall(0, "call_2", "lookup", ARGS[1]), ToolCall(1, "call_3", "get_weather", ARGS[0])])),
-    ("deepseek-truncated-arguments", "deepseek_v3", False,
-     "<think>r</think>ok" + ds.CALLS_BEGIN + _ds_call("a", ARGS[2]) + ds.CALL_BEGIN + "function" + ds.SEP
-     + "b\n```json\n{\"x\": 1",
-     ("ok", "r", [ToolCall(0, "call_2", "a", "{}"), ToolCall(1, "call_3", "b", '{"x": 1')])),
+    (
+        "kimi-reasoning-text-3-calls",
+        "kimi_k2",
+        True,
+        "Let me check the weather.</think>Checking now."
+        + kimi.SECTION_BEGIN
+        + _kimi_call("get_weather", 2, ARGS[0])
+        + _kimi_call("search", 3, ARGS[1])
+        + _kimi_call("noop", 4, ARGS[2])
+        + kimi.SECTION_END,
+        (
+            "Checking now.",
+            "Let me check the weather.",
+            [
+                ToolCall(0, "functions.get_weather:2", "get_weather", ARGS[0]),
+                ToolCall(1, "functions.search:3", "search", ARGS[1]),
+                ToolCall(2, "functions.noop:4", "noop", ARGS[2]),
+            ],
+        ),
+    ),
+    (
+        "kimi-section-ends-reasoning",
+        "kimi_k2",
+        False,
+        "Intro <think>plan: call two tools"
+        + kimi.SECTION_BEGIN
+        + kimi.CALL_BEGIN
+        + "lookup"
+        + kimi.ARG_BEGIN
+        + ARGS[1]
+        + kimi.CALL_END
+        + _kimi_call("get_weather", 7, ARGS[0])
+        + kimi.SECTION_END
+        + " after",
+        (
+            "Intro  after",
+            "plan: call two tools",
+            [
+                ToolCall(0, "functions.lookup:2", "lookup", ARGS[1]),
+                ToolCall(1, "functions.get_weather:7", "get_weather", ARGS[0]),
+            ],
+        ),
+    ),
+    (
+        "kimi-truncated-arguments",
+        "kimi_k2",
+        True,
+        "short</think>"
+        + kimi.SECTION_BEGIN
+        + _kimi_call("a", 0, ARGS[0])
+        + kimi.CALL_BEGIN
+        + "functions.b:1"
+        + kimi.ARG_BEGIN
+        + '{"x": "cut here',
+        (
+            "",
+            "short",
+            [ToolCall(0, "functions.a:0", "a", ARGS[0]), ToolCall(1, "functions.b:1", "b", '{"x": "cut here')],
+        ),
+    ),
+    (
+        "deepseek-reasoning-text-3-calls",
+        "deepseek_v3",
+        True,
+        "Think about it.</think>Calling tools."
+        + ds.CALLS_BEGIN
+        + _ds_call("get_weather", ARGS[0])
+        + _ds_call("search", ARGS[1])
+        + _ds_call("noop", ARGS[2], fenced=False)
+        + ds.CALLS_END
+        + " done",
+        (
+            "Calling tools. done",
+            "Think about it.",
+            [
+                ToolCall(0, "call_2", "get_weather", ARGS[0]),
+                ToolCall(1, "call_3", "search", ARGS[1]),
+                ToolCall(2, "call_4", "noop", ARGS[2]),
+            ],
+        ),
+    ),
+    (
+        "deepseek-section-ends-reasoning",
+        "deepseek_v3",
+        True,
+        "still thinking"
+        + ds.CALLS_BEGIN
+        + _ds_call("lookup", ARGS[1])
+        + _ds_call("get_weather", ARGS[0])
+        + ds.CALLS_END,
+        (
+            "",
+            "still thinking",
+            [ToolCall(0, "call_2", "lookup", ARGS[1]), ToolCall(1, "call_3", "get_weather", ARGS[0])],
+        ),
+    ),
+    (
+        "deepseek-truncated-arguments",
+        "deepseek_v3",
+        False,
+        "<think>r</think>ok"
+        + ds.CALLS_BEGIN
+        + _ds_call("a", ARGS[2])
+        + ds.CALL_BEGIN
+        + "function"
+        + ds.SEP
+        + 'b\n```json\n{"x": 1',
+        ("ok", "r", [ToolCall(0, "call_2", "a", "{}"), ToolCall(1, "call_3", "b", '{"x": 1')]),
+    ),
 ]
-MARKER_RE = re.compile("|".join(re.escape(m) for m in sorted(
-    {*kimi.MARKERS, *ds.MARKERS, "<think>", "</think>", ds.FENCE_OPEN, ds.FENCE_CLOSE}, key=len, reverse=True)))
+MARKER_RE = re.compile(
+    "|".join(
+        re.escape(m)
+        for m in sorted(
+            {*kimi.MARKERS, *ds.MARKERS, "<think>", "</think>", ds.FENCE_OPEN, ds.FENCE_CLOSE}, key=len, reverse=True
+        )
+    )
+)
 
 
 def _stream(pieces, tools, in_reasoning, offset=2):
@@ -119,8 +205,24 @@ def test_every_split_equals_non_streaming(name, tools, in_reasoning, text, expec
 @pytest.mark.parametrize("seed", range(3))
 def test_deepseek_random_outputs(seed):
     """Random sequences of the format's pieces (malformed ones included): twin equality for random splits."""
-    atoms = [*ds.MARKERS, "function", "\n", "```json\n", "\n```", "```", "{", "}", '"a": 1', "get_weather", " ",
-             "<think>", "</think>", "text", "😀", "`"]
+    atoms = [
+        *ds.MARKERS,
+        "function",
+        "\n",
+        "```json\n",
+        "\n```",
+        "```",
+        "{",
+        "}",
+        '"a": 1',
+        "get_weather",
+        " ",
+        "<think>",
+        "</think>",
+        "text",
+        "😀",
+        "`",
+    ]
     rng = random.Random(seed)
     for _ in range(600):
         text = "".join(rng.choice(atoms) for _ in range(rng.randint(0, 16)))
@@ -139,16 +241,27 @@ def test_deepseek_random_outputs(seed):
 def test_deepseek_streaming_shape():
     p = ds.DeepSeekV3ToolParser()
     assert p.push("Hi" + ds.CALLS_BEGIN[:5]) == ("Hi", [])
-    content, deltas = p.push(ds.CALLS_BEGIN[5:] + ds.CALL_BEGIN + "function" + ds.SEP + "f\n```json\n{\"a\"")
+    content, deltas = p.push(ds.CALLS_BEGIN[5:] + ds.CALL_BEGIN + "function" + ds.SEP + 'f\n```json\n{"a"')
     assert content == "" and [(d.index, d.id, d.name, d.arguments_delta) for d in deltas] == [
-        (0, "call_0", "f", ""), (0, "", "", '{"a"')]
+        (0, "call_0", "f", ""),
+        (0, "", "", '{"a"'),
+    ]
     content, deltas = p.push(": 1}\n`")  # "\n`" may start the closing fence: held back
     assert [d.arguments_delta for d in deltas] == [": 1}"]
     assert p.push("``" + ds.CALL_END + ds.CALLS_END) == ("", [])
     assert p.finish() == ("", [])
     # A call without a name is dropped; text between calls is dropped; text after the section is content.
-    assert ds.parse_tool_calls(ds.CALLS_BEGIN + ds.CALL_BEGIN + "function" + ds.SEP + "\n```json\n{}\n```"
-                               + ds.CALL_END + " x " + ds.CALLS_END + "tail") == ("tail", [])
+    assert ds.parse_tool_calls(
+        ds.CALLS_BEGIN
+        + ds.CALL_BEGIN
+        + "function"
+        + ds.SEP
+        + "\n```json\n{}\n```"
+        + ds.CALL_END
+        + " x "
+        + ds.CALLS_END
+        + "tail"
+    ) == ("tail", [])
 
 
 def test_parser_names():

@@ -1,12 +1,13 @@
 """The radix prefix cache against a brute-force model of what it should hold."""
+
 from __future__ import annotations
 
 import random
 
 import torch
 
-from services.verifier.kv_pool import LatentKVPool
-from services.verifier.prefix_cache import PrefixCache
+from ddtree.verifier.kv_pool import LatentKVPool
+from ddtree.verifier.prefix_cache import PrefixCache
 
 
 def _check(cache: PrefixCache, pool: LatentKVPool, held: int) -> None:
@@ -44,15 +45,15 @@ def test_random_traffic_keeps_accounting_and_matches_brute_force():
     rng = random.Random(0)
     pool = LatentKVPool(1, 400, 2, torch.float32, "cpu")
     cache = PrefixCache(pool)
-    stored: dict[tuple, int] = {}   # brute force: every cached token prefix -> its slot
+    stored: dict[tuple, int] = {}  # brute force: every cached token prefix -> its slot
     for _ in range(300):
         seq = [rng.randint(0, 3) for _ in range(rng.randint(1, 12))]
         m = cache.match(seq)
         brute = 0
-        while brute < len(seq) and tuple(seq[:brute + 1]) in stored:
+        while brute < len(seq) and tuple(seq[: brute + 1]) in stored:
             brute += 1
         assert m.length == brute
-        assert m.slots.tolist() == [stored[tuple(seq[:k + 1])] for k in range(brute)]
+        assert m.slots.tolist() == [stored[tuple(seq[: k + 1])] for k in range(brute)]
         if pool.num_free < len(seq) - m.length:
             cache.evict(len(seq) - m.length - pool.num_free)
             stored = {}
@@ -70,5 +71,5 @@ def test_random_traffic_keeps_accounting_and_matches_brute_force():
         pool.free(cache.insert(seq, slots, None))
         cache.release(m)
         for k in range(len(seq)):
-            stored.setdefault(tuple(seq[:k + 1]), int(slots[k]))
+            stored.setdefault(tuple(seq[: k + 1]), int(slots[k]))
         _check(cache, pool, 0)

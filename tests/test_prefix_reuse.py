@@ -1,18 +1,24 @@
 """A repeated prompt reuses the cached prefix's KV and drafter features: same tokens, same acceptance."""
+
 from __future__ import annotations
 
 import grpc
 import pytest
 
-from services.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from ddtree.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 
 pytestmark = pytest.mark.slow
 
 
 def _run(address, ids, budget=8):
     # The oracle drafter's noise is seeded by the token history: the same prompt gets the same trees.
-    req = verifier_pb2.GenerateRequest(request_id="prefix-reuse", input_ids=ids, max_new_tokens=48, ignore_eos=True,
-                                       spec=common_pb2.SpecOptions(budget=budget))
+    req = verifier_pb2.GenerateRequest(
+        request_id="prefix-reuse",
+        input_ids=ids,
+        max_new_tokens=48,
+        ignore_eos=True,
+        spec=common_pb2.SpecOptions(budget=budget),
+    )
     with grpc.insecure_channel(address) as ch:
         msgs = list(verifier_pb2_grpc.VerifierStub(ch).Generate(req, timeout=300))
     return [t for m in msgs for t in m.token_ids], [s.accept_length for m in msgs for s in m.steps], msgs[-1].usage
@@ -34,7 +40,14 @@ def test_repeated_prompt_hits_the_cache_with_identical_results(request, stack_na
     assert '"cached_tokens": 340' in stack.get("verifier").log_path.read_text(), "no reuse of prompt + answer"
     with grpc.insecure_channel(stack.verifier) as ch:
         stub = verifier_pb2_grpc.VerifierStub(ch)
-        ar = [t for m in stub.Generate(verifier_pb2.GenerateRequest(
-            input_ids=turn2, max_new_tokens=48, ignore_eos=True, spec=common_pb2.SpecOptions(no_spec=True)),
-            timeout=300) for t in m.token_ids]
+        ar = [
+            t
+            for m in stub.Generate(
+                verifier_pb2.GenerateRequest(
+                    input_ids=turn2, max_new_tokens=48, ignore_eos=True, spec=common_pb2.SpecOptions(no_spec=True)
+                ),
+                timeout=300,
+            )
+            for t in m.token_ids
+        ]
     assert t2_tokens == ar

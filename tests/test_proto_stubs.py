@@ -1,6 +1,6 @@
 """The committed gRPC stubs are exactly what the committed .proto files generate."""
-from __future__ import annotations
 
+from __future__ import annotations
 
 from scripts.gen_proto import DEFAULT_OUT, generate
 
@@ -21,8 +21,13 @@ def test_committed_stubs_are_fresh(tmp_path):
 
 
 def test_every_service_of_the_contract_is_present():
-    from services.protocol.ddtree.v1 import drafter_pb2, gateway_pb2, verifier_pb2
+    from ddtree.protocol.ddtree.v1 import drafter_pb2, gateway_pb2, verifier_pb2
+
     assert set(drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].methods_by_name) == {"Draft", "Release", "GetInfo"}
     assert set(verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].methods_by_name) == {"Generate", "Abort", "GetInfo"}
     assert set(gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].methods_by_name) == {
-        "Chat", "Complete", "Tokenize", "GetInfo"}
+        "Chat",
+        "Complete",
+        "Tokenize",
+        "GetInfo",
+    }

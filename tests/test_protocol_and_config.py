@@ -1,4 +1,5 @@
 """Wire tensors, service configuration and the KV pool's accounting."""
+
 from __future__ import annotations
 
 import argparse
@@ -6,11 +7,17 @@ import argparse
 import pytest
 import torch
 
-from services.config import (DrafterConfig, GatewayConfig, VerifierConfig, add_config_flags,
-                             config_from_flags, env_var_names)
-from services.protocol.ddtree.v1 import common_pb2
-from services.protocol.tensors import tensor_from_proto, tensor_to_proto
-from services.verifier.kv_pool import KVPoolExhausted, LatentKVPool
+from ddtree.config import (
+    DrafterConfig,
+    GatewayConfig,
+    VerifierConfig,
+    add_config_flags,
+    config_from_flags,
+    env_var_names,
+)
+from ddtree.protocol.ddtree.v1 import common_pb2
+from ddtree.protocol.tensors import tensor_from_proto, tensor_to_proto
+from ddtree.verifier.kv_pool import KVPoolExhausted, LatentKVPool
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64])
@@ -27,11 +34,14 @@ def test_tensor_non_contiguous_is_sent_in_logical_order():
     assert torch.equal(tensor_from_proto(tensor_to_proto(x)), x)
 
 
-@pytest.mark.parametrize("msg,fragment", [
-    (common_pb2.Tensor(data=b"\0" * 7, shape=[2], dtype=common_pb2.FLOAT32), "needs 8 bytes, got 7"),
-    (common_pb2.Tensor(data=b"", shape=[2], dtype=common_pb2.DTYPE_UNSPECIFIED), "unsupported dtype"),
-    (common_pb2.Tensor(data=b"", shape=[-1, 2], dtype=common_pb2.FLOAT32), "negative dimension"),
-])
+@pytest.mark.parametrize(
+    "msg,fragment",
+    [
+        (common_pb2.Tensor(data=b"\0" * 7, shape=[2], dtype=common_pb2.FLOAT32), "needs 8 bytes, got 7"),
+        (common_pb2.Tensor(data=b"", shape=[2], dtype=common_pb2.DTYPE_UNSPECIFIED), "unsupported dtype"),
+        (common_pb2.Tensor(data=b"", shape=[-1, 2], dtype=common_pb2.FLOAT32), "negative dimension"),
+    ],
+)
 def test_tensor_from_proto_rejects_inconsistent_messages(msg, fragment):
     with pytest.raises(ValueError, match=fragment):
         tensor_from_proto(msg, what="features")
@@ -51,8 +61,6 @@ def test_config_precedence_flag_env_default():
         config_from_flags(DrafterConfig, None, environ={"DDTREE_WINDOW": "-1"})
     with pytest.raises(ValueError, match="warmup_sequences must be >= 0, got -2"):
         config_from_flags(DrafterConfig, None, environ={"DDTREE_WARMUP_SEQUENCES": "-2"})
-    with pytest.raises(ValueError, match="overlap_draft_min_batch must be >= 0"):
-        config_from_flags(VerifierConfig, None, environ={"DDTREE_OVERLAP_DRAFT_MIN_BATCH": "-1"})
     assert "DDTREE_VERIFIER" in env_var_names(GatewayConfig)
 
 

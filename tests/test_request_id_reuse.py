@@ -8,18 +8,20 @@ aborted the new request, whose stream then ended after one token with finish_rea
 The test forces the worst timing every time: each request's end-of-RPC callbacks run only after the next
 request with the same id is admitted, while other sequences keep the scheduler busy.
 """
+
 from __future__ import annotations
 
 import torch
 
-from services.config import VerifierConfig
-from services.models.loader import load_target
-from services.protocol.ddtree.v1 import verifier_pb2
-from services.verifier.kv_pool import LatentKVPool
-from services.verifier.sampling import SamplingConfig
-from services.verifier.scheduler import Scheduler
-from services.verifier.sequence import GenerateParams, Sequence
-from services.verifier.server import VerifierServicer
+from ddtree.config import VerifierConfig
+from ddtree.contract.sampling_params import SamplingConfig
+from ddtree.models.loader import load_target
+from ddtree.protocol.ddtree.v1 import verifier_pb2
+from ddtree.verifier.kv_pool import LatentKVPool
+from ddtree.verifier.scheduler import Scheduler
+from ddtree.verifier.sequence import GenerateParams, Sequence
+from ddtree.verifier.server import VerifierServicer
+from ddtree.verifier.target import LocalTarget
 
 REUSES = 50
 TOKENS = 48
@@ -49,18 +51,23 @@ class _LateContext:
 def test_a_reused_request_id_gets_its_whole_answer_every_time(default_ckpt):
     model = load_target(default_ckpt.target).eval()
     cfg = VerifierConfig(kv_tokens=8192, max_batch=8, prefix_cache=False)
-    pool = LatentKVPool(model.config.num_hidden_layers, cfg.kv_tokens, model.config.kv_cache_width,
-                        torch.float32, "cpu")
-    scheduler = Scheduler(model, pool, cfg, None)
+    pool = LatentKVPool(
+        model.config.num_hidden_layers, cfg.kv_tokens, model.config.kv_cache_width, torch.float32, "cpu"
+    )
+    scheduler = Scheduler(LocalTarget(model), pool, cfg, None)
     servicer = VerifierServicer(scheduler, cfg, "target", "{}", ())
 
     def load_sequence(k: int) -> Sequence:  # decoding beside the reused id; replaced when it finishes
-        return Sequence(GenerateParams(f"load-{k}", (100 + k, 200, 300), SamplingConfig(temperature=0.0),
-                                       200, frozenset(), False, 0))
+        return Sequence(
+            GenerateParams(
+                f"load-{k}", (100 + k, 200, 300), SamplingConfig(temperature=0.0), 200, frozenset(), False, 0
+            )
+        )
 
     load = [load_sequence(k) for k in range(2)]
-    request = verifier_pb2.GenerateRequest(request_id="reused-id", input_ids=[11, 12, 13, 14],
-                                           max_new_tokens=TOKENS, ignore_eos=True)
+    request = verifier_pb2.GenerateRequest(
+        request_id="reused-id", input_ids=[11, 12, 13, 14], max_new_tokens=TOKENS, ignore_eos=True
+    )
     results = []
     scheduler.start()
     try:
@@ -76,7 +83,7 @@ def test_a_reused_request_id_gets_its_whole_answer_every_time(default_ckpt):
             stream = servicer.Generate(request, context)
             first = next(stream)  # the request is admitted and has its first token
             if previous is not None:
-                previous.end()    # the last RPC's callbacks, late
+                previous.end()  # the last RPC's callbacks, late
             msgs = [first, *stream]
             results.append(([t for m in msgs for t in m.token_ids], msgs[-1].finish_reason))
             previous = context
@@ -85,7 +92,10 @@ def test_a_reused_request_id_gets_its_whole_answer_every_time(default_ckpt):
         for seq in load:
             scheduler.abort(seq.request_id)
         scheduler.stop()
-    short = [(i, len(tokens), reason) for i, (tokens, reason) in enumerate(results)
-             if len(tokens) != TOKENS or reason != "length"]
+    short = [
+        (i, len(tokens), reason)
+        for i, (tokens, reason) in enumerate(results)
+        if len(tokens) != TOKENS or reason != "length"
+    ]
     assert not short, f"requests that reused the id ended early (index, tokens, finish_reason): {short}"
     assert all(tokens == results[0][0] for tokens, _ in results), "the same greedy request changed its output"

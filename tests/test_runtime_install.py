@@ -7,6 +7,7 @@
 - gateway (`docker/requirements-gateway.txt`, no torch): `ddtree gateway` starts and answers a chat
   with only those distributions importable.
 """
+
 from __future__ import annotations
 
 import ast
@@ -20,15 +21,23 @@ import grpc
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from services.protocol.ddtree.v1 import gateway_pb2, gateway_pb2_grpc
+from ddtree.protocol.ddtree.v1 import gateway_pb2, gateway_pb2_grpc
 from tests import installed_env as env
 from tests.fakes import script_for, start_fake_verifier
 
 GATEWAY_REQUIREMENTS = env.ROOT / "docker" / "requirements-gateway.txt"
 DEMO_TARGET = env.ROOT / "checkpoints" / "demo" / "target"
 # The modules the `ddtree` command runs: they must import with the runtime dependencies alone.
-ENTRY_MODULES = ("services.cli", "services.verifier.server", "services.drafter.server", "services.drafter.factory",
-                 "services.gateway.server", "services.gateway.http", "services.launcher", "services.client")
+ENTRY_MODULES = (
+    "ddtree.cli",
+    "ddtree.verifier.server",
+    "ddtree.drafter.server",
+    "ddtree.drafter.factory",
+    "ddtree.gateway.server",
+    "ddtree.gateway.http",
+    "ddtree.launcher",
+    "ddtree.client",
+)
 
 
 def _names(requirements: list[str]) -> set[str]:
@@ -36,8 +45,13 @@ def _names(requirements: list[str]) -> set[str]:
 
 
 def _run_isolated(allowed: set[str], code: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", env.blocker_source(allowed) + code], cwd=env.ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", env.blocker_source(allowed) + code],
+        cwd=env.ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_every_module_imports_with_the_runtime_dependencies_alone():
@@ -56,7 +70,7 @@ for top in {env.import_packages()!r}:
             results[info.name] = "missing:" + str(err.name).partition(".")[0]
         except Exception as err:
             results[info.name] = "error:" + repr(err)
-from services.cli import build_parser
+from ddtree.cli import build_parser
 build_parser()  # imports every command's module (train, bench, diagnose, inspect)
 print(json.dumps(results))
 """
@@ -70,7 +84,9 @@ print(json.dumps(results))
     needs_extra = {m: r.removeprefix("missing:") for m, r in results.items() if r and r.startswith("missing:")}
     undeclared = {m: top for m, top in needs_extra.items() if not providers.get(top, {top}) & optional}
     assert not undeclared, f"modules that import a distribution neither runtime nor an optional extra: {undeclared}"
-    assert not needs_extra.keys() & set(ENTRY_MODULES), {m: needs_extra[m] for m in needs_extra.keys() & set(ENTRY_MODULES)}
+    assert not needs_extra.keys() & set(ENTRY_MODULES), {
+        m: needs_extra[m] for m in needs_extra.keys() & set(ENTRY_MODULES)
+    }
     for name in ENTRY_MODULES:
         assert name in results, f"{name} was not found by the walk"
 
@@ -93,12 +109,12 @@ def _third_party_imports(path: pathlib.Path, own: set[str]) -> set[str]:
 
 def test_every_third_party_import_is_a_declared_distribution():
     """Lazy imports included: a function-level `import numpy` must be declared as much as a top-level one."""
-    own = set(env.import_packages())
+    own = {name.partition(".")[0] for name in env.import_packages()}
     declared = _names(env.runtime_requirements()).union(*(_names(r) for r in env.extra_requirements().values()))
     providers = env.providers()
     undeclared = {}
-    for top in own:
-        for path in sorted((env.ROOT / top).rglob("*.py")):
+    for folder in env.package_dirs().values():
+        for path in sorted(folder.rglob("*.py")):
             for module in _third_party_imports(path, own):
                 # not installed here (an optional extra the test venv lacks): the import name is the dist's
                 dists = providers.get(module, {canonicalize_name(module)})
@@ -126,19 +142,25 @@ def test_the_gateway_serves_a_completion_with_the_gateway_requirements_alone():
     """`ddtree gateway` in a process where torch, numpy and safetensors are not importable."""
     allowed = env.closure(_gateway_requirements()) | {env.project_name()}
     assert "torch" not in allowed
-    from services.gateway.tokenizer import Tokenizer
+    from ddtree.tokenization.tokenizer import Tokenizer
+
     tok = Tokenizer(DEMO_TARGET)
     fake, fake_server = start_fake_verifier()
     ids = tok.encode("Hello from a gateway without torch")
     fake.reset(script_for(ids, finish="length"))
     code = f"""
 import sys
-from services.cli import main
+from ddtree.cli import main
 sys.exit(main(["gateway", "--port", "0", "--http-port", "-1", "--verifier", {fake.address!r},
                "--tokenizer", {str(DEMO_TARGET)!r}, "--log-level", "warning"]))
 """
-    proc = subprocess.Popen([sys.executable, "-c", env.blocker_source(allowed) + code], cwd=env.ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", env.blocker_source(allowed) + code],
+        cwd=env.ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = proc.stdout.readline()
         assert line.startswith("LISTENING gateway "), (line, proc.stderr.read() if proc.poll() is not None else "")
@@ -165,11 +187,10 @@ sys.exit(main(["gateway", "--port", "0", "--http-port", "-1", "--verifier", {fak
         fake_server.stop(0)
 
 
-
 def test_engine_commands_in_the_gateway_install_say_what_they_need():
     allowed = env.closure(_gateway_requirements()) | {env.project_name()}
     code = """
-from services.cli import main
+from ddtree.cli import main
 print("EXIT", main(["train", "target", "--corpus", "x"]))
 """
     res = _run_isolated(allowed, code, timeout=60)

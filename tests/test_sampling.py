@@ -7,9 +7,10 @@ import math
 import pytest
 import torch
 
-from services.drafter.tree import TokenTree
-from services.verifier.accept import accept
-from services.verifier.sampling import SamplingConfig, make_generator, sampling_probs, target_choices
+from ddtree.contract.sampling_params import SamplingConfig
+from ddtree.contract.token_tree import TokenTree
+from ddtree.verifier.accept import accept
+from ddtree.verifier.sampling import make_generator, sampling_probs, target_choices
 
 
 def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -27,17 +28,20 @@ def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), stat / 2))
 
 
-@pytest.mark.parametrize("cfg, msg", [
-    (SamplingConfig(temperature=-0.1), "temperature must be"),
-    (SamplingConfig(temperature=float("nan")), "temperature must be"),
-    (SamplingConfig(temperature=float("inf")), "temperature must be"),
-    (SamplingConfig(top_p=0.0), "top_p must be in \\(0, 1\\]"),
-    (SamplingConfig(top_p=1.5), "top_p must be in \\(0, 1\\]"),
-    (SamplingConfig(top_p=float("nan")), "top_p must be in \\(0, 1\\]"),
-    (SamplingConfig(top_k=-1), "top_k must be an integer >= 0"),
-    (SamplingConfig(top_k=2.5), "top_k must be an integer >= 0"),
-    (SamplingConfig(seed="x"), "seed must be"),
-])
+@pytest.mark.parametrize(
+    "cfg, msg",
+    [
+        (SamplingConfig(temperature=-0.1), "temperature must be"),
+        (SamplingConfig(temperature=float("nan")), "temperature must be"),
+        (SamplingConfig(temperature=float("inf")), "temperature must be"),
+        (SamplingConfig(top_p=0.0), "top_p must be in \\(0, 1\\]"),
+        (SamplingConfig(top_p=1.5), "top_p must be in \\(0, 1\\]"),
+        (SamplingConfig(top_p=float("nan")), "top_p must be in \\(0, 1\\]"),
+        (SamplingConfig(top_k=-1), "top_k must be an integer >= 0"),
+        (SamplingConfig(top_k=2.5), "top_k must be an integer >= 0"),
+        (SamplingConfig(seed="x"), "seed must be"),
+    ],
+)
 def test_validate(cfg: SamplingConfig, msg: str) -> None:
     with pytest.raises(ValueError, match=msg):
         cfg.validate()
@@ -75,9 +79,18 @@ def brute_probs(row: list[float], t: float, top_k: int, top_p: float) -> list[fl
     return p
 
 
-@pytest.mark.parametrize("t, top_k, top_p", [
-    (1.0, 0, 1.0), (0.7, 3, 1.0), (1.3, 0, 0.5), (1.0, 5, 0.8), (2.0, 1, 1.0), (1.0, 0, 0.01), (0.5, 100, 0.9),
-])
+@pytest.mark.parametrize(
+    "t, top_k, top_p",
+    [
+        (1.0, 0, 1.0),
+        (0.7, 3, 1.0),
+        (1.3, 0, 0.5),
+        (1.0, 5, 0.8),
+        (2.0, 1, 1.0),
+        (1.0, 0, 0.01),
+        (0.5, 100, 0.9),
+    ],
+)
 def test_sampling_probs_vs_brute_force(t: float, top_k: int, top_p: float) -> None:
     logits = torch.randn(6, 17, generator=torch.Generator().manual_seed(1)) * 2
     cfg = SamplingConfig(temperature=t, top_k=top_k, top_p=top_p)
@@ -127,8 +140,12 @@ def test_sample_and_walk_is_exact() -> None:
     """Emitted tokens of one round follow the target's conditionals, whatever the draft tree."""
     vocab, rounds = 3, 30_000
     g = torch.Generator().manual_seed(0)
-    table = {(): torch.randn(vocab, generator=g), (0,): torch.randn(vocab, generator=g),
-             (1,): torch.randn(vocab, generator=g), (2,): torch.randn(vocab, generator=g)}
+    table = {
+        (): torch.randn(vocab, generator=g),
+        (0,): torch.randn(vocab, generator=g),
+        (1,): torch.randn(vocab, generator=g),
+        (2,): torch.randn(vocab, generator=g),
+    }
     # children of root: tokens 0 and 1 (not 2); node 1 (token 0) has child token 2
     tree = TokenTree(token_ids=(0, 1, 2), parents=(0, 0, 1), depths=(1, 1, 2))
     paths = [(), (0,), (1,), (0, 2)]
@@ -139,7 +156,7 @@ def test_sample_and_walk_is_exact() -> None:
     first, second = [], {0: [], 1: []}
     for row in draws.tolist():
         v = accept(tree, 9, row)
-        emitted = v.accepted_tokens[1:] + (v.bonus_token,)
+        emitted = v.accepted_tokens[1:] + (v.next_root,)
         first.append(emitted[0])
         if len(emitted) > 1:
             second[emitted[0]].append(emitted[1])

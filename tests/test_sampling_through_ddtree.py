@@ -5,23 +5,25 @@ In-process scheduler + a real gRPC drafter (the oracle engine, on port 0) + a ti
 8-token vocabulary whose logits are sharpened so that drafted tokens are often accepted: the second
 and third tokens then come from the sample-at-every-node walk, not only from root samples.
 """
-from __future__ import annotations
 
+from __future__ import annotations
 
 import pytest
 import torch
 
-from services.config import DrafterConfig, VerifierConfig
-from services.drafter.oracle import OracleDraftEngine
-from services.drafter.server import serve_engine
-from services.models.attention import AttentionMetadata, SeqAttention
-from services.models.loader import load_target
-from services.models.random_checkpoint import DEFAULT_TARGET_CONFIG, write_random_target
-from services.verifier.drafter_client import DrafterClient
-from services.verifier.kv_pool import LatentKVPool
-from services.verifier.sampling import SamplingConfig, sampling_probs
-from services.verifier.scheduler import Scheduler
-from services.verifier.sequence import GenerateParams, Sequence
+from ddtree.config import DrafterConfig, VerifierConfig
+from ddtree.contract.sampling_params import SamplingConfig
+from ddtree.drafter.server import serve_engine
+from ddtree.models.attention import AttentionMetadata, SeqAttention
+from ddtree.models.loader import load_target
+from ddtree.models.random_checkpoint import DEFAULT_TARGET_CONFIG, write_random_target
+from ddtree.verifier.drafter_client import DrafterClient
+from ddtree.verifier.kv_pool import LatentKVPool
+from ddtree.verifier.sampling import sampling_probs
+from ddtree.verifier.scheduler import Scheduler
+from ddtree.verifier.sequence import GenerateParams, Sequence
+from ddtree.verifier.target import LocalTarget
+from tests.oracle_engine import OracleDraftEngine
 
 VOCAB = 8
 PROMPT = (1, 5, 2)
@@ -30,8 +32,16 @@ SAMPLES = 1500
 
 @pytest.fixture(scope="module")
 def tiny_target(tmp_path_factory):
-    cfg = {**DEFAULT_TARGET_CONFIG, "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128,
-           "moe_intermediate_size": 32, "num_hidden_layers": 2, "bos_token_id": 0, "eos_token_id": 1}
+    cfg = {
+        **DEFAULT_TARGET_CONFIG,
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": 2,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+    }
     path = write_random_target(tmp_path_factory.mktemp("tiny"), cfg, seed=3)
     model = load_target(path)
     with torch.no_grad():
@@ -83,9 +93,10 @@ def _sample_through_ddtree(model, cfg: SamplingConfig):
     drafter = serve_engine(engine, DrafterConfig(port=0, grace_s=0.0))
     client = DrafterClient(f"127.0.0.1:{drafter.port}", timeout_s=30)
     vcfg = VerifierConfig(max_batch=64, max_queue=SAMPLES, kv_tokens=64 * 40, prefill_chunk=64)
-    pool = LatentKVPool(model.config.num_hidden_layers, vcfg.kv_tokens, model.config.kv_cache_width,
-                        torch.float32, "cpu")
-    sched = Scheduler(model, pool, vcfg, client)
+    pool = LatentKVPool(
+        model.config.num_hidden_layers, vcfg.kv_tokens, model.config.kv_cache_width, torch.float32, "cpu"
+    )
+    sched = Scheduler(LocalTarget(model), pool, vcfg, client)
     sched.start()
     try:
         seqs = []
@@ -98,7 +109,7 @@ def _sample_through_ddtree(model, cfg: SamplingConfig):
             while True:
                 if seq.events.get(timeout=120).finish_reason:
                     break
-        sched.check_accounting()           # free + held + prefix-cached == total
+        sched.check_accounting()  # free + held + prefix-cached == total
         sched.cache.evict(pool.num_slots)  # no request pins anything now
         assert pool.num_free == pool.num_slots, "KV slots leaked"
     finally:
@@ -108,8 +119,11 @@ def _sample_through_ddtree(model, cfg: SamplingConfig):
     return seqs
 
 
-@pytest.mark.parametrize("cfg", [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_k=3, top_p=0.9)],
-                         ids=["t1", "t0.7-topk3-topp0.9"])
+@pytest.mark.parametrize(
+    "cfg",
+    [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_k=3, top_p=0.9)],
+    ids=["t1", "t0.7-topk3-topp0.9"],
+)
 def test_ddtree_samples_follow_the_target_distribution(tiny_target, cfg):
     joint = _expected(tiny_target, cfg)
     seqs = _sample_through_ddtree(tiny_target, cfg)

@@ -1,23 +1,27 @@
 """Chunked prefill packs several prompts into one forward, up to prefill_chunk prompt tokens per step, and
 every prompt still gets exactly the first tokens it gets when prefilled alone in one piece."""
+
 from __future__ import annotations
 
 import torch
 
-from services.config import VerifierConfig
-from services.models.loader import load_target
-from services.verifier.kv_pool import LatentKVPool
-from services.verifier.sampling import SamplingConfig
-from services.verifier.scheduler import Scheduler
-from services.verifier.sequence import GenerateParams, Sequence
+from ddtree.config import VerifierConfig
+from ddtree.contract.sampling_params import SamplingConfig
+from ddtree.models.loader import load_target
+from ddtree.verifier.kv_pool import LatentKVPool
+from ddtree.verifier.scheduler import Scheduler
+from ddtree.verifier.sequence import GenerateParams, Sequence
+from ddtree.verifier.target import LocalTarget
 
 
 def _run(model, prompts, prefill_chunk, max_new):
-    vcfg = VerifierConfig(kv_tokens=4096, max_batch=8, prefill_chunk=prefill_chunk, debug_checks=True,
-                          prefix_cache=False)
-    pool = LatentKVPool(model.config.num_hidden_layers, vcfg.kv_tokens, model.config.kv_cache_width,
-                        torch.float32, "cpu")
-    sched = Scheduler(model, pool, vcfg, None)
+    vcfg = VerifierConfig(
+        kv_tokens=4096, max_batch=8, prefill_chunk=prefill_chunk, debug_checks=True, prefix_cache=False
+    )
+    pool = LatentKVPool(
+        model.config.num_hidden_layers, vcfg.kv_tokens, model.config.kv_cache_width, torch.float32, "cpu"
+    )
+    sched = Scheduler(LocalTarget(model), pool, vcfg, None)
     calls = []
     forward = model.forward
 
@@ -26,8 +30,10 @@ def _run(model, prompts, prefill_chunk, max_new):
         return forward(input_ids, *args, **kwargs)
 
     model.forward = counting
-    seqs = [Sequence(GenerateParams(f"r{i}", tuple(p), SamplingConfig(temperature=0.0), max_new, frozenset(),
-                                    False, 0)) for i, p in enumerate(prompts)]
+    seqs = [
+        Sequence(GenerateParams(f"r{i}", tuple(p), SamplingConfig(temperature=0.0), max_new, frozenset(), False, 0))
+        for i, p in enumerate(prompts)
+    ]
     try:
         for seq in seqs:  # all queued before the loop starts: they are admitted together
             sched.submit(seq)

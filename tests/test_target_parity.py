@@ -1,6 +1,6 @@
 """Parity of our DeepSeek-V3 target (absorbed MLA over a latent cache) with transformers, fp32, eager.
 
-Tiny random configs follow model.md §8. Checkpoints are written by transformers `save_pretrained` and
+Tiny random configs cover every path the code has (docs/design.md §5). Checkpoints are written by transformers `save_pretrained` and
 read by OUR loader; HF reloads the same directory with attn_implementation="eager".
 """
 
@@ -16,12 +16,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from services.models.attention import AttentionMetadata, SeqAttention, make_attention_backend
-from services.models.config import DeepseekV3Config
-from services.models.loader import CheckpointError, load_target, load_tensors
-from services.models.mla import naive_mla
-from services.models.random_checkpoint import DEFAULT_TARGET_CONFIG, write_random_target
-from services.models.rope import apply_rope_interleaved, rope_attention_factor, yarn_inv_freq
+from ddtree.models.attention import AttentionMetadata, SeqAttention, make_attention_backend
+from ddtree.models.config import DeepseekV3Config
+from ddtree.models.loader import CheckpointError, load_target, load_tensors
+from ddtree.models.mla import naive_mla
+from ddtree.models.random_checkpoint import DEFAULT_TARGET_CONFIG, write_random_target
+from ddtree.models.rope import apply_rope_interleaved, rope_attention_factor, yarn_inv_freq
 from tests.compare import assert_close
 
 transformers = pytest.importorskip("transformers")
@@ -237,7 +237,7 @@ def test_router_matches_hf_with_negative_biased_scores():
     """Masked groups must be -inf, not 0: visible only when every biased score s + bias is negative."""
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter as HFRouter
 
-    from services.models.moe import DeepseekV3TopkRouter
+    from ddtree.models.moe import DeepseekV3TopkRouter
 
     cfg = {**BASE, "n_routed_experts": 16, "n_group": 4, "topk_group": 2, "num_experts_per_tok": 3}
     g = torch.Generator().manual_seed(10)

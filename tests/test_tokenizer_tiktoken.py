@@ -1,5 +1,6 @@
 """The tiktoken backend (Kimi's `tiktoken.model` + tokenizer_config.json): a small tokenizer in that
 format, built here with Kimi-style special ids, through Tokenizer, the detokenizer and the gateway."""
+
 from __future__ import annotations
 
 import base64
@@ -10,25 +11,54 @@ import shutil
 import grpc
 import pytest
 
-from services.config import GatewayConfig
-from services.gateway.default_tokenizer import KIMI_K2_CHAT_TEMPLATE, write_default_tokenizer
-from services.gateway.detokenizer import REPLACEMENT, IncrementalDetokenizer
-from services.gateway.server import serve
-from services.gateway.tokenizer import MAX_RUN_CHARS, Tokenizer
-from services.protocol.ddtree.v1 import gateway_pb2, gateway_pb2_grpc
+from ddtree.config import GatewayConfig
+from ddtree.gateway.detokenizer import REPLACEMENT, IncrementalDetokenizer
+from ddtree.gateway.server import serve
+from ddtree.protocol.ddtree.v1 import gateway_pb2, gateway_pb2_grpc
+from ddtree.tokenization.default_tokenizer import KIMI_K2_CHAT_TEMPLATE, write_default_tokenizer
+from ddtree.tokenization.tokenizer import MAX_RUN_CHARS, Tokenizer
 from tests.fakes import script_for, start_fake_verifier
 
-# Offsets from the first special id, as in Kimi K2 (163584 + offset; model.md §6).
+# Offsets from the first special id, as in Kimi K2 (163584 + offset; docs/design.md §9.1).
 KIMI_SPECIALS = {
-    "[BOS]": 0, "[EOS]": 1, "<|im_end|>": 2, "<|im_user|>": 3, "<|im_assistant|>": 4, "<|start_header_id|>": 6,
-    "<|end_header_id|>": 7, "[EOT]": 9, "<|im_system|>": 10, "<|tool_calls_section_begin|>": 11,
-    "<|tool_calls_section_end|>": 12, "<|tool_call_begin|>": 13, "<|tool_call_argument_begin|>": 14,
-    "<|tool_call_end|>": 15, "<|im_middle|>": 17, "<think>": 22, "</think>": 23, "[UNK]": 254, "[PAD]": 255,
+    "[BOS]": 0,
+    "[EOS]": 1,
+    "<|im_end|>": 2,
+    "<|im_user|>": 3,
+    "<|im_assistant|>": 4,
+    "<|start_header_id|>": 6,
+    "<|end_header_id|>": 7,
+    "[EOT]": 9,
+    "<|im_system|>": 10,
+    "<|tool_calls_section_begin|>": 11,
+    "<|tool_calls_section_end|>": 12,
+    "<|tool_call_begin|>": 13,
+    "<|tool_call_argument_begin|>": 14,
+    "<|tool_call_end|>": 15,
+    "<|im_middle|>": 17,
+    "<think>": 22,
+    "</think>": 23,
+    "[UNK]": 254,
+    "[PAD]": 255,
 }
 # Multi-byte tokens, each added with all its prefixes so BPE can reach it. "o中" comes first (lowest
 # ranks): only a pre-tokenizer that separates Han from Latin letters keeps it out of "hello中".
-WORDS = ["o中".encode(), b"hello", b" world", b" the", b"functions", b".get", b"_weather", b"12345",
-         "中文".encode(), "Grüße".encode(), "😀".encode()[:2], b'{"', b'":', b' "']
+WORDS = [
+    "o中".encode(),
+    b"hello",
+    b" world",
+    b" the",
+    b"functions",
+    b".get",
+    b"_weather",
+    b"12345",
+    "中文".encode(),
+    "Grüße".encode(),
+    "😀".encode()[:2],
+    b'{"',
+    b'":',
+    b' "',
+]
 
 
 def _ranks() -> dict[bytes, int]:
@@ -43,11 +73,17 @@ def write_tiktoken_dir(directory, pat_str: str | None = None, template: bool = T
     directory.mkdir(parents=True, exist_ok=True)
     ranks = _ranks()
     (directory / "tiktoken.model").write_text(
-        "".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in sorted(ranks.items(), key=lambda kv: kv[1])))
+        "".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in sorted(ranks.items(), key=lambda kv: kv[1]))
+    )
     n = len(ranks)
-    config = {"added_tokens_decoder": {str(n + off): {"content": name, "special": True}
-                                       for name, off in KIMI_SPECIALS.items()},
-              "bos_token": "[BOS]", "eos_token": "[EOS]", "model_max_length": 4096}
+    config = {
+        "added_tokens_decoder": {
+            str(n + off): {"content": name, "special": True} for name, off in KIMI_SPECIALS.items()
+        },
+        "bos_token": "[BOS]",
+        "eos_token": "[EOS]",
+        "model_max_length": 4096,
+    }
     if pat_str is not None:
         config["pat_str"] = pat_str
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
@@ -101,9 +137,16 @@ def test_kimi_special_tokens_are_single_tokens(tk, tk_dir):
         tk.decode([n + 256])
 
 
-TEXTS = ["hello world, the functions.get_weather", "中文字符串 and Grüße", "emoji 😀😀👍🏽 flags 🇫🇷 family 👩‍👩‍👧",
-         "numbers 12345 67890", "<|im_user|>user<|im_middle|>hi 😀<|im_end|>", "\U0010ffff\u0000 edge", "",
-         "tabs\t\tand\n\nnewlines  \r\n end   "]
+TEXTS = [
+    "hello world, the functions.get_weather",
+    "中文字符串 and Grüße",
+    "emoji 😀😀👍🏽 flags 🇫🇷 family 👩‍👩‍👧",
+    "numbers 12345 67890",
+    "<|im_user|>user<|im_middle|>hi 😀<|im_end|>",
+    "\U0010ffff\u0000 edge",
+    "",
+    "tabs\t\tand\n\nnewlines  \r\n end   ",
+]
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -115,7 +158,7 @@ def test_round_trip_and_streamed_decode(tk, text):
         d, pieces, i = IncrementalDetokenizer(tk), [], 0
         while i < len(ids):
             k = rng.randint(0, 3)
-            pieces.append(d.push(ids[i:i + k]))
+            pieces.append(d.push(ids[i : i + k]))
             i += k
         pieces.append(d.flush())
         assert "".join(pieces) == text
@@ -132,7 +175,9 @@ def test_emoji_split_across_tokens_is_held_back(tk):
 
 def test_random_unicode_round_trip(tk):
     rng = random.Random(0)
-    alphabet = [chr(c) for c in (*range(32, 127), *range(0xA0, 0x250), *range(0x4E00, 0x4E40), *range(0x1F600, 0x1F640))]
+    alphabet = [
+        chr(c) for c in (*range(32, 127), *range(0xA0, 0x250), *range(0x4E00, 0x4E40), *range(0x1F600, 0x1F640))
+    ]
     alphabet += ["\n", "\t", " ", "<|im_end|>", "<think>"]
     for _ in range(200):
         text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40)))
@@ -169,15 +214,23 @@ def test_gateway_parses_tool_calls_with_tiktoken_ids(tk, tk_dir):
     fake, fake_server = start_fake_verifier()
     running = serve(GatewayConfig(verifier=fake.address, tokenizer=str(tk_dir[0]), http_port=-1), announce=False)
     try:
-        output = ('check</think><|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0'
-                  '<|tool_call_argument_begin|>{"city": "中文"}<|tool_call_end|><|tool_calls_section_end|>')
+        output = (
+            "check</think><|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+            '<|tool_call_argument_begin|>{"city": "中文"}<|tool_call_end|><|tool_calls_section_end|>'
+        )
         ids = tk.encode(output) + [tk.token_id("<|im_end|>")]
         assert len(ids) < len(output)
         fake.reset(script_for(ids, finish="stop"))
         with grpc.insecure_channel(running.address) as ch:
             tools = json.dumps([{"type": "function", "function": {"name": "get_weather"}}])
-            chunks = list(gateway_pb2_grpc.GatewayStub(ch).Chat(gateway_pb2.ChatRequest(
-                messages=[gateway_pb2.ChatMessage(role="user", content="weather?")], tools_json=tools), timeout=10))
+            chunks = list(
+                gateway_pb2_grpc.GatewayStub(ch).Chat(
+                    gateway_pb2.ChatRequest(
+                        messages=[gateway_pb2.ChatMessage(role="user", content="weather?")], tools_json=tools
+                    ),
+                    timeout=10,
+                )
+            )
         assert "".join(c.reasoning_delta for c in chunks) == "check"
         calls = [d for c in chunks for d in c.tool_calls]
         assert calls[0].id == "functions.get_weather:0" and calls[0].name == "get_weather"

@@ -5,6 +5,7 @@ a chunk with a subset of logits rows, through the real rank-0 handle (broadcast 
 real worker loop. The per-shard argmax combine equals torch.argmax of full logits, ties included; the
 shard plan agrees with the shapes of the models built from it.
 """
+
 from __future__ import annotations
 
 import os
@@ -15,19 +16,19 @@ import torch
 import torch.multiprocessing as tmp
 from safetensors.torch import load_file, save_file
 
-from services.drafter.tree import TokenTree
-from services.models.attention import AttentionMetadata, SeqAttention
-from services.models.config import DeepseekV3Config
-from services.models.deepseek_v3 import DeepseekV3ForCausalLM
-from services.models.loader import load_target
-from services.models.parallel.layers import combine_shard_argmax, shard_argmax
-from services.models.parallel.process_group import destroy_tp, init_tp
-from services.models.parallel.shard_plan import ShardPlan
-from services.models.parallel.step_message import StepInputs, decode, encode, from_runs, runs
-from services.models.parallel.tp_model import TensorParallelModel, build_tp_model, load_tp_model
-from services.models.random_checkpoint import DEFAULT_TARGET_CONFIG, write_random_target
-from services.verifier.tp_worker import worker_loop
-from services.verifier.tree_mask import tree_input_ids, tree_mask, tree_positions
+from ddtree.contract.token_tree import TokenTree
+from ddtree.models.attention import AttentionMetadata, SeqAttention
+from ddtree.models.config import DeepseekV3Config
+from ddtree.models.deepseek_v3 import DeepseekV3ForCausalLM
+from ddtree.models.loader import load_target
+from ddtree.models.parallel.layers import combine_shard_argmax, shard_argmax
+from ddtree.models.parallel.process_group import destroy_tp, init_tp
+from ddtree.models.parallel.shard_plan import ShardPlan
+from ddtree.models.parallel.step_message import StepInputs, decode, encode, from_runs, runs
+from ddtree.models.parallel.tp_model import TensorParallelModel, build_tp_model, load_tp_model
+from ddtree.models.random_checkpoint import DEFAULT_TARGET_CONFIG, write_random_target
+from ddtree.verifier.tp_worker import worker_loop
+from ddtree.verifier.tree_mask import tree_input_ids, tree_mask, tree_positions
 from tests.compare import assert_close
 
 WORLD = 2
@@ -53,18 +54,47 @@ def scenario(vocab: int) -> list[StepInputs]:
     empty = _slots(0, 0)
     taps = (0, 2)
     a, b = ids(9), ids(6)
-    prefill = StepInputs(torch.cat([a, b]), torch.cat([_slots(0, 9), _slots(0, 6)]), AttentionMetadata((
-        SeqAttention(0, 9, empty, _slots(0, 9)), SeqAttention(9, 6, empty, _slots(20, 26)))), None, taps, True)
-    decode_ = StepInputs(ids(2), torch.tensor([9, 6]), AttentionMetadata((
-        SeqAttention(0, 1, _slots(0, 9), _slots(9, 10)), SeqAttention(1, 1, _slots(20, 26), _slots(26, 27)))),
-        None, taps, True)
+    prefill = StepInputs(
+        torch.cat([a, b]),
+        torch.cat([_slots(0, 9), _slots(0, 6)]),
+        AttentionMetadata((SeqAttention(0, 9, empty, _slots(0, 9)), SeqAttention(9, 6, empty, _slots(20, 26)))),
+        None,
+        taps,
+        True,
+    )
+    decode_ = StepInputs(
+        ids(2),
+        torch.tensor([9, 6]),
+        AttentionMetadata(
+            (SeqAttention(0, 1, _slots(0, 9), _slots(9, 10)), SeqAttention(1, 1, _slots(20, 26), _slots(26, 27)))
+        ),
+        None,
+        taps,
+        True,
+    )
     tree = TokenTree(token_ids=(11, 12, 13, 14, 15), parents=(0, 0, 1, 1, 3), depths=(1, 1, 2, 2, 3))
     tree_ids = tree_input_ids(tree, 7)
-    verify = StepInputs(torch.cat([tree_ids, ids(1)]), torch.cat([tree_positions(tree, 10), torch.tensor([7])]),
-                        AttentionMetadata((SeqAttention(0, 6, _slots(0, 10), _slots(30, 36), tree_mask(tree)),
-                                           SeqAttention(6, 1, _slots(20, 27), _slots(27, 28)))), None, taps, True)
-    chunk = StepInputs(ids(4), _slots(0, 4), AttentionMetadata((SeqAttention(0, 4, empty, _slots(40, 44)),)),
-                       torch.tensor([3]), (), False)
+    verify = StepInputs(
+        torch.cat([tree_ids, ids(1)]),
+        torch.cat([tree_positions(tree, 10), torch.tensor([7])]),
+        AttentionMetadata(
+            (
+                SeqAttention(0, 6, _slots(0, 10), _slots(30, 36), tree_mask(tree)),
+                SeqAttention(6, 1, _slots(20, 27), _slots(27, 28)),
+            )
+        ),
+        None,
+        taps,
+        True,
+    )
+    chunk = StepInputs(
+        ids(4),
+        _slots(0, 4),
+        AttentionMetadata((SeqAttention(0, 4, empty, _slots(40, 44)),)),
+        torch.tensor([3]),
+        (),
+        False,
+    )
     return [prefill, decode_, verify, chunk]
 
 
@@ -91,8 +121,12 @@ def _rank_main(rank: int, ckpt: str, out: str) -> None:
         runner = TensorParallelModel(model, tp, ping_interval_s=30)
         kv = model.new_kv_cache(NUM_SLOTS)
         runner.replicate_kv(kv)
-        outs = [runner.forward(s.input_ids, s.positions, s.meta, kv, s.logits_rows, s.tap_layer_ids,
-                               gather_logits=s.gather_logits) for s in scenario(model.config.vocab_size)]
+        outs = [
+            runner.forward(
+                s.input_ids, s.positions, s.meta, kv, s.logits_rows, s.tap_layer_ids, gather_logits=s.gather_logits
+            )
+            for s in scenario(model.config.vocab_size)
+        ]
         runner.close()
         results[ep] = [(o.logits, o.argmax, o.taps) for o in outs]
     if rank == 0:
@@ -148,7 +182,7 @@ def test_combine_shard_argmax_is_argmax_with_ties(world):
     logits[1] = float("-inf")
     logits[2, V // world] = logits[2, 0] = 9.0  # tie between rank 0 and rank 1: the lower id
     n = V // world
-    parts = torch.stack([shard_argmax(logits[:, r * n:(r + 1) * n], r * n) for r in range(world)])
+    parts = torch.stack([shard_argmax(logits[:, r * n : (r + 1) * n], r * n) for r in range(world)])
     assert torch.equal(combine_shard_argmax(parts), logits.argmax(dim=-1))
 
 
@@ -188,8 +222,11 @@ def test_step_message_round_trip():
 
 @pytest.mark.parametrize("slots", [[], [7], list(range(10, 30)), [3, 4, 5, 9, 1, 2, 100, 101], "perm"])
 def test_slot_runs_round_trip(slots):
-    t = torch.randperm(64, generator=torch.Generator().manual_seed(0)) if slots == "perm" else torch.tensor(
-        slots, dtype=torch.int64)
+    t = (
+        torch.randperm(64, generator=torch.Generator().manual_seed(0))
+        if slots == "perm"
+        else torch.tensor(slots, dtype=torch.int64)
+    )
     r = runs(t)
     assert r.numel() == 1 + 2 * int(r[0])
     assert torch.equal(from_runs(r[1:]), t)

@@ -4,6 +4,7 @@ the verifier down with an error instead of a hang.
 The TP=1 reference is the session's oracle stack (conftest); the TP=2 verifier shares its drafter
 (the oracle engine: real multi-token acceptance), so both verifiers see the same trees.
 """
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -19,16 +20,26 @@ import time
 import grpc
 import pytest
 
-from services.gateway.tokenizer import Tokenizer
-from services.launcher import start_service
-from services.models.parallel.process_group import free_port
+from ddtree.launcher import start_service
+from ddtree.models.parallel.process_group import free_port
+from ddtree.tokenization.tokenizer import Tokenizer
 from tests.test_e2e_lossless import PROMPTS, _generate
 
 pytestmark = pytest.mark.slow
 REPO = pathlib.Path(__file__).resolve().parent.parent
 MAX_NEW = 24
-VERIFIER_ARGS = ["--max-batch", "8", "--kv-tokens", "32768", "--max-context", "2048", "--prefill-chunk", "64",
-                 "--threads", "1"]
+VERIFIER_ARGS = [
+    "--max-batch",
+    "8",
+    "--kv-tokens",
+    "32768",
+    "--max-context",
+    "2048",
+    "--prefill-chunk",
+    "64",
+    "--threads",
+    "1",
+]
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +50,20 @@ def prompt_ids(default_ckpt):
 
 @pytest.fixture(scope="module")
 def tp2_verifier(default_ckpt, oracle_stack, tmp_path_factory):
-    proc = start_service("verifier", ["verifier", "--model", str(default_ckpt.target), "--tp", "2",
-                                      "--drafter", oracle_stack.get("drafter").address, *VERIFIER_ARGS],
-                         tmp_path_factory.mktemp("logs-tp2"))
+    proc = start_service(
+        "verifier",
+        [
+            "verifier",
+            "--model",
+            str(default_ckpt.target),
+            "--tp",
+            "2",
+            "--drafter",
+            oracle_stack.get("drafter").address,
+            *VERIFIER_ARGS,
+        ],
+        tmp_path_factory.mktemp("logs-tp2"),
+    )
     yield proc
     assert proc.stop() == 0, "a graceful stop of a tensor-parallel verifier exits 0"
     assert '"tp_worker_stopped"' in proc.log_path.read_text(), "rank 1 left its loop on STOP"
@@ -49,8 +71,9 @@ def tp2_verifier(default_ckpt, oracle_stack, tmp_path_factory):
 
 def _run(address, prompt_ids, steps: list | None = None, **kw):
     with cf.ThreadPoolExecutor(len(prompt_ids)) as pool:  # concurrent: several sequences per forward
-        results = [f.result() for f in [pool.submit(_generate, address, ids, max_new=MAX_NEW, **kw)
-                                        for ids in prompt_ids]]
+        results = [
+            f.result() for f in [pool.submit(_generate, address, ids, max_new=MAX_NEW, **kw) for ids in prompt_ids]
+        ]
     if steps is not None:
         steps += [s for _, st, _ in results for s in st]
     return [tokens for tokens, _, _ in results]
@@ -77,8 +100,13 @@ def test_ranks_launched_by_environment(default_ckpt, oracle_stack, prompt_ids, t
     dist_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
     args = ["verifier", "--model", str(default_ckpt.target), "--tp", "2", "--log-format", "json", *VERIFIER_ARGS]
     with open(tmp_path / "rank1.log", "wb") as log:
-        rank1 = subprocess.Popen([sys.executable, "-m", "services.cli", *args], stdout=subprocess.DEVNULL, stderr=log,
-                                 env={**os.environ, **dist_env, "RANK": "1"}, cwd=REPO)
+        rank1 = subprocess.Popen(
+            [sys.executable, "-m", "ddtree.cli", *args],
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+            env={**os.environ, **dist_env, "RANK": "1"},
+            cwd=REPO,
+        )
     try:
         rank0 = start_service("verifier", args, tmp_path, env={**dist_env, "RANK": "0"})
         got = _run(rank0.address, prompt_ids, no_spec=True)
@@ -94,11 +122,26 @@ def test_ranks_launched_by_environment(default_ckpt, oracle_stack, prompt_ids, t
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
 def test_rank_death_ends_the_verifier(default_ckpt, prompt_ids, tmp_path, sig):
     """A killed rank is seen at once (watchdog, broken connection); a hung one by the collective timeout."""
-    proc = start_service("verifier", ["verifier", "--model", str(default_ckpt.target), "--tp", "2",
-                                      "--tp-timeout-s", "5", "--log-format", "json", *VERIFIER_ARGS], tmp_path)
+    proc = start_service(
+        "verifier",
+        [
+            "verifier",
+            "--model",
+            str(default_ckpt.target),
+            "--tp",
+            "2",
+            "--tp-timeout-s",
+            "5",
+            "--log-format",
+            "json",
+            *VERIFIER_ARGS,
+        ],
+        tmp_path,
+    )
     try:
-        rank1 = next(json.loads(line)["pid"] for line in proc.log_path.read_text().splitlines()
-                     if '"tp_rank_spawned"' in line)
+        rank1 = next(
+            json.loads(line)["pid"] for line in proc.log_path.read_text().splitlines() if '"tp_rank_spawned"' in line
+        )
         streaming, outcome = threading.Event(), {}
 
         def client():
@@ -128,8 +171,9 @@ def test_rank_death_ends_the_verifier(default_ckpt, prompt_ids, tmp_path, sig):
             os.kill(rank1, signal.SIGKILL)
     assert proc.popen.returncode != 0, "the verifier must exit non-zero when a rank dies"
     assert elapsed < 30
-    assert outcome.get("error") in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL,
-                                    grpc.StatusCode.CANCELLED), f"client saw {outcome}"
+    assert outcome.get("error") in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED), (
+        f"client saw {outcome}"
+    )
     log = proc.log_path.read_text()
     if sig == signal.SIGKILL:
         assert "rank 1 exited with code -9" in log
@@ -147,8 +191,10 @@ def _alive(pid: int) -> bool:
 
 
 def _stream(address, ids):
-    from services.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+    from ddtree.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+
     with grpc.insecure_channel(address) as ch:
-        req = verifier_pb2.GenerateRequest(input_ids=ids, max_new_tokens=1900, ignore_eos=True,
-                                           spec=common_pb2.SpecOptions(no_spec=True))
+        req = verifier_pb2.GenerateRequest(
+            input_ids=ids, max_new_tokens=1900, ignore_eos=True, spec=common_pb2.SpecOptions(no_spec=True)
+        )
         yield from verifier_pb2_grpc.VerifierStub(ch).Generate(req, timeout=120)

@@ -9,6 +9,7 @@
 - end to end on a tiny random target: after a short training on the target's own greedy generations,
   tau measured through the scheduler + drafter gRPC service clearly beats the untrained drafter.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,27 +19,39 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import services.drafter.engine as engine_module
-from services.config import DrafterConfig
-from services.drafter.engine import DraftEngine, SeqDraftInput
-from services.drafter.factory import make_engine
-from services.models.dflash import load_drafter, write_random_drafter
-from services.models.loader import load_target
-from services.models.random_checkpoint import DEFAULT_TARGET_CONFIG, write_random_target
-from services.training.drafter_data import (BatchPool, DataSpec, TargetRunner, TokenStream, make_batch,
-                                            sample_windows)
-from services.training.drafter_forward import (block_attention_mask, block_hidden, block_inputs, block_labels,
-                                               sample_anchors)
-from services.training.drafter_loss import block_loss, depth_weights
-from services.training.drafter_trainer import DrafterTrainer
+import ddtree.drafter.engine as engine_module
+from ddtree.config import DrafterConfig
+from ddtree.drafter.engine import DraftEngine, SeqDraftInput
+from ddtree.drafter.factory import make_engine
+from ddtree.models.dflash_checkpoint import load_drafter, write_random_drafter
+from ddtree.models.loader import load_target
+from ddtree.models.random_checkpoint import DEFAULT_TARGET_CONFIG, write_random_target
+from ddtree.tools.train_drafter import add_arguments
+from ddtree.training.drafter_data import BatchPool, DataSpec, TargetRunner, TokenStream, make_batch, sample_windows
+from ddtree.training.drafter_forward import (
+    block_attention_mask,
+    block_hidden,
+    block_inputs,
+    block_labels,
+    sample_anchors,
+)
+from ddtree.training.drafter_loss import block_loss, depth_weights
+from ddtree.training.drafter_trainer import DrafterTrainer
+from scripts.eval_drafter import measure_tau
 from tests.compare import assert_close
-from tools.eval_drafter import measure_tau
-from tools.train_drafter import add_arguments
 
 VOCAB = 128
-TINY = {**DEFAULT_TARGET_CONFIG, "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128,
-        "moe_intermediate_size": 32, "num_hidden_layers": 3, "n_routed_experts": 4, "bos_token_id": 0,
-        "eos_token_id": 1}
+TINY = {
+    **DEFAULT_TARGET_CONFIG,
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 3,
+    "n_routed_experts": 4,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -76,12 +89,37 @@ def streams():
 def _args(target_dir, run_dir, *extra: str) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     add_arguments(p)
-    return p.parse_args(["--target", str(target_dir), "--corpus", "-", "--run-dir", str(run_dir), "--batch", "8",
-                         "--prompt-min", "8", "--prompt-max", "32", "--gen-tokens", "64", "--anchors", "16",
-                         "--lr", "3e-3", "--warmup", "10", "--log-every", "1000", *extra])
+    return p.parse_args(
+        [
+            "--target",
+            str(target_dir),
+            "--corpus",
+            "-",
+            "--run-dir",
+            str(run_dir),
+            "--batch",
+            "8",
+            "--prompt-min",
+            "8",
+            "--prompt-max",
+            "32",
+            "--gen-tokens",
+            "64",
+            "--anchors",
+            "16",
+            "--lr",
+            "3e-3",
+            "--warmup",
+            "10",
+            "--log-every",
+            "1000",
+            *extra,
+        ]
+    )
 
 
 # ------------------------------------------------------------------------------------------------ mask
+
 
 @pytest.mark.parametrize("window", [0, 5])
 def test_block_mask_matches_definition(window):
@@ -116,6 +154,7 @@ def test_labels_are_the_targets_greedy_choices_along_the_block():
 
 # ---------------------------------------------------------------------------------- train/serve parity
 
+
 def _serving_logprobs(engine: DraftEngine, inputs: list[SeqDraftInput], monkeypatch) -> list[torch.Tensor]:
     """Run DraftEngine.draft and capture the [B-1, V] logits it builds its tree from."""
     seen = []
@@ -143,10 +182,12 @@ def test_training_forward_matches_serving(target, target_dir, tmp_path, monkeypa
     anchors = torch.tensor([[3, 17, 30], [1, 12, 35]])
     embed_w, head_w = target.model.embed_tokens.weight.detach(), target.lm_head.weight.detach()
     with torch.no_grad():
-        hidden = block_hidden(model, taps, embed_w[block_inputs(ids, anchors, cfg.block_size, cfg.mask_token_id)],
-                              anchors, window)
-        train_lp = torch.log_softmax(model.compute_logits(hidden[:, :, 1:].reshape(-1, cfg.hidden_size), head_w)
-                                     .double(), -1).view(s, 3, cfg.block_size - 1, -1)
+        hidden = block_hidden(
+            model, taps, embed_w[block_inputs(ids, anchors, cfg.block_size, cfg.mask_token_id)], anchors, window
+        )
+        train_lp = torch.log_softmax(
+            model.compute_logits(hidden[:, :, 1:].reshape(-1, cfg.hidden_size), head_w).double(), -1
+        ).view(s, 3, cfg.block_size - 1, -1)
 
     engine = DraftEngine(model, embed_w, head_w, window=window, default_budget=4)
     for i in range(s):
@@ -155,14 +196,26 @@ def test_training_forward_matches_serving(target, target_dir, tmp_path, monkeypa
         inputs, end = [], 0
         for j, a in enumerate(anchors[i].tolist()):
             start = max(end, a - window) if window else end
-            inputs.append(SeqDraftInput(seq_id=f"s{i}", commit_token_ids=tuple(ids[i, start:a].tolist()),
-                                        commit_start=start, commit_features=taps[i, start:a],
-                                        anchor_token_id=int(ids[i, a]), reset=j == 0))
+            inputs.append(
+                SeqDraftInput(
+                    seq_id=f"s{i}",
+                    commit_token_ids=tuple(ids[i, start:a].tolist()),
+                    commit_start=start,
+                    commit_features=taps[i, start:a],
+                    root_token_id=int(ids[i, a]),
+                    reset=j == 0,
+                )
+            )
             end = a
         served = _serving_logprobs(engine, inputs, monkeypatch)
         for j in range(3):
-            assert_close(f"seq {i} anchor {int(anchors[i, j])} window {window}", train_lp[i, j], served[j],
-                         abs_tol=2e-5, rel_tol=1e-4)
+            assert_close(
+                f"seq {i} anchor {int(anchors[i, j])} window {window}",
+                train_lp[i, j],
+                served[j],
+                abs_tol=2e-5,
+                rel_tol=1e-4,
+            )
 
 
 def test_generated_batches_match_a_plain_forward_over_the_result(target, streams):
@@ -182,6 +235,7 @@ def test_generated_batches_match_a_plain_forward_over_the_result(target, streams
 
 # ------------------------------------------------------------------------------------------- training
 
+
 def test_training_steps_reduce_the_loss_on_a_fixed_batch(target, tmp_path, streams):
     model = load_drafter(write_random_drafter(tmp_path / "d", TINY, seed=6, block_size=8)).train()
     cfg = model.config
@@ -195,8 +249,9 @@ def test_training_steps_reduce_the_loss_on_a_fixed_batch(target, tmp_path, strea
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
     for _ in range(15):
-        out = block_loss(model, block_hidden(model, batch.taps, embeds, anchors), target.lm_head.weight.detach(),
-                         labels, weights)
+        out = block_loss(
+            model, block_hidden(model, batch.taps, embeds, anchors), target.lm_head.weight.detach(), labels, weights
+        )
         losses.append(float(out.loss.detach()))
         out.loss.backward()
         opt.step()
@@ -245,19 +300,30 @@ def test_pool_batches_are_deterministic_and_cached(tmp_path):
 
 
 def _fake_batch(i):
-    from services.training.drafter_data import TargetBatch
+    from ddtree.training.drafter_data import TargetBatch
+
     g = torch.Generator().manual_seed(i)
-    return TargetBatch(torch.randint(0, 9, (2, 12), generator=g), torch.randn(2, 12, 4, generator=g),
-                       torch.randint(0, 9, (2, 12), generator=g), 3)
+    return TargetBatch(
+        torch.randint(0, 9, (2, 12), generator=g),
+        torch.randn(2, 12, 4, generator=g),
+        torch.randint(0, 9, (2, 12), generator=g),
+        3,
+    )
 
 
 # ---------------------------------------------------------------------------------- export + tau
 
+
 @pytest.fixture(scope="module")
 def trained(target_dir, tmp_path_factory, streams):
     run = tmp_path_factory.mktemp("run")
-    trainer = DrafterTrainer(_args(target_dir, run, "--steps", "160", "--pool", "16", "--save-every", "80",
-                                   "--anchors", "48", "--lr", "8e-3"), streams=streams, val_streams=streams)
+    trainer = DrafterTrainer(
+        _args(
+            target_dir, run, "--steps", "160", "--pool", "16", "--save-every", "80", "--anchors", "48", "--lr", "8e-3"
+        ),
+        streams=streams,
+        val_streams=streams,
+    )
     summary = trainer.run()
     return run, trainer, summary
 
@@ -294,10 +360,24 @@ def test_trained_drafter_beats_the_untrained_one_through_the_services(trained, t
 def test_init_starts_from_a_trained_drafter(trained, target_dir, tmp_path, streams):
     """--init: a fine-tuning run starts from the given checkpoint's weights (and architecture), not at random."""
     run, trainer, _ = trained
-    tuned = DrafterTrainer(_args(target_dir, tmp_path / "ft", "--steps", "2", "--pool", "2", "--val-batches", "0",
-                                 "--init", str(run / "export")), streams=streams)
+    tuned = DrafterTrainer(
+        _args(
+            target_dir,
+            tmp_path / "ft",
+            "--steps",
+            "2",
+            "--pool",
+            "2",
+            "--val-batches",
+            "0",
+            "--init",
+            str(run / "export"),
+        ),
+        streams=streams,
+    )
     source = load_drafter(run / "export").state_dict()
     assert all(torch.equal(v, source[k]) for k, v in tuned.model.state_dict().items())
     with pytest.raises(ValueError, match="drafter checkpoint"):
-        DrafterTrainer(_args(target_dir, tmp_path / "bad", "--steps", "2", "--init", str(tmp_path / "missing")),
-                       streams=streams)
+        DrafterTrainer(
+            _args(target_dir, tmp_path / "bad", "--steps", "2", "--init", str(tmp_path / "missing")), streams=streams
+        )

@@ -1,4 +1,5 @@
 """`ddtree train target` on a tiny corpus and model: the loss falls, resume is exact, the export loads."""
+
 from __future__ import annotations
 
 import json
@@ -6,14 +7,14 @@ import json
 import pytest
 import torch
 
-from services.cli import build_parser
-from services.models.attention import AttentionMetadata, SeqAttention
-from services.models.config import DeepseekV3Config
-from services.models.deepseek_v3 import DeepseekV3ForCausalLM
-from services.models.loader import load_target
-from tools.build_corpus import build
-from tools.train_target import DEMO_TARGET_CONFIG, init_model, loss_fn, make_optimizer
-from tools.train_tokenizer import write_tokenizer
+from ddtree.cli import build_parser
+from ddtree.models.attention import AttentionMetadata, SeqAttention
+from ddtree.models.config import DeepseekV3Config
+from ddtree.models.deepseek_v3 import DeepseekV3ForCausalLM
+from ddtree.models.loader import load_target
+from ddtree.tools.train_target import DEMO_TARGET_CONFIG, init_model, loss_fn, make_optimizer
+from ddtree.training.tokenizer_training import write_tokenizer
+from scripts.build_corpus import build
 
 VOCAB = 512
 TINY = {**DEMO_TARGET_CONFIG, "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128,
@@ -69,7 +70,8 @@ def test_resume_is_exact_and_export_loads(setup, tmp_path):
 
     export = tmp_path / "full" / "export"
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
-        p.name for p in export.iterdir()}
+        p.name for p in export.iterdir()
+    }
     loaded = load_target(export)
     ref = DeepseekV3ForCausalLM(loaded.config).eval()
     ref.load_state_dict(full["model"])

@@ -1,14 +1,15 @@
 """The batched training forward (naive MLA + SDPA, grouped MoE) gives the serving forward's logits."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-from services.models.attention import AttentionMetadata, SeqAttention
-from services.models.config import DeepseekV3Config
-from services.models.deepseek_v3 import DeepseekV3ForCausalLM
-from services.models.random_checkpoint import DEFAULT_TARGET_CONFIG, random_target_state_dict
-from services.models.training_forward import training_forward, update_expert_bias
+from ddtree.models.attention import AttentionMetadata, SeqAttention
+from ddtree.models.config import DeepseekV3Config
+from ddtree.models.deepseek_v3 import DeepseekV3ForCausalLM
+from ddtree.models.random_checkpoint import DEFAULT_TARGET_CONFIG, random_target_state_dict
+from ddtree.models.training_forward import training_forward, update_expert_bias
 from tests.compare import assert_close
 
 SMALL = {**DEFAULT_TARGET_CONFIG, "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128,

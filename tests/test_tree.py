@@ -8,8 +8,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from services.drafter.tree import TokenTree, build_tree, topk_logprobs
-from services.verifier.tree_mask import tree_input_ids, tree_mask, tree_positions
+from ddtree.contract.token_tree import TokenTree
+from ddtree.drafter.tree import build_tree, topk_logprobs
+from ddtree.verifier.tree_mask import tree_input_ids, tree_mask, tree_positions
 
 
 def random_table(depth: int, width: int, vocab: int, seed: int, quantize: float | None = None):
@@ -89,7 +90,7 @@ def test_build_tree_matches_brute_force(case: Case, seed: int) -> None:
     tree = build_tree(lp, ids, case.budget)
     tree.validate()
     ref = brute_force(lp, ids, case.budget)
-    assert tree.n == len(ref) == min(case.budget, sum(case.width ** d for d in range(1, case.depth + 1)))
+    assert tree.n == len(ref) == min(case.budget, sum(case.width**d for d in range(1, case.depth + 1)))
     # same prefixes, in the same order (pop order = sort by (-score, rank tuple))
     assert node_paths(tree) == [r[1] for r in ref]
     assert set(node_paths(tree)) == {r[1] for r in ref}
@@ -113,12 +114,15 @@ def test_prefix_is_the_smaller_budget_tree(case: Case) -> None:
         assert cut == small and cut.scores == small.scores
 
 
-@pytest.mark.parametrize("scores, msg", [
-    ((-1.0,), "1 scores for 2 nodes"),
-    ((-1.0, -0.5), "non-increasing"),
-    ((-1.0, 0.5), "finite log-probs"),
-    ((-1.0, float("nan")), "finite log-probs"),
-])
+@pytest.mark.parametrize(
+    "scores, msg",
+    [
+        ((-1.0,), "1 scores for 2 nodes"),
+        ((-1.0, -0.5), "non-increasing"),
+        ((-1.0, 0.5), "finite log-probs"),
+        ((-1.0, float("nan")), "finite log-probs"),
+    ],
+)
 def test_token_tree_rejects_bad_scores(scores, msg: str) -> None:
     with pytest.raises(ValueError, match=msg):
         TokenTree((3, 4), (0, 1), (1, 2), scores).validate()
@@ -159,15 +163,18 @@ def test_first_child_is_best_child() -> None:
         assert scores[first[p] - 1] >= scores[i - 1]
 
 
-@pytest.mark.parametrize("bad, msg", [
-    (lambda lp, ids: (lp[:, [1, 0, 2]], ids), "not sorted descending at rank 1"),
-    (lambda lp, ids: (lp, ids[:, [0, 0, 2]]), "repeats a token"),
-    (lambda lp, ids: (lp, -ids), "negative id"),
-    (lambda lp, ids: (lp.clone().fill_(float("nan")), ids), "NaN"),
-    (lambda lp, ids: (lp + 10, ids), "must be <= 0"),
-    (lambda lp, ids: (lp[:, :2], ids), "both be \\[D, K\\]"),
-    (lambda lp, ids: (lp, ids.float()), "integer tensor"),
-])
+@pytest.mark.parametrize(
+    "bad, msg",
+    [
+        (lambda lp, ids: (lp[:, [1, 0, 2]], ids), "not sorted descending at rank 1"),
+        (lambda lp, ids: (lp, ids[:, [0, 0, 2]]), "repeats a token"),
+        (lambda lp, ids: (lp, -ids), "negative id"),
+        (lambda lp, ids: (lp.clone().fill_(float("nan")), ids), "NaN"),
+        (lambda lp, ids: (lp + 10, ids), "must be <= 0"),
+        (lambda lp, ids: (lp[:, :2], ids), "both be \\[D, K\\]"),
+        (lambda lp, ids: (lp, ids.float()), "integer tensor"),
+    ],
+)
 def test_build_tree_rejects_bad_tables(bad, msg: str) -> None:
     lp, ids = random_table(3, 3, 10, 0)
     lp2, ids2 = bad(lp, ids)
@@ -195,14 +202,17 @@ def test_topk_logprobs_true_logprobs() -> None:
         topk_logprobs(logits[0], 3)
 
 
-@pytest.mark.parametrize("tree, msg", [
-    (TokenTree((1, 2), (0,), (1, 2)), "lengths differ"),
-    (TokenTree((1, 2), (0, 2), (1, 2)), "parent 2 >= own index 2"),
-    (TokenTree((1, 2), (0, 0), (1, 2)), "depth 2 != parent 0 depth 0 \\+ 1"),
-    (TokenTree((1, 2), (0, -1), (1, 1)), "negative parent"),
-    (TokenTree((1, -2), (0, 0), (1, 1)), "negative token"),
-    (TokenTree((1, 1), (0, 0), (1, 1)), "token 1 repeats among children of node 0"),
-])
+@pytest.mark.parametrize(
+    "tree, msg",
+    [
+        (TokenTree((1, 2), (0,), (1, 2)), "lengths differ"),
+        (TokenTree((1, 2), (0, 2), (1, 2)), "parent 2 >= own index 2"),
+        (TokenTree((1, 2), (0, 0), (1, 2)), "depth 2 != parent 0 depth 0 \\+ 1"),
+        (TokenTree((1, 2), (0, -1), (1, 1)), "negative parent"),
+        (TokenTree((1, -2), (0, 0), (1, 1)), "negative token"),
+        (TokenTree((1, 1), (0, 0), (1, 1)), "token 1 repeats among children of node 0"),
+    ],
+)
 def test_token_tree_validate(tree: TokenTree, msg: str) -> None:
     with pytest.raises(ValueError, match=msg):
         tree.validate()

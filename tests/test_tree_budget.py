@@ -1,6 +1,7 @@
 """--max-tree-tokens: under load each sequence's tree shrinks so the batch's tree tokens fit the cap; the
 output stays exactly the AR output. The batch shares the cap by the drafter's node scores when it gives
 them (allocate_nodes, against a brute force), else equally (tree_budget)."""
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -10,7 +11,8 @@ import random
 
 import pytest
 
-from services.verifier.tree_budget import allocate_nodes, tree_budget
+from ddtree.verifier.tree_budget import allocate_nodes, tree_budget
+from tests.conftest import ORACLE_DRAFTER
 from tests.test_e2e_lossless import _generate
 
 CAP = 24
@@ -44,8 +46,7 @@ def _brute_best(scores, cap) -> float:
 def test_allocate_nodes_matches_brute_force(seed):
     rng = random.Random(seed)
     trees = rng.randint(1, 4)
-    scores = [sorted((-rng.expovariate(0.7) for _ in range(rng.randint(0, 5))), reverse=True)
-              for _ in range(trees)]
+    scores = [sorted((-rng.expovariate(0.7) for _ in range(rng.randint(0, 5))), reverse=True) for _ in range(trees)]
     if seed % 5 == 0:  # exact ties across trees
         scores = [[round(x) for x in s] for s in scores]
     cap = rng.randint(0, 4 * trees + 12)
@@ -68,27 +69,42 @@ def test_allocate_nodes_lends_nodes_to_the_uncertain_tree():
     assert allocate_nodes([[], uncertain], 5) == [0, 3]  # an empty tree costs its root row only
 
 
-def _ar_then_concurrent(ckpt, tmp_path, texts, max_new, drafter_args=()):
+def _ar_then_concurrent(ckpt, tmp_path, texts, max_new, drafter_args=(), drafter_module="ddtree.cli"):
     """On one capped stack: each prompt alone with AR, then all four at once with DDTree (budget 16).
     Returns (AR tokens per prompt, (tokens, step records) per concurrent run)."""
-    from services.gateway.tokenizer import Tokenizer
-    from services.launcher import start_stack
+    from ddtree.launcher import start_stack
+    from ddtree.tokenization.tokenizer import Tokenizer
+
     tok = Tokenizer(ckpt.target)
     prompts = [tok.encode(t) for t in texts]
-    with start_stack(str(ckpt.target), str(ckpt.drafter), tmp_path, drafter_args=drafter_args,
-                     verifier_args=("--max-tree-tokens", str(CAP), "--max-batch", "4")) as stack:
+    with start_stack(
+        str(ckpt.target),
+        str(ckpt.drafter),
+        tmp_path,
+        drafter_args=drafter_args,
+        drafter_module=drafter_module,
+        verifier_args=("--max-tree-tokens", str(CAP), "--max-batch", "4"),
+    ) as stack:
         ar = [_generate(stack.verifier, ids, no_spec=True, max_new=max_new)[0] for ids in prompts]
         with cf.ThreadPoolExecutor(4) as pool:
-            runs = list(pool.map(lambda ids: _generate(stack.verifier, ids, no_spec=False, budget=16,
-                                                       max_new=max_new)[:2], prompts))
+            runs = list(
+                pool.map(
+                    lambda ids: _generate(stack.verifier, ids, no_spec=False, budget=16, max_new=max_new)[:2], prompts
+                )
+            )
     return ar, runs
 
 
 def test_capped_trees_are_lossless(default_ckpt, tmp_path):
     """The oracle drafter gives no node scores: equal shares."""
-    ar, runs = _ar_then_concurrent(default_ckpt, tmp_path, [f"def function_{i}(x):\n    return x * {i} + "
-                                                            for i in range(4)], 48,
-                                   drafter_args=("--engine", "oracle", "--oracle-seed", "7"))
+    ar, runs = _ar_then_concurrent(
+        default_ckpt,
+        tmp_path,
+        [f"def function_{i}(x):\n    return x * {i} + " for i in range(4)],
+        48,
+        drafter_args=("--oracle-seed", "7"),
+        drafter_module=ORACLE_DRAFTER,
+    )
     assert [r[0] for r in runs] == ar
     nodes = [s.tree_nodes for r in runs for s in r[1]]
     assert max(nodes) <= CAP - 1  # a sequence alone: at most cap - 1 nodes
@@ -100,8 +116,9 @@ def test_capped_trees_are_lossless(default_ckpt, tmp_path):
 def test_scored_trees_share_the_cap_and_stay_lossless(default_ckpt, tmp_path):
     """The DFlash drafter scores its nodes, so the capped batch is shared by score: tree sizes that equal
     shares never give, never more than the cap allows, the AR output."""
-    ar, runs = _ar_then_concurrent(default_ckpt, tmp_path, [f"class Widget{i}:\n    def size(self):\n        return "
-                                                            for i in range(4)], 32)
+    ar, runs = _ar_then_concurrent(
+        default_ckpt, tmp_path, [f"class Widget{i}:\n    def size(self):\n        return " for i in range(4)], 32
+    )
     assert [r[0] for r in runs] == ar
     nodes = [s.tree_nodes for r in runs for s in r[1]]
     assert max(nodes) <= CAP - 1 and min(nodes) >= 1

@@ -28,9 +28,9 @@ if INTERPRET:
     os.environ["TRITON_INTERPRET"] = "1"
 try:
     pytest.importorskip("triton")
-    import kernels.latent_write  # noqa: F401
-    import kernels.mla_attention  # noqa: F401
-    import kernels.mla_backend  # noqa: F401
+    import ddtree.kernels.latent_write  # noqa: F401
+    import ddtree.kernels.mla_attention  # noqa: F401
+    import ddtree.kernels.mla_backend  # noqa: F401
 finally:
     if _previous is None:
         os.environ.pop("TRITON_INTERPRET", None)

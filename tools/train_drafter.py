@@ -1,7 +1,7 @@
 """`ddtree train drafter`: DFlash training of a drafter for any target the loader supports.
 
-    python -m tools.train_drafter --target DIR --corpus DIR --run-dir runs/drafter --minutes 30
-    python -m tools.train_drafter ... --resume          # continue from runs/drafter/checkpoint.pt
+    python -m ddtree.tools.train_drafter --target DIR --corpus DIR --run-dir runs/drafter --minutes 30
+    python -m ddtree.tools.train_drafter ... --resume          # continue from runs/drafter/checkpoint.pt
 
 The target stays frozen. Each micro-batch is S sequences with the target's taps and greedy choices
 at every position (services/training/drafter_data.py: by default the target's own greedy
@@ -19,13 +19,15 @@ and export/ (the drafter checkpoint: config.json in the DFlash format + model.sa
 `load_drafter` and `ddtree drafter --model` load. --minutes without --steps sizes the cosine schedule
 from the measured cost of the first steps (the plan is stored, so a resumed run keeps it).
 """
+
 from __future__ import annotations
 
 import argparse
 import sys
 
+from ddtree.config import DTYPE_NAMES
+
 KINDS = ("code", "prose", "chat")
-DTYPE_NAMES = ("bfloat16", "float16", "float32")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -46,8 +48,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mask-token-id", type=int, default=-1, help="-1 = the tokenizer's [MASK], else vocab-1")
     g = p.add_argument_group("data")
     g.add_argument("--kinds", default=",".join(KINDS), help="corpus kinds, drawn uniformly")
-    g.add_argument("--source", default="generate", choices=("generate", "corpus"),
-                   help="generate: the target's greedy continuations of corpus prompts; corpus: teacher forcing")
+    g.add_argument(
+        "--source",
+        default="generate",
+        choices=("generate", "corpus"),
+        help="generate: the target's greedy continuations of corpus prompts; corpus: teacher forcing",
+    )
     g.add_argument("--batch", type=int, default=16, help="sequences per micro-batch")
     g.add_argument("--prompt-min", type=int, default=16)
     g.add_argument("--prompt-max", type=int, default=512, help="prompt length is log-uniform in [min, max]")
@@ -71,8 +77,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("runtime")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda[:i]")
-    g.add_argument("--target-dtype", default="auto", choices=("auto", *DTYPE_NAMES),
-                   help="auto = bfloat16 on CUDA, float32 on CPU")
+    g.add_argument(
+        "--target-dtype", default="auto", choices=("auto", *DTYPE_NAMES), help="auto = bfloat16 on CUDA, float32 on CPU"
+    )
     g.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     g.add_argument("--save-every", type=int, default=100)
     g.add_argument("--log-every", type=int, default=10)
@@ -80,8 +87,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register `drafter` under the `ddtree train` sub-command group."""
-    p = subparsers.add_parser("drafter", help="train a DFlash drafter for a target (DFlash recipe)",
-                              description=__doc__.split("\n\n")[0])
+    p = subparsers.add_parser(
+        "drafter", help="train a DFlash drafter for a target (DFlash recipe)", description=__doc__.split("\n\n")[0]
+    )
     add_arguments(p)
     p.set_defaults(fn=cmd_train_drafter)
     return p
@@ -102,7 +110,7 @@ def settings(args: argparse.Namespace) -> argparse.Namespace:
 def train(args: argparse.Namespace) -> dict:
     import signal
 
-    from services.training.drafter_trainer import DrafterTrainer
+    from ddtree.training.drafter_trainer import DrafterTrainer
 
     def stop(signum, frame):  # SIGTERM ends the run like Ctrl-C: checkpoint + export, then exit
         raise KeyboardInterrupt
@@ -112,7 +120,7 @@ def train(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tools.train_drafter", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m ddtree.tools.train_drafter", description=__doc__.split("\n\n")[0])
     add_arguments(p)
     args = p.parse_args(argv)
     try:

@@ -1,5 +1,5 @@
 """`ddtree train target`: train the demo target (our DeepseekV3ForCausalLM: MLA + MoE + YaRN) from scratch on
-the CPU, on a corpus written by `python -m tools.build_corpus`.
+the CPU, on a corpus written by `python -m scripts.build_corpus`.
 
     ddtree train target --corpus DIR --out RUN_DIR [--config JSON] [--steps N] [--seq-len L] [--batch B]
                         [--lr LR] [--resume] [--minutes M]
@@ -7,7 +7,7 @@ the CPU, on a corpus written by `python -m tools.build_corpus`.
 RUN_DIR gets `tokenizer/` (trained on the corpus unless --tokenizer is given), `tokens/` (the tokenised
 splits), `ckpt.pt` (model + optimizer + step + data RNG, written every --ckpt-minutes, on SIGTERM/Ctrl-C and
 at the end), `metrics.jsonl` (one line per logged step) and `export/`, an HF-layout checkpoint
-(config.json + model.safetensors + tokenizer files) that `services.models.loader.load_target` reads.
+(config.json + model.safetensors + tokenizer files) that `ddtree.models.loader.load_target` reads.
 
 Training: AdamW, linear warmup then cosine decay to lr/10 over --steps; batches of --batch windows of
 --seq-len + 1 tokens drawn from the three kinds with probabilities --mix (code, prose, chat); the router's
@@ -15,6 +15,7 @@ Training: AdamW, linear warmup then cosine decay to lr/10 over --steps; batches 
 (checkpoint + export) when the wall-clock budget runs out. `--resume` continues exactly where the
 checkpoint left off: same batches, same parameters as an uninterrupted run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,11 +33,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from services.models.config import DeepseekV3Config
-from services.models.deepseek_v3 import DeepseekV3ForCausalLM
-from services.models.random_checkpoint import DEFAULT_TARGET_CONFIG
-from services.models.training_forward import training_forward, update_expert_bias
-from tools.build_corpus import KINDS, read_documents
+from ddtree.models.config import DeepseekV3Config
+from ddtree.models.deepseek_v3 import DeepseekV3ForCausalLM
+from ddtree.models.dtypes import TORCH_DTYPES
+from ddtree.models.random_checkpoint import DEFAULT_TARGET_CONFIG
+from ddtree.models.training_forward import training_forward, update_expert_bias
+from ddtree.training.corpus import KINDS, read_documents
+from ddtree.training.progress import Progress
+from ddtree.training.schedule import lr_at
 
 # The demo target: Kimi-K2-shaped (MLA with q/kv LoRA, sigmoid router with 1 shared expert, dense first
 # layer, YaRN with Kimi's betas). YaRN's original_max_position_embeddings is set to the training length.
@@ -53,6 +57,7 @@ DEMO_TARGET_CONFIG: dict[str, Any] = {
 DEFAULT_MIX = (0.45, 0.30, 0.25)  # code, prose, chat
 CKPT = "ckpt.pt"
 DEFAULT_STEPS = 900
+MIN_LR_RATIO = 0.1  # the cosine decays to lr / 10
 EOS_ID = 1
 
 
@@ -81,15 +86,16 @@ def load_tokens(tokens_dir: pathlib.Path, split: str) -> dict[str, torch.Tensor]
     return {kind: torch.load(tokens_dir / f"{split}_{kind}.pt") for kind in KINDS}
 
 
-def sample_batch(streams: dict[str, torch.Tensor], mix: torch.Tensor, batch: int, seq_len: int,
-                 gen: torch.Generator) -> torch.Tensor:
+def sample_batch(
+    streams: dict[str, torch.Tensor], mix: torch.Tensor, batch: int, seq_len: int, gen: torch.Generator
+) -> torch.Tensor:
     """int64 [batch, seq_len + 1]: per row a kind drawn from `mix`, then a uniform window of that stream."""
     kinds = torch.multinomial(mix, batch, replacement=True, generator=gen).tolist()
     rows = []
     for k in kinds:
         stream = streams[KINDS[k]]
         start = int(torch.randint(0, len(stream) - seq_len - 1, (1,), generator=gen))
-        rows.append(stream[start:start + seq_len + 1])
+        rows.append(stream[start : start + seq_len + 1])
     return torch.stack(rows).long()
 
 
@@ -134,15 +140,12 @@ def count_parameters(model: torch.nn.Module) -> dict[str, int]:
 def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed_tokens" not in n]
     other = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed_tokens" not in n)]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay}, {"params": other, "weight_decay": 0.0}],
-                             lr=lr, betas=(0.9, 0.95), eps=1e-8)
-
-
-def lr_at(step: int, total: int, lr: float, warmup: int) -> float:
-    if step < warmup:
-        return lr * (step + 1) / warmup
-    t = min(1.0, (step - warmup) / max(1, total - warmup))
-    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": weight_decay}, {"params": other, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
 
 
 def loss_fn(model: DeepseekV3ForCausalLM, batch: torch.Tensor, bf16: bool = False):
@@ -155,15 +158,27 @@ def loss_fn(model: DeepseekV3ForCausalLM, batch: torch.Tensor, bf16: bool = Fals
 
 # ---- checkpoints and export ----------------------------------------------------------------------------
 def save_checkpoint(run: pathlib.Path, model, opt, step: int, gen: torch.Generator, meta: dict) -> None:
-    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
-             "data_rng": gen.get_state(), "torch_rng": torch.get_rng_state(), "meta": meta}
+    state = {
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "step": step,
+        "data_rng": gen.get_state(),
+        "torch_rng": torch.get_rng_state(),
+        "meta": meta,
+    }
     tmp = run / f".{CKPT}.tmp"
     torch.save(state, tmp)
     os.replace(tmp, run / CKPT)
 
 
-def export(run: pathlib.Path, model: DeepseekV3ForCausalLM, tokenizer_dir: pathlib.Path, info: dict,
-           dtype: torch.dtype = torch.float32, out: pathlib.Path | None = None) -> pathlib.Path:
+def export(
+    run: pathlib.Path,
+    model: DeepseekV3ForCausalLM,
+    tokenizer_dir: pathlib.Path,
+    info: dict,
+    dtype: torch.dtype = torch.float32,
+    out: pathlib.Path | None = None,
+) -> pathlib.Path:
     """HF-layout checkpoint: config.json, model.safetensors (router stays fp32), tokenizer files."""
     from safetensors.torch import save_file
 
@@ -175,8 +190,10 @@ def export(run: pathlib.Path, model: DeepseekV3ForCausalLM, tokenizer_dir: pathl
     hf["torch_dtype"] = str(dtype).removeprefix("torch.")
     (tmp / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
     fp32 = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
-    tensors = {n: t.detach().to(torch.float32 if n.endswith(fp32) else dtype).contiguous()
-               for n, t in model.state_dict().items()}
+    tensors = {
+        n: t.detach().to(torch.float32 if n.endswith(fp32) else dtype).contiguous()
+        for n, t in model.state_dict().items()
+    }
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     os.chmod(tmp / "model.safetensors", 0o644)
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -187,23 +204,42 @@ def export(run: pathlib.Path, model: DeepseekV3ForCausalLM, tokenizer_dir: pathl
     return out
 
 
-# ---- progress --------------------------------------------------------------------------------------------
-class Progress:
-    """One line per `every` steps (a redrawn bar on a terminal): step, loss, lr, tokens/s, ETA."""
-
-    def __init__(self, total: int, every: int):
-        self.total, self.every, self.tty = total, every, sys.stderr.isatty()
-
-    def update(self, step: int, loss: float, lr: float, tok_s: float, elapsed: float, eta: float) -> None:
-        if not self.tty and step % self.every and step != self.total:
-            return
-        filled = int(30 * step / max(1, self.total))
-        line = (f"[{'#' * filled}{'.' * (30 - filled)}] {step}/{self.total} loss {loss:.3f} lr {lr:.2e} "
-                f"{tok_s:,.0f} tok/s {elapsed / 60:.1f} min, eta {eta / 60:.1f} min")
-        print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
-
-
 # ---- training loop ---------------------------------------------------------------------------------------
+def run_meta(args: argparse.Namespace, ckpt: dict | None, tokenizer_dir: pathlib.Path, corpus: pathlib.Path) -> dict:
+    """The run's settings: the checkpoint's when resuming (with a new --steps re-planning the rest of the
+    cosine schedule), else from the flags."""
+    if ckpt is not None:
+        meta = ckpt["meta"]
+        if args.steps is not None and args.steps != meta["steps"]:
+            print(f"--steps {args.steps} replaces the checkpoint's {meta['steps']}", file=sys.stderr, flush=True)
+            meta["steps"] = args.steps
+        return meta
+    base = json.loads(pathlib.Path(args.config).read_text()) if args.config else DEMO_TARGET_CONFIG
+    return {
+        "config": make_config(base, args.seq_len),
+        "steps": args.steps or DEFAULT_STEPS,
+        "seq_len": args.seq_len,
+        "batch": args.batch,
+        "lr": args.lr,
+        "warmup": args.warmup,
+        "weight_decay": args.weight_decay,
+        "mix": list(args.mix),
+        "bf16": args.bf16,
+        "bias_gamma": args.bias_gamma,
+        "seed": args.seed,
+        "tokenizer": str(tokenizer_dir),
+        "corpus": str(corpus),
+    }
+
+
+def stop_reason(step: int, total: int, signum: int | None, stop_at: int | None) -> str:
+    if step >= total:
+        return "done"
+    if signum:
+        return f"signal {signum}"
+    return "--stop-at" if step == stop_at else "time budget"
+
+
 def train(args: argparse.Namespace) -> pathlib.Path:
     run = pathlib.Path(args.out)
     run.mkdir(parents=True, exist_ok=True)
@@ -212,24 +248,14 @@ def train(args: argparse.Namespace) -> pathlib.Path:
         torch.set_num_threads(args.threads)
     tokenizer_dir = pathlib.Path(args.tokenizer) if args.tokenizer else run / "tokenizer"
     if not (tokenizer_dir / "tokenizer.json").exists():
-        from tools.train_tokenizer import write_tokenizer
+        from ddtree.training.tokenizer_training import write_tokenizer
+
         write_tokenizer(corpus, tokenizer_dir)
     tokenize_corpus(corpus, tokenizer_dir, run / "tokens")
     streams = load_tokens(run / "tokens", "train")
 
     ckpt = torch.load(run / CKPT, weights_only=False) if args.resume and (run / CKPT).exists() else None
-    if ckpt is not None:
-        meta = ckpt["meta"]
-        if args.steps is not None and args.steps != meta["steps"]:  # re-plan the rest of the cosine schedule
-            print(f"--steps {args.steps} replaces the checkpoint's {meta['steps']}", file=sys.stderr, flush=True)
-            meta["steps"] = args.steps
-    else:
-        base = json.loads(pathlib.Path(args.config).read_text()) if args.config else DEMO_TARGET_CONFIG
-        meta = {"config": make_config(base, args.seq_len), "steps": args.steps or DEFAULT_STEPS,
-                "seq_len": args.seq_len,
-                "batch": args.batch, "lr": args.lr, "warmup": args.warmup, "weight_decay": args.weight_decay,
-                "mix": list(args.mix), "bf16": args.bf16, "bias_gamma": args.bias_gamma, "seed": args.seed,
-                "tokenizer": str(tokenizer_dir), "corpus": str(corpus)}
+    meta = run_meta(args, ckpt, tokenizer_dir, corpus)
     config = DeepseekV3Config.from_dict(meta["config"])
     model = init_model(config, meta["seed"]).train()
     opt = make_optimizer(model, meta["lr"], meta["weight_decay"])
@@ -253,7 +279,7 @@ def train(args: argparse.Namespace) -> pathlib.Path:
         stop["signal"] = signum
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    progress = Progress(total, args.log_every)
+    progress = Progress(total, start=step, every=args.log_every)
     start = time.time()
     deadline = start + args.minutes * 60 if args.minutes else math.inf
     last_ckpt, start_step, ema = start, step, None
@@ -261,7 +287,7 @@ def train(args: argparse.Namespace) -> pathlib.Path:
     try:
         end = min(total, args.stop_at) if args.stop_at else total
         while step < end and stop["signal"] is None and time.time() < deadline:
-            lr = lr_at(step, total, meta["lr"], meta["warmup"])
+            lr = lr_at(step, total, meta["warmup"], meta["lr"], MIN_LR_RATIO)
             for group in opt.param_groups:
                 group["lr"] = lr
             batch = sample_batch(streams, mix, B, L, gen)
@@ -277,42 +303,56 @@ def train(args: argparse.Namespace) -> pathlib.Path:
             elapsed = time.time() - start
             tok_s = (step - start_step) * B * L / elapsed
             eta = (total - step) * elapsed / (step - start_step)
-            progress.update(step, ema, lr, tok_s, elapsed, min(eta, deadline - time.time()))
+            progress.update(step, eta_s=min(eta, deadline - time.time()), loss=ema, lr=lr, tok_s=round(tok_s))
             if step % args.log_every == 0 or step == total:
                 balance = {i: round(float(x.max()) / max(1.0, float(x.float().mean())), 2) for i, x in loads.items()}
-                metrics.write(json.dumps({"step": step, "loss": round(value, 4), "loss_ema": round(ema, 4),
-                                          "lr": lr, "grad_norm": round(float(gnorm), 3), "tok_s": round(tok_s),
-                                          "elapsed_s": round(elapsed), "max_over_mean_load": balance}) + "\n")
+                record = dict(step=step, loss=round(value, 4), loss_ema=round(ema, 4), lr=lr,
+                              grad_norm=round(float(gnorm), 3), tok_s=round(tok_s), elapsed_s=round(elapsed),
+                              max_over_mean_load=balance)  # fmt: skip
+                metrics.write(json.dumps(record) + "\n")
                 metrics.flush()
             if time.time() - last_ckpt >= args.ckpt_minutes * 60:
                 save_checkpoint(run, model, opt, step, gen, meta)
                 last_ckpt = time.time()
     finally:
+        progress.close()
         metrics.close()
         for s, h in old.items():
             signal.signal(s, h)
     save_checkpoint(run, model, opt, step, gen, meta)
-    why = ("done" if step >= total else f"signal {stop['signal']}" if stop["signal"] else
-           "--stop-at" if step == args.stop_at else "time budget")
-    print(f"\nstopped at step {step}/{total} ({why}); checkpoint {run / CKPT}", file=sys.stderr, flush=True)
-    info = {"step": step, "steps": total, "params": params, "loss_ema": ema, "stopped": why,
-            **{k: v for k, v in meta.items() if k != "config"}}
+    why = stop_reason(step, total, stop["signal"], args.stop_at)
+    print(f"stopped at step {step}/{total} ({why}); checkpoint {run / CKPT}", file=sys.stderr, flush=True)
+    info = {
+        "step": step,
+        "steps": total,
+        "params": params,
+        "loss_ema": ema,
+        "stopped": why,
+        **{k: v for k, v in meta.items() if k != "config"},
+    }
     if args.export:
-        out = export(run, model.eval(), tokenizer_dir, info, getattr(torch, args.export_dtype))
+        out = export(run, model.eval(), tokenizer_dir, info, TORCH_DTYPES[args.export_dtype])
         print(f"exported {out}", file=sys.stderr, flush=True)
     return run
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register `target` under `ddtree train`."""
-    p = subparsers.add_parser("target", help="train the demo target (DeepSeek-V3 architecture) on the CPU",
-                              description=__doc__.split("\n\n")[0])
-    p.add_argument("--corpus", required=True, help="corpus dir written by `python -m tools.build_corpus`")
+    p = subparsers.add_parser(
+        "target",
+        help="train the demo target (DeepSeek-V3 architecture) on the CPU",
+        description=__doc__.split("\n\n")[0],
+    )
+    p.add_argument("--corpus", required=True, help="corpus dir written by `python -m scripts.build_corpus`")
     p.add_argument("--out", required=True, help="run dir: tokenizer, tokens, ckpt.pt, metrics.jsonl, export/")
     p.add_argument("--config", default="", help="model config.json (HF spelling); default: the demo config")
     p.add_argument("--tokenizer", default="", help="tokenizer dir (default: train one on the corpus into OUT)")
-    p.add_argument("--steps", type=int, default=None,
-                   help=f"total optimizer steps (default {DEFAULT_STEPS}); with --resume, re-plans the schedule")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help=f"total optimizer steps (default {DEFAULT_STEPS}); with --resume, re-plans the schedule",
+    )
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--lr", type=float, default=2e-3)
@@ -328,8 +368,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--stop-at", type=int, default=0, help="stop (checkpoint + export) at this step; --resume continues")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
-    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True,
-                   help="bf16 autocast for the matmuls (about 2.5x faster on AVX512-BF16/AMX CPUs)")
+    p.add_argument(
+        "--bf16",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="bf16 autocast for the matmuls (about 2.5x faster on AVX512-BF16/AMX CPUs)",
+    )
     p.add_argument("--export-dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--no-export", dest="export", action="store_false")
     p.set_defaults(fn=lambda a: (train(a), 0)[1])
@@ -337,7 +381,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.train_target")
+    parser = argparse.ArgumentParser(prog="python -m ddtree.tools.train_target")
     add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["target", *(sys.argv[1:] if argv is None else argv)])
     return args.fn(args)

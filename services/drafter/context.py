@@ -1,11 +1,11 @@
 """Per-sequence draft context: cached drafter K/V of committed tokens, optionally windowed.
 
 Only committed tokens ever enter (their features come from the target's accepted nodes); the draft
-block's K/V are never stored, so there is nothing to roll back (ddtree.md §1.4).
+block's K/V are never stored, so there is nothing to roll back (docs/design.md §3.1).
 
 Window W > 0 keeps only the last W committed tokens. RoPE positions stay absolute: the K/V were
 rotated at their true positions when computed, and dropping old rows does not change them
-(ddtree.md §1.4, "compact draft KV"). Attention over the context is unmasked, so the result equals a
+(docs/design.md §3.1). Attention over the context is unmasked, so the result equals a
 fresh context built from the last W features alone.
 """
 
@@ -55,13 +55,14 @@ class DraftContext:
     @property
     def kv(self) -> list[tuple[Tensor, Tensor]]:
         """Per layer (K, V) [length, kvh, hd] views, oldest first; [] before the first append."""
-        return [(k[self._lo:self._hi], v[self._lo:self._hi]) for k, v in self._buf]
+        return [(k[self._lo : self._hi], v[self._lo : self._hi]) for k, v in self._buf]
 
     @property
     def nbytes(self) -> int:
         """Bytes of the held rows (the buffers may hold up to about twice as much)."""
-        return sum((k[0].numel() * k.element_size() + v[0].numel() * v.element_size()) * self.length
-                   for k, v in self._buf)
+        return sum(
+            (k[0].numel() * k.element_size() + v[0].numel() * v.element_size()) * self.length for k, v in self._buf
+        )
 
     def append(self, kv_per_layer: list[tuple[Tensor, Tensor]], positions: Tensor) -> None:
         """Append n committed tokens. positions [n] must be contiguous and, unless the context is
@@ -85,8 +86,8 @@ class DraftContext:
         keep_old = self.length if self.window == 0 else min(self.length, self.window - keep_new)
         self._make_room(kv_per_layer, keep_old, keep_new)
         for (bk, bv), (k, v) in zip(self._buf, kv_per_layer):
-            bk[self._hi:self._hi + keep_new] = k[n - keep_new:]
-            bv[self._hi:self._hi + keep_new] = v[n - keep_new:]
+            bk[self._hi : self._hi + keep_new] = k[n - keep_new :]
+            bv[self._hi : self._hi + keep_new] = v[n - keep_new :]
         self._hi += keep_new
         self._end = pos[-1] + 1
 
@@ -98,9 +99,14 @@ class DraftContext:
             return
         need = keep_old + keep_new
         new_cap = max(need, 2 * self.window if self.window else 2 * max(capacity, need), 16)
-        fresh = [(k.new_empty((new_cap, *k.shape[1:]), dtype=self.dtype or k.dtype),
-                  v.new_empty((new_cap, *v.shape[1:]), dtype=self.dtype or v.dtype)) for k, v in kv_per_layer]
+        fresh = [
+            (
+                k.new_empty((new_cap, *k.shape[1:]), dtype=self.dtype or k.dtype),
+                v.new_empty((new_cap, *v.shape[1:]), dtype=self.dtype or v.dtype),
+            )
+            for k, v in kv_per_layer
+        ]
         for (fk, fv), (bk, bv) in zip(fresh, self._buf):
-            fk[:keep_old] = bk[self._lo:self._hi]
-            fv[:keep_old] = bv[self._lo:self._hi]
+            fk[:keep_old] = bk[self._lo : self._hi]
+            fv[:keep_old] = bv[self._lo : self._hi]
         self._buf, self._lo, self._hi = fresh, 0, keep_old

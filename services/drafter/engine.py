@@ -1,17 +1,17 @@
-"""Draft engine: per-sequence windowed contexts + one DFlash block + the DDTree build (design.md §3.1).
+"""Draft engine: per-sequence windowed contexts + one DFlash block + the DDTree build (docs/design.md §3.1).
 
 One `draft` call takes, per sequence, the commit of the previous step (token ids, absolute start,
-the target's tapped features of those tokens) and the anchor (the previous bonus token, not yet
+the target's tapped features of those tokens) and the root (the previous bonus token, not yet
 committed), and returns one TokenTree per sequence, in input order.
 
 Commit / window contract (with window W > 0):
   - `commit_features` has exactly one row per `commit_token_ids` entry, and the tokens sit at absolute
-    positions [commit_start, commit_start + n). The anchor sits at commit_start + n.
+    positions [commit_start, commit_start + n). The root sits at commit_start + n.
   - Tokens that fall outside the window never need to be sent: the verifier may drop the oldest
     commit tokens and move commit_start forward accordingly. A non-reset commit must start exactly
     at the context's end, unless it alone fills the window (n >= W), in which case a gap is allowed
     because everything before it would be evicted anyway.
-  - The commit token ids are not model inputs (the drafter conditions on features, and on the anchor
+  - The commit token ids are not model inputs (the drafter conditions on features, and on the root
     through the embedding); they are checked for range and count only.
 """
 
@@ -24,9 +24,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from services.drafter.context import DraftContext
-from services.drafter.tree import TokenTree, build_tree, topk_logprobs
-from services.models.dflash import DFlashDraftModel
+from ddtree.contract.token_tree import TokenTree
+from ddtree.drafter.context import DraftContext
+from ddtree.drafter.tree import build_tree, topk_logprobs
+from ddtree.models.dflash import DFlashDraftModel
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -37,20 +38,29 @@ class SeqDraftInput:
     commit_token_ids: tuple[int, ...]
     commit_start: int  # absolute position of commit_token_ids[0]
     commit_features: Tensor  # [n, len(target_layer_ids) * H_target], n = len(commit_token_ids)
-    anchor_token_id: int  # the previous bonus token, at position commit_start + n
+    root_token_id: int  # the previous bonus token, at position commit_start + n
     budget: int = 0  # non-root tree nodes; 0 = the engine's default
     reset: bool = False  # forget any earlier context of this sequence first
     chain: bool = False  # width 1: the top-1 token per depth, min(budget, block_size - 1) nodes
 
 
 class DraftEngine:
-    def __init__(self, model: DFlashDraftModel, embed_weight: Tensor, lm_head_weight: Tensor,
-                 window: int = 2048, default_budget: int | None = None, max_budget: int = 1024,
-                 model_id: str = "dflash"):
+    def __init__(
+        self,
+        model: DFlashDraftModel,
+        embed_weight: Tensor,
+        lm_head_weight: Tensor,
+        window: int = 2048,
+        default_budget: int | None = None,
+        max_budget: int = 1024,
+        model_id: str = "dflash",
+    ):
         cfg = model.config
         if embed_weight.dim() != 2 or tuple(embed_weight.shape) != (cfg.vocab_size, cfg.hidden_size):
-            raise ValueError(f"embed_weight must be [vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size}], "
-                             f"got {tuple(embed_weight.shape)}")
+            raise ValueError(
+                f"embed_weight must be [vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size}], "
+                f"got {tuple(embed_weight.shape)}"
+            )
         if tuple(lm_head_weight.shape) != tuple(embed_weight.shape):
             raise ValueError(f"lm_head_weight must be {tuple(embed_weight.shape)}, got {tuple(lm_head_weight.shape)}")
         if window < 0:
@@ -80,6 +90,10 @@ class DraftEngine:
     def active_sequences(self) -> int:
         return len(self._contexts)
 
+    def knows(self, seq_id: str) -> bool:
+        """Whether the engine holds a draft context for seq_id."""
+        return seq_id in self._contexts
+
     @property
     def context_bytes(self) -> int:
         return sum(c.nbytes for c in self._contexts.values())
@@ -87,11 +101,18 @@ class DraftEngine:
     def info(self) -> dict:
         """DrafterInfo fields (proto/ddtree/v1/drafter.proto)."""
         cfg = self.config
-        return dict(model_id=self.model_id, block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
-                    target_layer_ids=list(cfg.target_layer_ids), window=self.window,
-                    default_budget=self.default_budget, max_budget=self.max_budget,
-                    hidden_size=cfg.target_hidden_size, vocab_size=self.vocab_size,
-                    active_sequences=self.active_sequences)
+        return dict(
+            model_id=self.model_id,
+            block_size=cfg.block_size,
+            mask_token_id=cfg.mask_token_id,
+            target_layer_ids=list(cfg.target_layer_ids),
+            window=self.window,
+            default_budget=self.default_budget,
+            max_budget=self.max_budget,
+            hidden_size=cfg.target_hidden_size,
+            vocab_size=self.vocab_size,
+            active_sequences=self.active_sequences,
+        )
 
     def warm_up(self, max_seqs: int) -> float:
         """Run once every matmul shape that steady-state Draft calls of up to max_seqs sequences use, so
@@ -157,15 +178,17 @@ class DraftEngine:
         bad = [t for t in seq.commit_token_ids if not 0 <= t < vocab]
         if bad:
             fail(f"commit_token_ids has ids outside [0, {vocab}): {bad[:4]}")
-        if not 0 <= seq.anchor_token_id < vocab:
-            fail(f"anchor_token_id {seq.anchor_token_id} outside [0, {vocab})")
+        if not 0 <= seq.root_token_id < vocab:
+            fail(f"root_token_id {seq.root_token_id} outside [0, {vocab})")
         feats = seq.commit_features
         want = (n, self.config.feature_size)
         if not isinstance(feats, Tensor):
             fail(f"commit_features must be a tensor, got {type(feats).__name__}")
         if tuple(feats.shape) != want:
-            fail(f"commit_features shape {tuple(feats.shape)} != [len(commit_token_ids), "
-                 f"len(target_layer_ids) * target_hidden_size] = {list(want)}")
+            fail(
+                f"commit_features shape {tuple(feats.shape)} != [len(commit_token_ids), "
+                f"len(target_layer_ids) * target_hidden_size] = {list(want)}"
+            )
         if feats.dtype not in _FLOAT_DTYPES:
             fail(f"commit_features dtype {feats.dtype} is not a float dtype")
         if not bool(torch.isfinite(feats).all()):
@@ -184,13 +207,14 @@ class DraftEngine:
                 ctx = self._contexts[seq.seq_id] = DraftContext(self.window, dtype=self._context_dtype)
             keep = n if self.window == 0 else min(n, self.window)  # rows past the window would be evicted at once
             contexts.append(ctx)
-            rows.append(seq.commit_features[n - keep:])  # [keep, F]
+            rows.append(seq.commit_features[n - keep :])  # [keep, F]
             positions.append(torch.arange(seq.commit_start + n - keep, seq.commit_start + n))  # [keep]
         counts = [p.shape[0] for p in positions]
         if sum(counts):
             device = self.model.device
-            kv = self.model.context_kv(torch.cat([r.to(device, self.model.dtype) for r in rows]),
-                                       torch.cat(positions).to(device))  # per layer (K, V) [sum(keep), kvh, hd]
+            kv = self.model.context_kv(
+                torch.cat([r.to(device, self.model.dtype) for r in rows]), torch.cat(positions).to(device)
+            )  # per layer (K, V) [sum(keep), kvh, hd]
             split = [(k.split(counts), v.split(counts)) for k, v in kv]
             for i, (ctx, pos) in enumerate(zip(contexts, positions)):
                 if counts[i]:
@@ -198,7 +222,7 @@ class DraftEngine:
         return contexts
 
     def _draft_all(self, seqs: Sequence[SeqDraftInput]) -> list[TokenTree]:
-        """One drafter forward for every sequence's block [anchor, MASK x (B-1)] (S blocks of B slots),
+        """One drafter forward for every sequence's block [root, MASK x (B-1)] (S blocks of B slots),
         one LM head over all S x (B-1) slots, then each sequence's top-K and best-first tree."""
         if not seqs:
             return []
@@ -206,12 +230,14 @@ class DraftEngine:
         contexts = self._extend_contexts(seqs)
         S, B = len(seqs), cfg.block_size
         block_ids = torch.full((S, B), cfg.mask_token_id, dtype=torch.long, device=self.embed_weight.device)
-        block_ids[:, 0] = torch.tensor([seq.anchor_token_id for seq in seqs], device=block_ids.device)
+        block_ids[:, 0] = torch.tensor([seq.root_token_id for seq in seqs], device=block_ids.device)
         embeds = self.embed_weight[block_ids]  # [S, B, H]
         if cfg.input_embedding_scale != 1.0:
             embeds = embeds * cfg.input_embedding_scale
-        anchors = torch.tensor([seq.commit_start + len(seq.commit_token_ids) for seq in seqs], device=model.device)
-        block_pos = anchors[:, None] + torch.arange(B, device=model.device)[None, :]  # [S, B]
+        root_pos = torch.tensor([seq.commit_start + len(seq.commit_token_ids) for seq in seqs], device=model.device)
+        block_pos = (
+            root_pos[:, None] + torch.arange(B, device=model.device)[None, :]
+        )  # [S, B]: the root's position first
         hidden = model.forward_blocks(embeds, block_pos, [ctx.kv for ctx in contexts])  # [S, B, H]; not cached
         logits = model.compute_logits(hidden[:, 1:].reshape(S * (B - 1), -1), self.lm_head_weight)  # fp32
         logits = logits.view(S, B - 1, -1)  # slot d of block s -> depth d of sequence s
@@ -222,6 +248,7 @@ class DraftEngine:
         # One top-K over every sequence's rows; a sequence takes the first k of its rows' sorted top-K.
         logprobs, ids = topk_logprobs(logits.view(S * (B - 1), -1), max(ks))  # [S*D, K]
         logprobs, ids = logprobs.cpu().view(S, B - 1, -1), ids.cpu().view(S, B - 1, -1)
-        trees = [build_tree(logprobs[s, :, :k], ids[s, :, :k], budget)
-                 for s, (k, budget) in enumerate(zip(ks, budgets))]
+        trees = [
+            build_tree(logprobs[s, :, :k], ids[s, :, :k], budget) for s, (k, budget) in enumerate(zip(ks, budgets))
+        ]
         return trees

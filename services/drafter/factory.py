@@ -1,22 +1,19 @@
-"""Builds the drafter engine a DrafterConfig asks for: the DFlash model or the oracle."""
+"""Builds the DFlash drafter engine a DrafterConfig asks for."""
+
 from __future__ import annotations
 
 import torch
 
-from services.config import DrafterConfig
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from ddtree.config import DrafterConfig
+from ddtree.models.dtypes import TORCH_DTYPES
 
 
 def drafter_dtype(cfg: DrafterConfig) -> torch.dtype:
     """cfg.dtype, with "auto" resolved: the DFlash drafter computes in bfloat16 where matmuls have it natively
-    (CUDA; CPUs with AVX512-BF16 or AMX, as oneDNN reports), else float32; the oracle engine (a test drafter
-    that replays the target's own greedy choices) stays in float32 to match the verifier. The drafter's
+    (CUDA; CPUs with AVX512-BF16 or AMX, as oneDNN reports), else float32. The drafter's
     precision can only change which tokens it proposes, never the output: the verifier decides every token."""
     if cfg.dtype != "auto":
-        return _DTYPES[cfg.dtype]
-    if cfg.engine == "oracle":
-        return torch.float32
+        return TORCH_DTYPES[cfg.dtype]
     if torch.device(cfg.device).type == "cuda":
         return torch.bfloat16
     return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
@@ -24,17 +21,17 @@ def drafter_dtype(cfg: DrafterConfig) -> torch.dtype:
 
 def make_engine(cfg: DrafterConfig, model_dir: str, target_dir: str):
     dtype = drafter_dtype(cfg)
-    if cfg.engine == "oracle":
-        from services.drafter.oracle import OracleDraftEngine
-        from services.models.loader import load_target
-        target = load_target(target_dir, dtype=dtype, device=cfg.device).eval()
-        return OracleDraftEngine(target, default_budget=cfg.default_budget, max_budget=cfg.max_budget,
-                                 seed=cfg.oracle_seed)
-    from services.drafter.engine import DraftEngine
-    from services.models.dflash import load_drafter
-    from services.models.loader import load_tensors
+    from ddtree.drafter.engine import DraftEngine
+    from ddtree.models.dflash_checkpoint import load_drafter
+    from ddtree.models.loader import load_tensors
+
     model = load_drafter(model_dir).to(device=cfg.device, dtype=dtype).eval()
     head = load_tensors(target_dir, ["model.embed_tokens.weight", "lm_head.weight"])
-    return DraftEngine(model, head["model.embed_tokens.weight"].to(cfg.device, dtype),
-                       head["lm_head.weight"].to(cfg.device, dtype), window=cfg.window,
-                       default_budget=cfg.default_budget, max_budget=cfg.max_budget)
+    return DraftEngine(
+        model,
+        head["model.embed_tokens.weight"].to(cfg.device, dtype),
+        head["lm_head.weight"].to(cfg.device, dtype),
+        window=cfg.window,
+        default_budget=cfg.default_budget,
+        max_budget=cfg.max_budget,
+    )

@@ -1,10 +1,11 @@
 """The Drafter gRPC service: decodes and validates Draft calls, runs the engine, returns trees.
 
 The engine is anything with `draft(list[SeqDraftInput]) -> list[TokenTree]`, `release(ids) -> int`
-and `info() -> dict` of DrafterInfo fields: the DFlash engine, or the oracle drafter used by tests and
-diagnosis. A malformed call is answered INVALID_ARGUMENT as a whole and changes no sequence's state
+and `info() -> dict` of DrafterInfo fields: the DFlash engine (the tests serve an oracle engine through the
+same server). A malformed call is answered INVALID_ARGUMENT as a whole and changes no sequence's state
 (the engine validates every sequence before touching any).
 """
+
 from __future__ import annotations
 
 import threading
@@ -12,13 +13,13 @@ import time
 
 import grpc
 
-from services.config import DrafterConfig
-from services.drafter.engine import SeqDraftInput
-from services.protocol.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
-from services.protocol.server import RunningServer, start_server
-from services.protocol.tensors import tensor_from_proto
-from services.telemetry import metrics
-from services.telemetry.logging import get_logger
+from ddtree.config import DrafterConfig
+from ddtree.drafter.engine import SeqDraftInput
+from ddtree.protocol.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
+from ddtree.protocol.server import RunningServer, start_server
+from ddtree.protocol.tensors import tensor_from_proto
+from ddtree.telemetry import metrics
+from ddtree.telemetry.logging import get_logger
 
 log = get_logger("ddtree.drafter")
 MAX_SEQS_PER_CALL = 1024
@@ -33,16 +34,25 @@ def decode_request(req: drafter_pb2.DraftRequest) -> list[SeqDraftInput]:
         if not s.seq_id or len(s.seq_id) > MAX_SEQ_ID_CHARS:
             raise ValueError(f"seqs[{i}].seq_id must be 1..{MAX_SEQ_ID_CHARS} characters")
         feats = tensor_from_proto(s.commit_features, what=f"seqs[{i}] ({s.seq_id}) commit_features")
-        out.append(SeqDraftInput(seq_id=s.seq_id, commit_token_ids=tuple(s.commit_token_ids),
-                                 commit_start=s.commit_start, commit_features=feats,
-                                 anchor_token_id=s.anchor_token_id, budget=s.budget, reset=s.reset,
-                                 chain=s.chain))
+        out.append(
+            SeqDraftInput(
+                seq_id=s.seq_id,
+                commit_token_ids=tuple(s.commit_token_ids),
+                commit_start=s.commit_start,
+                commit_features=feats,
+                root_token_id=s.root_token_id,
+                budget=s.budget,
+                reset=s.reset,
+                chain=s.chain,
+            )
+        )
     return out
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
-    def __init__(self, engine):
+    def __init__(self, engine, max_sequences: int):
         self.engine = engine
+        self.max_sequences = max_sequences  # draft contexts held at once (--max-sequences)
         # The engine holds per-sequence state: one Draft call at a time.
         self._lock = threading.Lock()
 
@@ -53,6 +63,15 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         t0 = time.perf_counter()
         with self._lock:
+            new = sum(not self.engine.knows(s.seq_id) for s in seqs)
+            held = self.engine.info()["active_sequences"]
+            if new and held + new > self.max_sequences:
+                # Nothing is drafted: the caller decodes these sequences without a drafter (AR, same tokens).
+                context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"drafter holds {held} draft contexts and the call starts {new} more; "
+                    f"max_sequences is {self.max_sequences}",
+                )
             try:
                 trees = self.engine.draft(seqs)
             except ValueError as err:
@@ -65,8 +84,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         metrics.DRAFT_SECONDS.observe(draft_ms / 1e3)
         resp = drafter_pb2.DraftResponse(draft_ms=draft_ms)
         for s, tree in zip(seqs, trees):
-            resp.trees.add(seq_id=s.seq_id, token_ids=tree.token_ids, parents=tree.parents, depths=tree.depths,
-                           scores=tree.scores)
+            resp.trees.add(
+                seq_id=s.seq_id, token_ids=tree.token_ids, parents=tree.parents, depths=tree.depths, scores=tree.scores
+            )
         return resp
 
     def Release(self, request, context):
@@ -76,11 +96,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     def GetInfo(self, request, context):
         with self._lock:
-            return drafter_pb2.DrafterInfo(**self.engine.info())
+            return drafter_pb2.DrafterInfo(**self.engine.info(), max_sequences=self.max_sequences)
 
 
 def serve_engine(engine, config: DrafterConfig) -> RunningServer:
-    servicer = DrafterServicer(engine)
+    servicer = DrafterServicer(engine, config.max_sequences)
 
     def register(server):
         drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)

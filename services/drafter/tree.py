@@ -1,4 +1,4 @@
-"""DDTree token tree: the best-first tree build over per-depth draft marginals (ddtree.md §2).
+"""DDTree token tree: the best-first tree build over per-depth draft marginals (docs/design.md §4.1).
 
 Pure functions, no state. The drafter produces one row of logits per depth (slot d of the draft
 block predicts depth d); `topk_logprobs` turns them into true log-probs of the K best tokens, and
@@ -9,94 +9,11 @@ its per-depth log-probs.
 from __future__ import annotations
 
 import heapq
-import math
-from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-
-@dataclass(frozen=True)
-class TokenTree:
-    """Nodes 1..n in pop order; node 0 is the root (the anchor / bonus token) and is not stored.
-
-    token_ids[i-1], parents[i-1], depths[i-1] describe node i. parents[i-1] is the parent's node index
-    (0 = the root) and always < i, so ancestors precede descendants; depth(root) = 0 and
-    depth(child) = depth(parent) + 1. Siblings carry distinct tokens (the accept walk keys children
-    by token).
-
-    scores[i-1], when the drafter gives them, is node i's path log-prob under the drafter (the sum of
-    its per-depth log-probs from the root): non-increasing in node order for a best-first build, so the
-    first k nodes are the k best prefixes. They steer how a capped batch shares tree tokens
-    (services/verifier/tree_budget.py) and never affect which tokens are accepted; empty = not given.
-    Trees compare equal by their nodes alone.
-    """
-
-    token_ids: tuple[int, ...] = ()
-    parents: tuple[int, ...] = ()
-    depths: tuple[int, ...] = ()
-    scores: tuple[float, ...] = field(default=(), compare=False)
-
-    @property
-    def n(self) -> int:
-        """Number of non-root nodes."""
-        return len(self.token_ids)
-
-    @property
-    def max_depth(self) -> int:
-        return max(self.depths, default=0)
-
-    def validate(self) -> None:
-        """Raise ValueError naming the first broken invariant."""
-        n = len(self.token_ids)
-        if len(self.parents) != n or len(self.depths) != n:
-            raise ValueError(
-                f"TokenTree lengths differ: {n} token_ids, {len(self.parents)} parents, "
-                f"{len(self.depths)} depths"
-            )
-        seen: set[tuple[int, int]] = set()  # (parent, token) pairs
-        for i in range(1, n + 1):
-            tok, parent, depth = self.token_ids[i - 1], self.parents[i - 1], self.depths[i - 1]
-            if tok < 0:
-                raise ValueError(f"TokenTree node {i}: negative token id {tok}")
-            if parent < 0:
-                raise ValueError(f"TokenTree node {i}: negative parent {parent}")
-            if parent >= i:
-                raise ValueError(f"TokenTree node {i}: parent {parent} >= own index {i}")
-            parent_depth = 0 if parent == 0 else self.depths[parent - 1]
-            if depth != parent_depth + 1:
-                raise ValueError(
-                    f"TokenTree node {i}: depth {depth} != parent {parent} depth {parent_depth} + 1"
-                )
-            if (parent, tok) in seen:
-                raise ValueError(f"TokenTree node {i}: token {tok} repeats among children of node {parent}")
-            seen.add((parent, tok))
-        self.validate_scores()
-
-    def validate_scores(self) -> None:
-        """Raise ValueError when scores are given but not one finite log-prob per node, non-increasing."""
-        n = len(self.token_ids)
-        if self.scores:
-            if len(self.scores) != n:
-                raise ValueError(f"TokenTree has {len(self.scores)} scores for {n} nodes")
-            if not all(math.isfinite(x) and x <= 0 for x in self.scores):
-                raise ValueError("TokenTree scores must be finite log-probs (<= 0)")
-            if any(b > a for a, b in zip(self.scores, self.scores[1:])):
-                raise ValueError("TokenTree scores must be non-increasing in node order")
-
-    def prefix(self, k: int) -> "TokenTree":
-        """The first k nodes (a valid tree: parents precede children). For a best-first build this is
-        exactly the tree the same table gives with budget k."""
-        if k >= self.n:
-            return self
-        return TokenTree(self.token_ids[:k], self.parents[:k], self.depths[:k], self.scores[:k])
-
-    def child_maps(self) -> list[dict[int, int]]:
-        """child_maps()[i] = {token: child node index} for node i in 0..n."""
-        maps: list[dict[int, int]] = [{} for _ in range(self.n + 1)]
-        for i, (tok, parent) in enumerate(zip(self.token_ids, self.parents), start=1):
-            maps[parent][tok] = i
-        return maps
+from ddtree.contract.token_tree import TokenTree
 
 
 def topk_logprobs(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
@@ -123,8 +40,7 @@ def _check_table(logprobs: Tensor, token_ids: Tensor, budget: int) -> tuple[list
         raise ValueError(f"budget must be >= 0, got {budget}")
     if logprobs.dim() != 2 or tuple(logprobs.shape) != tuple(token_ids.shape):
         raise ValueError(
-            f"logprobs and token_ids must both be [D, K]; got {tuple(logprobs.shape)} and "
-            f"{tuple(token_ids.shape)}"
+            f"logprobs and token_ids must both be [D, K]; got {tuple(logprobs.shape)} and {tuple(token_ids.shape)}"
         )
     if token_ids.dtype.is_floating_point or token_ids.dtype == torch.bool:
         raise ValueError(f"token_ids must be an integer tensor, got {token_ids.dtype}")
@@ -149,7 +65,7 @@ def _check_table(logprobs: Tensor, token_ids: Tensor, budget: int) -> tuple[list
 
 
 def build_tree(logprobs: Tensor, token_ids: Tensor, budget: int) -> TokenTree:
-    """Best-first DDTree build (ddtree.md §2).
+    """Best-first DDTree build (docs/design.md §4.1).
 
     logprobs [D, K] fp32, rows sorted descending (depth d+1 uses row d); token_ids [D, K] int64.
     Returns the `budget` highest-scoring prefixes (fewer if the table has fewer), in pop order, with
@@ -180,9 +96,7 @@ def build_tree(logprobs: Tensor, token_ids: Tensor, budget: int) -> TokenTree:
     depths: list[int] = []
     scores: list[float] = []
     # heap entry: (-score, ranks, parent node, depth, rank, parent score)
-    heap: list[tuple[float, tuple[int, ...], int, int, int, float]] = [
-        (-lp[0][0], (0,), 0, 1, 0, 0.0)
-    ]
+    heap: list[tuple[float, tuple[int, ...], int, int, int, float]] = [(-lp[0][0], (0,), 0, 1, 0, 0.0)]
     while heap and len(tokens) < budget:
         neg_score, ranks, parent, depth, rank, parent_score = heapq.heappop(heap)
         score = -neg_score

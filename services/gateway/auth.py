@@ -1,4 +1,5 @@
 """The optional API key: `Authorization: Bearer KEY` on HTTP, metadata `authorization: Bearer KEY` on gRPC."""
+
 from __future__ import annotations
 
 import hmac

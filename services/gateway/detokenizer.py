@@ -12,12 +12,13 @@ Two paths:
 - text: otherwise (fallback), decode all ids so far and release the new suffix once it no longer ends
   in U+FFFD. Exact but O(n) per push; fine for the tokenizers that lack per-token bytes.
 """
+
 from __future__ import annotations
 
 import codecs
-from typing import Iterable
+from collections.abc import Iterable
 
-from services.gateway.tokenizer import Tokenizer
+from ddtree.tokenization.tokenizer import Tokenizer
 
 REPLACEMENT = "\ufffd"
 
@@ -62,6 +63,6 @@ class IncrementalDetokenizer:
                 common += 1
             new = text[common:]
         else:
-            new = text[len(self._emitted):]
+            new = text[len(self._emitted) :]
         self._emitted = text
         return new

@@ -2,8 +2,10 @@
 text, reasoning and tool-call deltas, stop it early, cancel it.
 
 - Stop strings are matched on the raw text across chunk boundaries (`StopMatcher`); on a match the
-  text is cut before it, the verifier request is aborted, and the answer finishes with "stop". Usage is
-  then computed by the gateway from the steps seen (ttft/decode on the gateway's clock).
+  text is cut before it, the verifier request is aborted, and the answer finishes with "stop".
+- Usage is the verifier's, passed on. When the gateway cut the stream itself it computes it by the
+  same definition (`ddtree.contract.usage`) over the tokens and steps it passed on (ttft/decode on the
+  gateway's clock).
 - The token that stopped generation is reported in token_ids but not rendered into text.
 - `cancel()` (the client left) cancels the verifier call; the verifier aborts the request and frees
   its KV. The generation then ends quietly.
@@ -11,27 +13,30 @@ text, reasoning and tool-call deltas, stop it early, cancel it.
   through; a verifier that is UNAVAILABLE before its first message is marked unhealthy and the request
   is retried on the next one.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import itertools
 import threading
 import time
-from typing import TYPE_CHECKING, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import grpc
 
-from services.gateway import metrics
-from services.gateway.detokenizer import IncrementalDetokenizer
-from services.gateway.parsers import ToolCall, merge_deltas
-from services.gateway.parsers.registry import OutputParsers
-from services.gateway.routing import Endpoint, Router
-from services.gateway.tokenizer import Tokenizer
-from services.protocol.ddtree.v1 import common_pb2, gateway_pb2, verifier_pb2
-from services.telemetry.logging import get_logger
+from ddtree.contract.usage import usage_from_steps
+from ddtree.gateway import metrics
+from ddtree.gateway.detokenizer import IncrementalDetokenizer
+from ddtree.gateway.parsers import ToolCall, merge_deltas, scan
+from ddtree.gateway.parsers.registry import OutputParsers
+from ddtree.gateway.routing import Endpoint, Router
+from ddtree.protocol.ddtree.v1 import common_pb2, gateway_pb2, verifier_pb2
+from ddtree.telemetry.logging import get_logger
+from ddtree.tokenization.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from services.gateway.pipeline import Job
+    from ddtree.gateway.pipeline import Job
 
 ABORT_TIMEOUT_S = 2.0
 
@@ -48,6 +53,7 @@ class RequestError(Exception):
 @dataclasses.dataclass
 class Result:
     """A whole answer, folded from its chunks (non-streaming clients)."""
+
     text: str
     reasoning: str
     tool_calls: list[ToolCall]
@@ -67,39 +73,23 @@ class StopMatcher:
         """Returns (text safe to release, whether a stop string matched). After a match the stream
         is over: the text up to the match is returned and the rest dropped."""
         pending = self._pending + text
-        hits = [p for p in (pending.find(s) for s in self._stops) if p != -1]
-        if hits:
+        pos, stop = scan(pending, self._stops)
+        if stop is not None:
             self._pending = ""
-            return pending[:min(hits)], True
-        hold = 0
-        if not final:
-            for stop in self._stops:
-                for k in range(min(len(stop) - 1, len(pending)), hold, -1):
-                    if pending.endswith(stop[:k]):
-                        hold = k
-                        break
-        self._pending = pending[len(pending) - hold:]
-        return pending[:len(pending) - hold], False
-
-
-def usage_from_steps(prompt_tokens: int, completion_tokens: int, steps: list[common_pb2.StepStats],
-                     ttft_ms: float, decode_ms: float) -> common_pb2.Usage:
-    spec = [s for s in steps if s.tree_nodes > 0]
-    histogram = [0] * (max((s.accept_length for s in spec), default=0) + 1)
-    for s in spec:
-        histogram[s.accept_length] += 1
-    return common_pb2.Usage(
-        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, verify_steps=len(steps),
-        avg_accept_length=sum(s.accept_length for s in spec) / len(spec) if spec else 0.0,
-        accept_histogram=histogram if spec else [], ttft_ms=ttft_ms, decode_ms=decode_ms)
+            return pending[:pos], True
+        if final:
+            pos = len(pending)
+        self._pending = pending[pos:]
+        return pending[:pos], False
 
 
 class Generation:
     """One running request: an iterator of GenerateChunk. Raises RequestError on failure; ends
     quietly after cancel(), which any thread may call at any time."""
 
-    def __init__(self, job: "Job", tokenizer: Tokenizer, router: Router, timeout: float | None = None,
-                 protocol: str = "grpc"):
+    def __init__(
+        self, job: Job, tokenizer: Tokenizer, router: Router, timeout: float | None = None, protocol: str = "grpc"
+    ):
         self._tok = tokenizer
         self._router = router
         self._log = get_logger("gateway")
@@ -112,7 +102,7 @@ class Generation:
         self._endpoint: Endpoint | None = None
         self._it = self._run()
 
-    def __iter__(self) -> "Generation":
+    def __iter__(self) -> Generation:
         return self
 
     def __next__(self) -> gateway_pb2.GenerateChunk:
@@ -142,10 +132,14 @@ class Generation:
         """Run to the end and fold the chunks into one Result."""
         chunks = list(self)
         deltas = [d for c in chunks for d in c.tool_calls]
-        return Result(text="".join(c.text_delta for c in chunks), reasoning="".join(c.reasoning_delta for c in chunks),
-                      tool_calls=merge_deltas(deltas), token_ids=[i for c in chunks for i in c.token_ids],
-                      finish_reason=chunks[-1].finish_reason if chunks else "abort",
-                      usage=chunks[-1].usage if chunks else common_pb2.Usage())
+        return Result(
+            text="".join(c.text_delta for c in chunks),
+            reasoning="".join(c.reasoning_delta for c in chunks),
+            tool_calls=merge_deltas(deltas),
+            token_ids=[i for c in chunks for i in c.token_ids],
+            finish_reason=chunks[-1].finish_reason if chunks else "abort",
+            usage=chunks[-1].usage if chunks else common_pb2.Usage(),
+        )
 
     def _timeout(self) -> float | None:
         return None if self._deadline is None else max(self._deadline - time.monotonic(), 0.001)
@@ -253,14 +247,23 @@ class Generation:
             else:  # the gateway ended the request itself (stop string) or the verifier sent no usage
                 ttft_ms = (first_token_at - started) * 1000.0 if first_token_at else 0.0
                 decode_ms = (last_token_at - first_token_at) * 1000.0 if first_token_at else 0.0
-                chunk.usage.CopyFrom(usage_from_steps(len(job.request.input_ids), completion, steps,
-                                                      ttft_ms, decode_ms))
+                lengths = (s.accept_length for s in steps)
+                chunk.usage.CopyFrom(
+                    usage_from_steps(len(job.request.input_ids), completion, lengths, ttft_ms, decode_ms)
+                )
             metrics.PROMPT_TOKENS.inc(chunk.usage.prompt_tokens)
             metrics.COMPLETION_TOKENS.inc(chunk.usage.completion_tokens)
-            self._log.info("request_done", request_id=rid, verifier=self.endpoint, api=job.api,
-                              protocol=self._protocol, prompt_tokens=len(job.request.input_ids),
-                              completion_tokens=completion, finish_reason=chunk.finish_reason,
-                              wall_ms=round((time.monotonic() - started) * 1000.0, 1))
+            self._log.info(
+                "request_done",
+                request_id=rid,
+                verifier=self.endpoint,
+                api=job.api,
+                protocol=self._protocol,
+                prompt_tokens=len(job.request.input_ids),
+                completion_tokens=completion,
+                finish_reason=chunk.finish_reason,
+                wall_ms=round((time.monotonic() - started) * 1000.0, 1),
+            )
             yield chunk
             return
         raise RuntimeError(f"verifier stream of {rid} ended without a finish_reason")
@@ -280,5 +283,6 @@ class Generation:
 def _fill_text(chunk: gateway_pb2.GenerateChunk, text: str, reasoning: str, calls) -> None:
     chunk.text_delta += text
     chunk.reasoning_delta += reasoning
-    chunk.tool_calls.extend(gateway_pb2.ToolCallDelta(index=c.index, id=c.id, name=c.name,
-                                                      arguments_delta=c.arguments_delta) for c in calls)
+    chunk.tool_calls.extend(
+        gateway_pb2.ToolCallDelta(index=c.index, id=c.id, name=c.name, arguments_delta=c.arguments_delta) for c in calls
+    )

@@ -16,13 +16,15 @@ verifier is healthy, else 503), GET /metrics (Prometheus text).
 The pipeline is synchronous (gRPC); each request's blocking calls run in worker threads, at most
 max_workers at a time.
 """
+
 from __future__ import annotations
 
 import json
 import socket
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import anyio
 import anyio.to_thread
@@ -35,25 +37,33 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from services.config import GatewayConfig
-from services.gateway import metrics
-from services.gateway import openai_protocol as oai
-from services.gateway.auth import check_authorization
-from services.gateway.generation import Generation, RequestError
-from services.gateway.pipeline import Pipeline
-from services.telemetry.logging import get_logger
+from ddtree.config import GatewayConfig
+from ddtree.gateway import metrics
+from ddtree.gateway import openai_protocol as oai
+from ddtree.gateway.auth import check_authorization
+from ddtree.gateway.generation import Generation, RequestError
+from ddtree.gateway.pipeline import Pipeline
+from ddtree.telemetry.logging import get_logger
 
 _STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.OUT_OF_RANGE: 400,
-    grpc.StatusCode.FAILED_PRECONDITION: 400, grpc.StatusCode.UNAUTHENTICATED: 401,
-    grpc.StatusCode.PERMISSION_DENIED: 403, grpc.StatusCode.NOT_FOUND: 404,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.CANCELLED: 499,
-    grpc.StatusCode.UNIMPLEMENTED: 501, grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.UNIMPLEMENTED: 501,
+    grpc.StatusCode.UNAVAILABLE: 503,
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
 DRAIN_BYTES = 64 * 1024 * 1024
-SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-               (b"x-accel-buffering", b"no")]
+SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
 _log = get_logger("gateway.http")
 
 
@@ -79,8 +89,14 @@ class _GenerationResponse(Response):
     """Runs one Generation and answers with SSE or one JSON body. Watches the connection meanwhile:
     a disconnect cancels the generation (the verifier frees the request's KV)."""
 
-    def __init__(self, generation: Generation, limiter: anyio.CapacityLimiter, stream: bool,
-                 events: oai.EventStream | None = None, build: Callable[[Any], dict] | None = None):
+    def __init__(
+        self,
+        generation: Generation,
+        limiter: anyio.CapacityLimiter,
+        stream: bool,
+        events: oai.EventStream | None = None,
+        build: Callable[[Any], dict] | None = None,
+    ):
         self.generation, self.limiter, self.stream = generation, limiter, stream
         self.events, self.build = events, build
         self.status_code = 200
@@ -90,6 +106,7 @@ class _GenerationResponse(Response):
     async def __call__(self, scope, receive, send) -> None:
         gen = self.generation
         async with anyio.create_task_group() as tg:
+
             async def watch() -> None:
                 while (await receive())["type"] != "http.disconnect":
                     pass
@@ -146,8 +163,9 @@ class _GenerationResponse(Response):
         except RequestError as e:
             status = _STATUS.get(e.code, 500)
             metrics.HTTP_ERRORS.labels(status=str(status)).inc()
-            await send({"type": "http.response.body", "body": _sse(oai.error_json(e.message, status)),
-                        "more_body": True})
+            await send(
+                {"type": "http.response.body", "body": _sse(oai.error_json(e.message, status)), "more_body": True}
+            )
         self._answered = True
         await send({"type": "http.response.body", "body": _sse("[DONE]"), "more_body": False})
 
@@ -189,14 +207,17 @@ class _Api:
             if seen <= limit:
                 body += piece
         if seen > limit:
-            raise ApiError(413, f"request body of {declared or 'more than ' + str(limit)} bytes is over the limit "
-                                f"of {limit} bytes")
+            raise ApiError(
+                413, f"request body of {declared or 'more than ' + str(limit)} bytes is over the limit of {limit} bytes"
+            )
         try:
             data = json.loads(body)
         except UnicodeDecodeError:
             raise ApiError(400, "request body is not UTF-8 text") from None
         except json.JSONDecodeError as e:
-            raise ApiError(400, f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+            raise ApiError(
+                400, f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
+            ) from None
         except RecursionError:
             raise ApiError(400, "request body is nested too deeply") from None
         if not isinstance(data, dict):
@@ -210,8 +231,9 @@ class _Api:
 
     def _model(self, model: str | None) -> str:
         if model is not None and model != self.config.model_id:
-            raise ApiError(404, f"model {model!r} does not exist (this server serves {self.config.model_id!r})",
-                           "model")
+            raise ApiError(
+                404, f"model {model!r} does not exist (this server serves {self.config.model_id!r})", "model"
+            )
         return self.config.model_id
 
     async def _prepare(self, fn: Callable[[], Any]) -> Any:
@@ -229,14 +251,23 @@ class _Api:
         body = await self._body(request)
         params = await self._prepare(lambda: oai.parse_chat(body, self.config))
         model = self._model(params.model)
-        job = await self._prepare(lambda: self.p.chat_job(
-            params.messages, params.options, tools=params.tools, chat_template_kwargs=params.chat_template_kwargs,
-            tool_choice=params.tool_choice, separate_reasoning=params.separate_reasoning, options_prefix=""))
+        job = await self._prepare(
+            lambda: self.p.chat_job(
+                params.messages,
+                params.options,
+                tools=params.tools,
+                chat_template_kwargs=params.chat_template_kwargs,
+                tool_choice=params.tool_choice,
+                separate_reasoning=params.separate_reasoning,
+                options_prefix="",
+            )
+        )
         gen = self.p.generate(job, protocol="http")
         rid, created = f"chatcmpl-{job.request.request_id}", int(time.time())
         if params.stream:
-            return _GenerationResponse(gen, self.limiter, True,
-                                       events=oai.ChatStream(rid, model, created, params.include_usage))
+            return _GenerationResponse(
+                gen, self.limiter, True, events=oai.ChatStream(rid, model, created, params.include_usage)
+            )
         return _GenerationResponse(gen, self.limiter, False, build=lambda r: oai.chat_response(rid, model, created, r))
 
     async def completions(self, request: Request) -> Response:
@@ -248,15 +279,22 @@ class _Api:
         gen = self.p.generate(job, protocol="http")
         rid, created = f"cmpl-{job.request.request_id}", int(time.time())
         if params.stream:
-            return _GenerationResponse(gen, self.limiter, True,
-                                       events=oai.CompletionStream(rid, model, created, params.include_usage))
-        return _GenerationResponse(gen, self.limiter, False,
-                                   build=lambda r: oai.completion_response(rid, model, created, r))
+            return _GenerationResponse(
+                gen, self.limiter, True, events=oai.CompletionStream(rid, model, created, params.include_usage)
+            )
+        return _GenerationResponse(
+            gen, self.limiter, False, build=lambda r: oai.completion_response(rid, model, created, r)
+        )
 
     async def _model_card(self) -> dict:
         max_context = await anyio.to_thread.run_sync(self.p.max_context, limiter=self.limiter)
-        return {"id": self.config.model_id, "object": "model", "created": self.created, "owned_by": "ddtree",
-                "max_model_len": max_context}
+        return {
+            "id": self.config.model_id,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "ddtree",
+            "max_model_len": max_context,
+        }
 
     async def models(self, request: Request) -> Response:
         self._authorize(request)
@@ -270,8 +308,9 @@ class _Api:
     async def health(self, request: Request) -> Response:
         verifiers = self.p.router.snapshot()
         ok = any(v["healthy"] for v in verifiers)
-        return JSONResponse({"status": "ok" if ok else "unavailable", "verifiers": verifiers},
-                            status_code=200 if ok else 503)
+        return JSONResponse(
+            {"status": "ok" if ok else "unavailable", "verifiers": verifiers}, status_code=200 if ok else 503
+        )
 
     async def metrics(self, request: Request) -> Response:
         return Response(prometheus_client.generate_latest(), media_type=prometheus_client.CONTENT_TYPE_LATEST)
@@ -301,8 +340,9 @@ def create_app(pipeline: Pipeline, config: GatewayConfig) -> Starlette:
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
     ]
-    return Starlette(routes=routes, exception_handlers={ApiError: _api_error, HTTPException: _http_error,
-                                                       Exception: _server_error})
+    return Starlette(
+        routes=routes, exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _server_error}
+    )
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -325,12 +365,21 @@ class HttpServer:
         self._grace_s = config.grace_s
         self._sock = _bind(config.host, config.http_port)
         self.port = self._sock.getsockname()[1]
-        uv_config = uvicorn.Config(create_app(pipeline, config), log_config=None, log_level="warning",
-                                   access_log=False, lifespan="off", ws="none", http="h11",
-                                   timeout_graceful_shutdown=config.grace_s, server_header=False)
+        uv_config = uvicorn.Config(
+            create_app(pipeline, config),
+            log_config=None,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            ws="none",
+            http="h11",
+            timeout_graceful_shutdown=config.grace_s,
+            server_header=False,
+        )
         self._server = uvicorn.Server(uv_config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
-                                        name="gateway-http", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._sock]}, name="gateway-http", daemon=True
+        )
 
     @property
     def address(self) -> str:

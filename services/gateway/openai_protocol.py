@@ -1,4 +1,4 @@
-"""OpenAI request parsing and response formatting (serving.md §5), independent of the web framework.
+"""OpenAI request parsing and response formatting (docs/design.md §9.4), independent of the web framework.
 
 Parsing turns a JSON body into the pipeline's inputs. A field of the wrong JSON type raises
 `FieldTypeError` (HTTP 422); any other bad or unsupported value raises `Invalid` (HTTP 400). Both name
@@ -14,21 +14,26 @@ Responses carry the OpenAI fields plus `spec` (speculative statistics of the ans
 avg_accept_length, accept_histogram[k] = steps that committed k tokens, ttft_ms, decode_ms measured by
 the verifier). Streams send it on the chunk that carries finish_reason.
 """
+
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-from services.config import GatewayConfig
-from services.gateway.generation import Result
-from services.gateway.pipeline import Invalid
-from services.protocol.ddtree.v1 import common_pb2, gateway_pb2
+from ddtree.config import GatewayConfig
+from ddtree.gateway.generation import Result
+from ddtree.gateway.pipeline import Invalid
+from ddtree.protocol.ddtree.v1 import common_pb2, gateway_pb2
 
 INT32_MAX = 2**31 - 1
 UINT64_MAX = 2**64 - 1
 _KINDS = {
-    "string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,),
-    "object": (dict,), "array": (list,),
+    "string": (str,),
+    "integer": (int,),
+    "number": (int, float),
+    "boolean": (bool,),
+    "object": (dict,),
+    "array": (list,),
 }
 
 
@@ -63,8 +68,9 @@ class Fields:
         value = self.data.get(key)
         if value is None:
             return default
-        if not any(isinstance(value, _KINDS[k]) and not (k in ("integer", "number") and isinstance(value, bool))
-                   for k in kinds):
+        if not any(
+            isinstance(value, _KINDS[k]) and not (k in ("integer", "number") and isinstance(value, bool)) for k in kinds
+        ):
             raise FieldTypeError(f"{self.where}{key}: must be {' or '.join(kinds)}, got {json_type(value)}")
         return value
 
@@ -193,8 +199,10 @@ def _messages(value: Any) -> list[dict]:
             raise FieldTypeError(f"{where}: must be object, got {json_type(m)}")
         f = Fields(m, where + ".")
         role = f.get("role", "string")
-        d: dict = {"role": "system" if role == "developer" else role,
-                   "content": _content(m.get("content"), f"{where}.content")}
+        d: dict = {
+            "role": "system" if role == "developer" else role,
+            "content": _content(m.get("content"), f"{where}.content"),
+        }
         for key in ("name", "tool_call_id", "reasoning_content"):
             if f.get(key, "string") is not None:
                 d[key] = m[key]
@@ -227,11 +235,16 @@ def parse_chat(body: dict, config: GatewayConfig) -> ChatParams:
         raise Invalid(f"tool_choice: {shown} is not supported (auto | none)")
     stream, include_usage = _stream_flags(f)
     return ChatParams(
-        model=f.get("model", "string"), messages=_messages(body.get("messages")), options=_options(f, config),
-        tools=f.get("tools", "array"), tool_choice=tool_choice,
+        model=f.get("model", "string"),
+        messages=_messages(body.get("messages")),
+        options=_options(f, config),
+        tools=f.get("tools", "array"),
+        tool_choice=tool_choice,
         chat_template_kwargs=f.get("chat_template_kwargs", "object"),
         separate_reasoning=f.get("separate_reasoning", "boolean", default=True),
-        stream=stream, include_usage=include_usage)
+        stream=stream,
+        include_usage=include_usage,
+    )
 
 
 def parse_completion(body: dict, config: GatewayConfig) -> CompletionParams:
@@ -261,28 +274,46 @@ def parse_completion(body: dict, config: GatewayConfig) -> CompletionParams:
     elif not isinstance(prompt, str):
         raise FieldTypeError(f"prompt: must be string or array of token ids, got {json_type(prompt)}")
     stream, include_usage = _stream_flags(f)
-    return CompletionParams(model=f.get("model", "string"), prompt=prompt, options=_options(f, config),
-                            stream=stream, include_usage=include_usage)
+    return CompletionParams(
+        model=f.get("model", "string"),
+        prompt=prompt,
+        options=_options(f, config),
+        stream=stream,
+        include_usage=include_usage,
+    )
 
 
 # -- responses -------------------------------------------------------------------------------------------
 def usage_json(u: common_pb2.Usage) -> dict:
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens}
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+    }
 
 
 def spec_json(u: common_pb2.Usage) -> dict:
-    return {"verify_steps": u.verify_steps, "avg_accept_length": round(u.avg_accept_length, 4),
-            "accept_histogram": list(u.accept_histogram), "ttft_ms": round(u.ttft_ms, 3),
-            "decode_ms": round(u.decode_ms, 3)}
+    return {
+        "verify_steps": u.verify_steps,
+        "avg_accept_length": round(u.avg_accept_length, 4),
+        "accept_histogram": list(u.accept_histogram),
+        "ttft_ms": round(u.ttft_ms, 3),
+        "decode_ms": round(u.decode_ms, 3),
+    }
 
 
 def error_json(message: str, status: int, param: str | None = None) -> dict:
-    kinds = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-             413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
-             503: "service_unavailable", 504: "timeout"}
-    return {"error": {"message": message, "type": kinds.get(status, "server_error"), "param": param,
-                      "code": status}}
+    kinds = {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        404: "not_found_error",
+        413: "invalid_request_error",
+        422: "invalid_request_error",
+        429: "rate_limit_error",
+        503: "service_unavailable",
+        504: "timeout",
+    }
+    return {"error": {"message": message, "type": kinds.get(status, "server_error"), "param": param, "code": status}}
 
 
 def field_of(message: str) -> str | None:
@@ -298,8 +329,14 @@ class EventStream:
         self.rid, self.model, self.created, self.include_usage, self.obj = rid, model, created, include_usage, obj
 
     def _chunk(self, choices: list, **extra) -> dict:
-        return {"id": self.rid, "object": self.obj, "created": self.created, "model": self.model,
-                "choices": choices, **extra}
+        return {
+            "id": self.rid,
+            "object": self.obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            **extra,
+        }
 
     def _final(self, choice: dict, c: gateway_pb2.GenerateChunk) -> list[dict]:
         out = [self._chunk([choice], spec=spec_json(c.usage))]
@@ -332,14 +369,20 @@ class ChatStream(EventStream):
             out.append(self._chunk([self._delta(delta)]))
         for d in c.tool_calls:
             if d.id:
-                call = {"index": d.index, "id": d.id, "type": "function",
-                        "function": {"name": d.name, "arguments": ""}}
+                call = {"index": d.index, "id": d.id, "type": "function", "function": {"name": d.name, "arguments": ""}}
             else:
                 call = {"index": d.index, "function": {"arguments": d.arguments_delta}}
             out.append(self._chunk([self._delta({"tool_calls": [call]})]))
             if d.id and d.arguments_delta:
-                out.append(self._chunk([self._delta({"tool_calls": [
-                    {"index": d.index, "function": {"arguments": d.arguments_delta}}]})]))
+                out.append(
+                    self._chunk(
+                        [
+                            self._delta(
+                                {"tool_calls": [{"index": d.index, "function": {"arguments": d.arguments_delta}}]}
+                            )
+                        ]
+                    )
+                )
         if c.finish_reason:
             out += self._final(self._delta({}, c.finish_reason), c)
         return out
@@ -367,17 +410,34 @@ class CompletionStream(EventStream):
 
 
 def chat_response(rid: str, model: str, created: int, r: Result) -> dict:
-    message: dict = {"role": "assistant", "content": r.text if (r.text or not r.tool_calls) else None,
-                     "reasoning_content": r.reasoning or None}
+    message: dict = {
+        "role": "assistant",
+        "content": r.text if (r.text or not r.tool_calls) else None,
+        "reasoning_content": r.reasoning or None,
+    }
     if r.tool_calls:
-        message["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                                 for c in r.tool_calls]
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": r.finish_reason}],
-            "usage": usage_json(r.usage), "spec": spec_json(r.usage)}
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in r.tool_calls
+        ]
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": r.finish_reason}],
+        "usage": usage_json(r.usage),
+        "spec": spec_json(r.usage),
+    }
 
 
 def completion_response(rid: str, model: str, created: int, r: Result) -> dict:
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": r.text, "logprobs": None, "finish_reason": r.finish_reason}],
-            "usage": usage_json(r.usage), "spec": spec_json(r.usage)}
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "text": r.text, "logprobs": None, "finish_reason": r.finish_reason}],
+        "usage": usage_json(r.usage),
+        "spec": spec_json(r.usage),
+    }

@@ -11,6 +11,7 @@ ValueError naming the field), render the chat template, tokenize, and build the 
   tool-call parser (config.tool_call_parser); finish_reason "stop" becomes "tool_calls" when calls
   were parsed. Completions return raw text.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,17 +20,26 @@ import uuid
 
 import grpc
 
-from services.config import GatewayConfig
-from services.gateway.chat_template import validate_tools
-from services.gateway.generation import Generation, RequestError, Result, StopMatcher, usage_from_steps
-from services.gateway.parsers.kimi_k2_reasoning import starts_in_reasoning
-from services.gateway.parsers.registry import check_names
-from services.gateway.routing import Router
-from services.gateway.tokenizer import Tokenizer
-from services.protocol.ddtree.v1 import common_pb2, gateway_pb2, verifier_pb2
+from ddtree.config import GatewayConfig
+from ddtree.gateway.generation import Generation, RequestError, Result, StopMatcher
+from ddtree.gateway.parsers.kimi_k2_reasoning import starts_in_reasoning
+from ddtree.gateway.parsers.registry import check_names
+from ddtree.gateway.routing import Router
+from ddtree.protocol.ddtree.v1 import common_pb2, gateway_pb2, verifier_pb2
+from ddtree.tokenization.chat_template import validate_tools
+from ddtree.tokenization.tokenizer import Tokenizer
 
-__all__ = ["Generation", "Invalid", "Job", "Pipeline", "RequestError", "Result", "StopMatcher", "usage_from_steps",
-           "validate_options", "validate_template_kwargs"]
+__all__ = [
+    "Generation",
+    "Invalid",
+    "Job",
+    "Pipeline",
+    "RequestError",
+    "Result",
+    "StopMatcher",
+    "validate_options",
+    "validate_template_kwargs",
+]
 
 EOS_TOKENS = ("<|im_end|>", "[EOS]")
 MAX_STOP_STRINGS = 16
@@ -46,18 +56,20 @@ class Invalid(ValueError):
 @dataclasses.dataclass(frozen=True)
 class Job:
     """A validated request, ready to send to a verifier."""
+
     request: verifier_pb2.GenerateRequest
     stop_strings: tuple[str, ...]
     stop_ids: frozenset[int]
-    api: str = "complete"              # chat | complete
+    api: str = "complete"  # chat | complete
     reasoning_parser: str | None = None
     tool_parser: str | None = None
-    in_reasoning: bool = False         # the prompt opened a think block
-    tool_index_offset: int = 0         # tool calls earlier in the conversation
+    in_reasoning: bool = False  # the prompt opened a think block
+    tool_index_offset: int = 0  # tool calls earlier in the conversation
 
 
-def validate_options(o: gateway_pb2.GenerationOptions, *, vocab_size: int, max_tokens_limit: int,
-                     prefix: str = "options.") -> None:
+def validate_options(
+    o: gateway_pb2.GenerationOptions, *, vocab_size: int, max_tokens_limit: int, prefix: str = "options."
+) -> None:
     """Raise Invalid (a ValueError) naming the first bad field of GenerationOptions."""
     if o.max_tokens < 0:
         raise Invalid(f"{prefix}max_tokens: must be >= 0 (0 = server default), got {o.max_tokens}")
@@ -105,14 +117,29 @@ class Pipeline:
         self.router = router
         self.config = config
         eos = [t for t in EOS_TOKENS if t in tokenizer.special_tokens]
-        self._eos_ids = tuple(dict.fromkeys([*(tokenizer.special_tokens[t] for t in eos),
-                                             *(() if tokenizer.eos_id is None else (tokenizer.eos_id,))]))
+        self._eos_ids = tuple(
+            dict.fromkeys(
+                [
+                    *(tokenizer.special_tokens[t] for t in eos),
+                    *(() if tokenizer.eos_id is None else (tokenizer.eos_id,)),
+                ]
+            )
+        )
         self._max_context: int | None = None
 
     # -- request preparation -----------------------------------------------------------------------
-    def chat_job(self, messages: list[dict], options: gateway_pb2.GenerationOptions, *, tools=None,
-                 chat_template_kwargs: dict | None = None, request_id: str = "", tool_choice: str = "auto",
-                 separate_reasoning: bool = True, options_prefix: str = "options.") -> Job:
+    def chat_job(
+        self,
+        messages: list[dict],
+        options: gateway_pb2.GenerationOptions,
+        *,
+        tools=None,
+        chat_template_kwargs: dict | None = None,
+        request_id: str = "",
+        tool_choice: str = "auto",
+        separate_reasoning: bool = True,
+        options_prefix: str = "options.",
+    ) -> Job:
         """A chat request as a Job. `messages` are OpenAI-style dicts (chat_template.py)."""
         if not messages:
             raise Invalid("messages: must not be empty")
@@ -122,20 +149,39 @@ class Pipeline:
         if tool_choice == "none":
             tools = None  # the model is not told about tools, and nothing is parsed as a call
         kwargs = validate_template_kwargs(chat_template_kwargs)
-        self.check_prompt_chars(sum(len(v) for m in messages if isinstance(m, dict)
-                                    for v in (m.get("content"), m.get("reasoning_content")) if isinstance(v, str)),
-                                "messages")
+        self.check_prompt_chars(
+            sum(
+                len(v)
+                for m in messages
+                if isinstance(m, dict)
+                for v in (m.get("content"), m.get("reasoning_content"))
+                if isinstance(v, str)
+            ),
+            "messages",
+        )
         prompt = self.render(messages, tools, True, kwargs)
         history_calls = sum(len(m.get("tool_calls") or ()) for m in messages)
         reasoning = self.config.reasoning_parser if separate_reasoning else "none"
         tool_parser = self.config.tool_call_parser if tools else "none"
-        return self._job(options, request_id, self.tokenizer.encode(prompt), options_prefix, api="chat",
-                         reasoning_parser=None if reasoning == "none" else reasoning,
-                         tool_parser=None if tool_parser == "none" else tool_parser,
-                         in_reasoning=starts_in_reasoning(prompt), tool_index_offset=history_calls)
+        return self._job(
+            options,
+            request_id,
+            self.tokenizer.encode(prompt),
+            options_prefix,
+            api="chat",
+            reasoning_parser=None if reasoning == "none" else reasoning,
+            tool_parser=None if tool_parser == "none" else tool_parser,
+            in_reasoning=starts_in_reasoning(prompt),
+            tool_index_offset=history_calls,
+        )
 
-    def complete_job(self, prompt: str | list[int], options: gateway_pb2.GenerationOptions, request_id: str = "",
-                     options_prefix: str = "options.") -> Job:
+    def complete_job(
+        self,
+        prompt: str | list[int],
+        options: gateway_pb2.GenerationOptions,
+        request_id: str = "",
+        options_prefix: str = "options.",
+    ) -> Job:
         """A completion of `prompt` (text, or token ids)."""
         if not prompt:
             raise Invalid("prompt: must not be empty")
@@ -151,8 +197,9 @@ class Pipeline:
         return self._job(options, request_id, ids, options_prefix)
 
     def render(self, messages: list[dict], tools, add_generation_prompt: bool, kwargs: dict) -> str:
-        prompt = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                                    chat_template_kwargs=kwargs)
+        prompt = self.tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, chat_template_kwargs=kwargs
+        )
         self.check_prompt_chars(len(prompt), "rendered chat prompt")
         return prompt
 
@@ -160,10 +207,12 @@ class Pipeline:
         if n > self.config.max_prompt_chars:
             raise Invalid(f"{what}: {n} characters, over the limit of {self.config.max_prompt_chars}")
 
-    def _job(self, o: gateway_pb2.GenerationOptions, request_id: str, input_ids: list[int], prefix: str,
-             **kwargs) -> Job:
-        validate_options(o, vocab_size=self.tokenizer.vocab_size, max_tokens_limit=self.config.max_tokens_limit,
-                         prefix=prefix)
+    def _job(
+        self, o: gateway_pb2.GenerationOptions, request_id: str, input_ids: list[int], prefix: str, **kwargs
+    ) -> Job:
+        validate_options(
+            o, vocab_size=self.tokenizer.vocab_size, max_tokens_limit=self.config.max_tokens_limit, prefix=prefix
+        )
         if not input_ids:
             raise Invalid("prompt: encodes to no tokens")
         limit = self.config.max_prompt_tokens
@@ -174,9 +223,14 @@ class Pipeline:
         if o.HasField("seed"):
             sampling.seed = o.seed
         request = verifier_pb2.GenerateRequest(
-            request_id=request_id or f"gw-{uuid.uuid4().hex}", input_ids=input_ids, sampling=sampling,
-            max_new_tokens=o.max_tokens or self.config.default_max_tokens, ignore_eos=o.ignore_eos,
-            stop_token_ids=stop_ids, spec=common_pb2.SpecOptions(no_spec=o.no_spec, budget=o.budget))
+            request_id=request_id or f"gw-{uuid.uuid4().hex}",
+            input_ids=input_ids,
+            sampling=sampling,
+            max_new_tokens=o.max_tokens or self.config.default_max_tokens,
+            ignore_eos=o.ignore_eos,
+            stop_token_ids=stop_ids,
+            spec=common_pb2.SpecOptions(no_spec=o.no_spec, budget=o.budget),
+        )
         return Job(request=request, stop_strings=tuple(o.stop), stop_ids=frozenset(stop_ids), **kwargs)
 
     # -- generation ----------------------------------------------------------------------------------
@@ -187,11 +241,10 @@ class Pipeline:
         """A verifier's max_context, asked once one answers; the tokenizer's limit until then."""
         if self._max_context is None:
             try:
-                info = self.router.first_healthy().stub.GetInfo(verifier_pb2.VerifierInfoRequest(),
-                                                                timeout=INFO_TIMEOUT_S)
+                info = self.router.first_healthy().stub.GetInfo(
+                    verifier_pb2.VerifierInfoRequest(), timeout=INFO_TIMEOUT_S
+                )
                 self._max_context = info.max_context
             except grpc.RpcError:
                 return self.tokenizer.model_max_length or 0
         return self._max_context
-
-

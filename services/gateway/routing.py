@@ -8,20 +8,21 @@ Generate that fails with UNAVAILABLE marks its verifier unhealthy at once, and t
 back when it answers SERVING again. When every verifier is unhealthy the request still goes to one of
 them (health may be stale), so the client gets the verifier's own error rather than a guess.
 """
+
 from __future__ import annotations
 
 import itertools
 import threading
-from typing import Iterable
+from collections.abc import Iterable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.gateway import metrics
-from services.protocol.discovery import resolve
-from services.protocol.ddtree.v1 import verifier_pb2_grpc
-from services.protocol.server import GRPC_OPTIONS
-from services.telemetry.logging import get_logger
+from ddtree.gateway import metrics
+from ddtree.protocol.ddtree.v1 import verifier_pb2_grpc
+from ddtree.protocol.discovery import resolve
+from ddtree.protocol.server import GRPC_OPTIONS
+from ddtree.telemetry.logging import get_logger
 
 
 class Endpoint:
@@ -101,18 +102,20 @@ class Router:
 
     def snapshot(self) -> list[dict]:
         with self._lock:
-            return [{"address": e.address, "healthy": e.healthy, "outstanding": e.outstanding}
-                    for e in self.endpoints]
+            return [{"address": e.address, "healthy": e.healthy, "outstanding": e.outstanding} for e in self.endpoints]
 
     # -- health ------------------------------------------------------------------------------------------
     def check_now(self) -> None:
         """Probe every verifier once (the poller's body; tests call it to skip the wait)."""
         for e in self.endpoints:
             try:
-                status = e.health.Check(health_pb2.HealthCheckRequest(service=""),
-                                        timeout=min(1.0, self._interval)).status
-                ok, reason = status == health_pb2.HealthCheckResponse.SERVING, \
-                    health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+                status = e.health.Check(
+                    health_pb2.HealthCheckRequest(service=""), timeout=min(1.0, self._interval)
+                ).status
+                ok, reason = (
+                    status == health_pb2.HealthCheckResponse.SERVING,
+                    health_pb2.HealthCheckResponse.ServingStatus.Name(status),
+                )
             except grpc.RpcError as err:
                 ok, reason = False, f"{err.code().name}: {err.details()}"
             self._set_health(e, ok, reason)
@@ -124,8 +127,9 @@ class Router:
             endpoint.last_error = "" if healthy else reason
         metrics.VERIFIER_HEALTHY.labels(verifier=endpoint.address).set(1 if healthy else 0)
         if changed:
-            self._log.warning("verifier_health", verifier=endpoint.address, healthy=healthy,
-                              reason=reason if not healthy else None)
+            self._log.warning(
+                "verifier_health", verifier=endpoint.address, healthy=healthy, reason=reason if not healthy else None
+            )
 
     def _expand(self) -> list[str]:
         out = []

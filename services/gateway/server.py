@@ -8,26 +8,27 @@ errors reach the client with their status code and message. With an API key conf
 Gateway RPC needs metadata `authorization: Bearer KEY` (UNAUTHENTICATED otherwise); health and
 reflection stay open.
 """
+
 from __future__ import annotations
 
 import json
 import pathlib
 import threading
-from typing import Iterator
+from collections.abc import Iterator
 
 import grpc
 
-from services.config import GatewayConfig
-from services.gateway.auth import check_authorization
-from services.gateway.generation import RequestError, StopMatcher, usage_from_steps
-from services.gateway.pipeline import Invalid, Job, Pipeline, validate_options
-from services.gateway.routing import Router
-from services.gateway.tokenizer import Tokenizer
-from services.protocol.ddtree.v1 import gateway_pb2, gateway_pb2_grpc
-from services.protocol.server import RunningServer, start_server
-from services.telemetry.logging import get_logger
+from ddtree.config import GatewayConfig
+from ddtree.gateway.auth import check_authorization
+from ddtree.gateway.generation import RequestError, StopMatcher
+from ddtree.gateway.pipeline import Invalid, Job, Pipeline, validate_options
+from ddtree.gateway.routing import Router
+from ddtree.protocol.ddtree.v1 import gateway_pb2, gateway_pb2_grpc
+from ddtree.protocol.server import RunningServer, start_server
+from ddtree.telemetry.logging import get_logger
+from ddtree.tokenization.tokenizer import Tokenizer
 
-__all__ = ["GatewayServer", "GatewayServicer", "StopMatcher", "serve", "usage_from_steps", "validate_options"]
+__all__ = ["GatewayServer", "GatewayServicer", "StopMatcher", "serve", "validate_options"]
 
 # grpc reports an RPC without deadline as one ~forever away; anything beyond this is "no deadline".
 _NO_DEADLINE_S = 1e7
@@ -43,9 +44,10 @@ def _message_dict(m: gateway_pb2.ChatMessage) -> dict:
     if m.reasoning_content:
         d["reasoning_content"] = m.reasoning_content
     if m.tool_calls:
-        d["tool_calls"] = [{"id": c.id, "type": "function",
-                            "function": {"name": c.name, "arguments": c.arguments or "{}"}}
-                           for c in m.tool_calls]
+        d["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments or "{}"}}
+            for c in m.tool_calls
+        ]
     return d
 
 
@@ -82,8 +84,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             kwargs = _json_field(request.chat_template_kwargs_json, "chat_template_kwargs_json")
             if kwargs is not None and not isinstance(kwargs, dict):
                 raise Invalid(f"chat_template_kwargs_json: must be a JSON object, got {type(kwargs).__name__}")
-            job = self._p.chat_job([_message_dict(m) for m in request.messages], request.options, tools=tools,
-                                   chat_template_kwargs=kwargs, request_id=request.request_id)
+            job = self._p.chat_job(
+                [_message_dict(m) for m in request.messages],
+                request.options,
+                tools=tools,
+                chat_template_kwargs=kwargs,
+                request_id=request.request_id,
+            )
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         yield from self._stream(job, context)
@@ -101,8 +108,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         tok = self._p.tokenizer
         try:
             if request.messages:
-                rendered = self._p.render([_message_dict(m) for m in request.messages], None,
-                                          request.add_generation_prompt, {})
+                rendered = self._p.render(
+                    [_message_dict(m) for m in request.messages], None, request.add_generation_prompt, {}
+                )
                 text = rendered
             else:
                 rendered, text = "", request.text
@@ -115,9 +123,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def GetInfo(self, request: gateway_pb2.GatewayInfoRequest, context) -> gateway_pb2.GatewayInfo:
         self._authorize(context)
         c = self._config
-        return gateway_pb2.GatewayInfo(model_id=c.model_id, verifier_address=",".join(self._p.router.addresses),
-                                       vocab_size=self._p.tokenizer.vocab_size, max_context=self._p.max_context(),
-                                       reasoning_parser=c.reasoning_parser, tool_call_parser=c.tool_call_parser)
+        return gateway_pb2.GatewayInfo(
+            model_id=c.model_id,
+            verifier_address=",".join(self._p.router.addresses),
+            vocab_size=self._p.tokenizer.vocab_size,
+            max_context=self._p.max_context(),
+            reasoning_parser=c.reasoning_parser,
+            tool_call_parser=c.tool_call_parser,
+        )
 
     # -- helpers -----------------------------------------------------------------------------------
     def _authorize(self, context) -> None:
@@ -126,8 +139,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         value = next((v for k, v in context.invocation_metadata() if k == "authorization"), None)
         refused = check_authorization(value, self._config.api_key)
         if refused:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          refused.replace("the header 'Authorization", "metadata 'authorization"))
+            context.abort(
+                grpc.StatusCode.UNAUTHENTICATED, refused.replace("the header 'Authorization", "metadata 'authorization")
+            )
 
     def _stream(self, job: Job, context) -> Iterator[gateway_pb2.GenerateChunk]:
         generation = self._p.generate(job, timeout=_client_timeout(context), protocol="grpc")
@@ -137,8 +151,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         except RequestError as e:
             if not context.is_active():
                 return
-            get_logger("gateway").warning("request_error", request_id=job.request.request_id, code=e.code.name,
-                                          message=e.message)
+            get_logger("gateway").warning(
+                "request_error", request_id=job.request.request_id, code=e.code.name, message=e.message
+            )
             context.abort(e.code, e.message)
 
 
@@ -192,13 +207,14 @@ class GatewayServer:
         self._stopped.wait()
 
 
-def serve(config: GatewayConfig, tokenizer_dir: str | pathlib.Path | None = None,
-          announce: bool = True) -> GatewayServer:
+def serve(
+    config: GatewayConfig, tokenizer_dir: str | pathlib.Path | None = None, announce: bool = True
+) -> GatewayServer:
     """Start the gateway: gRPC on config.host:config.port (announced first, as
     `LISTENING gateway host:port`), then HTTP on config.http_port (`LISTENING gateway-http host:port`).
     The tokenizer is config.tokenizer, or `tokenizer_dir` when that is empty (the caller resolves the
     default)."""
-    from services.gateway.http import HttpServer
+    from ddtree.gateway.http import HttpServer
 
     path = config.tokenizer or tokenizer_dir
     if not path:
@@ -216,8 +232,9 @@ def serve(config: GatewayConfig, tokenizer_dir: str | pathlib.Path | None = None
         gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
         return [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name]
 
-    running = start_server("gateway", register, config.host, config.port, config.max_workers, config.grace_s,
-                           announce=announce)
+    running = start_server(
+        "gateway", register, config.host, config.port, config.max_workers, config.grace_s, announce=announce
+    )
     http = None
     if config.http_port >= 0:
         try:
@@ -230,6 +247,12 @@ def serve(config: GatewayConfig, tokenizer_dir: str | pathlib.Path | None = None
         if announce:
             print(f"LISTENING gateway-http {http.address}", flush=True)
     router.start()
-    get_logger("gateway").info("gateway_ready", address=running.address, http=http.address if http else None,
-                               verifiers=list(router.addresses), tokenizer=str(path), vocab_size=tokenizer.vocab_size)
+    get_logger("gateway").info(
+        "gateway_ready",
+        address=running.address,
+        http=http.address if http else None,
+        verifiers=list(router.addresses),
+        tokenizer=str(path),
+        vocab_size=tokenizer.vocab_size,
+    )
     return GatewayServer(running, http, router, pipeline)

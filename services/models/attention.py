@@ -1,4 +1,4 @@
-"""Attention metadata and the torch reference backend for absorbed MLA over a latent cache (model.md §3).
+"""Attention metadata and the torch reference backend for absorbed MLA over a latent cache (docs/design.md §5).
 
 The cache of one layer is `kv_layer [S, r + dr]`: per slot, the first r values are the normalised latent
 c_kv and the last dr the rotated shared key k_pe. Absorbed MLA is then MQA with one KV head of width r+dr
@@ -22,6 +22,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+from ddtree.models.norm import RMSNorm
+from ddtree.models.rope import RotaryEmbedding
 
 
 @dataclass(frozen=True, eq=False)
@@ -102,6 +105,16 @@ class AttentionMetadata:
 class MLAAttentionBackend(Protocol):
     name: str
 
+    def write_latent(
+        self,
+        kv_layer: torch.Tensor,
+        latent: torch.Tensor,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        norm: RMSNorm,
+        rope: RotaryEmbedding,
+    ) -> None: ...
+
     def attend(
         self,
         q_lat: torch.Tensor,
@@ -116,6 +129,20 @@ class TorchMLAAttention:
     """Reference backend: a loop over sequences, fp32 scores and softmax."""
 
     name = "torch"
+
+    def write_latent(
+        self,
+        kv_layer: torch.Tensor,  # [S, r + dr] one layer's cache, written in place
+        latent: torch.Tensor,  # [T, r + dr] kv_a_proj_with_mqa output: [c_kv ; k_pe], not normalised / rotated
+        slots: torch.Tensor,  # int64 [T]
+        positions: torch.Tensor,  # int64 [T]
+        norm: RMSNorm,  # kv_a_layernorm
+        rope: RotaryEmbedding,
+    ) -> None:
+        """kv_layer[slots] = [norm(c_kv) ; rope(k_pe)] in the cache dtype."""
+        r = norm.weight.shape[0]
+        rows = torch.cat([norm(latent[:, :r]), rope(latent[:, r:], positions)], dim=-1)
+        kv_layer[slots.to(kv_layer.device)] = rows.to(kv_layer.dtype)
 
     def attend(
         self,
@@ -142,7 +169,7 @@ class TorchMLAAttention:
         for s in seqs:
             rows = slice(s.q_start, s.q_start + s.q_len)
             P, n = s.prefix_slots.numel(), s.q_len
-            keys = keys_all[k0:k0 + P + n]  # [P+q, r+dr]
+            keys = keys_all[k0 : k0 + P + n]  # [P+q, r+dr]
             k0 += P + n
             # [q·H, r+dr] @ [r+dr, P+q]: every head of every query row in one matmul
             scores = (q[rows].reshape(n * H, r + dr) @ keys.T).view(n, H, P + n)  # [q, H, P+q]
@@ -159,7 +186,7 @@ class TorchMLAAttention:
 
 
 def _triton_backend() -> MLAAttentionBackend:
-    from kernels.mla_backend import TritonMLAAttention  # imports triton: only when chosen
+    from ddtree.kernels.mla_backend import TritonMLAAttention  # imports triton: only when chosen
 
     return TritonMLAAttention()
 
@@ -182,6 +209,8 @@ def resolve_attention_backend(name: str, device: str | torch.device) -> str:
 
 def make_attention_backend(name: str) -> MLAAttentionBackend:
     if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choices: {sorted(ATTENTION_BACKENDS)}"
-                         + (" (resolve 'auto' with resolve_attention_backend first)" if name == "auto" else ""))
+        raise ValueError(
+            f"unknown attention backend {name!r}; choices: {sorted(ATTENTION_BACKENDS)}"
+            + (" (resolve 'auto' with resolve_attention_backend first)" if name == "auto" else "")
+        )
     return ATTENTION_BACKENDS[name]()

@@ -37,9 +37,16 @@ class CheckpointError(ValueError):
     """The checkpoint does not match the model, or a file is unreadable; names the file and the tensor."""
 
 
-def checkpoint_weight_map(path: str | Path) -> dict[str, Path]:
-    """tensor name -> safetensors file holding it."""
+def checkpoint_weight_map(path: str | Path, *, every_file: bool = False) -> dict[str, Path]:
+    """tensor name -> safetensors file holding it.
+
+    every_file=False (the HF layout): through `model.safetensors.index.json`, else the single
+    `model.safetensors`. every_file=True (the DFlash drafter's layout): every `*.safetensors` file in the
+    directory, whatever its name and whether or not an index lists it; a tensor in two files is an error.
+    """
     root = Path(path)
+    if every_file:
+        return _every_file_weight_map(root)
     index = root / INDEX_FILE
     if index.exists():
         try:
@@ -52,6 +59,22 @@ def checkpoint_weight_map(path: str | Path) -> dict[str, Path]:
     if single.exists():
         return {name: single for name in read_header(single)}
     raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {root}")
+
+
+def _every_file_weight_map(root: Path) -> dict[str, Path]:
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{root}: no *.safetensors file")
+    weight_map: dict[str, Path] = {}
+    for file in files:
+        for name in read_header(file):
+            if name in weight_map:
+                raise CheckpointError(
+                    f"{root}: key {name!r} appears in more than one safetensors file "
+                    f"({weight_map[name].name}, {file.name})"
+                )
+            weight_map[name] = file
+    return weight_map
 
 
 def read_header(file: str | Path) -> dict[str, dict[str, Any]]:

@@ -1,7 +1,7 @@
 """DeepSeek-V3 / Kimi-K2 model configuration, read from a Hugging Face `config.json`.
 
 One frozen dataclass holds every architecture field the engine uses. `from_dict` accepts the spellings
-found in the wild (see docs in /work/shared/reference/model.md §1):
+found in the wild (docs/design.md §5):
 
 - RoPE: legacy `rope_theta` + `rope_scaling{type|rope_type, factor, ...}` (hub checkpoints), or
   `rope_parameters{rope_type, rope_theta, ...}` (what transformers 5.x `save_pretrained` writes).
@@ -137,15 +137,12 @@ class DeepseekV3Config:
             return cls.from_dict(d["text_config"])
         if model_type not in TEXT_MODEL_TYPES:
             raise ValueError(
-                f"model_type: {model_type!r} is not supported; expected one of "
-                f"{TEXT_MODEL_TYPES + WRAPPER_MODEL_TYPES}"
+                f"model_type: {model_type!r} is not supported; expected one of {TEXT_MODEL_TYPES + WRAPPER_MODEL_TYPES}"
             )
         heads = _req(d, "num_attention_heads")
         kv_heads = d.get("num_key_value_heads")
         if kv_heads is not None and kv_heads != heads:
-            raise ValueError(
-                f"num_key_value_heads: {kv_heads} must equal num_attention_heads ({heads}) for MLA"
-            )
+            raise ValueError(f"num_key_value_heads: {kv_heads} must equal num_attention_heads ({heads}) for MLA")
         eos = d.get("eos_token_id", 1)
         eos_ids = () if eos is None else (tuple(int(e) for e in eos) if isinstance(eos, list | tuple) else (int(eos),))
         return cls(
@@ -292,13 +289,9 @@ def _validate(c: DeepseekV3Config) -> None:
     if not isinstance(c.n_shared_experts, int) or c.n_shared_experts < 0:
         raise ValueError(f"n_shared_experts: must be an int >= 0, got {c.n_shared_experts!r}")
     if not 0 <= c.first_k_dense_replace <= c.num_hidden_layers:
-        raise ValueError(
-            f"first_k_dense_replace: {c.first_k_dense_replace} not in [0, {c.num_hidden_layers}]"
-        )
+        raise ValueError(f"first_k_dense_replace: {c.first_k_dense_replace} not in [0, {c.num_hidden_layers}]")
     if c.num_experts_per_tok > c.n_routed_experts:
-        raise ValueError(
-            f"num_experts_per_tok: {c.num_experts_per_tok} > n_routed_experts {c.n_routed_experts}"
-        )
+        raise ValueError(f"num_experts_per_tok: {c.num_experts_per_tok} > n_routed_experts {c.n_routed_experts}")
     if c.n_routed_experts % c.n_group:
         raise ValueError(f"n_group: {c.n_group} does not divide n_routed_experts {c.n_routed_experts}")
     per_group = c.n_routed_experts // c.n_group

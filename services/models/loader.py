@@ -1,4 +1,4 @@
-"""Load an HF-layout DeepSeek-V3 / Kimi-K2 / Kimi-K2.5 checkpoint into a model (model.md §5).
+"""Load an HF-layout DeepSeek-V3 / Kimi-K2 / Kimi-K2.5 checkpoint into a model (docs/design.md §6).
 
 Reads `model.safetensors` or a sharded `model.safetensors.index.json` (every tensor, scales included,
 resolved through `weight_map`), memory-mapped. The model is built on the meta device and each parameter is
@@ -31,7 +31,12 @@ import torch
 from torch import nn
 
 from .checkpoint_files import (
-    INDEX_FILE, SAFETENSORS_DTYPES, SINGLE_FILE, CheckpointError, CheckpointFiles, checkpoint_weight_map,
+    INDEX_FILE,
+    SAFETENSORS_DTYPES,
+    SINGLE_FILE,
+    CheckpointError,
+    CheckpointFiles,
+    checkpoint_weight_map,
 )  # fmt: skip
 from .config import DeepseekV3Config
 from .deepseek_v3 import DeepseekV3ForCausalLM
@@ -113,7 +118,9 @@ def load_target(
     config = DeepseekV3Config.from_dict(raw)
     scheme = parse_quantization(quantization_config(raw), str(root / "config.json"))
     with torch.device("meta"):
-        model = build_model(config) if build_model else DeepseekV3ForCausalLM(config, attention_backend=attention_backend)
+        model = (
+            build_model(config) if build_model else DeepseekV3ForCausalLM(config, attention_backend=attention_backend)
+        )
     expected = {n: tuple(t.shape) for n, t in model.state_dict().items()}
     skip = skip or (lambda name: False)
     held = [n for n in expected if skip(n)]
@@ -204,7 +211,12 @@ def _source_file(files: CheckpointFiles) -> Path:
 
 
 def _read(
-    files: CheckpointFiles, name: str, p: _Planned, want: tuple[int, ...], sl: TensorSlice | None, scheme: QuantScheme | None
+    files: CheckpointFiles,
+    name: str,
+    p: _Planned,
+    want: tuple[int, ...],
+    sl: TensorSlice | None,
+    scheme: QuantScheme | None,
 ) -> torch.Tensor:
     head = p.stored[0]
     if p.quantized:

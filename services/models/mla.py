@@ -1,4 +1,4 @@
-"""Multi-head Latent Attention (MLA), absorbed form over a latent cache (model.md §2-§3).
+"""Multi-head Latent Attention (MLA), absorbed form over a latent cache (docs/design.md §5).
 
 Shapes: T new tokens, H heads, dn = qk_nope_head_dim, dr = qk_rope_head_dim, dv = v_head_dim,
 r = kv_lora_rank. kv_b_proj.weight [H·(dn+dv), r] viewed as [H, dn+dv, r] gives
@@ -84,7 +84,10 @@ class DeepseekV3Attention(nn.Module):
     ) -> torch.Tensor:  # [T, d]
         T = h.shape[0]
         q_nope, q_pe = self.project_q(h, positions, rope)  # [T, H, dn], [T, H, dr]
-        kv_layer[meta.write_slots.to(kv_layer.device)] = self.project_latent(h, positions, rope).to(kv_layer.dtype)
+        # [normalised c_kv ; rotated k_pe] into the cache: project_latent + scatter (fused on the triton backend)
+        backend.write_latent(
+            kv_layer, self.kv_a_proj_with_mqa(h), meta.write_slots, positions, self.kv_a_layernorm, rope
+        )
         w_uk, w_uv = self.w_uk_uv()
         q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, H, r]
         o_lat = backend.attend(q_lat, q_pe.to(q_lat.dtype), kv_layer, meta, self.softmax_scale)  # [T, H, r]

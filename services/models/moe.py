@@ -1,4 +1,4 @@
-"""Dense MLP and the DeepSeek-V3 MoE block (model.md §4). Module names mirror the checkpoint:
+"""Dense MLP and the DeepSeek-V3 MoE block (docs/design.md §5). Module names mirror the checkpoint:
 `mlp.{gate,up,down}_proj` (dense), `mlp.gate.{weight,e_score_correction_bias}`,
 `mlp.experts.{e}.{gate,up,down}_proj`, `mlp.shared_experts.{gate,up,down}_proj`."""
 
@@ -70,9 +70,7 @@ class DeepseekV3MoE(nn.Module):
         d, inter = config.hidden_size, config.moe_intermediate_size
         self.gate = DeepseekV3TopkRouter(config)
         self.experts = nn.ModuleList(DeepseekV3MLP(d, inter) for _ in range(config.n_routed_experts))
-        self.shared_experts = (
-            DeepseekV3MLP(d, inter * config.n_shared_experts) if config.n_shared_experts > 0 else None
-        )
+        self.shared_experts = DeepseekV3MLP(d, inter * config.n_shared_experts) if config.n_shared_experts > 0 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, d] -> [N, d]
         weights, idx = self.gate(x)  # [N, k] fp32, [N, k]
@@ -81,13 +79,13 @@ class DeepseekV3MoE(nn.Module):
         flat_idx = idx.flatten()  # [N*k]
         order = flat_idx.argsort(stable=True)
         counts = torch.bincount(flat_idx, minlength=len(self.experts)).tolist()
-        token_of = (order // idx.shape[1])  # token row of each sorted assignment
-        slot_of = (order % idx.shape[1])  # which of the k choices it was
+        token_of = order // idx.shape[1]  # token row of each sorted assignment
+        slot_of = order % idx.shape[1]  # which of the k choices it was
         start = 0
         for e, n in enumerate(counts):
             if n == 0:
                 continue
-            tok, pos = token_of[start:start + n], slot_of[start:start + n]
+            tok, pos = token_of[start : start + n], slot_of[start : start + n]
             start += n
             if self.experts[e] is None:  # expert parallel: another rank holds expert e
                 continue

@@ -1,14 +1,19 @@
-"""YaRN rotary position embedding with interleaved pairs (model.md §2).
+"""Rotary position embedding (default, linear or YaRN frequencies) in the two pair layouts the models use.
 
-Frequencies follow transformers `_compute_yarn_parameters` (same math as DeepSeek `precompute_freqs_cis`):
-high-frequency pairs keep theta^(-2i/dr), low-frequency pairs are divided by `factor`, with a linear ramp
-between the YaRN correction dims. The checkpoint lays the dr RoPE dims out as adjacent pairs
-(2i, 2i+1) rotated by frequency i (GPT-J / complex-number convention); we rotate the pairs in place, so
-our rotated q_pe / k_pe are in checkpoint order (HF returns them de-interleaved; scores are identical).
+Frequencies follow transformers `ROPE_INIT_FUNCTIONS` (YaRN: `_compute_yarn_parameters`, the same math as
+DeepSeek `precompute_freqs_cis`): high-frequency pairs keep theta^(-2i/dr), low-frequency pairs are divided
+by `factor`, with a linear ramp between the YaRN correction dims; linear scaling divides every frequency by
+`factor`.
 
-The m² YaRN magnitude factor belongs in the softmax scale (config.softmax_scale), not here. The cos/sin
-`attention_factor` is mscale(f, mscale) / mscale(f, mscale_all_dim), which is 1.0 in every released
-config, but we compute and apply it anyway.
+Frequency i rotates one pair of the dr RoPE dims; which pair is the layout:
+- interleaved (the DeepSeek-V3 / Kimi target): adjacent dims (2i, 2i+1) (GPT-J / complex-number convention).
+  We rotate the pairs in place, so the target's rotated q_pe / k_pe are in checkpoint order (HF returns them
+  de-interleaved; scores are identical).
+- rotate-half (the Qwen3-style DFlash drafter): dims (i, i + dr/2) (GPT-NeoX convention).
+
+The m² YaRN magnitude factor belongs in the softmax scale (the target's config.softmax_scale), not here.
+The cos/sin `attention_factor` is mscale(f, mscale) / mscale(f, mscale_all_dim), which is 1.0 in every
+released target config, but we compute and apply it anyway.
 """
 
 from __future__ import annotations
@@ -27,10 +32,16 @@ def _correction_dim(num_rotations: float, dim: int, base: float, original_max_po
 
 
 def yarn_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
-    """Inverse frequencies [dim/2] in fp32 on CPU (default RoPE when rope.rope_type == "default")."""
+    """Inverse frequencies [dim/2] in fp32 on CPU for rope.rope_type "default", "linear" or "yarn".
+
+    "linear" (position interpolation) divides every default frequency by rope.factor. "yarn" needs
+    rope.original_max_position_embeddings; the other two read only rope.theta (and factor).
+    """
     exponents = torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim  # [dim/2]
     pos_freqs = rope.theta**exponents
     inv_extrapolation = 1.0 / pos_freqs
+    if rope.rope_type == "linear":
+        return inv_extrapolation / rope.factor
     if not rope.is_yarn:
         return inv_extrapolation
     inv_interpolation = 1.0 / (rope.factor * pos_freqs)
@@ -48,7 +59,7 @@ def yarn_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
 
 
 def rope_attention_factor(rope: RopeConfig) -> float:
-    """cos/sin multiplier (HF `attention_factor`); 1.0 for default RoPE and when mscale == mscale_all_dim."""
+    """cos/sin multiplier (HF `attention_factor`); 1.0 unless YaRN (and then 1.0 when mscale == mscale_all_dim)."""
     if not rope.is_yarn:
         return 1.0
     if rope.attention_factor is not None:
@@ -56,6 +67,50 @@ def rope_attention_factor(rope: RopeConfig) -> float:
     if rope.mscale and rope.mscale_all_dim:
         return yarn_get_mscale(rope.factor, rope.mscale) / yarn_get_mscale(rope.factor, rope.mscale_all_dim)
     return yarn_get_mscale(rope.factor)
+
+
+def rope_cos_sin(
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    attention_factor: float = 1.0,
+    *,
+    interleaved: bool = True,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the angles positions·inv_freq, times attention_factor, for `apply_rope`.
+
+    positions: int [T]; inv_freq: fp32 [dr/2]. The angles, cos and sin are computed in fp32, then cast to
+    `dtype`. interleaved=True -> [T, dr/2] (entry i is frequency i); interleaved=False -> [T, dr], the
+    angles duplicated ([freqs ; freqs]) before cos/sin, so that dims i and i + dr/2 share frequency i.
+    """
+    angles = positions.to(torch.float32)[:, None] * inv_freq.to(positions.device, torch.float32)[None, :]
+    if not interleaved:
+        angles = torch.cat((angles, angles), dim=-1)  # [T, dr]
+    return (angles.cos() * attention_factor).to(dtype), (angles.sin() * attention_factor).to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """[x1 ; x2] -> [-x2 ; x1] over the last dim (halves of dr/2): the rotate-half layout's partner dims."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool) -> torch.Tensor:
+    """Rotate the RoPE dims (the last dim, dr wide) of x by the angles whose cos/sin `rope_cos_sin` gave.
+
+    cos/sin must broadcast against x with the last dim dr/2 (interleaved) or dr (rotate-half): the caller
+    adds the singleton head dims. The arithmetic runs in cos/sin's dtype (x is cast to it) and the result
+    is cast back to x.dtype: the target passes fp32 cos/sin (fp32 math whatever the model dtype), the
+    drafter passes them in its model dtype (model-dtype math, as HF Qwen3).
+    """
+    xc = x.to(cos.dtype)
+    if not interleaved:
+        return (xc * cos + rotate_half(xc) * sin).to(x.dtype)
+    dr = x.shape[-1]
+    xf = xc.unflatten(-1, (dr // 2, 2))  # [..., dr/2, 2]
+    x_even, x_odd = xf[..., 0], xf[..., 1]
+    out = torch.stack((x_even * cos - x_odd * sin, x_odd * cos + x_even * sin), dim=-1)
+    return out.flatten(-2).to(x.dtype)
 
 
 def apply_rope_interleaved(
@@ -69,18 +124,13 @@ def apply_rope_interleaved(
     T, dr = x.shape[0], x.shape[-1]
     assert positions.shape == (T,), f"positions {tuple(positions.shape)} != ({T},)"
     assert inv_freq.shape == (dr // 2,), f"inv_freq {tuple(inv_freq.shape)} != ({dr // 2},)"
-    angles = positions.to(torch.float32)[:, None] * inv_freq.to(x.device, torch.float32)  # [T, dr/2]
-    angles = angles.view(T, *([1] * (x.dim() - 2)), dr // 2)  # broadcast over heads
-    cos = angles.cos() * attention_factor
-    sin = angles.sin() * attention_factor
-    xf = x.to(torch.float32).unflatten(-1, (dr // 2, 2))  # [..., dr/2, 2]
-    x_even, x_odd = xf[..., 0], xf[..., 1]
-    out = torch.stack((x_even * cos - x_odd * sin, x_odd * cos + x_even * sin), dim=-1)
-    return out.flatten(-2).to(x.dtype)
+    cos, sin = rope_cos_sin(positions, inv_freq, attention_factor)  # fp32 [T, dr/2]
+    heads = [1] * (x.dim() - 2)  # broadcast over heads
+    return apply_rope(x, cos.view(T, *heads, dr // 2), sin.view(T, *heads, dr // 2), interleaved=True)
 
 
 class RotaryEmbedding(nn.Module):
-    """Holds the YaRN inverse frequencies (fp32, non-persistent) and the cos/sin attention factor."""
+    """Holds the inverse frequencies (fp32, non-persistent) and the cos/sin attention factor; interleaved."""
 
     def __init__(self, rope: RopeConfig, dim: int):
         super().__init__()

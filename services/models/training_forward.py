@@ -9,6 +9,7 @@
 
 Every position of a block is a new token; positions are 0..T-1 unless given.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

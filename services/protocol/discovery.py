@@ -3,11 +3,12 @@
 docker compose gives one A record per replica of a scaled service, so resolving the service name
 finds them all; callers re-resolve periodically to see replicas come and go.
 """
+
 from __future__ import annotations
 
 import socket
 
-from services.telemetry.logging import get_logger
+from ddtree.telemetry.logging import get_logger
 
 log = get_logger("ddtree.discovery")
 

@@ -5,12 +5,13 @@ names) and server reflection. SIGTERM and SIGINT start a graceful stop: health f
 new RPCs are refused, in-flight RPCs get `grace_s` seconds to finish. The bound address is printed as
 one line `LISTENING <service> <host>:<port>` so parents that started us on port 0 can find it.
 """
+
 from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Callable, Iterable
 from concurrent import futures
-from typing import Callable, Iterable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -27,9 +28,16 @@ GRPC_OPTIONS = [
 class RunningServer:
     """A started gRPC server with health and reflection; `stop()` is graceful and idempotent."""
 
-    def __init__(self, server: grpc.Server, health_servicer: health.HealthServicer,
-                 service_names: Iterable[str], port: int, host: str, grace_s: float,
-                 on_stop: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        server: grpc.Server,
+        health_servicer: health.HealthServicer,
+        service_names: Iterable[str],
+        port: int,
+        host: str,
+        grace_s: float,
+        on_stop: Callable[[], None] | None = None,
+    ):
         self.server = server
         self.health = health_servicer
         self.service_names = tuple(service_names)
@@ -59,14 +67,21 @@ class RunningServer:
         self._stopped.wait()
 
 
-def start_server(name: str, register: Callable[[grpc.Server], Iterable[str]], host: str, port: int,
-                 max_workers: int, grace_s: float, on_stop: Callable[[], None] | None = None,
-                 announce: bool = True) -> RunningServer:
+def start_server(
+    name: str,
+    register: Callable[[grpc.Server], Iterable[str]],
+    host: str,
+    port: int,
+    max_workers: int,
+    grace_s: float,
+    on_stop: Callable[[], None] | None = None,
+    announce: bool = True,
+) -> RunningServer:
     """Create, register and start a server. `register(server)` adds servicers and returns the full
     service names it registered (e.g. "ddtree.v1.Verifier")."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
-                                                    thread_name_prefix=f"{name}-rpc"),
-                         options=GRPC_OPTIONS)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"{name}-rpc"), options=GRPC_OPTIONS
+    )
     names = list(register(server))
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -85,8 +100,10 @@ def start_server(name: str, register: Callable[[grpc.Server], Iterable[str]], ho
 
 def stop_on_signals(running: RunningServer) -> None:
     """SIGTERM / SIGINT -> graceful stop (from the main thread only)."""
+
     def handler(signum, _frame):
         threading.Thread(target=running.stop, name="graceful-stop", daemon=True).start()
+
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
 

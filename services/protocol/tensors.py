@@ -1,4 +1,5 @@
 """Tensor <-> ddtree.v1.Tensor: raw little-endian bytes, shape and dtype, validated on the way in."""
+
 from __future__ import annotations
 
 import math
@@ -6,7 +7,7 @@ import sys
 
 import torch
 
-from services.protocol.ddtree.v1 import common_pb2
+from ddtree.protocol.ddtree.v1 import common_pb2
 
 _TO_PROTO = {
     torch.float32: common_pb2.FLOAT32,
@@ -33,15 +34,19 @@ def tensor_to_proto(t: torch.Tensor) -> common_pb2.Tensor:
 def tensor_from_proto(msg: common_pb2.Tensor, *, what: str = "tensor") -> torch.Tensor:
     """Decode a Tensor message; raise ValueError naming `what` when it is inconsistent."""
     if msg.dtype not in _FROM_PROTO:
-        raise ValueError(f"{what}: unsupported dtype {common_pb2.DType.Name(msg.dtype) if msg.dtype in common_pb2.DType.values() else msg.dtype}")
+        raise ValueError(
+            f"{what}: unsupported dtype {common_pb2.DType.Name(msg.dtype) if msg.dtype in common_pb2.DType.values() else msg.dtype}"
+        )
     if any(d < 0 for d in msg.shape):
         raise ValueError(f"{what}: negative dimension in shape {list(msg.shape)}")
     dtype = _FROM_PROTO[msg.dtype]
     itemsize = torch.empty((), dtype=dtype).element_size()
     count = math.prod(msg.shape)
     if len(msg.data) != count * itemsize:
-        raise ValueError(f"{what}: shape {list(msg.shape)} of {common_pb2.DType.Name(msg.dtype)} needs "
-                         f"{count * itemsize} bytes, got {len(msg.data)}")
+        raise ValueError(
+            f"{what}: shape {list(msg.shape)} of {common_pb2.DType.Name(msg.dtype)} needs "
+            f"{count * itemsize} bytes, got {len(msg.data)}"
+        )
     if count == 0:
         return torch.empty(tuple(msg.shape), dtype=dtype)
     buf = torch.frombuffer(bytearray(msg.data), dtype=_BUFFER_DTYPE.get(dtype, dtype))

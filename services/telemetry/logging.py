@@ -1,4 +1,5 @@
 """structlog setup shared by the services: JSON lines (or console) on stderr, level from config."""
+
 from __future__ import annotations
 
 import logging

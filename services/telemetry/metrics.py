@@ -1,10 +1,11 @@
-"""Prometheus metrics of the services (names fixed by design.md §8).
+"""Prometheus metrics of the services (names fixed by docs/design.md §8).
 
 Metrics live in the process-wide default registry, so each service exposes exactly its own: the
 verifier's step metrics, the drafter's draft metrics, the gateway's request latencies. A service with
 `--metrics-port P` (P >= 0) serves them at http://host:P/metrics; the gateway also serves them on its
 HTTP port. Observations are a few dict lookups per step: cheap enough to stay on.
 """
+
 from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
@@ -17,13 +18,14 @@ CONTEXT_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536
 NODE_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 # ---- verifier ----
-ACCEPT_LENGTH = Histogram("ddtree_accept_length", "Tokens committed per step (root + matched nodes)",
-                          buckets=ACCEPT_BUCKETS)
+ACCEPT_LENGTH = Histogram(
+    "ddtree_accept_length", "Tokens committed per step (root + matched nodes)", buckets=ACCEPT_BUCKETS
+)
 STEP_SECONDS = Histogram("ddtree_step_seconds", "Step time by phase", ["phase"], buckets=STEP_BUCKETS)
-CONTEXT_TOKENS = Histogram("ddtree_context_tokens", "Committed context per sequence at each step",
-                           buckets=CONTEXT_BUCKETS)
-TREE_NODES = Histogram("ddtree_tree_nodes", "Non-root tree nodes verified per sequence and step",
-                       buckets=NODE_BUCKETS)
+CONTEXT_TOKENS = Histogram(
+    "ddtree_context_tokens", "Committed context per sequence at each step", buckets=CONTEXT_BUCKETS
+)
+TREE_NODES = Histogram("ddtree_tree_nodes", "Non-root tree nodes verified per sequence and step", buckets=NODE_BUCKETS)
 FEATURE_BYTES = Counter("ddtree_feature_bytes", "Feature bytes sent to the drafter")
 GENERATED_TOKENS = Counter("ddtree_generated_tokens", "Tokens emitted by the verifier")
 RUNNING = Gauge("ddtree_running_sequences", "Sequences in prefill or decode")
@@ -33,8 +35,7 @@ KV_CACHED = Gauge("ddtree_kv_slots_cached", "Latent KV slots held by the prefix 
 KV_TOTAL = Gauge("ddtree_kv_slots_total", "Latent KV slots in the pool")
 REQUESTS = Counter("ddtree_requests", "Finished requests by finish reason", ["finish_reason"])
 TTFT = Histogram("ddtree_time_to_first_token_seconds", "Arrival to first token", buckets=LATENCY_BUCKETS)
-ITL = Histogram("ddtree_inter_token_seconds", "Time between streamed token batches, per token",
-                buckets=STEP_BUCKETS)
+ITL = Histogram("ddtree_inter_token_seconds", "Time between streamed token batches, per token", buckets=STEP_BUCKETS)
 E2E = Histogram("ddtree_request_seconds", "Arrival to finish", buckets=LATENCY_BUCKETS)
 
 # ---- drafter ----

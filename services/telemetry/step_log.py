@@ -11,6 +11,7 @@ Either way a line is `{"request_id": ..., "step": ..., "context_tokens": ..., ..
 "level": "info", "timestamp": ...}`, so `read_step_records` reads a service log and a step file alike.
 A record costs one JSON render and one write (tens of microseconds; README "Measuring").
 """
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,17 @@ from collections.abc import Iterable
 
 import structlog
 
-STEP_FIELDS = ("step", "context_tokens", "tree_nodes", "accept_length", "draft_ms", "verify_ms",
-               "transport_ms", "total_ms", "feature_bytes")
+STEP_FIELDS = (
+    "step",
+    "context_tokens",
+    "tree_nodes",
+    "accept_length",
+    "draft_ms",
+    "verify_ms",
+    "transport_ms",
+    "total_ms",
+    "feature_bytes",
+)
 
 
 def open_step_log(spec: str):
@@ -35,9 +45,13 @@ def open_step_log(spec: str):
     sink = open(path, "a", buffering=1)  # line-buffered: a reader sees every finished step
     return structlog.wrap_logger(
         structlog.WriteLogger(sink),
-        processors=[structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="iso", utc=True),
-                    structlog.processors.JSONRenderer()],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.JSONRenderer(),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
+    )
 
 
 def parse_step_records(lines: Iterable[str]) -> list[dict]:

@@ -25,6 +25,7 @@ The taps and the greedy choices come from one pass of the target per batch (pref
 forward per generated token: the decode forward's taps and argmax are the labels' source), under
 no_grad, through the same `DeepseekV3ForCausalLM.forward` the verifier runs.
 """
+
 from __future__ import annotations
 
 import math
@@ -35,7 +36,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from services.models.attention import AttentionMetadata, SeqAttention
+from ddtree.models.attention import AttentionMetadata, SeqAttention
 
 KINDS = ("code", "prose", "chat")
 DOC_SEPARATOR = "[EOS]"  # tools/build_corpus.py joins documents with this special-token text
@@ -64,6 +65,7 @@ class TargetBatch:
 
 # ---------------------------------------------------------------------------------------------- corpus
 
+
 @dataclass(frozen=True)
 class TokenStream:
     kind: str
@@ -78,7 +80,7 @@ def _encode_file(path: Path, tokenizer_json: Path, eos_id: int) -> Tensor:
     docs = [d for d in path.read_text(encoding="utf-8").split(DOC_SEPARATOR) if d]
     out: list[int] = []
     for i in range(0, len(docs), 256):
-        for enc in tok.encode_batch(docs[i:i + 256], add_special_tokens=False):
+        for enc in tok.encode_batch(docs[i : i + 256], add_special_tokens=False):
             out.extend(enc.ids)
             out.append(eos_id)
     return torch.tensor(out, dtype=torch.int64)
@@ -97,8 +99,14 @@ def _chat_prompt_ends(ids: Tensor, assistant_id: int | None, middle_id: int | No
     return ends if ends.numel() else None
 
 
-def load_corpus(corpus_dir: str | Path, tokenizer_dir: str | Path, kinds: tuple[str, ...], split: str,
-                eos_id: int, cache_dir: str | Path | None = None) -> dict[str, TokenStream]:
+def load_corpus(
+    corpus_dir: str | Path,
+    tokenizer_dir: str | Path,
+    kinds: tuple[str, ...],
+    split: str,
+    eos_id: int,
+    cache_dir: str | Path | None = None,
+) -> dict[str, TokenStream]:
     """Tokenize `{split}_{kind}.txt` for each kind (cached as .pt in cache_dir, keyed by size/mtime)."""
     from tokenizers import Tokenizer
 
@@ -123,14 +131,18 @@ def load_corpus(corpus_dir: str | Path, tokenizer_dir: str | Path, kinds: tuple[
                 cached.parent.mkdir(parents=True, exist_ok=True)
                 torch.save({"key": key, "ids": ids}, str(cached) + ".tmp")
                 os.replace(str(cached) + ".tmp", cached)
-        ends = _chat_prompt_ends(ids, tok.token_to_id("<|im_assistant|>"), tok.token_to_id("<|im_middle|>")) \
-            if kind == "chat" else None
+        ends = (
+            _chat_prompt_ends(ids, tok.token_to_id("<|im_assistant|>"), tok.token_to_id("<|im_middle|>"))
+            if kind == "chat"
+            else None
+        )
         streams[kind] = TokenStream(kind, ids, ends)
     return streams
 
 
-def sample_windows(streams: dict[str, TokenStream], count: int, length: int, generator: torch.Generator,
-                   prompts: bool) -> Tensor:
+def sample_windows(
+    streams: dict[str, TokenStream], count: int, length: int, generator: torch.Generator, prompts: bool
+) -> Tensor:
     """int64 [count, length] windows, each from a kind drawn uniformly. With prompts=True a chat window
     ends right after an assistant header (the target then writes an answer)."""
     kinds = sorted(streams)
@@ -145,29 +157,35 @@ def sample_windows(streams: dict[str, TokenStream], count: int, length: int, gen
             end = int(ends[int(torch.randint(ends.numel(), (1,), generator=generator))])
         else:
             end = int(torch.randint(length, n + 1, (1,), generator=generator))
-        out[i] = s.ids[end - length:end]
+        out[i] = s.ids[end - length : end]
     return out
 
 
 # ---------------------------------------------------------------------------------------------- target
 
+
 class TargetRunner:
     """Runs the frozen target over whole sequences (taps + argmax) or greedy continuations of prompts."""
 
-    def __init__(self, target, tap_layer_ids: tuple[int, ...], taps_dtype: torch.dtype,
-                 max_tokens_per_forward: int = 4096):
+    def __init__(
+        self, target, tap_layer_ids: tuple[int, ...], taps_dtype: torch.dtype, max_tokens_per_forward: int = 4096
+    ):
         self.target = target
         self.tap_layer_ids = tuple(tap_layer_ids)
         self.taps_dtype = taps_dtype
         self.max_tokens = max_tokens_per_forward
 
-    def _forward(self, ids: Tensor, positions: Tensor, seqs: list[SeqAttention], cache: Tensor,
-                 rows: Tensor | None):
+    def _forward(self, ids: Tensor, positions: Tensor, seqs: list[SeqAttention], cache: Tensor, rows: Tensor | None):
         dev = self.target.device
         meta = AttentionMetadata(seqs=tuple(seqs))
-        return self.target.forward(ids.to(dev), positions.to(dev), meta, cache,
-                                   logits_rows=None if rows is None else rows.to(dev),
-                                   tap_layer_ids=self.tap_layer_ids)
+        return self.target.forward(
+            ids.to(dev),
+            positions.to(dev),
+            meta,
+            cache,
+            logits_rows=None if rows is None else rows.to(dev),
+            tap_layer_ids=self.tap_layer_ids,
+        )
 
     @torch.no_grad()
     def prefill(self, ids: Tensor, all_logits: bool = True) -> tuple[Tensor, Tensor]:
@@ -177,7 +195,7 @@ class TargetRunner:
         taps, greedy = [], []
         empty = torch.empty(0, dtype=torch.int64)
         for i in range(0, s, per):
-            chunk = ids[i:i + per]
+            chunk = ids[i : i + per]
             n = chunk.shape[0]
             cache = self.target.new_kv_cache(n * t)
             seqs = [SeqAttention(j * t, t, empty, torch.arange(j * t, (j + 1) * t)) for j in range(n)]
@@ -217,6 +235,7 @@ class TargetRunner:
 
 
 # ---------------------------------------------------------------------------------------------- batches
+
 
 @dataclass(frozen=True)
 class DataSpec:

@@ -17,13 +17,15 @@ train/serve test in tests/test_train_drafter.py checks this against DraftEngine.
 The math per layer is DFlashAttention's, written for a leading batch dimension; the weights are the
 DFlashDraftModel's own modules, so training updates exactly what load_drafter loads.
 """
+
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from services.models.dflash import DFlashDraftModel, rotate_half
+from ddtree.models.dflash import DFlashDraftModel
+from ddtree.models.rope import apply_rope
 
 
 def sample_anchors(lo: int, hi: int, count: int, batch: int, generator: torch.Generator) -> Tensor:
@@ -55,18 +57,19 @@ def block_attention_mask(anchors: Tensor, context_len: int, block_size: int, win
 
 
 def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [..., n, heads, hd], cos/sin [..., n, hd] (dflash.apply_rope with leading dims)."""
-    return x * cos.unsqueeze(-2) + rotate_half(x) * sin.unsqueeze(-2)
+    """x [..., n, heads, hd], cos/sin [..., n, hd]: the drafter's rotate-half RoPE with leading dims."""
+    return apply_rope(x, cos.unsqueeze(-2), sin.unsqueeze(-2), interleaved=False)
 
 
 def _cos_sin(model: DFlashDraftModel, positions: Tensor) -> tuple[Tensor, Tensor]:
     """positions int64 [...] -> cos, sin [..., hd] (the model's own RoPE, any leading shape)."""
-    cos, sin = model._cos_sin(positions.reshape(-1))
+    cos, sin = model.cos_sin(positions.reshape(-1))
     return cos.view(*positions.shape, -1), sin.view(*positions.shape, -1)
 
 
-def block_hidden(model: DFlashDraftModel, features: Tensor, block_embeds: Tensor, anchors: Tensor,
-                 window: int = 0) -> Tensor:
+def block_hidden(
+    model: DFlashDraftModel, features: Tensor, block_embeds: Tensor, anchors: Tensor, window: int = 0
+) -> Tensor:
     """Hidden states of all draft blocks after the final norm.
 
     features [S, T, F] target taps of every position; block_embeds [S, m, B, H] (already scaled by
@@ -94,8 +97,9 @@ def block_hidden(model: DFlashDraftModel, features: Tensor, block_embeds: Tensor
         vb = attn.v_proj(x).view(s, m * b, kvh, hd)
         k = torch.cat([kc.to(kb.dtype), kb], dim=1).repeat_interleave(groups, dim=2)  # [S, T+mB, nh, hd]
         v = torch.cat([vc.to(vb.dtype), vb], dim=1).repeat_interleave(groups, dim=2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             attn_mask=mask, scale=hd ** -0.5)  # [S, nh, mB, hd]
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=hd**-0.5
+        )  # [S, nh, mB, hd]
         h = h + attn.o_proj(out.transpose(1, 2).reshape(s, m * b, nh * hd))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     return model.norm(h).view(s, m, b, h_dim)

@@ -12,6 +12,7 @@ with gamma growing with the block size (DFlash uses 7 for B = 16, 5 for B = 10 a
 The logits use the TARGET's lm_head (the drafter has none). For large vocabularies the rows are
 processed in chunks under activation checkpointing, so the [rows, V] logits are never all alive.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from services.models.dflash import DFlashDraftModel
+from ddtree.models.dflash import DFlashDraftModel
 
 
 def default_gamma(block_size: int) -> float:
@@ -44,10 +45,13 @@ class BlockLoss:
     blocks: int
 
     def metrics(self) -> dict:
-        return {"loss": float(self.loss.detach()), "acc1": float(self.acc_per_depth[0]),
-                "chain_tau": self.chain_tau,
-                "acc": [round(float(a), 4) for a in self.acc_per_depth],
-                "ce": [round(float(c), 4) for c in self.ce_per_depth]}
+        return {
+            "loss": float(self.loss.detach()),
+            "acc1": float(self.acc_per_depth[0]),
+            "chain_tau": self.chain_tau,
+            "acc": [round(float(a), 4) for a in self.acc_per_depth],
+            "ce": [round(float(c), 4) for c in self.ce_per_depth],
+        }
 
 
 def _chunk_ce(model: DFlashDraftModel, hidden: Tensor, lm_head_weight: Tensor, labels: Tensor):
@@ -55,15 +59,21 @@ def _chunk_ce(model: DFlashDraftModel, hidden: Tensor, lm_head_weight: Tensor, l
     return F.cross_entropy(logits, labels, reduction="none"), logits.argmax(-1)
 
 
-def block_loss(model: DFlashDraftModel, hidden: Tensor, lm_head_weight: Tensor, labels: Tensor,
-               weights: Tensor, chunk_rows: int = 8192) -> BlockLoss:
+def block_loss(
+    model: DFlashDraftModel,
+    hidden: Tensor,
+    lm_head_weight: Tensor,
+    labels: Tensor,
+    weights: Tensor,
+    chunk_rows: int = 8192,
+) -> BlockLoss:
     """hidden [S, m, B, H] (block_hidden), labels int64 [S, m, B-1], weights fp32 [B-1]."""
     s, m, b, h = hidden.shape
     rows = hidden[:, :, 1:].reshape(-1, h)  # slot 0 (the anchor) is never a prediction
     lab = labels.reshape(-1).to(rows.device)
     ces, preds = [], []
     for i in range(0, rows.shape[0], chunk_rows):
-        args = (model, rows[i:i + chunk_rows], lm_head_weight, lab[i:i + chunk_rows])
+        args = (model, rows[i : i + chunk_rows], lm_head_weight, lab[i : i + chunk_rows])
         if rows.shape[0] > chunk_rows and torch.is_grad_enabled():
             ce, pred = checkpoint(_chunk_ce, *args, use_reentrant=False)
         else:
@@ -76,6 +86,10 @@ def block_loss(model: DFlashDraftModel, hidden: Tensor, lm_head_weight: Tensor, 
     with torch.no_grad():
         correct = (torch.cat(preds).view(s * m, b - 1) == lab.view(s * m, b - 1)).float()
         chain = correct.cumprod(dim=1).sum(dim=1)  # leading correct slots per block
-        return BlockLoss(loss=loss, ce_per_depth=ce.detach().mean(0).cpu(), acc_per_depth=correct.mean(0).cpu(),
-                         chain_tau=1.0 + float(chain.mean()), blocks=s * m)
-
+        return BlockLoss(
+            loss=loss,
+            ce_per_depth=ce.detach().mean(0).cpu(),
+            acc_per_depth=correct.mean(0).cpu(),
+            chain_tau=1.0 + float(chain.mean()),
+            blocks=s * m,
+        )

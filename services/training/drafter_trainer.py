@@ -10,6 +10,7 @@ Resume is exact: data batch i and the anchors of micro-batch i are functions of 
 checkpoint holds the model, the optimizer, the step and the planned number of steps, so a run stopped
 and resumed ends with the same weights, bit for bit, as an uninterrupted one (tested).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,17 +24,29 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from services.models.dflash import DFlashDraftModel, load_drafter, write_random_drafter
-from services.training.drafter_data import BatchPool, DataSpec, TargetBatch, TargetRunner, load_corpus, make_batch
-from services.training.drafter_forward import block_hidden, block_inputs, block_labels, sample_anchors
-from services.training.drafter_loss import block_loss, default_gamma, depth_weights
-from services.training.progress import Progress
-from services.training.schedule import lr_at, plan_steps
+from ddtree.models.dflash import DFlashDraftModel
+from ddtree.models.dflash_checkpoint import load_drafter, write_random_drafter
+from ddtree.models.dtypes import TORCH_DTYPES
+from ddtree.training.drafter_data import BatchPool, DataSpec, TargetBatch, TargetRunner, load_corpus, make_batch
+from ddtree.training.drafter_forward import block_hidden, block_inputs, block_labels, sample_anchors
+from ddtree.training.drafter_loss import block_loss, default_gamma, depth_weights
+from ddtree.training.progress import Progress
+from ddtree.training.schedule import lr_at, plan_steps
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Settings that may change between a run and its --resume; every other one must match the checkpoint.
-RESUMABLE = {"target", "corpus", "run_dir", "export", "minutes", "save_every", "log_every", "threads",
-             "resume", "device", "val_batches"}
+RESUMABLE = {
+    "target",
+    "corpus",
+    "run_dir",
+    "export",
+    "minutes",
+    "save_every",
+    "log_every",
+    "threads",
+    "resume",
+    "device",
+    "val_batches",
+}
 PROBE_STEPS = 3  # steps measured before a --minutes run fixes its schedule
 
 
@@ -47,6 +60,7 @@ def _mask_token(target_dir: Path, vocab: int, flag: int) -> int:
     tok = target_dir / "tokenizer.json"
     if tok.is_file():
         from tokenizers import Tokenizer
+
         mid = Tokenizer.from_file(str(tok)).token_to_id("[MASK]")
         if mid is not None and mid < vocab:
             return mid
@@ -57,6 +71,7 @@ def _eos_id(target_dir: Path, target_config: dict) -> int:
     tok = target_dir / "tokenizer.json"
     if tok.is_file():
         from tokenizers import Tokenizer
+
         eid = Tokenizer.from_file(str(tok)).token_to_id("[EOS]")
         if eid is not None:
             return eid
@@ -65,7 +80,7 @@ def _eos_id(target_dir: Path, target_config: dict) -> int:
 
 
 def export_drafter(model: DFlashDraftModel, path: Path, extra: dict | None = None) -> Path:
-    """config.json (DFlash format, ddtree.md §1.5) + model.safetensors, written into a fresh dir."""
+    """config.json (DFlash format, docs/design.md §6) + model.safetensors, written into a fresh dir."""
     path.mkdir(parents=True, exist_ok=True)
     config = model.config.to_dict() | {"torch_dtype": str(model.dtype).removeprefix("torch.")}
     state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
@@ -78,32 +93,43 @@ def export_drafter(model: DFlashDraftModel, path: Path, extra: dict | None = Non
     return path
 
 
+def _check_args(args: argparse.Namespace, needs_corpus: bool) -> None:
+    """Raise ValueError naming the flag for settings a run cannot start with."""
+    if args.steps <= 0 and args.minutes <= 0:
+        raise ValueError("give --steps, --minutes, or both")
+    if not (Path(args.target) / "config.json").is_file():
+        raise ValueError(f"--target {args.target}: no config.json (expected an HF-layout checkpoint dir)")
+    if needs_corpus and not Path(args.corpus).is_dir():
+        raise ValueError(f"--corpus {args.corpus}: not a directory")
+    for name in ("batch", "anchors", "accum", "layers", "save_every", "log_every"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+
+
 class DrafterTrainer:
-    """One training run. `args` holds exactly the flags of tools.train_drafter.add_arguments;
+    """One training run. `args` holds exactly the flags of ddtree.tools.train_drafter.add_arguments;
     `streams` / `val_streams` (kind -> TokenStream) replace the corpus in tests."""
 
     def __init__(self, args: argparse.Namespace, streams=None, val_streams=None, log=print):
         self.args, self.log = args, log
         if args.threads > 0:
             torch.set_num_threads(args.threads)
-        if args.steps <= 0 and args.minutes <= 0:
-            raise ValueError("give --steps, --minutes, or both")
-        if not (Path(args.target) / "config.json").is_file():
-            raise ValueError(f"--target {args.target}: no config.json (expected an HF-layout checkpoint dir)")
-        if streams is None and not Path(args.corpus).is_dir():
-            raise ValueError(f"--corpus {args.corpus}: not a directory")
-        for name in ("batch", "anchors", "accum", "layers", "save_every", "log_every"):
-            if getattr(args, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+        _check_args(args, needs_corpus=streams is None)
         self.run_dir = Path(args.run_dir)
-        self.device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
-                                   else "cpu" if args.device == "auto" else args.device)
+        self.device = torch.device(
+            "cuda"
+            if args.device == "auto" and torch.cuda.is_available()
+            else "cpu"
+            if args.device == "auto"
+            else args.device
+        )
         cuda = self.device.type == "cuda"
         auto = torch.bfloat16 if cuda else torch.float32
-        tdtype = auto if args.target_dtype == "auto" else DTYPES[args.target_dtype]
+        tdtype = auto if args.target_dtype == "auto" else TORCH_DTYPES[args.target_dtype]
         self.autocast = dict(device_type=self.device.type, dtype=torch.bfloat16, enabled=cuda)
 
-        from services.models.loader import load_target
+        from ddtree.models.loader import load_target
+
         target_dir = Path(args.target)
         self.target = load_target(target_dir, dtype=tdtype, device=self.device)
         tcfg = json.loads((target_dir / "config.json").read_text())
@@ -120,26 +146,7 @@ class DrafterTrainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "args.json").write_text(json.dumps(vars(args), indent=2, sort_keys=True) + "\n")
 
-        init_dir = self.run_dir / "init"
-        if self.state is None:  # a fresh run: nothing of an earlier, unsaved one is reused
-            shutil.rmtree(init_dir, ignore_errors=True)
-            (self.run_dir / "train_log.jsonl").unlink(missing_ok=True)
-        if self.state is None and getattr(args, "init", ""):  # fine-tune: start from an existing drafter checkpoint
-            src = Path(args.init)
-            if not (src / "config.json").is_file() or not (src / "model.safetensors").is_file():
-                raise ValueError(f"--init {src}: needs config.json and model.safetensors (a drafter checkpoint)")
-            init_dir.mkdir(parents=True)
-            for name in ("config.json", "model.safetensors"):
-                shutil.copyfile(src / name, init_dir / name)
-        if not (init_dir / "model.safetensors").is_file():  # same seed and flags: the same bytes
-            hidden = int(tcfg["hidden_size"])
-            heads = args.heads or (hidden // 128 if hidden >= 1024 else 4)
-            kv = args.kv_heads or max(1, heads // 4 if heads >= 8 else heads // 2)
-            write_random_drafter(init_dir, tcfg, seed=args.seed, block_size=args.block_size, num_layers=args.layers,
-                                 num_attention_heads=heads, num_key_value_heads=kv,
-                                 intermediate_size=args.intermediate or None,
-                                 mask_token_id=_mask_token(target_dir, int(tcfg["vocab_size"]), args.mask_token_id),
-                                 target_layer_ids=_tap_ids(args.target_layer_ids))
+        init_dir = self._initial_drafter(target_dir, tcfg)
         self.model = load_drafter(init_dir, dtype=torch.float32, device=self.device).train()
         for p in self.model.parameters():
             p.requires_grad_(True)
@@ -148,8 +155,11 @@ class DrafterTrainer:
         self.weights = depth_weights(self.block, args.gamma or default_gamma(self.block))
         decay = [p for n, p in self.model.named_parameters() if p.dim() >= 2]
         no_decay = [p for n, p in self.model.named_parameters() if p.dim() < 2]
-        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                                      {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
+        self.opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=args.lr,
+            betas=(0.9, 0.95),
+        )
         self.step, self.total = 0, args.steps or 0
         if self.state is not None:
             self.model.load_state_dict(self.state["model"])
@@ -168,26 +178,68 @@ class DrafterTrainer:
                 held = {}
             # Kinds without enough held-out text are validated on other windows of the training text.
             val_streams = {k: held[k] if k in held and held[k].ids.numel() >= need else streams[k] for k in kinds}
-        self.spec = DataSpec(args.source, args.batch, args.prompt_min, args.prompt_max, args.gen_tokens,
-                             args.seq_len, args.seed)
+        self.spec = DataSpec(
+            args.source, args.batch, args.prompt_min, args.prompt_max, args.gen_tokens, args.seq_len, args.seed
+        )
         self.spec.validate(self.block)
         self._check_data_cache(target_dir, kinds, cfg.target_layer_ids)
-        taps_dtype = DTYPES[args.taps_dtype]
+        taps_dtype = TORCH_DTYPES[args.taps_dtype]
         self.runner = TargetRunner(self.target, cfg.target_layer_ids, taps_dtype)
-        self.pool = BatchPool(self.run_dir / "data", args.pool,
-                              lambda i: make_batch(i, self.spec, streams, self.runner))
+        self.pool = BatchPool(
+            self.run_dir / "data", args.pool, lambda i: make_batch(i, self.spec, streams, self.runner)
+        )
         val_spec = dataclasses.replace(self.spec, seed=self.spec.seed + 1_000_000)
-        self.val = BatchPool(self.run_dir / "data" / "val", max(args.val_batches, 0),
-                             lambda i: make_batch(i, val_spec, val_streams, self.runner))
+        self.val = BatchPool(
+            self.run_dir / "data" / "val",
+            max(args.val_batches, 0),
+            lambda i: make_batch(i, val_spec, val_streams, self.runner),
+        )
         self.data_s = self.train_s = 0.0
         self.fresh = 0
+
+    def _initial_drafter(self, target_dir: Path, tcfg: dict) -> Path:
+        """run_dir/init: the drafter training starts from (resumed runs load their checkpoint over it): a copy
+        of --init (fine-tuning), or a random drafter for the target (same seed and flags: the same bytes)."""
+        args, init_dir = self.args, self.run_dir / "init"
+        if self.state is None:  # a fresh run: nothing of an earlier, unsaved one is reused
+            shutil.rmtree(init_dir, ignore_errors=True)
+            (self.run_dir / "train_log.jsonl").unlink(missing_ok=True)
+        if self.state is None and getattr(args, "init", ""):
+            src = Path(args.init)
+            if not (src / "config.json").is_file() or not (src / "model.safetensors").is_file():
+                raise ValueError(f"--init {src}: needs config.json and model.safetensors (a drafter checkpoint)")
+            init_dir.mkdir(parents=True)
+            for name in ("config.json", "model.safetensors"):
+                shutil.copyfile(src / name, init_dir / name)
+        if not (init_dir / "model.safetensors").is_file():
+            hidden = int(tcfg["hidden_size"])
+            heads = args.heads or (hidden // 128 if hidden >= 1024 else 4)
+            kv = args.kv_heads or max(1, heads // 4 if heads >= 8 else heads // 2)
+            write_random_drafter(
+                init_dir,
+                tcfg,
+                seed=args.seed,
+                block_size=args.block_size,
+                num_layers=args.layers,
+                num_attention_heads=heads,
+                num_key_value_heads=kv,
+                intermediate_size=args.intermediate or None,
+                mask_token_id=_mask_token(target_dir, int(tcfg["vocab_size"]), args.mask_token_id),
+                target_layer_ids=_tap_ids(args.target_layer_ids),
+            )
+        return init_dir
 
     def _check_data_cache(self, target_dir: Path, kinds: tuple[str, ...], tap_ids: tuple[int, ...]) -> None:
         """Cached data batches are only valid for the same data settings and target weights."""
         weights = sorted(target_dir.glob("*.safetensors"))
-        spec = {**dataclasses.asdict(self.spec), "kinds": list(kinds), "taps_dtype": self.args.taps_dtype,
-                "target_layer_ids": list(tap_ids), "val_batches": self.args.val_batches,
-                "target_weights": [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in weights]}
+        spec = {
+            **dataclasses.asdict(self.spec),
+            "kinds": list(kinds),
+            "taps_dtype": self.args.taps_dtype,
+            "target_layer_ids": list(tap_ids),
+            "val_batches": self.args.val_batches,
+            "target_weights": [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in weights],
+        }
         data = self.run_dir / "data"
         file = data / "spec.json"
         if file.is_file() and json.loads(file.read_text()) != spec:
@@ -201,8 +253,10 @@ class DrafterTrainer:
         now = vars(self.args)
         diff = {k: (saved.get(k), now.get(k)) for k in now if k not in RESUMABLE and saved.get(k) != now.get(k)}
         if diff:
-            raise ValueError("--resume with different settings than the checkpoint (saved, now): "
-                             + ", ".join(f"{k}: {a!r} != {b!r}" for k, (a, b) in sorted(diff.items())))
+            raise ValueError(
+                "--resume with different settings than the checkpoint (saved, now): "
+                + ", ".join(f"{k}: {a!r} != {b!r}" for k, (a, b) in sorted(diff.items()))
+            )
 
     # ------------------------------------------------------------------------------------------------
     def micro_batch(self, batch: TargetBatch, gen: torch.Generator):
@@ -215,8 +269,9 @@ class DrafterTrainer:
             embeds = embeds * self.model.config.input_embedding_scale
         labels = block_labels(batch.greedy, anchors, self.block)  # [S, m, B-1]
         with torch.autocast(**self.autocast):
-            hidden = block_hidden(self.model, batch.taps.to(self.device), embeds, anchors.to(self.device),
-                                  self.args.window)
+            hidden = block_hidden(
+                self.model, batch.taps.to(self.device), embeds, anchors.to(self.device), self.args.window
+            )
             return block_loss(self.model, hidden, self.head_w, labels.to(self.device), self.weights)
 
     def _gen(self, index: int) -> torch.Generator:
@@ -227,18 +282,27 @@ class DrafterTrainer:
         if self.args.val_batches <= 0:
             return None
         self.model.eval()
-        outs = [self.micro_batch(self.val.get(i), torch.Generator().manual_seed(10_007 + i))
-                for i in range(self.args.val_batches)]
+        outs = [
+            self.micro_batch(self.val.get(i), torch.Generator().manual_seed(10_007 + i))
+            for i in range(self.args.val_batches)
+        ]
         self.model.train()
         n = sum(o.blocks for o in outs)
-        return {"val_loss": sum(float(o.loss) * o.blocks for o in outs) / n,
-                "val_acc1": sum(float(o.acc_per_depth[0]) * o.blocks for o in outs) / n,
-                "val_chain_tau": sum(o.chain_tau * o.blocks for o in outs) / n}
+        return {
+            "val_loss": sum(float(o.loss) * o.blocks for o in outs) / n,
+            "val_acc1": sum(float(o.acc_per_depth[0]) * o.blocks for o in outs) / n,
+            "val_chain_tau": sum(o.chain_tau * o.blocks for o in outs) / n,
+        }
 
     def save(self) -> None:
-        state = {"model": self.model.state_dict(), "optim": self.opt.state_dict(), "step": self.step,
-                 "total_steps": self.total, "args": vars(self.args),
-                 "drafter_config": self.model.config.to_dict()}
+        state = {
+            "model": self.model.state_dict(),
+            "optim": self.opt.state_dict(),
+            "step": self.step,
+            "total_steps": self.total,
+            "args": vars(self.args),
+            "drafter_config": self.model.config.to_dict(),
+        }
         tmp = self.run_dir / "checkpoint.pt.tmp"
         torch.save(state, tmp)
         os.replace(tmp, self.run_dir / "checkpoint.pt")
@@ -249,8 +313,9 @@ class DrafterTrainer:
 
     def _train_step(self) -> dict:
         a = self.args
-        lr = lr_at(self.step, self.total or 10 ** 9, min(a.warmup, max(1, (self.total or 10 ** 9) // 10)),
-                   a.lr, a.min_lr_ratio)
+        lr = lr_at(
+            self.step, self.total or 10**9, min(a.warmup, max(1, (self.total or 10**9) // 10)), a.lr, a.min_lr_ratio
+        )
         for group in self.opt.param_groups:
             group["lr"] = lr
         metrics, t_step = [], time.perf_counter()
@@ -273,21 +338,28 @@ class DrafterTrainer:
         self.opt.zero_grad(set_to_none=True)
         self.step += 1
         n = len(metrics)
-        return {"step": self.step, "lr": lr, "loss": sum(float(m.loss.detach()) for m in metrics) / n,
-                "acc1": sum(float(m.acc_per_depth[0]) for m in metrics) / n,
-                "chain_tau": sum(m.chain_tau for m in metrics) / n,
-                "acc": [round(sum(float(m.acc_per_depth[d]) for m in metrics) / n, 4) for d in range(self.block - 1)],
-                "grad_norm": float(grad_norm), "step_s": round(time.perf_counter() - t_step, 3)}
+        return {
+            "step": self.step,
+            "lr": lr,
+            "loss": sum(float(m.loss.detach()) for m in metrics) / n,
+            "acc1": sum(float(m.acc_per_depth[0]) for m in metrics) / n,
+            "chain_tau": sum(m.chain_tau for m in metrics) / n,
+            "acc": [round(sum(float(m.acc_per_depth[d]) for m in metrics) / n, 4) for d in range(self.block - 1)],
+            "grad_norm": float(grad_norm),
+            "step_s": round(time.perf_counter() - t_step, 3),
+        }
 
     def run(self) -> dict:
         a = self.args
         t_start = time.perf_counter()
         deadline = t_start + a.minutes * 60 if a.minutes > 0 else float("inf")
         start_step = self.step
-        self.log(f"drafter: {sum(p.numel() for p in self.model.parameters()) / 1e6:.2f}M params, "
-                 f"layers {self.model.config.num_hidden_layers}, block {self.block}, taps "
-                 f"{list(self.model.config.target_layer_ids)}, mask id {self.model.config.mask_token_id}; "
-                 f"device {self.device}; run dir {self.run_dir}; from step {self.step}")
+        self.log(
+            f"drafter: {sum(p.numel() for p in self.model.parameters()) / 1e6:.2f}M params, "
+            f"layers {self.model.config.num_hidden_layers}, block {self.block}, taps "
+            f"{list(self.model.config.target_layer_ids)}, mask id {self.model.config.mask_token_id}; "
+            f"device {self.device}; run dir {self.run_dir}; from step {self.step}"
+        )
         if self.step == 0:
             v = self.validate()
             if v:
@@ -305,12 +377,21 @@ class DrafterTrainer:
                 if not self.total and self.step - start_step >= PROBE_STEPS:
                     per = (self.step - start_step) * a.accum
                     left = deadline - time.perf_counter()
-                    self.total = plan_steps(left, self.step, a.accum, self.train_s / per,
-                                            self.data_s / max(self.fresh, 1), a.pool, self.step * a.accum)
+                    self.total = plan_steps(
+                        left,
+                        self.step,
+                        a.accum,
+                        self.train_s / per,
+                        self.data_s / max(self.fresh, 1),
+                        a.pool,
+                        self.step * a.accum,
+                    )
                     progress = Progress(self.total, start=start_step, every=a.log_every)
-                    self.log(f"schedule: {self.total} steps fit in {a.minutes:g} min "
-                             f"(train {self.train_s / per:.2f} s, data {self.data_s / max(self.fresh, 1):.2f} s "
-                             f"per micro-batch)")
+                    self.log(
+                        f"schedule: {self.total} steps fit in {a.minutes:g} min "
+                        f"(train {self.train_s / per:.2f} s, data {self.data_s / max(self.fresh, 1):.2f} s "
+                        f"per micro-batch)"
+                    )
                 progress.update(self.step, loss=rec["loss"], acc1=rec["acc1"], tau=rec["chain_tau"], lr=rec["lr"])
                 if self.step % a.save_every == 0:
                     self.save()
@@ -325,8 +406,14 @@ class DrafterTrainer:
         v = self.validate()
         if v:
             self._logline({"step": self.step, **v})
-        summary = {"step": self.step, "total_steps": self.total, "stopped": stopped, "target": str(a.target),
-                   "minutes": (time.perf_counter() - t_start) / 60, **(v or {})}
+        summary = {
+            "step": self.step,
+            "total_steps": self.total,
+            "stopped": stopped,
+            "target": str(a.target),
+            "minutes": (time.perf_counter() - t_start) / 60,
+            **(v or {}),
+        }
         export = Path(a.export) if a.export else self.run_dir / "export"
         export_drafter(self.model, export, summary)
         self.log(f"{stopped} at step {self.step}/{self.total}; validation {v}; exported {export}")

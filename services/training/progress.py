@@ -1,4 +1,9 @@
-"""A dependency-free progress bar: redrawn in place on a terminal, one line per `every` steps otherwise."""
+"""The one progress bar (training loops, bench and diagnose runs), dependency-free: redrawn in place on a
+terminal, otherwise one line per `every` updates (and the last).
+
+    label [####....] step/total field value ... | 1.25 s/step elapsed 0:01:05 eta 0:03:10 note
+"""
+
 from __future__ import annotations
 
 import sys
@@ -11,28 +16,53 @@ def _hms(seconds: float) -> str:
 
 
 class Progress:
-    def __init__(self, total: int, start: int = 0, every: int = 10, stream=None, width: int = 24):
-        self.total, self.start, self.every, self.width = total, start, max(every, 1), width
+    def __init__(self, total: int, label: str = "", start: int = 0, every: int = 1, stream=None, width: int = 24):
+        """total = steps of the whole run (0 = not known yet); start = steps already done before this bar
+        (a resumed run: the rate and eta count only this run's steps)."""
+        self.total, self.label, self.start, self.step = total, label, start, start
+        self.every, self.width = max(every, 1), width
         self.stream = stream or sys.stderr
         self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
         self.t0 = time.perf_counter()
+        self._open_line = False  # a redrawn line not ended yet
 
-    def update(self, step: int, **fields) -> None:
-        """step = optimizer steps done so far (1-based)."""
+    def update(self, step: int, note: str = "", eta_s: float | None = None, **fields) -> None:
+        """step = steps done so far (1-based). `fields` are shown as "name value" (floats with 4 significant
+        digits, anything else as str); eta_s replaces the eta estimated from the rate (e.g. a time limit)."""
+        self.step = step
         if not self.tty and step % self.every and step != self.total:
             return
         done = step - self.start
         elapsed = time.perf_counter() - self.t0
         rate = elapsed / done if done else 0.0
-        frac = step / self.total if self.total else 0.0
-        bar = "#" * int(frac * self.width)
+        eta = rate * (self.total - step) if eta_s is None else eta_s
+        fill = int(self.width * min(step / self.total, 1.0)) if self.total > 0 else 0
         info = " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in fields.items())
-        line = (f"step {step}/{self.total} [{bar:<{self.width}}] {info} | {rate:.2f} s/step "
-                f"elapsed {_hms(elapsed)} eta {_hms(rate * (self.total - step))}")
-        self.stream.write(("\r" + line + "\033[K") if self.tty else line + "\n")
+        parts = (
+            self.label,
+            f"[{'#' * fill}{'.' * (self.width - fill)}]",
+            f"{step}/{self.total}",
+            info,
+            f"| {rate:.2f} s/step elapsed {_hms(elapsed)} eta {_hms(eta)}",
+            note,
+        )
+        line = " ".join(p for p in parts if p)
+        if self.tty:
+            self.stream.write("\r\x1b[2K" + line)
+            self._open_line = self.total <= 0 or step < self.total
+            if not self._open_line:
+                self.stream.write("\n")
+        else:
+            self.stream.write(line + "\n")
         self.stream.flush()
 
+    def advance(self, note: str = "", **fields) -> None:
+        """One more step done."""
+        self.update(self.step + 1, note, **fields)
+
     def close(self) -> None:
-        if self.tty:
+        """End a redrawn line that is still open (a run stopped before its last step)."""
+        if self._open_line:
             self.stream.write("\n")
             self.stream.flush()
+            self._open_line = False

@@ -1,4 +1,5 @@
 """Learning-rate schedule (linear warmup, cosine decay) and the step plan of a time-limited run."""
+
 from __future__ import annotations
 
 import math
@@ -13,8 +14,9 @@ def lr_at(step: int, total: int, warmup: int, base: float, min_ratio: float) -> 
     return base * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def plan_steps(budget_s: float, done_steps: int, accum: int, train_s: float, data_s: float,
-               pool: int, batches_seen: int) -> int:
+def plan_steps(
+    budget_s: float, done_steps: int, accum: int, train_s: float, data_s: float, pool: int, batches_seen: int
+) -> int:
     """Total optimizer steps that fit in `budget_s` more seconds after `done_steps`.
 
     Each micro-batch costs `train_s`, plus `data_s` while it is a fresh one: with a pool of `pool`

@@ -1,4 +1,4 @@
-"""The DDTree accept walk (ddtree.md §3): pure function from target choices to a Verdict.
+"""The DDTree accept walk (docs/design.md §3.4): pure function from target choices to a Verdict.
 
 Setting. The target ran one forward over the flattened tree (root + n nodes) with the ancestor-only
 mask, so its distribution at node i is p(. | context, path(i)), where path(i) is the root..i token
@@ -24,27 +24,15 @@ Invariants.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections import abc
 
 from torch import Tensor
 
-from services.drafter.tree import TokenTree
+from ddtree.contract.token_tree import TokenTree
+from ddtree.contract.verdict import Verdict
 
 
-@dataclass(frozen=True)
-class Verdict:
-    accepted_nodes: tuple[int, ...]  # starts with 0 (the root), strictly increasing
-    accepted_tokens: tuple[int, ...]  # root token + matched node tokens, same length
-    bonus_token: int  # the target's choice at the last accepted node
-
-    @property
-    def num_accepted_drafts(self) -> int:
-        """Matched draft nodes, excluding the root."""
-        return len(self.accepted_nodes) - 1
-
-
-def accept(tree: TokenTree, root_token: int, target_choice: Sequence[int] | Tensor) -> Verdict:
+def accept(tree: TokenTree, root_token: int, target_choice: abc.Sequence[int] | Tensor) -> Verdict:
     """Walk the tree along the target's choices.
 
     target_choice: n + 1 token ids (row 0 = root, row i = node i), a sequence or a 1-D tensor.

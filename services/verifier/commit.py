@@ -1,4 +1,4 @@
-"""Commit the result of one forward into a sequence (design.md §3, steps 3-4).
+"""Commit the result of one forward into a sequence (docs/design.md §3.4-§3.5).
 
 Verify: the target's choice at every node (argmax, or one sample per node at temperature > 0), the
 accept walk, then the accepted nodes become the next positions (PageTable.commit_tree). Node acc[j]
@@ -8,15 +8,17 @@ copied to the slot of position start + j and the scratch pages are freed. The dr
 is the accepted tokens with the tapped features gathered at the accepted node indices (not the first
 rows).
 """
+
 from __future__ import annotations
 
 import torch
 
-from services.verifier.accept import Verdict, accept
-from services.verifier.batch import ItemOutput, PrefillItem, VerifyItem
-from services.verifier.kv_pool import LatentKVPool
-from services.verifier.sampling import make_generator, target_choices
-from services.verifier.sequence import PendingCommit, Sequence
+from ddtree.contract.verdict import Verdict
+from ddtree.verifier.accept import accept
+from ddtree.verifier.batch import ItemOutput, PrefillItem, VerifyItem
+from ddtree.verifier.kv_pool import LatentKVPool
+from ddtree.verifier.sampling import make_generator, target_choices
+from ddtree.verifier.sequence import PendingCommit, Sequence
 
 
 def _log_features(seq: Sequence, features: torch.Tensor | None) -> None:
@@ -24,8 +26,7 @@ def _log_features(seq: Sequence, features: torch.Tensor | None) -> None:
         seq.feature_log.append(features)
 
 
-def append_pending(seq: Sequence, tokens: list[int], start: int, features: torch.Tensor | None,
-                   window: int) -> None:
+def append_pending(seq: Sequence, tokens: list[int], start: int, features: torch.Tensor | None, window: int) -> None:
     """Queue committed tokens for the drafter, keeping at most `window` of them (0 = all)."""
     if not seq.use_spec:
         return
@@ -38,8 +39,9 @@ def append_pending(seq: Sequence, tokens: list[int], start: int, features: torch
         pend = PendingCommit(pend.token_ids + list(tokens), pend.start, feats)
     if window and len(pend.token_ids) > window:
         cut = len(pend.token_ids) - window
-        pend = PendingCommit(pend.token_ids[cut:], pend.start + cut,
-                             None if pend.features is None else pend.features[cut:].clone())
+        pend = PendingCommit(
+            pend.token_ids[cut:], pend.start + cut, None if pend.features is None else pend.features[cut:].clone()
+        )
     seq.pending_commit = pend
 
 
@@ -60,7 +62,7 @@ def commit_prefill(out: ItemOutput, pool: LatentKVPool, window: int) -> list[int
     item = out.item
     assert isinstance(item, PrefillItem)
     seq = item.seq
-    chunk = list(seq.params.input_ids[item.start:item.end])
+    chunk = list(seq.params.input_ids[item.start : item.end])
     taps = None if out.taps is None else out.taps.cpu()
     append_pending(seq, chunk, item.start, taps, window)
     _log_features(seq, taps)
@@ -88,5 +90,5 @@ def commit_verify(out: ItemOutput, pool: LatentKVPool, window: int) -> tuple[Ver
     append_pending(seq, list(verdict.accepted_tokens), start, features, window)
     _log_features(seq, features)
     seq.committed.extend(verdict.accepted_tokens)
-    seq.root = verdict.bonus_token
-    return verdict, list(verdict.accepted_tokens[1:]) + [verdict.bonus_token]
+    seq.root = verdict.next_root
+    return verdict, list(verdict.accepted_tokens[1:]) + [verdict.next_root]

@@ -1,9 +1,10 @@
 """The verifier's side of the Drafter contract: one Draft RPC per step for the whole batch.
 
 Each sequence sends only what the drafter has not seen (its pending commit, already trimmed to the
-draft window) and its anchor. Trees coming back are validated like any untrusted input: a bad tree
+draft window) and its root. Trees coming back are validated like any untrusted input: a bad tree
 turns into an AR step for that sequence, never into a wrong token.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -11,22 +12,22 @@ import time
 
 import grpc
 
-from services.drafter.tree import TokenTree
-from services.protocol.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
-from services.protocol.server import GRPC_OPTIONS
-from services.protocol.tensors import tensor_to_proto
-from services.telemetry.logging import get_logger
-from services.verifier.sequence import Sequence
+from ddtree.contract.token_tree import TokenTree
+from ddtree.protocol.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
+from ddtree.protocol.server import GRPC_OPTIONS
+from ddtree.protocol.tensors import tensor_to_proto
+from ddtree.telemetry.logging import get_logger
+from ddtree.verifier.sequence import Sequence
 
 log = get_logger("ddtree.verifier.drafter_client")
 
 
 @dataclasses.dataclass(frozen=True)
 class DraftResult:
-    trees: dict[str, TokenTree]        # by request id; missing = AR step for that sequence
-    draft_ms: float                    # drafter compute, as reported
-    rpc_ms: float                      # wall time of the RPC
-    feature_bytes: dict[str, int]      # bytes of features sent, by request id
+    trees: dict[str, TokenTree]  # by request id; missing = AR step for that sequence
+    draft_ms: float  # drafter compute, as reported
+    rpc_ms: float  # wall time of the RPC
+    feature_bytes: dict[str, int]  # bytes of features sent, by request id
     failed: frozenset[str] = frozenset()  # request ids whose drafter failed: they continue with AR
 
 
@@ -36,8 +37,7 @@ class DrafterClient:
         self.timeout_s = timeout_s
         self.channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
         self.stub = drafter_pb2_grpc.DrafterStub(self.channel)
-        self.info = self.stub.GetInfo(drafter_pb2.DrafterInfoRequest(), timeout=connect_timeout_s,
-                                      wait_for_ready=True)
+        self.info = self.stub.GetInfo(drafter_pb2.DrafterInfoRequest(), timeout=connect_timeout_s, wait_for_ready=True)
 
     @property
     def window(self) -> int:
@@ -54,10 +54,15 @@ class DrafterClient:
             pend = seq.pending_commit
             tokens = pend.token_ids if pend is not None else []
             feats = tensor_to_proto(pend.features) if pend is not None else None
-            msg = drafter_pb2.SeqDraft(seq_id=seq.draft_id, commit_token_ids=tokens,
-                                       commit_start=pend.start if pend is not None else seq.context_len,
-                                       anchor_token_id=seq.root, budget=budget,
-                                       reset=not seq.drafter_seeded, chain=seq.params.chain)
+            msg = drafter_pb2.SeqDraft(
+                seq_id=seq.draft_id,
+                commit_token_ids=tokens,
+                commit_start=pend.start if pend is not None else seq.context_len,
+                root_token_id=seq.root,
+                budget=budget,
+                reset=not seq.drafter_seeded,
+                chain=seq.params.chain,
+            )
             if feats is not None:
                 msg.commit_features.CopyFrom(feats)
             msgs.append(msg)

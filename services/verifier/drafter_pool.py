@@ -9,6 +9,7 @@ sends one Draft RPC per replica, in parallel. When a replica fails, it leaves th
 sequences continue with AR decoding, which yields exactly the same tokens; later sequences go to the
 replicas that remain.
 """
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -17,23 +18,22 @@ import time
 
 import grpc
 
-from services.protocol.discovery import resolve
-from services.telemetry.logging import get_logger
-from services.verifier.drafter_client import DraftResult, DrafterClient
-from services.verifier.sequence import Sequence
+from ddtree.protocol.discovery import resolve
+from ddtree.telemetry.logging import get_logger
+from ddtree.verifier.drafter_client import DrafterClient, DraftResult
+from ddtree.verifier.sequence import Sequence
 
 log = get_logger("ddtree.verifier.drafter_pool")
 
 
 class DrafterPool:
-    def __init__(self, spec: str, timeout_s: float, connect_timeout_s: float = 60.0,
-                 resolve_interval_s: float = 10.0):
+    def __init__(self, spec: str, timeout_s: float, connect_timeout_s: float = 60.0, resolve_interval_s: float = 10.0):
         self.spec = spec
         self.timeout_s = timeout_s
         self.resolve_interval_s = resolve_interval_s
         self._lock = threading.Lock()
         self._clients: dict[str, DrafterClient] = {}
-        self._assigned: dict[str, str] = {}   # request id -> replica address
+        self._assigned: dict[str, str] = {}  # request id -> replica address
         self._executor = cf.ThreadPoolExecutor(max_workers=8, thread_name_prefix="draft-rpc")
         deadline = time.monotonic() + connect_timeout_s
         while not self._clients:
@@ -69,8 +69,12 @@ class DrafterPool:
         info = getattr(self, "info", None)
         if info is None:
             return True
-        same = (client.info.window == info.window and list(client.info.target_layer_ids) == list(info.target_layer_ids)
-                and client.info.hidden_size == info.hidden_size and client.info.vocab_size == info.vocab_size)
+        same = (
+            client.info.window == info.window
+            and list(client.info.target_layer_ids) == list(info.target_layer_ids)
+            and client.info.hidden_size == info.hidden_size
+            and client.info.vocab_size == info.vocab_size
+        )
         if not same:
             log.error("drafter_replica_incompatible", address=client.address)
         return same
@@ -121,7 +125,11 @@ class DrafterPool:
             for a in self._assigned.values():
                 if a in load:
                     load[a] += 1
-            addr = min(load, key=lambda a: (load[a], a))
+            # A replica at its max_sequences takes no new sequence (0 = an older drafter: no cap known).
+            room = [a for a, c in self._clients.items() if not c.info.max_sequences or load[a] < c.info.max_sequences]
+            if not room:
+                return None  # every replica is full: this sequence decodes with AR
+            addr = min(room, key=lambda a: (load[a], a))
             self._assigned[seq.draft_id] = addr
             return addr
 
@@ -139,7 +147,7 @@ class DrafterPool:
         for addr in [a for a, c in clients.items() if c is None]:  # dropped since assignment
             failed.update(seq.draft_id for seq, _ in groups.pop(addr))
         if len(groups) == 1:  # the common case: no thread hop
-            (addr, group), = groups.items()
+            ((addr, group),) = groups.items()
             futures = {addr: cf.Future()}
             try:
                 futures[addr].set_result(clients[addr].draft(group, vocab_size))

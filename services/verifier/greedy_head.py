@@ -24,18 +24,20 @@ The result is what accept() needs: per tree node the argmax where the walk reads
 does (computed but unread rows stay -1). accept() then walks the same path (same tree, same choices),
 so nothing else changes.
 """
+
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections import abc
+from collections.abc import Callable
 
 import torch
 
-from services.drafter.tree import TokenTree
+from ddtree.contract.token_tree import TokenTree
 
 NOT_READ = -1
 
 
-def primary_chain(first_child: Sequence[int], node: int) -> list[int]:
+def primary_chain(first_child: abc.Sequence[int], node: int) -> list[int]:
     """node, its first child, that child's first child, ... to a leaf. first_child[i] = -1 at a leaf."""
     chain = [node]
     while first_child[chain[-1]] >= 0:
@@ -51,8 +53,9 @@ def first_children(tree: TokenTree) -> list[int]:
     return first
 
 
-def greedy_walk_choices(trees: Sequence[TokenTree], hidden: Sequence[torch.Tensor],
-                        lm_head: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+def greedy_walk_choices(
+    trees: abc.Sequence[TokenTree], hidden: abc.Sequence[torch.Tensor], lm_head: Callable[[torch.Tensor], torch.Tensor]
+) -> list[torch.Tensor]:
     """trees[s] with hidden[s] [n_s + 1, d] (row 0 = root, row i = node i; final-normed) -> per sequence
     int64 [n_s + 1]: the argmax of lm_head(hidden row) at the nodes the accept walk reads, -1 elsewhere.
 

@@ -1,7 +1,7 @@
 """The latent KV pool: one tensor [num_layers, num_slots, kv_lora_rank + qk_rope_head_dim], handed out in
 pages of `page_size` position-contiguous slots (page k = slots k·P .. k·P + P - 1).
 
-Page size 1 (the default, what DDTree wants, serving.md §2.3): a page is a slot, every token owns one, and
+Page size 1 (the default, what DDTree wants, docs/design.md §7.2): a page is a slot, every token owns one, and
 tree verify writes the root and all nodes into fresh slots; commit keeps the accepted nodes' slots (their
 latents were computed at exactly the positions they now hold, because an accepted path has depths
 0..len-1) and frees the rest, so no KV data moves. Page size P > 1: a sequence's token at position p sits
@@ -19,6 +19,7 @@ Units: `alloc`/`free` take pages (page ids; page size 1: slot ids); `num_free`/`
 count slots (tokens), `num_free_pages`/`num_used_pages`/`num_pages` count pages.
 Invariant (checked by `check()`): free + in use == total, no page both free and in use.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -32,8 +33,15 @@ class KVPoolExhausted(RuntimeError):
 
 
 class LatentKVPool:
-    def __init__(self, num_layers: int, num_slots: int, width: int, dtype: torch.dtype, device: str | torch.device,
-                 page_size: int = 1):
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        width: int,
+        dtype: torch.dtype,
+        device: str | torch.device,
+        page_size: int = 1,
+    ):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         if num_slots < page_size or num_slots % page_size:
@@ -107,7 +115,7 @@ class LatentKVPool:
         if self.page_size == 1:
             return slots
         assert slots.numel() % self.page_size == 0, "slots must cover whole pages"
-        return slots[::self.page_size] // self.page_size
+        return slots[:: self.page_size] // self.page_size
 
     def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """cache[:, dst[i]] = cache[:, src[i]] in every layer; src is read in full before any write."""
@@ -119,5 +127,6 @@ class LatentKVPool:
         with self._lock:
             used = int(self._in_use.sum())
             if used + len(self._free) != self.num_pages or len(set(self._free)) != len(self._free):
-                raise AssertionError(f"KV accounting broken: used {used} + free {len(self._free)} "
-                                     f"!= {self.num_pages} pages")
+                raise AssertionError(
+                    f"KV accounting broken: used {used} + free {len(self._free)} != {self.num_pages} pages"
+                )

@@ -1,10 +1,10 @@
 """How many tokens the latent KV pool holds, from one of three settings (pure, apart from reading memory).
 
     bytes per token = num_layers × (kv_lora_rank + qk_rope_head_dim) × dtype size
-                      (DeepSeek-V3 in bf16: 61 × 576 × 2 = 70,272 B; serving.md §1.2)
+                      (DeepSeek-V3 in bf16: 61 × 576 × 2 = 70,272 B; docs/design.md §7.1)
 
-Exactly one setting takes effect; setting more than one is an error (`kv_setting`, called by
-VerifierConfig.validate):
+Exactly one setting takes effect; setting more than one is an error (`ddtree.config.kv_setting`,
+called by VerifierConfig.validate):
   --kv-tokens N            N tokens;
   --kv-memory-gb G         G GiB (G × 2^30 bytes) of KV;
   --kv-memory-fraction F   F × the device memory free after the model is loaded (CUDA:
@@ -12,9 +12,12 @@ VerifierConfig.validate):
   none of them             DEFAULT_KV_TOKENS.
 The token count is rounded down to whole pages; less than one page is an error.
 """
+
 from __future__ import annotations
 
 import dataclasses
+
+from ddtree.config import kv_setting
 
 DEFAULT_KV_TOKENS = 65536
 GIB = 1 << 30
@@ -22,35 +25,25 @@ GIB = 1 << 30
 
 @dataclasses.dataclass(frozen=True)
 class KVSize:
-    tokens: int              # pool slots, a multiple of the page size
-    bytes: int               # tokens × bytes_per_token
+    tokens: int  # pool slots, a multiple of the page size
+    bytes: int  # tokens × bytes_per_token
     bytes_per_token: int
-    source: str              # kv_tokens | kv_memory_gb | kv_memory_fraction | default
+    source: str  # kv_tokens | kv_memory_gb | kv_memory_fraction | default
 
 
 def kv_bytes_per_token(num_layers: int, kv_lora_rank: int, qk_rope_head_dim: int, dtype_bytes: int) -> int:
     return num_layers * (kv_lora_rank + qk_rope_head_dim) * dtype_bytes
 
 
-def kv_setting(kv_tokens: int, kv_memory_gb: float, kv_memory_fraction: float) -> str:
-    """The one setting that takes effect; raises ValueError for a bad or conflicting one."""
-    if kv_tokens < 0:
-        raise ValueError(f"kv_tokens must be >= 0 (0 = not set), got {kv_tokens}")
-    if not kv_memory_gb >= 0:
-        raise ValueError(f"kv_memory_gb must be >= 0 (0 = not set), got {kv_memory_gb}")
-    if not 0 <= kv_memory_fraction <= 1:
-        raise ValueError(f"kv_memory_fraction must be in [0, 1] (0 = not set), got {kv_memory_fraction}")
-    given = {"kv_tokens": kv_tokens, "kv_memory_gb": kv_memory_gb, "kv_memory_fraction": kv_memory_fraction}
-    chosen = [name for name, value in given.items() if value > 0]
-    if len(chosen) > 1:
-        flags = ", ".join(f"--{name.replace('_', '-')} {given[name]}" for name in chosen)
-        raise ValueError(f"set only one of --kv-tokens, --kv-memory-gb, --kv-memory-fraction (or their DDTREE_* "
-                         f"variables); got {flags}")
-    return chosen[0] if chosen else "default"
-
-
-def size_kv_pool(*, bytes_per_token: int, page_size: int = 1, kv_tokens: int = 0, kv_memory_gb: float = 0.0,
-                 kv_memory_fraction: float = 0.0, free_bytes: int | None = None) -> KVSize:
+def size_kv_pool(
+    *,
+    bytes_per_token: int,
+    page_size: int = 1,
+    kv_tokens: int = 0,
+    kv_memory_gb: float = 0.0,
+    kv_memory_fraction: float = 0.0,
+    free_bytes: int | None = None,
+) -> KVSize:
     """The pool's size. `free_bytes` (device memory free after loading the model) is needed only with
     kv_memory_fraction."""
     if bytes_per_token < 1 or page_size < 1:
@@ -68,8 +61,10 @@ def size_kv_pool(*, bytes_per_token: int, page_size: int = 1, kv_tokens: int = 0
         tokens = DEFAULT_KV_TOKENS
     tokens -= tokens % page_size
     if tokens < page_size:
-        raise ValueError(f"the KV pool would hold {tokens} tokens (from {source}, {bytes_per_token} B per token), "
-                         f"less than one page of {page_size}")
+        raise ValueError(
+            f"the KV pool would hold {tokens} tokens (from {source}, {bytes_per_token} B per token), "
+            f"less than one page of {page_size}"
+        )
     return KVSize(tokens, tokens * bytes_per_token, bytes_per_token, source)
 
 
@@ -90,10 +85,18 @@ def kv_size_for(config, model_config) -> KVSize:
     """The pool size for a VerifierConfig and a loaded model's config (measures free memory if needed)."""
     import torch
 
-    dtype_bytes = torch.empty(0, dtype=getattr(torch, config.dtype)).element_size()
-    per_token = kv_bytes_per_token(model_config.num_hidden_layers, model_config.kv_lora_rank,
-                                   model_config.qk_rope_head_dim, dtype_bytes)
+    from ddtree.models.dtypes import TORCH_DTYPES
+
+    dtype_bytes = torch.empty(0, dtype=TORCH_DTYPES[config.dtype]).element_size()
+    per_token = kv_bytes_per_token(
+        model_config.num_hidden_layers, model_config.kv_lora_rank, model_config.qk_rope_head_dim, dtype_bytes
+    )
     free = free_device_memory(config.device) if config.kv_memory_fraction > 0 else None
-    return size_kv_pool(bytes_per_token=per_token, page_size=config.page_size, kv_tokens=config.kv_tokens,
-                        kv_memory_gb=config.kv_memory_gb, kv_memory_fraction=config.kv_memory_fraction,
-                        free_bytes=free)
+    return size_kv_pool(
+        bytes_per_token=per_token,
+        page_size=config.page_size,
+        kv_tokens=config.kv_tokens,
+        kv_memory_gb=config.kv_memory_gb,
+        kv_memory_fraction=config.kv_memory_fraction,
+        free_bytes=free,
+    )

@@ -18,11 +18,12 @@ One step:
       new length are freed.
   trim(pool)        frees pages past the committed tokens (a step that failed before its commit).
 """
+
 from __future__ import annotations
 
 import torch
 
-from services.verifier.kv_pool import LatentKVPool
+from ddtree.verifier.kv_pool import LatentKVPool
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -34,10 +35,10 @@ def pages_for(tokens: int, page_size: int) -> int:
 class PageTable:
     def __init__(self, page_size: int = 1):
         self.page_size = page_size
-        self.pages = _EMPTY            # int64 page ids in position order
-        self.length = 0                # committed tokens
-        self.shared_pages = 0          # leading pages owned by the prefix cache
-        self._slots = _EMPTY           # int64 [length]: committed slots in position order
+        self.pages = _EMPTY  # int64 page ids in position order
+        self.length = 0  # committed tokens
+        self.shared_pages = 0  # leading pages owned by the prefix cache
+        self._slots = _EMPTY  # int64 [length]: committed slots in position order
 
     @property
     def slots(self) -> torch.Tensor:
@@ -48,7 +49,7 @@ class PageTable:
         return self.shared_pages * self.page_size
 
     def own_pages(self) -> torch.Tensor:
-        return self.pages[self.shared_pages:]
+        return self.pages[self.shared_pages :]
 
     def _at(self, positions: torch.Tensor) -> torch.Tensor:
         P = self.page_size
@@ -58,7 +59,7 @@ class PageTable:
         """Start from a cached prefix: `slots` (whole pages) are the prefix cache's, pinned."""
         assert self.length == 0 and self.pages.numel() == 0, "share() starts an empty table"
         assert slots.numel() % self.page_size == 0, "a shared prefix covers whole pages"
-        self.pages = slots[::self.page_size] // self.page_size
+        self.pages = slots[:: self.page_size] // self.page_size
         self.length = slots.numel()
         self.shared_pages = self.pages.numel()
         self._slots = slots.clone()
@@ -110,8 +111,10 @@ class PageTable:
 
     def check(self) -> None:
         if self.pages.numel() != pages_for(self.length, self.page_size) or self._slots.numel() != self.length:
-            raise AssertionError(f"page table: {self.pages.numel()} pages, {self._slots.numel()} slots for "
-                                 f"{self.length} tokens (page size {self.page_size})")
+            raise AssertionError(
+                f"page table: {self.pages.numel()} pages, {self._slots.numel()} slots for "
+                f"{self.length} tokens (page size {self.page_size})"
+            )
         if self.length and not torch.equal(self._slots, self._at(torch.arange(self.length))):
             raise AssertionError("page table: committed slots disagree with the pages")
 
@@ -129,7 +132,7 @@ def check_accounting(pool: LatentKVPool, tables: list[PageTable], cache=None) ->
         raise AssertionError("a KV page is held twice (by two sequences, or by one and the cache)")
     if not bool(pool.in_use(owned).all()):
         raise AssertionError("a KV page held by a sequence or the cache is free in the pool")
-    shared = torch.cat([t.pages[:t.shared_pages] for t in tables]) if tables else _EMPTY
+    shared = torch.cat([t.pages[: t.shared_pages] for t in tables]) if tables else _EMPTY
     if not bool(torch.isin(shared, cached).all()):
         raise AssertionError("a sequence's shared prefix page is not in the prefix cache")
     P = pool.page_size
@@ -137,8 +140,12 @@ def check_accounting(pool: LatentKVPool, tables: list[PageTable], cache=None) ->
     if cached_slots != cached.numel() * P:
         raise AssertionError(f"prefix cache counts {cached_slots} slots, holds {cached.numel()} pages of {P}")
     if pool.num_free_pages + held.numel() + cached.numel() != pool.num_pages:
-        raise AssertionError(f"KV accounting: free {pool.num_free_pages} + held {held.numel()} + cached "
-                             f"{cached.numel()} != total {pool.num_pages} pages (page size {P})")
+        raise AssertionError(
+            f"KV accounting: free {pool.num_free_pages} + held {held.numel()} + cached "
+            f"{cached.numel()} != total {pool.num_pages} pages (page size {P})"
+        )
     if pool.num_free + held.numel() * P + cached_slots != pool.num_slots:
-        raise AssertionError(f"KV accounting: free {pool.num_free} + held {held.numel() * P} + cached "
-                             f"{cached_slots} != total {pool.num_slots} slots")
+        raise AssertionError(
+            f"KV accounting: free {pool.num_free} + held {held.numel() * P} + cached "
+            f"{cached_slots} != total {pool.num_slots} slots"
+        )

@@ -15,6 +15,7 @@ page boundaries, children are keyed by their first page of tokens, a match is a 
 and insert adopts the whole pages of a sequence and hands the partial last page back (its tokens are
 recomputed by the next request). Page size 1 is the token-granular cache.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,16 +24,16 @@ import time
 
 import torch
 
-from services.verifier.kv_pool import LatentKVPool
+from ddtree.verifier.kv_pool import LatentKVPool
 
 
 class _Node:
     __slots__ = ("tokens", "slots", "features", "children", "parent", "ref", "last_used")
 
     def __init__(self, tokens: list[int], slots: torch.Tensor, features: torch.Tensor | None, parent):
-        self.tokens = tokens          # the edge's token ids
-        self.slots = slots            # int64 [len(tokens)] KV slots, owned by the cache
-        self.features = features      # [len(tokens), F] or None
+        self.tokens = tokens  # the edge's token ids
+        self.slots = slots  # int64 [len(tokens)] KV slots, owned by the cache
+        self.features = features  # [len(tokens), F] or None
         self.children: dict[int, _Node] = {}
         self.parent = parent
         self.ref = 0
@@ -42,9 +43,9 @@ class _Node:
 @dataclasses.dataclass(frozen=True)
 class PrefixMatch:
     length: int
-    slots: torch.Tensor                  # int64 [length]
-    features: torch.Tensor | None        # [length, F] (None when not kept for every token)
-    last: object                         # deepest matched node (or None); release() unpins its path
+    slots: torch.Tensor  # int64 [length]
+    features: torch.Tensor | None  # [length, F] (None when not kept for every token)
+    last: object  # deepest matched node (or None); release() unpins its path
 
 
 class PrefixCache:
@@ -57,7 +58,7 @@ class PrefixCache:
 
     def _key(self, tokens: list[int], i: int) -> tuple[int, ...]:
         """A child's key: its first page of tokens."""
-        return tuple(tokens[i:i + self.page_size])
+        return tuple(tokens[i : i + self.page_size])
 
     def _common(self, edge: list[int], tokens: list[int], i: int) -> int:
         """Tokens of `edge` that match tokens[i:], rounded down to whole pages."""
@@ -68,8 +69,9 @@ class PrefixCache:
 
     def _split(self, node: _Node, at: int) -> _Node:
         """Cut node's edge after `at` tokens; returns the new upper node."""
-        upper = _Node(node.tokens[:at], node.slots[:at], None if node.features is None else node.features[:at],
-                      node.parent)
+        upper = _Node(
+            node.tokens[:at], node.slots[:at], None if node.features is None else node.features[:at], node.parent
+        )
         upper.ref, upper.last_used = node.ref, node.last_used
         node.parent.children[self._key(upper.tokens, 0)] = upper
         node.tokens, node.slots = node.tokens[at:], node.slots[at:]
@@ -81,7 +83,7 @@ class PrefixCache:
     def match(self, tokens: list[int]) -> PrefixMatch:
         """Longest cached prefix of `tokens` (whole pages); pins its nodes (release() them when done)."""
         with self._lock:
-            tokens = tokens[:len(tokens) - len(tokens) % self.page_size]
+            tokens = tokens[: len(tokens) - len(tokens) % self.page_size]
             node, i, path = self.root, 0, []
             now = time.monotonic()
             while i < len(tokens) and self._key(tokens, i) in node.children:
@@ -127,19 +129,23 @@ class PrefixCache:
             while i < whole:
                 child = node.children.get(self._key(tokens, i))
                 if child is None:
-                    leaf = _Node(list(tokens[i:whole]), slots[i:whole].clone(),
-                                 None if features is None else features[i:whole].clone(), node)
+                    leaf = _Node(
+                        list(tokens[i:whole]),
+                        slots[i:whole].clone(),
+                        None if features is None else features[i:whole].clone(),
+                        node,
+                    )
                     node.children[self._key(tokens, i)] = leaf
                     self.cached_slots += leaf.slots.numel()
                     break
                 n = self._common(child.tokens, tokens[:whole], i)
                 if n < len(child.tokens):
                     child = self._split(child, n)
-                own = self.pool.pages_of(slots[i:i + n])
+                own = self.pool.pages_of(slots[i : i + n])
                 # the cache's own pages (a shared prefix) are not ours to free
                 rejected.append(own[own != self.pool.pages_of(child.slots[:n])])
                 if child.features is None and features is not None:
-                    child.features = features[i:i + n].clone()
+                    child.features = features[i : i + n].clone()
                 child.last_used = time.monotonic()
                 node, i = child, i + n
             return torch.cat(rejected) if rejected else torch.empty(0, dtype=torch.int64)

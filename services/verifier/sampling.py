@@ -1,6 +1,6 @@
 """Target token choice per tree node: argmax at temperature 0, else one sample per row.
 
-Why "sample at every node and walk" is exact (ddtree.md §3, §6.10):
+Why "sample at every node and walk" is exact (docs/design.md §3.7):
   The tree is a deterministic function of the drafter's output (top-K marginals, nothing sampled on
   the draft side), so it is independent of the target's draws. Row i's sample is drawn from the
   target's (filtered) conditional p(. | prefix, path(i)), independently of every other row. The walk
@@ -18,34 +18,10 @@ distribution of what top_k kept, then renormalize.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    temperature: float = 0.0  # 0 = greedy (argmax)
-    top_p: float = 1.0  # nucleus mass in (0, 1]; 1 = off
-    top_k: int = 0  # 0 = off
-    seed: int | None = None  # per-request seed; see make_generator
-
-    def validate(self) -> None:
-        t = self.temperature
-        if not isinstance(t, (int, float)) or math.isnan(t) or t < 0 or math.isinf(t):
-            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
+from ddtree.contract.sampling_params import SamplingConfig
 
 
 def make_generator(cfg: SamplingConfig, device: torch.device | str = "cpu") -> torch.Generator | None:
@@ -87,9 +63,7 @@ def sampling_probs(logits: Tensor, cfg: SamplingConfig) -> Tensor:
     return probs
 
 
-def target_choices(
-    logits: Tensor, cfg: SamplingConfig, generator: torch.Generator | None = None
-) -> Tensor:
+def target_choices(logits: Tensor, cfg: SamplingConfig, generator: torch.Generator | None = None) -> Tensor:
     """logits [N, V] (one row per tree node) -> LongTensor [N] of chosen tokens.
 
     Temperature 0: argmax per row (top_k / top_p do not change the argmax). Otherwise one independent
@@ -103,8 +77,10 @@ def target_choices(
     if cfg.greedy:
         return logits.argmax(dim=-1)
     if generator is not None and generator.device.type != logits.device.type:
-        raise ValueError(f"generator is on {generator.device} but logits are on {logits.device}; "
-                         f"create it with make_generator(cfg, logits.device)")
+        raise ValueError(
+            f"generator is on {generator.device} but logits are on {logits.device}; "
+            f"create it with make_generator(cfg, logits.device)"
+        )
     probs = sampling_probs(logits, cfg)  # [N, V]
     race = torch.empty_like(probs).exponential_(1.0, generator=generator)  # [N, V]
     # NOTE: an exact 0 draw would make 0/0 = NaN win the argmax for a zero-probability token.

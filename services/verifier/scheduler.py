@@ -6,37 +6,36 @@ One thread owns the model, the KV pool and every running sequence. RPC threads o
   2. finish sequences whose client aborted;
   3. Draft (one RPC for all speculative sequences), 4. one target forward over all trees plus at most
   prefill_chunk prompt tokens (several short prompts may share them), 5. accept + commit per sequence,
-  stream the tokens and the step record. With --overlap-draft-min-batch, step 3 drafts half of the
-  sequences on the draft-ahead thread while step 4 verifies the other half's trees (draft_overlap.py).
+  stream the tokens and the step record.
 Admission by reservation means a running sequence never runs out of KV mid-generation.
 """
+
 from __future__ import annotations
 
 import collections
-import concurrent.futures as cf
 import threading
 import time
 
 import grpc
 import torch
 
-from services.config import VerifierConfig
-from services.drafter.tree import TokenTree
-from services.telemetry import metrics
-from services.telemetry.logging import get_logger
-from services.telemetry.step_log import open_step_log
-from services.verifier.batch import PrefillItem, VerifyItem, WorkItem, kv_needed, run_batch
-from services.verifier.commit import append_pending, commit_prefill, commit_verify
-from services.verifier.draft_overlap import overlapping, split_drafts
-from services.verifier.drafter_client import DraftResult
-from services.verifier.kv_pool import LatentKVPool
-from services.verifier.page_table import PageTable, check_accounting
-from services.verifier.prefix_cache import PrefixCache
-from services.verifier.sequence import DraftedTree, Phase, Sequence, StepRecord, StreamEvent
-from services.verifier.tree_budget import allocate_nodes, tree_budget
+from ddtree.config import VerifierConfig
+from ddtree.contract.step_record import StepRecord
+from ddtree.contract.token_tree import EMPTY_TREE, TokenTree
+from ddtree.telemetry import metrics
+from ddtree.telemetry.logging import get_logger
+from ddtree.telemetry.step_log import open_step_log
+from ddtree.verifier.batch import PrefillItem, VerifyItem, WorkItem, kv_needed, run_batch
+from ddtree.verifier.commit import append_pending, commit_prefill, commit_verify
+from ddtree.verifier.drafter_client import DraftResult
+from ddtree.verifier.kv_pool import LatentKVPool
+from ddtree.verifier.page_table import PageTable, check_accounting
+from ddtree.verifier.prefix_cache import PrefixCache
+from ddtree.verifier.sequence import DraftedTree, Phase, Sequence, StreamEvent
+from ddtree.verifier.target import Target
+from ddtree.verifier.tree_budget import allocate_nodes, tree_budget
 
 log = get_logger("ddtree.verifier.scheduler")
-EMPTY_TREE = TokenTree((), (), ())
 
 
 class AdmissionError(Exception):
@@ -48,13 +47,13 @@ class AdmissionError(Exception):
 
 
 class Scheduler:
-    def __init__(self, model, pool: LatentKVPool, config: VerifierConfig, drafter):
+    def __init__(self, target: Target, pool: LatentKVPool, config: VerifierConfig, drafter):
         """drafter: a DrafterPool (or one DrafterClient), or None for AR only."""
-        self.model = model
+        self.target = target  # the model behind one interface at TP 1 and TP N (target.py)
         self.pool = pool
         self.config = config
         self.drafter = drafter
-        self.vocab_size = model.config.vocab_size
+        self.vocab_size = target.config.vocab_size
         self.window = drafter.window if drafter is not None else 0
         self.tap_layer_ids = drafter.tap_layer_ids if drafter is not None else ()
         self.cache = PrefixCache(pool) if config.prefix_cache else None
@@ -66,11 +65,9 @@ class Scheduler:
         self._reserved = 0
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="verifier-scheduler", daemon=True)
-        self._draft_thread: cf.ThreadPoolExecutor | None = None  # drafts overlapping a verify (draft_overlap.py)
         metrics.KV_TOTAL.set(pool.num_slots)
         self.total_steps = 0
         self.total_tokens = 0
-        self.drafted_ahead = 0  # sequences drafted while another group was verified (draft_overlap.py)
 
     # ---- called from RPC threads ----
     def submit(self, seq: Sequence) -> None:
@@ -80,14 +77,20 @@ class Scheduler:
             if self._stopping:
                 raise AdmissionError(grpc.StatusCode.UNAVAILABLE, "verifier is shutting down")
             if seq.request_id in self._by_id:
-                raise AdmissionError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {seq.request_id!r} is already running")
+                raise AdmissionError(
+                    grpc.StatusCode.ALREADY_EXISTS, f"request_id {seq.request_id!r} is already running"
+                )
             if need > self.pool.num_slots:
-                raise AdmissionError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                     f"request needs {need} KV tokens (prompt + max_new_tokens + tree), "
-                                     f"the cache holds {self.pool.num_slots}")
+                raise AdmissionError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"request needs {need} KV tokens (prompt + max_new_tokens + tree), "
+                    f"the cache holds {self.pool.num_slots}",
+                )
             if len(self._waiting) >= self.config.max_queue:
-                raise AdmissionError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                     f"queue full ({self.config.max_queue} waiting requests); retry later")
+                raise AdmissionError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"queue full ({self.config.max_queue} waiting requests); retry later",
+                )
             self._waiting.append(seq)
             self._by_id[seq.request_id] = seq
             self._cond.notify_all()
@@ -133,8 +136,6 @@ class Scheduler:
             self._stopping = True
             self._cond.notify_all()
         self._thread.join(timeout=30)
-        if self._draft_thread is not None:
-            self._draft_thread.shutdown(wait=True)
         with self._cond:
             for seq in list(self._running) + list(self._waiting):
                 self._finish(seq, "abort")
@@ -205,7 +206,7 @@ class Scheduler:
         seq.prefix_match = match
         seq.prefill_done = match.length
         seq.table.share(match.slots)
-        seq.committed = prompt[:match.length]
+        seq.committed = prompt[: match.length]
         if match.features is not None:
             if seq.feature_log is not None:
                 seq.feature_log.append(match.features)
@@ -260,10 +261,9 @@ class Scheduler:
         if self.cache is not None and self.pool.num_free < need:
             self.cache.evict(need - self.pool.num_free)
 
-    def _draft(self, seqs: list[Sequence], started: float) -> None:
-        """One Draft call for seqs (speculative, none holding a tree); each gets its tree (EMPTY_TREE if the
-        drafter gave none: an AR step) and what its step record needs. Runs on the scheduler thread, or on
-        the draft-ahead thread while the scheduler verifies other sequences (it touches only seqs)."""
+    def _draft(self, seqs: list[Sequence]) -> None:
+        """One Draft call for seqs (the speculative ones of this step); each gets its tree (EMPTY_TREE if
+        the drafter gave none: an AR step) and what its step record needs, in `Sequence.draft`."""
         if not seqs:
             return
         # Full budgets: under --max-tree-tokens the trees are cut to fit after drafting (_fit_trees).
@@ -276,7 +276,6 @@ class Scheduler:
             result, failed = None, frozenset(s.draft_id for s in seqs)
         trees = self._fit_trees(seqs, result.trees) if result is not None else {}
         for seq in seqs:
-            seq.draft_started = started
             if seq.draft_id in failed:
                 # The drafter's state for this sequence is lost or unknown: it finishes with AR
                 # decoding, which yields exactly the same tokens.
@@ -286,9 +285,12 @@ class Scheduler:
                 seq.draft = None
                 continue
             tree = trees.get(seq.draft_id)
-            seq.draft = DraftedTree(tree if tree is not None else EMPTY_TREE, result.draft_ms if tree else 0.0,
-                                    max(result.rpc_ms - result.draft_ms, 0.0),
-                                    result.feature_bytes.get(seq.draft_id, 0))
+            seq.draft = DraftedTree(
+                tree if tree is not None else EMPTY_TREE,
+                result.draft_ms if tree else 0.0,
+                max(result.rpc_ms - result.draft_ms, 0.0),
+                result.feature_bytes.get(seq.draft_id, 0),
+            )
 
     def _fit_trees(self, seqs: list[Sequence], trees: dict[str, TokenTree]) -> dict[str, TokenTree]:
         """The drafted trees cut to fit --max-tree-tokens over the sequences of one Draft call (tree_budget.py):
@@ -303,19 +305,6 @@ class Scheduler:
         else:
             kept = [tree_budget(t.n, len(seqs), cap) for t in drafted]
         return {s.draft_id: t.prefix(k) for s, t, k in zip(seqs, drafted, kept) if s.draft_id in trees}
-
-    def _plan(self, decode: list[Sequence]) -> tuple[list[Sequence], list[Sequence], list[Sequence]]:
-        """(draft now on this thread, draft in the background, verify) for this step (draft_overlap.py)."""
-        spec = [s for s in decode if s.use_spec and self.drafter is not None]
-        needing = [s for s in spec if s.draft is None]
-        if not overlapping(len(spec), self.config.overlap_draft_min_batch):
-            return needing, [], decode
-        by_id = {s.request_id: s for s in needing}
-        now, _ = split_drafts(list(by_id), len(spec) - len(needing),
-                              {s.request_id: s.last_token_time or s.arrival for s in needing})
-        background = [by_id[rid] for rid in now]
-        # Verify the sequences holding a tree (and AR ones); those without one draft now or wait a step.
-        return [], background, [s for s in decode if s.request_id not in by_id]
 
     def _prefill_items(self) -> list[PrefillItem]:
         """This step's prefill: up to prefill_chunk prompt tokens, taken from the prefilling sequences in
@@ -332,19 +321,12 @@ class Scheduler:
 
     def _step(self, decode: list[Sequence], prefill: list[PrefillItem]) -> None:
         t0 = time.perf_counter()
-        now, background, verify = self._plan(decode)
-        self._draft(now, t0)
-        ahead = self._draft_ahead().submit(self._draft, background, t0) if background else None
-        self.drafted_ahead += len(background)
-        try:
-            items: list[WorkItem] = [VerifyItem(s, s.draft.tree if s.draft else EMPTY_TREE) for s in verify]
-            items += prefill
-            t1 = time.perf_counter()
-            committed = self._verify(items) if items else []
-            t2 = time.perf_counter()
-        finally:
-            if ahead is not None:
-                ahead.result()  # the background drafts are done before the next step plans
+        self._draft([s for s in decode if s.use_spec and self.drafter is not None])
+        items: list[WorkItem] = [VerifyItem(s, s.draft.tree if s.draft else EMPTY_TREE) for s in decode]
+        items += prefill
+        t1 = time.perf_counter()
+        committed = self._verify(items) if items else []
+        t2 = time.perf_counter()
         with self._cond:
             for item, tokens, accept_length in committed:
                 seq = item.seq
@@ -365,16 +347,11 @@ class Scheduler:
                 if seq.emit(tokens, record):
                     self._finish(seq, None)
 
-    def _draft_ahead(self):
-        if self._draft_thread is None:
-            self._draft_thread = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-ahead")
-        return self._draft_thread
-
     def _verify(self, items: list[WorkItem]) -> list[tuple[WorkItem, list[int], int]]:
         """One target forward over the items, then accept + commit each: (item, tokens, accept length)."""
         with self._cond:
             self._make_room(items)
-        outputs = run_batch(self.model, self.pool, items, self.tap_layer_ids)
+        outputs = run_batch(self.target, self.pool, items, self.tap_layer_ids)
         committed = []
         for out in outputs:
             if isinstance(out.item, VerifyItem):
@@ -384,24 +361,39 @@ class Scheduler:
                 committed.append((out.item, commit_prefill(out, self.pool, self.window), 0))
         return committed
 
-    def _record(self, seq: Sequence, tree: TokenTree, accept_length: int, t0: float, t1: float,
-                t2: float) -> StepRecord:
-        """The step record of a verified sequence (logged, exported, streamed). total_ms runs from the
-        start of the step that drafted its tree (one step earlier when drafting overlapped) to its commit."""
+    def _record(
+        self, seq: Sequence, tree: TokenTree, accept_length: int, t0: float, t1: float, t2: float
+    ) -> StepRecord:
+        """The step record of a verified sequence (logged, exported, streamed); total_ms runs from the
+        step's start (before its Draft call) to the commit."""
         drafted = seq.draft
-        record = StepRecord(step=seq.steps, context_tokens=seq.context_len - accept_length,
-                            tree_nodes=tree.n, accept_length=accept_length,
-                            draft_ms=drafted.draft_ms if drafted else 0.0, verify_ms=(t2 - t1) * 1e3,
-                            transport_ms=drafted.transport_ms if drafted else 0.0,
-                            total_ms=(t2 - (seq.draft_started if drafted else t0)) * 1e3,
-                            feature_bytes=drafted.feature_bytes if drafted else 0)
+        record = StepRecord(
+            step=seq.steps,
+            context_tokens=seq.context_len - accept_length,
+            tree_nodes=tree.n,
+            accept_length=accept_length,
+            draft_ms=drafted.draft_ms if drafted else 0.0,
+            verify_ms=(t2 - t1) * 1e3,
+            transport_ms=drafted.transport_ms if drafted else 0.0,
+            total_ms=(t2 - t0) * 1e3,
+            feature_bytes=drafted.feature_bytes if drafted else 0,
+        )
         seq.steps += 1
         seq.accept_lengths.append(accept_length)
         self.total_steps += 1
         self.total_tokens += accept_length
         if self.step_log is not None:
             self.step_log.info("step", request_id=seq.request_id, **record.__dict__)
-        metrics.observe_step({"draft": record.draft_ms, "verify": record.verify_ms,
-                              "transport": record.transport_ms, "total": record.total_ms},
-                             accept_length, record.context_tokens, record.tree_nodes, record.feature_bytes)
+        metrics.observe_step(
+            {
+                "draft": record.draft_ms,
+                "verify": record.verify_ms,
+                "transport": record.transport_ms,
+                "total": record.total_ms,
+            },
+            accept_length,
+            record.context_tokens,
+            record.tree_nodes,
+            record.feature_bytes,
+        )
         return record

@@ -5,8 +5,9 @@ A sequence moves WAITING -> PREFILL -> DECODE -> FINISHED. Between steps it hold
   (its pages; `slots` = the committed tokens' slots in position order);
 - `root`: the last emitted token (the previous bonus), not yet in the KV cache, at position len(committed);
 - `pending_commit`: what the drafter has not seen yet (tokens, their start position, tapped features);
-- `draft`: the tree drafted from root for the next verify, when drafting ran ahead (draft_overlap.py).
+- `draft`: the tree drafted from root for this step's verify (set by the Draft call, cleared at commit).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,9 +19,10 @@ import uuid
 
 import torch
 
-from services.drafter.tree import TokenTree
-from services.verifier.page_table import PageTable, pages_for
-from services.verifier.sampling import SamplingConfig
+from ddtree.contract.sampling_params import SamplingConfig
+from ddtree.contract.step_record import StepRecord
+from ddtree.contract.token_tree import TokenTree
+from ddtree.verifier.page_table import PageTable, pages_for
 
 
 class Phase(enum.Enum):
@@ -36,28 +38,16 @@ class GenerateParams:
     input_ids: tuple[int, ...]
     sampling: SamplingConfig
     max_new_tokens: int
-    stop_token_ids: frozenset[int]   # eos ids (unless ignore_eos) + the request's stop ids
+    stop_token_ids: frozenset[int]  # eos ids (unless ignore_eos) + the request's stop ids
     use_spec: bool
     budget: int
-    chain: bool = False              # ask the drafter for a width-1 tree (a chain)
-
-
-@dataclasses.dataclass(frozen=True)
-class StepRecord:
-    step: int
-    context_tokens: int
-    tree_nodes: int
-    accept_length: int
-    draft_ms: float
-    verify_ms: float
-    transport_ms: float
-    total_ms: float
-    feature_bytes: int
+    chain: bool = False  # ask the drafter for a width-1 tree (a chain)
 
 
 @dataclasses.dataclass(frozen=True)
 class StreamEvent:
     """One message to the client: tokens committed by a step (or the first token)."""
+
     token_ids: tuple[int, ...]
     step: StepRecord | None = None
     finish_reason: str | None = None
@@ -74,6 +64,7 @@ class PendingCommit:
 @dataclasses.dataclass(frozen=True)
 class DraftedTree:
     """A tree drafted for the sequence's next verify, with what its step record reports."""
+
     tree: TokenTree
     draft_ms: float
     transport_ms: float
@@ -86,23 +77,22 @@ class Sequence:
         self.phase = Phase.WAITING
         self.arrival = time.perf_counter() if arrival is None else arrival
         self.committed: list[int] = []
-        self.table = PageTable()           # KV pages; the scheduler sets the pool's page size at submit
-        self.prefill_done = 0              # prompt tokens already in the KV cache
-        self.prefix_match = None           # the PrefixMatch pinning them
+        self.table = PageTable()  # KV pages; the scheduler sets the pool's page size at submit
+        self.prefill_done = 0  # prompt tokens already in the KV cache
+        self.prefix_match = None  # the PrefixMatch pinning them
         self.feature_log: list[torch.Tensor] | None = None  # taps of every committed token (prefix cache)
         self.root: int | None = None
         self.generated: list[int] = []
         self.pending_commit: PendingCommit | None = None
-        self.drafter_seeded = False        # the drafter holds this sequence's context
+        self.drafter_seeded = False  # the drafter holds this sequence's context
         # The drafter's key for this sequence's context: unique per Sequence (and across verifiers
         # sharing a drafter), never the client's request id, so that a late Release of a finished
         # request cannot drop the context of a new request that reuses its id.
         self.draft_id = uuid.uuid4().hex
         self.draft: DraftedTree | None = None  # drafted, not yet verified
-        self.draft_started = 0.0           # perf_counter when the step that drafted it began
         self.use_spec = params.use_spec
         self.steps = 0
-        self.accept_lengths: list[int] = []   # per step: root + matched nodes
+        self.accept_lengths: list[int] = []  # per step: root + matched nodes
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.finish_reason: str | None = None

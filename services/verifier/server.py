@@ -1,4 +1,5 @@
 """The Verifier gRPC service: validates requests, hands them to the scheduler, streams the steps."""
+
 from __future__ import annotations
 
 import math
@@ -6,42 +7,44 @@ import queue
 import uuid
 
 import grpc
-import torch
 
-from services.config import VerifierConfig
-from services.models.attention import resolve_attention_backend
-from services.models.loader import load_target
-from services.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
-from services.protocol.server import RunningServer, start_server
-from services.telemetry.logging import get_logger
-from services.telemetry.metrics import serve_metrics
-from services.verifier.drafter_pool import DrafterPool
-from services.verifier.kv_pool import LatentKVPool
-from services.verifier.kv_sizing import kv_size_for
-from services.verifier.sampling import SamplingConfig
-from services.verifier.scheduler import AdmissionError, Scheduler
-from services.verifier.sequence import GenerateParams, Sequence
+from ddtree.config import VerifierConfig
+from ddtree.contract.sampling_params import SamplingConfig
+from ddtree.contract.usage import usage_from_steps
+from ddtree.models.attention import resolve_attention_backend
+from ddtree.models.dtypes import TORCH_DTYPES
+from ddtree.models.loader import load_target
+from ddtree.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from ddtree.protocol.server import RunningServer, start_server
+from ddtree.telemetry.logging import get_logger
+from ddtree.telemetry.metrics import serve_metrics
+from ddtree.verifier.drafter_pool import DrafterPool
+from ddtree.verifier.kv_pool import LatentKVPool
+from ddtree.verifier.kv_sizing import kv_size_for
+from ddtree.verifier.scheduler import AdmissionError, Scheduler
+from ddtree.verifier.sequence import GenerateParams, Sequence
+from ddtree.verifier.target import LocalTarget, ShardedTarget
 
 log = get_logger("ddtree.verifier")
 MAX_REQUEST_ID_CHARS = 256
 
 
 def usage_of(seq: Sequence) -> common_pb2.Usage:
-    lengths = seq.accept_lengths
-    hist = [0] * (max(lengths) + 1 if lengths else 0)
-    for n in lengths:
-        hist[n] += 1
+    """The usage of a finished sequence (ddtree.contract.usage defines its fields), on the verifier's clock."""
     ttft = (seq.first_token_time - seq.arrival) * 1e3 if seq.first_token_time else 0.0
     decode = (seq.last_token_time - seq.first_token_time) * 1e3 if seq.last_token_time and seq.first_token_time else 0.0
-    return common_pb2.Usage(prompt_tokens=seq.prompt_len, completion_tokens=len(seq.generated),
-                            verify_steps=seq.steps,
-                            avg_accept_length=sum(lengths) / len(lengths) if lengths else 0.0,
-                            accept_histogram=hist, ttft_ms=ttft, decode_ms=decode)
+    return usage_from_steps(seq.prompt_len, len(seq.generated), seq.accept_lengths, ttft, decode)
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
-    def __init__(self, scheduler: Scheduler, config: VerifierConfig, model_id: str, model_config_json: str,
-                 eos_token_ids: tuple[int, ...]):
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        config: VerifierConfig,
+        model_id: str,
+        model_config_json: str,
+        eos_token_ids: tuple[int, ...],
+    ):
         self.scheduler = scheduler
         self.config = config
         self.model_id = model_id
@@ -66,16 +69,22 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         if req.max_new_tokens > cfg.max_new_tokens_limit:
             raise ValueError(f"max_new_tokens {req.max_new_tokens} is above the limit {cfg.max_new_tokens_limit}")
         if len(req.input_ids) + req.max_new_tokens > cfg.max_context:
-            raise ValueError(f"prompt ({len(req.input_ids)}) + max_new_tokens ({req.max_new_tokens}) exceeds "
-                             f"the maximum context {cfg.max_context}")
+            raise ValueError(
+                f"prompt ({len(req.input_ids)}) + max_new_tokens ({req.max_new_tokens}) exceeds "
+                f"the maximum context {cfg.max_context}"
+            )
         bad_stop = [t for t in req.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad_stop:
             raise ValueError(f"stop_token_ids has an id outside [0, {self.vocab_size}): {bad_stop[0]}")
         s = req.sampling
         if math.isnan(s.temperature) or math.isnan(s.top_p):
             raise ValueError("temperature and top_p must be numbers, got NaN")
-        sampling = SamplingConfig(temperature=s.temperature, top_p=s.top_p if s.top_p != 0 else 1.0,
-                                  top_k=s.top_k, seed=s.seed if s.HasField("seed") else None)
+        sampling = SamplingConfig(
+            temperature=s.temperature,
+            top_p=s.top_p if s.top_p != 0 else 1.0,
+            top_k=s.top_k,
+            seed=s.seed if s.HasField("seed") else None,
+        )
         sampling.validate()
         budget = req.spec.budget if req.spec.budget else cfg.default_budget
         if budget < 0:
@@ -85,10 +94,16 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             raise ValueError(f"spec.budget {budget} is above the drafter's maximum {drafter.info.max_budget}")
         use_spec = drafter is not None and not req.spec.no_spec and budget > 0
         stops = set(req.stop_token_ids) | (set() if req.ignore_eos else set(self.eos_token_ids))
-        return GenerateParams(request_id=req.request_id or uuid.uuid4().hex, input_ids=tuple(req.input_ids),
-                              sampling=sampling, max_new_tokens=req.max_new_tokens,
-                              stop_token_ids=frozenset(stops), use_spec=use_spec,
-                              budget=budget if use_spec else 0, chain=use_spec and req.spec.chain)
+        return GenerateParams(
+            request_id=req.request_id or uuid.uuid4().hex,
+            input_ids=tuple(req.input_ids),
+            sampling=sampling,
+            max_new_tokens=req.max_new_tokens,
+            stop_token_ids=frozenset(stops),
+            use_spec=use_spec,
+            budget=budget if use_spec else 0,
+            chain=use_spec and req.spec.chain,
+        )
 
     def Generate(self, request, context):
         try:
@@ -124,23 +139,31 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         if not request.request_id:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
         if not self.scheduler.abort(request.request_id):
-            context.abort(grpc.StatusCode.NOT_FOUND,
-                          f"no running request with id {request.request_id!r} (unknown or already finished)")
+            context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"no running request with id {request.request_id!r} (unknown or already finished)",
+            )
         return verifier_pb2.AbortResponse(request_id=request.request_id)
 
     def GetInfo(self, request, context):
         drafter = self.scheduler.drafter
         return verifier_pb2.VerifierInfo(
-            model_id=self.model_id, model_config_json=self.model_config_json, vocab_size=self.vocab_size,
-            max_context=self.config.max_context, max_new_tokens_limit=self.config.max_new_tokens_limit,
-            eos_token_ids=list(self.eos_token_ids), spec_enabled=drafter is not None,
-            drafter_address=drafter.address if drafter else "", default_budget=self.config.default_budget,
-            total_steps=self.scheduler.total_steps, total_tokens=self.scheduler.total_tokens,
-            running_requests=self.scheduler.running_count, kv_used_tokens=self.scheduler.kv_held_by_requests,
-            kv_total_tokens=self.scheduler.pool.num_slots, kv_cached_tokens=self.scheduler.kv_cached)
-
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+            model_id=self.model_id,
+            model_config_json=self.model_config_json,
+            vocab_size=self.vocab_size,
+            max_context=self.config.max_context,
+            max_new_tokens_limit=self.config.max_new_tokens_limit,
+            eos_token_ids=list(self.eos_token_ids),
+            spec_enabled=drafter is not None,
+            drafter_address=drafter.address if drafter else "",
+            default_budget=self.config.default_budget,
+            total_steps=self.scheduler.total_steps,
+            total_tokens=self.scheduler.total_tokens,
+            running_requests=self.scheduler.running_count,
+            kv_used_tokens=self.scheduler.kv_held_by_requests,
+            kv_total_tokens=self.scheduler.pool.num_slots,
+            kv_cached_tokens=self.scheduler.kv_cached,
+        )
 
 
 def serve(config: VerifierConfig, model_dir: str) -> RunningServer:
@@ -150,22 +173,39 @@ def serve(config: VerifierConfig, model_dir: str) -> RunningServer:
     backend = resolve_attention_backend(config.attention_backend, config.device)
     tp = None
     if config.tp > 1:  # N ranks (tp_worker.py); on ranks > 0 this call does not return
-        from services.verifier.tp_worker import start_tensor_parallel
+        from ddtree.verifier.tp_worker import start_tensor_parallel
+
         tp = start_tensor_parallel(config, model_dir, backend)
         model = tp.model
+        target = ShardedTarget(model)
     else:
-        model = load_target(model_dir, dtype=_DTYPES[config.dtype], device=config.device, attention_backend=backend)
+        model = load_target(
+            model_dir, dtype=TORCH_DTYPES[config.dtype], device=config.device, attention_backend=backend
+        )
         model.eval()
+        target = LocalTarget(model)
     mcfg = model.config
     drafter = DrafterPool(config.drafter, config.draft_timeout_s) if config.drafter else None
     kv = kv_size_for(config, mcfg)
-    log.info("kv_pool", tokens=kv.tokens, bytes=kv.bytes, bytes_per_token=kv.bytes_per_token, source=kv.source,
-             page_size=config.page_size)
-    pool = LatentKVPool(mcfg.num_hidden_layers, kv.tokens, mcfg.kv_cache_width,
-                        _DTYPES[config.dtype], config.device, page_size=config.page_size)
+    log.info(
+        "kv_pool",
+        tokens=kv.tokens,
+        bytes=kv.bytes,
+        bytes_per_token=kv.bytes_per_token,
+        source=kv.source,
+        page_size=config.page_size,
+    )
+    pool = LatentKVPool(
+        mcfg.num_hidden_layers,
+        kv.tokens,
+        mcfg.kv_cache_width,
+        TORCH_DTYPES[config.dtype],
+        config.device,
+        page_size=config.page_size,
+    )
     if tp is not None:
         tp.model.replicate_kv(pool.cache)  # every rank holds a full copy of the latent cache
-    scheduler = Scheduler(model, pool, config, drafter)
+    scheduler = Scheduler(target, pool, config, drafter)
     scheduler.start()
     eos_ids = tuple(mcfg.eos_token_ids)
     config_json = (pathlib.Path(model_dir) / "config.json").read_text()

@@ -1,4 +1,4 @@
-"""Tensor-parallel verifier processes (serving.md §7; docs/structure.md "Tensor parallelism").
+"""Tensor-parallel verifier processes (docs/design.md §7.5; docs/structure.md "Tensor parallelism").
 
 `ddtree verifier --tp N` runs N ranks. Rank 0 serves gRPC, schedules, owns the KV pool's slot
 allocation and broadcasts every forward's inputs; ranks 1..N-1 run `worker_loop`, replaying each
@@ -10,6 +10,7 @@ watchdog then turns any rank's exit into `rank k exited with code c` and a non-z
 Every collective has a timeout (`--tp-timeout-s`), so a peer that dies or hangs mid-collective ends the
 server with an error instead of a hang.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,15 +24,22 @@ import time
 
 import torch
 
-from services.config import VerifierConfig
-from services.models.parallel.process_group import (LaunchEnv, TPGroup, destroy_tp, init_tp, launch_env,
-                                                    rank_device, rendezvous_store)
-from services.models.parallel.step_message import CACHE, FORWARD, STOP, recv_step
-from services.models.parallel.tp_model import TensorParallelModel, load_tp_model, run_shard
-from services.telemetry.logging import get_logger
+from ddtree.config import VerifierConfig
+from ddtree.models.dtypes import TORCH_DTYPES
+from ddtree.models.parallel.process_group import (
+    LaunchEnv,
+    TPGroup,
+    destroy_tp,
+    init_tp,
+    launch_env,
+    rank_device,
+    rendezvous_store,
+)
+from ddtree.models.parallel.step_message import CACHE, FORWARD, STOP, recv_step
+from ddtree.models.parallel.tp_model import TensorParallelModel, load_tp_model, run_shard
+from ddtree.telemetry.logging import get_logger
 
 log = get_logger("ddtree.verifier.tp")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def worker_loop(model, tp: TPGroup, kv_cache: torch.Tensor | None = None) -> None:
@@ -52,14 +60,20 @@ def worker_loop(model, tp: TPGroup, kv_cache: torch.Tensor | None = None) -> Non
 
 
 def _load(config: VerifierConfig, model_dir: str, tp: TPGroup, device: torch.device, backend: str):
-    return load_tp_model(model_dir, tp, config.expert_parallel, _DTYPES[config.dtype], device, backend)
+    return load_tp_model(model_dir, tp, config.expert_parallel, TORCH_DTYPES[config.dtype], device, backend)
 
 
 def run_worker(config: VerifierConfig, model_dir: str, env: LaunchEnv, backend: str, store=None) -> None:
     """One rank > 0, from joining the group (through rank 0's `store` if given) to rank 0's STOP."""
     device = rank_device(config.device, env.local_rank)
-    tp = init_tp(env.world_size, env.rank, device, config.tp_timeout_s, store=store,
-                 init_method=None if store else f"tcp://{env.master_addr}:{env.master_port}")
+    tp = init_tp(
+        env.world_size,
+        env.rank,
+        device,
+        config.tp_timeout_s,
+        store=store,
+        init_method=None if store else f"tcp://{env.master_addr}:{env.master_port}",
+    )
     model = _load(config, model_dir, tp, device, backend)
     log.info("tp_worker_ready", rank=env.rank, world_size=env.world_size, device=str(device))
     worker_loop(model, tp)
@@ -73,7 +87,8 @@ def run_worker(config: VerifierConfig, model_dir: str, env: LaunchEnv, backend: 
 
 
 def _spawned_rank(rank: int, config: VerifierConfig, model_dir: str, addr: str, port: int, backend: str) -> None:
-    from services.telemetry.logging import configure_logging
+    from ddtree.telemetry.logging import configure_logging
+
     # Rank 0 owns the lifetime of the ranks it spawned: a Ctrl-C or SIGTERM to the process group stops
     # rank 0 gracefully, which sends STOP. (A lost rank 0 still ends them: their collectives fail.)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -93,6 +108,7 @@ def _spawned_rank(rank: int, config: VerifierConfig, model_dir: str, addr: str, 
 @dataclasses.dataclass
 class TensorParallelVerifier:
     """Rank 0's side: the broadcasting model handle, the spawned ranks and their watchdog."""
+
     model: TensorParallelModel
     device: torch.device
     children: dict[int, mp.Process]
@@ -155,8 +171,9 @@ class TensorParallelVerifier:
                     p.join()
                     del pending[rank]
                     if not self._stopping:
-                        threading.Thread(target=self.fatal, args=(f"rank {rank} exited with code {p.exitcode}",),
-                                         daemon=True).start()
+                        threading.Thread(
+                            target=self.fatal, args=(f"rank {rank} exited with code {p.exitcode}",), daemon=True
+                        ).start()
 
 
 def start_tensor_parallel(config: VerifierConfig, model_dir: str, backend: str) -> TensorParallelVerifier:
@@ -172,8 +189,12 @@ def start_tensor_parallel(config: VerifierConfig, model_dir: str, backend: str) 
         env = LaunchEnv("127.0.0.1", store.port, config.tp, 0, 0)
         ctx = mp.get_context("spawn")  # before any thread or server starts
         for rank in range(1, config.tp):
-            p = ctx.Process(target=_spawned_rank, name=f"tp-rank-{rank}", daemon=True,
-                            args=(rank, config, model_dir, env.master_addr, env.master_port, backend))
+            p = ctx.Process(
+                target=_spawned_rank,
+                name=f"tp-rank-{rank}",
+                daemon=True,
+                args=(rank, config, model_dir, env.master_addr, env.master_port, backend),
+            )
             p.start()
             children[rank] = p
             log.info("tp_rank_spawned", rank=rank, pid=p.pid)
@@ -186,10 +207,20 @@ def start_tensor_parallel(config: VerifierConfig, model_dir: str, backend: str) 
     if children:
         threading.Thread(target=tpv._watch, name="tp-watchdog", daemon=True).start()
     started = time.perf_counter()
-    tp = init_tp(env.world_size, 0, tpv.device, config.tp_timeout_s, store=store,
-                 init_method=None if store else f"tcp://{env.master_addr}:{env.master_port}")
+    tp = init_tp(
+        env.world_size,
+        0,
+        tpv.device,
+        config.tp_timeout_s,
+        store=store,
+        init_method=None if store else f"tcp://{env.master_addr}:{env.master_port}",
+    )
     shard = _load(config, model_dir, tp, tpv.device, backend)
     tpv.model = TensorParallelModel(shard, tp, ping_interval_s=config.tp_timeout_s / 4, on_failure=tpv.fatal)
-    log.info("tp_ready", world_size=config.tp, expert_parallel=config.expert_parallel,
-             load_s=round(time.perf_counter() - started, 2))
+    log.info(
+        "tp_ready",
+        world_size=config.tp,
+        expert_parallel=config.expert_parallel,
+        load_s=round(time.perf_counter() - started, 2),
+    )
     return tpv

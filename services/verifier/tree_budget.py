@@ -17,10 +17,11 @@ max_tree_tokens (0 = no cap). Every sequence keeps at least one node. Two rules,
 Neither rule changes the output: the verifier decides every token; they only decide how many drafts each
 step checks.
 """
+
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections import abc
 
 
 def tree_budget(requested: int, speculating: int, max_tree_tokens: int) -> int:
@@ -31,7 +32,7 @@ def tree_budget(requested: int, speculating: int, max_tree_tokens: int) -> int:
     return max(1, min(requested, max_tree_tokens // speculating - 1))
 
 
-def allocate_nodes(scores: Sequence[Sequence[float]], max_tree_tokens: int) -> list[int]:
+def allocate_nodes(scores: abc.Sequence[abc.Sequence[float]], max_tree_tokens: int) -> list[int]:
     """scores[i]: tree i's node scores, non-increasing (one per node). Returns k_i, the nodes tree i keeps.
 
     Every tree with nodes keeps its first; the room left in max_tree_tokens after the roots (one row per

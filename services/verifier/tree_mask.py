@@ -1,6 +1,6 @@
-"""Target-side inputs for verifying one DDTree token tree (ddtree.md §2 "Compile", §6.5-6).
+"""Target-side inputs for verifying one DDTree token tree (docs/design.md §3.3).
 
-The tree is flattened to T = n + 1 rows: row 0 is the root (the anchor / bonus token, not yet in
+The tree is flattened to T = n + 1 rows: row 0 is the root (the last emitted token, not yet in
 the target KV cache), rows 1..n are the nodes in pop order. Pure functions.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from services.drafter.tree import TokenTree
+from ddtree.contract.token_tree import TokenTree
 
 
 def tree_mask(tree: TokenTree) -> Tensor:

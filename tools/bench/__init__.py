@@ -1,10 +1,11 @@
-"""`ddtree bench context | twopoint | compare | overhead`: decode speed measured the way design.md §8 asks.
+"""`ddtree bench context | twopoint | compare | overhead`: decode speed measured the way docs/design.md §8 asks.
 
 Each subcommand is one module here with its own `add_parser`; `runner.py` (endpoints, one measured
-generation), `prompts.py` (prompts of an exact length by kind of text) and `output.py` (progress bar,
-tables, JSON, plots) are shared with `ddtree diagnose` (tools/diagnose.py). The arithmetic over step
+generation), `prompts.py` (prompts of an exact length by kind of text) and `output.py` (tables, JSON,
+plots) are shared with `ddtree diagnose` (tools/diagnose.py). The arithmetic over step
 records lives in services/telemetry/report.py.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -12,9 +13,13 @@ import argparse
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register `bench` and its subcommands."""
-    from tools.bench import compare, context, overhead, twopoint
-    p = subparsers.add_parser("bench", help="measure decode speed: context | twopoint | compare | overhead",
-                              description=__doc__.split("\n\n")[0])
+    from ddtree.tools.bench import compare, context, overhead, twopoint
+
+    p = subparsers.add_parser(
+        "bench",
+        help="measure decode speed: context | twopoint | compare | overhead",
+        description=__doc__.split("\n\n")[0],
+    )
     sub = p.add_subparsers(dest="bench_command", required=True)
     for module in (context, twopoint, compare, overhead):
         module.add_parser(sub)

@@ -1,43 +1,10 @@
-"""What the bench commands print and save: a progress bar, text tables, JSON, PNG plots."""
+"""What the bench commands print and save: text tables, JSON, PNG plots (the progress bar is
+`ddtree.training.progress.Progress`)."""
+
 from __future__ import annotations
 
 import json
 import pathlib
-import sys
-import time
-
-
-class Progress:
-    """A one-line progress bar on stderr (a line per update when stderr is not a terminal)."""
-
-    def __init__(self, total: int, label: str = "", stream=None, width: int = 24):
-        self.total = max(total, 1)
-        self.label = label
-        self.stream = stream or sys.stderr
-        self.width = width
-        self.done = 0
-        self.t0 = time.monotonic()
-        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
-
-    def advance(self, note: str = "") -> None:
-        self.done += 1
-        elapsed = time.monotonic() - self.t0
-        eta = elapsed / self.done * (self.total - self.done)
-        fill = round(self.width * self.done / self.total)
-        line = (f"{self.label} [{'#' * fill}{'.' * (self.width - fill)}] {self.done}/{self.total} "
-                f"{_clock(elapsed)} eta {_clock(eta)} {note}")
-        if self.tty:
-            self.stream.write("\r\x1b[2K" + line)
-            if self.done >= self.total:
-                self.stream.write("\n")
-        else:
-            self.stream.write(line + "\n")
-        self.stream.flush()
-
-
-def _clock(seconds: float) -> str:
-    m, s = divmod(int(seconds), 60)
-    return f"{m}m{s:02d}s" if m else f"{s}s"
 
 
 def format_table(headers: list[str], rows: list[list]) -> str:
@@ -53,15 +20,28 @@ def save_json(path: pathlib.Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2))
 
 
+def save_report(args, command: str, endpoint: str, rows: list[dict]) -> pathlib.Path:
+    """Every bench command's result file: the command, its arguments, the endpoint measured and the rows,
+    at --out (printed as `saved PATH`)."""
+    out = pathlib.Path(args.out)
+    arguments = {k: str(v) for k, v in vars(args).items() if k != "fn"}
+    save_json(out, {"command": command, "args": arguments, "endpoint": endpoint, "rows": rows})
+    print(f"saved {out}")
+    return out
+
+
 def pyplot():
     """matplotlib.pyplot with a file-only backend, or a clear error naming the extra to install."""
     try:
         import matplotlib
     except ModuleNotFoundError:
-        raise SystemExit("the PNG plot needs matplotlib: pip install 'ddtree-serve[bench]' "
-                         "(or pip install matplotlib), or pass --no-plot") from None
+        raise SystemExit(
+            "the PNG plot needs matplotlib: pip install 'ddtree-serve[bench]' "
+            "(or pip install matplotlib), or pass --no-plot"
+        ) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     return plt
 
 

@@ -4,11 +4,12 @@
   code     Python source: the standard library's modules, or `heldout_code.txt` of --corpus
   prose    English prose: the standard library's docstrings, or `heldout_prose.txt` of --corpus
 
-With a corpus dir (`python -m tools.build_corpus` writes `heldout_{kind}.txt`, documents separated by
+With a corpus dir (`python -m scripts.build_corpus` writes `heldout_{kind}.txt`, documents separated by
 [EOS]) any kind with such a file can be used (e.g. chat). Text is read in a fixed order, so every run
 and machine builds the same prompts for the same tokenizer; prompt i is tokens [i*C, (i+1)*C) of the
 kind's token stream.
 """
+
 from __future__ import annotations
 
 import ast
@@ -16,8 +17,10 @@ import pathlib
 import sysconfig
 from collections.abc import Iterator
 
-PADDING = ("The quick brown fox jumps over the lazy dog while the five boxing wizards jump quickly, "
-           "and the padding goes on in the same words. ")
+PADDING = (
+    "The quick brown fox jumps over the lazy dog while the five boxing wizards jump quickly, "
+    "and the padding goes on in the same words. "
+)
 EOS_TEXT = "[EOS]"
 BUILTIN_KINDS = ("padding", "code", "prose")
 
@@ -76,4 +79,11 @@ def make_prompts(tokenizer, kind: str, context: int, count: int, corpus: pathlib
             break
     if len(ids) < need:
         raise ValueError(f"{kind} text gives {len(ids)} tokens, {count} prompt(s) of {context} need {need}")
-    return [ids[i * context:(i + 1) * context] for i in range(count)]
+    return [ids[i * context : (i + 1) * context] for i in range(count)]
+
+
+def prompt_grid(tokenizer, kinds: list[str], contexts: list[int], n: int, corpus: str) -> dict[tuple[str, int], list]:
+    """(kind, context) -> n prompts of exactly `context` tokens of that kind of text (corpus "" = the
+    standard library): what `bench context`, `bench twopoint` and `diagnose` sweep over."""
+    where = pathlib.Path(corpus) if corpus else None
+    return {(k, c): make_prompts(tokenizer, k, c, n, where) for k in kinds for c in contexts}

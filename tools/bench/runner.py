@@ -7,6 +7,7 @@ pair in checkpoints/demo when present, else the random default). Every generatio
 fixed length (ignore_eos); speed is read from the verifier's usage record (first to last token), so the
 client and the stream are not measured.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,22 +20,21 @@ import uuid
 
 import grpc
 
-from services.protocol.ddtree.v1 import (common_pb2, gateway_pb2, gateway_pb2_grpc, verifier_pb2,
-                                         verifier_pb2_grpc)
-from services.protocol.server import GRPC_OPTIONS
-from services.telemetry.report import StepSummary, summarize
-from services.telemetry.step_log import STEP_FIELDS
+from ddtree.protocol.ddtree.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from ddtree.protocol.server import GRPC_OPTIONS
+from ddtree.telemetry.report import StepSummary, summarize
+from ddtree.telemetry.step_log import STEP_FIELDS
 
 
 @dataclasses.dataclass
 class Run:
     token_ids: list[int]
-    steps: list[dict]          # step records: StepStats fields + request_id
+    steps: list[dict]  # step records: StepStats fields + request_id
     prompt_tokens: int
     completion_tokens: int
-    ttft_ms: float             # verifier: arrival to first token (prefill)
-    decode_ms: float           # verifier: first token to last token
-    wall_s: float              # client: call to last message, what a stopwatch around the request gives
+    ttft_ms: float  # verifier: arrival to first token (prefill)
+    decode_ms: float  # verifier: first token to last token
+    wall_s: float  # client: call to last message, what a stopwatch around the request gives
 
     @property
     def summary(self) -> StepSummary:
@@ -56,11 +56,18 @@ class Run:
 
     def to_json(self) -> dict:
         s = self.summary
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "steps": s.steps, "tau": s.tau, "decode_tok_s": self.decode_tok_s, "wall_step_ms": self.wall_step_ms,
-                "step_ms": {"draft": s.draft_ms, "verify": s.verify_ms, "transport": s.transport_ms,
-                            "total": s.step_ms},
-                "ttft_ms": self.ttft_ms, "decode_ms": self.decode_ms, "wall_s": self.wall_s}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "steps": s.steps,
+            "tau": s.tau,
+            "decode_tok_s": self.decode_tok_s,
+            "wall_step_ms": self.wall_step_ms,
+            "step_ms": {"draft": s.draft_ms, "verify": s.verify_ms, "transport": s.transport_ms, "total": s.step_ms},
+            "ttft_ms": self.ttft_ms,
+            "decode_ms": self.decode_ms,
+            "wall_s": self.wall_s,
+        }
 
 
 def _step_dict(rid: str, s) -> dict:
@@ -80,12 +87,17 @@ class VerifierEndpoint:
         self.max_context = self.info.max_context
         self.vocab_size = self.info.vocab_size
 
-    def generate(self, ids: list[int], max_new_tokens: int, *, no_spec: bool = False, budget: int = 0,
-                 chain: bool = False) -> Run:
+    def generate(
+        self, ids: list[int], max_new_tokens: int, *, no_spec: bool = False, budget: int = 0, chain: bool = False
+    ) -> Run:
         rid = f"bench-{uuid.uuid4().hex[:12]}"
-        req = verifier_pb2.GenerateRequest(request_id=rid, input_ids=ids, max_new_tokens=max_new_tokens,
-                                           ignore_eos=True,
-                                           spec=common_pb2.SpecOptions(no_spec=no_spec, budget=budget, chain=chain))
+        req = verifier_pb2.GenerateRequest(
+            request_id=rid,
+            input_ids=ids,
+            max_new_tokens=max_new_tokens,
+            ignore_eos=True,
+            spec=common_pb2.SpecOptions(no_spec=no_spec, budget=budget, chain=chain),
+        )
         out, steps, usage = [], [], None
         t0 = time.perf_counter()
         for msg in self.stub.Generate(req, timeout=self.timeout_s):
@@ -103,6 +115,7 @@ class VerifierEndpoint:
 class GatewayEndpoint:
     """Prompts go as text (decoded with the local tokenizer; the gateway re-encodes them, so the context
     can differ by a few tokens: rows report the prompt_tokens the verifier saw)."""
+
     kind = "gateway"
     supports_chain = False
 
@@ -116,12 +129,14 @@ class GatewayEndpoint:
         self.max_context = self.info.max_context
         self.vocab_size = self.info.vocab_size
 
-    def generate(self, ids: list[int], max_new_tokens: int, *, no_spec: bool = False, budget: int = 0,
-                 chain: bool = False) -> Run:
+    def generate(
+        self, ids: list[int], max_new_tokens: int, *, no_spec: bool = False, budget: int = 0, chain: bool = False
+    ) -> Run:
         if chain:
             raise ValueError("the gateway has no chain option: measure chains with --verifier")
-        opts = gateway_pb2.GenerationOptions(max_tokens=max_new_tokens, temperature=0.0, ignore_eos=True,
-                                             no_spec=no_spec, budget=budget)
+        opts = gateway_pb2.GenerationOptions(
+            max_tokens=max_new_tokens, temperature=0.0, ignore_eos=True, no_spec=no_spec, budget=budget
+        )
         req = gateway_pb2.CompleteRequest(prompt=self.tokenizer.decode(ids), options=opts)
         out, steps, usage, rid = [], [], None, ""
         t0 = time.perf_counter()
@@ -143,10 +158,17 @@ def add_endpoint_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("where to measure (default: a private drafter + verifier of --model/--drafter)")
     g.add_argument("--verifier", default="", help="a running verifier HOST:PORT")
     g.add_argument("--gateway", default="", help="a running gateway HOST:PORT (text prompts; no chain)")
-    g.add_argument("--model", default="", help="target checkpoint dir (default: checkpoints/demo/target, else "
-                                               "the random default); also the tokenizer unless --tokenizer")
-    g.add_argument("--drafter", default="", help="drafter checkpoint dir (default: checkpoints/demo/drafter, "
-                                                 "else the random default)")
+    g.add_argument(
+        "--model",
+        default="",
+        help="target checkpoint dir (default: checkpoints/demo/target, else "
+        "the random default); also the tokenizer unless --tokenizer",
+    )
+    g.add_argument(
+        "--drafter",
+        default="",
+        help="drafter checkpoint dir (default: checkpoints/demo/drafter, else the random default)",
+    )
     g.add_argument("--tokenizer", default="", help="tokenizer dir (default: --model)")
     g.add_argument("--verifier-args", default="", help="extra flags for the private verifier, one string")
     g.add_argument("--drafter-args", default="", help="extra flags for the private drafter, one string")
@@ -156,30 +178,58 @@ def add_endpoint_args(p: argparse.ArgumentParser) -> None:
 def checkpoint_dirs(args) -> tuple[str, str]:
     model, drafter = args.model, args.drafter
     if not model or not drafter:
-        from services.models.default_checkpoint import default_checkpoint
+        from ddtree.default_checkpoint import default_checkpoint
+
         d = default_checkpoint()  # the shipped demo pair when present, else the random pair
         model, drafter = model or str(d.target), drafter or str(d.drafter)
     return model, drafter
 
 
 def load_tokenizer(args):
-    from services.gateway.tokenizer import Tokenizer
+    from ddtree.tokenization.tokenizer import Tokenizer
+
     return Tokenizer(args.tokenizer or checkpoint_dirs(args)[0])
 
 
 @contextlib.contextmanager
-def private_verifier(model: str, drafter: str, max_context: int, log_dir: pathlib.Path,
-                     drafter_args: tuple[str, ...] = (), verifier_args: tuple[str, ...] = (), name: str = ""):
+def private_verifier(
+    model: str,
+    drafter: str,
+    max_context: int,
+    log_dir: pathlib.Path,
+    drafter_args: tuple[str, ...] = (),
+    verifier_args: tuple[str, ...] = (),
+    name: str = "",
+):
     """A drafter + verifier pair as child processes on loopback; yields the verifier's address."""
-    from services.launcher import default_engine_threads, start_service
+    from ddtree.launcher import default_engine_threads, start_service
+
     threads = ["--threads", str(default_engine_threads())]
-    d = start_service(f"drafter{name}", ["drafter", "--model", drafter, "--target", model, "--port", "0", *threads,
-                                         *drafter_args], log_dir)
+    d = start_service(
+        f"drafter{name}",
+        ["drafter", "--model", drafter, "--target", model, "--port", "0", *threads, *drafter_args],
+        log_dir,
+    )
     try:
-        v = start_service(f"verifier{name}", ["verifier", "--model", model, "--port", "0", "--drafter", d.address,
-                                              "--max-context", str(max_context),
-                                              "--kv-tokens", str(2 * max_context + 1024), *threads, *verifier_args],
-                          log_dir)
+        v = start_service(
+            f"verifier{name}",
+            [
+                "verifier",
+                "--model",
+                model,
+                "--port",
+                "0",
+                "--drafter",
+                d.address,
+                "--max-context",
+                str(max_context),
+                "--kv-tokens",
+                str(2 * max_context + 1024),
+                *threads,
+                *verifier_args,
+            ],
+            log_dir,
+        )
         try:
             yield v.address
         finally:
@@ -203,8 +253,9 @@ def open_endpoint(args, max_context: int, tokenizer=None):
         model, drafter = checkpoint_dirs(args)
         log_dir = make_log_dir(args)
         print(f"starting a private drafter + verifier (logs in {log_dir}) ...", flush=True)
-        with private_verifier(model, drafter, max_context, log_dir, tuple(args.drafter_args.split()),
-                              tuple(args.verifier_args.split())) as address:
+        with private_verifier(
+            model, drafter, max_context, log_dir, tuple(args.drafter_args.split()), tuple(args.verifier_args.split())
+        ) as address:
             ep = VerifierEndpoint(address)
             try:
                 yield ep
@@ -213,11 +264,15 @@ def open_endpoint(args, max_context: int, tokenizer=None):
         return
     try:
         if tokenizer is not None and tokenizer.vocab_size > ep.vocab_size:
-            raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, the served model {ep.vocab_size}: "
-                             f"pass the served checkpoint's --model or --tokenizer")
+            raise ValueError(
+                f"the tokenizer has {tokenizer.vocab_size} tokens, the served model {ep.vocab_size}: "
+                f"pass the served checkpoint's --model or --tokenizer"
+            )
         if max_context > ep.max_context:
-            raise ValueError(f"this run needs {max_context} tokens of context, {ep.address} allows {ep.max_context}: "
-                             f"use shorter --contexts / --tokens")
+            raise ValueError(
+                f"this run needs {max_context} tokens of context, {ep.address} allows {ep.max_context}: "
+                f"use shorter --contexts / --tokens"
+            )
         yield ep
     finally:
         ep.close()

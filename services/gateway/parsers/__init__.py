@@ -4,15 +4,17 @@ Each parser is a streaming state machine (`push(text)` / `finish()`) with a non-
 function over the whole text) that gives the same result; tests hold the two together for every way
 of cutting an output into chunks. `registry.py` maps configuration names to parsers.
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 
 @dataclasses.dataclass(frozen=True)
 class ToolCallDelta:
     """A streamed piece of a tool call: first (id, name) with no arguments, then argument fragments."""
+
     index: int
     id: str = ""
     name: str = ""

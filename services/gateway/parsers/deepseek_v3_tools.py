@@ -1,4 +1,4 @@
-"""DeepSeek-V3 tool-call parser (serving.md §4.3).
+"""DeepSeek-V3 tool-call parser (docs/design.md §9.3).
 
 The model writes (`｜` and `▁` are the full-width characters of DeepSeek's special tokens)
 
@@ -23,9 +23,10 @@ empty arguments) when its name is complete; a call without a name, or whose name
 before the end of the output, is dropped. The OpenAI id is `call_{index_offset + index}` (index_offset =
 tool calls earlier in the conversation), unique within a conversation and the same on every run.
 """
+
 from __future__ import annotations
 
-from services.gateway.parsers import ToolCall, ToolCallDelta, find_first, scan
+from ddtree.gateway.parsers import ToolCall, ToolCallDelta, find_first, scan
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
 CALLS_END = "<｜tool▁calls▁end｜>"
@@ -39,7 +40,15 @@ BRACE = "{"
 MARKERS = (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP)
 
 TEXT, SECTION, TYPE, NAME, FENCE, ARGS_FENCED, ARGS_PLAIN, SKIP = (
-    "text", "section", "type", "name", "fence", "args_fenced", "args_plain", "skip")
+    "text",
+    "section",
+    "type",
+    "name",
+    "fence",
+    "args_fenced",
+    "args_plain",
+    "skip",
+)
 _CALL_STATES = (TYPE, NAME, FENCE, ARGS_FENCED, ARGS_PLAIN, SKIP)
 _WATCH = {
     TEXT: (CALLS_BEGIN, CALL_BEGIN),
@@ -117,7 +126,7 @@ class DeepSeekV3ToolParser:
             if marker is None:
                 self._buffer = self._buffer[pos:]
                 break
-            self._buffer = self._buffer[pos + len(marker):]
+            self._buffer = self._buffer[pos + len(marker) :]
             name = self._g.on_marker(marker)
             if name is not None:
                 deltas.append(ToolCallDelta(index=self.calls, id=call_id(self.calls, self.index_offset), name=name))

@@ -1,4 +1,4 @@
-"""Kimi K2 reasoning parser: split `<think>…</think>` reasoning from the answer (serving.md §4.2).
+"""Kimi K2 reasoning parser: split `<think>…</think>` reasoning from the answer (docs/design.md §9.3).
 
 States: BEFORE (no reasoning yet: text is content; `<think>` opens reasoning, once), REASONING (text is
 reasoning; `</think>` closes it and is dropped; `<|tool_calls_section_begin|>` also ends it and is
@@ -9,9 +9,10 @@ Truncated reasoning (no `</think>` before the end) is flushed as reasoning by `f
 `tool_start` is the section marker of the tool-call format in use (Kimi's by default; the DeepSeek-V3
 tool parser passes `<｜tool▁calls▁begin｜>`).
 """
+
 from __future__ import annotations
 
-from services.gateway.parsers import scan
+from ddtree.gateway.parsers import scan
 
 THINK_START = "<think>"
 THINK_END = "</think>"
@@ -48,7 +49,7 @@ class KimiK2ReasoningParser:
             if marker is None:
                 self._buffer = self._buffer[pos:]
                 break
-            rest = self._buffer[pos + len(marker):]
+            rest = self._buffer[pos + len(marker) :]
             if marker == THINK_START:
                 self.state = REASONING
             elif marker == THINK_END:
@@ -70,7 +71,7 @@ def parse_reasoning(text: str, in_reasoning: bool = False, tool_start: str = TOO
         start = text.find(THINK_START)
         if start == -1:
             return "", text
-        head, text = text[:start], text[start + len(THINK_START):]
+        head, text = text[:start], text[start + len(THINK_START) :]
     else:
         head = ""
     end = text.find(THINK_END)
@@ -79,4 +80,4 @@ def parse_reasoning(text: str, in_reasoning: bool = False, tool_start: str = TOO
         return text, head
     if tool != -1 and (end == -1 or tool < end):
         return text[:tool], head + text[tool:]
-    return text[:end], head + text[end + len(THINK_END):]
+    return text[:end], head + text[end + len(THINK_END) :]

@@ -1,4 +1,4 @@
-"""Kimi K2 tool-call parser (serving.md §4.1, model.md §6).
+"""Kimi K2 tool-call parser (docs/design.md §9.3).
 
 The model writes
 
@@ -17,12 +17,13 @@ kept as they are.
 The OpenAI id of a call is the model's `functions.NAME:IDX`; when the model wrote no index, IDX is
 `index_offset` (tool calls earlier in the conversation) + the call's index in this answer.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import re
 
-from services.gateway.parsers import ToolCall, ToolCallDelta, merge_deltas, scan
+from ddtree.gateway.parsers import ToolCall, ToolCallDelta, merge_deltas, scan
 
 __all__ = ["KimiK2ToolParser", "ToolCall", "ToolCallDelta", "merge_deltas", "parse_call_id", "parse_tool_calls"]
 
@@ -50,7 +51,7 @@ def parse_call_id(raw: str, index: int, index_offset: int = 0) -> tuple[str, str
     m = _ID.match(raw)
     if m:
         return f"functions.{m['name']}:{m['index']}", m["name"]
-    name = raw[len("functions."):] if raw.startswith("functions.") else raw
+    name = raw[len("functions.") :] if raw.startswith("functions.") else raw
     return f"functions.{name}:{index_offset + index}", name
 
 
@@ -74,7 +75,7 @@ class KimiK2ToolParser:
             if marker is None:
                 self._buffer = self._buffer[pos:]
                 break
-            self._buffer = self._buffer[pos + len(marker):]
+            self._buffer = self._buffer[pos + len(marker) :]
             self._on_marker(marker, deltas)
         return "".join(content), deltas
 

@@ -4,14 +4,15 @@ that chains them: reasoning first, then tool calls on the content.
 Each tool-call format names the marker that opens its section; the reasoning parser ends reasoning
 there too (a model may start calling tools without closing its think block).
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
-from services.gateway.parsers import ToolCall, ToolCallDelta
-from services.gateway.parsers import deepseek_v3_tools, kimi_k2_tools
-from services.gateway.parsers.kimi_k2_reasoning import KimiK2ReasoningParser, parse_reasoning
+from ddtree.gateway.parsers import ToolCall, ToolCallDelta, deepseek_v3_tools, kimi_k2_tools
+from ddtree.gateway.parsers.kimi_k2_reasoning import KimiK2ReasoningParser, parse_reasoning
 
 
 class ToolParser(Protocol):
@@ -24,16 +25,21 @@ class ToolParser(Protocol):
 @dataclasses.dataclass(frozen=True)
 class ToolFormat:
     name: str
-    streaming: Callable[[int], ToolParser]                      # index_offset -> parser
-    parse: Callable[[str, int], tuple[str, list[ToolCall]]]     # (text, index_offset) -> (content, calls)
+    streaming: Callable[[int], ToolParser]  # index_offset -> parser
+    parse: Callable[[str, int], tuple[str, list[ToolCall]]]  # (text, index_offset) -> (content, calls)
     section_begin: str
 
 
 TOOL_FORMATS = {
-    "kimi_k2": ToolFormat("kimi_k2", kimi_k2_tools.KimiK2ToolParser, kimi_k2_tools.parse_tool_calls,
-                          kimi_k2_tools.SECTION_BEGIN),
-    "deepseek_v3": ToolFormat("deepseek_v3", deepseek_v3_tools.DeepSeekV3ToolParser,
-                              deepseek_v3_tools.parse_tool_calls, deepseek_v3_tools.CALLS_BEGIN),
+    "kimi_k2": ToolFormat(
+        "kimi_k2", kimi_k2_tools.KimiK2ToolParser, kimi_k2_tools.parse_tool_calls, kimi_k2_tools.SECTION_BEGIN
+    ),
+    "deepseek_v3": ToolFormat(
+        "deepseek_v3",
+        deepseek_v3_tools.DeepSeekV3ToolParser,
+        deepseek_v3_tools.parse_tool_calls,
+        deepseek_v3_tools.CALLS_BEGIN,
+    ),
 }
 TOOL_CALL_PARSERS = (*TOOL_FORMATS, "none")
 REASONING_PARSERS = ("kimi_k2", "none")
@@ -41,18 +47,21 @@ REASONING_PARSERS = ("kimi_k2", "none")
 
 def check_names(reasoning_parser: str, tool_call_parser: str) -> None:
     if reasoning_parser not in REASONING_PARSERS:
-        raise ValueError(f"reasoning_parser {reasoning_parser!r} is not available "
-                         f"(choose from {', '.join(REASONING_PARSERS)})")
+        raise ValueError(
+            f"reasoning_parser {reasoning_parser!r} is not available (choose from {', '.join(REASONING_PARSERS)})"
+        )
     if tool_call_parser not in TOOL_CALL_PARSERS:
-        raise ValueError(f"tool_call_parser {tool_call_parser!r} is not available "
-                         f"(choose from {', '.join(TOOL_CALL_PARSERS)})")
+        raise ValueError(
+            f"tool_call_parser {tool_call_parser!r} is not available (choose from {', '.join(TOOL_CALL_PARSERS)})"
+        )
 
 
 class OutputParsers:
     """Reasoning parser, then tool-call parser on its content; either may be off (None name)."""
 
-    def __init__(self, reasoning: str | None, tools: str | None, in_reasoning: bool = False,
-                 tool_index_offset: int = 0):
+    def __init__(
+        self, reasoning: str | None, tools: str | None, in_reasoning: bool = False, tool_index_offset: int = 0
+    ):
         fmt = TOOL_FORMATS.get(tools or "")
         tool_start = fmt.section_begin if fmt else kimi_k2_tools.SECTION_BEGIN
         self._reasoning = KimiK2ReasoningParser(in_reasoning, tool_start) if reasoning == "kimi_k2" else None
@@ -78,8 +87,9 @@ class OutputParsers:
         return content, reasoning, calls
 
 
-def parse_output(text: str, reasoning: str | None, tools: str | None, in_reasoning: bool = False,
-                 tool_index_offset: int = 0) -> tuple[str, str, list[ToolCall]]:
+def parse_output(
+    text: str, reasoning: str | None, tools: str | None, in_reasoning: bool = False, tool_index_offset: int = 0
+) -> tuple[str, str, list[ToolCall]]:
     """Non-streaming twin of OutputParsers: (content, reasoning, calls) of a whole output."""
     fmt = TOOL_FORMATS.get(tools or "")
     if reasoning == "kimi_k2":

@@ -1,4 +1,4 @@
-"""Tensor-parallel pieces over plain nn.Linear / nn.Embedding with local shapes (serving.md §7).
+"""Tensor-parallel pieces over plain nn.Linear / nn.Embedding with local shapes (docs/design.md §7.5).
 
 Column-parallel and row-parallel linears need no class of their own: a column-parallel layer is an
 nn.Linear with out_features/N rows, a row-parallel one an nn.Linear with in_features/N columns whose
@@ -9,6 +9,7 @@ so it is added once.
 The vocabulary is split by rows for the embedding and the LM head. Logits stay sharded: the greedy
 choice is combined from each rank's (max, global argmax) without ever gathering [R, V].
 """
+
 from __future__ import annotations
 
 import torch

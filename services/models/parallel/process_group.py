@@ -1,4 +1,4 @@
-"""The tensor-parallel group: N ranks under torch.distributed (serving.md §7).
+"""The tensor-parallel group: N ranks under torch.distributed (docs/design.md §7.5).
 
 Activations (the all-reduces after attention and MLP, the vocab-parallel embedding, the argmax
 combine) go over `device_group`: NCCL on CUDA, gloo on CPU. The per-step broadcast of forward inputs
@@ -9,6 +9,7 @@ MASTER_PORT, WORLD_SIZE, RANK, LOCAL_RANK (`launch_env`); these describe the lau
 configuration, so they are read here and nowhere else. A verifier started without them spawns its other
 local ranks itself (services/verifier/tp_worker.py).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,10 +34,13 @@ def launch_env() -> LaunchEnv | None:
     """The launcher's rank description, or None when RANK / WORLD_SIZE are not set."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return None
-    return LaunchEnv(master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                     master_port=int(os.environ.get("MASTER_PORT", "29500")),
-                     world_size=int(os.environ["WORLD_SIZE"]), rank=int(os.environ["RANK"]),
-                     local_rank=int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
+    return LaunchEnv(
+        master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+        master_port=int(os.environ.get("MASTER_PORT", "29500")),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        rank=int(os.environ["RANK"]),
+        local_rank=int(os.environ.get("LOCAL_RANK", os.environ["RANK"])),
+    )
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -86,8 +90,15 @@ def rendezvous_store(host: str, world_size: int, timeout_s: float, port: int | N
     return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
 
 
-def init_tp(world_size: int, rank: int, device: torch.device, timeout_s: float, *, init_method: str | None = None,
-            store: dist.Store | None = None) -> TPGroup:
+def init_tp(
+    world_size: int,
+    rank: int,
+    device: torch.device,
+    timeout_s: float,
+    *,
+    init_method: str | None = None,
+    store: dist.Store | None = None,
+) -> TPGroup:
     """Join the group through `init_method` (tcp://host:port, file://...) or rank 0's `store`; blocks
     until all ranks have joined, at most timeout_s.
 
@@ -98,8 +109,9 @@ def init_tp(world_size: int, rank: int, device: torch.device, timeout_s: float, 
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=init_method, store=store, world_size=world_size, rank=rank,
-                            timeout=timeout)
+    dist.init_process_group(
+        backend, init_method=init_method, store=store, world_size=world_size, rank=rank, timeout=timeout
+    )
     world = dist.group.WORLD
     cpu = world if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
     return TPGroup(rank=rank, world_size=world_size, device_group=world, cpu_group=cpu)

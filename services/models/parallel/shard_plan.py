@@ -1,4 +1,4 @@
-"""Which part of each checkpoint tensor a tensor-parallel rank holds (serving.md §7).
+"""Which part of each checkpoint tensor a tensor-parallel rank holds (docs/design.md §7.5).
 
 A pure function of (name, config, rank, world size, expert parallel). Shapes are the logical
 (dequantized) 2-D weights, [out, in] as nn.Linear stores them:
@@ -14,12 +14,13 @@ A pure function of (name, config, rank, world size, expert parallel). Shapes are
 | routed experts, expert parallel | experts E/N·r … whole; the others are skipped |
 | everything else (q_a / kv_a projections, norms, router, `o_proj.bias`) | all of it (replicated) |
 """
+
 from __future__ import annotations
 
 import dataclasses
 import re
 
-from services.models.config import DeepseekV3Config
+from ddtree.models.config import DeepseekV3Config
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,13 +11,14 @@ CACHE (header = (CACHE, num_slots, 0)) makes the other ranks allocate their late
 after rank 0 has sized its pool. PING keeps idle peers inside their collective timeout; STOP ends the
 worker loop.
 """
+
 from __future__ import annotations
 
 import dataclasses
 
 import torch
 
-from services.models.attention import AttentionMetadata, SeqAttention
+from ddtree.models.attention import AttentionMetadata, SeqAttention
 
 from .process_group import TPGroup
 
@@ -36,8 +37,14 @@ class StepInputs:
 
 def encode(s: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
     rows = s.logits_rows
-    head = [s.input_ids.numel(), -1 if rows is None else rows.numel(), len(s.tap_layer_ids),
-            int(s.gather_logits), len(s.meta.seqs), *s.tap_layer_ids]
+    head = [
+        s.input_ids.numel(),
+        -1 if rows is None else rows.numel(),
+        len(s.tap_layer_ids),
+        int(s.gather_logits),
+        len(s.meta.seqs),
+        *s.tap_layer_ids,
+    ]
     parts = [torch.tensor(head, dtype=torch.int64), s.input_ids.cpu(), s.positions.cpu()]
     if rows is not None:
         parts.append(rows.cpu())
@@ -75,7 +82,7 @@ def decode(ints: torch.Tensor, masks: torch.Tensor) -> StepInputs:
     def take(n: int) -> torch.Tensor:
         nonlocal at
         at += n
-        return ints[at - n:at]
+        return ints[at - n : at]
 
     ids, pos = take(T), take(T)
     rows = None if R < 0 else take(R)
@@ -86,7 +93,7 @@ def decode(ints: torch.Tensor, masks: torch.Tensor) -> StepInputs:
         new = from_runs(take(2 * int(take(1))))
         mask = None
         if has_mask:
-            mask = masks[m_at:m_at + q_len * q_len].view(q_len, q_len).bool()
+            mask = masks[m_at : m_at + q_len * q_len].view(q_len, q_len).bool()
             m_at += q_len * q_len
         seqs.append(SeqAttention(q_start=q_start, q_len=q_len, prefix_slots=prefix, new_slots=new, new_mask=mask))
     assert at == ints.numel() and m_at == masks.numel(), "step message length mismatch"
@@ -96,8 +103,13 @@ def decode(ints: torch.Tensor, masks: torch.Tensor) -> StepInputs:
 def send_step(tp: TPGroup, kind: int, inputs: StepInputs | None = None, num_slots: int = 0) -> None:
     """Rank 0: broadcast one message (inputs for FORWARD, num_slots for CACHE)."""
     ints, masks = encode(inputs) if kind == FORWARD else (None, None)
-    header = torch.tensor([kind, num_slots if kind == CACHE else 0 if ints is None else ints.numel(),
-                           0 if masks is None else masks.numel()])
+    header = torch.tensor(
+        [
+            kind,
+            num_slots if kind == CACHE else 0 if ints is None else ints.numel(),
+            0 if masks is None else masks.numel(),
+        ]
+    )
     tp.broadcast_cpu(header)
     if kind == FORWARD:
         tp.broadcast_cpu(ints)

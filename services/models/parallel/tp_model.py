@@ -12,6 +12,7 @@ The latent KV cache has one head: every rank holds a full replica, written by th
 Per forward (`run_shard`, on every rank): the model forward, one all-gather of [R, 2] (max, global id)
 for the argmax, and only when a row is sampled at temperature > 0 an all-gather of the full logits.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,10 +23,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from services.models.config import DeepseekV3Config
-from services.models.deepseek_v3 import DeepseekV3ForCausalLM, ForwardOutput
-from services.models.loader import load_target
-from services.models.moe import DeepseekV3MLP, DeepseekV3MoE
+from ddtree.models.config import DeepseekV3Config
+from ddtree.models.deepseek_v3 import DeepseekV3ForCausalLM, ForwardOutput
+from ddtree.models.loader import load_target
+from ddtree.models.moe import DeepseekV3MLP, DeepseekV3MoE
 
 from .layers import VocabParallelEmbedding, combine_shard_argmax, shard_argmax
 from .process_group import TPGroup
@@ -36,8 +37,11 @@ from .step_message import CACHE, FORWARD, PING, STOP, StepInputs, send_step
 def local_config(plan: ShardPlan) -> DeepseekV3Config:
     c, n = plan.config, plan.world_size
     return dataclasses.replace(
-        c, num_attention_heads=c.num_attention_heads // n, intermediate_size=c.intermediate_size // n,
-        moe_intermediate_size=c.moe_intermediate_size if plan.expert_parallel else c.moe_intermediate_size // n)
+        c,
+        num_attention_heads=c.num_attention_heads // n,
+        intermediate_size=c.intermediate_size // n,
+        moe_intermediate_size=c.moe_intermediate_size if plan.expert_parallel else c.moe_intermediate_size // n,
+    )
 
 
 def build_tp_model(plan: ShardPlan, tp: TPGroup | None, attention_backend: str = "torch") -> DeepseekV3ForCausalLM:
@@ -63,8 +67,14 @@ def build_tp_model(plan: ShardPlan, tp: TPGroup | None, attention_backend: str =
     return model
 
 
-def load_tp_model(path, tp: TPGroup, expert_parallel: bool = False, dtype: torch.dtype | None = None,
-                  device: str | torch.device = "cpu", attention_backend: str = "torch") -> DeepseekV3ForCausalLM:
+def load_tp_model(
+    path,
+    tp: TPGroup,
+    expert_parallel: bool = False,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    attention_backend: str = "torch",
+) -> DeepseekV3ForCausalLM:
     """Load this rank's shard: only its slices (and, under expert parallelism, its experts) are read."""
     plans: list[ShardPlan] = []  # the loader parses config.json and hands it to build(); the plan needs it
 
@@ -72,8 +82,15 @@ def load_tp_model(path, tp: TPGroup, expert_parallel: bool = False, dtype: torch
         plans.append(ShardPlan(config, tp.rank, tp.world_size, expert_parallel))
         return build_tp_model(plans[0], tp, attention_backend)
 
-    model = load_target(path, dtype, device, attention_backend, build_model=build,
-                        slice_of=lambda name: plans[0].slice_of(name), skip=lambda name: plans[0].skip(name))
+    model = load_target(
+        path,
+        dtype,
+        device,
+        attention_backend,
+        build_model=build,
+        slice_of=lambda name: plans[0].slice_of(name),
+        skip=lambda name: plans[0].skip(name),
+    )
     if tp.rank > 0:
         with torch.no_grad():
             for layer in model.model.layers:
@@ -89,13 +106,17 @@ def run_shard(model: DeepseekV3ForCausalLM, tp: TPGroup, s: StepInputs, kv_cache
     the full logits fp32 [R, V]."""
     dev = kv_cache.device
     rows = None if s.logits_rows is None else s.logits_rows.to(dev)
-    out = model.forward(s.input_ids.to(dev), s.positions.to(dev), s.meta, kv_cache, logits_rows=rows,
-                        tap_layer_ids=s.tap_layer_ids)
+    out = model.forward(
+        s.input_ids.to(dev), s.positions.to(dev), s.meta, kv_cache, logits_rows=rows, tap_layer_ids=s.tap_layer_ids
+    )
     local = out.logits  # fp32 [R, V/N]
     R = local.shape[0]
     if R == 0:  # every rank knows R: all skip the collectives together
-        return ForwardOutput(logits=local.new_empty(0, model.config.vocab_size) if s.gather_logits else None,
-                             taps=out.taps, argmax=torch.empty(0, dtype=torch.int64, device=dev))
+        return ForwardOutput(
+            logits=local.new_empty(0, model.config.vocab_size) if s.gather_logits else None,
+            taps=out.taps,
+            argmax=torch.empty(0, dtype=torch.int64, device=dev),
+        )
     argmax = combine_shard_argmax(tp.all_gather(shard_argmax(local, model.vocab_start)))  # [R]
     logits = tp.all_gather(local).permute(1, 0, 2).reshape(R, -1) if s.gather_logits else None  # [R, V]
     return ForwardOutput(logits=logits, taps=out.taps, argmax=argmax)
@@ -111,8 +132,13 @@ class TensorParallelModel:
     raise at once.
     """
 
-    def __init__(self, model: DeepseekV3ForCausalLM, tp: TPGroup, ping_interval_s: float,
-                 on_failure: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        model: DeepseekV3ForCausalLM,
+        tp: TPGroup,
+        ping_interval_s: float,
+        on_failure: Callable[[str], None] | None = None,
+    ):
         self.model = model
         self.tp = tp
         self.config = model.config
@@ -134,8 +160,9 @@ class TensorParallelModel:
         return self.model.device
 
     @torch.no_grad()
-    def forward(self, input_ids, positions, meta, kv_cache, logits_rows=None, tap_layer_ids=(),
-                gather_logits: bool = False) -> ForwardOutput:
+    def forward(
+        self, input_ids, positions, meta, kv_cache, logits_rows=None, tap_layer_ids=(), gather_logits: bool = False
+    ) -> ForwardOutput:
         inputs = StepInputs(input_ids, positions, meta, logits_rows, tuple(tap_layer_ids), gather_logits)
         with self._lock:
             self._check()

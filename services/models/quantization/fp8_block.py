@@ -1,4 +1,4 @@
-"""FP8 e4m3 weights with block scales (DeepSeek-V3/R1, Kimi K2 FP8; model.md §5).
+"""FP8 e4m3 weights with block scales (DeepSeek-V3/R1, Kimi K2 FP8; docs/design.md §6).
 
 quantization_config: `{quant_method: fp8, fmt: e4m3, activation_scheme: dynamic, weight_block_size: [128, 128]}`
 plus an optional skip list (`modules_to_not_convert`, or `ignored_layers` / `ignore`). Each quantised Linear

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from services.protocol.ddtree.v1 import verifier_pb2 as ddtree_dot_v1_dot_verifier__pb2
+from ddtree.protocol.ddtree.v1 import verifier_pb2 as ddtree_dot_v1_dot_verifier__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

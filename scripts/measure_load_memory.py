@@ -36,8 +36,8 @@ def write_checkpoint(root: Path, shard_mb: float) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from services.models.config import DeepseekV3Config
-    from services.models.random_checkpoint import random_target_state_dict
+    from ddtree.models.config import DeepseekV3Config
+    from ddtree.models.random_checkpoint import random_target_state_dict
 
     config = DeepseekV3Config.from_dict(MEASURE_CONFIG)
     tensors = random_target_state_dict(config, seed=0, dtype=torch.bfloat16)
@@ -69,10 +69,10 @@ def rss_mb() -> float:
 def child(root: Path, mode: str) -> None:
     import torch
 
-    from services.models.deepseek_v3 import DeepseekV3ForCausalLM
-    from services.models.inspect import config_tensors
-    from services.models.loader import TensorSlice, load_config, load_target
-    from services.models.random_checkpoint import write_random_target
+    from ddtree.models.deepseek_v3 import DeepseekV3ForCausalLM
+    from ddtree.models.loader import TensorSlice, load_config, load_target
+    from ddtree.models.random_checkpoint import write_random_target
+    from ddtree.tools.inspect import config_tensors
 
     config = load_config(root)
     slices = {}
@@ -132,8 +132,10 @@ def main(argv: list[str] | None = None) -> int:
             cmd = [sys.executable, __file__, "--child", str(root), mode]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=cwd)
             r = json.loads(out.stdout.strip().splitlines()[-1])
-            print(f"{mode:>5}: peak RSS over baseline {r['load_peak_mib']:8.1f} MiB  (model holds {r['model_mib']:.1f} "
-                  f"MiB; RSS after imports {r['imported_mib']:.1f}, after a warm-up load {r['baseline_mib']:.1f} MiB)")
+            print(
+                f"{mode:>5}: peak RSS over baseline {r['load_peak_mib']:8.1f} MiB  (model holds {r['model_mib']:.1f} "
+                f"MiB; RSS after imports {r['imported_mib']:.1f}, after a warm-up load {r['baseline_mib']:.1f} MiB)"
+            )
     return 0
 
 

@@ -2,16 +2,18 @@
 
 It speaks the Drafter contract like the DFlash engine but ignores the features: it keeps each
 sequence's full token history and asks the target model (loaded in this process) for the greedy
-continuation after the anchor. A random drafter rarely matches anything, so this is how tests drive
+continuation after the root. A random drafter rarely matches anything, so this is how tests drive
 the verifier through zero, partial and full-depth acceptance (and a correct sibling that is not the
 first child), and how `diagnose` can show the verifier's best case. The tree it returns is honest
 input: the verifier still checks every token against its own forward.
 
 Noise, per tree, from an RNG seeded by the engine's seed and the sequence's token history (not by its
-id, which the verifier makes fresh per request), so the same history always gets the same tree: the chain breaks at depth b drawn uniformly from 1..D+1
-(b = D+1: the whole chain is right); with probability 1/3 the right token at depth b is also present
-as a later sibling; the remaining budget goes to wrong siblings at random depths.
+id, which the verifier makes fresh per request), so the same history always gets the same tree: the chain
+breaks at depth b drawn uniformly from 1..D+1 (b = D+1: the whole chain is right); with probability 1/3
+the right token at depth b is also present as a later sibling; the remaining budget goes to wrong
+siblings at random depths.
 """
+
 from __future__ import annotations
 
 import array
@@ -20,14 +22,21 @@ import zlib
 
 import torch
 
-from services.drafter.engine import SeqDraftInput
-from services.drafter.tree import TokenTree
-from services.models.attention import AttentionMetadata, SeqAttention
+from ddtree.contract.token_tree import TokenTree
+from ddtree.drafter.engine import SeqDraftInput
+from ddtree.models.attention import AttentionMetadata, SeqAttention
 
 
 class OracleDraftEngine:
-    def __init__(self, target, depth: int = 7, default_budget: int = 16, max_budget: int = 1024,
-                 seed: int = 0, tap_layer_ids: tuple[int, ...] = (0,)):
+    def __init__(
+        self,
+        target,
+        depth: int = 7,
+        default_budget: int = 16,
+        max_budget: int = 1024,
+        seed: int = 0,
+        tap_layer_ids: tuple[int, ...] = (0,),
+    ):
         self.target = target
         self.depth = depth
         self.default_budget = default_budget
@@ -39,10 +48,21 @@ class OracleDraftEngine:
         self.history: dict[str, list[int]] = {}
 
     def info(self) -> dict:
-        return dict(model_id="oracle", block_size=self.depth + 1, mask_token_id=-1,
-                    target_layer_ids=list(self.tap_layer_ids), window=0, default_budget=self.default_budget,
-                    max_budget=self.max_budget, hidden_size=self.target.config.hidden_size,
-                    vocab_size=self.vocab_size, active_sequences=len(self.history))
+        return dict(
+            model_id="oracle",
+            block_size=self.depth + 1,
+            mask_token_id=-1,
+            target_layer_ids=list(self.tap_layer_ids),
+            window=0,
+            default_budget=self.default_budget,
+            max_budget=self.max_budget,
+            hidden_size=self.target.config.hidden_size,
+            vocab_size=self.vocab_size,
+            active_sequences=len(self.history),
+        )
+
+    def knows(self, seq_id: str) -> bool:
+        return seq_id in self.history
 
     def release(self, seq_ids) -> int:
         return sum(self.history.pop(s, None) is not None for s in seq_ids)
@@ -59,15 +79,19 @@ class OracleDraftEngine:
                 raise ValueError(f"{where} is unknown; send reset=true with its context first")
             expected = len(self.history[s.seq_id]) if known else 0
             if s.commit_start != expected:
-                raise ValueError(f"{where}: commit_start {s.commit_start}, expected {expected} "
-                                 f"(the oracle needs the whole history: window 0)")
+                raise ValueError(
+                    f"{where}: commit_start {s.commit_start}, expected {expected} "
+                    f"(the oracle needs the whole history: window 0)"
+                )
             if s.reset and not s.commit_token_ids:
                 raise ValueError(f"{where}: reset with an empty commit")
-            if any(not 0 <= t < self.vocab_size for t in (*s.commit_token_ids, s.anchor_token_id)):
+            if any(not 0 <= t < self.vocab_size for t in (*s.commit_token_ids, s.root_token_id)):
                 raise ValueError(f"{where}: token id outside [0, {self.vocab_size})")
             if tuple(s.commit_features.shape) != (len(s.commit_token_ids), self.feature_width):
-                raise ValueError(f"{where}: commit_features shape {tuple(s.commit_features.shape)}, expected "
-                                 f"({len(s.commit_token_ids)}, {self.feature_width})")
+                raise ValueError(
+                    f"{where}: commit_features shape {tuple(s.commit_features.shape)}, expected "
+                    f"({len(s.commit_token_ids)}, {self.feature_width})"
+                )
             if not 0 <= s.budget <= self.max_budget:
                 raise ValueError(f"{where}: budget {s.budget} outside [0, {self.max_budget}]")
 
@@ -80,7 +104,7 @@ class OracleDraftEngine:
             budget = s.budget or self.default_budget
             if s.chain:  # noisy_tree's first `depth` nodes are its chain; no room left for siblings
                 budget = min(budget, self.depth)
-            truth = self._greedy(hist + [s.anchor_token_id], self.depth)
+            truth = self._greedy(hist + [s.root_token_id], self.depth)
             rng = random.Random(zlib.crc32(array.array("q", hist).tobytes(), self.seed & 0xFFFFFFFF))
             trees.append(noisy_tree(truth, budget, self.vocab_size, rng))
         return trees
@@ -98,8 +122,13 @@ class OracleDraftEngine:
         for _ in range(steps):
             n = ids.numel()
             meta = AttentionMetadata(seqs=(SeqAttention(0, n, torch.arange(pos), torch.arange(pos, pos + n), None),))
-            res = self.target.forward(ids.to(param.device), torch.arange(pos, pos + n, device=param.device), meta,
-                                      cache, logits_rows=torch.tensor([n - 1], device=param.device))
+            res = self.target.forward(
+                ids.to(param.device),
+                torch.arange(pos, pos + n, device=param.device),
+                meta,
+                cache,
+                logits_rows=torch.tensor([n - 1], device=param.device),
+            )
             tok = int(res.logits[0].argmax())
             out.append(tok)
             pos += n
@@ -124,14 +153,20 @@ def noisy_tree(truth: list[int], budget: int, vocab_size: int, rng: random.Rando
     children: dict[int, set[int]] = {}
     for d in range(1, depth + 1):
         tok = truth[d - 1] if d != brk else wrong(d, set())
-        tokens.append(tok); parents.append(d - 1); depths.append(d)
+        tokens.append(tok)
+        parents.append(d - 1)
+        depths.append(d)
         children.setdefault(d - 1, set()).add(tok)
     if brk <= depth and len(tokens) < budget and rng.random() < 1 / 3:
-        tokens.append(truth[brk - 1]); parents.append(brk - 1); depths.append(brk)
+        tokens.append(truth[brk - 1])
+        parents.append(brk - 1)
+        depths.append(brk)
         children[brk - 1].add(truth[brk - 1])
     while len(tokens) < budget and len(tokens) < 4 * depth:
         d = rng.randint(1, depth)
         tok = wrong(d, children.setdefault(d - 1, set()))
-        tokens.append(tok); parents.append(d - 1); depths.append(d)
+        tokens.append(tok)
+        parents.append(d - 1)
+        depths.append(d)
         children[d - 1].add(tok)
     return TokenTree(tuple(tokens), tuple(parents), tuple(depths))

@@ -1,12 +1,13 @@
 """Evaluate a target checkpoint on the held-out splits of a demo corpus.
 
-    python -m tools.eval_target CKPT --corpus DIR [--out eval.json] [--ctx 1024] [--long 4096]
+    python -m scripts.eval_target CKPT --corpus DIR [--out eval.json] [--ctx 1024] [--long 4096]
 
 Prints and saves (JSON) the perplexity of each held-out kind over non-overlapping windows of --ctx tokens,
 the perplexity over --long-token windows split by position bucket (does quality hold past the training
 length, where YaRN takes over?), and greedy answers to a code prompt, a prose prompt, a chat prompt and a
 tool prompt, decoded with the serving forward (absorbed MLA over the latent cache).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,14 +20,14 @@ import time
 import torch
 import torch.nn.functional as F
 
-from services.gateway.parsers.kimi_k2_reasoning import parse_reasoning
-from services.gateway.parsers.kimi_k2_tools import parse_tool_calls
-from services.gateway.tokenizer import Tokenizer
-from services.models.attention import AttentionMetadata, SeqAttention
-from services.models.loader import load_target
-from services.models.training_forward import training_forward
-from tools.build_corpus import KINDS, read_documents
-from tools.synthetic_chats import _tool_spec
+from ddtree.gateway.parsers.kimi_k2_reasoning import parse_reasoning
+from ddtree.gateway.parsers.kimi_k2_tools import parse_tool_calls
+from ddtree.models.attention import AttentionMetadata, SeqAttention
+from ddtree.models.loader import load_target
+from ddtree.models.training_forward import training_forward
+from ddtree.tokenization.tokenizer import Tokenizer
+from ddtree.training.corpus import KINDS, read_documents
+from scripts.synthetic_chats import _tool_spec
 
 EMPTY = torch.empty(0, dtype=torch.int64)
 CODE_PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""'  # no trailing "\n": the BPE merges it with the indent
@@ -49,10 +50,10 @@ def window_nll(model, ids: torch.Tensor, ctx: int, max_windows: int, batch: int 
     n = min(max_windows, (len(ids) - 1) // ctx)
     if n == 0:
         return torch.empty(0)
-    windows = torch.stack([ids[i * ctx:i * ctx + ctx + 1] for i in range(n)])  # [n, ctx + 1]
+    windows = torch.stack([ids[i * ctx : i * ctx + ctx + 1] for i in range(n)])  # [n, ctx + 1]
     total = torch.zeros(ctx)
     for b in range(0, n, batch):
-        w = windows[b:b + batch]
+        w = windows[b : b + batch]
         logits = training_forward(model, w[:, :-1]).logits  # [B, ctx, V] fp32
         nll = F.cross_entropy(logits.transpose(1, 2), w[:, 1:], reduction="none")  # [B, ctx]
         total += nll.sum(0)
@@ -78,13 +79,26 @@ def greedy(model, prompt_ids: list[int], max_new: int, stop_ids: set[int]) -> li
     return out
 
 
-def evaluate(ckpt: str | pathlib.Path, corpus: str | pathlib.Path, ctx: int = 1024, long_ctx: int = 4096,
-             max_windows: int = 24, max_long_windows: int = 4, max_new: int = 128) -> dict:
+def evaluate(
+    ckpt: str | pathlib.Path,
+    corpus: str | pathlib.Path,
+    ctx: int = 1024,
+    long_ctx: int = 4096,
+    max_windows: int = 24,
+    max_long_windows: int = 4,
+    max_new: int = 128,
+) -> dict:
     ckpt, corpus = pathlib.Path(ckpt), pathlib.Path(corpus)
     model = load_target(ckpt, dtype=torch.float32)
     tok = Tokenizer(ckpt)
-    report: dict = {"checkpoint": str(ckpt), "ctx": ctx, "long_ctx": long_ctx, "perplexity": {}, "long": {},
-                    "samples": {}}
+    report: dict = {
+        "checkpoint": str(ckpt),
+        "ctx": ctx,
+        "long_ctx": long_ctx,
+        "perplexity": {},
+        "long": {},
+        "samples": {},
+    }
     info = ckpt / "training_info.json"
     if info.exists():
         report["training_info"] = json.loads(info.read_text())
@@ -92,23 +106,31 @@ def evaluate(ckpt: str | pathlib.Path, corpus: str | pathlib.Path, ctx: int = 10
     for kind in KINDS:
         ids = heldout_ids(tok, corpus, kind)
         nll = window_nll(model, ids, ctx, max_windows)
-        report["perplexity"][kind] = {"ppl": round(math.exp(nll.mean()), 3), "tokens": int(nll.numel() and
-                                      min(max_windows, (len(ids) - 1) // ctx) * ctx)}
+        report["perplexity"][kind] = {
+            "ppl": round(math.exp(nll.mean()), 3),
+            "tokens": int(nll.numel() and min(max_windows, (len(ids) - 1) // ctx) * ctx),
+        }
         long_nll = window_nll(model, ids, long_ctx, max_long_windows, batch=1)
         if long_nll.numel():
             size = long_ctx // buckets
-            by_position = {f"{i * size}-{(i + 1) * size}": round(math.exp(long_nll[i * size:(i + 1) * size].mean()), 3)
-                           for i in range(buckets)}
-            report["long"][kind] = {"ppl": round(math.exp(long_nll.mean()), 3), "ppl_by_position": by_position,
-                                    "windows": min(max_long_windows, (len(ids) - 1) // long_ctx)}
+            by_position = {
+                f"{i * size}-{(i + 1) * size}": round(math.exp(long_nll[i * size : (i + 1) * size].mean()), 3)
+                for i in range(buckets)
+            }
+            report["long"][kind] = {
+                "ppl": round(math.exp(long_nll.mean()), 3),
+                "ppl_by_position": by_position,
+                "windows": min(max_long_windows, (len(ids) - 1) // long_ctx),
+            }
     stop = {tok.token_id("[EOS]"), tok.token_id("<|im_end|>")}
     tools = [_tool_spec("get_weather")]
     prompts = {
         "code": CODE_PROMPT,
         "prose": PROSE_PROMPT,
         "chat": tok.apply_chat_template([{"role": "user", "content": CHAT_PROMPT}], add_generation_prompt=True),
-        "tool": tok.apply_chat_template([{"role": "user", "content": TOOL_PROMPT}], tools=tools,
-                                        add_generation_prompt=True),
+        "tool": tok.apply_chat_template(
+            [{"role": "user", "content": TOOL_PROMPT}], tools=tools, add_generation_prompt=True
+        ),
     }
     for name, prompt in prompts.items():
         start = time.time()
@@ -118,8 +140,11 @@ def evaluate(ckpt: str | pathlib.Path, corpus: str | pathlib.Path, ctx: int = 10
         if name in ("chat", "tool"):  # what the gateway's Kimi parsers make of it (the prompt ends in <think>)
             reasoning, content = parse_reasoning(text.removesuffix("<|im_end|>"), in_reasoning=True)
             content, calls = parse_tool_calls(content)
-            sample.update(reasoning=reasoning, content=content,
-                          tool_calls=[{"name": c.name, "arguments": c.arguments} for c in calls])
+            sample.update(
+                reasoning=reasoning,
+                content=content,
+                tool_calls=[{"name": c.name, "arguments": c.arguments} for c in calls],
+            )
         report["samples"][name] = sample
     return report
 
@@ -143,13 +168,17 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
     for kind, r in report["perplexity"].items():
         lng = report["long"].get(kind, {})
-        print(f"{kind:6s} ppl@{a.ctx} {r['ppl']:9.3f}  ppl@{a.long} {lng.get('ppl', float('nan')):9.3f}  "
-              f"by position {lng.get('ppl_by_position', {})}")
+        print(
+            f"{kind:6s} ppl@{a.ctx} {r['ppl']:9.3f}  ppl@{a.long} {lng.get('ppl', float('nan')):9.3f}  "
+            f"by position {lng.get('ppl_by_position', {})}"
+        )
     for name, s in report["samples"].items():
         print(f"\n--- {name} ({s['tokens']} tokens, {s['seconds']} s)\n{s['prompt']}\u2502{s['completion']}")
         if "reasoning" in s:
-            print(f"    parsed: reasoning {s['reasoning']!r}\n            content {s['content']!r}\n"
-                  f"            tool calls {s['tool_calls']}")
+            print(
+                f"    parsed: reasoning {s['reasoning']!r}\n            content {s['content']!r}\n"
+                f"            tool calls {s['tool_calls']}"
+            )
     print(f"\nsaved {out}")
     return 0
 

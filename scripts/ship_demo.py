@@ -1,12 +1,13 @@
 """Copy a trained target + drafter pair into checkpoints/demo/, the embedded default.
 
-    python -m tools.ship_demo --target runs/target/export --drafter runs/drafter/export [--out checkpoints/demo]
+    python -m scripts.ship_demo --target runs/target/export --drafter runs/drafter/export [--out checkpoints/demo]
 
 Weights are stored in bf16 to stay within the 30 MB the repository allows (the router's gate weight and
 expert-selection bias stay fp32, as DeepSeek-V3 checkpoints keep them); the services load them in the
 dtype they run in (fp32 on the CPU). The tokenizer travels with the target. A manifest records sizes,
 sha256 and the training provenance found next to the exports.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,10 @@ LIMIT_BYTES = 30 * 1024 * 1024
 
 def _to_bf16(src: pathlib.Path, dst: pathlib.Path) -> None:
     tensors = load_file(str(src))
-    out = {k: (v if k.endswith(KEEP_FP32) or not v.is_floating_point() else v.to(torch.bfloat16)).contiguous()
-           for k, v in tensors.items()}
+    out = {
+        k: (v if k.endswith(KEEP_FP32) or not v.is_floating_point() else v.to(torch.bfloat16)).contiguous()
+        for k, v in tensors.items()
+    }
     save_file(out, str(dst), metadata={"format": "pt"})
 
 
@@ -43,8 +46,10 @@ def ship(target: pathlib.Path, drafter: pathlib.Path, out: pathlib.Path) -> dict
     _to_bf16(drafter / "model.safetensors", out / "drafter" / "model.safetensors")
     files = sorted(p for p in out.rglob("*") if p.is_file())
     manifest = {
-        "files": {str(p.relative_to(out)): {"bytes": p.stat().st_size,
-                                            "sha256": hashlib.sha256(p.read_bytes()).hexdigest()} for p in files},
+        "files": {
+            str(p.relative_to(out)): {"bytes": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+            for p in files
+        },
         "total_bytes": sum(p.stat().st_size for p in files),
         "target_training": _json_or_none(target / "training_info.json"),
         "drafter_training": _json_or_none(drafter / "training_info.json") or _json_or_none(drafter / "training.json"),

@@ -11,6 +11,7 @@ and `reasoning_content` (assistant). Tool-call ids that are not in Kimi's `funct
 (e.g. OpenAI's `call_...`) are rewritten to it, idx counting calls across the conversation, and the
 tool results that refer to them follow, so the model sees the ids it was trained on.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,11 +30,11 @@ SCHEMA_TYPES = ("object", "array", "string", "number", "integer", "boolean", "nu
 MAX_SCHEMA_DEPTH = 32
 
 
-def _tojson(value: Any, indent: int | None = None, separators=None, sort_keys: bool = False,
-            ensure_ascii: bool = False) -> str:
+def _tojson(
+    value: Any, indent: int | None = None, separators=None, sort_keys: bool = False, ensure_ascii: bool = False
+) -> str:
     # Hugging Face's tojson: plain json.dumps (jinja's own escapes <, >, & and ').
-    return json.dumps(value, indent=indent, separators=separators, sort_keys=sort_keys,
-                      ensure_ascii=ensure_ascii)
+    return json.dumps(value, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii)
 
 
 def _raise_exception(message: str):
@@ -41,9 +42,13 @@ def _raise_exception(message: str):
 
 
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"],
-                                        undefined=jinja2.Undefined, autoescape=False)
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=["jinja2.ext.loopcontrols"],
+        undefined=jinja2.Undefined,
+        autoescape=False,
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     return env
@@ -77,7 +82,9 @@ def _check_schema(schema: Any, where: str, depth: int = 0) -> None:
         kinds = kind if isinstance(kind, list) else [kind]
         bad = [k for k in kinds if k not in SCHEMA_TYPES]
         if bad or not kinds:
-            raise ValueError(f"{where}.type: must be one of {', '.join(SCHEMA_TYPES)} (or a list of them), got {kind!r}")
+            raise ValueError(
+                f"{where}.type: must be one of {', '.join(SCHEMA_TYPES)} (or a list of them), got {kind!r}"
+            )
     props = schema.get("properties")
     if props is not None:
         if not isinstance(props, dict):
@@ -219,8 +226,14 @@ class ChatTemplate:
         except jinja2.TemplateSyntaxError as e:
             raise ValueError(f"chat template: syntax error at line {e.lineno}: {e.message}") from None
 
-    def render(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True,
-               chat_template_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> str:
+    def render(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> str:
         """Render; template variables come from `chat_template_kwargs` (a request's JSON object) and
         keyword arguments (e.g. thinking=False)."""
         validate_messages(messages)
@@ -230,19 +243,33 @@ class ChatTemplate:
             if key in RESERVED_KWARGS:
                 raise ValueError(f"chat_template_kwargs.{key}: reserved, set it through the request instead")
         try:
-            return self._template.render(messages=normalize_messages(messages), tools=tools,
-                                         add_generation_prompt=add_generation_prompt, **chat_template_kwargs)
+            return self._template.render(
+                messages=normalize_messages(messages),
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                **chat_template_kwargs,
+            )
         except jinja2.TemplateError as e:  # raise_exception(), undefined access, sandbox violations
             raise ValueError(f"chat template: {e}") from None
         except (TypeError, KeyError, AttributeError, IndexError) as e:
             raise ValueError(f"chat template: {type(e).__name__}: {e}") from None
 
 
-def render_chat(template: str | ChatTemplate, messages: list[dict], tools: list[dict] | None = None,
-                add_generation_prompt: bool = True, chat_template_kwargs: dict[str, Any] | None = None,
-                **kwargs: Any) -> str:
+def render_chat(
+    template: str | ChatTemplate,
+    messages: list[dict],
+    tools: list[dict] | None = None,
+    add_generation_prompt: bool = True,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> str:
     """Validate and render in one call (compiles `template` when given as text)."""
     if isinstance(template, str):
         template = ChatTemplate(template)
-    return template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                           chat_template_kwargs=chat_template_kwargs, **kwargs)
+    return template.render(
+        messages,
+        tools=tools,
+        add_generation_prompt=add_generation_prompt,
+        chat_template_kwargs=chat_template_kwargs,
+        **kwargs,
+    )

@@ -11,6 +11,7 @@ Everything is seeded, so every machine builds the same files; the tests use it b
 fixed. Creation is atomic (build in a temp dir, then rename) and guarded by a file lock, so several
 services starting at once build it once.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,10 +21,10 @@ import pathlib
 import shutil
 import tempfile
 
-from services.config import DEFAULT_CHECKPOINT_DIR
+from ddtree.config import DEFAULT_CHECKPOINT_DIR
 
 VERSION = "random-v1"
-DEMO_DIR = pathlib.Path(__file__).resolve().parent.parent.parent / "checkpoints" / "demo"
+DEMO_DIR = pathlib.Path(__file__).resolve().parent.parent / "checkpoints" / "demo"  # services/ -> the repository
 SEED = 20261129
 
 
@@ -41,24 +42,24 @@ class DefaultCheckpoint:
 
 
 def build_default_checkpoint(out: pathlib.Path) -> None:
-    from services.gateway.default_tokenizer import MASK_TOKEN, write_default_tokenizer
-    from services.gateway.tokenizer import Tokenizer
-    from services.models.dflash import write_random_drafter
-    from services.models.random_checkpoint import DEFAULT_TARGET_CONFIG, write_random_target
+    from ddtree.models.dflash_checkpoint import write_random_drafter
+    from ddtree.models.random_checkpoint import DEFAULT_TARGET_CONFIG, write_random_target
+    from ddtree.tokenization.default_tokenizer import MASK_TOKEN, write_default_tokenizer
+    from ddtree.tokenization.tokenizer import Tokenizer
 
     target_dir, drafter_dir = out / "target", out / "drafter"
     target_dir.mkdir(parents=True)
     write_default_tokenizer(target_dir)
     tok = Tokenizer(target_dir)
     config = dict(DEFAULT_TARGET_CONFIG)
-    config.update(bos_token_id=tok.token_id("[BOS]"),
-                  eos_token_id=[tok.token_id("[EOS]"), tok.token_id("<|im_end|>")])
+    config.update(bos_token_id=tok.token_id("[BOS]"), eos_token_id=[tok.token_id("[EOS]"), tok.token_id("<|im_end|>")])
     assert tok.vocab_size <= config["vocab_size"], "tokenizer larger than the model vocabulary"
     write_random_target(target_dir, config, seed=SEED)
     write_random_drafter(drafter_dir, config, seed=SEED + 1, mask_token_id=tok.token_id(MASK_TOKEN))
     (out / "README.txt").write_text(
         "Random default checkpoint of ddtree-serve (seeded; rebuilt identically on every machine).\n"
-        f"version {VERSION}, seed {SEED}\n")
+        f"version {VERSION}, seed {SEED}\n"
+    )
     (out / "manifest.json").write_text(json.dumps({"version": VERSION, "seed": SEED}, indent=2))
 
 

@@ -1,6 +1,6 @@
-"""Tensor-parallel verifier step time: the same prompts at --tp 1 and --tp 2 (serving.md §7).
+"""Tensor-parallel verifier step time: the same prompts at --tp 1 and --tp 2 (docs/design.md §7.5).
 
-    python -m tools.bench_tp [--model DIR --drafter DIR] [--configs 1x1,1x2,2x1] [--prompts 4]
+    python -m scripts.bench_tp [--model DIR --drafter DIR] [--configs 1x1,1x2,2x1] [--prompts 4]
         [--tokens 64] [--budget 16] [--out runs/bench_tp.json]
 
 A config TPxT is `--tp TP` with T torch threads per rank (so TP·T cores for the verifier). Each config gets
@@ -9,6 +9,7 @@ with DDTree, fixed length. Reported per config and mode: decode tokens/s on the 
 step ms and mean verify (target forward) ms from the step records. Outputs must be identical across
 configs (TP is lossless) or the script fails.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,9 +18,9 @@ import pathlib
 import statistics
 import tempfile
 
-from services.gateway.tokenizer import Tokenizer
-from services.models.default_checkpoint import default_checkpoint
-from tools.bench.runner import VerifierEndpoint, private_verifier
+from ddtree.default_checkpoint import default_checkpoint
+from ddtree.tokenization.tokenizer import Tokenizer
+from ddtree.tools.bench.runner import VerifierEndpoint, private_verifier
 
 PROMPTS = [
     "def fibonacci(n):\n    ",
@@ -39,11 +40,13 @@ def measure(address: str, prompts: list[list[int]], tokens: int, budget: int) ->
         for mode, no_spec in (("ar", True), ("ddtree", False)):
             runs = [ep.generate(ids, tokens, no_spec=no_spec, budget=budget) for ids in prompts]
             steps = [s for r in runs for s in r.steps]
-            out[mode] = {"tokens": [r.token_ids for r in runs],
-                         "decode_tok_s": statistics.mean(r.decode_tok_s for r in runs),
-                         "step_ms": statistics.mean(s["total_ms"] for s in steps),
-                         "verify_ms": statistics.mean(s["verify_ms"] for s in steps),
-                         "tau": sum(s["accept_length"] for s in steps) / len(steps)}
+            out[mode] = {
+                "tokens": [r.token_ids for r in runs],
+                "decode_tok_s": statistics.mean(r.decode_tok_s for r in runs),
+                "step_ms": statistics.mean(s["total_ms"] for s in steps),
+                "verify_ms": statistics.mean(s["verify_ms"] for s in steps),
+                "tau": sum(s["accept_length"] for s in steps) / len(steps),
+            }
         return out
     finally:
         ep.close()
@@ -62,13 +65,14 @@ def main(argv=None) -> None:
     d = default_checkpoint()
     model, drafter = args.model or str(d.target), args.drafter or str(d.drafter)
     tok = Tokenizer(model)
-    prompts = [tok.encode(t) for t in PROMPTS[:args.prompts]]
+    prompts = [tok.encode(t) for t in PROMPTS[: args.prompts]]
     log_dir = pathlib.Path(tempfile.mkdtemp(prefix="ddtree-bench-tp-"))
     results = {}
     for cfg in args.configs.split(","):
         tp, threads = (int(x) for x in cfg.split("x"))
-        with private_verifier(model, drafter, 2048, log_dir, name=f"-{cfg}",
-                              verifier_args=("--tp", str(tp), "--threads", str(threads))) as address:
+        with private_verifier(
+            model, drafter, 2048, log_dir, name=f"-{cfg}", verifier_args=("--tp", str(tp), "--threads", str(threads))
+        ) as address:
             results[cfg] = measure(address, prompts, args.tokens, args.budget)
     first = next(iter(results.values()))
     for cfg, r in results.items():
@@ -79,13 +83,20 @@ def main(argv=None) -> None:
     for cfg, r in results.items():
         for mode in ("ar", "ddtree"):
             m = r[mode]
-            print(f"{cfg:8s} {mode:7s} {m['decode_tok_s']:8.1f} {m['step_ms']:8.2f} {m['verify_ms']:10.2f} "
-                  f"{m['tau']:5.2f}")
+            print(
+                f"{cfg:8s} {mode:7s} {m['decode_tok_s']:8.1f} {m['step_ms']:8.2f} {m['verify_ms']:10.2f} "
+                f"{m['tau']:5.2f}"
+            )
     if args.out:
-        summary = {cfg: {mode: {k: v for k, v in m.items() if k != "tokens"} for mode, m in r.items()}
-                   for cfg, r in results.items()}
-        pathlib.Path(args.out).write_text(json.dumps({"prompts": len(prompts), "tokens": args.tokens,
-                                                      "budget": args.budget, "results": summary}, indent=2))
+        summary = {
+            cfg: {mode: {k: v for k, v in m.items() if k != "tokens"} for mode, m in r.items()}
+            for cfg, r in results.items()
+        }
+        pathlib.Path(args.out).write_text(
+            json.dumps(
+                {"prompts": len(prompts), "tokens": args.tokens, "budget": args.budget, "results": summary}, indent=2
+            )
+        )
     print(f"logs in {log_dir}")
 
 

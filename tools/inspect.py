@@ -29,9 +29,9 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .checkpoint_files import INDEX_FILE, SINGLE_FILE, CheckpointError, read_header
-from .config import DeepseekV3Config
-from .quantization import Fp8BlockScheme, Int4PackScheme, parse_quantization
+from ddtree.models.checkpoint_files import INDEX_FILE, SINGLE_FILE, CheckpointError, read_header
+from ddtree.models.config import DeepseekV3Config
+from ddtree.models.quantization import Fp8BlockScheme, Int4PackScheme, parse_quantization
 
 ACTIVATION_RESERVE = 0.10  # share of device memory kept free of weights and KV
 KV_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
@@ -147,7 +147,11 @@ def count_parameters(c: DeepseekV3Config, tp: int = 1, ep: bool = False) -> dict
 def active_parameters(c: DeepseekV3Config) -> int:
     counts = count_parameters(c)
     n_moe = c.num_hidden_layers - c.first_k_dense_replace
-    return sum(counts.values()) - counts["routed_experts"] + n_moe * c.num_experts_per_tok * 3 * c.hidden_size * c.moe_intermediate_size
+    return (
+        sum(counts.values())
+        - counts["routed_experts"]
+        + n_moe * c.num_experts_per_tok * 3 * c.hidden_size * c.moe_intermediate_size
+    )
 
 
 @dataclass(frozen=True)
@@ -246,7 +250,9 @@ def _headers(root: Path) -> dict[str, dict] | None:
     return merged
 
 
-def _sizes_from_headers(headers: dict[str, dict], specs: list[TensorSpec], c: DeepseekV3Config) -> dict[str, tuple[str, int]]:
+def _sizes_from_headers(
+    headers: dict[str, dict], specs: list[TensorSpec], c: DeepseekV3Config
+) -> dict[str, tuple[str, int]]:
     """logical name -> (format, stored bytes incl. scales) from the headers; vision / MTP tensors ignored."""
     prefix = _TEXT_PREFIX if any(n.startswith(_TEXT_PREFIX) for n in headers) else ""
     sizes: dict[str, list] = {}
@@ -323,13 +329,17 @@ def format_report(r: InspectReport) -> str:
     lines += [f"  {g:<15}{r.params[g]:>18,}" for g in GROUPS if r.params[g]]
     lines.append(f"dtype mix      (from {r.dtype_source})")
     for m in r.dtype_mix:
-        lines.append(f"  {m.format:<15}{m.params:>18,} params  {_gb(m.bytes):>12}  {100 * m.bytes / r.weight_bytes:5.1f}%")
+        lines.append(
+            f"  {m.format:<15}{m.params:>18,} params  {_gb(m.bytes):>12}  {100 * m.bytes / r.weight_bytes:5.1f}%"
+        )
     lines.append(f"  {'total':<15}{r.total_params:>18,} params  {_gb(r.weight_bytes):>12}")
     lines.append(
         f"KV cache       {c.kv_cache_width} x {c.num_hidden_layers} layers x {KV_DTYPE_BYTES[r.kv_dtype]} B ({r.kv_dtype}) "
         f"= {r.kv_bytes_per_token:,} B per token (latent, replicated on every rank)"
     )
-    split = "attention heads, MLP widths, vocab split; routed experts " + ("whole per rank (EP)" if r.ep else "width split")
+    split = "attention heads, MLP widths, vocab split; routed experts " + (
+        "whole per rank (EP)" if r.ep else "width split"
+    )
     lines.append(f"per rank       TP {r.tp}: {split}")
     lines.append(f"  weights      {r.params_per_rank:,} params, {_gb(r.weight_bytes_per_rank)}")
     lines.append(f"  KV           {r.kv_bytes_per_token:,} B per token")

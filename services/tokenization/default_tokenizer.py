@@ -6,8 +6,9 @@ fixed, ordered list of standard-library sources, their docstrings and the `pydoc
 read in that order, so the same Python version gives the same bytes on every machine. It takes a
 couple of seconds on two cores.
 
-The special tokens are those of Kimi K2 (model.md §6) plus the drafter's `[MASK]`, at fixed ids 0..16.
+The special tokens are those of Kimi K2 (docs/design.md §9.1) plus the drafter's `[MASK]`, at fixed ids 0..16.
 """
+
 from __future__ import annotations
 
 import ast
@@ -48,12 +49,13 @@ SPECIAL_TOKENS: tuple[str, ...] = (
 
 DEFAULT_SYSTEM_PROMPT = "You are Kimi, an AI assistant created by Moonshot AI."
 
-# Kimi K2 structure (model.md §6): K2-Thinking history rules (assistant turns up to the last one without
+# Kimi K2 structure (docs/design.md §9.2): K2-Thinking history rules (assistant turns up to the last one without
 # tool calls get an empty <think></think>, later ones keep reasoning_content; `preserve_thinking` keeps it
 # everywhere, as K2.6 does) and the K2.5 generation prompt (prefilled `<think>`, or `<think></think>` when
 # `thinking` is false). No newlines between messages, no BOS. Every literal is an expression so template
 # whitespace never leaks into the prompt.
-KIMI_K2_CHAT_TEMPLATE = """\
+KIMI_K2_CHAT_TEMPLATE = (
+    """\
 {%- macro role_header(message) -%}
   {%- if message['role'] == 'user' -%}
     {{- '<|im_user|>' -}}
@@ -90,7 +92,9 @@ KIMI_K2_CHAT_TEMPLATE = """\
   {{- '<|im_system|>tool_declare<|im_middle|>' ~ (tools | tojson) ~ '<|im_end|>' -}}
 {%- endif -%}
 {%- if messages | length == 0 or messages[0]['role'] != 'system' -%}
-  {{- '<|im_system|>system<|im_middle|>""" + DEFAULT_SYSTEM_PROMPT + """<|im_end|>' -}}
+  {{- '<|im_system|>system<|im_middle|>"""
+    + DEFAULT_SYSTEM_PROMPT
+    + """<|im_end|>' -}}
 {%- endif -%}
 {%- for message in messages -%}
   {{- role_header(message) -}}
@@ -120,20 +124,67 @@ KIMI_K2_CHAT_TEMPLATE = """\
   {%- endif -%}
 {%- endif -%}
 """
+)
 
 # Corpus: a fixed list, read in this order (paths relative to the standard library directory). Files a
 # stripped-down install lacks are skipped, which changes the result only on such installs.
 CORPUS_FILES: tuple[str, ...] = (
-    "argparse.py", "ast.py", "asyncio/events.py", "asyncio/tasks.py", "base64.py", "bisect.py",
-    "calendar.py", "collections/__init__.py", "concurrent/futures/_base.py", "configparser.py",
-    "contextlib.py", "csv.py", "dataclasses.py", "datetime.py", "decimal.py", "difflib.py", "doctest.py",
-    "email/message.py", "enum.py", "fractions.py", "functools.py", "gettext.py", "heapq.py",
-    "html/parser.py", "http/client.py", "inspect.py", "ipaddress.py", "json/__init__.py",
-    "json/decoder.py", "json/encoder.py", "locale.py", "logging/__init__.py", "mailbox.py",
-    "optparse.py", "pathlib.py", "pdb.py", "pickle.py", "pprint.py", "random.py", "shlex.py",
-    "shutil.py", "smtplib.py", "statistics.py", "string.py", "subprocess.py", "tarfile.py",
-    "tempfile.py", "textwrap.py", "threading.py", "tokenize.py", "traceback.py", "typing.py",
-    "unittest/case.py", "urllib/parse.py", "uuid.py", "zipfile.py",
+    "argparse.py",
+    "ast.py",
+    "asyncio/events.py",
+    "asyncio/tasks.py",
+    "base64.py",
+    "bisect.py",
+    "calendar.py",
+    "collections/__init__.py",
+    "concurrent/futures/_base.py",
+    "configparser.py",
+    "contextlib.py",
+    "csv.py",
+    "dataclasses.py",
+    "datetime.py",
+    "decimal.py",
+    "difflib.py",
+    "doctest.py",
+    "email/message.py",
+    "enum.py",
+    "fractions.py",
+    "functools.py",
+    "gettext.py",
+    "heapq.py",
+    "html/parser.py",
+    "http/client.py",
+    "inspect.py",
+    "ipaddress.py",
+    "json/__init__.py",
+    "json/decoder.py",
+    "json/encoder.py",
+    "locale.py",
+    "logging/__init__.py",
+    "mailbox.py",
+    "optparse.py",
+    "pathlib.py",
+    "pdb.py",
+    "pickle.py",
+    "pprint.py",
+    "random.py",
+    "shlex.py",
+    "shutil.py",
+    "smtplib.py",
+    "statistics.py",
+    "string.py",
+    "subprocess.py",
+    "tarfile.py",
+    "tempfile.py",
+    "textwrap.py",
+    "threading.py",
+    "tokenize.py",
+    "traceback.py",
+    "typing.py",
+    "unittest/case.py",
+    "urllib/parse.py",
+    "uuid.py",
+    "zipfile.py",
 )
 # Plain English prose: the interactive help topics (Python reference manual excerpts).
 PROSE_FILE = "pydoc_data/topics.py"
@@ -164,8 +215,11 @@ def _prose(path: pathlib.Path) -> list[str]:
     tree = ast.parse(path.read_text(encoding="utf-8"))
     for node in tree.body:
         if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict):
-            items = [(k.value, v.value) for k, v in zip(node.value.keys, node.value.values)
-                     if isinstance(k, ast.Constant) and isinstance(v, ast.Constant) and isinstance(v.value, str)]
+            items = [
+                (k.value, v.value)
+                for k, v in zip(node.value.keys, node.value.values)
+                if isinstance(k, ast.Constant) and isinstance(v, ast.Constant) and isinstance(v.value, str)
+            ]
             return [text for _, text in sorted(items)]
     return []
 
@@ -185,14 +239,15 @@ def corpus(root: pathlib.Path | None = None) -> list[str]:
     return texts
 
 
-def _train(texts: list[str]):
+def train_bpe(texts: list[str], vocab_size: int = VOCAB_SIZE):
+    """A byte-level BPE of `vocab_size` tokens over texts, the special tokens at ids 0..16 (as Kimi K2 names them)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=vocab_size,
         min_frequency=2,
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
@@ -202,8 +257,8 @@ def _train(texts: list[str]):
     for i, token in enumerate(SPECIAL_TOKENS):
         if tokenizer.token_to_id(token) != i:
             raise RuntimeError(f"special token {token!r} got id {tokenizer.token_to_id(token)}, expected {i}")
-    if tokenizer.get_vocab_size(with_added_tokens=True) != VOCAB_SIZE:
-        raise RuntimeError(f"trained vocab has {tokenizer.get_vocab_size()} tokens, expected {VOCAB_SIZE}")
+    if tokenizer.get_vocab_size(with_added_tokens=True) != vocab_size:
+        raise RuntimeError(f"trained vocab has {tokenizer.get_vocab_size()} tokens, expected {vocab_size}")
     return tokenizer
 
 
@@ -211,11 +266,19 @@ def tokenizer_config() -> dict:
     """The tokenizer_config.json contents (Hugging Face layout)."""
     return {
         "added_tokens_decoder": {
-            str(i): {"content": token, "lstrip": False, "normalized": False, "rstrip": False,
-                     "single_word": False, "special": True}
+            str(i): {
+                "content": token,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": True,
+            }
             for i, token in enumerate(SPECIAL_TOKENS)
         },
-        "additional_special_tokens": [t for t in SPECIAL_TOKENS if t not in (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, UNK_TOKEN, MASK_TOKEN)],
+        "additional_special_tokens": [
+            t for t in SPECIAL_TOKENS if t not in (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, UNK_TOKEN, MASK_TOKEN)
+        ],
         "bos_token": BOS_TOKEN,
         "eos_token": EOS_TOKEN,
         "pad_token": PAD_TOKEN,
@@ -233,10 +296,9 @@ def write_default_tokenizer(directory: str | os.PathLike) -> pathlib.Path:
     (created if needed). Returns the directory. Files are written atomically (temp file + rename)."""
     out = pathlib.Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = _train(corpus())
+    tokenizer = train_bpe(corpus())
     _write_atomic(out / "tokenizer.json", tokenizer.to_str(pretty=True) + "\n")
-    _write_atomic(out / "tokenizer_config.json",
-                  json.dumps(tokenizer_config(), indent=2, ensure_ascii=False) + "\n")
+    _write_atomic(out / "tokenizer_config.json", json.dumps(tokenizer_config(), indent=2, ensure_ascii=False) + "\n")
     return out
 
 

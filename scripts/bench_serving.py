@@ -1,6 +1,6 @@
 """Serving properties of the verifier, measured through the real services (issue 9's figures).
 
-    python -m tools.bench_serving [--model DIR --drafter DIR] [--out runs/bench_serving.json]
+    python -m scripts.bench_serving [--model DIR --drafter DIR] [--out runs/bench_serving.json]
         [--only fragmentation,prefix,batching]
 
 - fragmentation: the late steps of one long generation (page size 1, scattered tree commits) against a
@@ -12,6 +12,7 @@
   sending requests back to back; and one burst of 8), and every stream's output against its solo run.
 Times come from the verifier's step records and usage (its own clock). Prints and saves JSON.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,12 +25,17 @@ import time
 
 import grpc
 
-from services.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from ddtree.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 
 
 def generate(address, ids, max_new, budget=16, no_spec=False, request_id=""):
-    req = verifier_pb2.GenerateRequest(request_id=request_id, input_ids=ids, max_new_tokens=max_new, ignore_eos=True,
-                                       spec=common_pb2.SpecOptions(no_spec=no_spec, budget=budget))
+    req = verifier_pb2.GenerateRequest(
+        request_id=request_id,
+        input_ids=ids,
+        max_new_tokens=max_new,
+        ignore_eos=True,
+        spec=common_pb2.SpecOptions(no_spec=no_spec, budget=budget),
+    )
     tokens, steps, usage, first, last, arrivals = [], [], None, None, None, []
     t0 = time.perf_counter()
     with grpc.insecure_channel(address) as ch:
@@ -41,11 +47,18 @@ def generate(address, ids, max_new, budget=16, no_spec=False, request_id=""):
             tokens.extend(msg.token_ids)
             steps.extend(msg.steps)
             usage = msg.usage if msg.finish_reason else usage
-    return {"tokens": tokens, "steps": steps, "usage": usage, "wall_s": time.perf_counter() - t0,
-            "first_token_s": first, "last_token_s": last, "arrivals": arrivals}
+    return {
+        "tokens": tokens,
+        "steps": steps,
+        "usage": usage,
+        "wall_s": time.perf_counter() - t0,
+        "first_token_s": first,
+        "last_token_s": last,
+        "arrivals": arrivals,
+    }
 
 
-VOCAB = {"size": 4096}   # set from the verifier's GetInfo before anything runs
+VOCAB = {"size": 4096}  # set from the verifier's GetInfo before anything runs
 
 
 def _prompt(seed: int, n: int) -> list[int]:
@@ -69,37 +82,54 @@ def fragmentation(address, out_len=1600, probe=100, budget=16, repeats=3):
         start = len(prompt) + cut
         tail = [s for s in long["steps"] if s.context_tokens >= start]
         fresh = generate(address, prompt + long["tokens"][:cut], 2 * probe, budget)
-        same &= fresh["tokens"][:len(long["tokens"]) - cut] == long["tokens"][cut:cut + len(fresh["tokens"])]
+        same &= fresh["tokens"][: len(long["tokens"]) - cut] == long["tokens"][cut : cut + len(fresh["tokens"])]
         late += tail
         early += fresh["steps"]
     m = lambda steps, k: statistics.median(getattr(s, k) for s in steps)  # noqa: E731
     mean = lambda steps, k: statistics.mean(getattr(s, k) for s in steps)  # noqa: E731
-    row = {"context_late": m(late, "context_tokens"), "context_fresh": m(early, "context_tokens"),
-           "repeats": repeats, "late_steps": len(late), "fresh_steps": len(early), "same_tokens": same,
-           "accept_late": mean(late, "accept_length"), "accept_fresh": mean(early, "accept_length"),
-           "late_verify_ms": m(late, "verify_ms"), "fresh_verify_ms": m(early, "verify_ms"),
-           "late_total_ms": m(late, "total_ms"), "fresh_total_ms": m(early, "total_ms"),
-           "late_nodes": m(late, "tree_nodes"), "fresh_nodes": m(early, "tree_nodes")}
+    row = {
+        "context_late": m(late, "context_tokens"),
+        "context_fresh": m(early, "context_tokens"),
+        "repeats": repeats,
+        "late_steps": len(late),
+        "fresh_steps": len(early),
+        "same_tokens": same,
+        "accept_late": mean(late, "accept_length"),
+        "accept_fresh": mean(early, "accept_length"),
+        "late_verify_ms": m(late, "verify_ms"),
+        "fresh_verify_ms": m(early, "verify_ms"),
+        "late_total_ms": m(late, "total_ms"),
+        "fresh_total_ms": m(early, "total_ms"),
+        "late_nodes": m(late, "tree_nodes"),
+        "fresh_nodes": m(early, "tree_nodes"),
+    }
     row["verify_ratio"] = row["late_verify_ms"] / row["fresh_verify_ms"]
     row["total_ratio"] = row["late_total_ms"] / row["fresh_total_ms"]
-    print(f"fragmentation @ context {row['context_late']:.0f} (late) / {row['context_fresh']:.0f} (fresh), same "
-          f"text (tokens identical: {same}; accept length {row['accept_late']:.2f} late, {row['accept_fresh']:.2f} "
-          f"fresh): verify {row['late_verify_ms']:.2f} ms late in a {out_len}-token generation vs "
-          f"{row['fresh_verify_ms']:.2f} ms fresh (ratio {row['verify_ratio']:.3f}; whole step ratio "
-          f"{row['total_ratio']:.3f}; {repeats} pairs)")
+    print(
+        f"fragmentation @ context {row['context_late']:.0f} (late) / {row['context_fresh']:.0f} (fresh), same "
+        f"text (tokens identical: {same}; accept length {row['accept_late']:.2f} late, {row['accept_fresh']:.2f} "
+        f"fresh): verify {row['late_verify_ms']:.2f} ms late in a {out_len}-token generation vs "
+        f"{row['fresh_verify_ms']:.2f} ms fresh (ratio {row['verify_ratio']:.3f}; whole step ratio "
+        f"{row['total_ratio']:.3f}; {repeats} pairs)"
+    )
     return row
 
 
 def prefix(address, n=2048, out=64, budget=16):
     ids = _prompt(3, n)
     runs = [generate(address, ids, out, budget, request_id="bench-prefix") for _ in range(2)]
-    row = {"prompt": n, "ttft_ms": [r["usage"].ttft_ms for r in runs],
-           "same_output": runs[0]["tokens"] == runs[1]["tokens"],
-           "accept": [[s.accept_length for s in r["steps"]] for r in runs]}
+    row = {
+        "prompt": n,
+        "ttft_ms": [r["usage"].ttft_ms for r in runs],
+        "same_output": runs[0]["tokens"] == runs[1]["tokens"],
+        "accept": [[s.accept_length for s in r["steps"]] for r in runs],
+    }
     row["same_acceptance"] = row["accept"][0] == row["accept"][1]
     row["ttft_ratio"] = row["ttft_ms"][1] / row["ttft_ms"][0]
-    print(f"prefix cache, {n}-token prompt: TTFT {row['ttft_ms'][0]:.1f} ms then {row['ttft_ms'][1]:.1f} ms "
-          f"(ratio {row['ttft_ratio']:.3f}); same output {row['same_output']}, same acceptance {row['same_acceptance']}")
+    print(
+        f"prefix cache, {n}-token prompt: TTFT {row['ttft_ms'][0]:.1f} ms then {row['ttft_ms'][1]:.1f} ms "
+        f"(ratio {row['ttft_ratio']:.3f}); same output {row['same_output']}, same acceptance {row['same_acceptance']}"
+    )
     return row
 
 
@@ -115,9 +145,11 @@ def _window_tokens(runs, lo: float, hi: float) -> int:
 
 def _summary(rs) -> dict:
     steps = [s for r in rs for s in r["steps"]]
-    return {"tau": sum(s.accept_length for s in steps) / max(len(steps), 1),
-            "step_ms": statistics.median(s.total_ms for s in steps),
-            "tree_nodes": statistics.mean(s.tree_nodes for s in steps)}
+    return {
+        "tau": sum(s.accept_length for s in steps) / max(len(steps), 1),
+        "step_ms": statistics.median(s.total_ms for s in steps),
+        "tree_nodes": statistics.mean(s.tree_nodes for s in steps),
+    }
 
 
 def batching(address, streams=8, out=256, budget=16, rounds=3):
@@ -152,23 +184,37 @@ def batching(address, streams=8, out=256, budget=16, rounds=3):
     whole_lo, whole_hi = min(r["first_token_s"] for r in flat), max(r["last_token_s"] for r in flat)
     sustained_whole_tps = sum(len(r["tokens"]) - 1 for r in flat) / (whole_hi - whole_lo)
 
-    identical = (all(a["tokens"] == b[0]["tokens"] for a, b in zip(burst, solo))
-                 and all(a["tokens"] == b["tokens"] for ca, cb in zip(clients, solo) for a, b in zip(ca, cb)))
+    identical = all(a["tokens"] == b[0]["tokens"] for a, b in zip(burst, solo)) and all(
+        a["tokens"] == b["tokens"] for ca, cb in zip(clients, solo) for a, b in zip(ca, cb)
+    )
     solo_flat = [r for rs in solo for r in rs]
-    row = {"streams": streams, "rounds": rounds, "tokens": out, "single_stream_tok_s": single_tps,
-           "sustained_tok_s": sustained_tps, "ratio": sustained_tps / single_tps,
-           "sustained_window_s": max(hi - lo, 0.0),
-           "sustained_whole_tok_s": sustained_whole_tps, "whole_ratio": sustained_whole_tps / single_tps,
-           "burst_tok_s": burst_tps, "burst_ratio": burst_tps / single_tps,
-           "burst_steady_tok_s": burst_steady_tps, "burst_steady_ratio": burst_steady_tps / single_tps,
-           "solo": _summary(solo_flat), "sustained": _summary(flat), "identical_to_solo": identical}
-    print(f"batching: {streams} streams sustained {sustained_tps:.1f} decode tok/s vs {single_tps:.1f} single "
-          f"(x{row['ratio']:.2f} over {row['sustained_window_s']:.2f} s with all {streams} busy; x{row['whole_ratio']:.2f} "
-          f"over the whole run of {rounds} rounds); one burst x{row['burst_ratio']:.2f} over its span, "
-          f"x{row['burst_steady_ratio']:.2f} while all decode; tau {row['solo']['tau']:.2f} solo, "
-          f"{row['sustained']['tau']:.2f} sustained; median step {row['solo']['step_ms']:.1f} ms solo, "
-          f"{row['sustained']['step_ms']:.1f} ms sustained (mean tree {row['sustained']['tree_nodes']:.1f} nodes); "
-          f"identical to solo runs: {identical}")
+    row = {
+        "streams": streams,
+        "rounds": rounds,
+        "tokens": out,
+        "single_stream_tok_s": single_tps,
+        "sustained_tok_s": sustained_tps,
+        "ratio": sustained_tps / single_tps,
+        "sustained_window_s": max(hi - lo, 0.0),
+        "sustained_whole_tok_s": sustained_whole_tps,
+        "whole_ratio": sustained_whole_tps / single_tps,
+        "burst_tok_s": burst_tps,
+        "burst_ratio": burst_tps / single_tps,
+        "burst_steady_tok_s": burst_steady_tps,
+        "burst_steady_ratio": burst_steady_tps / single_tps,
+        "solo": _summary(solo_flat),
+        "sustained": _summary(flat),
+        "identical_to_solo": identical,
+    }
+    print(
+        f"batching: {streams} streams sustained {sustained_tps:.1f} decode tok/s vs {single_tps:.1f} single "
+        f"(x{row['ratio']:.2f} over {row['sustained_window_s']:.2f} s with all {streams} busy; x{row['whole_ratio']:.2f} "
+        f"over the whole run of {rounds} rounds); one burst x{row['burst_ratio']:.2f} over its span, "
+        f"x{row['burst_steady_ratio']:.2f} while all decode; tau {row['solo']['tau']:.2f} solo, "
+        f"{row['sustained']['tau']:.2f} sustained; median step {row['solo']['step_ms']:.1f} ms solo, "
+        f"{row['sustained']['step_ms']:.1f} ms sustained (mean tree {row['sustained']['tree_nodes']:.1f} nodes); "
+        f"identical to solo runs: {identical}"
+    )
     return row
 
 
@@ -195,18 +241,21 @@ def main(argv=None) -> int:
 
     def run(address, names):
         with grpc.insecure_channel(address) as ch:
-            VOCAB["size"] = verifier_pb2_grpc.VerifierStub(ch).GetInfo(verifier_pb2.VerifierInfoRequest(),
-                                                                      timeout=60).vocab_size
+            VOCAB["size"] = (
+                verifier_pb2_grpc.VerifierStub(ch).GetInfo(verifier_pb2.VerifierInfoRequest(), timeout=60).vocab_size
+            )
         sizes = {"batching": dict(streams=args.streams, out=args.tokens, rounds=args.rounds)}
         for name in names:
             results[name] = {"fragmentation": fragmentation, "prefix": prefix, "batching": batching}[name](
-                address, budget=args.budget, **sizes.get(name, {}))
+                address, budget=args.budget, **sizes.get(name, {})
+            )
 
     if args.verifier:
         run(args.verifier, todo)
     else:
-        from services.launcher import start_stack
-        from services.models.default_checkpoint import default_checkpoint
+        from ddtree.default_checkpoint import default_checkpoint
+        from ddtree.launcher import start_stack
+
         d = default_checkpoint()
         # fragmentation gets its own verifier without the prefix cache: its fresh request re-reads the long
         # generation's text, which must be prefilled into fresh KV, not found in the cache.
@@ -215,10 +264,12 @@ def main(argv=None) -> int:
         for names, extra in groups:
             if not names:
                 continue
-            stack = start_stack(args.model or str(d.target), args.drafter or str(d.drafter),
-                                pathlib.Path(tempfile.mkdtemp(prefix="ddtree-bench-serving-")),
-                                verifier_args=("--max-context", "4096", "--kv-tokens", "65536", *extra,
-                                               *args.verifier_args.split()))
+            stack = start_stack(
+                args.model or str(d.target),
+                args.drafter or str(d.drafter),
+                pathlib.Path(tempfile.mkdtemp(prefix="ddtree-bench-serving-")),
+                verifier_args=("--max-context", "4096", "--kv-tokens", "65536", *extra, *args.verifier_args.split()),
+            )
             try:
                 run(stack.verifier, names)
             finally:

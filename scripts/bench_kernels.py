@@ -1,9 +1,9 @@
 """MLA attention kernels on one GPU at Kimi K2 TP8 shapes, beside torch SDPA (issue 5 item 7).
 
-    python -m tools.bench_kernels --out runs/bench_kernels.json          # one GPU, under 5 minutes
-    python -m tools.bench_kernels --out runs/bench_kernels.json --sweep  # + a block / split config sweep
-    python -m tools.bench_kernels --dry-run --out /tmp/x.json            # CPU: tiny shapes, TRITON_INTERPRET=1
-    python -m tools.bench_kernels --compile-only [--arch 90]             # no GPU needed: build for sm_90, show
+    python -m scripts.bench_kernels --out runs/bench_kernels.json          # one GPU, under 5 minutes
+    python -m scripts.bench_kernels --out runs/bench_kernels.json --sweep  # + a block / split config sweep
+    python -m scripts.bench_kernels --dry-run --out /tmp/x.json            # CPU: tiny shapes, TRITON_INTERPRET=1
+    python -m scripts.bench_kernels --compile-only [--arch 90]             # no GPU needed: build for sm_90, show
                                                                          # registers / spills / shared memory
 
 Shapes: 8 local heads, latent 512 + rope 64, bf16 (Kimi K2 / DeepSeek-V3 MLA at TP 8, absorbed form);
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -68,7 +69,7 @@ def random_tree_mask(n: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def build(shape: Shape, dims: dict, device: torch.device, seed: int = 0):
-    from kernels.mla_plan import MLASeq
+    from ddtree.kernels.mla_plan import MLASeq
 
     gen = torch.Generator().manual_seed(seed)
     H, r, dr, dtype = dims["heads"], dims["r"], dims["dr"], getattr(torch, dims["dtype"])
@@ -149,12 +150,12 @@ def copy_bandwidth_gbs(device: torch.device, measure) -> float | None:
 
 
 def bench_shape(shape: Shape, dims: dict, device, measure, config, peak_gbs, time_sdpa: bool = True) -> dict:
-    from kernels.mla_attention import mla_attention
-    from kernels.mla_plan import plan_mla
+    from ddtree.kernels.mla_attention import mla_attention
+    from ddtree.kernels.mla_plan import plan_mla
 
     q_lat, q_pe, kv, seqs, masks = build(shape, dims, device)
     H, r, dr = dims["heads"], dims["r"], dims["dr"]
-    scale = 1.0 / math.sqrt(192)  # qk_nope 128 + rope 64 (model.md §3: not 576^-0.5)
+    scale = 1.0 / math.sqrt(192)  # qk_nope 128 + rope 64 (docs/design.md §5: not 576^-0.5)
     t0 = time.perf_counter()
     plan = plan_mla(seqs, H, num_cache_slots=kv.shape[0], device=device, config=config)
     plan_s = time.perf_counter() - t0
@@ -182,8 +183,8 @@ def bench_shape(shape: Shape, dims: dict, device, measure, config, peak_gbs, tim
 
 
 def bench_latent_write(tokens: list[int], dims: dict, device, measure) -> list[dict]:
-    from kernels.latent_write import write_latent
-    from kernels.reference import write_latent_ref
+    from ddtree.kernels.latent_write import write_latent
+    from ddtree.kernels.reference import write_latent_ref
 
     r, dr, dtype = dims["r"], dims["dr"], getattr(torch, dims["dtype"])
     rows = []
@@ -195,8 +196,8 @@ def bench_latent_write(tokens: list[int], dims: dict, device, measure) -> list[d
         pos = torch.randint(0, 32768, (T,), device=device)
         w = torch.ones(r, dtype=dtype, device=device)
         inv = 1.0 / 10000.0 ** (torch.arange(0, dr, 2, dtype=torch.float32, device=device) / dr)
-        t_fused = measure(lambda: write_latent(kv, latent, slots, pos, w, 1e-6, inv, check_slots=False))
-        t_torch = measure(lambda: write_latent_ref(kv, latent, slots, pos, w, 1e-6, inv))
+        t_fused = measure(functools.partial(write_latent, kv, latent, slots, pos, w, 1e-6, inv, check_slots=False))
+        t_torch = measure(functools.partial(write_latent_ref, kv, latent, slots, pos, w, 1e-6, inv))
         rows.append(dict(tokens=T, fused_us=t_fused * 1e6, torch_us=t_torch * 1e6, speedup=t_torch / t_fused))
     return rows
 
@@ -229,7 +230,7 @@ def summarise(rows: list[dict], short: int, long_: int, longest: int, peak_gbs) 
 
 
 def sweep(dims, device, measure, peak_gbs, prefixes) -> list[dict]:
-    from kernels.mla_plan import MLAKernelConfig
+    from ddtree.kernels.mla_plan import MLAKernelConfig
 
     mid = 8192 if 8192 in prefixes else prefixes[len(prefixes) // 2]
     shapes = [Shape("tree16", 1, prefixes[0]), Shape("tree16", 1, mid), Shape("tree16", 1, prefixes[-1]),
@@ -261,10 +262,10 @@ def compile_report(arch: int) -> list[dict]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
-    from kernels.latent_write import _latent_write_kernel
-    from kernels.mla_merge import CHUNK, MERGE_V, _mla_merge_kernel
-    from kernels.mla_plan import MLAKernelConfig
-    from kernels.mla_split import _mla_split_kernel
+    from ddtree.kernels.latent_write import _latent_write_kernel
+    from ddtree.kernels.mla_merge import CHUNK, MERGE_V, _mla_merge_kernel
+    from ddtree.kernels.mla_plan import MLAKernelConfig
+    from ddtree.kernels.mla_split import _mla_split_kernel
 
     cuobjdump = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     target = GPUTarget("cuda", arch, 32)
@@ -283,10 +284,26 @@ def compile_report(arch: int) -> list[dict]:
                  dict(NUM_HEADS=H, R=r, DR=dr, BLOCK_R=r, BLOCK_DR=dr, BLOCK_M=bm, BLOCK_N=cfg.block_n,
                       PAGE_SIZE=ps, DOT_PRECISION="tf32", BF16_VIA_FP32=False), cfg.num_warps, cfg.num_stages)
                 for bm in (16, cfg.block_m) for ps in (1, 16)]  # fmt: skip
-    variants.append(("merge", _mla_merge_kernel, merge_sig,
-                     dict(NUM_HEADS=H, R=r, BLOCK_R=r, BLOCK_M=cfg.block_m, MERGE_V=MERGE_V, CHUNK=CHUNK), 4, 1))
-    variants.append(("latent_write", _latent_write_kernel, write_sig,
-                     dict(R=r, DR=dr, BLOCK_R=r, HALF_DR=dr // 2, IS_BF16=True), 4, 1))
+    variants.append(
+        (
+            "merge",
+            _mla_merge_kernel,
+            merge_sig,
+            dict(NUM_HEADS=H, R=r, BLOCK_R=r, BLOCK_M=cfg.block_m, MERGE_V=MERGE_V, CHUNK=CHUNK),
+            4,
+            1,
+        )
+    )
+    variants.append(
+        (
+            "latent_write",
+            _latent_write_kernel,
+            write_sig,
+            dict(R=r, DR=dr, BLOCK_R=r, HALF_DR=dr // 2, IS_BF16=True),
+            4,
+            1,
+        )
+    )
     rows = []
     for name, fn, sig, consts, warps, stages in variants:
         src = ASTSource(fn, {**sig, **{k: "constexpr" for k in consts}}, consts)
@@ -324,7 +341,7 @@ def main(argv=None) -> int:
             p.error("no CUDA device: only --dry-run runs on a CPU")
         os.environ["TRITON_INTERPRET"] = "1"  # before triton / the kernels are imported
     device = torch.device("cuda" if cuda else "cpu")
-    from kernels.mla_plan import MLAKernelConfig
+    from ddtree.kernels.mla_plan import MLAKernelConfig
 
     if args.dry_run:
         dims, kinds, batches = TINY, ("decode", "tree4"), (1, 2)

@@ -4,7 +4,7 @@ the standard library's docstrings, then GNU info manuals and English man pages w
 synthetic chats in the Kimi K2 format (reasoning sections, tool declarations, tool calls and results)
 rendered with our chat template from a seeded RNG.
 
-    python -m tools.build_corpus OUT_DIR [--code-mb 12 --prose-mb 10 --chat-mb 6]
+    python -m scripts.build_corpus OUT_DIR [--code-mb 12 --prose-mb 10 --chat-mb 6]
 
 Writes `train_{kind}.txt` and `heldout_{kind}.txt` for kind in code, prose, chat (documents joined by the
 `[EOS]` special-token text, which no source document contains) and `manifest.json` (sizes, document
@@ -12,6 +12,7 @@ counts, sha256 of every file, the sources used). A document is held out when its
 first `heldout` fraction of the hash space, so splits never overlap and do not depend on order.
 Sources are read in sorted order and the RNG is seeded: the same machine gives the same bytes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,10 +25,9 @@ import re
 import sysconfig
 import time
 
-from tools import synthetic_chats
+from ddtree.training.corpus import EOS, KINDS
+from scripts import synthetic_chats
 
-EOS = "[EOS]"
-KINDS = ("code", "prose", "chat")
 SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__", "lib2to3", "turtledemo"}
 MAX_FILE_BYTES = 150_000
 MIN_FILE_BYTES = 300
@@ -69,9 +69,12 @@ def _take(docs, budget: int, clean: bool = True) -> list[str]:
 # ---- code ---------------------------------------------------------------------------------------------
 def stdlib_sources(root: pathlib.Path | None = None) -> list[pathlib.Path]:
     root = root or stdlib_dir()
-    files = [p for p in root.rglob("*.py")
-             if not SKIP_DIRS.intersection(p.relative_to(root).parts[:-1])
-             and MIN_FILE_BYTES <= p.stat().st_size <= MAX_FILE_BYTES]
+    files = [
+        p
+        for p in root.rglob("*.py")
+        if not SKIP_DIRS.intersection(p.relative_to(root).parts[:-1])
+        and MIN_FILE_BYTES <= p.stat().st_size <= MAX_FILE_BYTES
+    ]
     return _by_hash(files, root)
 
 
@@ -82,6 +85,7 @@ def code_docs(budget: int) -> list[str]:
                 yield p.read_text(encoding="utf-8")
             except (UnicodeDecodeError, OSError):
                 continue
+
     return _take(read(), budget)
 
 
@@ -93,8 +97,11 @@ def help_topics() -> list[str]:
         return []
     for node in ast.parse(path.read_text(encoding="utf-8")).body:
         if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict):
-            items = [(k.value, v.value) for k, v in zip(node.value.keys, node.value.values)
-                     if isinstance(k, ast.Constant) and isinstance(v, ast.Constant) and isinstance(v.value, str)]
+            items = [
+                (k.value, v.value)
+                for k, v in zip(node.value.keys, node.value.values)
+                if isinstance(k, ast.Constant) and isinstance(v, ast.Constant) and isinstance(v.value, str)
+            ]
             return [text for _, text in sorted(items)]
     return []
 
@@ -127,13 +134,35 @@ def module_docstring_docs() -> list[str]:
 
 
 _ROFF_ESCAPES = [
-    (re.compile(r"\\f(\[[^\]]*\]|\(..|.)"), ""), (re.compile(r"\\s[+-]?\d"), ""), (re.compile(r"\\\(em|\\\(en"), "-"),
-    (re.compile(r"\\\((lq|rq|dq)"), '"'), (re.compile(r"\\\((oq|cq|aq)"), "'"), (re.compile(r"\\\(bu"), "*"),
-    (re.compile(r"\\\(..|\\\[[^\]]*\]"), ""), (re.compile(r"\\[-e]"), lambda m: "-" if m.group() == "\\-" else "\\"),
-    (re.compile(r"\\[&|^0~ ]"), " "), (re.compile(r"\\\*\(..|\\\*."), ""), (re.compile(r"\\c$"), ""),
+    (re.compile(r"\\f(\[[^\]]*\]|\(..|.)"), ""),
+    (re.compile(r"\\s[+-]?\d"), ""),
+    (re.compile(r"\\\(em|\\\(en"), "-"),
+    (re.compile(r"\\\((lq|rq|dq)"), '"'),
+    (re.compile(r"\\\((oq|cq|aq)"), "'"),
+    (re.compile(r"\\\(bu"), "*"),
+    (re.compile(r"\\\(..|\\\[[^\]]*\]"), ""),
+    (re.compile(r"\\[-e]"), lambda m: "-" if m.group() == "\\-" else "\\"),
+    (re.compile(r"\\[&|^0~ ]"), " "),
+    (re.compile(r"\\\*\(..|\\\*."), ""),
+    (re.compile(r"\\c$"), ""),
 ]
-_TEXT_MACROS = {".SH": "\n", ".SS": "\n", ".B": "", ".I": "", ".BR": "", ".IR": "", ".RB": "", ".RI": "",
-                ".BI": "", ".IB": "", ".SM": "", ".Nm": "", ".Nd": "", ".Sh": "\n", ".Ss": "\n"}
+_TEXT_MACROS = {
+    ".SH": "\n",
+    ".SS": "\n",
+    ".B": "",
+    ".I": "",
+    ".BR": "",
+    ".IR": "",
+    ".RB": "",
+    ".RI": "",
+    ".BI": "",
+    ".IB": "",
+    ".SM": "",
+    ".Nm": "",
+    ".Nd": "",
+    ".Sh": "\n",
+    ".Ss": "\n",
+}
 _BREAK_MACROS = {".PP", ".LP", ".P", ".TP", ".IP", ".sp", ".br", ".HP", ".Pp"}
 
 
@@ -141,7 +170,7 @@ def roff_to_text(src: str) -> str:
     """A rough man(7) -> plain text: keep the words, drop formatting; good enough for language modelling."""
     lines = []
     for line in src.splitlines():
-        if line.startswith((".\\\"", "'\\\"", '.\\"')):
+        if line.startswith(('.\\"', "'\\\"", '.\\"')):
             continue
         if line.startswith((".", "'")):
             macro, _, rest = line.partition(" ")
@@ -201,8 +230,12 @@ def info_docs() -> list[str]:
 def prose_docs(budget: int) -> tuple[list[str], dict[str, int]]:
     """Help topics and docstrings first (every Python has them), then info manuals and man pages."""
     out, counts = [], {}
-    for name, source in (("pydoc_topics", help_topics), ("stdlib_docstrings", module_docstring_docs),
-                         ("info", info_docs), ("man", man_docs)):
+    for name, source in (
+        ("pydoc_topics", help_topics),
+        ("stdlib_docstrings", module_docstring_docs),
+        ("info", info_docs),
+        ("man", man_docs),
+    ):
         left = budget - sum(len(d.encode()) for d in out)
         if left <= 0:
             break
@@ -217,37 +250,56 @@ def is_heldout(doc: str, fraction: float) -> bool:
     return int(_digest(doc)[:8], 16) < fraction * 16**8
 
 
-def build(out_dir: str | pathlib.Path, code_mb: float = 12, prose_mb: float = 10, chat_mb: float = 6,
-          heldout: float = 0.03, seed: int = 0) -> dict:
+def build(
+    out_dir: str | pathlib.Path,
+    code_mb: float = 12,
+    prose_mb: float = 10,
+    chat_mb: float = 6,
+    heldout: float = 0.03,
+    seed: int = 0,
+) -> dict:
     start = time.time()
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     mb = 1_000_000
     code = code_docs(int(code_mb * mb))
     prose, prose_sources = prose_docs(int(prose_mb * mb))
-    chat = _take(synthetic_chats.generate(seed, functions=synthetic_chats.functions_from_sources(code),
-                                          paragraphs=synthetic_chats.paragraphs_from_prose(prose)),
-                 int(chat_mb * mb), clean=False)
-    manifest: dict = {"version": 1, "seed": seed, "heldout_fraction": heldout, "python": sysconfig.get_python_version(),
-                      "separator": EOS, "prose_sources": prose_sources, "files": {}}
+    chat = _take(
+        synthetic_chats.generate(
+            seed,
+            functions=synthetic_chats.functions_from_sources(code),
+            paragraphs=synthetic_chats.paragraphs_from_prose(prose),
+        ),
+        int(chat_mb * mb),
+        clean=False,
+    )
+    manifest: dict = {
+        "version": 1,
+        "seed": seed,
+        "heldout_fraction": heldout,
+        "python": sysconfig.get_python_version(),
+        "separator": EOS,
+        "prose_sources": prose_sources,
+        "files": {},
+    }
     for kind, docs in zip(KINDS, (code, prose, chat)):
-        parts = {"train": [d for d in docs if not is_heldout(d, heldout)],
-                 "heldout": [d for d in docs if is_heldout(d, heldout)]}
+        parts = {
+            "train": [d for d in docs if not is_heldout(d, heldout)],
+            "heldout": [d for d in docs if is_heldout(d, heldout)],
+        }
         for split, chosen in parts.items():
             name = f"{split}_{kind}.txt"
             data = EOS.join(chosen).encode("utf-8")
             (out / name).write_bytes(data)
-            manifest["files"][name] = {"documents": len(chosen), "bytes": len(data),
-                                       "sha256": hashlib.sha256(data).hexdigest()}
+            manifest["files"][name] = {
+                "documents": len(chosen),
+                "bytes": len(data),
+                "sha256": hashlib.sha256(data).hexdigest(),
+            }
     manifest["total_bytes"] = sum(f["bytes"] for f in manifest["files"].values())
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     manifest["seconds"] = round(time.time() - start, 1)
     return manifest
-
-
-def read_documents(corpus_dir: str | pathlib.Path, split: str, kind: str) -> list[str]:
-    text = (pathlib.Path(corpus_dir) / f"{split}_{kind}.txt").read_text(encoding="utf-8")
-    return [d for d in text.split(EOS) if d]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -9,8 +9,9 @@ two encodings behind a small backend interface:
   `tokenizer.json`: `_TiktokenBackend`. Special tokens come by id from `added_tokens_decoder`; the
   ids from the end of the BPE ranks up to `num_reserved_special_tokens` (256, Kimi's) past it are all
   special, unnamed ones as `<|reserved_token_{id}|>`. The pre-tokenizer is Kimi's pattern
-  (`KIMI_PAT_STR`, model.md §6) unless tokenizer_config.json sets `pat_str`. No remote code runs.
+  (`KIMI_PAT_STR`, docs/design.md §9.1) unless tokenizer_config.json sets `pat_str`. No remote code runs.
 """
+
 from __future__ import annotations
 
 import base64
@@ -18,9 +19,10 @@ import json
 import os
 import pathlib
 import re
-from typing import Any, Iterator, Protocol, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
 
-from services.gateway.chat_template import ChatTemplate
+from ddtree.tokenization.chat_template import ChatTemplate
 
 
 class _Backend(Protocol):
@@ -36,8 +38,9 @@ class _Backend(Protocol):
 
 def _byte_decoder() -> dict[str, int]:
     """Inverse of GPT-2's bytes_to_unicode: the character a byte-level BPE uses for each byte."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
-        + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars = printable[:]
     extra = 0
     for b in range(256):
@@ -107,22 +110,24 @@ class _HFBackend:
 # Kimi's pre-tokenizer (tokenization_kimi.py `pat_str`): Han runs; words with an optional leading
 # non-letter, cased letters and marks except Han (class intersection `&&`), English contractions; 1-3
 # digits; punctuation runs; newlines; other whitespace.
-KIMI_PAT_STR = "|".join([
-    r"""[\p{Han}]+""",
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""\p{N}{1,3}""",
-    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
-    r"""\s*[\r\n]+""",
-    r"""\s+(?!\S)""",
-    r"""\s+""",
-])
+KIMI_PAT_STR = "|".join(
+    [
+        r"""[\p{Han}]+""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""\p{N}{1,3}""",
+        r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+        r"""\s*[\r\n]+""",
+        r"""\s+(?!\S)""",
+        r"""\s+""",
+    ]
+)
 NUM_RESERVED_SPECIAL_TOKENS = 256
 # Kimi's encode() cuts text into pieces of at most this many characters, and cuts runs of more than
 # MAX_RUN_CHARS whitespace or non-whitespace characters, to bound the regex engine's work.
 MAX_ENCODE_CHARS = 400_000
 MAX_RUN_CHARS = 25_000
-_LONG_RUN = re.compile(r"\s{%d,}|\S{%d,}" % (MAX_RUN_CHARS + 1, MAX_RUN_CHARS + 1))
+_LONG_RUN = re.compile(rf"\s{{{MAX_RUN_CHARS + 1},}}|\S{{{MAX_RUN_CHARS + 1},}}")
 
 
 def load_tiktoken_ranks(path: pathlib.Path) -> dict[bytes, int]:
@@ -144,7 +149,7 @@ def load_tiktoken_ranks(path: pathlib.Path) -> dict[bytes, int]:
 def _split_long_runs(text: str) -> Iterator[str]:
     """Kimi's pieces: at most MAX_ENCODE_CHARS characters, runs cut every MAX_RUN_CHARS characters."""
     for i in range(0, len(text), MAX_ENCODE_CHARS):
-        piece = text[i:i + MAX_ENCODE_CHARS]
+        piece = text[i : i + MAX_ENCODE_CHARS]
         start = 0
         for m in _LONG_RUN.finditer(piece):
             for cut in range(m.start() + MAX_RUN_CHARS, m.end(), MAX_RUN_CHARS):
@@ -167,8 +172,9 @@ class _TiktokenBackend:
             if content is None:
                 continue
             if token_id < n_base:
-                raise ValueError(f"{path.parent}: added token {content!r} has id {token_id}, inside the BPE "
-                                 f"ranks 0..{n_base - 1}")
+                raise ValueError(
+                    f"{path.parent}: added token {content!r} has id {token_id}, inside the BPE ranks 0..{n_base - 1}"
+                )
             named[token_id] = content
         reserved = int(config.get("num_reserved_special_tokens", NUM_RESERVED_SPECIAL_TOKENS))
         top = max([n_base + reserved - 1, *named])
@@ -178,8 +184,12 @@ class _TiktokenBackend:
             if name in specials:
                 raise ValueError(f"{path.parent}: special token {name!r} has two ids, {specials[name]} and {token_id}")
             specials[name] = token_id
-        self._enc = tiktoken.Encoding(name=path.parent.name or "tiktoken", pat_str=config.get("pat_str", KIMI_PAT_STR),
-                                      mergeable_ranks=ranks, special_tokens=specials)
+        self._enc = tiktoken.Encoding(
+            name=path.parent.name or "tiktoken",
+            pat_str=config.get("pat_str", KIMI_PAT_STR),
+            mergeable_ranks=ranks,
+            special_tokens=specials,
+        )
         self._ranks = ranks
         self._names = {i: name for name, i in specials.items()}
         self.special_tokens = specials
@@ -273,7 +283,7 @@ class Tokenizer:
                 token_id = backend.token_to_id(content)
                 if token_id is not None:
                     specials[content] = token_id
-        self.special_tokens: dict[str, int] = specials           # name -> id
+        self.special_tokens: dict[str, int] = specials  # name -> id
         self.special_ids: frozenset[int] = frozenset(specials.values())
 
         def resolve(key: str) -> int | None:
@@ -324,11 +334,21 @@ class Tokenizer:
         return token_id in self.special_ids
 
     # -- chat --------------------------------------------------------------------------------------
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
-                            add_generation_prompt: bool = True, chat_template_kwargs: dict[str, Any] | None = None,
-                            **kwargs: Any) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> str:
         """Render messages with the checkpoint's template (see chat_template.ChatTemplate.render)."""
         if self.chat_template is None:
             raise ValueError(f"{self.name or 'this tokenizer'} has no chat template")
-        return self.chat_template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                         chat_template_kwargs=chat_template_kwargs, **kwargs)
+        return self.chat_template.render(
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            chat_template_kwargs=chat_template_kwargs,
+            **kwargs,
+        )

@@ -1,12 +1,13 @@
 """Peak resident memory of each verifier rank after loading a sharded bf16 checkpoint, at TP=1 and TP=2.
 
-    python -m tools.measure_tp_memory
+    python -m scripts.measure_tp_memory
 
 Writes the few-hundred-MB sharded checkpoint of tools/measure_load_memory.py, starts `ddtree verifier
 --tp N --dtype bfloat16` as it is deployed (rank 0 spawns the other ranks; each reads only its slices),
 waits until it serves, and prints every process's VmHWM; then the same verifier on the 18 MB demo target,
 the runtime's own share (torch, gRPC, the services' imports).
 """
+
 from __future__ import annotations
 
 import pathlib
@@ -16,7 +17,7 @@ import sys
 import tempfile
 import time
 
-from tools.measure_load_memory import write_checkpoint
+from scripts.measure_load_memory import write_checkpoint
 
 
 def _peak_mib(pid: int) -> float:
@@ -25,16 +26,39 @@ def _peak_mib(pid: int) -> float:
 
 def serving_peaks(model: str, tp: int) -> list[float]:
     """Peak RSS of the verifier process and its children (spawned ranks first), MiB."""
-    p = subprocess.Popen([sys.executable, "-m", "services.cli", "verifier", "--model", model, "--tp", str(tp),
-                          "--dtype", "bfloat16", "--kv-tokens", "1024", "--max-context", "1024", "--threads", "1",
-                          "--log-format", "console"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ddtree.cli",
+            "verifier",
+            "--model",
+            model,
+            "--tp",
+            str(tp),
+            "--dtype",
+            "bfloat16",
+            "--kv-tokens",
+            "1024",
+            "--max-context",
+            "1024",
+            "--threads",
+            "1",
+            "--log-format",
+            "console",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         while "LISTENING" not in (line := p.stdout.readline()):
             if not line and p.poll() is not None:
                 raise RuntimeError(f"verifier --tp {tp} exited with {p.returncode}")
         time.sleep(1)
-        children = [int(c) for c in subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True,
-                                                   text=True).stdout.split()]
+        children = [
+            int(c) for c in subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
+        ]
         return [_peak_mib(p.pid)] + sorted((_peak_mib(c) for c in children), reverse=True)
     finally:
         p.terminate()
@@ -47,8 +71,10 @@ def main() -> int:
     print(f"checkpoint {sum(f.stat().st_size for f in shards) / 2**20:.0f} MiB bf16 in {len(shards)} shards")
     for tp in (1, 2):
         peaks = serving_peaks(str(ckpt), tp)
-        print(f"TP={tp}: peak RSS rank 0 {peaks[0]:.0f} MiB" + "".join(f", child {p:.0f} MiB" for p in peaks[1:]),
-              flush=True)
+        print(
+            f"TP={tp}: peak RSS rank 0 {peaks[0]:.0f} MiB" + "".join(f", child {p:.0f} MiB" for p in peaks[1:]),
+            flush=True,
+        )
     print(f"runtime alone (demo target, 18 MB): {serving_peaks('checkpoints/demo/target', 1)[0]:.0f} MiB")
     return 0
 

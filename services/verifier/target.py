@@ -1,0 +1,106 @@
+"""The target model as the verifier's step calls it: one interface at TP 1 and at TP N.
+
+`run(inputs, heads)` is one forward over the batch, then, per item, what commit needs from its rows:
+`(logits, argmax)`, either of them None. `heads[i]` says how many rows item i asked for (its tree's
+n + 1 rows, a prompt's last row, or none), whether its accept walk is greedy (then only the rows the
+walk reads matter) and whether it samples (then it needs full logits).
+
+- `LocalTarget` (one device): the forward returns final-normed rows; the LM head then runs only where
+  it is read: along the accept walk for greedy trees (greedy_head.py), over every row for sampled
+  trees and a prompt's last row.
+- `ShardedTarget` (tensor parallel): the LM head is split by vocabulary across ranks, so the forward
+  returns the combined argmax of every requested row, and gathers the full logits only when some row
+  of the batch is sampled.
+
+The server builds the one that fits its model; the scheduler and batch.py never ask which it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import torch
+
+from ddtree.contract.token_tree import TokenTree
+from ddtree.models.attention import AttentionMetadata
+from ddtree.models.deepseek_v3 import DeepseekV3ForCausalLM
+from ddtree.models.parallel.tp_model import TensorParallelModel
+from ddtree.verifier.greedy_head import greedy_walk_choices
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardInputs:
+    input_ids: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [T]
+    meta: AttentionMetadata
+    kv_cache: torch.Tensor  # [num_layers, num_slots, kv_cache_width], written in place
+    logits_rows: torch.Tensor  # int64 [R]: the rows the items ask for, in item order
+    tap_layer_ids: tuple[int, ...]
+
+    def args(self) -> tuple:
+        """The positional and keyword arguments of either model's forward."""
+        return (self.input_ids, self.positions, self.meta, self.kv_cache), {
+            "logits_rows": self.logits_rows,
+            "tap_layer_ids": self.tap_layer_ids,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class ItemHead:
+    rows: int  # how many of logits_rows are this item's (consecutive, in item order)
+    walk: TokenTree | None  # a greedy tree: only the rows its accept walk reads are needed
+    sampled: bool  # the item's sequence samples at temperature > 0
+
+
+ItemRows = tuple[torch.Tensor | None, torch.Tensor | None]  # (fp32 logits [n, V], int64 argmax [n])
+
+
+class Target(Protocol):
+    config: object
+
+    def run(self, inputs: ForwardInputs, heads: list[ItemHead]) -> tuple[torch.Tensor | None, list[ItemRows]]:
+        """(taps [T, F] or None, per item (logits, argmax))."""
+        ...
+
+
+def _blocks(rows: torch.Tensor | None, heads: list[ItemHead]) -> list[torch.Tensor | None]:
+    out, start = [], 0
+    for h in heads:
+        out.append(rows[start : start + h.rows] if h.rows and rows is not None else None)
+        start += h.rows
+    return out
+
+
+class LocalTarget:
+    def __init__(self, model: DeepseekV3ForCausalLM):
+        self.model = model
+        self.config = model.config
+
+    def run(self, inputs: ForwardInputs, heads: list[ItemHead]) -> tuple[torch.Tensor | None, list[ItemRows]]:
+        args, kwargs = inputs.args()
+        out = self.model.forward(*args, **kwargs, hidden_only=True)
+        hidden = _blocks(out.hidden, heads)  # final-normed rows per item
+        results: list[ItemRows] = [
+            (None, None) if h.walk is not None or rows is None else (self.model.compute_logits(rows), None)
+            for h, rows in zip(heads, hidden)
+        ]
+        walking = [i for i, h in enumerate(heads) if h.walk is not None]
+        if walking:  # every greedy tree of the batch together, one LM head matmul per round
+            choices = greedy_walk_choices(
+                [heads[i].walk for i in walking], [hidden[i] for i in walking], self.model.compute_logits
+            )
+            for i, c in zip(walking, choices):
+                results[i] = (None, c)
+        return out.taps, results
+
+
+class ShardedTarget:
+    def __init__(self, model: TensorParallelModel):
+        self.model = model
+        self.config = model.config
+
+    def run(self, inputs: ForwardInputs, heads: list[ItemHead]) -> tuple[torch.Tensor | None, list[ItemRows]]:
+        args, kwargs = inputs.args()
+        out = self.model.forward(*args, **kwargs, gather_logits=any(h.sampled for h in heads))
+        return out.taps, list(zip(_blocks(out.logits, heads), _blocks(out.argmax, heads)))
