@@ -12,21 +12,10 @@ from collections.abc import Callable
 
 import grpc
 
+from ddtree.contract.step_record import STEP_FIELDS
 from ddtree.contract.usage import avg_accept_length
 from ddtree.protocol.ddtree.v1 import gateway_pb2, gateway_pb2_grpc
 from ddtree.protocol.server import GRPC_OPTIONS
-
-STEP_FIELDS = (
-    "step",
-    "context_tokens",
-    "tree_nodes",
-    "accept_length",
-    "draft_ms",
-    "verify_ms",
-    "transport_ms",
-    "total_ms",
-    "feature_bytes",
-)
 
 
 @dataclasses.dataclass

@@ -16,3 +16,7 @@ class StepRecord:
     transport_ms: float
     total_ms: float
     feature_bytes: int
+
+
+# The record's fields in order: also those of the proto StepStats and of a logged `step` event.
+STEP_FIELDS = tuple(f.name for f in dataclasses.fields(StepRecord))

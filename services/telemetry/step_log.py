@@ -21,17 +21,7 @@ from collections.abc import Iterable
 
 import structlog
 
-STEP_FIELDS = (
-    "step",
-    "context_tokens",
-    "tree_nodes",
-    "accept_length",
-    "draft_ms",
-    "verify_ms",
-    "transport_ms",
-    "total_ms",
-    "feature_bytes",
-)
+from ddtree.contract.step_record import STEP_FIELDS
 
 
 def open_step_log(spec: str):

@@ -20,10 +20,10 @@ import uuid
 
 import grpc
 
+from ddtree.contract.step_record import STEP_FIELDS
 from ddtree.protocol.ddtree.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from ddtree.protocol.server import GRPC_OPTIONS
 from ddtree.telemetry.report import StepSummary, summarize
-from ddtree.telemetry.step_log import STEP_FIELDS
 
 
 @dataclasses.dataclass
