@@ -75,6 +75,11 @@ def test_bad_requests_are_rejected_while_others_stream(oracle_stack, default_ckp
                 "request_id is empty",
                 lambda: stub.Abort(verifier_pb2.AbortRequest(), timeout=10),
             )
+            _expect(  # a 20k-character id is refused without being echoed (it once overflowed the metadata)
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "request_id is longer than 256 characters",
+                lambda: stub.Abort(verifier_pb2.AbortRequest(request_id="x" * 20_000), timeout=10),
+            )
         with grpc.insecure_channel(oracle_stack.get("drafter").address) as ch:
             _bad_drafts(drafter_pb2_grpc.DrafterStub(ch))
         assert running.result() == alone

@@ -334,12 +334,34 @@ def test_chat_switches(client, fake, tok):
 
 # -- bad input: clear status and message, nothing reaches the verifier --------------------------------------
 CHAT = "/v1/chat/completions"
+
+
+def _nested(depth: int) -> list:
+    """[[...[]...]]: `depth` lists, one inside the other."""
+    out: list = []
+    for _ in range(depth - 1):
+        out = [out]
+    return out
+
+
 BAD = [
     ("malformed JSON", CHAT, '{"messages": [', None, 400, "request body is not valid JSON"),
     ("body not an object", CHAT, "[1, 2]", None, 400, "request body must be a JSON object, got array"),
     ("not UTF-8", CHAT, b'{"messages": "\xff"}', None, 400, "request body is not UTF-8"),
     ("lone surrogate", CHAT, '{"messages": [{"role": "user", "content": "\\ud800"}]}', None, 400, "surrogate"),
     ("deep nesting", CHAT, "[" * 50_000, None, 400, "nested too deeply"),
+    # Limits that hold before parsing gets expensive: Python's int() refuses over 4300 digits (once a 500),
+    # and JSON-in-string fields recursed without bound.
+    (
+        "huge integer",
+        CHAT,
+        '{"messages": [], "max_tokens": ' + "1" * 5000 + "}",
+        None,
+        400,
+        "a number of 5000 characters",
+    ),
+    ("NaN", CHAT, '{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', None, 400, "NaN is not"),
+    ("nesting past the limit", CHAT, {"messages": _user(), "x": _nested(65)}, None, 400, "(the limit is 64 levels)"),
     ("messages wrong type", CHAT, {"messages": "hi"}, None, 422, "messages: must be array, got string"),
     (
         "temperature wrong type",

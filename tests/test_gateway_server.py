@@ -422,6 +422,12 @@ INVALID = [
         "messages[1].tool_calls[0].function.name: must not be empty",
     ),
     ("chat", dict(messages=USER, tools_json="[{"), "tools_json: not valid JSON"),
+    ("chat", dict(messages=USER, tools_json="[" * 990 + "]" * 990), "tools_json is nested too deeply"),
+    (
+        "chat",
+        dict(messages=USER, chat_template_kwargs_json='{"x": ' + "9" * 5000 + "}"),
+        "chat_template_kwargs_json: a number of 5000 characters",
+    ),
     ("chat", dict(messages=USER, tools_json='{"a": 1}'), "tools: must be a list, got dict"),
     (
         "chat",

@@ -1,6 +1,7 @@
 """KV exhaustion: admission reserves each request's worst case (prompt + max_new_tokens + one tree), so
 requests beyond what the cache holds wait in the queue and then complete with the tokens they get alone;
-beyond the queue they are refused with RESOURCE_EXHAUSTED, as is a request larger than the whole cache,
+beyond the queue they are refused with RESOURCE_EXHAUSTED, a request larger than the whole cache with
+INVALID_ARGUMENT (it can never fit),
 and the scheduler goes on serving."""
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ def test_requests_beyond_the_cache_queue_then_complete_and_a_full_queue_refuses(
     assert full.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue full" in str(full.value)
     with pytest.raises(AdmissionError) as huge:
         sched.submit(_seq(4, prompt_len=250, new=60))  # 311 slots: more than the whole cache
-    assert huge.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "the cache holds 300" in str(huge.value)
+    # It can never fit: a client error (400 through the gateway), not "retry later" (429).
+    assert huge.value.code == grpc.StatusCode.INVALID_ARGUMENT and "the cache holds 300" in str(huge.value)
     sched.start()
     try:
         _drain(seqs)

@@ -43,6 +43,7 @@ from ddtree.gateway import openai_protocol as oai
 from ddtree.gateway.auth import check_authorization
 from ddtree.gateway.generation import Generation, RequestError
 from ddtree.gateway.pipeline import Pipeline
+from ddtree.protocol.json_limits import JsonInputError, check_depth, parse_hooks
 from ddtree.telemetry.logging import get_logger
 
 _STATUS = {
@@ -211,7 +212,9 @@ class _Api:
                 413, f"request body of {declared or 'more than ' + str(limit)} bytes is over the limit of {limit} bytes"
             )
         try:
-            data = json.loads(body)
+            data = json.loads(body, **parse_hooks())
+        except JsonInputError as e:  # a number over the limit, or NaN / Infinity
+            raise ApiError(400, f"request body: {e}") from None
         except UnicodeDecodeError:
             raise ApiError(400, "request body is not UTF-8 text") from None
         except json.JSONDecodeError as e:
@@ -220,6 +223,10 @@ class _Api:
             ) from None
         except RecursionError:
             raise ApiError(400, "request body is nested too deeply") from None
+        try:
+            check_depth(data, "request body")
+        except JsonInputError as e:
+            raise ApiError(400, str(e)) from None
         if not isinstance(data, dict):
             raise ApiError(400, f"request body must be a JSON object, got {oai.json_type(data)}")
         if b"\\ud" in body.lower():  # an escaped surrogate: fine in pairs, invalid alone
@@ -326,8 +333,9 @@ async def _http_error(request: Request, e: HTTPException) -> Response:
 
 
 async def _server_error(request: Request, e: Exception) -> Response:
+    # The details go to the log only: a client never sees exception text.
     _log.error("http_unhandled", path=request.url.path, error=f"{type(e).__name__}: {e}")
-    return error_response(500, f"gateway: {type(e).__name__}: {e}")
+    return error_response(500, "gateway: internal error (logged)")
 
 
 def create_app(pipeline: Pipeline, config: GatewayConfig) -> Starlette:

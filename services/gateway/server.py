@@ -11,7 +11,6 @@ reflection stay open.
 
 from __future__ import annotations
 
-import json
 import pathlib
 import threading
 from collections.abc import Iterator
@@ -24,6 +23,7 @@ from ddtree.gateway.generation import RequestError, StopMatcher
 from ddtree.gateway.pipeline import Invalid, Job, Pipeline, validate_options
 from ddtree.gateway.routing import Router
 from ddtree.protocol.ddtree.v1 import gateway_pb2, gateway_pb2_grpc
+from ddtree.protocol.json_limits import JsonInputError, load_json
 from ddtree.protocol.server import RunningServer, start_server
 from ddtree.telemetry.logging import get_logger
 from ddtree.tokenization.tokenizer import Tokenizer
@@ -55,9 +55,9 @@ def _json_field(text: str, field: str):
     if not text.strip():
         return None
     try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise Invalid(f"{field}: not valid JSON ({e.msg} at char {e.pos})") from None
+        return load_json(text, field)
+    except JsonInputError as e:
+        raise Invalid(str(e)) from None
 
 
 def _client_timeout(context: grpc.ServicerContext) -> float | None:

@@ -21,6 +21,8 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from ddtree.protocol.json_limits import load_json
+
 ROLES = ("system", "user", "assistant", "tool")
 RESERVED_KWARGS = ("messages", "tools", "add_generation_prompt")
 KIMI_TOOL_CALL_ID = re.compile(r"^functions\.[\w.\-]+:\d+$")
@@ -151,10 +153,7 @@ def _validate_tool_calls(calls: Any, where: str) -> None:
             raise ValueError(f"{at}.function.name: must not be empty")
         args = fn.get("arguments")
         if isinstance(args, str):
-            try:
-                json.loads(args)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{at}.function.arguments: not valid JSON ({e.msg} at char {e.pos})") from None
+            load_json(args, f"{at}.function.arguments")  # raises JsonInputError (a ValueError) naming the field
         elif not isinstance(args, dict):
             raise ValueError(f"{at}.function.arguments: must be a JSON string or an object, got {_type_name(args)}")
 

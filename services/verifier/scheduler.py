@@ -80,9 +80,9 @@ class Scheduler:
                 raise AdmissionError(
                     grpc.StatusCode.ALREADY_EXISTS, f"request_id {seq.request_id!r} is already running"
                 )
-            if need > self.pool.num_slots:
+            if need > self.pool.num_slots:  # it never fits: not a reason to retry later (429)
                 raise AdmissionError(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    grpc.StatusCode.INVALID_ARGUMENT,
                     f"request needs {need} KV tokens (prompt + max_new_tokens + tree), "
                     f"the cache holds {self.pool.num_slots}",
                 )

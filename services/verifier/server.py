@@ -138,6 +138,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def Abort(self, request, context):
         if not request.request_id:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
+        if len(request.request_id) > MAX_REQUEST_ID_CHARS:  # never echoed: it could exceed the metadata limit
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters"
+            )
         if not self.scheduler.abort(request.request_id):
             context.abort(
                 grpc.StatusCode.NOT_FOUND,
