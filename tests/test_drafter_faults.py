@@ -3,6 +3,9 @@ that disappears mid-stream leaves its sequences to finish with AR decoding."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import grpc
 import pytest
 
@@ -232,3 +235,62 @@ def test_a_drafter_at_max_sequences_leaves_new_sequences_to_ar(default_ckpt, tmp
             verifier.stop()
     finally:
         drafter.stop()
+
+
+class HangingEngine(HostileEngine):
+    """Valid one-node trees; while `hang` is set, a Draft call waits (a stopped or overloaded drafter)."""
+
+    def __init__(self, hidden: int):
+        super().__init__(hidden)
+        self.hang = threading.Event()
+
+    def draft(self, seqs):
+        self.calls += 1
+        while self.hang.is_set():
+            time.sleep(0.01)
+        return [TokenTree((5,), (0,), (1,)) for _ in seqs]
+
+
+def _new_sequence(i: int):
+    import torch
+
+    from ddtree.contract.sampling_params import SamplingConfig
+    from ddtree.verifier.sequence import GenerateParams, PendingCommit, Sequence
+
+    seq = Sequence(GenerateParams(f"r{i}", (1, 2, 3), SamplingConfig(), 8, frozenset(), True, 4))
+    seq.root = 7
+    seq.pending_commit = PendingCommit([1, 2, 3], 0, torch.zeros(3, 256))
+    return seq
+
+
+def test_a_hung_drafter_is_set_aside_after_one_timeout_and_taken_back(tmp_path):
+    """The circuit breaker: the first Draft that times out sets the replica aside; while it hangs no
+    sequence, old or new, waits for it again (they decode with AR); once it answers a probe it is back."""
+    from ddtree.verifier.drafter_pool import DrafterPool
+
+    engine = HangingEngine(hidden=256)
+    drafter = serve_engine(engine, DrafterConfig(port=0, grace_s=0.0))
+    address = f"127.0.0.1:{drafter.port}"
+    pool = DrafterPool(address, timeout_s=0.5, resolve_interval_s=0.2)
+    try:
+        engine.hang.set()
+        first = _new_sequence(0)
+        result = pool.draft([(first, 4)], vocab_size=4096)
+        assert first.draft_id in result.failed and not result.trees
+        assert pool.replicas == [], "the hung replica is still in the pool"
+        calls = engine.calls
+        for i in range(1, 4):  # new sequences while it hangs: no Draft reaches it, none waits
+            seq = _new_sequence(i)
+            assert seq.draft_id in pool.draft([(seq, 4)], vocab_size=4096).failed
+        assert engine.calls == calls, "a Draft call went to the set-aside replica"
+        engine.hang.clear()
+        deadline = time.monotonic() + 60
+        while pool.replicas != [address] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pool.replicas == [address], "the replica was not taken back after it answered again"
+        back = _new_sequence(9)
+        assert pool.draft([(back, 4)], vocab_size=4096).trees[back.draft_id].token_ids == (5,)
+    finally:
+        engine.hang.clear()
+        pool.close()
+        drafter.stop(0)

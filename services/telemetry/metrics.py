@@ -34,6 +34,9 @@ KV_USED = Gauge("ddtree_kv_slots_used", "Latent KV slots held by requests")
 KV_CACHED = Gauge("ddtree_kv_slots_cached", "Latent KV slots held by the prefix cache")
 KV_TOTAL = Gauge("ddtree_kv_slots_total", "Latent KV slots in the pool")
 REQUESTS = Counter("ddtree_requests", "Finished requests by finish reason", ["finish_reason"])
+DRAFTER_SET_ASIDE = Counter(
+    "ddtree_drafter_replicas_set_aside", "Drafter replicas taken out of the pool (lost, or timed out)", ["reason"]
+)
 TTFT = Histogram("ddtree_time_to_first_token_seconds", "Arrival to first token", buckets=LATENCY_BUCKETS)
 ITL = Histogram("ddtree_inter_token_seconds", "Time between streamed token batches, per token", buckets=STEP_BUCKETS)
 E2E = Histogram("ddtree_request_seconds", "Arrival to finish", buckets=LATENCY_BUCKETS)

@@ -7,7 +7,11 @@ replicas join once they answer GetInfo. A sequence's draft context lives on one 
 assigned at its first Draft (the live replica with the fewest sequences) and stays there. One step
 sends one Draft RPC per replica, in parallel. When a replica fails, it leaves the pool and its
 sequences continue with AR decoding, which yields exactly the same tokens; later sequences go to the
-replicas that remain.
+replicas that remain. A replica whose Draft call times out is set aside the same way (a circuit
+breaker: `drafter_replica_set_aside` in the log, `ddtree_drafter_replicas_set_aside{reason}` in the
+metrics), so a hung drafter costs one draft timeout, not one per step or per new sequence; the
+background resolver probes it (GetInfo) and takes it back when it answers. Release calls never run on
+the scheduler's thread.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import time
 import grpc
 
 from ddtree.protocol.discovery import resolve
+from ddtree.telemetry import metrics
 from ddtree.telemetry.logging import get_logger
 from ddtree.verifier.drafter_client import DrafterClient, DraftResult
 from ddtree.verifier.sequence import Sequence
@@ -35,6 +40,8 @@ class DrafterPool:
         self._clients: dict[str, DrafterClient] = {}
         self._assigned: dict[str, str] = {}  # request id -> replica address
         self._executor = cf.ThreadPoolExecutor(max_workers=8, thread_name_prefix="draft-rpc")
+        # Releases wait on their own threads: a hung replica must not hold up Draft calls to the others.
+        self._releases = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="draft-release")
         deadline = time.monotonic() + connect_timeout_s
         while not self._clients:
             self._discover(connect_timeout_s=max(1.0, deadline - time.monotonic()))
@@ -103,13 +110,15 @@ class DrafterPool:
             except Exception as err:  # discovery must never take the verifier down
                 log.warning("drafter_discovery_error", error=str(err))
 
-    def _drop(self, addr: str, reason: str) -> None:
+    def _drop(self, addr: str, reason: str, event: str = "drafter_replica_lost") -> None:
+        """Take a replica out of the pool; its sequences continue with AR, the resolver may bring it back."""
         with self._lock:
             client = self._clients.pop(addr, None)
             self._assigned = {rid: a for rid, a in self._assigned.items() if a != addr}
         if client is not None:
             client.close()
-            log.error("drafter_replica_lost", address=addr, reason=reason)
+            metrics.DRAFTER_SET_ASIDE.labels(reason="timeout" if event != "drafter_replica_lost" else "lost").inc()
+            log.error(event, address=addr, reason=reason)
 
     # ---- per step ----
     def _replica_for(self, seq: Sequence) -> str | None:
@@ -164,11 +173,15 @@ class DrafterPool:
                 failed.update(ids)
                 if err.code() == grpc.StatusCode.UNAVAILABLE:
                     self._drop(addr, f"{err.code()}: {err.details()}")
+                elif err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    # Hung (stopped, overloaded): set aside until a probe answers, so neither the next
+                    # step nor a new sequence waits for it again.
+                    self._drop(addr, f"Draft took over {self.timeout_s} s", event="drafter_replica_set_aside")
                 else:
-                    # The replica answers but this call failed (deadline, internal error): these
-                    # sequences continue with AR and their contexts there are released.
+                    # The replica answers but this call failed (internal error, over its capacity): these
+                    # sequences continue with AR and their contexts there are released, off this thread.
                     log.error("draft_call_failed", address=addr, code=str(err.code()), details=err.details())
-                    self.release(ids)
+                    self._releases.submit(self.release, ids)
                 continue
             trees.update(res.trees)
             fbytes.update(res.feature_bytes)
@@ -189,6 +202,7 @@ class DrafterPool:
     def close(self) -> None:
         self._stop.set()
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._releases.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             for client in self._clients.values():
                 client.close()
