@@ -25,6 +25,7 @@ import re
 import sysconfig
 import time
 
+from ddtree.tokenization.default_tokenizer import help_topic_texts
 from ddtree.training.corpus import EOS, KINDS
 from scripts import synthetic_chats
 
@@ -92,18 +93,7 @@ def code_docs(budget: int) -> list[str]:
 # ---- prose --------------------------------------------------------------------------------------------
 def help_topics() -> list[str]:
     """The values of `topics = {...}` in pydoc_data/topics.py, in key order, without importing it."""
-    path = stdlib_dir() / "pydoc_data" / "topics.py"
-    if not path.is_file():
-        return []
-    for node in ast.parse(path.read_text(encoding="utf-8")).body:
-        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict):
-            items = [
-                (k.value, v.value)
-                for k, v in zip(node.value.keys, node.value.values)
-                if isinstance(k, ast.Constant) and isinstance(v, ast.Constant) and isinstance(v.value, str)
-            ]
-            return [text for _, text in sorted(items)]
-    return []
+    return help_topic_texts(stdlib_dir() / "pydoc_data" / "topics.py")
 
 
 def docstrings(source: str, min_chars: int = 120) -> list[str]:

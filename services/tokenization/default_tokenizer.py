@@ -208,7 +208,7 @@ def _docstrings(source: str) -> list[str]:
     return docs
 
 
-def _prose(path: pathlib.Path) -> list[str]:
+def help_topic_texts(path: pathlib.Path) -> list[str]:
     """The values of `topics = {...}` in pydoc_data/topics.py, in key order, without importing it."""
     if not path.is_file():
         return []
@@ -235,7 +235,7 @@ def corpus(root: pathlib.Path | None = None) -> list[str]:
         source = path.read_text(encoding="utf-8")
         texts.append(source)
         texts.extend(_docstrings(source))
-    texts.extend(_prose(root / PROSE_FILE))
+    texts.extend(help_topic_texts(root / PROSE_FILE))
     return texts
 
 
