@@ -235,6 +235,13 @@ class GatewayConfig(ServiceConfig):
     health_interval_s: float = dataclasses.field(
         default=2.0, metadata={"help": "seconds between health checks of each verifier"}
     )
+    allow_special_tokens_in_content: bool = dataclasses.field(
+        default=False,
+        metadata={
+            "help": "encode special-token strings in chat messages, names, tool ids and tool declarations as "
+            "special tokens (off: as plain text, so a user cannot forge turns or tool calls)"
+        },
+    )
 
     @property
     def verifiers(self) -> tuple[str, ...]:

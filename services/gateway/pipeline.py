@@ -159,14 +159,14 @@ class Pipeline:
             ),
             "messages",
         )
-        prompt = self.render(messages, tools, True, kwargs)
+        prompt, input_ids = self.render(messages, tools, True, kwargs)
         history_calls = sum(len(m.get("tool_calls") or ()) for m in messages)
         reasoning = self.config.reasoning_parser if separate_reasoning else "none"
         tool_parser = self.config.tool_call_parser if tools else "none"
         return self._job(
             options,
             request_id,
-            self.tokenizer.encode(prompt),
+            input_ids,
             options_prefix,
             api="chat",
             reasoning_parser=None if reasoning == "none" else reasoning,
@@ -196,12 +196,19 @@ class Pipeline:
                 raise Invalid(f"prompt: {e}") from None
         return self._job(options, request_id, ids, options_prefix)
 
-    def render(self, messages: list[dict], tools, add_generation_prompt: bool, kwargs: dict) -> str:
-        prompt = self.tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=add_generation_prompt, chat_template_kwargs=kwargs
+    def render(self, messages: list[dict], tools, add_generation_prompt: bool, kwargs: dict) -> tuple[str, list[int]]:
+        """The rendered chat prompt and its ids: request text encoded as plain text, the template's
+        structure tokens special (`Tokenizer.encode_chat`), unless the deployment set
+        --allow-special-tokens-in-content."""
+        prompt, ids = self.tokenizer.encode_chat(
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            chat_template_kwargs=kwargs,
+            allow_special_in_content=self.config.allow_special_tokens_in_content,
         )
         self.check_prompt_chars(len(prompt), "rendered chat prompt")
-        return prompt
+        return prompt, ids
 
     def check_prompt_chars(self, n: int, what: str) -> None:
         if n > self.config.max_prompt_chars:

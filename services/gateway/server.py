@@ -108,14 +108,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         tok = self._p.tokenizer
         try:
             if request.messages:
-                rendered = self._p.render(
+                rendered, ids = self._p.render(
                     [_message_dict(m) for m in request.messages], None, request.add_generation_prompt, {}
                 )
-                text = rendered
             else:
-                rendered, text = "", request.text
-                self._p.check_prompt_chars(len(text), "text")
-            ids = tok.encode(text)
+                rendered = ""
+                self._p.check_prompt_chars(len(request.text), "text")
+                ids = tok.encode(request.text)
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return gateway_pb2.TokenizeResponse(token_ids=ids, tokens=[tok.id_to_token(i) for i in ids], rendered=rendered)

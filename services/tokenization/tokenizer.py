@@ -22,7 +22,8 @@ import re
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
-from ddtree.tokenization.chat_template import ChatTemplate
+from ddtree.tokenization.chat_template import ChatTemplate, validate_messages, validate_tools
+from ddtree.tokenization.literal_content import LiteralContent
 
 
 class _Backend(Protocol):
@@ -295,6 +296,9 @@ class Tokenizer:
         self.pad_id = resolve("pad_token")
         template = _load_chat_template(directory, config)
         self.chat_template: ChatTemplate | None = ChatTemplate(template) if template else None
+        self._literal = LiteralContent(specials) if specials else None
+        if self._literal is not None and template:
+            self._literal.check_template(template)
 
     # -- ids ---------------------------------------------------------------------------------------
     def encode(self, text: str, allow_special: bool = True) -> list[int]:
@@ -352,3 +356,38 @@ class Tokenizer:
             chat_template_kwargs=chat_template_kwargs,
             **kwargs,
         )
+
+    def encode_chat(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        allow_special_in_content: bool = False,
+        **kwargs: Any,
+    ) -> tuple[str, list[int]]:
+        """The rendered prompt and its ids. Text from the request (every string of `messages`, `tools`
+        and the template variables) is encoded as plain text: a special-token string typed by a user
+        becomes ordinary pieces, and only the template's own structure tokens are special ids
+        (literal_content.py). `allow_special_in_content` restores the old behaviour: the rendered
+        string encoded with every special-token string as its special id."""
+        if allow_special_in_content or self._literal is None:
+            text = self.apply_chat_template(messages, tools, add_generation_prompt, chat_template_kwargs, **kwargs)
+            return text, self.encode(text, allow_special=True)
+        validate_messages(messages)  # errors quote the request as given, not masked
+        validate_tools(tools)
+        literals: list[str] = []
+        mask = self._literal.mask
+        rendered = self.apply_chat_template(
+            mask(messages, literals),
+            mask(tools, literals),
+            add_generation_prompt,
+            mask(chat_template_kwargs, literals),
+            **mask(kwargs, literals),
+        )
+        text_parts: list[str] = []
+        ids: list[int] = []
+        for segment, special in self._literal.split_rendered(rendered, literals):
+            text_parts.append(segment)
+            ids += [self.special_tokens[segment]] if special else self.encode(segment, allow_special=False)
+        return "".join(text_parts), ids
