@@ -47,8 +47,32 @@ class ServiceConfig:
     log_level: str = dataclasses.field(default="info", metadata={"help": "debug | info | warning | error"})
     log_format: str = dataclasses.field(default="json", metadata={"help": "json | console"})
     grace_s: float = dataclasses.field(default=5.0, metadata={"help": "seconds in-flight RPCs get on shutdown"})
-    max_workers: int = dataclasses.field(default=32, metadata={"help": "gRPC handler threads"})
+    max_workers: int = dataclasses.field(
+        default=32,
+        metadata={
+            "help": "gRPC handler threads for unary calls and health (streams get their own: the verifier's "
+            "max_batch + max_queue, the gateway's max_streams); calls beyond them get RESOURCE_EXHAUSTED"
+        },
+    )
     metrics_port: int = dataclasses.field(default=-1, metadata={"help": "Prometheus port (-1 = off, 0 = any)"})
+    service_token: str = dataclasses.field(
+        default="",
+        metadata={
+            "help": "shared secret between gateway, verifier and drafter: required on calls into verifier and "
+            "drafter, sent on calls out ('' = none; prefer the env var or service_token_file)"
+        },
+    )
+    service_token_file: str = dataclasses.field(
+        default="", metadata={"help": "file holding the service token (instead of service_token)"}
+    )
+    tls_ca: str = dataclasses.field(
+        default="", metadata={"help": "PEM CA for mutual TLS between the services ('' = plaintext)"}
+    )
+    tls_cert: str = dataclasses.field(default="", metadata={"help": "PEM certificate of this service (mutual TLS)"})
+    tls_key: str = dataclasses.field(default="", metadata={"help": "PEM private key of this service (mutual TLS)"})
+    tls_server_name: str = dataclasses.field(
+        default="", metadata={"help": "name checked in the certificates of services we call ('' = the host dialled)"}
+    )
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -61,6 +85,12 @@ class ServiceConfig:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
         if self.max_workers < 1:
             raise ValueError(f"max_workers must be >= 1, got {self.max_workers}")
+        if self.service_token and self.service_token_file:
+            raise ValueError("set service_token or service_token_file, not both")
+        tls = {"tls_ca": self.tls_ca, "tls_cert": self.tls_cert, "tls_key": self.tls_key}
+        if any(tls.values()) and not all(tls.values()):
+            missing = ", ".join(name for name, path in tls.items() if not path)
+            raise ValueError(f"mutual TLS needs tls_ca, tls_cert and tls_key; missing {missing}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,6 +262,25 @@ class GatewayConfig(ServiceConfig):
             "help": "required as 'Authorization: Bearer KEY' (HTTP) or gRPC metadata ('' = open); prefer the env var"
         },
     )
+    api_key_file: str = dataclasses.field(
+        default="",
+        metadata={
+            "help": "file of API keys, one per line: KEY, or KEY max_budget=N for a per-key tree budget cap "
+            "('#' starts a comment); combined with api_key"
+        },
+    )
+    max_budget: int = dataclasses.field(
+        default=64,
+        metadata={"help": "largest tree budget a request may ask for (a key's max_budget in api_key_file overrides)"},
+    )
+    max_streams: int = dataclasses.field(
+        default=256,
+        metadata={"help": "concurrent gRPC Chat / Complete streams (more: RESOURCE_EXHAUSTED at once)"},
+    )
+    http_metrics: str = dataclasses.field(
+        default="auto",
+        metadata={"help": "GET /metrics: auto (open, or behind the API key when keys are set) | open | key | off"},
+    )
     health_interval_s: float = dataclasses.field(
         default=2.0, metadata={"help": "seconds between health checks of each verifier"}
     )
@@ -257,6 +306,12 @@ class GatewayConfig(ServiceConfig):
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if self.max_prompt_tokens < 0:
             raise ValueError(f"max_prompt_tokens must be >= 0 (0 = no gateway limit), got {self.max_prompt_tokens}")
+        if self.max_budget < 1:
+            raise ValueError(f"max_budget must be >= 1, got {self.max_budget}")
+        if self.max_streams < 1:
+            raise ValueError(f"max_streams must be >= 1, got {self.max_streams}")
+        if self.http_metrics not in ("auto", "open", "key", "off"):
+            raise ValueError(f"http_metrics must be auto | open | key | off, got {self.http_metrics!r}")
         if not self.health_interval_s > 0:
             raise ValueError(f"health_interval_s must be > 0, got {self.health_interval_s}")
         if self.default_max_tokens < 1:

@@ -618,7 +618,10 @@ def test_models_health_metrics(gw, client, fake, tok):
     }
     fake.reset(script_for(tok.encode("ok"), finish="length"))
     client.completions.create(model=MODEL, prompt="a")
-    status, ctype, data = _http(gw.http_address, "GET", "/metrics", headers={"Authorization": None})
+    # /metrics names the verifiers: with keys set it needs one too (--http-metrics auto); /health does not.
+    status, _, data = _http(gw.http_address, "GET", "/metrics", headers={"Authorization": None})
+    assert status == 401 and "missing API key" in json.loads(data)["error"]["message"]
+    status, ctype, data = _http(gw.http_address, "GET", "/metrics")
     text = data.decode()
     assert status == 200 and ctype.startswith("text/plain")
     assert 'ddtree_gateway_requests_total{api="complete",outcome="length",protocol="http"}' in text

@@ -16,6 +16,7 @@ import grpc
 from ddtree.config import DrafterConfig
 from ddtree.drafter.engine import SeqDraftInput
 from ddtree.protocol.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
+from ddtree.protocol.security import ServiceSecurity
 from ddtree.protocol.server import RunningServer, start_server
 from ddtree.protocol.tensors import tensor_from_proto
 from ddtree.telemetry import metrics
@@ -106,6 +107,14 @@ def serve_engine(engine, config: DrafterConfig) -> RunningServer:
         drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
         return [drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name]
 
-    running = start_server("drafter", register, config.host, config.port, config.max_workers, config.grace_s)
+    running = start_server(
+        "drafter",
+        register,
+        config.host,
+        config.port,
+        config.max_workers,
+        config.grace_s,
+        security=ServiceSecurity.from_config(config),
+    )
     metrics.serve_metrics(config.metrics_port, config.host)
     return running

@@ -4,9 +4,9 @@ Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{id}], 
 verifier is healthy, else 503), GET /metrics (Prometheus text).
 
 - Errors are OpenAI error JSON `{"error": {"message", "type", "param", "code"}}`: 400 malformed JSON
-  or a bad value, 422 a field of the wrong type, 401 a missing or wrong API key (when one is set; /health
-  and /metrics stay open), 404 an unknown model or route, 413 a body over max_body_bytes; verifier
-  failures keep their meaning (429 queue full, 503 unavailable, 504 deadline).
+  or a bad value, 422 a field of the wrong type, 401 a missing or wrong API key (when keys are set;
+  /health stays open, /metrics follows --http-metrics: behind the key by default), 404 an unknown
+  model or route, 413 a body over max_body_bytes; verifier failures keep their meaning (429 queue full, 503 unavailable, 504 deadline).
 - Streams (`"stream": true`) are server-sent events `data: {chunk}` ending with `data: [DONE]`; the
   response starts when the first tokens arrive, so a request that fails before that gets a plain error
   status; a failure mid-stream is sent as a `data: {"error": ...}` event before [DONE].
@@ -14,7 +14,7 @@ verifier is healthy, else 503), GET /metrics (Prometheus text).
   request and frees its KV at once.
 
 The pipeline is synchronous (gRPC); each request's blocking calls run in worker threads, at most
-max_workers at a time.
+max_workers + max_streams at a time.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from starlette.routing import Route
 from ddtree.config import GatewayConfig
 from ddtree.gateway import metrics
 from ddtree.gateway import openai_protocol as oai
-from ddtree.gateway.auth import check_authorization
+from ddtree.gateway.auth import KeyPolicy, Unauthorized
 from ddtree.gateway.generation import Generation, RequestError
 from ddtree.gateway.pipeline import Pipeline
 from ddtree.protocol.json_limits import JsonInputError, check_depth, parse_hooks
@@ -182,14 +182,16 @@ class _Api:
     @property
     def limiter(self) -> anyio.CapacityLimiter:
         if self._limiter is None:  # created inside the event loop
-            self._limiter = anyio.CapacityLimiter(self.config.max_workers)
+            # A thread per stream waiting for its next chunk, plus the unary calls' share.
+            self._limiter = anyio.CapacityLimiter(self.config.max_workers + self.config.max_streams)
         return self._limiter
 
     # -- request checks ------------------------------------------------------------------------------
-    def _authorize(self, request: Request) -> None:
-        refused = check_authorization(request.headers.get("authorization"), self.config.api_key)
-        if refused:
-            raise ApiError(401, refused)
+    def _authorize(self, request: Request) -> KeyPolicy:
+        try:
+            return self.p.keys.authorize(request.headers.get("authorization"))
+        except Unauthorized as e:
+            raise ApiError(401, str(e)) from None
 
     async def _body(self, request: Request) -> dict:
         """The JSON object of the body. An oversize body is read and dropped (up to DRAIN_BYTES) before
@@ -254,7 +256,7 @@ class _Api:
 
     # -- routes ----------------------------------------------------------------------------------------
     async def chat(self, request: Request) -> Response:
-        self._authorize(request)
+        policy = self._authorize(request)
         body = await self._body(request)
         params = await self._prepare(lambda: oai.parse_chat(body, self.config))
         model = self._model(params.model)
@@ -267,6 +269,7 @@ class _Api:
                 tool_choice=params.tool_choice,
                 separate_reasoning=params.separate_reasoning,
                 options_prefix="",
+                max_budget=policy.max_budget,
             )
         )
         gen = self.p.generate(job, protocol="http")
@@ -278,11 +281,13 @@ class _Api:
         return _GenerationResponse(gen, self.limiter, False, build=lambda r: oai.chat_response(rid, model, created, r))
 
     async def completions(self, request: Request) -> Response:
-        self._authorize(request)
+        policy = self._authorize(request)
         body = await self._body(request)
         params = await self._prepare(lambda: oai.parse_completion(body, self.config))
         model = self._model(params.model)
-        job = await self._prepare(lambda: self.p.complete_job(params.prompt, params.options, options_prefix=""))
+        job = await self._prepare(
+            lambda: self.p.complete_job(params.prompt, params.options, options_prefix="", max_budget=policy.max_budget)
+        )
         gen = self.p.generate(job, protocol="http")
         rid, created = f"cmpl-{job.request.request_id}", int(time.time())
         if params.stream:
@@ -320,6 +325,11 @@ class _Api:
         )
 
     async def metrics(self, request: Request) -> Response:
+        mode = self.config.http_metrics
+        if mode == "off":
+            raise ApiError(404, "no route /metrics (this gateway serves no metrics over HTTP: --http-metrics off)")
+        if mode == "key" or (mode == "auto" and self.p.keys.required):
+            self._authorize(request)
         return Response(prometheus_client.generate_latest(), media_type=prometheus_client.CONTENT_TYPE_LATEST)
 
 

@@ -21,6 +21,7 @@ import uuid
 import grpc
 
 from ddtree.config import GatewayConfig
+from ddtree.gateway.auth import ApiKeys
 from ddtree.gateway.generation import Generation, RequestError, Result, StopMatcher
 from ddtree.gateway.parsers.kimi_k2_reasoning import starts_in_reasoning
 from ddtree.gateway.parsers.registry import check_names
@@ -68,9 +69,15 @@ class Job:
 
 
 def validate_options(
-    o: gateway_pb2.GenerationOptions, *, vocab_size: int, max_tokens_limit: int, prefix: str = "options."
+    o: gateway_pb2.GenerationOptions,
+    *,
+    vocab_size: int,
+    max_tokens_limit: int,
+    prefix: str = "options.",
+    max_budget: int | None = None,
 ) -> None:
-    """Raise Invalid (a ValueError) naming the first bad field of GenerationOptions."""
+    """Raise Invalid (a ValueError) naming the first bad field of GenerationOptions. `max_budget`: the
+    caller's cap on the tree budget (the server's, or its API key's)."""
     if o.max_tokens < 0:
         raise Invalid(f"{prefix}max_tokens: must be >= 0 (0 = server default), got {o.max_tokens}")
     if o.max_tokens > max_tokens_limit:
@@ -83,6 +90,8 @@ def validate_options(
         raise Invalid(f"{prefix}top_k: must be >= 0 (0 = disabled), got {o.top_k}")
     if o.budget < 0:
         raise Invalid(f"{prefix}budget: must be >= 0 (0 = server default), got {o.budget}")
+    if max_budget is not None and o.budget > max_budget:
+        raise Invalid(f"{prefix}budget: must be <= {max_budget} (this server's or this API key's cap), got {o.budget}")
     if len(o.stop) > MAX_STOP_STRINGS:
         raise Invalid(f"{prefix}stop: at most {MAX_STOP_STRINGS} stop strings, got {len(o.stop)}")
     for i, s in enumerate(o.stop):
@@ -111,8 +120,9 @@ def validate_template_kwargs(kwargs) -> dict:
 class Pipeline:
     """Everything between a parsed public request and the verifier: thread-safe, one per gateway."""
 
-    def __init__(self, tokenizer: Tokenizer, router: Router, config: GatewayConfig):
+    def __init__(self, tokenizer: Tokenizer, router: Router, config: GatewayConfig, keys: ApiKeys | None = None):
         check_names(config.reasoning_parser, config.tool_call_parser)
+        self.keys = keys or ApiKeys.from_config(config)  # who may call, and each key's budget cap
         self.tokenizer = tokenizer
         self.router = router
         self.config = config
@@ -139,6 +149,7 @@ class Pipeline:
         tool_choice: str = "auto",
         separate_reasoning: bool = True,
         options_prefix: str = "options.",
+        max_budget: int | None = None,
     ) -> Job:
         """A chat request as a Job. `messages` are OpenAI-style dicts (chat_template.py)."""
         if not messages:
@@ -173,6 +184,7 @@ class Pipeline:
             tool_parser=None if tool_parser == "none" else tool_parser,
             in_reasoning=starts_in_reasoning(prompt),
             tool_index_offset=history_calls,
+            max_budget=max_budget,
         )
 
     def complete_job(
@@ -181,8 +193,10 @@ class Pipeline:
         options: gateway_pb2.GenerationOptions,
         request_id: str = "",
         options_prefix: str = "options.",
+        max_budget: int | None = None,
     ) -> Job:
-        """A completion of `prompt` (text, or token ids)."""
+        """A completion of `prompt` (text, or token ids; special-token strings in the text are special
+        ids: a completion's prompt is the client's whole input, with no structure to forge)."""
         if not prompt:
             raise Invalid("prompt: must not be empty")
         if isinstance(prompt, str):
@@ -194,7 +208,7 @@ class Pipeline:
                 self.tokenizer.check_ids(ids)
             except ValueError as e:
                 raise Invalid(f"prompt: {e}") from None
-        return self._job(options, request_id, ids, options_prefix)
+        return self._job(options, request_id, ids, options_prefix, max_budget=max_budget)
 
     def render(self, messages: list[dict], tools, add_generation_prompt: bool, kwargs: dict) -> tuple[str, list[int]]:
         """The rendered chat prompt and its ids: request text encoded as plain text, the template's
@@ -215,10 +229,20 @@ class Pipeline:
             raise Invalid(f"{what}: {n} characters, over the limit of {self.config.max_prompt_chars}")
 
     def _job(
-        self, o: gateway_pb2.GenerationOptions, request_id: str, input_ids: list[int], prefix: str, **kwargs
+        self,
+        o: gateway_pb2.GenerationOptions,
+        request_id: str,
+        input_ids: list[int],
+        prefix: str,
+        max_budget: int | None = None,
+        **kwargs,
     ) -> Job:
         validate_options(
-            o, vocab_size=self.tokenizer.vocab_size, max_tokens_limit=self.config.max_tokens_limit, prefix=prefix
+            o,
+            vocab_size=self.tokenizer.vocab_size,
+            max_tokens_limit=self.config.max_tokens_limit,
+            prefix=prefix,
+            max_budget=self.config.max_budget if max_budget is None else max_budget,
         )
         if not input_ids:
             raise Invalid("prompt: encodes to no tokens")

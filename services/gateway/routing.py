@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ddtree.gateway import metrics
 from ddtree.protocol.ddtree.v1 import verifier_pb2_grpc
 from ddtree.protocol.discovery import resolve
+from ddtree.protocol.security import ServiceSecurity
 from ddtree.protocol.server import GRPC_OPTIONS
 from ddtree.telemetry.logging import get_logger
 
@@ -28,9 +29,9 @@ from ddtree.telemetry.logging import get_logger
 class Endpoint:
     """One verifier: its channel, stubs and the router's view of it (guarded by the router's lock)."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, security: ServiceSecurity):
         self.address = address
-        self.channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self.channel = security.channel(address, GRPC_OPTIONS)
         self.stub = verifier_pb2_grpc.VerifierStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.outstanding = 0
@@ -39,10 +40,13 @@ class Endpoint:
 
 
 class Router:
-    def __init__(self, addresses: Iterable[str], health_interval_s: float = 2.0):
+    def __init__(
+        self, addresses: Iterable[str], health_interval_s: float = 2.0, security: ServiceSecurity | None = None
+    ):
         self._spec = list(dict.fromkeys(addresses))
+        self._security = security or ServiceSecurity()
         # A name that does not resolve yet is kept as given: gRPC resolves it when it can.
-        self.endpoints = [Endpoint(a) for a in dict.fromkeys(self._expand())]
+        self.endpoints = [Endpoint(a, self._security) for a in dict.fromkeys(self._expand())]
         if not self.endpoints:
             raise ValueError("router: no verifier addresses")
         self._interval = health_interval_s
@@ -145,7 +149,7 @@ class Router:
             return
         with self._lock:
             for address in fresh:
-                self.endpoints.append(Endpoint(address))
+                self.endpoints.append(Endpoint(address, self._security))
                 metrics.VERIFIER_HEALTHY.labels(verifier=address).set(1)
                 metrics.VERIFIER_OUTSTANDING.labels(verifier=address).set(0)
         self._log.info("verifier_replicas_joined", verifiers=fresh)

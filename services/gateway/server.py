@@ -4,9 +4,10 @@ runs) and one verifier router (`routing.py`).
 
 gRPC specifics: bad input is INVALID_ARGUMENT with the field named; the client's deadline becomes the
 verifier call's; a client that leaves (or whose deadline passes) cancels the verifier call; verifier
-errors reach the client with their status code and message. With an API key configured, every
-Gateway RPC needs metadata `authorization: Bearer KEY` (UNAUTHENTICATED otherwise); health and
-reflection stay open.
+errors reach the client with their status code and message. With API keys configured, every
+Gateway RPC and reflection need metadata `authorization: Bearer KEY` (UNAUTHENTICATED otherwise);
+health stays open. Chat and Complete streams take one of `--max-streams` slots (RESOURCE_EXHAUSTED
+when none is free), so unary calls and health always find a thread.
 """
 
 from __future__ import annotations
@@ -18,13 +19,15 @@ from collections.abc import Iterator
 import grpc
 
 from ddtree.config import GatewayConfig
-from ddtree.gateway.auth import check_authorization
+from ddtree.gateway.auth import ApiKeys, KeyPolicy, Unauthorized
 from ddtree.gateway.generation import RequestError, StopMatcher
 from ddtree.gateway.pipeline import Invalid, Job, Pipeline, validate_options
 from ddtree.gateway.routing import Router
 from ddtree.protocol.ddtree.v1 import gateway_pb2, gateway_pb2_grpc
 from ddtree.protocol.json_limits import JsonInputError, load_json
+from ddtree.protocol.security import MetadataGate, ServiceSecurity
 from ddtree.protocol.server import RunningServer, start_server
+from ddtree.protocol.stream_slots import StreamSlots
 from ddtree.telemetry.logging import get_logger
 from ddtree.tokenization.tokenizer import Tokenizer
 
@@ -60,6 +63,14 @@ def _json_field(text: str, field: str):
         raise Invalid(str(e)) from None
 
 
+def _refusal(keys: ApiKeys, value: str | None) -> str | None:
+    try:
+        keys.authorize(value, header="metadata 'authorization")
+    except Unauthorized as e:
+        return str(e)
+    return None
+
+
 def _client_timeout(context: grpc.ServicerContext) -> float | None:
     remaining = context.time_remaining()
     if remaining is None or remaining > _NO_DEADLINE_S:
@@ -73,10 +84,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, pipeline: Pipeline):
         self._p = pipeline
         self._config = pipeline.config
+        self.stream_slots = StreamSlots(pipeline.config.max_streams, "--max-streams")
 
     # -- RPCs --------------------------------------------------------------------------------------
     def Chat(self, request: gateway_pb2.ChatRequest, context) -> Iterator[gateway_pb2.GenerateChunk]:
-        self._authorize(context)
+        policy = self._authorize(context)
+        self.stream_slots.take(context)
         try:
             if not request.messages:
                 raise Invalid("messages: must not be empty")
@@ -90,15 +103,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 tools=tools,
                 chat_template_kwargs=kwargs,
                 request_id=request.request_id,
+                max_budget=policy.max_budget,
             )
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         yield from self._stream(job, context)
 
     def Complete(self, request: gateway_pb2.CompleteRequest, context) -> Iterator[gateway_pb2.GenerateChunk]:
-        self._authorize(context)
+        policy = self._authorize(context)
+        self.stream_slots.take(context)
         try:
-            job = self._p.complete_job(request.prompt, request.options, request.request_id)
+            job = self._p.complete_job(
+                request.prompt, request.options, request.request_id, max_budget=policy.max_budget
+            )
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         yield from self._stream(job, context)
@@ -132,15 +149,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         )
 
     # -- helpers -----------------------------------------------------------------------------------
-    def _authorize(self, context) -> None:
-        if not self._config.api_key:
-            return
+    def _authorize(self, context) -> KeyPolicy:
         value = next((v for k, v in context.invocation_metadata() if k == "authorization"), None)
-        refused = check_authorization(value, self._config.api_key)
-        if refused:
-            context.abort(
-                grpc.StatusCode.UNAUTHENTICATED, refused.replace("the header 'Authorization", "metadata 'authorization")
-            )
+        try:
+            return self._p.keys.authorize(value, header="metadata 'authorization")
+        except Unauthorized as e:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, str(e))
 
     def _stream(self, job: Job, context) -> Iterator[gateway_pb2.GenerateChunk]:
         generation = self._p.generate(job, timeout=_client_timeout(context), protocol="grpc")
@@ -219,9 +233,10 @@ def serve(
     if not path:
         raise ValueError("gateway: no tokenizer directory (set --tokenizer / DDTREE_TOKENIZER)")
     tokenizer = Tokenizer(path)
-    router = Router(config.verifiers, config.health_interval_s)
+    keys = ApiKeys.from_config(config)
+    router = Router(config.verifiers, config.health_interval_s, security=ServiceSecurity.from_config(config))
     try:
-        pipeline = Pipeline(tokenizer, router, config)
+        pipeline = Pipeline(tokenizer, router, config, keys)
     except ValueError:
         router.close()
         raise
@@ -231,8 +246,21 @@ def serve(
         gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
         return [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name]
 
+    # With keys set, reflection (the API's shape) needs one too; health stays open for probes.
+    reflection_gate = MetadataGate(
+        lambda metadata: _refusal(keys, metadata.get("authorization")),
+        lambda method: method.startswith("/grpc.reflection."),
+    )
     running = start_server(
-        "gateway", register, config.host, config.port, config.max_workers, config.grace_s, announce=announce
+        "gateway",
+        register,
+        config.host,
+        config.port,
+        config.max_workers,
+        config.grace_s,
+        announce=announce,
+        stream_threads=servicer.stream_slots.limit,
+        interceptors=[reflection_gate] if keys.required else [],
     )
     http = None
     if config.http_port >= 0:

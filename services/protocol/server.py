@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import signal
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent import futures
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-# Feature tensors of a long commit can pass a few MB; the verifier chunks above this anyway.
+from ddtree.protocol.security import ServiceSecurity
+
+# Feature tensors of a long commit can pass a few MB.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -76,11 +78,25 @@ def start_server(
     grace_s: float,
     on_stop: Callable[[], None] | None = None,
     announce: bool = True,
+    *,
+    stream_threads: int = 0,
+    security: ServiceSecurity | None = None,
+    interceptors: Sequence[grpc.ServerInterceptor] = (),
 ) -> RunningServer:
     """Create, register and start a server. `register(server)` adds servicers and returns the full
-    service names it registered (e.g. "ddtree.v1.Verifier")."""
+    service names it registered (e.g. "ddtree.v1.Verifier").
+
+    The pool has `max_workers + stream_threads` threads and the server takes at most that many calls
+    at once (more: RESOURCE_EXHAUSTED from grpcio, never a wait inside it); a service whose streams
+    take `StreamSlots` of `stream_threads` keeps `max_workers` threads for unary calls and health.
+    `security` adds mutual TLS and the service-token check (protocol/security.py)."""
+    threads = max_workers + stream_threads
+    security = security or ServiceSecurity()
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"{name}-rpc"), options=GRPC_OPTIONS
+        futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"{name}-rpc"),
+        options=GRPC_OPTIONS,
+        interceptors=[*security.server_interceptors(), *interceptors],
+        maximum_concurrent_rpcs=threads,
     )
     names = list(register(server))
     health_servicer = health.HealthServicer()
@@ -88,7 +104,11 @@ def start_server(
     for service in ["", *names]:
         health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    credentials = security.server_credentials()
+    if credentials is None:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    else:
+        bound = server.add_secure_port(f"{host}:{port}", credentials)
     if bound == 0:
         raise OSError(f"{name}: could not bind {host}:{port}")
     server.start()

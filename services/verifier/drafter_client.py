@@ -14,6 +14,7 @@ import grpc
 
 from ddtree.contract.token_tree import TokenTree
 from ddtree.protocol.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
+from ddtree.protocol.security import ServiceSecurity
 from ddtree.protocol.server import GRPC_OPTIONS
 from ddtree.protocol.tensors import tensor_to_proto
 from ddtree.telemetry.logging import get_logger
@@ -32,10 +33,16 @@ class DraftResult:
 
 
 class DrafterClient:
-    def __init__(self, address: str, timeout_s: float, connect_timeout_s: float = 60.0):
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float,
+        connect_timeout_s: float = 60.0,
+        security: ServiceSecurity | None = None,
+    ):
         self.address = address
         self.timeout_s = timeout_s
-        self.channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self.channel = (security or ServiceSecurity()).channel(address, GRPC_OPTIONS)
         self.stub = drafter_pb2_grpc.DrafterStub(self.channel)
         self.info = self.stub.GetInfo(drafter_pb2.DrafterInfoRequest(), timeout=connect_timeout_s, wait_for_ready=True)
 

@@ -23,6 +23,7 @@ import time
 import grpc
 
 from ddtree.protocol.discovery import resolve
+from ddtree.protocol.security import ServiceSecurity
 from ddtree.telemetry import metrics
 from ddtree.telemetry.logging import get_logger
 from ddtree.verifier.drafter_client import DrafterClient, DraftResult
@@ -32,8 +33,16 @@ log = get_logger("ddtree.verifier.drafter_pool")
 
 
 class DrafterPool:
-    def __init__(self, spec: str, timeout_s: float, connect_timeout_s: float = 60.0, resolve_interval_s: float = 10.0):
+    def __init__(
+        self,
+        spec: str,
+        timeout_s: float,
+        connect_timeout_s: float = 60.0,
+        resolve_interval_s: float = 10.0,
+        security: ServiceSecurity | None = None,
+    ):
         self.spec = spec
+        self.security = security or ServiceSecurity()
         self.timeout_s = timeout_s
         self.resolve_interval_s = resolve_interval_s
         self._lock = threading.Lock()
@@ -92,7 +101,9 @@ class DrafterPool:
                 if addr in self._clients:
                     continue
             try:
-                client = DrafterClient(addr, self.timeout_s, connect_timeout_s=connect_timeout_s)
+                client = DrafterClient(
+                    addr, self.timeout_s, connect_timeout_s=connect_timeout_s, security=self.security
+                )
             except grpc.RpcError as err:
                 log.warning("drafter_replica_unreachable", address=addr, code=str(err.code()))
                 continue

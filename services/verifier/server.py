@@ -15,7 +15,9 @@ from ddtree.models.attention import resolve_attention_backend
 from ddtree.models.dtypes import TORCH_DTYPES
 from ddtree.models.loader import load_target
 from ddtree.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from ddtree.protocol.security import ServiceSecurity
 from ddtree.protocol.server import RunningServer, start_server
+from ddtree.protocol.stream_slots import StreamSlots
 from ddtree.telemetry.logging import get_logger
 from ddtree.telemetry.metrics import serve_metrics
 from ddtree.verifier.drafter_pool import DrafterPool
@@ -51,6 +53,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.model_config_json = model_config_json
         self.eos_token_ids = eos_token_ids
         self.vocab_size = scheduler.vocab_size
+        # One handler thread per admitted stream: every running or queued sequence has one.
+        self.stream_slots = StreamSlots(config.max_batch + config.max_queue, "max_batch + max_queue")
 
     def _params(self, req: verifier_pb2.GenerateRequest) -> GenerateParams:
         """Validate a request; raises ValueError with the message the client will see."""
@@ -106,6 +110,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         )
 
     def Generate(self, request, context):
+        self.stream_slots.take(context)  # or RESOURCE_EXHAUSTED: health and GetInfo keep their threads
         try:
             params = self._params(request)
         except ValueError as err:
@@ -189,7 +194,8 @@ def serve(config: VerifierConfig, model_dir: str) -> RunningServer:
         model.eval()
         target = LocalTarget(model)
     mcfg = model.config
-    drafter = DrafterPool(config.drafter, config.draft_timeout_s) if config.drafter else None
+    security = ServiceSecurity.from_config(config)
+    drafter = DrafterPool(config.drafter, config.draft_timeout_s, security=security) if config.drafter else None
     kv = kv_size_for(config, mcfg)
     log.info(
         "kv_pool",
@@ -227,7 +233,17 @@ def serve(config: VerifierConfig, model_dir: str) -> RunningServer:
             drafter.close()
 
     log.info("verifier_ready", model=model_dir, drafter=config.drafter or None, kv_tokens=kv.tokens)
-    running = start_server("verifier", register, config.host, config.port, config.max_workers, config.grace_s, on_stop)
+    running = start_server(
+        "verifier",
+        register,
+        config.host,
+        config.port,
+        config.max_workers,
+        config.grace_s,
+        on_stop,
+        stream_threads=servicer.stream_slots.limit,
+        security=security,
+    )
     if tp is not None:
         tp.attach(running)
     serve_metrics(config.metrics_port, config.host)
