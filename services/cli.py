@@ -20,7 +20,14 @@ import sys
 import tempfile
 import threading
 
-from ddtree.config import DrafterConfig, GatewayConfig, VerifierConfig, add_config_flags, config_from_flags
+from ddtree.config import (
+    DrafterConfig,
+    GatewayConfig,
+    SecurityConfig,
+    VerifierConfig,
+    add_config_flags,
+    config_from_flags,
+)
 
 DEMO_PROMPT = "Write a Python function that returns the n-th Fibonacci number, and explain it briefly."
 
@@ -87,12 +94,21 @@ def cmd_gateway(args) -> None:
 
 
 def cmd_health(args) -> int:
-    """grpc.health.v1 check, for container health checks: exit 0 when SERVING, 1 otherwise."""
+    """grpc.health.v1 check, for container health checks: exit 0 when SERVING, 1 otherwise. Dials
+    mutual TLS when the service does (--tls-* or DDTREE_TLS_*, as the service itself is configured)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from ddtree.protocol.security import ServiceSecurity
+    from ddtree.protocol.server import GRPC_OPTIONS
+
     try:
-        with grpc.insecure_channel(args.address) as channel:
+        security = ServiceSecurity.from_config(config_from_flags(SecurityConfig, args))
+    except ValueError as e:
+        print(f"ddtree health: {e}", file=sys.stderr)
+        return 2
+    try:
+        with security.channel(args.address, GRPC_OPTIONS) as channel:
             resp = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
             )
@@ -276,6 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("address", help="HOST:PORT")
     p.add_argument("--service", default="", help="service name, e.g. ddtree.v1.Verifier ('' = the server)")
     p.add_argument("--timeout", type=float, default=5.0)
+    add_config_flags(p, SecurityConfig)
     p.set_defaults(fn=cmd_health)
     p = sub.add_parser("serve", help="run drafter, verifier and gateway on loopback")
     _add_stack_flags(p)

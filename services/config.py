@@ -41,20 +41,10 @@ def kv_setting(kv_tokens: int, kv_memory_gb: float, kv_memory_fraction: float) -
 
 
 @dataclasses.dataclass(frozen=True)
-class ServiceConfig:
-    host: str = dataclasses.field(default="127.0.0.1", metadata={"help": "address to bind"})
-    port: int = dataclasses.field(default=0, metadata={"help": "port to bind (0 = any free port)"})
-    log_level: str = dataclasses.field(default="info", metadata={"help": "debug | info | warning | error"})
-    log_format: str = dataclasses.field(default="json", metadata={"help": "json | console"})
-    grace_s: float = dataclasses.field(default=5.0, metadata={"help": "seconds in-flight RPCs get on shutdown"})
-    max_workers: int = dataclasses.field(
-        default=32,
-        metadata={
-            "help": "gRPC handler threads for unary calls and health (streams get their own: the verifier's "
-            "max_batch + max_queue, the gateway's max_streams); calls beyond them get RESOURCE_EXHAUSTED"
-        },
-    )
-    metrics_port: int = dataclasses.field(default=-1, metadata={"help": "Prometheus port (-1 = off, 0 = any)"})
+class SecurityConfig:
+    """How a process authenticates to, and accepts calls from, the other services
+    (`ddtree.protocol.security`); every service has these, and so does `ddtree health`."""
+
     service_token: str = dataclasses.field(
         default="",
         metadata={
@@ -75,6 +65,32 @@ class ServiceConfig:
     )
 
     def validate(self) -> None:
+        if self.service_token and self.service_token_file:
+            raise ValueError("set service_token or service_token_file, not both")
+        tls = {"tls_ca": self.tls_ca, "tls_cert": self.tls_cert, "tls_key": self.tls_key}
+        if any(tls.values()) and not all(tls.values()):
+            missing = ", ".join(name for name, path in tls.items() if not path)
+            raise ValueError(f"mutual TLS needs tls_ca, tls_cert and tls_key; missing {missing}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServiceConfig(SecurityConfig):
+    host: str = dataclasses.field(default="127.0.0.1", metadata={"help": "address to bind"})
+    port: int = dataclasses.field(default=0, metadata={"help": "port to bind (0 = any free port)"})
+    log_level: str = dataclasses.field(default="info", metadata={"help": "debug | info | warning | error"})
+    log_format: str = dataclasses.field(default="json", metadata={"help": "json | console"})
+    grace_s: float = dataclasses.field(default=5.0, metadata={"help": "seconds in-flight RPCs get on shutdown"})
+    max_workers: int = dataclasses.field(
+        default=32,
+        metadata={
+            "help": "gRPC handler threads for unary calls and health (streams get their own: the verifier's "
+            "max_batch + max_queue, the gateway's max_streams); calls beyond them get RESOURCE_EXHAUSTED"
+        },
+    )
+    metrics_port: int = dataclasses.field(default=-1, metadata={"help": "Prometheus port (-1 = off, 0 = any)"})
+
+    def validate(self) -> None:
+        super().validate()
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.log_level not in ("debug", "info", "warning", "error"):
@@ -85,12 +101,6 @@ class ServiceConfig:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
         if self.max_workers < 1:
             raise ValueError(f"max_workers must be >= 1, got {self.max_workers}")
-        if self.service_token and self.service_token_file:
-            raise ValueError("set service_token or service_token_file, not both")
-        tls = {"tls_ca": self.tls_ca, "tls_cert": self.tls_cert, "tls_key": self.tls_key}
-        if any(tls.values()) and not all(tls.values()):
-            missing = ", ".join(name for name, path in tls.items() if not path)
-            raise ValueError(f"mutual TLS needs tls_ca, tls_cert and tls_key; missing {missing}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -363,11 +373,11 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type[ServiceConfig]) 
 
 
 def config_from_flags(
-    cls: type[ServiceConfig],
+    cls: type[SecurityConfig],
     args: argparse.Namespace | None = None,
     environ: dict[str, str] | None = None,
     **overrides: Any,
-) -> ServiceConfig:
+) -> SecurityConfig:
     """Flag > DDTREE_* environment > default; overrides win over all (used by `ddtree serve`)."""
     environ = os.environ if environ is None else environ
     values: dict[str, Any] = {}
