@@ -25,7 +25,14 @@ import pytest
 import yaml
 
 from ddtree.cli import build_parser
-from ddtree.config import DrafterConfig, GatewayConfig, VerifierConfig, config_from_flags, env_var_names
+from ddtree.config import (
+    DrafterConfig,
+    GatewayConfig,
+    SecurityConfig,
+    VerifierConfig,
+    config_from_flags,
+    env_var_names,
+)
 from ddtree.protocol.ddtree.v1 import gateway_pb2, gateway_pb2_grpc
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -370,3 +377,25 @@ def test_kimi_k26_override_and_env_file():
             assert config.device == "cuda" and config.dtype == "bfloat16"
         gpus = svc["deploy"]["resources"]["reservations"]["devices"][0]["count"]
         assert _substitute(str(gpus), env) == ("8" if name == "verifier" else "1")
+
+
+def test_mtls_override():
+    """compose.mtls.yaml: every service mounts the certificates and names its own; the variables are
+    ones the configuration reads and together make a valid mutual-TLS setting; the engines' health
+    checks dial TLS through those variables while the gateway's (its plaintext public port) turns
+    them off with empty flags."""
+    override = yaml.safe_load((DOCKER / "compose.mtls.yaml").read_text())["services"]
+    parser = build_parser()
+    for name, cls in CONFIGS.items():
+        svc = override[name]
+        assert any(v.endswith(":/certs:ro") for v in svc["volumes"]), f"{name}: certificates not mounted read-only"
+        env = svc["environment"]
+        assert set(env) <= set(env_var_names(cls)), f"{name}: unknown variables {set(env) - set(env_var_names(cls))}"
+        assert env["DDTREE_TLS_CERT"] == f"/certs/{name}.pem" and env["DDTREE_TLS_KEY"] == f"/certs/{name}.key"
+        config = config_from_flags(cls, None, environ={k: str(v) for k, v in env.items()})
+        assert config.tls_ca == "/certs/ca.pem" and config.service_token_file == "/certs/service-token"
+    gateway_check = override["gateway"]["healthcheck"]["test"]
+    args = parser.parse_args(gateway_check[2:])
+    plain = config_from_flags(SecurityConfig, args, environ={"DDTREE_TLS_CA": "/certs/ca.pem"})
+    assert (plain.tls_ca, plain.tls_cert, plain.tls_key, plain.service_token_file) == ("", "", "", "")
+    assert "healthcheck" not in override["verifier"] and "healthcheck" not in override["drafter"]

@@ -29,6 +29,7 @@ from ddtree.protocol.security import MetadataGate, ServiceSecurity
 from ddtree.protocol.server import RunningServer, start_server
 from ddtree.protocol.stream_slots import StreamSlots
 from ddtree.telemetry.logging import get_logger
+from ddtree.telemetry.metrics import serve_metrics
 from ddtree.tokenization.tokenizer import Tokenizer
 
 __all__ = ["GatewayServer", "GatewayServicer", "StopMatcher", "serve", "validate_options"]
@@ -273,6 +274,9 @@ def serve(
             raise
         if announce:
             print(f"LISTENING gateway-http {http.address}", flush=True)
+    # Prometheus on its own port (--metrics-port), open: for a scraper on the internal network, while
+    # the HTTP API's /metrics follows --http-metrics.
+    serve_metrics(config.metrics_port, config.host)
     router.start()
     get_logger("gateway").info(
         "gateway_ready",
