@@ -264,7 +264,8 @@ class GatewayConfig(ServiceConfig):
         default=0, metadata={"help": "OpenAI-compatible HTTP port (0 = any free port, -1 = no HTTP)"}
     )
     max_body_bytes: int = dataclasses.field(
-        default=8 * 1024 * 1024, metadata={"help": "largest HTTP request body (413 above)"}
+        default=8 * 1024 * 1024,
+        metadata={"help": "largest HTTP request body (413 above) and gRPC request message (RESOURCE_EXHAUSTED above)"},
     )
     api_key: str = dataclasses.field(
         default="",

@@ -453,7 +453,37 @@ INVALID = [
     (
         "chat",
         dict(messages=[gateway_pb2.ChatMessage(role="user", content="x" * 10_001)]),
-        "messages: 10001 characters, over the limit of 10000",
+        "messages and tools: 10005 characters, over the limit of 10000",  # role + content,
+    ),
+    (
+        "chat",
+        dict(messages=[gateway_pb2.ChatMessage(role="user", content="")] * 4097),
+        "messages: at most 4096 messages, got 4097",
+    ),
+    (
+        "chat",
+        dict(messages=[gateway_pb2.ChatMessage(role="user", content="hi", name="n" * 257)]),
+        "messages[0].name: 257 characters, over the limit of 256",
+    ),
+    (
+        "chat",
+        dict(
+            messages=USER,
+            tools_json=json.dumps([{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]),
+        ),
+        "tools: at most 128 tools, got 129",
+    ),
+    (
+        "chat",
+        dict(
+            messages=[
+                *USER,
+                gateway_pb2.ChatMessage(
+                    role="assistant", tool_calls=[gateway_pb2.ToolCall(id=f"c{i}", name="f") for i in range(129)]
+                ),
+            ]
+        ),
+        "messages[1].tool_calls: at most 128 tool calls per message, got 129",
     ),
     ("complete", dict(prompt=""), "prompt: must not be empty"),
     ("complete", dict(prompt="x" * 10_001), "prompt: 10001 characters, over the limit of 10000"),
@@ -503,6 +533,16 @@ def test_invalid_argument(gateway, fake, rpc, fields, message):
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details().startswith(message), err.value.details()
     assert fake.requests == []  # nothing reached the verifier
+
+
+def test_request_message_over_the_body_limit(gateway, fake):
+    """A gRPC request larger than --max-body-bytes (8 MiB here) is refused before it is parsed."""
+    fake.reset(script_for([5]))
+    big = gateway_pb2.CompleteRequest(prompt="x" * (8 * 1024 * 1024 + 1))
+    with pytest.raises(grpc.RpcError) as err:
+        list(gateway.Complete(big, timeout=30))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert fake.requests == []
 
 
 def test_tokenize_rejects_bad_messages(gateway):

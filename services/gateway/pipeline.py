@@ -27,7 +27,7 @@ from ddtree.gateway.parsers.kimi_k2_reasoning import starts_in_reasoning
 from ddtree.gateway.parsers.registry import check_names
 from ddtree.gateway.routing import Router
 from ddtree.protocol.ddtree.v1 import common_pb2, gateway_pb2, verifier_pb2
-from ddtree.tokenization.chat_template import validate_tools
+from ddtree.tokenization.chat_template import text_chars, validate_messages, validate_tools
 from ddtree.tokenization.tokenizer import Tokenizer
 
 __all__ = [
@@ -160,16 +160,10 @@ class Pipeline:
         if tool_choice == "none":
             tools = None  # the model is not told about tools, and nothing is parsed as a call
         kwargs = validate_template_kwargs(chat_template_kwargs)
-        self.check_prompt_chars(
-            sum(
-                len(v)
-                for m in messages
-                if isinstance(m, dict)
-                for v in (m.get("content"), m.get("reasoning_content"))
-                if isinstance(v, str)
-            ),
-            "messages",
-        )
+        validate_messages(messages)  # counts and types first: cheap, and the clearest message
+        # Every string the template may print (content, names, ids, arguments, tool declarations),
+        # counted before rendering; the rendered prompt is checked again after.
+        self.check_prompt_chars(text_chars(messages) + text_chars(tools) + text_chars(kwargs), "messages and tools")
         prompt, input_ids = self.render(messages, tools, True, kwargs)
         history_calls = sum(len(m.get("tool_calls") or ()) for m in messages)
         reasoning = self.config.reasoning_parser if separate_reasoning else "none"

@@ -262,6 +262,7 @@ def serve(
         announce=announce,
         stream_threads=servicer.stream_slots.limit,
         interceptors=[reflection_gate] if keys.required else [],
+        max_receive_bytes=config.max_body_bytes,  # the same bound as an HTTP body
     )
     http = None
     if config.http_port >= 0:

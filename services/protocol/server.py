@@ -82,6 +82,7 @@ def start_server(
     stream_threads: int = 0,
     security: ServiceSecurity | None = None,
     interceptors: Sequence[grpc.ServerInterceptor] = (),
+    max_receive_bytes: int = MAX_MESSAGE_BYTES,
 ) -> RunningServer:
     """Create, register and start a server. `register(server)` adds servicers and returns the full
     service names it registered (e.g. "ddtree.v1.Verifier").
@@ -89,12 +90,16 @@ def start_server(
     The pool has `max_workers + stream_threads` threads and the server takes at most that many calls
     at once (more: RESOURCE_EXHAUSTED from grpcio, never a wait inside it); a service whose streams
     take `StreamSlots` of `stream_threads` keeps `max_workers` threads for unary calls and health.
-    `security` adds mutual TLS and the service-token check (protocol/security.py)."""
+    `security` adds mutual TLS and the service-token check (protocol/security.py). A request message
+    over `max_receive_bytes` is refused by grpcio (RESOURCE_EXHAUSTED) before it is parsed."""
     threads = max_workers + stream_threads
     security = security or ServiceSecurity()
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"{name}-rpc"),
-        options=GRPC_OPTIONS,
+        options=[
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", max_receive_bytes),
+        ],
         interceptors=[*security.server_interceptors(), *interceptors],
         maximum_concurrent_rpcs=threads,
     )

@@ -30,6 +30,11 @@ KIMI_TOOL_CALL_ID = re.compile(r"^functions\.[\w.\-]+:\d+$")
 TOOL_NAME = re.compile(r"[\w.\-]{1,64}")
 SCHEMA_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 MAX_SCHEMA_DEPTH = 32
+# Counts checked before rendering (a template's loops cost per item): OpenAI's own tool limit is 128.
+MAX_MESSAGES = 4096
+MAX_TOOLS = 128
+MAX_TOOL_CALLS = 128  # per assistant message
+MAX_NAME_CHARS = 256  # message names and tool-call ids
 
 
 def _tojson(
@@ -72,6 +77,25 @@ def _check_str(value: Any, where: str, required: bool = False) -> None:
         raise ValueError(f"{where}: must be a string, got {_type_name(value)}")
 
 
+def _check_length(value: str | None, where: str) -> None:
+    if value is not None and len(value) > MAX_NAME_CHARS:
+        raise ValueError(f"{where}: {len(value)} characters, over the limit of {MAX_NAME_CHARS}")
+
+
+def text_chars(value: Any) -> int:
+    """Characters in every string value of a parsed JSON value (not its keys), without recursion."""
+    total, stack = 0, [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            total += len(node)
+        elif isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
+    return total
+
+
 def _check_schema(schema: Any, where: str, depth: int = 0) -> None:
     """The parts of a JSON Schema a tool declaration relies on: type names, properties, items,
     required, enum. Anything else is passed to the template as given."""
@@ -109,6 +133,8 @@ def validate_tools(tools: Any) -> list[dict] | None:
         return None
     if not isinstance(tools, list):
         raise ValueError(f"tools: must be a list, got {_type_name(tools)}")
+    if len(tools) > MAX_TOOLS:
+        raise ValueError(f"tools: at most {MAX_TOOLS} tools, got {len(tools)}")
     names: set[str] = set()
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
@@ -138,11 +164,14 @@ def validate_tools(tools: Any) -> list[dict] | None:
 def _validate_tool_calls(calls: Any, where: str) -> None:
     if not isinstance(calls, list):
         raise ValueError(f"{where}: must be a list, got {_type_name(calls)}")
+    if len(calls) > MAX_TOOL_CALLS:
+        raise ValueError(f"{where}: at most {MAX_TOOL_CALLS} tool calls per message, got {len(calls)}")
     for j, call in enumerate(calls):
         at = f"{where}[{j}]"
         if not isinstance(call, dict):
             raise ValueError(f"{at}: must be an object, got {_type_name(call)}")
         _check_str(call.get("id"), f"{at}.id")
+        _check_length(call.get("id"), f"{at}.id")
         if call.get("type", "function") != "function":
             raise ValueError(f"{at}.type: must be 'function', got {call.get('type')!r}")
         fn = call.get("function")
@@ -164,6 +193,8 @@ def validate_messages(messages: Any) -> None:
         raise ValueError(f"messages: must be a list, got {_type_name(messages)}")
     if not messages:
         raise ValueError("messages: must not be empty")
+    if len(messages) > MAX_MESSAGES:
+        raise ValueError(f"messages: at most {MAX_MESSAGES} messages, got {len(messages)}")
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
@@ -175,6 +206,8 @@ def validate_messages(messages: Any) -> None:
             raise ValueError(f"{where}.role: unknown role {role!r} (expected one of {', '.join(ROLES)})")
         for field in ("name", "reasoning_content", "tool_call_id"):
             _check_str(m.get(field), f"{where}.{field}")
+        for field in ("name", "tool_call_id"):
+            _check_length(m.get(field), f"{where}.{field}")
         has_calls = bool(m.get("tool_calls"))
         # Assistant turns that only call tools may omit content; every other message needs it.
         _check_str(m.get("content"), f"{where}.content", required=not (role == "assistant" and has_calls))
