@@ -19,10 +19,13 @@ from typing import Any
 
 import torch
 
+from ddtree.kernels.quant_formats import FP8_MAX, dequantize_fp8_block, quantize_fp8_block
+
 from ..checkpoint_files import CheckpointError, CheckpointFiles
 from .names import any_matches, is_projection
 
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
+__all__ = ["FP8_DTYPES", "FP8_MAX", "Fp8BlockScheme", "dequantize_fp8_block", "quantize_fp8_block"]
+
 FP8_DTYPES = ("F8_E4M3",)
 
 
@@ -72,31 +75,3 @@ class Fp8BlockScheme:
         scale_cols = slice(cols.start // bn, (cols.stop - 1) // bn + 1)
         scale = files.read(weight + "_scale_inv", scale_rows, scale_cols)
         return dequantize_fp8_block(q, scale, self.block, rows.start, cols.start)
-
-
-def dequantize_fp8_block(
-    q: torch.Tensor,  # float8_e4m3fn [m, n]: the window of W starting at (row0, col0)
-    scale_inv: torch.Tensor,  # [.., ..] the scale blocks covering that window, first block = row0//bm, col0//bn
-    block: tuple[int, int],
-    row0: int = 0,
-    col0: int = 0,
-) -> torch.Tensor:  # fp32 [m, n]
-    bm, bn = block
-    m, n = q.shape
-    ri = torch.arange(row0, row0 + m) // bm - row0 // bm  # [m] scale row of each weight row
-    ci = torch.arange(col0, col0 + n) // bn - col0 // bn  # [n]
-    scale = scale_inv.float()[ri][:, ci]  # [m, n]
-    return q.float().mul_(scale)
-
-
-def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [M, N] -> (float8_e4m3fn [M, N], float32 scale_inv [ceil(M/bm), ceil(N/bn)]): amax/448 per block."""
-    bm, bn = block
-    M, N = w.shape
-    Mb, Nb = -(-M // bm), -(-N // bn)
-    padded = torch.zeros(Mb * bm, Nb * bn, dtype=torch.float32)
-    padded[:M, :N] = w.float()
-    blocks = padded.view(Mb, bm, Nb, bn)
-    scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)  # [Mb, Nb]
-    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view(Mb * bm, Nb * bn)[:M, :N]
-    return q.to(torch.float8_e4m3fn).contiguous(), scale.contiguous()

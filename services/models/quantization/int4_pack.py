@@ -21,10 +21,12 @@ from typing import Any
 
 import torch
 
+from ddtree.kernels.quant_formats import PACK, quantize_int4_group, unpack_int4
+
 from ..checkpoint_files import CheckpointError, CheckpointFiles
 from .names import any_matches, is_targeted
 
-PACK = 8  # nibbles per int32
+__all__ = ["PACK", "Int4Group", "Int4PackScheme", "quantize_int4_group", "unpack_int4"]
 
 
 @dataclass(frozen=True)
@@ -104,33 +106,3 @@ class Int4PackScheme:
         lo = cols.start - g0 * group_size
         hi = cols.stop - g0 * group_size
         return q[:, lo:hi].float().mul_(s[:, lo:hi])
-
-
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """int32 [m, w] -> int8 [m, 8w] in [-8, 7]: column 8·word + k is nibble k (bits 4k..4k+3) minus 8."""
-    if packed.dtype != torch.int32:
-        raise ValueError(f"packed weights must be int32, got {packed.dtype}")
-    b = packed.contiguous().view(torch.uint8)  # little-endian: byte j holds nibbles 2j (low) and 2j+1 (high)
-    nibbles = torch.stack((b & 0xF, b >> 4), dim=-1).view(packed.shape[0], -1)
-    return nibbles.to(torch.int8) - 8
-
-
-def quantize_int4_group(w: torch.Tensor, group_size: int = 32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """w [out, in] -> (weight_packed int32 [out, ceil(in/8)], weight_scale bf16 [out, ceil(in/g)], weight_shape).
-
-    Symmetric, scale = amax/7 per group (rounded to bf16 first, then used to quantise), values in [-8, 7].
-    """
-    out, n = w.shape
-    n_groups = -(-n // group_size)
-    padded = torch.zeros(out, n_groups * group_size)
-    padded[:, :n] = w.float()
-    g = padded.view(out, n_groups, group_size)
-    scale = (g.abs().amax(dim=2) / 7.0).clamp(min=1e-8).to(torch.bfloat16)  # [out, n_groups]
-    q = (g / scale.float()[:, :, None]).round().clamp(-8, 7).view(out, -1)[:, :n]
-    words = -(-n // PACK)
-    u = torch.zeros(out, words * PACK, dtype=torch.int64)
-    u[:, :n] = q.to(torch.int64) + 8
-    shifts = torch.arange(PACK, dtype=torch.int64) * 4
-    packed = (u.view(out, words, PACK) << shifts).sum(dim=-1)  # [out, words], < 2^32
-    packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
-    return packed.contiguous(), scale.contiguous(), torch.tensor([out, n], dtype=torch.int32)

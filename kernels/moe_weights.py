@@ -1,0 +1,112 @@
+"""One MoE projection stacked over a rank's local experts, in its checkpoint's packed format.
+
+The contract between the packed model modules (`ddtree.models.moe`), the fused MoE kernel
+(`fused_moe.py`, Triton), the CPU grouped path and the torch reference (`moe_reference.py`):
+
+    kind "bf16": weight bf16/fp16/fp32 [E, N, K]
+    kind "int4": weight int32 [E, N, ceil(K/8)]  (compressed-tensors pack-quantized, nibble = value + 8)
+                 scale  bf16/fp32 [E, N, ceil(K/group)]
+    kind "fp8":  weight float8_e4m3fn [E, N, K]
+                 scale  fp32 [E, ceil(N/128), ceil(K/128)]  (`weight_scale_inv`, multiplied in)
+
+E = local experts (the rank's experts in ascending global id; `expert_map` maps global ids to local
+slots, -1 = held by another rank), N = output features, K = input features. W_e[n, k] is dequantized
+as quant_formats.py says. A MoE layer has three: gate [E, I, d], up [E, I, d], down [E, d, I].
+Only validation lives here; this module imports no triton.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .quant_formats import PACK, dequantize_fp8_block, dequantize_int4
+
+KINDS = ("bf16", "int4", "fp8")
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertWeights:
+    kind: str
+    weight: torch.Tensor
+    out_features: int  # N
+    in_features: int  # K
+    scale: torch.Tensor | None = None
+    group_size: int = 0  # int4 only
+    block: tuple[int, int] = (128, 128)  # fp8 only: (rows, cols) of a scale block
+
+    def __post_init__(self):
+        self.validate()
+
+    @property
+    def num_experts(self) -> int:
+        return self.weight.shape[0]
+
+    def validate(self) -> None:
+        """ValueError naming what is wrong; the shapes must be exactly the contract's."""
+        E, N, K = self.weight.shape[0], self.out_features, self.in_features
+        w, s = self.weight, self.scale
+        if self.kind not in KINDS:
+            raise ValueError(f"expert weights: kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if w.dim() != 3:
+            raise ValueError(f"expert weights ({self.kind}): weight must be [E, N, K'], got shape {list(w.shape)}")
+        if self.kind == "bf16":
+            _expect(w, FLOAT_DTYPES, (E, N, K), "weight")
+            if s is not None:
+                raise ValueError("expert weights (bf16): no scale expected")
+        elif self.kind == "int4":
+            if self.group_size <= 0 or self.group_size % PACK:
+                raise ValueError(
+                    f"expert weights (int4): group_size must be a positive multiple of 8, got {self.group_size}"
+                )
+            _expect(w, (torch.int32,), (E, N, -(-K // PACK)), "weight")
+            if s is None:
+                raise ValueError("expert weights (int4): scale is required")
+            _expect(s, FLOAT_DTYPES, (E, N, -(-K // self.group_size)), "scale")
+        else:
+            bn, bk = self.block
+            _expect(w, (torch.float8_e4m3fn,), (E, N, K), "weight")
+            if s is None:
+                raise ValueError("expert weights (fp8): scale (weight_scale_inv) is required")
+            _expect(s, (torch.float32,), (E, -(-N // bn), -(-K // bk)), "scale")
+
+    def dequantize(self, expert: int) -> torch.Tensor:
+        """fp32 [N, K] of one local expert (the reference's and the CPU path's view of the weights)."""
+        w = self.weight[expert]
+        if self.kind == "bf16":
+            return w.float()
+        if self.kind == "int4":
+            return dequantize_int4(w, self.scale[expert], self.group_size, self.in_features)
+        return dequantize_fp8_block(w, self.scale[expert], self.block)
+
+    def nbytes(self) -> int:
+        return self.weight.nbytes + (0 if self.scale is None else self.scale.nbytes)
+
+
+def _expect(t: torch.Tensor, dtypes, shape, what: str) -> None:
+    if t.dtype not in dtypes:
+        names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(f"expert weights: {what} dtype must be {names}, got {str(t.dtype).removeprefix('torch.')}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"expert weights: {what} must have shape {list(shape)}, got {list(t.shape)}")
+
+
+def check_routing(
+    topk_ids: torch.Tensor, topk_weights: torch.Tensor, rows: int, num_global_experts: int, expert_map
+) -> None:
+    """The routing inputs of a fused MoE call: ids int [M, k] in [0, E_global), weights float [M, k],
+    expert_map None (all experts local) or int32 [E_global] with values in [-1, E_local)."""
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != rows:
+        raise ValueError(f"fused moe: topk_ids must be [{rows}, k], got {list(topk_ids.shape)}")
+    if topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"fused moe: topk_weights {list(topk_weights.shape)} != topk_ids {list(topk_ids.shape)}")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"fused moe: topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if topk_ids.numel() and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= num_global_experts):
+        raise ValueError(
+            f"fused moe: expert ids must be in [0, {num_global_experts}), got {int(topk_ids.min())}..{int(topk_ids.max())}"
+        )
+    if expert_map is not None and (expert_map.dim() != 1 or expert_map.shape[0] != num_global_experts):
+        raise ValueError(f"fused moe: expert_map must be [{num_global_experts}], got {list(expert_map.shape)}")
