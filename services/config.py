@@ -185,7 +185,13 @@ class VerifierConfig(ServiceConfig):
             "(an equal share, max_tree_tokens // n - 1 nodes each, when the drafter gives no scores)"
         },
     )
-    draft_timeout_s: float = dataclasses.field(default=10.0, metadata={"help": "Draft RPC deadline"})
+    draft_timeout_s: float = dataclasses.field(
+        default=10.0, metadata={"help": "deadline of one step's drafter calls (Append chunks + Draft)"}
+    )
+    feature_chunk_bytes: int = dataclasses.field(
+        default=4 * 1024 * 1024,
+        metadata={"help": "a commit with more feature bytes goes to the drafter in chunks of at most this size"},
+    )
     step_log: str = dataclasses.field(
         default="",
         metadata={"help": "step records: '' = the service log (level info), off = none, PATH = a JSON-lines file"},
@@ -224,6 +230,8 @@ class VerifierConfig(ServiceConfig):
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
         if self.default_budget < 0:
             raise ValueError(f"default_budget must be >= 0, got {self.default_budget}")
+        if self.feature_chunk_bytes < 1:
+            raise ValueError(f"feature_chunk_bytes must be >= 1, got {self.feature_chunk_bytes}")
         if self.max_tree_tokens < 0:
             raise ValueError(f"max_tree_tokens must be >= 0 (0 = no limit), got {self.max_tree_tokens}")
         kv_setting(self.kv_tokens, self.kv_memory_gb, self.kv_memory_fraction)

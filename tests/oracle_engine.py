@@ -95,6 +95,12 @@ class OracleDraftEngine:
             if not 0 <= s.budget <= self.max_budget:
                 raise ValueError(f"{where}: budget {s.budget} outside [0, {self.max_budget}]")
 
+    def append(self, seqs: list[SeqDraftInput]) -> None:
+        """Earlier chunks of long commits: extend the histories only."""
+        self._validate(seqs)
+        for s in seqs:
+            self.history[s.seq_id] = ([] if s.reset else self.history.get(s.seq_id, [])) + list(s.commit_token_ids)
+
     def draft(self, seqs: list[SeqDraftInput]) -> list[TokenTree]:
         self._validate(seqs)
         trees = []

@@ -23,7 +23,12 @@ def test_committed_stubs_are_fresh(tmp_path):
 def test_every_service_of_the_contract_is_present():
     from ddtree.protocol.ddtree.v1 import drafter_pb2, gateway_pb2, verifier_pb2
 
-    assert set(drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].methods_by_name) == {"Draft", "Release", "GetInfo"}
+    assert set(drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].methods_by_name) == {
+        "Draft",
+        "Append",
+        "Release",
+        "GetInfo",
+    }
     assert set(verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].methods_by_name) == {"Generate", "Abort", "GetInfo"}
     assert set(gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].methods_by_name) == {
         "Chat",

@@ -30,6 +30,14 @@ from ddtree.drafter.tree import build_tree, topk_logprobs
 from ddtree.models.dflash import DFlashDraftModel
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# Most commit rows per context_kv call where matmul kernels are built and kept per row count: bf16 / fp16 on the
+# CPU, where oneDNN caches a primitive per shape (ONEDNN_PRIMITIVE_CACHE_CAPACITY) and ideep one more
+# (LRU_CACHE_CAPACITY), 1024 entries and about 0.3 MB each. Every prompt length would be a new row count, so
+# longer commits run in pieces of at most this many rows: the row counts ever run are 1..KV_ROWS_PER_CALL, all
+# built by warm_up, and the caches stop growing (scripts/measure_drafter_rss.py). context_kv is row-wise and
+# these kernels give each row the same bits whatever the row count (tests/test_drafter_memory.py), so the pieces
+# change no K/V. fp32 matmuls (MKL) keep nothing per shape, and their bits do depend on it: not split.
+KV_ROWS_PER_CALL = 128
 
 
 @dataclass(frozen=True)
@@ -81,6 +89,8 @@ class DraftEngine:
         # rather than converting the whole window at every layer of every draft; on a GPU, where the
         # conversion is cheap and memory is what limits sequences, it stays in the model dtype.
         self._context_dtype = torch.float32 if model.device.type == "cpu" else None
+        shape_cached = model.device.type == "cpu" and model.dtype in (torch.bfloat16, torch.float16)
+        self.kv_rows_per_call = KV_ROWS_PER_CALL if shape_cached else 0  # 0 = all commit rows in one call
 
     @property
     def vocab_size(self) -> int:
@@ -118,12 +128,13 @@ class DraftEngine:
         """Run once every matmul shape that steady-state Draft calls of up to max_seqs sequences use, so
         that kernels built per shape (oneDNN's bf16 matmuls on the CPU: about 0.3-1 ms each, the first
         time a row count is seen) are built at start rather than inside the first requests' steps.
-        Shapes: commits of 1..max_seqs x block_size rows (every sequence commits 1..B tokens a step), and
-        1..max_seqs blocks with their LM head and top-K. Returns the seconds it took."""
+        Shapes: commits of 1..max_seqs x block_size rows (every sequence commits 1..B tokens a step), or of
+        1..kv_rows_per_call rows where commits run in pieces of that many (any prompt leaves a piece of any size),
+        and 1..max_seqs blocks with their LM head and top-K. Returns the seconds it took."""
         t0 = time.perf_counter()
         cfg, model, B = self.config, self.model, self.config.block_size
         with torch.inference_mode():
-            for n in range(1, max_seqs * B + 1):
+            for n in range(1, (self.kv_rows_per_call or max_seqs * B) + 1):
                 model.context_kv(torch.zeros(n, cfg.feature_size), torch.arange(n))
             context = model.context_kv(torch.zeros(4, cfg.feature_size), torch.arange(4))
             for S in range(1, max_seqs + 1):
@@ -151,6 +162,17 @@ class DraftEngine:
             seen.add(seq.seq_id)
         with torch.inference_mode():
             return self._draft_all(seqs)
+
+    def append(self, seqs: Sequence[SeqDraftInput]) -> None:
+        """Append commits to their contexts without drafting (a long commit's earlier chunks: the Append
+        RPC). Validated like a Draft's commits first, so an inconsistent chunk changes nothing; the root,
+        budget and chain fields are not read."""
+        seen: set[str] = set()
+        for i, seq in enumerate(seqs):
+            self._validate(i, seq, seen)
+            seen.add(seq.seq_id)
+        with torch.inference_mode():
+            self._extend_contexts(seqs)
 
     def _validate(self, i: int, seq: SeqDraftInput, seen: set[str]) -> None:
         def fail(msg: str) -> None:
@@ -212,7 +234,7 @@ class DraftEngine:
         counts = [p.shape[0] for p in positions]
         if sum(counts):
             device = self.model.device
-            kv = self.model.context_kv(
+            kv = self._context_kv(
                 torch.cat([r.to(device, self.model.dtype) for r in rows]), torch.cat(positions).to(device)
             )  # per layer (K, V) [sum(keep), kvh, hd]
             split = [(k.split(counts), v.split(counts)) for k, v in kv]
@@ -220,6 +242,17 @@ class DraftEngine:
                 if counts[i]:
                     ctx.append([(k[i], v[i]) for k, v in split], pos.to(device))
         return contexts
+
+    def _context_kv(self, features: Tensor, positions: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """model.context_kv over the rows in pieces of at most kv_rows_per_call (0 = one call): the same K/V."""
+        n, step = features.shape[0], self.kv_rows_per_call or features.shape[0]
+        if n <= step:
+            return self.model.context_kv(features, positions)
+        parts = [self.model.context_kv(features[i : i + step], positions[i : i + step]) for i in range(0, n, step)]
+        return [
+            (torch.cat([p[layer][0] for p in parts]), torch.cat([p[layer][1] for p in parts]))
+            for layer in range(len(parts[0]))
+        ]
 
     def _draft_all(self, seqs: Sequence[SeqDraftInput]) -> list[TokenTree]:
         """One drafter forward for every sequence's block [root, MASK x (B-1)] (S blocks of B slots),

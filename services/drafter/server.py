@@ -25,6 +25,7 @@ from ddtree.telemetry.logging import get_logger
 log = get_logger("ddtree.drafter")
 MAX_SEQS_PER_CALL = 1024
 MAX_SEQ_ID_CHARS = 256
+MAX_CHUNKS_PER_APPEND = 65536  # 64 MiB messages: far beyond any window's worth of features
 
 
 def decode_request(req: drafter_pb2.DraftRequest) -> list[SeqDraftInput]:
@@ -48,6 +49,23 @@ def decode_request(req: drafter_pb2.DraftRequest) -> list[SeqDraftInput]:
             )
         )
     return out
+
+
+def decode_chunk(i: int, chunk: drafter_pb2.CommitChunk) -> SeqDraftInput:
+    """An Append chunk as the engine's input (no root, budget or chain: nothing is drafted)."""
+    if not chunk.seq_id or len(chunk.seq_id) > MAX_SEQ_ID_CHARS:
+        raise ValueError(f"chunk {i}: seq_id must be 1..{MAX_SEQ_ID_CHARS} characters")
+    feats = tensor_from_proto(chunk.commit_features, what=f"chunk {i} ({chunk.seq_id}) commit_features")
+    return SeqDraftInput(
+        seq_id=chunk.seq_id,
+        commit_token_ids=tuple(chunk.commit_token_ids),
+        commit_start=chunk.commit_start,
+        commit_features=feats,
+        root_token_id=0,
+        budget=0,
+        reset=chunk.reset,
+        chain=False,
+    )
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
@@ -89,6 +107,37 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 seq_id=s.seq_id, token_ids=tree.token_ids, parents=tree.parents, depths=tree.depths, scores=tree.scores
             )
         return resp
+
+    def Append(self, request_iterator, context):
+        """Chunks of long commits, appended in order; the first inconsistent chunk (a gap, a wrong
+        width, an unknown sequence without reset) ends the call with INVALID_ARGUMENT, and the caller
+        decodes that call's sequences with AR."""
+        if not hasattr(self.engine, "append"):
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "this drafter's engine takes commits in Draft only")
+        chunks = nbytes = 0
+        for chunk in request_iterator:
+            if chunks >= MAX_CHUNKS_PER_APPEND:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"more than {MAX_CHUNKS_PER_APPEND} chunks in one call")
+            try:
+                seq = decode_chunk(chunks, chunk)
+            except ValueError as err:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            with self._lock:
+                new = not self.engine.knows(seq.seq_id)
+                held = self.engine.info()["active_sequences"]
+                if new and held + 1 > self.max_sequences:
+                    context.abort(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"drafter holds {held} draft contexts; max_sequences is {self.max_sequences}",
+                    )
+                try:
+                    self.engine.append([seq])
+                except ValueError as err:
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"chunk {chunks}: {err}")
+            chunks += 1
+            nbytes += len(chunk.commit_features.data)
+        metrics.DRAFT_APPEND_CHUNKS.inc(chunks)
+        return drafter_pb2.AppendResponse(chunks=chunks, feature_bytes=nbytes)
 
     def Release(self, request, context):
         with self._lock:

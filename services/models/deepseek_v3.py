@@ -1,5 +1,5 @@
 """DeepSeek-V3 / Kimi-K2 causal LM in plain torch, named like the HF checkpoint so that
-`model.state_dict()` keys == saved keys (routed experts stay per-expert, as on the hub).
+`model.state_dict()` keys == saved keys (routed experts are stacked but named per expert, as on the hub).
 
 The forward works on a flattened batch of new tokens from several sequences (see attention.py) and a
 latent KV cache `kv_cache [num_layers, num_slots, kv_lora_rank + qk_rope_head_dim]` in the model dtype:

@@ -1,21 +1,27 @@
 """Load an HF-layout DeepSeek-V3 / Kimi-K2 / Kimi-K2.5 checkpoint into a model (docs/design.md §6).
 
 Reads `model.safetensors` or a sharded `model.safetensors.index.json` (every tensor, scales included,
-resolved through `weight_map`), memory-mapped. The model is built on the meta device and each parameter is
-assigned (copied) as it is read, one shard at a time, and the files are unmapped after each shard or
-every MAX_MAPPED_BYTES read, so peak memory is about the weights this process holds plus the pages of at
-most one shard (or MAX_MAPPED_BYTES). Stored dtypes come from the safetensors headers.
+resolved through `weight_map`), memory-mapped. The model is built on the meta device, its tensors are
+allocated once at their final (local) size and dtype, and each is filled in place as it is read, one shard
+at a time (routed experts: slot e of the stacked tensor, through the per-expert state-dict views); the
+files are unmapped after each shard or every MAX_MAPPED_BYTES read, so peak memory is about the weights
+this process holds plus the pages of at most one shard (or MAX_MAPPED_BYTES). Stored dtypes come from
+the safetensors headers.
 
-- Quantized weights are dequantized on the CPU while loading: FP8 e4m3 with block `weight_scale_inv`
-  (quantization/fp8_block.py) and INT4 compressed-tensors pack-quantized groups (quantization/int4_pack.py).
-  Which modules are quantized comes from the config's quantization_config (targets / ignore lists).
+- Quantized weights stay in their stored format (quantization/packed_modules.py gives the model packed
+  modules first): FP8 e4m3 with block `weight_scale_inv` (quantization/fp8_block.py) and INT4
+  compressed-tensors pack-quantized groups (quantization/int4_pack.py); which modules are quantized comes
+  from the config's quantization_config (targets / ignore lists). A slice of a packed weight must cut on
+  whole FP8 blocks / INT4 groups (CheckpointError otherwise). `dequantize=True` instead dequantizes them
+  on the CPU into plain modules (any slice; the reference the tests compare the packed model with).
 - kimi_k25 (multimodal): the text config is `text_config`, text weights carry the `language_model.` prefix,
   and everything outside it (vision tower, projector) is skipped.
 - MTP layers (`model.layers.{n}.*`, n >= num_hidden_layers) are skipped.
 - The router `mlp.gate.weight` and `mlp.gate.e_score_correction_bias` stay fp32 whatever `dtype` is.
 - `slice_of(name)` makes a tensor-parallel rank read only the part it owns (`TensorSlice`), and `skip(name)`
-  drops tensors it does not hold at all (expert parallel). Names are the model's parameter names, i.e. the
-  checkpoint names without the `language_model.` prefix, and `X.weight` for a quantized `X`.
+  drops tensors it does not hold at all (expert parallel). Names are the logical weight names, i.e. the
+  checkpoint names without the `language_model.` prefix, and `X.weight` for every companion of a quantized
+  `X` (`X.weight_packed`, `X.weight_scale_inv`, ...); slices are of the logical (dequantized) 2-D weight.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from .checkpoint_files import (
 from .config import DeepseekV3Config
 from .deepseek_v3 import DeepseekV3ForCausalLM
 from .quantization import Fp8BlockScheme, Int4PackScheme, QuantScheme, parse_quantization
+from .quantization.packed_modules import PackedWeight, pack_modules
 
 __all__ = [
     "INDEX_FILE", "SINGLE_FILE", "CheckpointError", "TensorSlice", "checkpoint_weight_map", "load_config",
@@ -106,12 +113,14 @@ def load_target(
     build_model: Callable[[DeepseekV3Config], nn.Module] | None = None,
     slice_of: Callable[[str], TensorSlice | None] | None = None,
     skip: Callable[[str], bool] | None = None,
+    dequantize: bool = False,
 ) -> nn.Module:
     """Build the model from `<path>/config.json` and load its weights.
 
-    dtype None = the stored dtype of `model.embed_tokens.weight`. `build_model(config)` is called under
-    torch.device("meta") (default `DeepseekV3ForCausalLM(config, attention_backend=...)`); its
-    state_dict names must be checkpoint names and its shapes the sliced shapes.
+    dtype None = the stored dtype of `model.embed_tokens.weight` (packed weights keep their stored dtypes,
+    the router stays fp32). `build_model(config)` is called under torch.device("meta") (default
+    `DeepseekV3ForCausalLM(config, attention_backend=...)`); its state_dict names must be checkpoint names
+    and its shapes the sliced shapes. dequantize=True: quantized weights become plain float weights.
     """
     root = Path(path)
     raw = read_config_dict(root)
@@ -121,34 +130,41 @@ def load_target(
         model = (
             build_model(config) if build_model else DeepseekV3ForCausalLM(config, attention_backend=attention_backend)
         )
-    expected = {n: tuple(t.shape) for n, t in model.state_dict().items()}
     skip = skip or (lambda name: False)
-    held = [n for n in expected if skip(n)]
-    if held:
-        raise CheckpointError(f"the model holds tensors that skip() excludes: {_summary(held)}")
 
     with CheckpointFiles(root) as files:
-        plan = _plan(files, config, raw, scheme, expected, skip)
+        prefix = (
+            TEXT_PREFIX if "text_config" in raw and any(n.startswith(TEXT_PREFIX) for n in files.weight_map) else ""
+        )
+        packed = pack_modules(model, scheme, prefix, files) if scheme is not None and not dequantize else {}
+        expected = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+        held = [n for n in expected if skip(_logical(n))]
+        if held:
+            raise CheckpointError(f"the model holds tensors that skip() excludes: {_summary(held)}")
+        plan = _plan(files, config, prefix, scheme, expected, packed, skip)
         if dtype is None:
             stored = files.dtype(plan["model.embed_tokens.weight"].stored[0])
             if stored not in FLOAT_DTYPES:
                 raise CheckpointError(f"model.embed_tokens.weight has stored dtype {stored}; pass dtype= explicitly")
             dtype = SAFETENSORS_DTYPES[stored][0]
+        _materialize(model, device, dtype)
+        views = model.state_dict()  # aliases of the model's own tensors (experts: slots of the stacked ones)
         by_file: dict[Path, list[str]] = {}
         for name, p in plan.items():
             by_file.setdefault(p.file, []).append(name)
         for file in sorted(by_file):  # one shard at a time: its pages are unmapped after it
             for name in by_file[file]:
-                sl = slice_of(name) if slice_of else None
-                value = _read(files, name, plan[name], expected[name], sl, scheme)
-                want = torch.float32 if name.endswith(FP32_SUFFIXES) else dtype
-                # copy=True: safetensors hands out views of the memory-mapped file; the model must own its
-                # memory so that the file can be unmapped (and changed) after the load
-                _assign(model, name, value.to(device=device, dtype=want, copy=True))
+                logical = _logical(name)
+                sl = slice_of(logical) if slice_of else None
+                value = _read(files, name, plan[name], expected[name], sl, scheme, packed.get(logical))
+                # copy_ into the model's memory (converting the dtype): safetensors hands out views of the
+                # memory-mapped file, and the model must own its memory so that the file can be unmapped
+                views[name].copy_(value)
                 del value  # the last view would keep the mapping alive past close()
                 if files.mapped_bytes > MAX_MAPPED_BYTES:
                     files.close()
             files.close()
+        del views
     _move_unsaved_buffers(model, device)
     return model.eval()
 
@@ -157,40 +173,44 @@ def load_target(
 class _Planned:
     stored: tuple[str, ...]  # checkpoint names (with any prefix); [0] is the weight (or weight_packed)
     file: Path  # the file holding stored[0]
-    quantized: bool
+    mode: str  # "plain" (as stored) | "packed" (one stored companion, as stored) | "dequantize"
 
 
 def _plan(
     files: CheckpointFiles,
     config: DeepseekV3Config,
-    raw: dict[str, Any],
+    prefix: str,
     scheme: QuantScheme | None,
     expected: dict[str, tuple[int, ...]],
+    packed: dict[str, PackedWeight],
     skip: Callable[[str], bool],
 ) -> dict[str, _Planned]:
     """model name -> the checkpoint tensors that make it; fails on missing or unexpected tensors."""
-    prefix = TEXT_PREFIX if "text_config" in raw and any(n.startswith(TEXT_PREFIX) for n in files.weight_map) else ""
     plan: dict[str, _Planned] = {}
     claimed: set[str] = set()
     missing: list[str] = []
     for name, shape in expected.items():
         module = name.rpartition(".")[0]
-        quantized = (
+        if _logical(name) in packed:
+            mode, local = "packed", (name,)
+        elif (
             scheme is not None and name.endswith(".weight") and len(shape) == 2
             and scheme.quantizes((prefix + module, module))
-        )  # fmt: skip
-        local = scheme.stored_names(name) if quantized else (name,)
+        ):  # fmt: skip
+            mode, local = "dequantize", scheme.stored_names(name)
+        else:
+            mode, local = "plain", (name,)
         stored = tuple(prefix + n for n in local)
         claimed.update(stored)
         missing += [n for n in stored if n not in files]
         if stored[0] in files:
-            plan[name] = _Planned(stored, files.file_of(stored[0]), quantized)
+            plan[name] = _Planned(stored, files.file_of(stored[0]), mode)
     unexpected = []
     for n in files.weight_map:
         if n in claimed or not n.startswith(prefix):  # outside the text model: vision tower, projector
             continue
         local = n[len(prefix) :]
-        if _is_mtp(local, config.num_hidden_layers) or skip(_COMPANION_RE.sub(".weight", local)):
+        if _is_mtp(local, config.num_hidden_layers) or skip(_logical(local)):
             continue
         unexpected.append(n)
     if missing or unexpected:
@@ -217,34 +237,51 @@ def _read(
     want: tuple[int, ...],
     sl: TensorSlice | None,
     scheme: QuantScheme | None,
+    packed: PackedWeight | None,
 ) -> torch.Tensor:
     head = p.stored[0]
-    if p.quantized:
-        logical = scheme.logical_shape(files, head.removesuffix("_packed"))
-    else:
-        logical = files.shape(head)
+    logical_name = _logical(name)
+    if p.mode == "plain":
+        logical, model_shape = files.shape(head), want
         if files.dtype(head) not in FLOAT_DTYPES:
             hint = " (not covered by quantization_config)" if scheme else " (no quantization_config)"
             raise CheckpointError(f"{files.file_of(head)}: tensor {head} is stored as {files.dtype(head)}{hint}")
+    else:
+        weight = _logical(head)  # the stored `X.weight` name, prefix included
+        logical = scheme.logical_shape(files, weight)
+        model_shape = want if packed is None else (packed.out_features, packed.in_features)
     got = list(logical)
     if sl is not None:
         if not (0 <= sl.dim < len(logical)) or not (0 <= sl.start < sl.stop <= logical[sl.dim]):
-            raise CheckpointError(f"{files.file_of(head)}: tensor {name}: slice {sl} out of checkpoint shape {got}")
+            raise CheckpointError(
+                f"{files.file_of(head)}: tensor {logical_name}: slice {sl} out of checkpoint shape {got}"
+            )
         got[sl.dim] = sl.stop - sl.start
-    if tuple(got) != want:
+    if tuple(got) != tuple(model_shape):
         sliced = "" if sl is None else f" sliced by {sl} to {got}"
         raise CheckpointError(
-            f"{files.file_of(head)}: tensor {name}: checkpoint shape {list(logical)}{sliced} != model shape {list(want)}"
+            f"{files.file_of(head)}: tensor {logical_name}: checkpoint shape {list(logical)}{sliced} != model "
+            f"shape {list(model_shape)}"
         )
     full = [slice(0, n) for n in logical]
     if sl is not None:
         full[sl.dim] = slice(sl.start, sl.stop)
     rows, cols = full[0], (full[1] if len(full) > 1 else None)
-    if not p.quantized:
+    if p.mode == "plain":
         if sl is None:
             return files.read(head)
         return files.read(head, rows, cols if sl.dim == 1 else None)
-    weight = head.removesuffix("_packed")  # the stored `X.weight` name, prefix included
+    leaf = name.rpartition(".")[2]
+    if p.mode == "packed":
+        if isinstance(scheme, Fp8BlockScheme):
+            value = scheme.read_packed(files, weight, leaf, rows, cols, logical)
+        else:
+            value = scheme.read_packed(files, weight, leaf, rows, cols, packed.group_size, logical)
+        if tuple(value.shape) != want:
+            raise CheckpointError(
+                f"{files.file_of(head)}: tensor {head}: read {list(value.shape)} != model {list(want)}"
+            )
+        return value
     if isinstance(scheme, Fp8BlockScheme):
         return scheme.read(files, weight, rows, cols)
     assert isinstance(scheme, Int4PackScheme)
@@ -252,20 +289,32 @@ def _read(
     return scheme.read(files, weight, rows, cols, group.group_size, logical[1])
 
 
+def _logical(name: str) -> str:
+    """`X.weight` for a quantized weight's companions (`X.weight_packed`, `X.weight_scale_inv`, ...)."""
+    return _COMPANION_RE.sub(".weight", name)
+
+
+def _materialize(model: nn.Module, device: str | torch.device, dtype: torch.dtype) -> None:
+    """Allocate every saved tensor still on meta at its final device and dtype (uninitialised; filled next):
+    packed leaves keep the dtype their module chose, the router fp32, other floats `dtype`."""
+    for module_name, module in model.named_modules():
+        keep = getattr(module, "PACKED_LEAVES", ())
+        for store in (module._parameters, module._buffers):
+            for leaf, t in store.items():
+                if t is None or not t.is_meta or leaf in module._non_persistent_buffers_set:
+                    continue
+                qualified = f"{module_name}.{leaf}"
+                if leaf in keep or not t.is_floating_point():
+                    want = t.dtype
+                else:
+                    want = torch.float32 if qualified.endswith(FP32_SUFFIXES) else dtype
+                new = torch.empty(t.shape, dtype=want, device=device)
+                store[leaf] = nn.Parameter(new, requires_grad=False) if store is module._parameters else new
+
+
 def _is_mtp(name: str, num_layers: int) -> bool:
     m = _LAYER_RE.match(name)
     return m is not None and int(m.group(1)) >= num_layers
-
-
-def _assign(model: nn.Module, name: str, value: torch.Tensor) -> None:
-    module_name, _, leaf = name.rpartition(".")
-    module = model.get_submodule(module_name)
-    if leaf in module._parameters:
-        module._parameters[leaf] = nn.Parameter(value, requires_grad=False)
-    elif leaf in module._buffers:
-        module._buffers[leaf] = value
-    else:
-        raise CheckpointError(f"tensor {name}: no parameter or buffer {leaf!r} on {module_name}")
 
 
 def _move_unsaved_buffers(model: nn.Module, device: str | torch.device) -> None:

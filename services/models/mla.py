@@ -23,6 +23,7 @@ from torch import nn
 from .attention import AttentionMetadata, MLAAttentionBackend
 from .config import DeepseekV3Config
 from .norm import RMSNorm
+from .packed_linear import dense_weight
 from .rope import RotaryEmbedding
 
 A_LAYERNORM_EPS = 1e-6  # HF and Moonshot build q_a/kv_a layernorms with the default eps, ignoring rms_norm_eps
@@ -68,8 +69,10 @@ class DeepseekV3Attention(nn.Module):
         return torch.cat([self.kv_a_layernorm(latent), rope(k_pe, positions)], dim=-1)
 
     def w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """W_UK [H, dn, r], W_UV [H, dv, r] (views of kv_b_proj.weight)."""
-        w = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        """W_UK [H, dn, r], W_UV [H, dv, r] (views of kv_b_proj.weight; an FP8 kv_b_proj is dequantized per
+        call, in the dtype of the model's other weights)."""
+        w = dense_weight(self.kv_b_proj, self.kv_a_layernorm.weight.dtype)
+        w = w.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
 
     # ---- absorbed forward ------------------------------------------------------------------------

@@ -1,6 +1,7 @@
-"""Dense MLP and the DeepSeek-V3 MoE block (docs/design.md §5). Module names mirror the checkpoint:
+"""Dense MLP and the DeepSeek-V3 MoE block (docs/design.md §5). State-dict names mirror the checkpoint:
 `mlp.{gate,up,down}_proj` (dense), `mlp.gate.{weight,e_score_correction_bias}`,
-`mlp.experts.{e}.{gate,up,down}_proj`, `mlp.shared_experts.{gate,up,down}_proj`."""
+`mlp.experts.{e}.{gate,up,down}_proj.*` (stacked per projection in moe_experts.py),
+`mlp.shared_experts.{gate,up,down}_proj`."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import DeepseekV3Config
+from .moe_experts import StackedExperts
 
 
 class DeepseekV3MLP(nn.Module):
-    """down(silu(gate(x)) * up(x)); used for dense layers, each routed expert and the shared experts."""
+    """down(silu(gate(x)) * up(x)); the dense layers and the shared experts (routed ones: moe_experts.py)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
@@ -62,35 +64,26 @@ class DeepseekV3TopkRouter(nn.Module):
 class DeepseekV3MoE(nn.Module):
     """y = Σ_j w_j · expert_{idx_j}(x) + shared_experts(x).
 
-    Expert parallel (parallel/tp_model.py): `experts[e]` is None for the experts another rank holds, so
-    each rank sums its own experts' part for all tokens and the decoder layer all-reduces."""
+    The routed experts are stacked per projection (moe_experts.py `StackedExperts`; state-dict names
+    still `experts.{e}.{proj}.*`). Expert parallel (parallel/tp_model.py): `keep_experts(lo, hi)` leaves
+    this rank experts [lo, hi) only, so each rank sums its own experts' part for all tokens and the
+    decoder layer all-reduces."""
 
     def __init__(self, config: DeepseekV3Config):
         super().__init__()
         d, inter = config.hidden_size, config.moe_intermediate_size
         self.gate = DeepseekV3TopkRouter(config)
-        self.experts = nn.ModuleList(DeepseekV3MLP(d, inter) for _ in range(config.n_routed_experts))
+        self.experts = StackedExperts(d, inter, config.n_routed_experts)
         self.shared_experts = DeepseekV3MLP(d, inter * config.n_shared_experts) if config.n_shared_experts > 0 else None
+
+    def keep_experts(self, lo: int, hi: int) -> None:
+        """Hold routed experts [lo, hi) only (build time, before loading: the new tensors are uninitialised)."""
+        e = self.experts
+        self.experts = StackedExperts(e.hidden_size, e.intermediate_size, e.num_experts, (lo, hi))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, d] -> [N, d]
         weights, idx = self.gate(x)  # [N, k] fp32, [N, k]
-        out = torch.zeros_like(x)
-        # Loop over the experts that got at least one token; experts run in ascending id order like HF.
-        flat_idx = idx.flatten()  # [N*k]
-        order = flat_idx.argsort(stable=True)
-        counts = torch.bincount(flat_idx, minlength=len(self.experts)).tolist()
-        token_of = order // idx.shape[1]  # token row of each sorted assignment
-        slot_of = order % idx.shape[1]  # which of the k choices it was
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            tok, pos = token_of[start : start + n], slot_of[start : start + n]
-            start += n
-            if self.experts[e] is None:  # expert parallel: another rank holds expert e
-                continue
-            y = self.experts[e](x[tok]) * weights[tok, pos, None]  # fp32 after the weight multiply
-            out.index_add_(0, tok, y.to(out.dtype))
+        out = self.experts(x, weights, idx)  # one grouped matmul per projection (no loop over experts)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

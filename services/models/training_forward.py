@@ -3,9 +3,10 @@
 
 - MLA in the naive (non-absorbed) form: per-head k_nope and v are expanded through kv_b_proj and attention
   runs through torch SDPA with `is_causal=True` (mla.py shows both forms compute the same scores).
-- MoE: the router picks experts exactly as in serving; tokens are gathered per expert (one matmul pair per
-  expert, no per-token loop) and scattered back with their routing weights. The per-expert token counts
-  come back so the trainer can apply the aux-loss-free bias update.
+- MoE: the router picks experts exactly as in serving and the routed experts run through the same
+  grouped path (moe_grouped.py: tokens sorted by expert, one grouped matmul per projection, differentiable
+  for the bf16/fp32 stacked weights). The per-expert token counts come back so the trainer can apply the
+  aux-loss-free bias update.
 
 Every position of a block is a new token; positions are 0..T-1 unless given.
 """
@@ -49,22 +50,10 @@ def mla_causal(
 
 
 def moe_grouped(moe: DeepseekV3MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [N, d] -> (y [N, d], tokens per expert int64 [E]). Same math as DeepseekV3MoE.forward.
-
-    The N·k (token, choice) assignments are sorted by expert, gathered with one index_select, run through
-    each expert as one contiguous chunk, and un-sorted with the inverse permutation (gathers only: their
-    backward is a row-wise index_add, much cheaper on CPU than the scatter of advanced indexing).
-    """
+    """x [N, d] -> (y [N, d], tokens per expert int64 [E]). Same math as DeepseekV3MoE.forward."""
     weights, idx = moe.gate(x)  # fp32 [N, k], int64 [N, k]
-    N, k = idx.shape
-    flat = idx.flatten()  # [N*k] assignment a = token * k + choice
-    order = flat.argsort(stable=True)  # assignments sorted by expert
-    counts = torch.bincount(flat, minlength=len(moe.experts))  # [E]
-    xs = x.index_select(0, order // k)  # [N*k, d]
-    chunks = xs.split(counts.tolist())
-    ys = torch.cat([moe.experts[e](c) if c.shape[0] else c for e, c in enumerate(chunks)])  # [N*k, d]
-    ys = ys * weights.flatten().index_select(0, order)[:, None]  # fp32 after the weight multiply
-    y = ys.index_select(0, order.argsort()).view(N, k, -1).sum(dim=1).to(x.dtype)  # [N, d]
+    counts = torch.bincount(idx.flatten(), minlength=moe.experts.num_experts)  # [E]
+    y = moe.experts(x, weights, idx)  # grouped over experts; backward through torch._grouped_mm
     if moe.shared_experts is not None:
         y = y + moe.shared_experts(x)
     return y, counts

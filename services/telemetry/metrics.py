@@ -27,6 +27,10 @@ CONTEXT_TOKENS = Histogram(
 )
 TREE_NODES = Histogram("ddtree_tree_nodes", "Non-root tree nodes verified per sequence and step", buckets=NODE_BUCKETS)
 FEATURE_BYTES = Counter("ddtree_feature_bytes", "Feature bytes sent to the drafter")
+FEATURE_CHUNKS = Counter("ddtree_feature_chunks", "Commit chunks sent ahead of a Draft (Append RPC)")
+FEATURE_APPEND_SECONDS = Histogram(
+    "ddtree_feature_append_seconds", "Wall time of one step's Append call (chunked commits)", buckets=STEP_BUCKETS
+)
 GENERATED_TOKENS = Counter("ddtree_generated_tokens", "Tokens emitted by the verifier")
 RUNNING = Gauge("ddtree_running_sequences", "Sequences in prefill or decode")
 QUEUED = Gauge("ddtree_queued_requests", "Requests waiting for admission")
@@ -46,6 +50,7 @@ DRAFT_CALLS = Counter("ddtree_drafter_calls", "Draft calls served")
 DRAFT_SECONDS = Histogram("ddtree_drafter_draft_seconds", "Drafter compute per Draft call", buckets=STEP_BUCKETS)
 DRAFT_SEQUENCES = Gauge("ddtree_drafter_sequences", "Draft contexts held")
 DRAFT_CONTEXT_BYTES = Gauge("ddtree_drafter_context_bytes", "Bytes of draft context held")
+DRAFT_APPEND_CHUNKS = Counter("ddtree_drafter_append_chunks", "Commit chunks appended through Append calls")
 
 
 _PHASE_SECONDS = {phase: STEP_SECONDS.labels(phase=phase) for phase in ("draft", "verify", "transport", "total")}

@@ -17,7 +17,9 @@ from ddtree.protocol.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
 from ddtree.protocol.security import ServiceSecurity
 from ddtree.protocol.server import GRPC_OPTIONS
 from ddtree.protocol.tensors import tensor_to_proto
+from ddtree.telemetry import metrics
 from ddtree.telemetry.logging import get_logger
+from ddtree.verifier.feature_chunks import DEFAULT_CHUNK_BYTES, split_commit
 from ddtree.verifier.sequence import Sequence
 
 log = get_logger("ddtree.verifier.drafter_client")
@@ -39,9 +41,11 @@ class DrafterClient:
         timeout_s: float,
         connect_timeout_s: float = 60.0,
         security: ServiceSecurity | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ):
         self.address = address
         self.timeout_s = timeout_s
+        self.chunk_bytes = chunk_bytes
         self.channel = (security or ServiceSecurity()).channel(address, GRPC_OPTIONS)
         self.stub = drafter_pb2_grpc.DrafterStub(self.channel)
         self.info = self.stub.GetInfo(drafter_pb2.DrafterInfoRequest(), timeout=connect_timeout_s, wait_for_ready=True)
@@ -55,27 +59,46 @@ class DrafterClient:
         return tuple(self.info.target_layer_ids)
 
     def draft(self, batch: list[tuple[Sequence, int]], vocab_size: int) -> DraftResult:
-        """batch: (sequence, budget). Raises grpc.RpcError when the call fails as a whole."""
-        msgs, sent = [], {}
+        """batch: (sequence, budget). Raises grpc.RpcError when the call fails as a whole. A commit
+        over `chunk_bytes` of features goes ahead in chunks (one Append stream for the batch, in the
+        same deadline), its last piece in the Draft."""
+        msgs, sent, chunks = [], {}, []
         for seq, budget in batch:
             pend = seq.pending_commit
-            tokens = pend.token_ids if pend is not None else []
-            feats = tensor_to_proto(pend.features) if pend is not None else None
+            reset = not seq.drafter_seeded
             msg = drafter_pb2.SeqDraft(
                 seq_id=seq.draft_id,
-                commit_token_ids=tokens,
                 commit_start=pend.start if pend is not None else seq.context_len,
                 root_token_id=seq.root,
                 budget=budget,
-                reset=not seq.drafter_seeded,
                 chain=seq.params.chain,
             )
-            if feats is not None:
+            sent[seq.draft_id] = 0
+            if pend is not None:
+                *ahead, last = split_commit(pend.token_ids, pend.start, pend.features, self.chunk_bytes)
+                for piece in ahead:
+                    chunk = drafter_pb2.CommitChunk(
+                        seq_id=seq.draft_id, commit_token_ids=piece.token_ids, commit_start=piece.start, reset=reset
+                    )
+                    chunk.commit_features.CopyFrom(tensor_to_proto(piece.features))
+                    chunks.append(chunk)
+                    sent[seq.draft_id] += len(chunk.commit_features.data)
+                    reset = False
+                feats = tensor_to_proto(last.features)
+                msg.commit_token_ids.extend(last.token_ids)
+                msg.commit_start = last.start
                 msg.commit_features.CopyFrom(feats)
+                sent[seq.draft_id] += len(feats.data)
+            msg.reset = reset
             msgs.append(msg)
-            sent[seq.draft_id] = len(feats.data) if feats is not None else 0
         t0 = time.perf_counter()
-        resp = self.stub.Draft(drafter_pb2.DraftRequest(seqs=msgs), timeout=self.timeout_s)
+        deadline = t0 + self.timeout_s
+        if chunks:
+            self.stub.Append(iter(chunks), timeout=self.timeout_s)
+            metrics.FEATURE_CHUNKS.inc(len(chunks))
+            metrics.FEATURE_APPEND_SECONDS.observe(time.perf_counter() - t0)
+        remaining = max(deadline - time.perf_counter(), 0.001)
+        resp = self.stub.Draft(drafter_pb2.DraftRequest(seqs=msgs), timeout=remaining)
         rpc_ms = (time.perf_counter() - t0) * 1e3
         for seq, _ in batch:
             seq.pending_commit = None

@@ -27,6 +27,7 @@ from ddtree.protocol.security import ServiceSecurity
 from ddtree.telemetry import metrics
 from ddtree.telemetry.logging import get_logger
 from ddtree.verifier.drafter_client import DrafterClient, DraftResult
+from ddtree.verifier.feature_chunks import DEFAULT_CHUNK_BYTES
 from ddtree.verifier.sequence import Sequence
 
 log = get_logger("ddtree.verifier.drafter_pool")
@@ -40,9 +41,11 @@ class DrafterPool:
         connect_timeout_s: float = 60.0,
         resolve_interval_s: float = 10.0,
         security: ServiceSecurity | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ):
         self.spec = spec
         self.security = security or ServiceSecurity()
+        self.chunk_bytes = chunk_bytes
         self.timeout_s = timeout_s
         self.resolve_interval_s = resolve_interval_s
         self._lock = threading.Lock()
@@ -102,7 +105,11 @@ class DrafterPool:
                     continue
             try:
                 client = DrafterClient(
-                    addr, self.timeout_s, connect_timeout_s=connect_timeout_s, security=self.security
+                    addr,
+                    self.timeout_s,
+                    connect_timeout_s=connect_timeout_s,
+                    security=self.security,
+                    chunk_bytes=self.chunk_bytes,
                 )
             except grpc.RpcError as err:
                 log.warning("drafter_replica_unreachable", address=addr, code=str(err.code()))

@@ -195,7 +195,11 @@ def serve(config: VerifierConfig, model_dir: str) -> RunningServer:
         target = LocalTarget(model)
     mcfg = model.config
     security = ServiceSecurity.from_config(config)
-    drafter = DrafterPool(config.drafter, config.draft_timeout_s, security=security) if config.drafter else None
+    drafter = (
+        DrafterPool(config.drafter, config.draft_timeout_s, security=security, chunk_bytes=config.feature_chunk_bytes)
+        if config.drafter
+        else None
+    )
     kv = kv_size_for(config, mcfg)
     log.info(
         "kv_pool",

@@ -5,8 +5,8 @@ parallelism, moe_intermediate_size/N expert widths), so q_b_proj / kv_b_proj hol
 every down_proj H/N or I/N input columns, and parameter names stay the checkpoint's. Then:
 - embed_tokens and lm_head are replaced by their V/N-row shards (VocabParallelEmbedding all-reduces);
 - every decoder layer gets `tp`, so it all-reduces once after attention and once after the MLP;
-- under expert parallelism each MoE keeps its E/N whole experts (the others None) and a TP-split
-  shared expert; the router is replicated, so every rank routes every token the same way.
+- under expert parallelism each MoE keeps its E/N whole experts (stacked; `expert_map` sends the others'
+  ids to -1) and a TP-split shared expert; the router is replicated, so every rank routes every token the same way.
 The latent KV cache has one head: every rank holds a full replica, written by the same forward.
 
 Per forward (`run_shard`, on every rank): the model forward, one all-gather of [R, 2] (max, global id)
@@ -56,9 +56,7 @@ def build_tp_model(plan: ShardPlan, tp: TPGroup | None, attention_backend: str =
     for layer in model.model.layers:
         layer.tp = tp
         if plan.expert_parallel and isinstance(layer.mlp, DeepseekV3MoE):
-            for e in range(c.n_routed_experts):
-                if not e_lo <= e < e_hi:
-                    layer.mlp.experts[e] = None
+            layer.mlp.keep_experts(e_lo, e_hi)  # stacked [E/N, ...]; expert_map sends the others to -1
             if layer.mlp.shared_experts is not None:
                 width = c.moe_intermediate_size * c.n_shared_experts // plan.world_size
                 layer.mlp.shared_experts = DeepseekV3MLP(c.hidden_size, width)

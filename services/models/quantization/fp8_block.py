@@ -7,8 +7,11 @@ plus an optional skip list (`modules_to_not_convert`, or `ignored_layers` / `ign
     W[i, j] = float(q[i, j]) · scale_inv[i // bm, j // bn]      (ragged edge blocks use the same scale)
 
 Quantised: every projection (`*_proj`, `kv_a_proj_with_mqa`) not skipped; lm_head, the embedding, norms and the router stay in
-the stored high precision (transformers also never converts the output embedding). A slice of rows/cols
-reads only those rows/cols of `X.weight` and the scale blocks that cover them; it need not be block-aligned.
+the stored high precision (transformers also never converts the output embedding).
+
+Two ways to read a slice of rows/cols: `read` dequantizes it (fp32; any bounds: only those rows/cols of
+`X.weight` and the scale blocks that cover them are read); `read_packed` returns the stored fp8 values or
+scales of it as they are, for the packed modules, and needs bounds on whole blocks (or the edge).
 """
 
 from __future__ import annotations
@@ -75,3 +78,25 @@ class Fp8BlockScheme:
         scale_cols = slice(cols.start // bn, (cols.stop - 1) // bn + 1)
         scale = files.read(weight + "_scale_inv", scale_rows, scale_cols)
         return dequantize_fp8_block(q, scale, self.block, rows.start, cols.start)
+
+    def read_packed(
+        self, files: CheckpointFiles, weight: str, leaf: str, rows: slice, cols: slice, shape: tuple[int, int]
+    ) -> torch.Tensor:
+        """`leaf` ("weight": float8_e4m3fn, "weight_scale_inv": fp32) of W[rows, cols], W of `shape`.
+
+        The slice is a standalone block-quantized matrix only when it cuts on whole blocks: anything else
+        raises CheckpointError."""
+        bm, bn = self.block
+        for what, s, b, n in (("rows", rows, bm, shape[0]), ("columns", cols, bn, shape[1])):
+            if s.start % b or (s.stop % b and s.stop != n):
+                raise CheckpointError(
+                    f"{files.file_of(weight)}: tensor {weight}: {what} [{s.start}, {s.stop}) of {n} do not cut its "
+                    f"FP8 {bm}x{bn} scale blocks whole; packed FP8 weights are sliced on whole blocks (choose a "
+                    "tensor-parallel size that keeps them whole, or load with dequantize=True)"
+                )
+        if leaf == "weight":
+            return files.read(weight, rows, cols)
+        if leaf != "weight_scale_inv":
+            raise CheckpointError(f"tensor {weight}: no FP8 companion {leaf!r}")
+        blocks = slice(rows.start // bm, -(-rows.stop // bm)), slice(cols.start // bn, -(-cols.stop // bn))
+        return files.read(weight + "_scale_inv", *blocks)

@@ -9,8 +9,10 @@ Each quantised Linear `X` [out, in] stores
   `pack_to_int32` / `unpack_from_int32`: little-endian bytes, low nibble first);
 - `X.weight_scale` [out, ceil(in/group)] (bf16 in the Kimi checkpoints; read whatever float the header says);
 - `X.weight_shape` int [2] = [out, in].
-W[i, j] = (nibble - 8) · scale[i, j // group]; no zero point. A column slice reads the packed words and
-scales of the groups that cover it and trims; a row slice reads just those rows.
+W[i, j] = (nibble - 8) · scale[i, j // group]; no zero point. `read` dequantizes a slice (fp32; a column
+slice reads the packed words and scales of the groups that cover it and trims; a row slice reads just
+those rows); `read_packed` returns the stored words / scales of it, for the packed modules, and needs a
+column slice on whole groups (or ending at the edge).
 """
 
 from __future__ import annotations
@@ -93,12 +95,7 @@ class Int4PackScheme:
     ) -> torch.Tensor:
         """Dequantised fp32 W[rows, cols] (slices with explicit start/stop)."""
         packed, scale = weight + "_packed", weight + "_scale"
-        n_groups = -(-in_features // group_size)
-        if tuple(files.shape(scale)) != (files.shape(packed)[0], n_groups):
-            raise CheckpointError(
-                f"{files.file_of(scale)}: tensor {scale} has shape {list(files.shape(scale))}, expected "
-                f"{[files.shape(packed)[0], n_groups]} (group size {group_size})"
-            )
+        self._check_scale(files, weight, group_size, in_features)
         g0, g1 = cols.start // group_size, -(-cols.stop // group_size)  # covering groups
         w0, w1 = g0 * group_size // PACK, min(g1 * group_size // PACK, files.shape(packed)[1])
         q = unpack_int4(files.read(packed, rows, slice(w0, w1)))  # int8 [m, 8·(w1-w0)]
@@ -106,3 +103,44 @@ class Int4PackScheme:
         lo = cols.start - g0 * group_size
         hi = cols.stop - g0 * group_size
         return q[:, lo:hi].float().mul_(s[:, lo:hi])
+
+    def read_packed(
+        self,
+        files: CheckpointFiles,
+        weight: str,
+        leaf: str,
+        rows: slice,
+        cols: slice,
+        group_size: int,
+        shape: tuple[int, int],
+    ) -> torch.Tensor:
+        """`leaf` ("weight_packed" int32, "weight_scale", "weight_shape") of W[rows, cols], W of `shape`.
+
+        Columns must be cut on whole groups (then also on whole int32 words): anything else raises
+        CheckpointError. `weight_shape` is the slice's own [rows, cols]."""
+        K = shape[1]
+        if cols.start % group_size or (cols.stop % group_size and cols.stop != K):
+            raise CheckpointError(
+                f"{files.file_of(weight + '_packed')}: tensor {weight}: columns [{cols.start}, {cols.stop}) of {K} "
+                f"do not cut its INT4 groups of {group_size} whole; packed INT4 weights are sliced on whole groups "
+                "(choose a tensor-parallel size that keeps them whole, or load with dequantize=True)"
+            )
+        if leaf == "weight_packed":
+            return files.read(weight + "_packed", rows, slice(cols.start // PACK, -(-cols.stop // PACK)))
+        if leaf == "weight_scale":
+            self._check_scale(files, weight, group_size, K)
+            groups = slice(cols.start // group_size, -(-cols.stop // group_size))
+            return files.read(weight + "_scale", rows, groups)
+        if leaf == "weight_shape":
+            return torch.tensor([rows.stop - rows.start, cols.stop - cols.start], dtype=torch.int32)
+        raise CheckpointError(f"tensor {weight}: no INT4 companion {leaf!r}")
+
+    @staticmethod
+    def _check_scale(files: CheckpointFiles, weight: str, group_size: int, in_features: int) -> None:
+        packed, scale = weight + "_packed", weight + "_scale"
+        n_groups = -(-in_features // group_size)
+        if tuple(files.shape(scale)) != (files.shape(packed)[0], n_groups):
+            raise CheckpointError(
+                f"{files.file_of(scale)}: tensor {scale} has shape {list(files.shape(scale))}, expected "
+                f"{[files.shape(packed)[0], n_groups]} (group size {group_size})"
+            )

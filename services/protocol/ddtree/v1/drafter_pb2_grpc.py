@@ -41,6 +41,11 @@ class DrafterStub:
                 request_serializer=ddtree_dot_v1_dot_drafter__pb2.DraftRequest.SerializeToString,
                 response_deserializer=ddtree_dot_v1_dot_drafter__pb2.DraftResponse.FromString,
                 _registered_method=True)
+        self.Append = channel.stream_unary(
+                '/ddtree.v1.Drafter/Append',
+                request_serializer=ddtree_dot_v1_dot_drafter__pb2.CommitChunk.SerializeToString,
+                response_deserializer=ddtree_dot_v1_dot_drafter__pb2.AppendResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/ddtree.v1.Drafter/Release',
                 request_serializer=ddtree_dot_v1_dot_drafter__pb2.ReleaseRequest.SerializeToString,
@@ -64,6 +69,15 @@ class DrafterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Append(self, request_iterator, context):
+        """Commits too large for one message (a long prompt's features at full width: 6 taps x 7168 x 2 bytes
+        = 86 KB per token) arrive first as chunks, in order, appended to each sequence's context exactly
+        as a Draft's commit would be; the Draft that follows carries the last piece and the root.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -83,6 +97,11 @@ def add_DrafterServicer_to_server(servicer, server):
                     servicer.Draft,
                     request_deserializer=ddtree_dot_v1_dot_drafter__pb2.DraftRequest.FromString,
                     response_serializer=ddtree_dot_v1_dot_drafter__pb2.DraftResponse.SerializeToString,
+            ),
+            'Append': grpc.stream_unary_rpc_method_handler(
+                    servicer.Append,
+                    request_deserializer=ddtree_dot_v1_dot_drafter__pb2.CommitChunk.FromString,
+                    response_serializer=ddtree_dot_v1_dot_drafter__pb2.AppendResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -124,6 +143,33 @@ class Drafter:
             '/ddtree.v1.Drafter/Draft',
             ddtree_dot_v1_dot_drafter__pb2.DraftRequest.SerializeToString,
             ddtree_dot_v1_dot_drafter__pb2.DraftResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Append(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/ddtree.v1.Drafter/Append',
+            ddtree_dot_v1_dot_drafter__pb2.CommitChunk.SerializeToString,
+            ddtree_dot_v1_dot_drafter__pb2.AppendResponse.FromString,
             options,
             channel_credentials,
             insecure,
