@@ -349,6 +349,16 @@ BAD = [
     ("body not an object", CHAT, "[1, 2]", None, 400, "request body must be a JSON object, got array"),
     ("not UTF-8", CHAT, b'{"messages": "\xff"}', None, 400, "request body is not UTF-8"),
     ("lone surrogate", CHAT, '{"messages": [{"role": "user", "content": "\\ud800"}]}', None, 400, "surrogate"),
+    # A surrogate encoded in (invalid) UTF-8 bytes, not escaped: json.loads(bytes) once let it through -> 500.
+    (
+        "encoded surrogate",
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "a\xed\xa0\x80b"}], "max_tokens": 1}',
+        None,
+        400,
+        "request body is not UTF-8",
+    ),
+    ("encoded surrogate in prompt", "/v1/completions", b'{"prompt": "a\xed\xbf\xbfb"}', None, 400, "not UTF-8"),
     ("deep nesting", CHAT, "[" * 50_000, None, 400, "nested too deeply"),
     # Limits that hold before parsing gets expensive: Python's int() refuses over 4300 digits (once a 500),
     # and JSON-in-string fields recursed without bound.

@@ -214,7 +214,8 @@ class _Api:
                 413, f"request body of {declared or 'more than ' + str(limit)} bytes is over the limit of {limit} bytes"
             )
         try:
-            data = json.loads(body, **parse_hooks())
+            # Strict UTF-8 first: json.loads(bytes) would let encoded lone surrogates (ED A0 80) through.
+            data = json.loads(bytes(body).decode("utf-8"), **parse_hooks())
         except JsonInputError as e:  # a number over the limit, or NaN / Infinity
             raise ApiError(400, f"request body: {e}") from None
         except UnicodeDecodeError:
