@@ -115,6 +115,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         if not hasattr(self.engine, "append"):
             context.abort(grpc.StatusCode.UNIMPLEMENTED, "this drafter's engine takes commits in Draft only")
         chunks = nbytes = 0
+        compute_s = 0.0
         for chunk in request_iterator:
             if chunks >= MAX_CHUNKS_PER_APPEND:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"more than {MAX_CHUNKS_PER_APPEND} chunks in one call")
@@ -130,14 +131,16 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                         grpc.StatusCode.RESOURCE_EXHAUSTED,
                         f"drafter holds {held} draft contexts; max_sequences is {self.max_sequences}",
                     )
+                t0 = time.perf_counter()
                 try:
                     self.engine.append([seq])
                 except ValueError as err:
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"chunk {chunks}: {err}")
+                compute_s += time.perf_counter() - t0
             chunks += 1
             nbytes += len(chunk.commit_features.data)
         metrics.DRAFT_APPEND_CHUNKS.inc(chunks)
-        return drafter_pb2.AppendResponse(chunks=chunks, feature_bytes=nbytes)
+        return drafter_pb2.AppendResponse(chunks=chunks, feature_bytes=nbytes, append_ms=compute_s * 1e3)
 
     def Release(self, request, context):
         with self._lock:
