@@ -1,21 +1,21 @@
 """Peak resident memory of `load_target`, whole and as tensor-parallel rank 0 of 2.
 
-    python tools/measure_load_memory.py [--dir DIR] [--shard-mb 100]
+    python -m scripts.measure_load_memory [--dir DIR] [--shard-mb 100] [--int4]
 
-Writes a sharded bf16 random checkpoint of a few hundred MB (a DeepSeek-V3-shaped config scaled down),
-then loads it in a fresh subprocess per mode and prints peak RSS (`ru_maxrss`) minus the RSS before the
-load (after the imports and a warm-up load of a tiny checkpoint, which pages in torch's kernels), next to
-the bytes the loaded model holds:
+Writes a sharded bf16 random checkpoint of a few hundred MB (a DeepSeek-V3-shaped config scaled down;
+--int4: its routed experts INT4 pack-quantized, group 32, as Kimi K2.x ships them), then loads it in a
+fresh subprocess per mode and prints peak RSS (`ru_maxrss`) minus the RSS before the load (after the
+imports and a warm-up load of a tiny checkpoint, which pages in torch's kernels), next to the bytes the
+loaded model holds (packed weights stay packed):
 - whole: every tensor;
-- half: a `slice_of` that keeps rank 0's half of every splittable weight (heads, MLP / expert widths, vocab),
-  replicated tensors whole, simulating TP=2.
+- half: rank 0 of 2 (ShardPlan + build_tp_model: half of every splittable weight, heads, MLP / expert
+  widths, vocab; replicated tensors whole), read through its `slice_of`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import resource
 import subprocess
 import sys
@@ -32,15 +32,31 @@ MEASURE_CONFIG = {
 }  # fmt: skip
 
 
-def write_checkpoint(root: Path, shard_mb: float) -> Path:
+INT4_CONFIG = {
+    "quant_method": "compressed-tensors", "format": "pack-quantized",
+    "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": True,
+                                                                     "strategy": "group", "group_size": 32}}},
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|down)_proj.*"],
+}  # fmt: skip
+
+
+def write_checkpoint(root: Path, shard_mb: float, int4: bool = False) -> Path:
     import torch
     from safetensors.torch import save_file
 
+    from ddtree.kernels.quant_formats import quantize_int4_group
     from ddtree.models.config import DeepseekV3Config
     from ddtree.models.random_checkpoint import random_target_state_dict
 
     config = DeepseekV3Config.from_dict(MEASURE_CONFIG)
     tensors = random_target_state_dict(config, seed=0, dtype=torch.bfloat16)
+    if int4:
+        for name in [n for n in tensors if ".mlp.experts." in n]:
+            stem = name.removesuffix(".weight")
+            w = tensors.pop(name)
+            tensors[stem + ".weight_packed"], tensors[stem + ".weight_scale"], tensors[stem + ".weight_shape"] = (
+                quantize_int4_group(w.float(), 32)
+            )
     root.mkdir(parents=True, exist_ok=True)
     shards: list[dict] = [{}]
     size = 0
@@ -58,7 +74,8 @@ def write_checkpoint(root: Path, shard_mb: float) -> Path:
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
                                                                     "weight_map": weight_map}))  # fmt: skip
-    (root / "config.json").write_text(json.dumps({**config.to_hf_dict(), "torch_dtype": "bfloat16"}))
+    quant = {"quantization_config": INT4_CONFIG} if int4 else {}
+    (root / "config.json").write_text(json.dumps({**config.to_hf_dict(), "torch_dtype": "bfloat16", **quant}))
     return root
 
 
@@ -67,39 +84,24 @@ def rss_mb() -> float:
 
 
 def child(root: Path, mode: str) -> None:
-    import torch
-
-    from ddtree.models.deepseek_v3 import DeepseekV3ForCausalLM
-    from ddtree.models.loader import TensorSlice, load_config, load_target
+    from ddtree.models.loader import load_config, load_target
+    from ddtree.models.parallel.shard_plan import ShardPlan
+    from ddtree.models.parallel.tp_model import build_tp_model
     from ddtree.models.random_checkpoint import write_random_target
-    from ddtree.tools.inspect import config_tensors
 
-    config = load_config(root)
-    slices = {}
-    if mode == "half":  # rank 0 of 2: the first half of each split dim, in whole heads
-        for s in config_tensors(config):
-            if s.split is not None:
-                units = s.shape[s.split] // s.unit
-                slices[s.name] = TensorSlice(s.split, 0, math.ceil(units / 2) * s.unit)
-
-    def build(c):
-        model = DeepseekV3ForCausalLM(c)
-        for name, sl in slices.items():
-            module_name, _, leaf = name.rpartition(".")
-            module = model.get_submodule(module_name)
-            shape = list(module._parameters[leaf].shape)
-            shape[sl.dim] = sl.stop - sl.start
-            module._parameters[leaf] = torch.nn.Parameter(torch.empty(shape, device="meta"), requires_grad=False)
-        return model
+    kw = {}
+    if mode == "half":  # rank 0 of 2, built and read as a TP rank is (no process group needed)
+        plan = ShardPlan(load_config(root), 0, 2)
+        kw = dict(build_model=lambda c: build_tp_model(plan, None), slice_of=plan.slice_of)
 
     imported = rss_mb()
     with tempfile.TemporaryDirectory() as tmp:  # warm-up: torch's lazily loaded kernels and allocator pools
         load_target(write_random_target(Path(tmp), {**MEASURE_CONFIG, "num_hidden_layers": 1, "vocab_size": 256,
                                                     "hidden_size": 64, "intermediate_size": 64}))  # fmt: skip
     base = rss_mb()
-    model = load_target(root, build_model=build, slice_of=slices.get)
+    model = load_target(root, **kw)
     peak = rss_mb()
-    held = sum(t.numel() * t.element_size() for t in model.state_dict().values()) / 2**20
+    held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]) / 2**20
     print(json.dumps({"mode": mode, "imported_mib": round(imported, 1), "baseline_mib": round(base, 1),
                       "peak_mib": round(peak, 1),
                       "load_peak_mib": round(peak - base, 1), "model_mib": round(held, 1)}))  # fmt: skip
@@ -109,11 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dir", type=Path, default=None, help="checkpoint directory (default: a temp dir)")
     p.add_argument("--shard-mb", type=float, default=100.0)
+    p.add_argument("--int4", action="store_true", help="routed experts INT4 pack-quantized (group 32)")
     p.add_argument("--child", nargs=2, metavar=("DIR", "MODE"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         if args.child[1] == "write":
-            write_checkpoint(Path(args.child[0]), args.shard_mb)
+            write_checkpoint(Path(args.child[0]), args.shard_mb, args.int4)
         else:
             child(Path(args.child[0]), args.child[1])
         return 0
@@ -124,10 +127,11 @@ def main(argv: list[str] | None = None) -> int:
         root = args.dir or Path(tmp) / "ckpt"
         if not (root / "model.safetensors.index.json").exists():
             cmd = [sys.executable, __file__, "--shard-mb", str(args.shard_mb), "--child", str(root), "write"]
+            cmd += ["--int4"] if args.int4 else []
             subprocess.run(cmd, check=True, cwd=cwd)
         files = sorted(root.glob("*.safetensors"))
         size = sum(f.stat().st_size for f in files) / 2**20
-        print(f"checkpoint {root}: {len(files)} shards, {size:.1f} MiB bf16")
+        print(f"checkpoint {root}: {len(files)} shards, {size:.1f} MiB bf16{' + INT4 experts' if args.int4 else ''}")
         for mode in ("whole", "half"):
             cmd = [sys.executable, __file__, "--child", str(root), mode]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=cwd)

@@ -10,6 +10,8 @@ optionally wrapped as kimi_k25 (`text_config`, `language_model.` prefix, vision 
 from __future__ import annotations
 
 import json
+import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,8 @@ from torch import nn
 from ddtree.models.attention import AttentionMetadata, SeqAttention
 from ddtree.models.deepseek_v3 import DeepseekV3ForCausalLM
 from ddtree.models.loader import TensorSlice
+from ddtree.models.moe_experts import PROJECTIONS, StackedExperts
+from ddtree.models.packed_linear import Fp8Linear, Int4Linear
 from ddtree.models.quantization import quantize_fp8_block, quantize_int4_group
 from ddtree.models.random_checkpoint import write_random_target
 
@@ -74,6 +78,25 @@ def write_variant(
     src = write_random_target(root.parent / f"{root.name}-src", cfg or TINY, seed=seed)
     config = json.loads((src / "config.json").read_text())
     source = load_file(src / "model.safetensors")
+    out, config = quantized(source, config, kind, fp8_skip, fp8_block)
+    if kimi_k25:
+        text = {**config, "model_type": "kimi_k2"}
+        config = {"model_type": "kimi_k25", "architectures": ["KimiK25ForConditionalGeneration"],
+                  "text_config": text, "vision_config": {"vt_hidden_size": 8}}  # fmt: skip
+        out = {"language_model." + n: t for n, t in out.items()}
+        g = torch.Generator().manual_seed(99)
+        out.update({n: torch.randn(s, generator=g) for n, s in VISION.items()})
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(config, indent=1))
+    save_sharded(out, root, shards)
+    return root, source
+
+
+def quantized(
+    source: dict[str, torch.Tensor], config: dict[str, Any], kind: str, fp8_skip=(), fp8_block=FP8_BLOCK
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(tensors, config.json) of fp32 `source` tensors rewritten as `kind` (see the module docstring)."""
+    config = dict(config)
     out: dict[str, torch.Tensor] = {}
     for name, w in source.items():
         stem = name.removesuffix(".weight")
@@ -93,17 +116,20 @@ def write_variant(
         config["quantization_config"] = fp8_config(fp8_block, modules_to_not_convert=list(fp8_skip) or None)
     elif kind == "int4":
         config["quantization_config"] = int4_config()
-    if kimi_k25:
-        text = {**config, "model_type": "kimi_k2"}
-        config = {"model_type": "kimi_k25", "architectures": ["KimiK25ForConditionalGeneration"],
-                  "text_config": text, "vision_config": {"vt_hidden_size": 8}}  # fmt: skip
-        out = {"language_model." + n: t for n, t in out.items()}
-        g = torch.Generator().manual_seed(99)
-        out.update({n: torch.randn(s, generator=g) for n, s in VISION.items()})
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "config.json").write_text(json.dumps(config, indent=1))
-    save_sharded(out, root, shards)
-    return root, source
+    return out, config
+
+
+def quantize_checkpoint(src: Path, dst: Path, kind: str, fp8_block=FP8_BLOCK) -> Path:
+    """A copy of the fp32 single-file checkpoint `src` (tokenizer files included) with its weights as `kind`."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.name not in ("config.json", "model.safetensors"):
+            shutil.copy(f, dst / f.name)
+    out, config = quantized(load_file(src / "model.safetensors"), json.loads((src / "config.json").read_text()),
+                            kind, fp8_block=fp8_block)  # fmt: skip
+    (dst / "config.json").write_text(json.dumps(config, indent=1))
+    save_file(out, str(dst / "model.safetensors"))
+    return dst
 
 
 def save_sharded(tensors: dict[str, torch.Tensor], root: Path, shards: int) -> None:
@@ -134,21 +160,59 @@ def state_dict_of(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def shrink_to_slices(model: nn.Module, slice_of) -> nn.Module:
-    """Give each sliced parameter / buffer of a meta model its sliced shape (what a TP rank would hold)."""
+    """Give each sliced parameter / buffer of a meta model its sliced shape (what a TP rank would hold).
+
+    Routed experts are stacked per projection (`mlp.experts.{proj}.weight` [E, N, K]): their per-expert
+    names must all get the same slice, which is applied to the stacked tensor's dims 1..2."""
+    done = set()
     for name, t in list(model.state_dict().items()):
         sl = slice_of(name)
         if sl is None:
             continue
         shape = list(t.shape)
         shape[sl.dim] = sl.stop - sl.start
+        m = _STACKED.match(name)
+        if m is not None:  # `...mlp.experts.{g}.{proj}.weight` -> the stacked `...mlp.experts.{proj}.weight`
+            module = model.get_submodule(f"{m.group(1)}.{m.group(2)}")
+            key = (id(module), m.group(3))
+            if key in done:
+                assert list(getattr(module, m.group(3)).shape[1:]) == shape, f"{name}: experts sliced differently"
+                continue
+            done.add(key)
+            shape = [getattr(module, m.group(3)).shape[0], *shape]
+            _replace(module, m.group(3), torch.empty(shape, dtype=t.dtype, device="meta"))
+            continue
         module_name, _, leaf = name.rpartition(".")
-        module = model.get_submodule(module_name)
-        empty = torch.empty(shape, dtype=t.dtype, device="meta")
-        if leaf in module._parameters:
-            module._parameters[leaf] = nn.Parameter(empty, requires_grad=False)
-        else:
-            module._buffers[leaf] = empty
+        _replace(model.get_submodule(module_name), leaf, torch.empty(shape, dtype=t.dtype, device="meta"))
     return model
+
+
+_STACKED = re.compile(r"^(.*\.mlp\.experts)\.\d+\.(gate_proj|up_proj|down_proj)\.(\w+)$")
+
+
+def _replace(module: nn.Module, leaf: str, empty: torch.Tensor) -> None:
+    if leaf in module._parameters:
+        module._parameters[leaf] = nn.Parameter(empty, requires_grad=False)
+    else:
+        module._buffers[leaf] = empty
+
+
+def dense_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every state-dict tensor as fp32 under its logical name, packed weights (Int4Linear / Fp8Linear,
+    int4 / fp8 stacked experts) dequantized by the modules themselves; companions dropped."""
+    out = {n: t.detach().float() for n, t in model.state_dict().items() if not _COMPANION.search(n)}
+    for name, m in model.named_modules():
+        if isinstance(m, (Int4Linear, Fp8Linear)):
+            out[name + ".weight"] = m.dequantized()
+        elif isinstance(m, StackedExperts):
+            for proj_name, proj in zip(PROJECTIONS, m.projections(), strict=True):
+                w = proj.expert_weights()
+                for i in range(m.num_local):
+                    out[f"{name}.{m.first + i}.{proj_name}.weight"] = w.dequantize(i)
+    return out
+
+
+_COMPANION = re.compile(r"\.weight_(packed|scale|shape|scale_inv)$")
 
 
 def apply_slice(t: torch.Tensor, sl: TensorSlice | None) -> torch.Tensor:

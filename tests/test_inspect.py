@@ -95,8 +95,7 @@ def test_per_rank_counts_equal_a_sliced_model(name, ep):
         model = shrink_to_slices(DeepseekV3ForCausalLM(config), slice_of)
         if ep:
             for layer in model.model.layers[config.first_k_dense_replace :]:
-                for e in range(keep, config.n_routed_experts):
-                    layer.mlp.experts[e] = torch.nn.Module()
+                layer.mlp.keep_experts(0, keep)  # experts [0, keep) whole (unsliced under EP)
         return model
 
     rank0 = numel(meta_model(c, build))

@@ -14,7 +14,9 @@ Counting (exact, from the config; names and shapes as in deepseek_v3.py == the c
   KV cache (c_kv + k_pe) is replicated: every rank stores (kv_lora_rank + qk_rope_head_dim) per token per
   layer.
 - weight bytes: from the headers when the weights exist, else from quantization_config (INT4 pack-quantized:
-  packed int32 + bf16 group scales; FP8: 1 byte + fp32 block scales) and `torch_dtype` for the rest.
+  packed int32 + bf16 group scales; FP8: 1 byte + fp32 block scales) and `torch_dtype` for the rest. Per
+  rank they are what the loader holds: quantized weights stay packed (a rank's share of the words and
+  scales, INT4's `weight_shape` whole); tests/test_inspect_matches_loader.py checks the two agree.
 - largest context = (device memory · (1 - reserve) - weights per rank) / KV bytes per token per rank, with
   `ACTIVATION_RESERVE` of the device kept for activations, workspace and the allocator.
 """
@@ -206,12 +208,13 @@ def inspect_checkpoint(
     per_rank = 0
     params_rank = 0
     for s in specs:
-        fmt, nbytes = sizes[s.name]
+        fmt, nbytes, whole = sizes[s.name]
         mix[fmt][0] += s.numel
         mix[fmt][1] += nbytes
         held = rank_numel(s, tp, ep, config.n_routed_experts)
         params_rank += held
-        per_rank += nbytes * held // s.numel
+        # the INT4 `weight_shape` [2] is not split: a rank holding part of the weight holds all of it
+        per_rank += (nbytes - whole) * held // s.numel + (whole if held else 0)
     params = count_parameters(config)
     kv = config.kv_cache_width * config.num_hidden_layers * KV_DTYPE_BYTES[kv_dtype]
     max_ctx = None
@@ -252,8 +255,9 @@ def _headers(root: Path) -> dict[str, dict] | None:
 
 def _sizes_from_headers(
     headers: dict[str, dict], specs: list[TensorSpec], c: DeepseekV3Config
-) -> dict[str, tuple[str, int]]:
-    """logical name -> (format, stored bytes incl. scales) from the headers; vision / MTP tensors ignored."""
+) -> dict[str, tuple[str, int, int]]:
+    """logical name -> (format, stored bytes incl. scales, bytes of them every holder keeps whole: INT4's
+    `weight_shape`) from the headers; vision / MTP tensors ignored."""
     prefix = _TEXT_PREFIX if any(n.startswith(_TEXT_PREFIX) for n in headers) else ""
     sizes: dict[str, list] = {}
     for name, h in headers.items():
@@ -264,17 +268,19 @@ def _sizes_from_headers(
         if m and int(m.group(1)) >= c.num_hidden_layers:
             continue
         logical = _COMPANION.sub(".weight", local)
-        entry = sizes.setdefault(logical, [None, 0])
+        entry = sizes.setdefault(logical, [None, 0, 0])
         entry[1] += h["data_offsets"][1] - h["data_offsets"][0]
+        if local.endswith("_shape"):
+            entry[2] += h["data_offsets"][1] - h["data_offsets"][0]
         if logical == local or local.endswith("_packed"):
             entry[0] = HEADER_FORMATS.get(h["dtype"], h["dtype"].lower())
     missing = [s.name for s in specs if s.name not in sizes]
     if missing:
         raise CheckpointError(f"{len(missing)} tensors of the config are not in the checkpoint, e.g. {missing[0]}")
-    return {n: (f, b) for n, (f, b) in sizes.items()}
+    return {n: tuple(v) for n, v in sizes.items()}
 
 
-def _sizes_from_config(raw: dict, specs: list[TensorSpec], source: str) -> dict[str, tuple[str, int]]:
+def _sizes_from_config(raw: dict, specs: list[TensorSpec], source: str) -> dict[str, tuple[str, int, int]]:
     qc = raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config")
     scheme = parse_quantization(qc, source)
     text = raw.get("text_config") or raw
@@ -288,16 +294,16 @@ def _sizes_from_config(raw: dict, specs: list[TensorSpec], source: str) -> dict[
         names = (prefix + module, module)
         quantized = scheme is not None and s.name.endswith(".weight") and len(s.shape) == 2 and scheme.quantizes(names)
         if s.name.endswith("e_score_correction_bias"):
-            out[s.name] = ("fp32", 4 * s.numel)
+            out[s.name] = ("fp32", 4 * s.numel, 0)
         elif quantized and isinstance(scheme, Int4PackScheme):
             g = scheme.group_of(names).group_size
             rows, cols = s.shape
-            out[s.name] = (f"int4-g{g}", rows * math.ceil(cols / 8) * 4 + rows * math.ceil(cols / g) * 2 + 8)
+            out[s.name] = (f"int4-g{g}", rows * math.ceil(cols / 8) * 4 + rows * math.ceil(cols / g) * 2 + 8, 8)
         elif quantized and isinstance(scheme, Fp8BlockScheme):
             (bm, bn), (rows, cols) = scheme.block, s.shape
-            out[s.name] = (f"fp8-{bm}x{bn}", rows * cols + math.ceil(rows / bm) * math.ceil(cols / bn) * 4)
+            out[s.name] = (f"fp8-{bm}x{bn}", rows * cols + math.ceil(rows / bm) * math.ceil(cols / bn) * 4, 0)
         else:
-            out[s.name] = (base, width * s.numel)
+            out[s.name] = (base, width * s.numel, 0)
     return out
 
 

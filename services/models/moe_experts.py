@@ -27,12 +27,12 @@ from ddtree.kernels.moe_weights import ExpertWeights
 from ddtree.kernels.quant_formats import PACK
 
 from .moe_grouped import grouped_moe
-from .packed_linear import cuda_kernel
+from .packed_linear import KeepsPackedDtypes, cuda_kernel
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
-class StackedProjection(nn.Module):
+class StackedProjection(KeepsPackedDtypes):
     """One projection of every local expert, [E, N, K] in `kind` (see the module docstring)."""
 
     def __init__(
@@ -47,7 +47,7 @@ class StackedProjection(nn.Module):
     ):
         super().__init__()
         E, N, K = num_experts, out_features, in_features
-        self.kind, self.out_features, self.in_features = kind, N, K
+        self.kind, self._shape = kind, (N, K)
         self.group_size, self.block = group_size, (int(block[0]), int(block[1]))
         if kind == "bf16":
             self.weight = nn.Parameter(torch.empty(E, N, K))
@@ -66,6 +66,14 @@ class StackedProjection(nn.Module):
             self.PACKED_LEAVES = ("weight", "weight_scale_inv")
         else:
             raise ValueError(f"expert projection kind must be bf16, int4 or fp8, got {kind!r}")
+
+    @property
+    def out_features(self) -> int:  # N (bf16: of the weight itself, which a test may have resized on meta)
+        return self.weight.shape[1] if self.kind == "bf16" else self._shape[0]
+
+    @property
+    def in_features(self) -> int:  # K
+        return self.weight.shape[2] if self.kind == "bf16" else self._shape[1]
 
     @property
     def leaves(self) -> tuple[str, ...]:
@@ -132,12 +140,21 @@ class StackedExperts(nn.Module):
         topk_weights: torch.Tensor,  # fp32 [M, k]
         topk_ids: torch.Tensor,  # int64 [M, k] global expert ids
     ) -> torch.Tensor:  # [M, d], dtype of x: this rank's experts' part
-        gate, up, down = (p.expert_weights() for p in self.projections())
         wants_grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
-        fused = cuda_kernel("fused_moe") if x.is_cuda and not wants_grad else None
-        if fused is not None:
-            return fused(x, gate, up, down, topk_weights, topk_ids, expert_map=self.expert_map).to(x.dtype)
+        if x.is_cuda and not wants_grad:
+            y = self.fused(x, topk_weights, topk_ids)
+            if y is not None:
+                return y
+        gate, up, down = (p.expert_weights() for p in self.projections())
         return grouped_moe(x, gate, up, down, topk_weights, topk_ids, self.expert_map)
+
+    def fused(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor | None:
+        """The Triton fused MoE (ddtree.kernels.fused_moe) on these weights; None when it is not installed."""
+        kernel = cuda_kernel("fused_moe")
+        if kernel is None:
+            return None
+        gate, up, down = (p.expert_weights() for p in self.projections())
+        return kernel(x, gate, up, down, topk_weights, topk_ids, expert_map=self.expert_map).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"experts [{self.first}, {self.first + self.num_local}) of {self.num_experts}"

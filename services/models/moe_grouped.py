@@ -15,8 +15,23 @@ The compute dtype is x's (the autocast dtype under CPU autocast); bf16 weights o
 Differentiable for bf16 weights (training uses this path). METHOD "bmm" is a padded batched matmul over
 the experts present instead (kept for devices without `_grouped_mm` and for the measurement below).
 
-Measured with scripts/bench_moe_cpu.py (2 CPU cores, torch 2.13, fp32, ms per MoE layer, routed part):
-see CPU_MEASUREMENT; `_grouped_mm` was faster than the padded bmm and the old loop at every size.
+Chosen by measurement (`python -m scripts.bench_moe_cpu --threads 1`: torch 2.13 CPU, 1 thread of a
+shared 2-core machine, fp32 activations, best of 40, ms per MoE layer: router + routed + shared experts):
+
+    model, routed weights          rows:    1      17     136
+    demo (4 experts, top 2, d 256)
+      fp32   old per-expert loop          0.33    1.00    2.68
+             grouped_mm                   0.27    0.82    2.70
+             padded bmm                   0.46    0.97    3.29
+    K2-shaped tiny (64 experts, top 8, d 512, width 128)
+      fp32   old loop / grouped_mm / bmm  1.63 / 1.47 / 1.19   8.11 / 6.74 / 12.8   16.5 / 15.7 / 35.9
+      int4   old loop* / grouped_mm       1.28 / 2.21          8.32 / 20.2          15.6 / 31.3
+      fp8    old loop* / grouped_mm       1.24 / 3.54          7.83 / 26.1          15.9 / 40.7
+    (* on the fp32 copy the old loader dequantized at load, 4-8x the packed bytes; the packed path pays
+    the dequantization of the experts present on every call instead.)
+
+`_grouped_mm` is as fast as the loop or faster for plain weights and never slower than the padded bmm
+beyond a handful of rows (padding grows with skewed routing), so it is CPU_METHOD.
 """
 
 from __future__ import annotations
@@ -30,7 +45,6 @@ from ddtree.kernels.quant_formats import dequantize_fp8_block, dequantize_int4
 DEQUANT_ELEMENTS = 1 << 26  # at most this many dequantized expert weights per projection at once
 HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
 CPU_METHOD = "grouped_mm" if HAS_GROUPED_MM else "bmm"
-CPU_MEASUREMENT = """filled in from scripts/bench_moe_cpu.py"""
 
 
 def grouped_moe(
@@ -69,6 +83,8 @@ def grouped_moe(
 def _project(xs: torch.Tensor, w: ExpertWeights, counts: torch.Tensor, method: str) -> torch.Tensor:
     """xs [A, K] sorted by expert (counts [E] rows each) -> [A, N]: row a times W_{expert(a)}ᵀ."""
     A, dt = xs.shape[0], xs.dtype
+    if method == "grouped_mm" and (w.in_features * dt.itemsize % 16 or w.out_features * dt.itemsize % 16):
+        method = "bmm"  # _grouped_mm needs rows of whole 16-byte units (true of every real model's widths)
     if w.kind == "bf16":
         if method == "grouped_mm":
             return _grouped(xs, w.weight.to(dt), counts)

@@ -7,10 +7,11 @@ Buffers are named as in the checkpoint, so `state_dict()` keys are the stored na
 N = out_features, K = in_features (the rank's shard of them under tensor parallelism); an optional float
 `bias` [N]. The format arithmetic is kernels/quant_formats.py.
 
-Forward: on CUDA the Triton GEMM (`ddtree.kernels.int4_gemm.int4_gemm` / `fp8_gemm.fp8_block_gemm`,
-128x128 blocks only) when it is installed; everywhere else the weight is dequantized per call (fp32,
-then the input's dtype; `CHUNK_ELEMENTS` output rows at a time) and multiplied with F.linear, so the
-result equals an nn.Linear holding the dequantized weight in that dtype. Nothing full-precision is kept.
+Forward: on CUDA the Triton GEMM when it is installed (`ddtree.kernels.int4_gemm.int4_gemm`, W4A16;
+`fp8_gemm.fp8_block_gemm`, W8A8 with per-token-group activation quantization, column blocks a power of
+two >= 32); everywhere else the weight is dequantized per call (fp32, then the input's dtype;
+`CHUNK_ELEMENTS` weights at a time) and multiplied with F.linear, so the result equals an nn.Linear
+holding the dequantized weight in that dtype. Nothing full-precision is kept.
 
 `PACKED_LEAVES` names the tensors whose dtype the loader keeps (everything else follows the model dtype).
 """
@@ -46,9 +47,25 @@ def cuda_kernel(name: str):
     return fn
 
 
-class _PackedLinear(nn.Module):
+class KeepsPackedDtypes(nn.Module):
+    """A module whose `PACKED_LEAVES` buffers keep their dtype through `.to(dtype)` / `.half()` / ...:
+    those move device only (a cast would destroy the format, e.g. fp8 values or fp32 block scales)."""
+
     PACKED_LEAVES: tuple[str, ...] = ()
 
+    def _apply(self, fn, recurse=True):
+        saved = {leaf: self._buffers[leaf] for leaf in self.PACKED_LEAVES if self._buffers.get(leaf) is not None}
+        self._buffers.update(dict.fromkeys(saved))
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            for leaf, t in saved.items():
+                device = fn(torch.empty(0, dtype=t.dtype, device=t.device)).device  # the move without the cast
+                self._buffers[leaf] = torch.empty_like(t, device=device) if t.is_meta else t.to(device)
+        return self
+
+
+class _PackedLinear(KeepsPackedDtypes):
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
         self.in_features = in_features
@@ -63,13 +80,15 @@ class _PackedLinear(nn.Module):
         w = self.dequantize_rows(0, self.out_features)
         return w if dtype is None else w.to(dtype)
 
-    def _cuda_gemm(self, x: torch.Tensor) -> torch.Tensor | None:
+    def kernel_gemm(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x [M, K] -> [M, N] by the Triton GEMM (CUDA, or the interpreter); None when it is not installed."""
         return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N], dtype of x
         if x.is_cuda:
-            y = self._cuda_gemm(x)
+            y = self.kernel_gemm(x.reshape(-1, x.shape[-1]))  # the GEMMs take [M, K]
             if y is not None:
+                y = y.view(*x.shape[:-1], self.out_features)
                 return y if self.bias is None else y + self.bias.to(y.dtype)
         N, K = self.out_features, self.in_features
         step = max(1, CHUNK_ELEMENTS // max(K, 1))
@@ -113,7 +132,7 @@ class Int4Linear(_PackedLinear):
             self.weight_packed[start:stop], self.weight_scale[start:stop], self.group_size, self.in_features
         )
 
-    def _cuda_gemm(self, x: torch.Tensor) -> torch.Tensor | None:
+    def kernel_gemm(self, x: torch.Tensor) -> torch.Tensor | None:
         gemm = cuda_kernel("int4_gemm")
         if gemm is None:
             return None
@@ -141,11 +160,12 @@ class Fp8Linear(_PackedLinear):
         scale = self.weight_scale_inv[start // bn : (stop - 1) // bn + 1] if stop > start else self.weight_scale_inv[:0]
         return dequantize_fp8_block(self.weight[start:stop], scale, self.block, row0=start)
 
-    def _cuda_gemm(self, x: torch.Tensor) -> torch.Tensor | None:
-        gemm = cuda_kernel("fp8_block_gemm") if self.block == (128, 128) else None
+    def kernel_gemm(self, x: torch.Tensor) -> torch.Tensor | None:
+        bk = self.block[1]
+        gemm = cuda_kernel("fp8_block_gemm") if bk >= 32 and bk & (bk - 1) == 0 else None  # the kernel's BLOCK_K
         if gemm is None:
             return None
-        return gemm(x, self.weight, self.weight_scale_inv)
+        return gemm(x, self.weight, self.weight_scale_inv, block_size=self.block)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fp8 block={list(self.block)}"

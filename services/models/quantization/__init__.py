@@ -1,4 +1,4 @@
-"""Weight formats of quantized checkpoints, dequantized on the CPU at load time.
+"""Weight formats of quantized checkpoints: read packed as stored (packed_modules.py), or dequantized.
 
 `parse_quantization(quantization_config, source)` returns the scheme for a config's
 `quantization_config` (None for an unquantized checkpoint): `Fp8BlockScheme` (quant_method fp8, 128x128

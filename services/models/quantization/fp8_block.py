@@ -91,8 +91,9 @@ class Fp8BlockScheme:
             if s.start % b or (s.stop % b and s.stop != n):
                 raise CheckpointError(
                     f"{files.file_of(weight)}: tensor {weight}: {what} [{s.start}, {s.stop}) of {n} do not cut its "
-                    f"FP8 {bm}x{bn} scale blocks whole; packed FP8 weights are sliced on whole blocks (choose a "
-                    "tensor-parallel size that keeps them whole, or load with dequantize=True)"
+                    f"FP8 {bm}x{bn} scale blocks whole; packed FP8 weights are sliced on whole blocks (use a "
+                    "tensor-parallel size that keeps them whole, or --expert-parallel for routed experts; "
+                    "load_target(dequantize=True) takes any slice)"
                 )
         if leaf == "weight":
             return files.read(weight, rows, cols)

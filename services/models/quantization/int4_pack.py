@@ -123,7 +123,8 @@ class Int4PackScheme:
             raise CheckpointError(
                 f"{files.file_of(weight + '_packed')}: tensor {weight}: columns [{cols.start}, {cols.stop}) of {K} "
                 f"do not cut its INT4 groups of {group_size} whole; packed INT4 weights are sliced on whole groups "
-                "(choose a tensor-parallel size that keeps them whole, or load with dequantize=True)"
+                "(use a tensor-parallel size that keeps them whole, or --expert-parallel for routed experts; "
+                "load_target(dequantize=True) takes any slice)"
             )
         if leaf == "weight_packed":
             return files.read(weight + "_packed", rows, slice(cols.start // PACK, -(-cols.stop // PACK)))

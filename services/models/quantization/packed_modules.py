@@ -42,7 +42,7 @@ def pack_modules(
     with torch.device("meta"):
         for name, module in list(model.named_modules()):
             if isinstance(module, nn.Linear):
-                fmt = _format(scheme, prefix, name, module.out_features, module.in_features, files)
+                fmt = _format(scheme, prefix, name, *module.weight.shape, files)  # [N, K] as built (sliced)
                 if fmt is not None:
                     parent, _, leaf = name.rpartition(".")
                     setattr(model.get_submodule(parent) if parent else model, leaf, _linear(module, *fmt))
