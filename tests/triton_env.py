@@ -28,6 +28,9 @@ if INTERPRET:
     os.environ["TRITON_INTERPRET"] = "1"
 try:
     pytest.importorskip("triton")
+    import ddtree.kernels.fp8_gemm  # noqa: F401
+    import ddtree.kernels.fused_moe  # noqa: F401
+    import ddtree.kernels.int4_gemm  # noqa: F401
     import ddtree.kernels.latent_write  # noqa: F401
     import ddtree.kernels.mla_attention  # noqa: F401
     import ddtree.kernels.mla_backend  # noqa: F401

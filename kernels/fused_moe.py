@@ -1,0 +1,346 @@
+"""Fused MoE: out = Σ_j w[t, j] · down_e(silu(gate_e(x_t)) · up_e(x_t)), e = the local expert of slot j,
+as moe_reference.fused_moe_reference, with the weights in their packed format (moe_weights.py).
+
+One call is 6 launches (8 for fp8, which also quantizes x and h):
+  1. moe_align (3 small kernels): pairs p = token·k + slot grouped by local expert, padded to BLOCK_M;
+  2. gate/up: a grouped GEMM, one program per (M-block, N-tile of I). The program reads its block's
+     expert (-1: a block past the padded length, it returns at once), gathers the x rows of its pairs
+     and runs two accumulators (gate, up) over one pass of K = d; h = silu(gate) · up (fp32) is stored
+     per pair, h [P, I];
+  3. down: the same GEMM over h (K = I) with the pair's routing weight multiplied in, y fp32 [P, D];
+  4. the top-k sum: a program per (BLOCK_T tokens, D-tile) adds each token's k rows of y in slot order,
+     skipping pairs of other ranks. No atomics: the result is bit-for-bit deterministic.
+Every shape is static in (M, k, E, config): no host sync but the input validation's value checks
+(expert ids, expert_map), which are skipped while a CUDA graph is being captured.
+Weights are dequantized in the K loop:
+  bf16 (or fp16 / fp32): loaded and cast to the dot dtype;
+  int4: BLOCK_K / 8 int32 words per row, unpacked with shifts (nibble j of word w is column 8w + j,
+        value nibble - 8) and multiplied by the group scale of each word (the group size is a multiple
+        of 8, so the 8 nibbles of a word share a scale; any K: the tail nibbles are masked);
+  fp8:  e4m3 weights and activations in an fp8 dot (sm_89+: Triton has no e4m3 before), every K tile
+        scaled by the activation scale of its rows [BLOCK_M] and the weight block scale of its columns
+        [BLOCK_N]; BLOCK_K divides the weight's K block (128), so a tile has one scale per row / column.
+        Activations (x, then h) are quantized per row and K block to e4m3 with scale amax / 448
+        (_quant_fp8_kernel, or its twin quantize_fp8_torch), as FP8 block checkpoints are served, so
+        the result differs from the fp32 reference by that rounding (up to 2^-4 relative per activation).
+Numerics: fp32 accumulation; x bf16 / fp16 run the dots in x's dtype (weights dequantized to it, h
+rounded to it); x fp32 runs exact fp32 dots. Under the Triton interpreter (TRITON_INTERPRET=1) every
+dot is fp32 (its bf16 dot is wrong, see mla_checks.kernel_dims), h stays fp32 and the bf16 output is
+rounded with explicit bit arithmetic; the fp8 dot runs as on a GPU (the interpreter widens e4m3 to fp16,
+exactly).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .latent_write import _round_bf16
+from .mla_checks import check_device, is_interpreted
+from .moe_align import moe_align
+from .moe_configs import MoeTileConfig, get_config
+from .moe_weights import FLOAT_DTYPES, ExpertWeights, check_routing
+from .quant_formats import FP8_MAX
+
+_KIND = {"bf16": 0, "int4": 1, "fp8": 2}
+_TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+_SCALE_MIN = 1e-12  # the activation scale of an all-zero group
+
+
+@triton.jit
+def _round_e4m3(x):
+    """fp32 in [-448, 448] -> the nearest float8_e4m3fn value (ties to even), still fp32, so that the cast
+    to e4m3 after it is exact (the interpreter's own fp32 -> fp8 cast does not carry into the exponent)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)  # 3 mantissa bits
+    sub = (tl.abs(x) * 512.0 + 8388608.0) - 8388608.0  # below 2^-6: multiples of 2^-9 (2^23 rounds to integers)
+    sub = tl.where((bits >> 31) != 0, -sub, sub) * 0.001953125  # the sign of x, -0 included
+    return tl.where(tl.abs(x) < 0.015625, sub, normal)
+
+
+@triton.jit
+def _quant_fp8_kernel(X, Q, S, ROW_LOCAL, R, K, stride_xm, stride_sm, GROUP: tl.constexpr, BLOCK: tl.constexpr,
+                      BLOCK_R: tl.constexpr, SKIP_ROWS: tl.constexpr):  # fmt: skip
+    """BLOCK_R rows x one K group: scale = amax / 448 per row, q = e4m3(x / scale). SKIP_ROWS: rows whose
+    ROW_LOCAL is -1 (h of pairs on other ranks: never written, never read) are left alone."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    g = tl.program_id(1)
+    offs = g * GROUP + tl.arange(0, BLOCK)
+    row_ok = rows < R
+    if SKIP_ROWS:
+        row_ok = row_ok & (tl.load(ROW_LOCAL + rows, mask=row_ok, other=-1) >= 0)
+    ok = row_ok[:, None] & ((tl.arange(0, BLOCK) < GROUP) & (offs < K))[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    x = tl.load(X + r64 * stride_xm + offs[None, :], mask=ok, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 1), 448.0), 1e-12)  # [BLOCK_R]
+    q = _round_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -448.0), 448.0))
+    tl.store(Q + r64 * K + offs[None, :], q.to(Q.dtype.element_ty), mask=ok)
+    tl.store(S + rows * stride_sm + g, scale, mask=row_ok)
+
+
+@triton.jit
+def _weight_tile(
+    W, S, e, k0, offs_n, n_ok, K,
+    stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+    KIND: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
+):  # fmt: skip
+    """W_e[n, k0 + i] as [BLOCK_K, BLOCK_N] in the dot dtype, zero past K / N (fp8: unscaled)."""
+    if KIND == 1:
+        offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # [BLOCK_K / 8] words
+        ok = (offs_w < (K + 7) // 8)[:, None] & n_ok[None, :]
+        words = tl.load(W + e * stride_we + offs_n[None, :] * stride_wn + offs_w[:, None] * stride_wk, mask=ok, other=0)
+        s = tl.load(S + e * stride_se + offs_n[None, :] * stride_sn + (offs_w * 8 // GROUP)[:, None] * stride_sk,
+                    mask=ok, other=0.0).to(tl.float32)  # fmt: skip
+        j = tl.arange(0, 8)
+        q = ((words[:, None, :] >> (j * 4)[None, :, None]) & 0xF) - 8  # [BLOCK_K / 8, 8, BLOCK_N] in [-8, 7]
+        k_ok = (offs_w[:, None, None] * 8 + j[None, :, None]) < K  # the last word's padding nibbles
+        w = tl.where(k_ok, q.to(tl.float32) * s[:, None, :], 0.0)
+        return tl.reshape(w, [BLOCK_K, BLOCK_N]).to(DOT)
+    else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        ok = (offs_k < K)[:, None] & n_ok[None, :]
+        w = tl.load(W + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk, mask=ok, other=0.0)
+        if KIND != 2:  # fp8 stays e4m3 for the fp8 dot
+            w = w.to(DOT)
+        return w
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    A, A_SCALE, W1, S1, W2, S2, OUT, SORTED, BLOCK_EXPERT, TOPK_W,
+    num_pairs, N, K,
+    stride_am, stride_asm, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_om,
+    ROW_DIV: tl.constexpr, GATE_UP: tl.constexpr, KIND: tl.constexpr, GROUP: tl.constexpr,
+    SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, DOT: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """OUT[p, n] for the pairs p of one M-block: GATE_UP silu(A W1ᵀ) · (A W2ᵀ) with A rows p // ROW_DIV
+    (the tokens), else (A W1ᵀ) · TOPK_W[p] with A rows p (h)."""
+    pid_m = tl.program_id(0)
+    e = tl.load(BLOCK_EXPERT + pid_m)
+    if e < 0:
+        return
+    e = e.to(tl.int64)
+    pair = tl.load(SORTED + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BLOCK_M]; sentinel = num_pairs
+    row_ok = pair < num_pairs
+    row = (pair // ROW_DIV).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    acc1 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(A + row[:, None] * stride_am + offs_k[None, :], mask=row_ok[:, None] & (offs_k < K)[None, :],
+                    other=0.0)  # fmt: skip
+        if KIND != 2:
+            a = a.to(DOT)
+        w1 = _weight_tile(W1, S1, e, k0, offs_n, n_ok, K, stride_we, stride_wn, stride_wk, stride_se, stride_sn,
+                          stride_sk, KIND, GROUP, BLOCK_K, BLOCK_N, DOT)  # fmt: skip
+        if GATE_UP:
+            w2 = _weight_tile(W2, S2, e, k0, offs_n, n_ok, K, stride_we, stride_wn, stride_wk, stride_se, stride_sn,
+                              stride_sk, KIND, GROUP, BLOCK_K, BLOCK_N, DOT)  # fmt: skip
+        if KIND == 2:  # one activation scale per row, one weight scale per column in this K tile
+            a_s = tl.load(A_SCALE + row * stride_asm + k0 // SCALE_BK, mask=row_ok, other=0.0)
+            s_off = e * stride_se + (offs_n // SCALE_BN) * stride_sn + (k0 // SCALE_BK) * stride_sk
+            s1 = tl.load(S1 + s_off, mask=n_ok, other=0.0)
+            acc1 += tl.dot(a, w1, input_precision=PRECISION) * (a_s[:, None] * s1[None, :])
+            if GATE_UP:
+                s2 = tl.load(S2 + s_off, mask=n_ok, other=0.0)
+                acc2 += tl.dot(a, w2, input_precision=PRECISION) * (a_s[:, None] * s2[None, :])
+        else:
+            acc1 = tl.dot(a, w1, acc1, input_precision=PRECISION)
+            if GATE_UP:
+                acc2 = tl.dot(a, w2, acc2, input_precision=PRECISION)
+    out = OUT + pair[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    if GATE_UP:
+        h = acc1 * tl.sigmoid(acc1) * acc2  # silu(gate) · up in fp32
+        tl.store(out, h.to(OUT.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+    else:
+        w = tl.load(TOPK_W + pair, mask=row_ok, other=0.0)
+        tl.store(out, acc1 * w[:, None], mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _moe_sum_kernel(
+    Y, LOCAL, OUT, M, N, stride_om,
+    TOPK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, ROUND_BF16: tl.constexpr,
+):  # fmt: skip
+    """out[t] = Σ_j y[t·k + j] over the slots j of local experts, for BLOCK_T tokens x BLOCK_N columns."""
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = (t < M)[:, None] & (offs_n < N)[None, :]
+    acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+    for j in range(TOPK):  # slot order: deterministic
+        p = t * TOPK + j
+        local = tl.load(LOCAL + p, mask=t < M, other=-1)
+        acc += tl.load(Y + p[:, None] * N + offs_n[None, :], mask=ok & (local >= 0)[:, None], other=0.0)
+    if ROUND_BF16:
+        acc = _round_bf16(acc)
+    tl.store(OUT + t[:, None] * stride_om + offs_n[None, :], acc.to(OUT.dtype.element_ty), mask=ok)
+
+
+def quantize_fp8_torch(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, K] -> (float8_e4m3fn [R, K], fp32 scale [R, ceil(K/group)]), x ≈ q · scale per row group:
+    scale = max(amax / 448, 1e-12), q = e4m3(clamp(x / scale, ±448)) rounded to nearest even."""
+    R, K = x.shape
+    G = -(-K // group)
+    xf = torch.zeros(R, G * group, dtype=torch.float32, device=x.device)
+    xf[:, :K] = x.float()
+    g = xf.view(R, G, group)
+    scale = (g.abs().amax(dim=2) / FP8_MAX).clamp(min=_SCALE_MIN)
+    q = (g / scale[:, :, None]).clamp(-FP8_MAX, FP8_MAX).view(R, -1)[:, :K]
+    return q.to(torch.float8_e4m3fn).contiguous(), scale
+
+
+def quantize_fp8(
+    x: torch.Tensor, group: int, row_local: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_fp8_torch in one Triton launch (equal bit for bit); x [R, K] with unit last stride.
+    row_local int32 [R]: rows where it is -1 are skipped (their q and scale are left unset)."""
+    R, K = x.shape
+    G = triton.cdiv(K, group)
+    q = torch.empty(R, K, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(R, G, dtype=torch.float32, device=x.device)
+    if R and K:
+        block = triton.next_power_of_2(group)
+        block_r = max(1, min(triton.next_power_of_2(R), 4096 // block))
+        _quant_fp8_kernel[(triton.cdiv(R, block_r), G)](
+            x, q, s, x if row_local is None else row_local, R, K, x.stride(0), s.stride(0), GROUP=group,
+            BLOCK=block, BLOCK_R=block_r, SKIP_ROWS=row_local is not None,
+        )  # fmt: skip
+    return q, s
+
+
+def _format(w: ExpertWeights) -> tuple:
+    scale = None if w.scale is None else (w.scale.dtype, w.scale.stride())
+    return w.kind, w.out_features, w.in_features, w.group_size, w.block, w.weight.dtype, w.weight.stride(), scale
+
+
+def _check_inputs(x, gate, up, down, topk_weights, topk_ids, expert_map) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"fused moe: x must be a bf16 / fp16 / fp32 [M, d] tensor, got "
+                         f"{getattr(x, 'dtype', type(x).__name__)} {list(getattr(x, 'shape', []))}")  # fmt: skip
+    if x.numel() and x.stride(1) != 1:
+        raise ValueError(f"fused moe: x must be contiguous in its last dim, strides {x.stride()}")
+    for name, w in (("gate", gate), ("up", up), ("down", down)):
+        if not isinstance(w, ExpertWeights):
+            raise ValueError(f"fused moe: {name} must be ExpertWeights, got {type(w).__name__}")
+        w.validate()
+        for t in (w.weight, w.scale):
+            if t is not None and t.device != x.device:
+                raise ValueError(f"fused moe: {name} weights are on {t.device}, x on {x.device}")
+    if _format(gate) != _format(up):
+        raise ValueError("fused moe: gate and up must have the same kind, shape, dtype, strides and scales")
+    if gate.in_features != x.shape[1]:
+        raise ValueError(f"fused moe: gate / up take {gate.in_features} features, x has {x.shape[1]}")
+    if down.in_features != gate.out_features:
+        raise ValueError(f"fused moe: down takes {down.in_features} features, gate / up give {gate.out_features}")
+    if not gate.num_experts == up.num_experts == down.num_experts:
+        raise ValueError(f"fused moe: expert counts differ: gate {gate.num_experts}, up {up.num_experts}, "
+                         f"down {down.num_experts}")  # fmt: skip
+    for name, w in (("gate / up", gate), ("down", down)):
+        if w.kind == "fp8" and w.block[1] % 16:
+            raise ValueError(f"fused moe: {name} fp8 scale blocks must be a multiple of 16 along K, got {w.block}")
+    num_global = gate.num_experts if expert_map is None else expert_map.shape[0]
+    if topk_weights.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"fused moe: topk_weights must be a float tensor, got {topk_weights.dtype}")
+    if expert_map is not None and (expert_map.dim() != 1 or expert_map.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"fused moe: expert_map must be int32 or int64 [E_global], got {expert_map.dtype} "
+                         f"{list(expert_map.shape)}")  # fmt: skip
+    for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights), ("expert_map", expert_map)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"fused moe: {name} is on {t.device}, x on {x.device}")
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():  # shapes only: value checks would sync
+        if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+            raise ValueError(f"fused moe: topk_ids must be [{x.shape[0]}, k], got {list(topk_ids.shape)}")
+        check_routing(topk_ids[:0], topk_weights[:0], 0, num_global, expert_map)
+        return
+    check_routing(topk_ids, topk_weights, x.shape[0], num_global, expert_map)
+    if expert_map is not None and expert_map.numel():
+        lo, hi = int(expert_map.min()), int(expert_map.max())
+        if lo < -1 or hi >= gate.num_experts:
+            raise ValueError(f"fused moe: expert_map values must be in [-1, {gate.num_experts}), got {lo}..{hi}")
+
+
+def _configs(config, x, gate, down, topk: int) -> tuple[MoeTileConfig, MoeTileConfig]:
+    if isinstance(config, MoeTileConfig):
+        return config, config
+    if isinstance(config, tuple) and len(config) == 2 and all(isinstance(c, MoeTileConfig) for c in config):
+        if config[0].block_m != config[1].block_m:
+            raise ValueError(f"fused moe: gate_up and down configs must share block_m, got {config}")
+        return config
+    if config is not None:
+        raise ValueError(f"fused moe: config must be None, a MoeTileConfig or a (gate_up, down) pair, got {config!r}")
+    name = torch.cuda.get_device_name(x.device) if x.is_cuda else None
+    E, M, inter, d = gate.num_experts, x.shape[0], gate.out_features, gate.in_features
+    gu = get_config(gate.kind, "gate_up", E, inter, d, M, topk, name)
+    dn = get_config(down.kind, "down", E, down.out_features, inter, M, topk, name)
+    return gu, MoeTileConfig(gu.block_m, dn.block_n, dn.block_k, dn.num_warps, dn.num_stages)
+
+
+def _gemm(a, a_scale, w1: ExpertWeights, w2, out, align, cfg, row_div, topk_w, dot, precision) -> None:
+    N, K = w1.out_features, w1.in_features
+    block_k = cfg.block_k
+    if w1.kind == "fp8":  # a K tile must lie in one scale block
+        block_k = min(block_k, w1.block[1] & -w1.block[1])  # the largest power of two dividing the block
+    ws = w1.weight.stride()
+    ss = (0, 0, 0) if w1.scale is None else w1.scale.stride()
+    grid = (align.num_blocks, triton.cdiv(N, cfg.block_n))
+    _moe_gemm_kernel[grid](
+        a, a if a_scale is None else a_scale, w1.weight, w1.weight if w1.scale is None else w1.scale,
+        (w2 or w1).weight, (w2 or w1).weight if (w2 or w1).scale is None else (w2 or w1).scale, out,
+        align.sorted_pair_ids, align.block_expert, topk_w, align.num_pairs, N, K,
+        a.stride(0), 0 if a_scale is None else a_scale.stride(0), *ws, *ss, out.stride(0),
+        ROW_DIV=row_div, GATE_UP=w2 is not None, KIND=_KIND[w1.kind], GROUP=max(w1.group_size, 8),
+        SCALE_BN=w1.block[0], SCALE_BK=w1.block[1], DOT=dot, PRECISION="tf32" if w1.kind == "fp8" else precision,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )  # fmt: skip
+
+
+def fused_moe(
+    x: torch.Tensor,  # [M, d] bf16 / fp16 / fp32
+    gate: ExpertWeights,  # [E, I, d]
+    up: ExpertWeights,  # [E, I, d], the same format as gate
+    down: ExpertWeights,  # [E, D, I]
+    topk_weights: torch.Tensor,  # float [M, k]
+    topk_ids: torch.Tensor,  # int [M, k] global expert ids
+    expert_map: torch.Tensor | None = None,  # int [E_global]: local slot or -1 (another rank)
+    config: MoeTileConfig | tuple[MoeTileConfig, MoeTileConfig] | None = None,  # None: moe_configs' table
+) -> torch.Tensor:  # [M, D], dtype of x
+    """fused_moe_reference's result from the Triton kernels (ValueError on malformed inputs)."""
+    _check_inputs(x, gate, up, down, topk_weights, topk_ids, expert_map)
+    interpreted = is_interpreted(_moe_gemm_kernel)
+    check_device(x.device, interpreted)
+    if "fp8" in (gate.kind, down.kind) and not interpreted and torch.cuda.get_device_capability(x.device) < (8, 9):
+        raise ValueError("fused moe: fp8 weights need an sm_89+ GPU (Ada, Hopper): Triton has no e4m3 before")
+    M, k = topk_ids.shape
+    D = down.out_features
+    out = torch.empty(M, D, dtype=x.dtype, device=x.device)
+    if M == 0 or k == 0 or D == 0:
+        return out.zero_()
+    cfg_gu, cfg_dn = _configs(config, x, gate, down, k)
+    align = moe_align(topk_ids, gate.num_experts, cfg_gu.block_m, expert_map)
+    P, inter = align.num_pairs, gate.out_features
+    wide = interpreted or x.dtype == torch.float32
+    dot = tl.float32 if wide else _TL[x.dtype]
+    precision = "ieee" if wide else "tf32"  # fp32 dots are exact fp32 (no TF32); ignored for 16-bit inputs
+    topk_w = topk_weights.reshape(-1).float().contiguous()
+
+    a, a_scale = (x, None) if gate.kind != "fp8" else quantize_fp8(x, gate.block[1])
+    h_dtype = torch.float32 if wide or down.kind == "fp8" else x.dtype
+    h = torch.empty(P, inter, dtype=h_dtype, device=x.device)
+    _gemm(a, a_scale, gate, up, h, align, cfg_gu, k, topk_w, dot, precision)
+
+    a, a_scale = (h, None) if down.kind != "fp8" else quantize_fp8(h, down.block[1], align.local_ids)
+    y = torch.empty(P, D, dtype=torch.float32, device=x.device)
+    _gemm(a, a_scale, down, None, y, align, cfg_dn, 1, topk_w, dot, precision)
+
+    block_n = min(256, triton.next_power_of_2(D))
+    block_t = max(1, min(triton.next_power_of_2(M), 4096 // block_n))
+    _moe_sum_kernel[(triton.cdiv(M, block_t), triton.cdiv(D, block_n))](
+        y, align.local_ids, out, M, D, out.stride(0), TOPK=k, BLOCK_T=block_t, BLOCK_N=block_n,
+        ROUND_BF16=x.dtype == torch.bfloat16,
+    )  # fmt: skip
+    return out

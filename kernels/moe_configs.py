@@ -1,0 +1,138 @@
+"""Tile configs of the fused MoE kernels (fused_moe.py): a table by GEMM and token count, with a default.
+
+A fused MoE call runs two grouped GEMMs over the same alignment (moe_align.py), so one block_m:
+  op "gate_up": N = I (moe_intermediate_size per rank), K = d (hidden size), gate and up in one pass;
+  op "down":    N = d, K = I.
+A config is looked up by (kind, op, E, N, K) and the bucket of M (tokens in the call):
+
+    kernels/moe_configs/<device name>.json   (written by `python -m scripts.bench_moe_kernels --moe --autotune`)
+    {"device": "NVIDIA H200", "triton": "3.9.0",
+     "configs": {"int4/gate_up/E384/N256/K7168": {"1": {"block_m": 16, "block_n": 32, ...}, "16": {...}}}}
+
+The bucket nearest to M (by log distance, ties to the larger) of the key's entry wins; a key with no entry,
+no table, or a CPU (interpreted) run falls back to default_config. The table is read once per file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import pathlib
+import re
+
+OPS = ("gate_up", "down")
+KINDS = ("bf16", "int4", "fp8")
+M_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 2048, 4096)
+TABLE_DIR = pathlib.Path(__file__).with_name("moe_configs")
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeTileConfig:
+    block_m: int = 16  # rows (token, slot pairs) of one expert per program; the alignment's padding unit
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or not _pow2(v) or not 16 <= v <= 256:
+                raise ValueError(f"MoeTileConfig.{name} must be a power of two in [16, 256] (tl.dot), got {v!r}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"MoeTileConfig.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps!r}")
+        if not isinstance(self.num_stages, int) or not 1 <= self.num_stages <= 8:
+            raise ValueError(f"MoeTileConfig.num_stages must be in [1, 8], got {self.num_stages!r}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> MoeTileConfig:
+        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"MoeTileConfig: unknown fields {sorted(unknown)}")
+        return cls(**d)
+
+
+def table_key(kind: str, op: str, E: int, N: int, K: int) -> str:
+    if kind not in KINDS or op not in OPS:
+        raise ValueError(f"moe config: kind must be one of {KINDS} and op one of {OPS}, got {kind!r} / {op!r}")
+    return f"{kind}/{op}/E{E}/N{N}/K{K}"
+
+
+def m_bucket(M: int) -> int:
+    """The bucket of M: the nearest of M_BUCKETS in log scale (ties to the larger)."""
+    m = max(1, M)
+    return min(M_BUCKETS, key=lambda b: (abs(math.log2(b) - math.log2(m)), -b))
+
+
+def default_config(kind: str, op: str, E: int, N: int, K: int, M: int, topk: int) -> MoeTileConfig:
+    """A heuristic for shapes without a table entry.
+
+    block_m follows the pairs per expert (M·topk/E, the rows an M-block can fill): decode and tree verify
+    (a few pairs per expert) use 16, the tl.dot minimum, so padding wastes little compute. With few active
+    experts (small M·topk) a narrow block_n gives more programs to fill the SMs (~130 on an H100 / H200);
+    the weights are read once either way. Quantized weights are dequantized per K tile, so a long K tile
+    amortises the scale loads.
+    """
+    per_expert = M * topk / max(E, 1)
+    block_m = 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
+    active = min(E, M * topk)  # experts with a pair, at most
+    programs = lambda bn: active * -(-N // bn)  # noqa: E731  (M-blocks x N-tiles, about)
+    block_n = 16 if programs(32) < 128 else 32 if programs(64) < 512 else 64 if block_m < 64 else 128
+    block_k = 64 if kind == "bf16" else 128
+    num_warps = 8 if block_m * block_n >= 64 * 128 else 4
+    return MoeTileConfig(block_m, block_n, block_k, num_warps, num_stages=3 if block_m <= 32 else 4)
+
+
+def device_table_path(device_name: str) -> pathlib.Path:
+    """kernels/moe_configs/<name>.json, the name with anything but letters, digits, '-', '_' as '_'."""
+    return TABLE_DIR / (re.sub(r"[^A-Za-z0-9_-]+", "_", device_name).strip("_") + ".json")
+
+
+@functools.lru_cache(maxsize=8)
+def load_table(path: pathlib.Path) -> dict[str, dict[int, MoeTileConfig]]:
+    """key -> {M bucket: config}; {} when the file does not exist; ValueError naming the file when malformed."""
+    if not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text())
+        return {
+            key: {int(m): MoeTileConfig.from_dict(cfg) for m, cfg in by_m.items()}
+            for key, by_m in raw["configs"].items()
+        }
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"moe config table {path}: {e}") from e
+
+
+def save_table(path: pathlib.Path, configs: dict[str, dict[int, MoeTileConfig]], device: str, **meta) -> None:
+    """Write a table in load_table's format (merging into an existing file's entries)."""
+    merged = dict(load_table(path)) if path.is_file() else {}
+    for key, by_m in configs.items():
+        merged[key] = {**merged.get(key, {}), **by_m}
+    body = {
+        "device": device,
+        **meta,
+        "configs": {
+            k: {str(m): dataclasses.asdict(c) for m, c in sorted(v.items())} for k, v in sorted(merged.items())
+        },
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(body, indent=1) + "\n")
+    load_table.cache_clear()
+
+
+def get_config(
+    kind: str, op: str, E: int, N: int, K: int, M: int, topk: int, device_name: str | None = None
+) -> MoeTileConfig:
+    """The table's config for the nearest M bucket (device_name None: no table), else default_config."""
+    if device_name:
+        by_m = load_table(device_table_path(device_name)).get(table_key(kind, op, E, N, K))
+        if by_m:
+            m = max(1, M)
+            return by_m[min(by_m, key=lambda b: (abs(math.log2(b) - math.log2(m)), -b))]
+    return default_config(kind, op, E, N, K, M, topk)

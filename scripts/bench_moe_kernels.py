@@ -1,0 +1,401 @@
+"""Fused MoE kernels (issue 16) on one GPU at Kimi K2.6 / DeepSeek-V3 TP-8 shapes.
+
+    python -m scripts.bench_moe_kernels --moe [--out runs/bench_moe.json]   # a few minutes on one H200
+    python -m scripts.bench_moe_kernels --moe --autotune                      # + sweep tiles, write the table
+    python -m scripts.bench_moe_kernels --moe --dry-run --out /tmp/x.json     # CPU: tiny shapes, interpreted
+    python -m scripts.bench_moe_kernels --moe --compile-only [--arch 90]      # no GPU: build for sm_90, report
+                                                                               # registers / spills / shared memory
+
+Shapes (TP 8 shards the intermediate size, every expert is local): Kimi K2.6 E = 384 experts, top-8,
+d = 7168, I = 2048 / 8 = 256, INT4 group 32; DeepSeek-V3 E = 256, top-8, same d and I, FP8 blocks
+128 x 128; both also with bf16 weights. M = 1 .. 256 tokens, routed uniformly at random.
+
+Per point: fused_moe's time (a CUDA graph of several calls with different routings, so that weights come
+from HBM, not L2; median of triton's do_bench), the same call eager (Python and launch overhead
+included), the per-expert torch loop over bf16 copies of the weights (the models' path without a fused
+kernel), the bytes of weights the call must read (gate + up + down of each expert with a pair, scales
+included), achieved GB/s and % of the device's peak (by name, or --peak-gbps), and the cosine difference
+from the loop's output (fp8 also quantizes activations, so a larger one is expected there).
+
+--autotune sweeps block_m x (block_n, block_k, warps, stages) per GEMM at M in TUNE_M (gate_up with the
+default down, then down with the best gate_up), keeps the fastest block_m for the sum and writes
+kernels/moe_configs/<device>.json (or --table), which fused_moe reads from then on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+
+MODELS = {
+    "kimi-k2.6": dict(E=384, topk=8, d=7168, I=256, group=32, block=(128, 128), kinds=("int4", "bf16")),
+    "deepseek-v3": dict(E=256, topk=8, d=7168, I=256, group=32, block=(128, 128), kinds=("fp8", "bf16")),
+}
+TINY = {"tiny": dict(E=8, topk=2, d=64, I=32, group=16, block=(32, 32), kinds=("int4", "fp8", "bf16"))}
+M_LIST = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+TUNE_M = (1, 4, 16, 64, 256)
+PEAK_GBPS = [("H200", 4800.0), ("H100 PCIe", 2000.0), ("H100", 3350.0), ("H800", 3350.0), ("H20", 4000.0),
+             ("A100-SXM4-80GB", 2039.0), ("A100 80GB", 1935.0), ("A100", 1555.0), ("L40S", 864.0),
+             ("B200", 8000.0)]  # HBM peak by device-name substring, first match  # fmt: skip
+TILES = [(16, 128, 4, 3), (16, 256, 4, 4), (32, 128, 4, 3), (32, 128, 4, 4), (32, 256, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3),
+         (64, 128, 8, 4), (128, 64, 4, 3), (128, 128, 8, 3)]  # (block_n, block_k, warps, stages)  # fmt: skip
+REPEATS = 8  # calls per graph, each with its own routing
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    repeats: int = REPEATS
+    tiles: tuple = tuple(TILES)
+    tune_all_kinds: bool = False  # default: tune each model's checkpoint format (its first kind) only
+
+
+def random_weights(kind: str, E: int, N: int, K: int, dims: dict, device, gen):
+    """Random ExpertWeights of `kind` built on the device (the values only matter for the output check)."""
+    from ddtree.kernels.moe_weights import ExpertWeights
+
+    if kind == "bf16":
+        w = torch.randn(E, N, K, generator=gen, device=device) / K**0.5
+        return ExpertWeights("bf16", w.to(torch.bfloat16), N, K)
+    if kind == "int4":
+        g = dims["group"]
+        words = torch.randint(-(2**31), 2**31 - 1, (E, N, -(-K // 8)), generator=gen, device=device, dtype=torch.int32)
+        scale = (torch.rand(E, N, -(-K // g), generator=gen, device=device) + 0.5) * (0.3 / K**0.5)
+        return ExpertWeights("int4", words, N, K, scale.to(torch.bfloat16), group_size=g)
+    bn, bk = dims["block"]
+    q = (torch.randn(E, N, K, generator=gen, device=device) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scale = (torch.rand(E, -(-N // bn), -(-K // bk), generator=gen, device=device) + 0.5) / (64 * K**0.5)
+    return ExpertWeights("fp8", q, N, K, scale, block=(bn, bk))
+
+
+def dequantized_bf16(w) -> torch.Tensor:
+    """[E, N, K] bf16: the same weights for the torch loop (one expert at a time, to bound the fp32 copy)."""
+    return torch.stack([w.dequantize(e).to(torch.bfloat16) for e in range(w.num_experts)])
+
+
+def routing(M: int, E: int, topk: int, device, gen):
+    ids = torch.rand(M, E, generator=gen, device=device).topk(topk, dim=1).indices.to(torch.int32)
+    weights = torch.rand(M, topk, generator=gen, device=device).softmax(dim=1)
+    return ids, weights
+
+
+def loop_moe(x, wg, wu, wd, topk_weights, topk_ids) -> torch.Tensor:
+    """The per-expert torch loop (host syncs included) over bf16 weights [E, N, K]."""
+    out = torch.zeros(x.shape[0], wd.shape[1], dtype=torch.float32, device=x.device)
+    flat = topk_ids.reshape(-1).long()
+    order = flat.argsort()
+    counts = torch.bincount(flat, minlength=wg.shape[0]).tolist()
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        pairs = order[start : start + n]
+        start += n
+        rows = pairs // topk_ids.shape[1]
+        xe = x[rows]
+        h = torch.nn.functional.silu(xe @ wg[e].T) * (xe @ wu[e].T)
+        out.index_add_(0, rows, (h @ wd[e].T).float() * topk_weights.reshape(-1)[pairs, None].float())
+    return out.to(x.dtype)
+
+
+def timer(device):
+    """fn -> median seconds: triton's do_bench (L2 flushed) on CUDA; one run on a CPU."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return lambda fn: triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median") * 1e-3
+
+    def cpu(fn):  # the dry run: once, interpreted (the caller warmed it up)
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    return cpu
+
+
+def time_calls(fns, device, measure) -> float:
+    """Seconds per call of fns (each once, in order): one CUDA graph replay on a GPU, eager on a CPU."""
+    for fn in fns:
+        fn()  # compile and warm up outside the capture
+    if device.type != "cuda":
+        return measure(lambda: [fn() for fn in fns]) / len(fns)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    return measure(graph.replay) / len(fns)
+
+
+def weight_bytes(ws, topk_ids) -> int:
+    """Bytes of gate + up + down (with scales) of the experts that got a pair."""
+    active = int(torch.unique(topk_ids).numel())
+    return active * sum(w.nbytes() for w in ws) // ws[0].num_experts
+
+
+def cos_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().flatten(), b.double().flatten()
+    denom = (a * a + b * b).sum().item()
+    return 0.0 if denom == 0 else 1.0 - 2.0 * (a * b).sum().item() / denom
+
+
+def make_calls(M: int, dims: dict, device, gen, repeats: int) -> list[tuple]:
+    """`repeats` (x bf16 [M, d], topk_ids, topk_weights), each with its own routing."""
+    return [(torch.randn(M, dims["d"], generator=gen, device=device).to(torch.bfloat16),
+             *routing(M, dims["E"], dims["topk"], device, gen)) for _ in range(repeats)]  # fmt: skip
+
+
+def time_fused(ws, calls, config, device, measure) -> float:
+    from ddtree.kernels.fused_moe import fused_moe
+
+    fns = [functools.partial(fused_moe, x, *ws, tw, ids, config=config) for x, ids, tw in calls]
+    return time_calls(fns, device, measure)
+
+
+def bench_point(name: str, kind: str, dims: dict, ws, bf, M: int, device, measure, peak_gbps, gen, plan) -> dict:
+    from ddtree.kernels.fused_moe import fused_moe
+
+    calls = make_calls(M, dims, device, gen, plan.repeats)
+    t_graph = time_fused(ws, calls, None, device, measure)
+    x, ids, tw = calls[0]
+    t_eager = measure(functools.partial(fused_moe, x, *ws, tw, ids))
+    t_loop = measure(functools.partial(loop_moe, x, *bf, tw, ids))
+    err = cos_diff(fused_moe(x, *ws, tw, ids), loop_moe(x, *bf, tw, ids))
+    nbytes = statistics.mean(weight_bytes(ws, c[1]) for c in calls)
+    gbps = nbytes / t_graph / 1e9
+    row = dict(model=name, kind=kind, E=dims["E"], topk=dims["topk"], d=dims["d"], I=dims["I"], M=M,
+               fused_us=t_graph * 1e6, fused_eager_us=t_eager * 1e6, loop_bf16_us=t_loop * 1e6, weight_bytes=nbytes,
+               gbps=gbps, pct_peak=100 * gbps / peak_gbps if peak_gbps else None, cos_diff_vs_loop=err,
+               ok=err < (2e-2 if kind == "fp8" else 1e-4))  # fmt: skip
+    pct = f"{row['pct_peak']:.0f}%" if peak_gbps else "-"
+    print(f"{name:>12} {kind:>4} M={M:>4}: fused {row['fused_us']:9.1f} µs (eager {row['fused_eager_us']:9.1f})"
+          f"  loop {row['loop_bf16_us']:10.1f} µs  {gbps:7.0f} GB/s {pct:>5}  cos diff {err:.1e}"
+          f"{'' if row['ok'] else '  MISMATCH'}", flush=True)  # fmt: skip
+    return row
+
+
+def projections(kind: str, dims: dict, device, gen) -> list:
+    """gate [E, I, d], up [E, I, d], down [E, d, I] of `kind`."""
+    E, d, inter = dims["E"], dims["d"], dims["I"]
+    return [random_weights(kind, E, n, kk, dims, device, gen) for n, kk in ((inter, d), (inter, d), (d, inter))]
+
+
+def bench_model(name: str, dims: dict, ms, device, measure, peak_gbps, gen, plan: Plan) -> list[dict]:
+    rows = []
+    for kind in dims["kinds"]:
+        ws = projections(kind, dims, device, gen)
+        bf = [dequantized_bf16(w) for w in ws]
+        rows += [bench_point(name, kind, dims, ws, bf, M, device, measure, peak_gbps, gen, plan) for M in ms]
+    for r in rows:  # speedups against bf16 weights at the same point
+        base = next((b for b in rows if b["kind"] == "bf16" and b["M"] == r["M"]), None)
+        r["speedup_vs_bf16_fused"] = base["fused_us"] / r["fused_us"] if base else None
+        r["speedup_vs_loop"] = r["loop_bf16_us"] / r["fused_us"]
+    return rows
+
+
+def tune_point(kind: str, dims: dict, ws, M: int, device, measure, gen, plan, log: list) -> tuple:
+    """(gate_up config, down config) fastest at M: per block_m, gate_up over the tiles with the default
+    down, then down with that gate_up; the block_m with the fastest pair wins."""
+    from ddtree.kernels.moe_configs import MoeTileConfig, default_config
+
+    E, k, d, inter = dims["E"], dims["topk"], dims["d"], dims["I"]
+    calls = make_calls(M, dims, device, gen, plan.repeats)
+
+    def run(gu, dn) -> float:
+        try:
+            return time_fused(ws, calls, (gu, dn), device, measure)
+        except Exception as e:  # e.g. out of shared memory for this tile
+            log.append(dict(kind=kind, M=M, gate_up=dataclasses.asdict(gu), down=dataclasses.asdict(dn),
+                            error=repr(e)[:200]))  # fmt: skip
+            return float("inf")
+
+    best = None
+    for bm in [b for b in (16, 32, 64) if b == 16 or M * k / E >= b / 8]:
+        dn0 = dataclasses.replace(default_config(kind, "down", E, d, inter, M, k), block_m=bm)
+        cands = sorted({MoeTileConfig(bm, *t) for t in plan.tiles}, key=str)
+        gu = min(cands, key=lambda c: run(c, dn0))
+        dn = min(cands, key=lambda c: run(gu, c))  # noqa: B023  (called at once)
+        t = run(gu, dn)
+        log.append(dict(kind=kind, M=M, block_m=bm, us=t * 1e6, gate_up=dataclasses.asdict(gu),
+                        down=dataclasses.asdict(dn)))  # fmt: skip
+        print(f"  tune {kind} M={M:>4} block_m {bm}: {t * 1e6:8.1f} µs  gate_up {gu}  down {dn}", flush=True)
+        if best is None or t < best[0]:
+            best = (t, gu, dn)
+    return best[1], best[2]
+
+
+def autotune(name: str, dims: dict, ms, device, measure, gen, plan: Plan) -> tuple[dict, list[dict]]:
+    """{table key: {M: MoeTileConfig}} for both GEMMs of the tuned kinds, and the sweep's log."""
+    from ddtree.kernels.moe_configs import table_key
+
+    E, d, inter = dims["E"], dims["d"], dims["I"]
+    table, log = {}, []
+    for kind in dims["kinds"] if plan.tune_all_kinds else dims["kinds"][:1]:
+        ws = projections(kind, dims, device, gen)
+        for M in ms:
+            gu, dn = tune_point(kind, dims, ws, M, device, measure, gen, plan, log)
+            table.setdefault(table_key(kind, "gate_up", E, inter, d), {})[M] = gu
+            table.setdefault(table_key(kind, "down", E, d, inter), {})[M] = dn
+    return table, log
+
+
+def compile_report(models: dict, ms, arch: int) -> list[dict]:
+    """AOT-compile both GEMMs of each kind at the default configs of the model shapes for CUDA `arch`, with
+    the JIT's specialisations (unit K stride, 16-divisible pointers / strides), plus the small kernels:
+    compile errors show here, and cuobjdump gives registers, stack bytes (spills) and shared memory."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    from ddtree.kernels import fused_moe as fm
+    from ddtree.kernels import moe_align as ma
+    from ddtree.kernels.moe_configs import default_config
+
+    cuobjdump = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    target = GPUTarget("cuda", arch, 32)
+    aligned = {"stride_am", "stride_we", "stride_wn", "stride_om", "N", "K", "stride_xm"}
+    rows = []
+
+    def build(name, fn, sig, consts, warps=4, stages=3):
+        full = {**sig, **{k: "constexpr" for k in consts}}
+        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in full.items()
+                 if t.startswith("*") or n in aligned}  # fmt: skip
+        k = compile(ASTSource(fn, full, consts, attrs), target=target, options=dict(num_warps=warps, num_stages=stages))
+        with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as f:
+            f.write(k.asm["cubin"])
+            f.flush()
+            usage = subprocess.run([str(cuobjdump), "-res-usage", f.name], capture_output=True, text=True).stdout
+        regs, stack = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "STACK"))
+        rows.append(dict(kernel=name, arch=arch, num_warps=warps, num_stages=stages, registers=regs,
+                         stack_bytes=stack, shared_bytes=k.metadata.shared))  # fmt: skip
+        print(f"sm_{arch} {name:>44}: {regs:>3} registers, {stack:>4} stack bytes, {k.metadata.shared:>6} shared",
+              flush=True)  # fmt: skip
+
+    i32 = "i32"
+    ptr = {
+        "bf16": ("*bf16", "*bf16", "*bf16"),
+        "int4": ("*bf16", "*i32", "*bf16"),
+        "fp8": ("*fp8e4nv",) * 2 + ("*fp32",),
+    }
+    for dims in models.values():
+        E, k, d, inter = dims["E"], dims["topk"], dims["d"], dims["I"]
+        for kind in dims["kinds"]:
+            a, w, sc = ptr[kind]
+            for op, N, K in (("gate_up", inter, d), ("down", d, inter)):
+                for M in ms:
+                    cfg = default_config(kind, op, E, N, K, M, k)
+                    bk = min(cfg.block_k, dims["block"][1]) if kind == "fp8" else cfg.block_k
+                    sig = dict(A=a if op == "gate_up" or kind == "fp8" else "*bf16", A_SCALE="*fp32", W1=w, S1=sc,
+                               W2=w, S2=sc, OUT="*bf16" if op == "gate_up" else "*fp32", SORTED="*i32",
+                               BLOCK_EXPERT="*i32", TOPK_W="*fp32", num_pairs=i32, N=i32, K=i32, stride_am=i32,
+                               stride_asm=i32, stride_we=i32, stride_wn=i32, stride_se=i32, stride_sn=i32,
+                               stride_sk=i32, stride_om=i32)  # fmt: skip
+                    consts = dict(stride_wk=1, ROW_DIV=k if op == "gate_up" else 1, GATE_UP=op == "gate_up",
+                                  KIND=fm._KIND[kind], GROUP=dims["group"], SCALE_BN=dims["block"][0],
+                                  SCALE_BK=dims["block"][1], DOT=tl.bfloat16, PRECISION="tf32", BLOCK_M=cfg.block_m,
+                                  BLOCK_N=cfg.block_n, BLOCK_K=bk)  # fmt: skip
+                    name = f"{kind} {op} E{E} M{M} {cfg.block_m}x{cfg.block_n}x{bk}"
+                    build(name, fm._moe_gemm_kernel, sig, consts, cfg.num_warps, cfg.num_stages)
+        be = triton.next_power_of_2(E)
+        build(f"align count E{E}", ma._count_kernel, dict(IDS="*i32", EXPERT_MAP="*i32", LOCAL="*i32", COUNTS="*i32",
+              num_pairs=i32), dict(E=E, HAS_MAP=True, CHUNK=256, SUB=ma._sub_chunk(be), BLOCK_E=be))  # fmt: skip
+        build(f"align offsets E{E}", ma._offsets_kernel, dict(COUNTS="*i32", BASE="*i32", BLOCK_END="*i32",
+              NUM_PADDED="*i32", SORTED="*i32", num_chunks=i32, num_pairs=i32), dict(E=E, BLOCK_M=16, BLOCK_E=be,
+              BLOCK_C=max(1, min(16, 4096 // be)), PAD_TILE=min(16, max(1, 4096 // be))), warps=8)  # fmt: skip
+        build(f"align scatter E{E}", ma._scatter_kernel, dict(LOCAL="*i32", BASE="*i32", BLOCK_END="*i32",
+              SORTED="*i32", BLOCK_EXPERT="*i32", num_pairs=i32, num_chunks=i32, num_blocks=i32),
+              dict(E=E, BLOCK_M=16, CHUNK=256, SUB=ma._sub_chunk(be), BLOCK_E=be, BLOCK_B=max(1, 4096 // be)))  # fmt: skip
+    build("fp8 activation quant", fm._quant_fp8_kernel, dict(X="*bf16", Q="*fp8e4nv", S="*fp32", ROW_LOCAL="*i32",
+          R=i32, K=i32, stride_xm=i32, stride_sm=i32), dict(GROUP=128, BLOCK=128, BLOCK_R=32, SKIP_ROWS=True))  # fmt: skip
+    build("top-k sum", fm._moe_sum_kernel, dict(Y="*fp32", LOCAL="*i32", OUT="*bf16", M=i32, N=i32, stride_om=i32),
+          dict(TOPK=8, BLOCK_T=16, BLOCK_N=256, ROUND_BF16=True))  # fmt: skip
+    return rows
+
+
+def peak_for(name: str) -> float | None:
+    return next((v for key, v in PEAK_GBPS if key in name), None)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--moe", action="store_true", help="benchmark the fused MoE kernels (the only suite here)")
+    p.add_argument("--autotune", action="store_true", help="sweep tiles and write the config table")
+    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/bench_moe.json"))
+    p.add_argument("--table", type=pathlib.Path, default=None, help="table path (default kernels/moe_configs/<dev>)")
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
+    p.add_argument("--m", default="", help="comma-separated token counts (default 1 .. 256)")
+    p.add_argument("--peak-gbps", type=float, default=0.0, help="device peak bandwidth, GB/s (default: by name)")
+    p.add_argument("--tune-all-kinds", action="store_true", help="--autotune bf16 too, not only int4 / fp8")
+    p.add_argument("--dry-run", action="store_true", help="tiny shapes on a CPU under TRITON_INTERPRET=1")
+    p.add_argument("--compile-only", action="store_true", help="compile for --arch and report; needs no GPU")
+    p.add_argument("--arch", type=int, default=90, help="CUDA compute capability for --compile-only (90 = H100/H200)")
+    args = p.parse_args(argv)
+    if not args.moe:
+        p.error("choose a suite: --moe")
+    if args.compile_only:
+        models = {m: MODELS[m] for m in args.models.split(",") if m}
+        rows = compile_report(models, [int(v) for v in args.m.split(",") if v] or [1, 256], args.arch)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(dict(compile=rows), indent=1))
+        print(f"saved {args.out}")
+        return 0
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.dry_run:
+        print("bench_kernels: the fused MoE benchmark needs a CUDA device (none is visible); on a CPU only "
+              "--dry-run runs, interpreted", file=sys.stderr)  # fmt: skip
+        return 2
+    if args.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton / the kernels are imported
+    device = torch.device("cuda" if cuda and not args.dry_run else "cpu")
+    from ddtree.kernels import moe_configs
+
+    models = TINY if args.dry_run else {m: MODELS[m] for m in args.models.split(",") if m}
+    ms = [int(v) for v in args.m.split(",") if v] or ([1, 3] if args.dry_run else list(M_LIST))
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreted)"
+    peak = args.peak_gbps or (peak_for(name) if device.type == "cuda" else None)
+    print(f"device {name}: peak {peak or 0:.0f} GB/s; models {', '.join(models)}; M {ms}", flush=True)
+    measure = timer(device)
+    plan = Plan(1, tuple(TILES[:2]), args.tune_all_kinds) if args.dry_run else Plan(tune_all_kinds=args.tune_all_kinds)
+    gen = torch.Generator(device=device).manual_seed(0)
+    t0 = time.perf_counter()
+    result = dict(device=name, peak_gbps=peak, torch=torch.__version__, triton=_triton_version(), rows=[])
+    if args.autotune:
+        tune_ms = ms if args.dry_run else [m for m in TUNE_M if not args.m or m in ms] or ms
+        tables, logs = {}, []
+        for model, dims in models.items():
+            table, log = autotune(model, dims, tune_ms, device, measure, gen, plan)
+            tables.update(table)
+            logs += log
+        path = args.table or moe_configs.device_table_path(name)
+        moe_configs.save_table(path, tables, name, triton=_triton_version())
+        result.update(table=str(path), autotune=logs)
+        print(f"wrote {path}", flush=True)
+    for model, dims in models.items():
+        result["rows"] += bench_model(model, dims, ms, device, measure, peak, gen, plan)
+    result["wall_s"] = time.perf_counter() - t0
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1, default=str))
+    print(f"saved {args.out} ({result['wall_s']:.0f} s)")
+    return 0 if all(r["ok"] for r in result["rows"]) else 1
+
+
+def _triton_version() -> str:
+    import triton
+
+    return triton.__version__
+
+
+if __name__ == "__main__":
+    sys.exit(main())
