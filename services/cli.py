@@ -120,7 +120,7 @@ def cmd_health(args) -> int:
     return 0 if resp.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
-def _start_stack(args, log_dir: pathlib.Path):
+def _start_stack(args, log_dir: pathlib.Path, metrics: bool = False):
     from ddtree.launcher import start_stack
 
     model, drafter = args.model, args.drafter
@@ -135,14 +135,16 @@ def _start_stack(args, log_dir: pathlib.Path):
         host=args.host,
         verifier_args=tuple(getattr(args, "verifier_args", "").split()),
         drafter_args=tuple(getattr(args, "drafter_args", "").split()),
+        metrics=metrics,
     )
 
 
 def cmd_serve(args) -> None:
     log_dir = pathlib.Path(args.log_dir or tempfile.mkdtemp(prefix="ddtree-serve-"))
-    stack = _start_stack(args, log_dir)
+    stack = _start_stack(args, log_dir, metrics=not args.no_metrics)
     for p in stack.processes:
-        print(f"{p.name:9s} {p.address}   log {p.log_path}", flush=True)
+        prom = "" if args.no_metrics else f"   metrics http://{stack.metrics_address(p.name)}/metrics"
+        print(f"{p.name:9s} {p.address}{prom}   log {p.log_path}", flush=True)
     print(f"http      http://{stack.gateway_http}/v1   (OpenAI-compatible)", flush=True)
     print("serving; Ctrl-C stops", flush=True)
     done = threading.Event()
@@ -296,6 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_health)
     p = sub.add_parser("serve", help="run drafter, verifier and gateway on loopback")
     _add_stack_flags(p)
+    p.add_argument(
+        "--no-metrics", action="store_true", help="no Prometheus port per service (default: each on a free port)"
+    )
     p.set_defaults(fn=cmd_serve)
     p = sub.add_parser("generate", help="send one request through the gateway")
     p.add_argument("--prompt", required=True)

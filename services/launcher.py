@@ -4,7 +4,8 @@ Used by `ddtree serve`, `ddtree generate` (when no gateway is given) and the pro
 Each child is `python -m ddtree.cli <service> --port 0 ...`; it prints `LISTENING <name> host:port`
 on stdout once serving, and logs JSON to stderr, which goes to `<log_dir>/<name>.log`. The first
 LISTENING line is the service's gRPC address (`ServiceProcess.address`); a process may announce more
-endpoints after it (the gateway's `gateway-http`), collected in `ServiceProcess.addresses` by name.
+endpoints after it (the gateway's `gateway-http`; `metrics`, each service's Prometheus endpoint when it
+has `--metrics-port`), collected in `ServiceProcess.addresses` by name.
 """
 
 from __future__ import annotations
@@ -136,6 +137,11 @@ class Stack:
         """host:port of the gateway's OpenAI-compatible HTTP API."""
         return self.get("gateway").wait_address("gateway-http")
 
+    def metrics_address(self, name: str) -> str:
+        """host:port of that service's Prometheus endpoint (GET /metrics; a stack started with metrics=True,
+        or with --metrics-port in that service's args)."""
+        return self.get(name).wait_address("metrics")
+
     def stop(self) -> dict[str, int]:
         return {p.name: p.stop() for p in reversed(self.processes)}
 
@@ -156,16 +162,21 @@ def start_stack(
     gateway_args: tuple[str, ...] = (),
     ports: tuple[int, int, int] = (0, 0, 0),
     drafter_module: str = "ddtree.cli",
+    metrics: bool = False,
 ) -> Stack:
-    """drafter_dir None = AR only (no drafter process).
+    """drafter_dir None = AR only (no drafter process). metrics: every service serves its Prometheus
+    metrics on a free port (`--metrics-port 0`, before the service's own args, which may override it);
+    `Stack.metrics_address(name)` is where.
 
     The drafter and the verifier take turns within a step, and on a small CPU machine two processes
     that each spin up all cores slow each other down: unless told otherwise each gets half the cores.
     """
     procs: list[ServiceProcess] = []
     threads = ["--threads", str(default_engine_threads())]
+    prom = ["--metrics-port", "0"] if metrics else []
     try:
-        verifier_flags = ["--model", model_dir, "--host", host, "--port", str(ports[1]), *threads, *verifier_args]
+        verifier_flags = ["--model", model_dir, "--host", host, "--port", str(ports[1])]
+        verifier_flags += [*threads, *prom, *verifier_args]
         if drafter_dir is not None:
             d = start_service(
                 "drafter",
@@ -180,6 +191,7 @@ def start_stack(
                     "--port",
                     str(ports[2]),
                     *threads,
+                    *prom,
                     *drafter_args,
                 ],
                 log_dir,
@@ -201,6 +213,7 @@ def start_stack(
                     host,
                     "--port",
                     str(ports[0]),
+                    *prom,
                     *gateway_args,
                 ],
                 log_dir,

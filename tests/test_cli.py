@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 
@@ -89,8 +91,18 @@ def test_serve_starts_three_services_and_stops_cleanly(default_ckpt, tmp_path):
     assert names == {"drafter", "verifier", "gateway"}, lines
     assert any(line.startswith("http      http://127.0.0.1:") for line in lines), lines
     gateway = next(line.split()[1] for line in lines if line.startswith("gateway"))
+    # Each service's Prometheus endpoint, printed beside its gRPC address.
+    prom = {
+        m[1]: m[2] for line in lines if (m := re.match(r"(\w+) +\S+ +metrics (http://127\.0\.0\.1:\d+/metrics) ", line))
+    }
+    assert set(prom) == {"drafter", "verifier", "gateway"}, lines
     res = _ddtree("generate", "--gateway", gateway, "--prompt", "hi", "--max-tokens", "5", "--json")
     assert res.returncode == 0 and json.loads(res.stdout)["usage"]["completion_tokens"] >= 1
+    scraped = {name: urllib.request.urlopen(url, timeout=10).read().decode() for name, url in prom.items()}
+    assert "ddtree_accept_length_count" in scraped["verifier"] and "ddtree_gateway_" not in scraped["verifier"]
+    assert re.search(r"^ddtree_running_sequences 0\.0$", scraped["verifier"], re.M)  # idle after the request
+    assert "ddtree_drafter_calls_total" in scraped["drafter"] and "ddtree_accept_length" not in scraped["drafter"]
+    assert "ddtree_gateway_requests_total" in scraped["gateway"] and "ddtree_drafter_" not in scraped["gateway"]
     ready = [
         json.loads(line) for line in (tmp_path / "verifier.log").read_text().splitlines() if '"verifier_ready"' in line
     ]

@@ -218,10 +218,14 @@ def test_observability_files():
     compose = _compose()
     prom = yaml.safe_load((DOCKER / "observability" / "prometheus.yml").read_text())
     jobs = {j["job_name"]: j for j in prom["scrape_configs"]}
-    for name in ("drafter", "verifier"):
+    for name in ("drafter", "verifier", "gateway"):
         port = int(compose["services"][name]["environment"]["DDTREE_METRICS_PORT"])
         assert jobs[name]["dns_sd_configs"][0]["port"] == port
     import json
+
+    from ddtree.drafter import metrics as drafter_metrics
+    from ddtree.gateway import metrics as gateway_metrics
+    from ddtree.verifier import metrics as verifier_metrics
 
     dash = json.loads((DOCKER / "observability" / "grafana" / "dashboards" / "ddtree.json").read_text())
     exprs = " ".join(t["expr"] for p in dash["panels"] for t in p["targets"])
@@ -231,8 +235,33 @@ def test_observability_files():
         "ddtree_generated_tokens_total",
         "ddtree_context_tokens",
         "ddtree_queued_requests",
+        # gateway panels
+        "ddtree_gateway_requests_total",
+        "ddtree_gateway_time_to_first_token_seconds",
+        "ddtree_gateway_request_seconds",
+        "ddtree_gateway_verifier_healthy",
+        # drafter panels
+        "ddtree_drafter_calls_total",
+        "ddtree_drafter_draft_seconds",
+        "ddtree_drafter_sequences",
+        "ddtree_drafter_context_bytes",
     ):
         assert metric in exprs, f"dashboard has no panel on {metric}"
+    # Every series a panel reads is one a service exports (names as scraped), scoped to the instance variable.
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
+    exported = {
+        family.name + suffix
+        for module in (verifier_metrics, drafter_metrics, gateway_metrics)
+        for family in module.REGISTRY.collect()
+        for suffix in suffixes.get(family.type, ("",))
+    }
+    for panel in dash["panels"]:
+        for target in panel["targets"]:
+            for name, labels in re.findall(r"\b(ddtree_[a-z_]+)(\{[^}]*\})?", target["expr"]):
+                assert name in exported, f"panel {panel['title']!r} reads {name}, which no service exports"
+                assert 'instance=~"$instance"' in labels, f"panel {panel['title']!r}: {name} ignores $instance"
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    assert variables["instance"]["definition"] == "label_values(up, instance)"
 
 
 def _free_port(*hosts: str) -> int:

@@ -14,13 +14,14 @@ import time
 import grpc
 
 from ddtree.config import DrafterConfig
+from ddtree.drafter import metrics
 from ddtree.drafter.engine import SeqDraftInput
 from ddtree.protocol.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
 from ddtree.protocol.security import ServiceSecurity
 from ddtree.protocol.server import RunningServer, start_server
 from ddtree.protocol.tensors import tensor_from_proto
-from ddtree.telemetry import metrics
 from ddtree.telemetry.logging import get_logger
+from ddtree.telemetry.metrics import serve_metrics
 
 log = get_logger("ddtree.drafter")
 MAX_SEQS_PER_CALL = 1024
@@ -74,6 +75,21 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self.max_sequences = max_sequences  # draft contexts held at once (--max-sequences)
         # The engine holds per-sequence state: one Draft call at a time.
         self._lock = threading.Lock()
+        # What the state gauges read at scrape time (metric_state), noted under the lock after every call
+        # that changes the engine's contexts: a scrape neither waits for a Draft nor reads a dict mid-change.
+        self._state: dict[str, int] = {}
+        self._note_state()
+        metrics.STATE.track(self)
+
+    def metric_state(self) -> dict[str, int]:
+        return self._state
+
+    def _note_state(self) -> None:
+        """Record the engine's contexts for the state gauges (caller holds the lock)."""
+        self._state = {
+            "sequences": self.engine.info()["active_sequences"],
+            "context_bytes": getattr(self.engine, "context_bytes", 0),
+        }
 
     def Draft(self, request, context):
         try:
@@ -95,10 +111,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 trees = self.engine.draft(seqs)
             except ValueError as err:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            finally:
+                self._note_state()
             draft_ms = (time.perf_counter() - t0) * 1e3
-            # Read the engine's state under the lock: Release mutates it from other threads.
-            metrics.DRAFT_SEQUENCES.set(self.engine.info()["active_sequences"])
-            metrics.DRAFT_CONTEXT_BYTES.set(getattr(self.engine, "context_bytes", 0))
         metrics.DRAFT_CALLS.inc()
         metrics.DRAFT_SECONDS.observe(draft_ms / 1e3)
         resp = drafter_pb2.DraftResponse(draft_ms=draft_ms)
@@ -116,35 +131,42 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             context.abort(grpc.StatusCode.UNIMPLEMENTED, "this drafter's engine takes commits in Draft only")
         chunks = nbytes = 0
         compute_s = 0.0
-        for chunk in request_iterator:
-            if chunks >= MAX_CHUNKS_PER_APPEND:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"more than {MAX_CHUNKS_PER_APPEND} chunks in one call")
-            try:
-                seq = decode_chunk(chunks, chunk)
-            except ValueError as err:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-            with self._lock:
-                new = not self.engine.knows(seq.seq_id)
-                held = self.engine.info()["active_sequences"]
-                if new and held + 1 > self.max_sequences:
+        try:
+            for chunk in request_iterator:
+                if chunks >= MAX_CHUNKS_PER_APPEND:
                     context.abort(
-                        grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"drafter holds {held} draft contexts; max_sequences is {self.max_sequences}",
+                        grpc.StatusCode.INVALID_ARGUMENT, f"more than {MAX_CHUNKS_PER_APPEND} chunks in one call"
                     )
-                t0 = time.perf_counter()
                 try:
-                    self.engine.append([seq])
+                    seq = decode_chunk(chunks, chunk)
                 except ValueError as err:
-                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"chunk {chunks}: {err}")
-                compute_s += time.perf_counter() - t0
-            chunks += 1
-            nbytes += len(chunk.commit_features.data)
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+                with self._lock:
+                    new = not self.engine.knows(seq.seq_id)
+                    held = self.engine.info()["active_sequences"]
+                    if new and held + 1 > self.max_sequences:
+                        context.abort(
+                            grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"drafter holds {held} draft contexts; max_sequences is {self.max_sequences}",
+                        )
+                    t0 = time.perf_counter()
+                    try:
+                        self.engine.append([seq])
+                    except ValueError as err:
+                        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"chunk {chunks}: {err}")
+                    compute_s += time.perf_counter() - t0
+                chunks += 1
+                nbytes += len(chunk.commit_features.data)
+        finally:  # the contexts the chunks made or grew, for the state gauges (once per call)
+            with self._lock:
+                self._note_state()
         metrics.DRAFT_APPEND_CHUNKS.inc(chunks)
         return drafter_pb2.AppendResponse(chunks=chunks, feature_bytes=nbytes, append_ms=compute_s * 1e3)
 
     def Release(self, request, context):
         with self._lock:
             released = self.engine.release(list(request.seq_ids))
+            self._note_state()
         return drafter_pb2.ReleaseResponse(released=released)
 
     def GetInfo(self, request, context):
@@ -166,7 +188,8 @@ def serve_engine(engine, config: DrafterConfig) -> RunningServer:
         config.port,
         config.max_workers,
         config.grace_s,
+        lambda: metrics.STATE.untrack(servicer),  # a stopped drafter's contexts stop counting
         security=ServiceSecurity.from_config(config),
     )
-    metrics.serve_metrics(config.metrics_port, config.host)
+    serve_metrics(config.metrics_port, config.host, metrics.REGISTRY)
     return running

@@ -331,7 +331,9 @@ class _Api:
             raise ApiError(404, "no route /metrics (this gateway serves no metrics over HTTP: --http-metrics off)")
         if mode == "key" or (mode == "auto" and self.p.keys.required):
             self._authorize(request)
-        return Response(prometheus_client.generate_latest(), media_type=prometheus_client.CONTENT_TYPE_LATEST)
+        return Response(
+            prometheus_client.generate_latest(metrics.REGISTRY), media_type=prometheus_client.CONTENT_TYPE_LATEST
+        )
 
 
 async def _api_error(request: Request, e: ApiError) -> Response:

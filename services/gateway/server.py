@@ -19,6 +19,7 @@ from collections.abc import Iterator
 import grpc
 
 from ddtree.config import GatewayConfig
+from ddtree.gateway import metrics
 from ddtree.gateway.auth import ApiKeys, KeyPolicy, Unauthorized
 from ddtree.gateway.generation import RequestError, StopMatcher
 from ddtree.gateway.pipeline import Invalid, Job, Pipeline, validate_options
@@ -277,7 +278,7 @@ def serve(
             print(f"LISTENING gateway-http {http.address}", flush=True)
     # Prometheus on its own port (--metrics-port), open: for a scraper on the internal network, while
     # the HTTP API's /metrics follows --http-metrics.
-    serve_metrics(config.metrics_port, config.host)
+    serve_metrics(config.metrics_port, config.host, metrics.REGISTRY, announce=announce)
     router.start()
     get_logger("gateway").info(
         "gateway_ready",

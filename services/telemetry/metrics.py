@@ -1,75 +1,105 @@
-"""Prometheus metrics of the services (names fixed by docs/design.md §8).
+"""Prometheus plumbing shared by the services (metric names fixed by docs/design.md §8).
 
-Metrics live in the process-wide default registry, so each service exposes exactly its own: the
-verifier's step metrics, the drafter's draft metrics, the gateway's request latencies. A service with
-`--metrics-port P` (P >= 0) serves them at http://host:P/metrics; the gateway also serves them on its
-HTTP port. Observations are a few dict lookups per step: cheap enough to stay on.
+Each service defines its own families in its own registry (`ddtree.verifier.metrics`,
+`ddtree.drafter.metrics`, `ddtree.gateway.metrics`, each made by `service_registry()`), so a process
+exports exactly its own families plus the standard `process_*` / `python_*` ones, never another
+service's as zeros. Gauges that describe state (sequences running, KV slots held, draft contexts) are
+`StateGauges`: computed at scrape time from the live objects that hold the state, so an idle service
+reads its true state rather than the last step's. A service with `--metrics-port P` (P >= 0) serves its
+registry at http://host:P/metrics (`serve_metrics`); the gateway also serves its on its HTTP port.
+Observations are a few dict lookups per step: cheap enough to stay on.
 """
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+import threading
+import weakref
+from collections.abc import Iterable, Mapping
+from typing import Protocol
 
-# Accepted length = root + matched nodes per step (1 = nothing accepted).
-ACCEPT_BUCKETS = tuple(float(b) for b in range(1, 17)) + (24.0, 32.0, 64.0)
+from prometheus_client import (
+    CollectorRegistry,
+    GCCollector,
+    PlatformCollector,
+    ProcessCollector,
+    start_http_server,
+)
+from prometheus_client.core import GaugeMetricFamily
+
+from ddtree.telemetry.logging import get_logger
+
 STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512, 1.024, 2.048)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-CONTEXT_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
-NODE_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
-# ---- verifier ----
-ACCEPT_LENGTH = Histogram(
-    "ddtree_accept_length", "Tokens committed per step (root + matched nodes)", buckets=ACCEPT_BUCKETS
-)
-STEP_SECONDS = Histogram("ddtree_step_seconds", "Step time by phase", ["phase"], buckets=STEP_BUCKETS)
-CONTEXT_TOKENS = Histogram(
-    "ddtree_context_tokens", "Committed context per sequence at each step", buckets=CONTEXT_BUCKETS
-)
-TREE_NODES = Histogram("ddtree_tree_nodes", "Non-root tree nodes verified per sequence and step", buckets=NODE_BUCKETS)
-FEATURE_BYTES = Counter("ddtree_feature_bytes", "Feature bytes sent to the drafter")
-FEATURE_CHUNKS = Counter("ddtree_feature_chunks", "Commit chunks sent ahead of a Draft (Append RPC)")
-FEATURE_APPEND_SECONDS = Histogram(
-    "ddtree_feature_append_seconds", "Wall time of one step's Append call (chunked commits)", buckets=STEP_BUCKETS
-)
-GENERATED_TOKENS = Counter("ddtree_generated_tokens", "Tokens emitted by the verifier")
-RUNNING = Gauge("ddtree_running_sequences", "Sequences in prefill or decode")
-QUEUED = Gauge("ddtree_queued_requests", "Requests waiting for admission")
-KV_USED = Gauge("ddtree_kv_slots_used", "Latent KV slots held by requests")
-KV_CACHED = Gauge("ddtree_kv_slots_cached", "Latent KV slots held by the prefix cache")
-KV_TOTAL = Gauge("ddtree_kv_slots_total", "Latent KV slots in the pool")
-REQUESTS = Counter("ddtree_requests", "Finished requests by finish reason", ["finish_reason"])
-DRAFTER_SET_ASIDE = Counter(
-    "ddtree_drafter_replicas_set_aside", "Drafter replicas taken out of the pool (lost, or timed out)", ["reason"]
-)
-TTFT = Histogram("ddtree_time_to_first_token_seconds", "Arrival to first token", buckets=LATENCY_BUCKETS)
-ITL = Histogram("ddtree_inter_token_seconds", "Time between streamed token batches, per token", buckets=STEP_BUCKETS)
-E2E = Histogram("ddtree_request_seconds", "Arrival to finish", buckets=LATENCY_BUCKETS)
-
-# ---- drafter ----
-DRAFT_CALLS = Counter("ddtree_drafter_calls", "Draft calls served")
-DRAFT_SECONDS = Histogram("ddtree_drafter_draft_seconds", "Drafter compute per Draft call", buckets=STEP_BUCKETS)
-DRAFT_SEQUENCES = Gauge("ddtree_drafter_sequences", "Draft contexts held")
-DRAFT_CONTEXT_BYTES = Gauge("ddtree_drafter_context_bytes", "Bytes of draft context held")
-DRAFT_APPEND_CHUNKS = Counter("ddtree_drafter_append_chunks", "Commit chunks appended through Append calls")
+_log = get_logger("ddtree.telemetry.metrics")
 
 
-_PHASE_SECONDS = {phase: STEP_SECONDS.labels(phase=phase) for phase in ("draft", "verify", "transport", "total")}
+def service_registry() -> CollectorRegistry:
+    """A service's own registry, with the process's standard families (process_*, python_*)."""
+    registry = CollectorRegistry()
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    GCCollector(registry=registry)
+    return registry
 
 
-def observe_step(phase_ms: dict[str, float], accept_length: int, context: int, nodes: int, feature_bytes: int) -> None:
-    for phase, child in _PHASE_SECONDS.items():  # children looked up once: a label lookup costs a few us
-        child.observe(phase_ms[phase] / 1e3)
-    ACCEPT_LENGTH.observe(accept_length)
-    CONTEXT_TOKENS.observe(context)
-    TREE_NODES.observe(nodes)
-    FEATURE_BYTES.inc(feature_bytes)
+class StateSource(Protocol):
+    def metric_state(self) -> Mapping[str, float]:
+        """The current value of each state gauge, by key (thread-safe: called from the scrape thread)."""
+        ...
 
 
-def serve_metrics(port: int, host: str = "0.0.0.0") -> int | None:
-    """Start the /metrics endpoint when port >= 0 (0 = any free port); returns the bound port."""
+class StateGauges:
+    """Gauges computed at scrape time: each family's value is the sum, over the tracked sources, of
+    `source.metric_state()[key]` (one source per process in production: the scheduler, the drafter
+    servicer; tests may run several in one process). Sources are held weakly and untracked when they
+    stop, so a stopped one stops counting."""
+
+    def __init__(self, registry: CollectorRegistry, families: Mapping[str, tuple[str, str]]):
+        """families: key -> (metric name, help)."""
+        self._families = dict(families)
+        self._sources: weakref.WeakSet = weakref.WeakSet()
+        self._lock = threading.Lock()
+        registry.register(self)
+
+    def track(self, source: StateSource) -> None:
+        with self._lock:
+            self._sources.add(source)
+
+    def untrack(self, source: StateSource) -> None:
+        with self._lock:
+            self._sources.discard(source)
+
+    def values(self) -> dict[str, float]:
+        """key -> the value a scrape would report now."""
+        with self._lock:
+            sources = list(self._sources)
+        totals = dict.fromkeys(self._families, 0.0)
+        for source in sources:
+            try:
+                state = source.metric_state()
+            except Exception as err:  # a scrape must not fail for one source
+                _log.warning("metric_state_failed", source=type(source).__name__, error=str(err))
+                continue
+            for key in totals:
+                totals[key] += float(state.get(key, 0))
+        return totals
+
+    def describe(self) -> Iterable[GaugeMetricFamily]:
+        return [GaugeMetricFamily(name, doc) for name, doc in self._families.values()]
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        values = self.values()
+        return [GaugeMetricFamily(name, doc, value=values[key]) for key, (name, doc) in self._families.items()]
+
+
+def serve_metrics(port: int, host: str, registry: CollectorRegistry, announce: bool = True) -> int | None:
+    """Serve this registry at http://host:port/metrics when port >= 0 (0 = any free port); returns the
+    bound port and prints `LISTENING metrics host:port` (the launcher collects it)."""
     if port < 0:
         return None
-    server, _thread = start_http_server(port, addr=host)
+    server, _thread = start_http_server(port, addr=host, registry=registry)
     bound = server.server_address[1]
-    print(f"LISTENING metrics {host}:{bound}", flush=True)
+    if announce:
+        print(f"LISTENING metrics {host}:{bound}", flush=True)
     return bound

@@ -17,8 +17,8 @@ from ddtree.protocol.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
 from ddtree.protocol.security import ServiceSecurity
 from ddtree.protocol.server import GRPC_OPTIONS
 from ddtree.protocol.tensors import tensor_to_proto
-from ddtree.telemetry import metrics
 from ddtree.telemetry.logging import get_logger
+from ddtree.verifier import metrics
 from ddtree.verifier.feature_chunks import DEFAULT_CHUNK_BYTES, split_commit
 from ddtree.verifier.sequence import Sequence
 

@@ -24,8 +24,8 @@ import grpc
 
 from ddtree.protocol.discovery import resolve
 from ddtree.protocol.security import ServiceSecurity
-from ddtree.telemetry import metrics
 from ddtree.telemetry.logging import get_logger
+from ddtree.verifier import metrics
 from ddtree.verifier.drafter_client import DrafterClient, DraftResult
 from ddtree.verifier.feature_chunks import DEFAULT_CHUNK_BYTES
 from ddtree.verifier.sequence import Sequence

@@ -22,9 +22,9 @@ import torch
 from ddtree.config import VerifierConfig
 from ddtree.contract.step_record import StepRecord
 from ddtree.contract.token_tree import EMPTY_TREE, TokenTree
-from ddtree.telemetry import metrics
 from ddtree.telemetry.logging import get_logger
 from ddtree.telemetry.step_log import open_step_log
+from ddtree.verifier import metrics
 from ddtree.verifier.batch import PrefillItem, VerifyItem, WorkItem, kv_needed, run_batch
 from ddtree.verifier.commit import append_pending, commit_prefill, commit_verify
 from ddtree.verifier.drafter_client import DraftResult
@@ -65,9 +65,9 @@ class Scheduler:
         self._reserved = 0
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="verifier-scheduler", daemon=True)
-        metrics.KV_TOTAL.set(pool.num_slots)
         self.total_steps = 0
         self.total_tokens = 0
+        metrics.STATE.track(self)  # running, queued, KV: read at scrape time (metric_state)
 
     # ---- called from RPC threads ----
     def submit(self, seq: Sequence) -> None:
@@ -128,6 +128,17 @@ class Scheduler:
         with self._cond:
             return len(self._running) + len(self._waiting)
 
+    def metric_state(self) -> dict[str, int]:
+        """The state gauges (`ddtree.verifier.metrics.STATE`), read at scrape time: true when idle too."""
+        with self._cond:
+            return {
+                "running": len(self._running),
+                "queued": len(self._waiting),
+                "kv_used": self.kv_held_by_requests,
+                "kv_cached": self.kv_cached,
+                "kv_total": self.pool.num_slots,
+            }
+
     def start(self) -> None:
         self._thread.start()
 
@@ -139,6 +150,7 @@ class Scheduler:
         with self._cond:
             for seq in list(self._running) + list(self._waiting):
                 self._finish(seq, "abort")
+        metrics.STATE.untrack(self)
 
     # ---- the loop ----
     def _loop(self) -> None:
@@ -160,10 +172,6 @@ class Scheduler:
                 return
             decode = [s for s in self._running if s.phase is Phase.DECODE]
             prefill = self._prefill_items()
-            metrics.RUNNING.set(len(self._running))
-            metrics.QUEUED.set(len(self._waiting))
-            metrics.KV_USED.set(self.kv_held_by_requests)
-            metrics.KV_CACHED.set(self.kv_cached)
         try:
             self._step(decode, prefill)
             if self.config.debug_checks:

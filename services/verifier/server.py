@@ -20,6 +20,7 @@ from ddtree.protocol.server import RunningServer, start_server
 from ddtree.protocol.stream_slots import StreamSlots
 from ddtree.telemetry.logging import get_logger
 from ddtree.telemetry.metrics import serve_metrics
+from ddtree.verifier import metrics
 from ddtree.verifier.drafter_pool import DrafterPool
 from ddtree.verifier.kv_pool import LatentKVPool
 from ddtree.verifier.kv_sizing import kv_size_for
@@ -250,5 +251,5 @@ def serve(config: VerifierConfig, model_dir: str) -> RunningServer:
     )
     if tp is not None:
         tp.attach(running)
-    serve_metrics(config.metrics_port, config.host)
+    serve_metrics(config.metrics_port, config.host, metrics.REGISTRY)
     return running

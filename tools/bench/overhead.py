@@ -1,7 +1,7 @@
 """`ddtree bench overhead`: what a step record and the step metrics cost the verifier, per step.
 
 The verifier's scheduler thread writes one step record per sequence and step (`--step-log`: the
-service log, a file, or off) and observes the step metrics (`services/telemetry/metrics.py`). This
+service log, a file, or off) and observes the step metrics (`services/verifier/metrics.py`). This
 times exactly those calls in-process, as the scheduler makes them, and prints them as a share of a
 step of the given lengths; `--verifier` / a private verifier also measures AR decode speed with step
 records on and off, side by side (alternating runs, medians).
@@ -16,10 +16,10 @@ import statistics
 import tempfile
 import time
 
-from ddtree.telemetry import metrics
 from ddtree.telemetry.logging import configure_logging
 from ddtree.telemetry.step_log import open_step_log
 from ddtree.tools.bench.output import format_table
+from ddtree.verifier import metrics
 
 # A step record's fields as the scheduler logs them (services/verifier/sequence.py:StepRecord).
 RECORD = dict(
