@@ -33,6 +33,8 @@ def rope_inv_freq(cfg: DFlashConfig) -> tuple[Tensor, float]:
     """(inv_freq fp32 [head_dim/2] on CPU, cos/sin scale) as HF's ROPE_INIT_FUNCTIONS default / linear / yarn.
 
     A yarn config.json may leave original_max_position_embeddings out; HF then uses max_position_embeddings.
+    The scale is the YaRN attention factor (1.0 otherwise): rope_scaling.attention_factor when given, else
+    transformers' rule (dflash_config.ATTENTION_FACTOR_HELP); q and k both take it, the logits its square.
     """
     rope = cfg.rope
     if rope.is_yarn and not rope.original_max_position_embeddings:

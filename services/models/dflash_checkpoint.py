@@ -2,16 +2,23 @@
 files whose tensor names are the `DFlashDraftModel` state_dict names (fc.weight, layers.{i}.self_attn.q_proj.
 weight, ...; no embedding, no LM head).
 
+This is the layout z-lab publishes its drafters in (e.g. z-lab/Kimi-K2.5-DFlash, z-lab/Qwen3-8B-DFlash-b16):
+unprefixed names, no `embed_tokens` / `lm_head` (the drafter uses the target's), taps, block size and mask id
+in config.json (tests/test_dflash_published.py loads a reduced-width checkpoint of the Kimi shape).
+
 `load_drafter` reads every `*.safetensors` file of the directory (whatever their names: z-lab checkpoints
-are one file, sharded ones need no index) through the shared `CheckpointFiles` reader, and is strict: every
-missing, unexpected or misshapen tensor is named before anything is read. `write_random_drafter` writes a
-reproducible random drafter for a target (tests, the CPU demo, the start of drafter training).
+are one file, sharded ones need no index) through the shared `CheckpointFiles` reader, and is strict:
+`check_drafter_tensors` names every missing, unexpected or misshapen tensor, with the file it is in (or the
+files read) and a hint, before anything is read. It is the one check of a drafter's tensors (training
+loads through `load_drafter` too). `write_random_drafter` writes a reproducible random drafter for a target
+(tests, the CPU demo, the start of drafter training).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -20,7 +27,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
-from .checkpoint_files import SAFETENSORS_DTYPES, CheckpointFiles, checkpoint_weight_map
+from .checkpoint_files import SAFETENSORS_DTYPES, CheckpointError, CheckpointFiles, checkpoint_weight_map
 from .config import RopeConfig
 from .dflash import DFlashDraftModel
 from .dflash_config import DFlashConfig, default_target_layer_ids
@@ -29,10 +36,19 @@ from .dflash_config import DFlashConfig, default_target_layer_ids
 def load_drafter(
     path: str | Path, dtype: torch.dtype | None = None, device: torch.device | str = "cpu"
 ) -> DFlashDraftModel:
-    """Load config.json + *.safetensors. Strict: every missing, unexpected or misshapen key is named.
+    """Load config.json + *.safetensors. Strict: every missing, unexpected or misshapen tensor is named,
+    with its file, in one CheckpointError (a ValueError; `check_drafter_tensors`).
 
     dtype None = the checkpoint's fc.weight dtype (all weights are cast to one dtype). The weights are
     copied out of the memory-mapped files, so the directory may be rewritten after the load.
+
+    A YaRN drafter (rope_scaling or rope_parameters of type yarn) multiplies the cos/sin of q and k by the
+    YaRN attention factor, so its attention logits by the factor's square: `rope_scaling.attention_factor`
+    when config.json gives it, else transformers' rule (mscale(factor, mscale) / mscale(factor,
+    mscale_all_dim) when both are set, else 1 + 0.1 ln(factor)). The published Kimi-K2.5 drafter's config
+    (factor 64, mscale = mscale_all_dim = 1) gets 1.0 by that rule, where SGLang and vLLM <= 0.29 use
+    1 + 0.1 ln(64) ~ 1.416: write `"attention_factor": 1.4158883` into its rope_scaling to run it as those
+    servers do (docs/design.md §6, "The DFlash drafter checkpoint").
     """
     path = Path(path)
     cfg_file = path / "config.json"
@@ -44,22 +60,69 @@ def load_drafter(
         model = DFlashDraftModel(cfg)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     with CheckpointFiles(path, weight_map) as files:
-        missing = sorted(set(expected) - set(weight_map))
-        unexpected = sorted(set(weight_map) - set(expected))
-        misshapen = [
-            f"{k} {files.shape(k)} != {expected[k]}"
-            for k in sorted(set(expected) & set(weight_map))
-            if files.shape(k) != expected[k]
-        ]
-        if missing or unexpected or misshapen:
-            raise ValueError(
-                f"{path}: drafter weights do not match config.json: missing keys {missing}; "
-                f"unexpected keys {unexpected}; shape mismatches {misshapen}"
-            )
+        check_drafter_tensors(path, cfg, expected, files)
         dtype = dtype or SAFETENSORS_DTYPES[files.dtype("fc.weight")][0]
         state = {k: files.read(k).to(device=device, dtype=dtype, copy=True) for k in expected}
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval()
+
+
+_SHOWN = 10  # tensors named per kind of mismatch; the rest are counted
+
+
+def _listed(names: list[str]) -> str:
+    more = f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else ""
+    return f"{names[:_SHOWN]}{more}"
+
+
+def _unexpected_hint(name: str, cfg: DFlashConfig, expected: Mapping[str, tuple[int, ...]]) -> str:
+    """Why a tensor the model does not have may be there."""
+    if re.search(r"(^|\.)(embed_tokens|lm_head)\.", name):
+        return "the drafter has no embedding or LM head of its own (it uses the target's): remove the tensor"
+    if name.startswith("model.") and name.removeprefix("model.") in expected:
+        return "drafter tensors are stored without a 'model.' prefix (fc.weight, layers.0.self_attn.q_proj.weight, ...)"
+    layer = re.match(r"layers\.(\d+)\.", name)
+    if layer and int(layer.group(1)) >= cfg.num_hidden_layers:
+        return f"config.json has num_hidden_layers {cfg.num_hidden_layers}"
+    if re.fullmatch(r"layers\.\d+\.self_attn\.[qkvo]_proj\.bias", name) and not cfg.attention_bias:
+        return "config.json has attention_bias false"
+    return "not a tensor of the DFlash drafter that config.json describes"
+
+
+def check_drafter_tensors(
+    path: Path, cfg: DFlashConfig, expected: Mapping[str, tuple[int, ...]], files: CheckpointFiles
+) -> None:
+    """Raise CheckpointError unless `files` holds exactly the `expected` tensors (name -> shape).
+
+    The first line lists the missing, unexpected and misshapen names; then one line per tensor (up to 10
+    of each kind) with the file it is in, or the files read for a missing one, and a hint."""
+    missing = sorted(set(expected) - set(files.weight_map))
+    unexpected = sorted(set(files.weight_map) - set(expected))
+    misshapen = [k for k in sorted(set(expected) & set(files.weight_map)) if files.shape(k) != expected[k]]
+    if not (missing or unexpected or misshapen):
+        return
+    read = ", ".join(sorted({f.name for f in files.weight_map.values()}))
+    lines = [
+        f"{path}: drafter weights do not match config.json: missing keys {_listed(missing)}; "
+        f"unexpected keys {_listed(unexpected)}; shape mismatches "
+        f"{_listed([f'{k} {files.shape(k)} != {expected[k]}' for k in misshapen])}"
+    ]
+    lines += [f"  missing tensor {k} (files read: {read})" for k in missing[:_SHOWN]]
+    lines += [
+        f"  unexpected tensor {k} in {files.file_of(k).name}: {_unexpected_hint(k, cfg, expected)}"
+        for k in unexpected[:_SHOWN]
+    ]
+    for k in misshapen[:_SHOWN]:
+        hint = ""
+        if k == "fc.weight":
+            hint = (
+                " (fc is [hidden_size, len(target_layer_ids) * target_hidden_size] = "
+                f"[{cfg.hidden_size}, {len(cfg.target_layer_ids)} * {cfg.target_hidden_size}])"
+            )
+        lines.append(
+            f"  tensor {k} in {files.file_of(k).name} is {files.shape(k)}, config.json makes it {expected[k]}{hint}"
+        )
+    raise CheckpointError("\n".join(lines))
 
 
 def write_random_drafter(

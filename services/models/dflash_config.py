@@ -11,10 +11,16 @@ transformers >= 5 layout) or `rope_theta`; scaling from `rope_scaling` or `rope_
 default, linear or yarn. Unlike the target's config, a yarn section may leave out
 `original_max_position_embeddings` (HF then uses `max_position_embeddings`; the model resolves it) and a
 missing `factor` is 1.0. Values are kept as written, so that `to_dict` writes back what it read.
+
+The YaRN attention factor (the cos/sin multiplier; attention logits scale by its square) is
+`rope_scaling.attention_factor` when given, the key transformers' YaRN (which HF Qwen3 uses) honours as an
+override; else transformers' rule: mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are
+set, else 1 + 0.1 ln(factor) (ATTENTION_FACTOR_HELP; computed by rope.rope_attention_factor).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +28,11 @@ from typing import Any
 from .config import RopeConfig
 
 DRAFTER_ROPE_TYPES = ("default", "linear", "yarn")
+ATTENTION_FACTOR_HELP = (
+    "rope_scaling.attention_factor is the YaRN cos/sin factor (attention logits scale by its square); left out, "
+    "it is mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are set, else 1 + 0.1 ln(factor), "
+    "as in transformers; SGLang and vLLM <= 0.29 use 1 + 0.1 ln(factor) for plain YaRN whatever the mscales"
+)
 # rope_scaling keys in the order `to_dict` writes them; None values are left out
 _ROPE_SCALING_KEYS = (
     "rope_type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
@@ -44,7 +55,8 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> t
 def parse_drafter_rope(scaling: Mapping[str, Any] | None, theta: float) -> RopeConfig:
     """RopeConfig from a drafter config's rope scaling section (None or {} = default RoPE) and rope_theta.
 
-    Raises on a scaling type other than default, linear or yarn. A "default" section keeps only theta.
+    Raises on a scaling type other than default, linear or yarn, and on an attention_factor that is not a
+    positive number (the error says what the factor is). A "default" section keeps only theta.
     """
     if not scaling:
         return RopeConfig(theta=theta)
@@ -53,6 +65,17 @@ def parse_drafter_rope(scaling: Mapping[str, Any] | None, theta: float) -> RopeC
         raise ValueError(f"config.json: unsupported rope_scaling type {kind!r} (default, linear, yarn)")
     if kind == "default":
         return RopeConfig(theta=theta)
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is not None and not (
+        isinstance(attention_factor, int | float)
+        and not isinstance(attention_factor, bool)
+        and math.isfinite(attention_factor)
+        and attention_factor > 0
+    ):
+        raise ValueError(
+            f"config.json: rope_scaling.attention_factor must be a positive number, got {attention_factor!r} "
+            f"({ATTENTION_FACTOR_HELP})"
+        )
     return RopeConfig(
         theta=theta,
         rope_type=kind,
@@ -62,7 +85,7 @@ def parse_drafter_rope(scaling: Mapping[str, Any] | None, theta: float) -> RopeC
         mscale=scaling.get("mscale"),
         mscale_all_dim=scaling.get("mscale_all_dim"),
         original_max_position_embeddings=scaling.get("original_max_position_embeddings"),  # None: max positions
-        attention_factor=scaling.get("attention_factor"),
+        attention_factor=attention_factor,  # None: transformers' rule (rope.rope_attention_factor)
         truncate=bool(scaling.get("truncate", True)),
     )
 
