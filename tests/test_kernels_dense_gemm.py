@@ -3,28 +3,17 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-from tests.compare import assert_close
 from tests.triton_env import DEVICE, INTERPRET, triton_interpret_env  # noqa: F401  (sets up triton first)
 
-# As tests/triton_env.py does: the kernel modules must be first imported with TRITON_INTERPRET=1 (triton reads
-# it when a function is decorated), and the rest of the session keeps the environment it had.
-_previous = os.environ.get("TRITON_INTERPRET")
-if INTERPRET:
-    os.environ["TRITON_INTERPRET"] = "1"
-try:
-    from ddtree.kernels import dense_gemm_reference as ref
-    from ddtree.kernels import fp8_gemm, int4_gemm
-    from ddtree.kernels.quant_formats import FP8_MAX, quantize_fp8_block, quantize_int4_group
-finally:
-    if _previous is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _previous
+# isort: split
+# tests/triton_env.py imported the kernel modules with the interpreter set; these are those modules.
+from ddtree.kernels import dense_gemm_reference as ref
+from ddtree.kernels import fp8_gemm, int4_gemm
+from ddtree.kernels.quant_formats import FP8_MAX, quantize_fp8_block, quantize_int4_group
+from tests.compare import assert_close
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SHAPES = [(1, 40, 96), (7, 130, 203), (33, 256, 384)]  # (M, N, K): none a multiple of the tiles / of 128

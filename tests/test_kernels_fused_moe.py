@@ -21,20 +21,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.triton_env import DEVICE, INTERPRET, triton_interpret_env  # noqa: F401,I001  (before kernels are imported)
+from tests.triton_env import DEVICE, INTERPRET, triton_interpret_env  # noqa: F401  (before kernels are imported)
 
-_previous = os.environ.get("TRITON_INTERPRET")
-if INTERPRET:
-    os.environ["TRITON_INTERPRET"] = "1"  # as tests/triton_env.py does for the kernels it imports
-try:
-    from ddtree.kernels import fused_moe as fm
-    from ddtree.kernels import moe_align as ma
-    from ddtree.kernels import moe_configs as mc
-finally:
-    if _previous is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _previous
+# isort: split
+# tests/triton_env.py imported the kernel modules with the interpreter set; these are those modules.
+from ddtree.kernels import fused_moe as fm
+from ddtree.kernels import moe_align as ma
+from ddtree.kernels import moe_configs as mc
+
 if INTERPRET and not fm.is_interpreted(fm._moe_gemm_kernel):
     raise RuntimeError("ddtree.kernels.fused_moe was imported before TRITON_INTERPRET=1 was set: add it to the "
                        "imports of tests/triton_env.py")  # fmt: skip

@@ -4,25 +4,15 @@ path the modules take without them (FP8 quantizes its activations in the kernels
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from tests.triton_env import INTERPRET, triton_interpret_env  # noqa: F401,I001  (before kernels are imported)
 
-_previous = os.environ.get("TRITON_INTERPRET")
-if INTERPRET:
-    os.environ["TRITON_INTERPRET"] = "1"
-try:
-    fp8_gemm = pytest.importorskip("ddtree.kernels.fp8_gemm")
-    int4_gemm = pytest.importorskip("ddtree.kernels.int4_gemm")
-    fused_moe = pytest.importorskip("ddtree.kernels.fused_moe")
-finally:
-    if _previous is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _previous
+# tests/triton_env.py imported the kernel modules with the interpreter set; these are those modules.
+fp8_gemm = pytest.importorskip("ddtree.kernels.fp8_gemm")
+int4_gemm = pytest.importorskip("ddtree.kernels.int4_gemm")
+fused_moe = pytest.importorskip("ddtree.kernels.fused_moe")
 
 from ddtree.kernels.quant_formats import quantize_fp8_block, quantize_int4_group  # noqa: E402
 from ddtree.models.moe_experts import StackedExperts, StackedProjection  # noqa: E402
