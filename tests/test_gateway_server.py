@@ -609,12 +609,14 @@ def test_out_of_vocab_token_from_verifier_is_internal(gateway, fake):
 
 def test_client_cancel_cancels_verifier_call(gateway, fake, tok):
     # The verifier is slow (a long step): the cancellation must reach it while the gateway waits.
-    fake.reset(script_for(tok.encode("word " * 20)), delay_s=5.0)
-    call = gateway.Complete(gateway_pb2.CompleteRequest(prompt="hi"), timeout=30)
+    # The fake's next message is 20 s away: a cancellation seen before then came through the gateway
+    # (the margin is for a loaded machine; on an idle one it arrives in milliseconds).
+    fake.reset(script_for(tok.encode("word " * 20)), delay_s=20.0)
+    call = gateway.Complete(gateway_pb2.CompleteRequest(prompt="hi"), timeout=60)
     first = next(call)
     assert first.token_ids
     call.cancel()
-    assert fake.cancelled.wait(2), "the verifier call was not cancelled"
+    assert fake.cancelled.wait(15), "the verifier call was not cancelled"
     assert fake.sent == 1
 
 
