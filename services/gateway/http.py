@@ -1,6 +1,7 @@
 """OpenAI-compatible HTTP API of the gateway (Starlette on uvicorn, in a thread of the gateway process).
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{id}], GET /health (200 while a
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{id}], POST /tokenize,
+POST /detokenize, GET /version (vLLM's utility routes: tokenize_protocol.py), GET /health (200 while a
 verifier is healthy, else 503), GET /metrics (Prometheus text).
 
 - Errors are OpenAI error JSON `{"error": {"message", "type", "param", "code"}}`: 400 malformed JSON
@@ -40,11 +41,13 @@ from starlette.routing import Route
 from ddtree.config import GatewayConfig
 from ddtree.gateway import metrics
 from ddtree.gateway import openai_protocol as oai
+from ddtree.gateway import tokenize_protocol as tp
 from ddtree.gateway.auth import KeyPolicy, Unauthorized
 from ddtree.gateway.generation import Generation, RequestError
-from ddtree.gateway.pipeline import Pipeline
+from ddtree.gateway.pipeline import Pipeline, validate_template_kwargs
 from ddtree.protocol.json_limits import JsonInputError, check_depth, parse_hooks
 from ddtree.telemetry.logging import get_logger
+from ddtree.tokenization.chat_template import validate_tools
 
 _STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
@@ -318,6 +321,39 @@ class _Api:
         self._model(request.path_params["model"])
         return JSONResponse(await self._model_card())
 
+    async def tokenize(self, request: Request) -> Response:
+        self._authorize(request)
+        body = await self._body(request)
+
+        def run() -> dict:
+            req = tp.parse_tokenize(body)
+            self._model(req.model)
+            if req.messages is not None:
+                tools = validate_tools(req.tools)
+                kwargs = validate_template_kwargs(req.chat_template_kwargs)
+                _, ids = self.p.render(req.messages, tools, req.add_generation_prompt, kwargs)
+            else:
+                self.p.check_prompt_chars(len(req.prompt), "prompt")
+                ids = self.p.tokenizer.encode(req.prompt)
+            strs = [self.p.tokenizer.id_to_token(i) for i in ids] if req.return_token_strs else None
+            return tp.tokenize_response(ids, self.p.max_context(), strs)
+
+        return JSONResponse(await self._prepare(run))
+
+    async def detokenize(self, request: Request) -> Response:
+        self._authorize(request)
+        body = await self._body(request)
+
+        def run() -> dict:
+            model, ids = tp.parse_detokenize(body, self.p.tokenizer.vocab_size)
+            self._model(model)
+            return {"prompt": self.p.tokenizer.decode(ids)}
+
+        return JSONResponse(await self._prepare(run))
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse(tp.version())
+
     async def health(self, request: Request) -> Response:
         verifiers = self.p.router.snapshot()
         ok = any(v["healthy"] for v in verifiers)
@@ -358,6 +394,9 @@ def create_app(pipeline: Pipeline, config: GatewayConfig) -> Starlette:
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/v1/models/{model:path}", api.model, methods=["GET"]),
+        Route("/tokenize", api.tokenize, methods=["POST"]),
+        Route("/detokenize", api.detokenize, methods=["POST"]),
+        Route("/version", api.version, methods=["GET"]),
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
     ]

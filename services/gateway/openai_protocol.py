@@ -361,8 +361,8 @@ class ChatStream(EventStream):
     def events(self, c: gateway_pb2.GenerateChunk) -> list[dict]:
         out = []
         delta = {}
-        if c.reasoning_delta:
-            delta["reasoning_content"] = c.reasoning_delta
+        if c.reasoning_delta:  # both names: vLLM's current clients read `reasoning`, older ones `reasoning_content`
+            delta["reasoning"] = delta["reasoning_content"] = c.reasoning_delta
         if c.text_delta:
             delta["content"] = c.text_delta
         if delta:
@@ -412,7 +412,8 @@ class CompletionStream(EventStream):
 def chat_response(rid: str, model: str, created: int, r: Result) -> dict:
     message: dict = {
         "role": "assistant",
-        "content": r.text if (r.text or not r.tool_calls) else None,
+        "content": r.text or None,  # null when the answer is only reasoning or tool calls
+        "reasoning": r.reasoning or None,
         "reasoning_content": r.reasoning or None,
     }
     if r.tool_calls:

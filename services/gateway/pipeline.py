@@ -251,12 +251,21 @@ class Pipeline:
             request_id=request_id or f"gw-{uuid.uuid4().hex}",
             input_ids=input_ids,
             sampling=sampling,
-            max_new_tokens=o.max_tokens or self.config.default_max_tokens,
+            max_new_tokens=o.max_tokens or self.default_max_tokens(len(input_ids)),
             ignore_eos=o.ignore_eos,
             stop_token_ids=stop_ids,
             spec=common_pb2.SpecOptions(no_spec=o.no_spec, budget=o.budget),
         )
         return Job(request=request, stop_strings=tuple(o.stop), stop_ids=frozenset(stop_ids), **kwargs)
+
+    def default_max_tokens(self, prompt_tokens: int) -> int:
+        """max_tokens for a request that sets none: --default-max-tokens, or the room the context leaves
+        after the prompt when that is less (a long prompt is not refused for a default it never chose)."""
+        limit = self.config.default_max_tokens
+        context = self.max_context() if self.router is not None else 0
+        if context and 0 < context - prompt_tokens < limit:
+            return context - prompt_tokens
+        return limit
 
     # -- generation ----------------------------------------------------------------------------------
     def generate(self, job: Job, timeout: float | None = None, protocol: str = "grpc") -> Generation:
