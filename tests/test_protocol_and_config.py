@@ -40,6 +40,9 @@ def test_tensor_non_contiguous_is_sent_in_logical_order():
         (common_pb2.Tensor(data=b"\0" * 7, shape=[2], dtype=common_pb2.FLOAT32), "needs 8 bytes, got 7"),
         (common_pb2.Tensor(data=b"", shape=[2], dtype=common_pb2.DTYPE_UNSPECIFIED), "unsupported dtype"),
         (common_pb2.Tensor(data=b"", shape=[-1, 2], dtype=common_pb2.FLOAT32), "negative dimension"),
+        # Empty but with strides past int64 (the fuzzer's merged messages): once an UNKNOWN from torch.empty.
+        (common_pb2.Tensor(data=b"", shape=[0, 2**40, 2**40], dtype=common_pb2.FLOAT32), "is too large"),
+        (common_pb2.Tensor(data=b"", shape=[0, 3] * 5, dtype=common_pb2.FLOAT32), "10 dimensions, at most 8"),
     ],
 )
 def test_tensor_from_proto_rejects_inconsistent_messages(msg, fragment):

@@ -19,6 +19,10 @@ _TO_PROTO = {
 _FROM_PROTO = {v: k for k, v in _TO_PROTO.items()}
 # bf16 has no numpy/buffer type: it travels through int16 of the same width.
 _BUFFER_DTYPE = {torch.bfloat16: torch.int16, torch.float16: torch.int16}
+MAX_DIMS = 8
+# Strides multiply every dimension but the first, zeros included as ones: they must fit int64 even when
+# the tensor is empty (torch.empty([0, 2**40, 2**40]) overflows computing them).
+MAX_STRIDE_PRODUCT = 2**62
 
 assert sys.byteorder == "little", "the wire format is little-endian; big-endian hosts are not supported"
 
@@ -37,8 +41,12 @@ def tensor_from_proto(msg: common_pb2.Tensor, *, what: str = "tensor") -> torch.
         raise ValueError(
             f"{what}: unsupported dtype {common_pb2.DType.Name(msg.dtype) if msg.dtype in common_pb2.DType.values() else msg.dtype}"
         )
+    if len(msg.shape) > MAX_DIMS:
+        raise ValueError(f"{what}: {len(msg.shape)} dimensions, at most {MAX_DIMS}")
     if any(d < 0 for d in msg.shape):
         raise ValueError(f"{what}: negative dimension in shape {list(msg.shape)}")
+    if math.prod(max(d, 1) for d in msg.shape) > MAX_STRIDE_PRODUCT:
+        raise ValueError(f"{what}: shape {list(msg.shape)} is too large")
     dtype = _FROM_PROTO[msg.dtype]
     itemsize = torch.empty((), dtype=dtype).element_size()
     count = math.prod(msg.shape)

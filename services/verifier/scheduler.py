@@ -180,7 +180,8 @@ class Scheduler:
             log.exception("step_failed", error=str(err))
             with self._cond:
                 for seq in decode + [item.seq for item in prefill]:
-                    seq.events.put(StreamEvent((), None, "error", error=f"internal error: {err}"))
+                    # The client learns that it failed, not how (the log has the exception).
+                    seq.events.put(StreamEvent((), None, "error", error="verifier: internal error in a step (logged)"))
                     self._finish(seq, None)
 
     def check_accounting(self) -> None:
