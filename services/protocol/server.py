@@ -17,7 +17,6 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from ddtree.protocol.error_guard import ErrorGuard
 from ddtree.protocol.security import ServiceSecurity
 
 # Feature tensors of a long commit can pass a few MB.
@@ -101,7 +100,7 @@ def start_server(
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", max_receive_bytes),
         ],
-        interceptors=[*security.server_interceptors(), *interceptors, ErrorGuard(name)],
+        interceptors=[*security.server_interceptors(), *interceptors],
         maximum_concurrent_rpcs=threads,
     )
     names = list(register(server))
