@@ -154,7 +154,9 @@ class VerifierConfig(ServiceConfig):
     max_context: int = dataclasses.field(default=8192, metadata={"help": "prompt + output tokens per request"})
     max_new_tokens_limit: int = dataclasses.field(default=4096, metadata={"help": "largest max_new_tokens"})
     max_batch: int = dataclasses.field(default=16, metadata={"help": "sequences stepped together"})
-    max_queue: int = dataclasses.field(default=256, metadata={"help": "waiting requests before RESOURCE_EXHAUSTED"})
+    max_queue: int = dataclasses.field(
+        default=256, metadata={"help": "requests waiting beyond the batch before RESOURCE_EXHAUSTED"}
+    )
     kv_tokens: int = dataclasses.field(
         default=0,
         metadata={

@@ -34,9 +34,14 @@ def _drain(seqs: list[Sequence]) -> None:
             pass
 
 
-def _scheduler(model, kv_tokens: int, max_queue: int) -> Scheduler:
+def _scheduler(model, kv_tokens: int, max_queue: int, max_batch: int = 8) -> Scheduler:
     vcfg = VerifierConfig(
-        kv_tokens=kv_tokens, max_batch=8, max_queue=max_queue, prefill_chunk=64, debug_checks=True, prefix_cache=False
+        kv_tokens=kv_tokens,
+        max_batch=max_batch,
+        max_queue=max_queue,
+        prefill_chunk=64,
+        debug_checks=True,
+        prefix_cache=False,
     )
     pool = LatentKVPool(model.config.num_hidden_layers, kv_tokens, model.config.kv_cache_width, torch.float32, "cpu")
     return Scheduler(LocalTarget(model), pool, vcfg, None)
@@ -54,13 +59,17 @@ def test_requests_beyond_the_cache_queue_then_complete_and_a_full_queue_refuses(
         solo.stop()
         alone.append(list(seq.generated))
 
-    sched = _scheduler(model, 300, 3)  # room for two reservations of 141 at a time
+    # Room for two reservations of 141 at a time. Three batch places and no queue: the free places
+    # admit a burst of three before the loop has moved any of them into the batch.
+    sched = _scheduler(model, 300, 0, max_batch=3)
     seqs = [_seq(i) for i in range(3)]
     for seq in seqs:
         sched.submit(seq)  # all three wait: the loop has not started
     with pytest.raises(AdmissionError) as full:
         sched.submit(_seq(3))
-    assert full.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue full" in str(full.value)
+    assert full.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue full (3 requests waiting, 0 running" in str(
+        full.value
+    )
     with pytest.raises(AdmissionError) as huge:
         sched.submit(_seq(4, prompt_len=250, new=60))  # 311 slots: more than the whole cache
     # It can never fit: a client error (400 through the gateway), not "retry later" (429).

@@ -86,10 +86,15 @@ class Scheduler:
                     f"request needs {need} KV tokens (prompt + max_new_tokens + tree), "
                     f"the cache holds {self.pool.num_slots}",
                 )
-            if len(self._waiting) >= self.config.max_queue:
+            # A burst can arrive before the loop moves waiting requests into free batch places, so
+            # those places do not count against the queue: max_batch + max_queue requests are always
+            # admitted (the verifier's stream slots), whatever the step loop's timing.
+            free_places = max(0, self.config.max_batch - len(self._running))
+            if len(self._waiting) >= self.config.max_queue + free_places:
                 raise AdmissionError(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"queue full ({self.config.max_queue} waiting requests); retry later",
+                    f"queue full ({len(self._waiting)} requests waiting, {len(self._running)} running; "
+                    f"max_batch {self.config.max_batch} + max_queue {self.config.max_queue}); retry later",
                 )
             self._waiting.append(seq)
             self._by_id[seq.request_id] = seq
