@@ -4,8 +4,9 @@ Reads `model.safetensors` or a sharded `model.safetensors.index.json` (every ten
 resolved through `weight_map`), memory-mapped. The model is built on the meta device, its tensors are
 allocated once at their final (local) size and dtype, and each is filled in place as it is read, one shard
 at a time (routed experts: slot e of the stacked tensor, through the per-expert state-dict views); the
-files are unmapped after each shard or every MAX_MAPPED_BYTES read, so peak memory is about the weights
-this process holds plus the pages of at most one shard (or MAX_MAPPED_BYTES). Stored dtypes come from
+files are unmapped after each shard and before a read would take the mapped bytes past MAX_MAPPED_BYTES,
+and large plain tensors are read in row parts, so peak memory is about the weights this process holds
+plus MAX_MAPPED_BYTES of file pages and one part. Stored dtypes come from
 the safetensors headers.
 
 - Quantized weights stay in their stored format (quantization/packed_modules.py gives the model packed
@@ -46,6 +47,7 @@ from .checkpoint_files import (
 )  # fmt: skip
 from .config import DeepseekV3Config
 from .deepseek_v3 import DeepseekV3ForCausalLM
+from .parallel.shard_plan import TensorSlice  # the part of a weight one rank reads
 from .quantization import Fp8BlockScheme, Int4PackScheme, QuantScheme, parse_quantization
 from .quantization.packed_modules import PackedWeight, pack_modules
 
@@ -55,21 +57,14 @@ __all__ = [
 ]  # fmt: skip
 
 FP32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
-MAX_MAPPED_BYTES = 256 << 20  # unmap the files after this many bytes read: bounds the resident file pages
+# Unmap the files before a read would take the bytes read through the open mappings past this: bounds
+# the file pages resident beside the model (they count in the process's RSS while mapped).
+MAX_MAPPED_BYTES = 64 << 20
+READ_PART_BYTES = 32 << 20  # a plain tensor larger than this is read in row parts of at most this
 TEXT_PREFIX = "language_model."  # kimi_k25: text weights are language_model.model.* / language_model.lm_head.*
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 _COMPANION_RE = re.compile(r"\.weight(_scale_inv|_packed|_scale|_shape)$")
-
-
-@dataclass(frozen=True)
-class TensorSlice:
-    """The part of one weight a rank owns: [start, stop) along `dim` of the logical (dequantized) 2-D
-    weight; dim 0 for a 1-D tensor."""
-
-    dim: int
-    start: int
-    stop: int
 
 
 def read_config_dict(path: str | Path) -> dict[str, Any]:
@@ -156,13 +151,17 @@ def load_target(
             for name in by_file[file]:
                 logical = _logical(name)
                 sl = slice_of(logical) if slice_of else None
-                value = _read(files, name, plan[name], expected[name], sl, scheme, packed.get(logical))
-                # copy_ into the model's memory (converting the dtype): safetensors hands out views of the
-                # memory-mapped file, and the model must own its memory so that the file can be unmapped
-                views[name].copy_(value)
-                del value  # the last view would keep the mapping alive past close()
-                if files.mapped_bytes > MAX_MAPPED_BYTES:
-                    files.close()
+                for part in _row_parts(plan[name], views[name], sl):
+                    # Unmap first when this read would take the mapped pages past the bound.
+                    if files.mapped_bytes and files.mapped_bytes + _nbytes(views[name], part) > MAX_MAPPED_BYTES:
+                        files.close()
+                    sub = sl if part is None else _narrow(sl, part)
+                    want = expected[name] if part is None else (part.stop - part.start, *expected[name][1:])
+                    value = _read(files, name, plan[name], want, sub, scheme, packed.get(logical))
+                    # copy_ into the model's memory (converting the dtype): safetensors hands out views of
+                    # the memory-mapped file, and the model must own its memory so the file can be unmapped
+                    (views[name] if part is None else views[name][part]).copy_(value)
+                    del value  # the last view would keep the mapping alive past close()
             files.close()
         del views
     _move_unsaved_buffers(model, device)
@@ -223,6 +222,27 @@ def _plan(
         scheme_note = f" (quantization: {scheme.name})" if scheme else ""
         raise CheckpointError(f"checkpoint {source} does not match the model{scheme_note}; " + "; ".join(parts))
     return plan
+
+
+def _row_parts(p: _Planned, view: torch.Tensor, sl: TensorSlice | None) -> list[slice | None]:
+    """Row ranges of a plain tensor of more than READ_PART_BYTES, read one after the other so that the
+    mapped pages and safetensors' copy of one read stay small (embed_tokens and lm_head are 290 MB per
+    rank at Kimi width, TP 8); [None] = read it whole (packed and quantized tensors are per expert or
+    per projection, and their slices must cut on whole blocks)."""
+    if p.mode != "plain" or view.dim() < 2 or view.nbytes <= READ_PART_BYTES or (sl is not None and sl.dim != 0):
+        return [None]  # a column slice (row-parallel o_proj / down_proj) is 1/N of each row: small
+    rows = max(1, READ_PART_BYTES // (view.nbytes // view.shape[0]))
+    return [slice(a, min(a + rows, view.shape[0])) for a in range(0, view.shape[0], rows)]
+
+
+def _nbytes(view: torch.Tensor, part: slice | None) -> int:
+    return view.nbytes if part is None else (part.stop - part.start) * (view.nbytes // view.shape[0])
+
+
+def _narrow(sl: TensorSlice | None, part: slice) -> TensorSlice:
+    """The checkpoint rows of model rows `part` (within the rank's own row slice when it has one)."""
+    base = 0 if sl is None else sl.start
+    return TensorSlice(0, base + part.start, base + part.stop)
 
 
 def _source_file(files: CheckpointFiles) -> Path:

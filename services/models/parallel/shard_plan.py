@@ -25,7 +25,10 @@ from ddtree.models.config import DeepseekV3Config
 
 @dataclasses.dataclass(frozen=True)
 class TensorSlice:
-    dim: int  # of the logical 2-D weight; 0 for 1-D
+    """The part of one weight a rank owns: [start, stop) along `dim` of the logical (dequantized) 2-D
+    weight; dim 0 for a 1-D tensor."""
+
+    dim: int
     start: int
     stop: int
 
