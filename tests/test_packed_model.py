@@ -70,3 +70,28 @@ def test_tp2_packed_matches_tp1_dequantized(tp_results, ep):
         assert torch.equal(argmax, want.argmax(dim=-1)), name
         if taps is not None:
             assert_close(f"{name} taps", got_taps, taps, abs_tol=1e-4)
+
+
+def test_fp8_kv_b_proj_is_dequantized_once_and_again_when_it_changes(ckpt, monkeypatch):
+    """Absorbed MLA reads W_UK / W_UV every forward: an FP8 kv_b_proj is dequantized on the first forward
+    only, and a change to its packed tensors (in place, as the loader fills them) makes a fresh copy."""
+    kind, root = ckpt
+    if kind != "fp8":
+        pytest.skip("Kimi's INT4 checkpoints keep kv_b_proj in bf16")
+    model = load_target(root, dtype=torch.float32)
+    calls: list[int] = []
+    real = Fp8Linear.dequantized
+    monkeypatch.setattr(Fp8Linear, "dequantized", lambda self, dtype=None: calls.append(1) or real(self, dtype))
+    layers = model.config.num_hidden_layers
+    first = logits(model, IDS)
+    assert len(calls) == layers
+    assert torch.equal(logits(model, IDS), first) and len(calls) == layers  # the copies were reused
+    kv_b = model.model.layers[0].self_attn.kv_b_proj
+    with torch.no_grad():
+        kv_b.weight_scale_inv.mul_(2.0)  # in place: the key's version changes
+    changed = logits(model, IDS)
+    assert len(calls) == layers + 1 and not torch.allclose(changed, first)
+    with torch.no_grad():
+        kv_b.weight_scale_inv.div_(2.0)
+    ref = load_target(root, dtype=torch.float32, dequantize=True)
+    assert_close("fp8 after the change back", logits(model, IDS), logits(ref, IDS))

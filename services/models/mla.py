@@ -69,11 +69,29 @@ class DeepseekV3Attention(nn.Module):
         return torch.cat([self.kv_a_layernorm(latent), rope(k_pe, positions)], dim=-1)
 
     def w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """W_UK [H, dn, r], W_UV [H, dv, r] (views of kv_b_proj.weight; an FP8 kv_b_proj is dequantized per
-        call, in the dtype of the model's other weights)."""
-        w = dense_weight(self.kv_b_proj, self.kv_a_layernorm.weight.dtype)
+        """W_UK [H, dn, r], W_UV [H, dv, r] (views of kv_b_proj.weight, or of its dense copy)."""
+        w = self._kv_b_dense()
         w = w.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
+
+    def _kv_b_dense(self) -> torch.Tensor:
+        """kv_b_proj's weight [H·(dn+dv), r]. A packed (FP8) kv_b_proj is dequantized once, in the dtype of
+        the model's other weights, and the copy kept beside the packed tensors (not in the state dict; made
+        again when they change, e.g. filled in place by the loader or moved): DeepSeek-V3 at TP 8 holds
+        16 heads x 256 x 512 per layer, 4 MiB in bf16, so 61 layers cost 0.24 GiB a rank and no forward
+        dequantizes it again."""
+        linear = self.kv_b_proj
+        if isinstance(linear, nn.Linear):
+            return linear.weight
+        dtype = self.kv_a_layernorm.weight.dtype
+        tensors = [*linear.parameters(recurse=False), *linear.buffers(recurse=False)]
+        key = (dtype, *((t.device, t.data_ptr(), t._version) for t in tensors))
+        cached = self.__dict__.get("_kv_b_cache")
+        if cached is None or cached[0] != key:
+            with torch.no_grad():
+                cached = (key, dense_weight(linear, dtype))
+            self.__dict__["_kv_b_cache"] = cached
+        return cached[1]
 
     # ---- absorbed forward ------------------------------------------------------------------------
     def forward(
