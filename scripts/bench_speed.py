@@ -10,12 +10,14 @@ on the same verifier, AR (no_spec) then DDTree, with a fixed output length (igno
 outputs must be identical (lossless), and the script fails loudly if they are not. Decode speed is
 measured on the verifier's clock (first token to last token, from the usage record), so client and
 network time are excluded; throughput is always shown with its two factors: tokens per step and step
-time. Results are printed as a table and saved as JSON.
+time. Results are printed as a table and saved as JSON (with a sha256 of each row's outputs, to compare
+runs of other commits or settings).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import pathlib
 import statistics
@@ -74,6 +76,8 @@ def bench(
                         for k in ("draft_ms", "verify_ms", "transport_ms", "total_ms")
                     },
                     "per_prompt_speedup": [d["decode_tok_s"] / a["decode_tok_s"] for a, d in zip(ar, dd)],
+                    # the outputs themselves, to compare runs of other commits or settings
+                    "outputs_sha256": hashlib.sha256(json.dumps([r["tokens"] for r in ar]).encode()).hexdigest(),
                 }
                 row["speedup"] = row["dd_tok_s"] / row["ar_tok_s"]
                 rows.append(row)
