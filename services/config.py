@@ -155,7 +155,11 @@ class VerifierConfig(ServiceConfig):
     max_new_tokens_limit: int = dataclasses.field(default=4096, metadata={"help": "largest max_new_tokens"})
     max_batch: int = dataclasses.field(default=16, metadata={"help": "sequences stepped together"})
     max_queue: int = dataclasses.field(
-        default=256, metadata={"help": "requests waiting beyond the batch before RESOURCE_EXHAUSTED"}
+        default=256,
+        metadata={
+            "help": "requests admitted beyond max_batch: more than max_batch + max_queue running or "
+            "waiting get RESOURCE_EXHAUSTED"
+        },
     )
     kv_tokens: int = dataclasses.field(
         default=0,

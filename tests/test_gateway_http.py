@@ -232,6 +232,7 @@ def test_sse_wire_format(gw, fake, tok):
         "prompt_tokens": 3,
         "completion_tokens": 9,
         "total_tokens": 12,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
     assert all(e["object"] == "chat.completion.chunk" for e in events[:-1])
     # Without include_usage: no usage chunk.
@@ -307,15 +308,25 @@ def test_chat_switches(client, fake, tok):
     )
     assert tok.decode(fake.requests[-1].input_ids).endswith("<|im_middle|><think></think>")
     assert r.choices[0].message.content == "Plain." and r.choices[0].message.model_extra["reasoning_content"] is None
-    # separate_reasoning off: reasoning stays in the content.
+    # separate_reasoning off: reasoning stays in the content (the special </think> is skipped, as vLLM
+    # skips special tokens by default; skip_special_tokens false keeps it).
     fake.reset(script_for(tok.encode(REASONING_OUT), finish="length"))
     r = client.chat.completions.create(model=MODEL, messages=_user(), extra_body={"separate_reasoning": False})
+    assert r.choices[0].message.content == REASONING_OUT.replace("</think>", "")
+    fake.reset(script_for(tok.encode(REASONING_OUT), finish="length"))
+    r = client.chat.completions.create(
+        model=MODEL, messages=_user(), extra_body={"separate_reasoning": False, "skip_special_tokens": False}
+    )
     assert r.choices[0].message.content == REASONING_OUT
-    # tool_choice none: tools are not declared to the model and nothing is parsed as a call.
+    # tool_choice none: tools are not declared to the model, nothing is parsed as a call, and the call
+    # markers (special tokens) never reach the content.
     fake.reset(script_for(tok.encode(TOOL_OUT), finish="length"))
     r = client.chat.completions.create(model=MODEL, messages=_user(), tools=TOOLS, tool_choice="none")
     assert "tool_declare" not in tok.decode(fake.requests[-1].input_ids)
-    assert r.choices[0].message.tool_calls is None and "<|tool_call_begin|>" in r.choices[0].message.content
+    assert r.choices[0].message.tool_calls is None
+    plain = 'functions.get_weather:0{"city": "Paris"}functions.get_weather:1{"city": "Lyon"}'
+    assert r.choices[0].message.content == plain
+    assert r.choices[0].message.model_extra["reasoning"] == "I should call the tool."
     # Content as an array of text parts, and the "developer" role (as system).
     fake.reset(script_for(tok.encode("ok"), finish="length"))
     client.chat.completions.create(
@@ -372,13 +383,13 @@ BAD = [
     ),
     ("NaN", CHAT, '{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', None, 400, "NaN is not"),
     ("nesting past the limit", CHAT, {"messages": _user(), "x": _nested(65)}, None, 400, "(the limit is 64 levels)"),
-    ("messages wrong type", CHAT, {"messages": "hi"}, None, 422, "messages: must be array, got string"),
+    ("messages wrong type", CHAT, {"messages": "hi"}, None, 400, "messages: must be array, got string"),
     (
         "temperature wrong type",
         CHAT,
         {"messages": _user(), "temperature": "hot"},
         None,
-        422,
+        400,
         "temperature: must be number, got string",
     ),
     (
@@ -386,19 +397,19 @@ BAD = [
         CHAT,
         {"messages": _user(), "max_tokens": "5"},
         None,
-        422,
+        400,
         "max_tokens: must be integer, got string",
     ),
-    ("stream wrong type", CHAT, {"messages": _user(), "stream": "yes"}, None, 422, "stream: must be boolean"),
+    ("stream wrong type", CHAT, {"messages": _user(), "stream": "yes"}, None, 400, "stream: must be boolean"),
     (
         "content wrong type",
         CHAT,
         {"messages": [{"role": "user", "content": 5}]},
         None,
-        422,
+        400,
         "messages[0].content: must be string or array of content parts, got integer",
     ),
-    ("stop wrong type", CHAT, {"messages": _user(), "stop": [1]}, None, 422, "stop[0]: must be string, got integer"),
+    ("stop wrong type", CHAT, {"messages": _user(), "stop": [1]}, None, 400, "stop[0]: must be string, got integer"),
     ("missing messages", CHAT, {"model": MODEL}, None, 400, "messages: is required"),
     ("empty messages", CHAT, {"messages": []}, None, 400, "messages: must not be empty"),
     (
@@ -520,7 +531,7 @@ BAD = [
         400,
         "prompt: token id 5000 is outside the vocabulary",
     ),
-    ("prompt wrong type", "/v1/completions", {"prompt": 5}, None, 422, "prompt: must be string or array of token ids"),
+    ("prompt wrong type", "/v1/completions", {"prompt": 5}, None, 400, "prompt: must be string or array of token ids"),
     ("several prompts", "/v1/completions", {"prompt": ["a", "b"]}, None, 400, "prompt: one prompt per request"),
     ("echo", "/v1/completions", {"prompt": "a", "echo": True}, None, 400, "echo: not supported"),
     ("oversize body", CHAT, {"messages": _user("x" * 70_000)}, None, 413, "over the limit of 65536 bytes"),
@@ -549,7 +560,7 @@ def test_bad_input_through_the_openai_client(client, fake):
     fake.reset(script_for([5]))
     with pytest.raises(openai.BadRequestError, match="n: only n = 1 is supported"):
         client.chat.completions.create(model=MODEL, messages=_user(), n=2)
-    with pytest.raises(openai.UnprocessableEntityError, match="temperature: must be number"):
+    with pytest.raises(openai.BadRequestError, match="temperature: must be number"):
         client.chat.completions.create(model=MODEL, messages=_user(), temperature="hot")
     with pytest.raises(openai.AuthenticationError, match="invalid API key"):
         openai.OpenAI(base_url=client.base_url, api_key="wrong", max_retries=0).models.list()

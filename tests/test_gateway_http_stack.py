@@ -133,3 +133,55 @@ def test_disconnect_frees_the_kv(oracle_stack, verifier, stream):
         sock.close()
     assert _wait(lambda: verifier().running_requests == 0 and verifier().kv_used_tokens == 0, 10), verifier()
     assert verifier().total_tokens - before < max_tokens  # aborted, not run to its end
+
+
+def test_vllm_params_on_the_real_stack(oracle_stack, client):
+    """min_tokens, min_p and cached_tokens through the real verifier (tests/test_openai_params.py has
+    the rest against a fake): min_tokens masks the stop id until min_tokens tokens, identically with
+    DDTree and AR; min_p 1 at temperature 1 keeps only the argmax, so it answers the greedy tokens; a
+    repeated prompt reports the prefix cache's tokens."""
+    prompt = "class Stack:\n    def push(self, item):"
+    with grpc.insecure_channel(oracle_stack.gateway) as channel:
+        options = gateway_pb2.GenerationOptions(max_tokens=12, temperature=0.0, ignore_eos=True, budget=8)
+        chunks = gateway_pb2_grpc.GatewayStub(channel).Complete(
+            gateway_pb2.CompleteRequest(prompt=prompt, options=options), timeout=120
+        )
+        greedy = [t for c in chunks for t in c.token_ids]
+    stop = greedy[1]
+    first = greedy.index(stop)  # the greedy answer reaches the stop id here, before 6 tokens
+    assert first < 6
+
+    def run(**extra):
+        r = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=12, temperature=0, extra_body={"stop_token_ids": [stop], **extra}
+        )
+        return r.choices[0].text, r.choices[0].finish_reason, r.usage
+
+    text, finish, usage = run(budget=8)
+    assert finish == "stop" and usage.completion_tokens == first
+    spec_text, _, spec_usage = run(budget=8, min_tokens=6)
+    ar_text, _, ar_usage = run(no_spec=True, min_tokens=6)
+    assert spec_usage.completion_tokens >= 6 and (spec_text, spec_usage.completion_tokens) == (
+        ar_text,
+        ar_usage.completion_tokens,
+    )
+    assert spec_text.startswith(text) and len(spec_text) > len(text)
+    # The prompt ran several times: the prefix cache holds all of it but the last token.
+    assert 0 < ar_usage.prompt_tokens_details.cached_tokens < ar_usage.prompt_tokens
+
+    sampled = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=12,
+        temperature=1.0,
+        seed=3,
+        extra_body={"min_p": 1.0, "ignore_eos": True, "budget": 8},
+    )
+    assert (
+        sampled.choices[0].text
+        == client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .text
+    )

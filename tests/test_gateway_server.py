@@ -164,9 +164,11 @@ def test_stop_token_is_reported_but_not_rendered(gateway, fake, tok):
     assert out["text"] == "Hello there"
     assert out["ids"] == ids
     assert out["finish"] == ["stop"]
-    # With ignore_eos the verifier does not stop on it, and the token is ordinary text.
+    # With ignore_eos the verifier does not stop on it: a special token, skipped by default.
     fake.reset(script_for(ids, finish="length"))
-    assert _complete(gateway, ignore_eos=True)["text"] == "Hello there<|im_end|>"
+    assert _complete(gateway, ignore_eos=True)["text"] == "Hello there"
+    fake.reset(script_for(ids, finish="length"))
+    assert _complete(gateway, ignore_eos=True, skip_special_tokens=False)["text"] == "Hello there<|im_end|>"
 
 
 # -- stop strings -------------------------------------------------------------------------------------
@@ -323,10 +325,14 @@ def test_chat_tool_calls(gateway, fake, tok):
     assert out["text"] == ""
     assert out["calls"] == [{"id": "functions.get_weather:1", "name": "get_weather", "arguments": '{"city": "Paris"}'}]
     assert out["finish"] == ["tool_calls"]
-    # Without declared tools the markers stay in the text.
+    # Without declared tools nothing is parsed and the markers (special tokens) are skipped.
     fake.reset(script_for(tok.encode(output) + [IM_END], finish="stop"))
     out = _chat(gateway, [{"role": "user", "content": "hi"}])
-    assert out["calls"] == [] and out["text"].startswith("<|tool_calls_section_begin|>") and out["finish"] == ["stop"]
+    assert out["calls"] == [] and out["finish"] == ["stop"]
+    assert out["text"] == 'functions.get_weather:1{"city": "Paris"}'
+    fake.reset(script_for(tok.encode(output) + [IM_END], finish="stop"))
+    out = _chat(gateway, [{"role": "user", "content": "hi"}], skip_special_tokens=False)
+    assert out["text"].startswith("<|tool_calls_section_begin|>")
 
 
 def test_reasoning_parser_off(fake, tokenizer_dir, tok):
@@ -334,7 +340,7 @@ def test_reasoning_parser_off(fake, tokenizer_dir, tok):
     try:
         fake.reset(script_for(tok.encode("thinking</think>answer"), finish="length"))
         out = _chat(stub, [{"role": "user", "content": "hi"}], tools=TOOLS)
-        assert out["text"] == "thinking</think>answer" and out["reasoning"] == "" and out["calls"] == []
+        assert out["text"] == "thinkinganswer" and out["reasoning"] == "" and out["calls"] == []
         info = stub.GetInfo(gateway_pb2.GatewayInfoRequest(), timeout=5)
         assert (info.reasoning_parser, info.tool_call_parser) == ("none", "none")
     finally:

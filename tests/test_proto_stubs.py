@@ -29,7 +29,12 @@ def test_every_service_of_the_contract_is_present():
         "Release",
         "GetInfo",
     }
-    assert set(verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].methods_by_name) == {"Generate", "Abort", "GetInfo"}
+    assert set(verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].methods_by_name) == {
+        "Generate",
+        "Features",
+        "Abort",
+        "GetInfo",
+    }
     assert set(gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].methods_by_name) == {
         "Chat",
         "Complete",

@@ -2,6 +2,7 @@
 
     python -m ddtree.tools.train_drafter --target DIR --corpus DIR --run-dir runs/drafter --minutes 30
     python -m ddtree.tools.train_drafter ... --resume          # continue from runs/drafter/checkpoint.pt
+    python -m ddtree.tools.train_drafter ... --verifier HOST:PORT  # data from a running verifier (Features)
 
 The target stays frozen. Each micro-batch is S sequences with the target's taps and greedy choices
 at every position (services/training/drafter_data.py: by default the target's own greedy
@@ -38,6 +39,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--export", default="", help="drafter checkpoint dir written at the end (default RUN_DIR/export)")
     a("--resume", action="store_true", help="continue from RUN_DIR/checkpoint.pt")
     a("--init", default="", help="start from this drafter checkpoint dir (fine-tune; its architecture wins)")
+    a(
+        "--verifier",
+        default="",
+        help="HOST:PORT of a running verifier serving --target: its Features RPC computes the data, so the "
+        "target is not loaded here (of --target only config.json, tokenizer.json, embedding and LM head are read)",
+    )
+    a("--service-token-file", default="", help="with --verifier: a file holding the verifier's service token")
     g = p.add_argument_group("drafter")
     g.add_argument("--layers", type=int, default=2)
     g.add_argument("--block-size", type=int, default=8)

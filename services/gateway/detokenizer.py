@@ -26,9 +26,11 @@ REPLACEMENT = "\ufffd"
 class IncrementalDetokenizer:
     """Detokenizes one sequence. Not thread-safe: one instance per request."""
 
-    def __init__(self, tokenizer: Tokenizer, skip_special: bool = False):
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = False, keep: frozenset[int] = frozenset()):
+        """skip_special: special ids render as nothing, except those in `keep` (the output parsers'
+        markers, which the parsers consume)."""
         self._tok = tokenizer
-        self._skip = tokenizer.special_ids if skip_special else frozenset()
+        self._skip = tokenizer.special_ids - keep if skip_special else frozenset()
         self._bytes_path = tokenizer.vocab_size > 0 and tokenizer.token_bytes(0) is not None
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         # text path state

@@ -2,7 +2,11 @@
 text, reasoning and tool-call deltas, stop it early, cancel it.
 
 - Stop strings are matched on the raw text across chunk boundaries (`StopMatcher`); on a match the
-  text is cut before it, the verifier request is aborted, and the answer finishes with "stop".
+  text is cut before it (after it with include_stop_str_in_output), the verifier request is aborted,
+  and the answer finishes with "stop". With min_tokens, the text of the first min_tokens tokens is
+  not searched (vLLM's rule: stop strings count once min_tokens tokens are out).
+- Special tokens (skip_special_tokens, the default) render as nothing, except the markers the active
+  reasoning and tool-call parsers read, which the parsers consume: no special token reaches content.
 - Usage is the verifier's, passed on. When the gateway cut the stream itself it computes it by the
   same definition (`ddtree.contract.usage`) over the tokens and steps it passed on (ttft/decode on the
   gateway's clock).
@@ -29,7 +33,7 @@ from ddtree.contract.usage import usage_from_steps
 from ddtree.gateway import metrics
 from ddtree.gateway.detokenizer import IncrementalDetokenizer
 from ddtree.gateway.parsers import ToolCall, merge_deltas, scan
-from ddtree.gateway.parsers.registry import OutputParsers
+from ddtree.gateway.parsers.registry import OutputParsers, parser_markers
 from ddtree.gateway.routing import Endpoint, Router
 from ddtree.protocol.ddtree.v1 import common_pb2, gateway_pb2, verifier_pb2
 from ddtree.telemetry.logging import get_logger
@@ -65,18 +69,20 @@ class Result:
 class StopMatcher:
     """Cuts a text stream at the first stop string, holding back a tail that may start one."""
 
-    def __init__(self, stops: tuple[str, ...]):
+    def __init__(self, stops: tuple[str, ...], include_stop: bool = False):
         self._stops = stops
+        self._include = include_stop
         self._pending = ""
 
     def push(self, text: str, final: bool = False) -> tuple[str, bool]:
         """Returns (text safe to release, whether a stop string matched). After a match the stream
-        is over: the text up to the match is returned and the rest dropped."""
+        is over: the text up to the match (and the stop string, with include_stop) is returned and
+        the rest dropped."""
         pending = self._pending + text
         pos, stop = scan(pending, self._stops)
         if stop is not None:
             self._pending = ""
-            return pending[:pos], True
+            return pending[: pos + (len(stop) if self._include else 0)], True
         if final:
             pos = len(pending)
         self._pending = pending[pos:]
@@ -208,11 +214,13 @@ class Generation:
 
     def _chunks(self, messages, call, started: float) -> Iterator[gateway_pb2.GenerateChunk]:
         job, rid = self.job, self.job.request.request_id
-        detok = IncrementalDetokenizer(self._tok)
-        stops = StopMatcher(job.stop_strings)
+        special = self._tok.special_tokens
+        keep = frozenset(special[m] for m in parser_markers(job.reasoning_parser, job.tool_parser) if m in special)
+        detok = IncrementalDetokenizer(self._tok, skip_special=job.skip_special, keep=keep)
+        stops = StopMatcher(job.stop_strings, job.include_stop_str)
         parsers = OutputParsers(job.reasoning_parser, job.tool_parser, job.in_reasoning, job.tool_index_offset)
         steps: list[common_pb2.StepStats] = []
-        completion = 0
+        completion = cached = 0
         first_token_at = last_token_at = None
 
         for msg in messages:
@@ -225,12 +233,17 @@ class Generation:
                 else:
                     metrics.ITL.observe((now - last_token_at) / len(ids))
                 last_token_at = now
+            if msg.HasField("usage"):
+                cached = msg.usage.cached_tokens or cached  # on the first message (and the last)
+            free = max(job.min_tokens - completion, 0)  # leading ids whose text is not searched for stops
             completion += len(ids)
             steps.extend(msg.steps)
             final = bool(msg.finish_reason)
             text_ids = ids[:-1] if final and msg.finish_reason == "stop" and ids and ids[-1] in job.stop_ids else ids
-            text = detok.push(text_ids) + (detok.flush() if final else "")
+            head = detok.push(text_ids[:free]) if free else ""
+            text = detok.push(text_ids[free:]) + (detok.flush() if final else "")
             text, matched = stops.push(text, final=final)
+            text = head + text
             chunk = gateway_pb2.GenerateChunk(request_id=rid, token_ids=ids, steps=msg.steps)
             _fill_text(chunk, *parsers.push(text))
             if not (final or matched):
@@ -251,6 +264,7 @@ class Generation:
                 chunk.usage.CopyFrom(
                     usage_from_steps(len(job.request.input_ids), completion, lengths, ttft_ms, decode_ms)
                 )
+                chunk.usage.cached_tokens = cached
             metrics.PROMPT_TOKENS.inc(chunk.usage.prompt_tokens)
             metrics.COMPLETION_TOKENS.inc(chunk.usage.completion_tokens)
             self._log.info(

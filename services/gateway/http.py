@@ -2,17 +2,22 @@
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{id}], POST /tokenize,
 POST /detokenize, GET /version (vLLM's utility routes: tokenize_protocol.py), GET /health (200 while a
-verifier is healthy, else 503), GET /metrics (Prometheus text).
+verifier is healthy, else 503), GET /metrics (Prometheus text); Anthropic's POST /v1/messages and
+/v1/messages/count_tokens (anthropic_http.py, its own error shape).
 
-- Errors are OpenAI error JSON `{"error": {"message", "type", "param", "code"}}`: 400 malformed JSON
-  or a bad value, 422 a field of the wrong type, 401 a missing or wrong API key (when keys are set;
-  /health stays open, /metrics follows --http-metrics: behind the key by default), 404 an unknown
-  model or route, 413 a body over max_body_bytes; verifier failures keep their meaning (429 queue full, 503 unavailable, 504 deadline).
+- Errors are OpenAI error JSON `{"error": {"message", "type", "param", "code"}}`: 400 malformed JSON,
+  a bad value, a field of the wrong type or a refused field (openai_models.py), 401 a missing or
+  wrong API key (when keys are set; /health stays open, /metrics follows --http-metrics: behind the
+  key by default), 404 an unknown model or route, 409 a request id already running, 413 a body over
+  max_body_bytes; verifier failures keep their meaning (429 queue full, 503 unavailable, 504 deadline).
 - Streams (`"stream": true`) are server-sent events `data: {chunk}` ending with `data: [DONE]`; the
   response starts when the first tokens arrive, so a request that fails before that gets a plain error
   status; a failure mid-stream is sent as a `data: {"error": ...}` event before [DONE].
 - A client that disconnects, streaming or not, cancels its generation: the verifier aborts the
   request and frees its KV at once.
+- `X-Request-Id` (else the body's `request_id`, else a fresh one) is the request's id on the verifier
+  and in the logs, the response's id suffix (`chatcmpl-ID`, `cmpl-ID`), and comes back in the
+  response's `X-Request-Id` header.
 
 The pipeline is synchronous (gRPC); each request's blocking calls run in worker threads, at most
 max_workers + max_streams at a time.
@@ -56,6 +61,7 @@ _STATUS = {
     grpc.StatusCode.UNAUTHENTICATED: 401,
     grpc.StatusCode.PERMISSION_DENIED: 403,
     grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
     grpc.StatusCode.CANCELLED: 499,
     grpc.StatusCode.UNIMPLEMENTED: 501,
@@ -63,6 +69,7 @@ _STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
 DRAIN_BYTES = 64 * 1024 * 1024
+MAX_REQUEST_ID_CHARS = 256  # the verifier's limit
 SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache"),
@@ -77,11 +84,13 @@ class ApiError(Exception):
         self.status, self.message, self.param = status, message, param
 
 
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+def error_response(
+    status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
     metrics.HTTP_ERRORS.labels(status=str(status)).inc()
     if status >= 500:
         _log.warning("http_error", status=status, message=message)
-    return JSONResponse(oai.error_json(message, status, param), status_code=status)
+    return JSONResponse(oai.error_json(message, status, param), status_code=status, headers=headers)
 
 
 def _sse(event: Any) -> bytes:
@@ -102,6 +111,7 @@ class _GenerationResponse(Response):
         build: Callable[[Any], dict] | None = None,
     ):
         self.generation, self.limiter, self.stream = generation, limiter, stream
+        self.id_header = {"x-request-id": generation.request_id}
         self.events, self.build = events, build
         self.status_code = 200
         self.background = None
@@ -137,7 +147,8 @@ class _GenerationResponse(Response):
     async def _error(self, scope, send, e: RequestError) -> None:
         status = _STATUS.get(e.code, 500)
         self._answered = True
-        await error_response(status, e.message, oai.field_of(e.message) if status == 400 else None)(scope, None, send)
+        param = oai.field_of(e.message) if status == 400 else None
+        await error_response(status, e.message, param, self.id_header)(scope, None, send)
 
     async def _whole(self, scope, send) -> None:
         try:
@@ -146,7 +157,7 @@ class _GenerationResponse(Response):
             await self._error(scope, send, e)
             return
         self._answered = True
-        await JSONResponse(self.build(result))(scope, None, send)
+        await JSONResponse(self.build(result), headers=self.id_header)(scope, None, send)
 
     async def _stream(self, scope, send) -> None:
         try:
@@ -154,7 +165,8 @@ class _GenerationResponse(Response):
         except RequestError as e:
             await self._error(scope, send, e)
             return
-        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        headers = [*SSE_HEADERS, (b"x-request-id", self.generation.request_id.encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
         events = self.events.start()
         chunk = first
         try:
@@ -253,10 +265,17 @@ class _Api:
         """Run request preparation (template, tokenizer) in a worker thread; map its errors."""
         try:
             return await anyio.to_thread.run_sync(fn, limiter=self.limiter)
-        except oai.FieldTypeError as e:
-            raise ApiError(422, str(e), oai.field_of(str(e))) from None
         except ValueError as e:
             raise ApiError(400, str(e), oai.field_of(str(e))) from None
+
+    @staticmethod
+    def _request_id(request: Request, from_body: str | None) -> str:
+        """X-Request-Id, else the body's request_id, else "" (the pipeline makes one)."""
+        header = request.headers.get("x-request-id")
+        rid, where = (header, "X-Request-Id") if header is not None else (from_body or "", "request_id")
+        if len(rid) > MAX_REQUEST_ID_CHARS or not all("!" <= c <= "~" for c in rid):
+            raise ApiError(400, f"{where}: must be 1-{MAX_REQUEST_ID_CHARS} printable ASCII characters", where)
+        return rid
 
     # -- routes ----------------------------------------------------------------------------------------
     async def chat(self, request: Request) -> Response:
@@ -264,18 +283,24 @@ class _Api:
         body = await self._body(request)
         params = await self._prepare(lambda: oai.parse_chat(body, self.config))
         model = self._model(params.model)
+        rid = self._request_id(request, params.request_id)
         job = await self._prepare(
             lambda: self.p.chat_job(
                 params.messages,
                 params.options,
                 tools=params.tools,
                 chat_template_kwargs=params.chat_template_kwargs,
+                request_id=rid,
                 tool_choice=params.tool_choice,
                 separate_reasoning=params.separate_reasoning,
                 options_prefix="",
                 max_budget=policy.max_budget,
+                add_generation_prompt=params.add_generation_prompt,
+                continue_final_message=params.continue_final_message,
             )
         )
+        if params.user is not None:
+            _log.info("http_request", request_id=job.request.request_id, user=params.user)
         gen = self.p.generate(job, protocol="http")
         rid, created = f"chatcmpl-{job.request.request_id}", int(time.time())
         if params.stream:
@@ -289,9 +314,14 @@ class _Api:
         body = await self._body(request)
         params = await self._prepare(lambda: oai.parse_completion(body, self.config))
         model = self._model(params.model)
+        rid = self._request_id(request, params.request_id)
         job = await self._prepare(
-            lambda: self.p.complete_job(params.prompt, params.options, options_prefix="", max_budget=policy.max_budget)
+            lambda: self.p.complete_job(
+                params.prompt, params.options, rid, options_prefix="", max_budget=policy.max_budget
+            )
         )
+        if params.user is not None:
+            _log.info("http_request", request_id=job.request.request_id, user=params.user)
         gen = self.p.generate(job, protocol="http")
         rid, created = f"cmpl-{job.request.request_id}", int(time.time())
         if params.stream:
@@ -400,6 +430,9 @@ def create_app(pipeline: Pipeline, config: GatewayConfig) -> Starlette:
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
     ]
+    from ddtree.gateway.anthropic_http import anthropic_routes  # it imports this module: loaded here
+
+    routes += anthropic_routes(api)  # POST /v1/messages, /v1/messages/count_tokens
     return Starlette(
         routes=routes, exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _server_error}
     )

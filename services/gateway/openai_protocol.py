@@ -1,18 +1,19 @@
 """OpenAI request parsing and response formatting (docs/design.md §9.4), independent of the web framework.
 
-Parsing turns a JSON body into the pipeline's inputs. A field of the wrong JSON type raises
-`FieldTypeError` (HTTP 422); any other bad or unsupported value raises `Invalid` (HTTP 400). Both name
-the field. Unknown fields are ignored, as OpenAI clients send fields servers may not know.
+Parsing validates a JSON body against its request model (openai_models.py: pydantic, one policy per
+field) and turns it into the pipeline's inputs; every bad, refused or wrongly typed field raises
+`Invalid` (HTTP 400) naming the field.
 
-Supported beyond the OpenAI basics: top_k, stop_token_ids, ignore_eos, separate_reasoning,
-chat_template_kwargs (e.g. {"thinking": false}), and the ddtree extensions `budget` (tree node budget)
-and `no_spec` (plain autoregressive decoding). Unsupported and refused with a clear 400: n > 1,
-logprobs, penalties, tool_choice "required" or a named tool, response_format other than text, echo,
-suffix, best_of > 1, non-text content parts.
+Supported beyond the OpenAI basics: vLLM's top_k, min_p, min_tokens, stop_token_ids, ignore_eos,
+include_stop_str_in_output, skip_special_tokens, add_generation_prompt, continue_final_message,
+chat_template_kwargs (e.g. {"thinking": false}), request_id, SGLang's separate_reasoning, and the
+ddtree extensions `budget` (tree node budget) and `no_spec` (plain autoregressive decoding). What is
+refused, and why: openai_models.REFUSED (and README "OpenAI parameters").
 
 Responses carry the OpenAI fields plus `spec` (speculative statistics of the answer: verify_steps,
 avg_accept_length, accept_histogram[k] = steps that committed k tokens, ttft_ms, decode_ms measured by
-the verifier). Streams send it on the chunk that carries finish_reason.
+the verifier). Streams send it on the chunk that carries finish_reason. usage has
+prompt_tokens_details.cached_tokens (prompt tokens the verifier's prefix cache held).
 """
 
 from __future__ import annotations
@@ -22,72 +23,25 @@ from typing import Any
 
 from ddtree.config import GatewayConfig
 from ddtree.gateway.generation import Result
+from ddtree.gateway.openai_models import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    Request,
+    content_part,
+    json_type,
+    validate,
+)
 from ddtree.gateway.pipeline import Invalid
 from ddtree.protocol.ddtree.v1 import common_pb2, gateway_pb2
 
+__all__ = ["json_type"]
+
 INT32_MAX = 2**31 - 1
 UINT64_MAX = 2**64 - 1
-_KINDS = {
-    "string": (str,),
-    "integer": (int,),
-    "number": (int, float),
-    "boolean": (bool,),
-    "object": (dict,),
-    "array": (list,),
-}
 
 
-class FieldTypeError(Invalid):
-    """A field of the wrong JSON type (HTTP 422)."""
-
-
-def json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int):
-        return "integer"
-    if isinstance(value, float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    return "object" if isinstance(value, dict) else type(value).__name__
-
-
-class Fields:
-    """Typed reads of one JSON object; every error names the field (`where` + key)."""
-
-    def __init__(self, data: dict, where: str = ""):
-        self.data = data
-        self.where = where
-
-    def get(self, key: str, *kinds: str, default: Any = None) -> Any:
-        value = self.data.get(key)
-        if value is None:
-            return default
-        if not any(
-            isinstance(value, _KINDS[k]) and not (k in ("integer", "number") and isinstance(value, bool)) for k in kinds
-        ):
-            raise FieldTypeError(f"{self.where}{key}: must be {' or '.join(kinds)}, got {json_type(value)}")
-        return value
-
-    def int_in(self, key: str, lo: int, hi: int, default: Any = None) -> Any:
-        value = self.get(key, "integer", default=default)
-        if value is not None and not lo <= value <= hi:
-            raise Invalid(f"{self.where}{key}: must be in [{lo}, {hi}], got {value}")
-        return value
-
-    def number(self, key: str, default: float) -> float:
-        value = self.get(key, "number", default=default)
-        try:
-            return float(value)
-        except OverflowError:
-            raise Invalid(f"{self.where}{key}: {value} is out of range") from None
-
-
+# -- requests ---------------------------------------------------------------------------------
 @dataclasses.dataclass
 class ChatParams:
     model: str | None
@@ -99,6 +53,10 @@ class ChatParams:
     separate_reasoning: bool
     stream: bool
     include_usage: bool
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    request_id: str | None = None
+    user: str | None = None
 
 
 @dataclasses.dataclass
@@ -108,157 +66,113 @@ class CompletionParams:
     options: gateway_pb2.GenerationOptions
     stream: bool
     include_usage: bool
+    request_id: str | None = None
+    user: str | None = None
 
 
-def _refuse_unsupported(f: Fields) -> None:
-    n = f.get("n", "integer", default=1)
-    if n != 1:
-        raise Invalid(f"n: only n = 1 is supported, got {n}; send separate requests for several answers")
-    for key in ("presence_penalty", "frequency_penalty"):
-        if f.number(key, 0.0) != 0:
-            raise Invalid(f"{key}: not supported (only 0)")
-    if f.number("repetition_penalty", 1.0) != 1:
-        raise Invalid("repetition_penalty: not supported (only 1)")
-    if f.get("logit_bias", "object"):
-        raise Invalid("logit_bias: not supported")
-    if f.get("top_logprobs", "integer"):
-        raise Invalid("top_logprobs: not supported")
+def _in(key: str, value: int | None, lo: int, hi: int) -> int | None:
+    if value is not None and not lo <= value <= hi:
+        raise Invalid(f"{key}: must be in [{lo}, {hi}], got {value}")
+    return value
 
 
-def _options(f: Fields, config: GatewayConfig) -> gateway_pb2.GenerationOptions:
-    """The sampling and stopping fields, as the pipeline's GenerationOptions (ranges the proto can
-    hold are checked here; the pipeline checks the rest)."""
+def _options(r: Request, config: GatewayConfig, max_tokens: int | None, key: str) -> gateway_pb2.GenerationOptions:
+    """The sampling and stopping fields as GenerationOptions (the pipeline checks what the proto cannot
+    tell apart from unset, e.g. top_p 0)."""
     o = gateway_pb2.GenerationOptions()
-    max_tokens = f.get("max_completion_tokens", "integer")
-    key = "max_completion_tokens"
-    if max_tokens is None:
-        max_tokens, key = f.get("max_tokens", "integer"), "max_tokens"
     if max_tokens is not None:
-        if not 1 <= max_tokens <= config.max_tokens_limit:
-            raise Invalid(f"{key}: must be in [1, {config.max_tokens_limit}], got {max_tokens}")
-        o.max_tokens = max_tokens
-    o.temperature = f.number("temperature", 1.0)
-    o.top_p = f.number("top_p", 1.0)
-    top_k = f.int_in("top_k", -1, INT32_MAX, default=0)
-    o.top_k = max(top_k, 0)  # -1 (vLLM's "off") and 0 both disable top-k
-    seed = f.int_in("seed", 0, UINT64_MAX)
-    if seed is not None:
-        o.seed = seed
-    stop = f.get("stop", "string", "array", default=[])
-    stop = [stop] if isinstance(stop, str) else stop
-    for i, s in enumerate(stop):
-        if not isinstance(s, str):
-            raise FieldTypeError(f"stop[{i}]: must be string, got {json_type(s)}")
-    o.stop.extend(stop)
-    stop_ids = f.get("stop_token_ids", "array", default=[])
-    for i, t in enumerate(stop_ids):
-        if not isinstance(t, int) or isinstance(t, bool):
-            raise FieldTypeError(f"stop_token_ids[{i}]: must be integer, got {json_type(t)}")
+        o.max_tokens = _in(key, max_tokens, 1, config.max_tokens_limit)
+    o.temperature = 1.0 if r.temperature is None else r.temperature
+    if r.top_p is not None and not 0 < r.top_p <= 1:
+        raise Invalid(f"top_p: must be in (0, 1], got {r.top_p}")
+    o.top_p = 1.0 if r.top_p is None else r.top_p
+    o.top_k = max(_in("top_k", r.top_k, -1, INT32_MAX) or 0, 0)  # -1 (vLLM's "off") and 0 both disable top-k
+    o.min_p = r.min_p or 0.0
+    if r.seed is not None:
+        o.seed = _in("seed", r.seed, 0, UINT64_MAX)
+    o.stop.extend([r.stop] if isinstance(r.stop, str) else r.stop or [])
+    for i, t in enumerate(r.stop_token_ids or []):
         if not 0 <= t <= INT32_MAX:
             raise Invalid(f"stop_token_ids[{i}]: token id {t} is outside the vocabulary")
-    o.stop_token_ids.extend(stop_ids)
-    o.ignore_eos = f.get("ignore_eos", "boolean", default=False)
-    o.budget = f.int_in("budget", 0, INT32_MAX, default=0)
-    o.no_spec = f.get("no_spec", "boolean", default=False)
+    o.stop_token_ids.extend(r.stop_token_ids or [])
+    o.ignore_eos = bool(r.ignore_eos)
+    o.min_tokens = _in("min_tokens", r.min_tokens, 0, INT32_MAX) or 0
+    o.include_stop_str_in_output = bool(r.include_stop_str_in_output)
+    if r.skip_special_tokens is not None:
+        o.skip_special_tokens = r.skip_special_tokens
+    o.budget = _in("budget", r.budget, 0, INT32_MAX) or 0
+    o.no_spec = bool(r.no_spec)
     return o
-
-
-def _stream_flags(f: Fields) -> tuple[bool, bool]:
-    stream = f.get("stream", "boolean", default=False)
-    so = Fields(f.get("stream_options", "object", default={}), "stream_options.")
-    return stream, so.get("include_usage", "boolean", default=False)
 
 
 def _content(value: Any, where: str) -> str | None:
     """A message's content: a string, null, or an array of text parts (joined with newlines)."""
-    if value is None or isinstance(value, str):
-        return value
     if not isinstance(value, list):
-        raise FieldTypeError(f"{where}: must be string or array of content parts, got {json_type(value)}")
+        return value
     texts = []
     for j, part in enumerate(value):
         if not isinstance(part, dict):
-            raise FieldTypeError(f"{where}[{j}]: must be object, got {json_type(part)}")
-        p = Fields(part, f"{where}[{j}].")
-        kind = p.get("type", "string")
-        if kind != "text":
-            raise Invalid(f"{where}[{j}].type: {kind!r} is not supported (text parts only)")
-        texts.append(p.get("text", "string", default=""))
+            raise Invalid(f"{where}[{j}]: must be object, got {json_type(part)}")
+        p = content_part(part, f"{where}[{j}]")
+        if p.type != "text":
+            raise Invalid(f"{where}[{j}].type: {p.type!r} is not supported (text parts only)")
+        texts.append(p.text or "")
     return "\n".join(texts)
 
 
-def _messages(value: Any) -> list[dict]:
+def _message(m: ChatMessage, i: int) -> dict:
+    d: dict = {
+        "role": "system" if m.role == "developer" else m.role,
+        "content": _content(m.content, f"messages[{i}].content"),
+    }
+    for key in ("name", "tool_call_id"):
+        if getattr(m, key) is not None:
+            d[key] = getattr(m, key)
+    reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+    if reasoning is not None:
+        d["reasoning_content"] = reasoning
+    if m.tool_calls is not None:
+        d["tool_calls"] = [c.model_dump(exclude_none=True) for c in m.tool_calls]
+    return d
+
+
+def _tool_choice(value: Any) -> str:
     if value is None:
-        raise Invalid("messages: is required")
-    if not isinstance(value, list):
-        raise FieldTypeError(f"messages: must be array, got {json_type(value)}")
-    out = []
-    for i, m in enumerate(value):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise FieldTypeError(f"{where}: must be object, got {json_type(m)}")
-        f = Fields(m, where + ".")
-        role = f.get("role", "string")
-        d: dict = {
-            "role": "system" if role == "developer" else role,
-            "content": _content(m.get("content"), f"{where}.content"),
-        }
-        for key in ("name", "tool_call_id", "reasoning_content"):
-            if f.get(key, "string") is not None:
-                d[key] = m[key]
-        calls = f.get("tool_calls", "array")
-        if calls is not None:
-            for j, call in enumerate(calls):
-                if not isinstance(call, dict):
-                    raise FieldTypeError(f"{where}.tool_calls[{j}]: must be object, got {json_type(call)}")
-                c = Fields(call, f"{where}.tool_calls[{j}].")
-                c.get("id", "string")
-                fn = Fields(c.get("function", "object", default={}), f"{where}.tool_calls[{j}].function.")
-                fn.get("name", "string")
-                fn.get("arguments", "string", "object")
-            d["tool_calls"] = calls
-        out.append(d)
-    return out
+        return "auto"
+    if isinstance(value, dict) or value not in ("auto", "none"):
+        shown = "a named tool" if isinstance(value, dict) else repr(value)
+        raise Invalid(f"tool_choice: {shown} is not supported (auto | none; forced tool calls are not supported yet)")
+    return value
+
+
+def _stream(r: Request) -> tuple[bool, bool]:
+    return bool(r.stream), bool(r.stream_options and r.stream_options.include_usage)
 
 
 def parse_chat(body: dict, config: GatewayConfig) -> ChatParams:
-    f = Fields(body)
-    _refuse_unsupported(f)
-    if f.get("logprobs", "boolean", default=False):
-        raise Invalid("logprobs: not supported")
-    fmt = f.get("response_format", "object")
-    if fmt is not None and fmt.get("type") != "text":
-        raise Invalid(f"response_format.type: {fmt.get('type')!r} is not supported (text only)")
-    tool_choice = f.get("tool_choice", "string", "object", default="auto")
-    if isinstance(tool_choice, dict) or tool_choice not in ("auto", "none"):
-        shown = "a named tool" if isinstance(tool_choice, dict) else repr(tool_choice)
-        raise Invalid(f"tool_choice: {shown} is not supported (auto | none)")
-    stream, include_usage = _stream_flags(f)
+    r = validate(ChatCompletionRequest, body)
+    max_tokens, key = r.max_completion_tokens, "max_completion_tokens"
+    if max_tokens is None:
+        max_tokens, key = r.max_tokens, "max_tokens"
+    stream, include_usage = _stream(r)
     return ChatParams(
-        model=f.get("model", "string"),
-        messages=_messages(body.get("messages")),
-        options=_options(f, config),
-        tools=f.get("tools", "array"),
-        tool_choice=tool_choice,
-        chat_template_kwargs=f.get("chat_template_kwargs", "object"),
-        separate_reasoning=f.get("separate_reasoning", "boolean", default=True),
+        model=r.model,
+        messages=[_message(m, i) for i, m in enumerate(r.messages)],
+        options=_options(r, config, max_tokens, key),
+        tools=r.tools,
+        tool_choice=_tool_choice(r.tool_choice),
+        chat_template_kwargs=r.chat_template_kwargs,
+        separate_reasoning=r.separate_reasoning is not False,
         stream=stream,
         include_usage=include_usage,
+        add_generation_prompt=r.add_generation_prompt is not False,
+        continue_final_message=bool(r.continue_final_message),
+        request_id=r.request_id,
+        user=r.user,
     )
 
 
-def parse_completion(body: dict, config: GatewayConfig) -> CompletionParams:
-    f = Fields(body)
-    _refuse_unsupported(f)
-    if f.get("logprobs", "integer"):
-        raise Invalid("logprobs: not supported")
-    if f.get("echo", "boolean", default=False):
-        raise Invalid("echo: not supported")
-    if f.get("suffix", "string"):
-        raise Invalid("suffix: not supported")
-    if f.get("best_of", "integer", default=1) != 1:
-        raise Invalid("best_of: only 1 is supported")
-    prompt = body.get("prompt")
+def _prompt(prompt: Any) -> str | list[int]:
     if prompt is None:
         raise Invalid("prompt: is required")
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
@@ -268,18 +182,25 @@ def parse_completion(body: dict, config: GatewayConfig) -> CompletionParams:
     if isinstance(prompt, list):
         for i, t in enumerate(prompt):
             if not isinstance(t, int) or isinstance(t, bool):
-                raise FieldTypeError(f"prompt[{i}]: must be integer (a token id), got {json_type(t)}")
+                raise Invalid(f"prompt[{i}]: must be integer (a token id), got {json_type(t)}")
             if not 0 <= t <= INT32_MAX:
                 raise Invalid(f"prompt[{i}]: token id {t} is outside the vocabulary")
     elif not isinstance(prompt, str):
-        raise FieldTypeError(f"prompt: must be string or array of token ids, got {json_type(prompt)}")
-    stream, include_usage = _stream_flags(f)
+        raise Invalid(f"prompt: must be string or array of token ids, got {json_type(prompt)}")
+    return prompt
+
+
+def parse_completion(body: dict, config: GatewayConfig) -> CompletionParams:
+    r = validate(CompletionRequest, body)
+    stream, include_usage = _stream(r)
     return CompletionParams(
-        model=f.get("model", "string"),
-        prompt=prompt,
-        options=_options(f, config),
+        model=r.model,
+        prompt=_prompt(r.prompt),
+        options=_options(r, config, r.max_tokens, "max_tokens"),
         stream=stream,
         include_usage=include_usage,
+        request_id=r.request_id,
+        user=r.user,
     )
 
 
@@ -289,6 +210,7 @@ def usage_json(u: common_pb2.Usage) -> dict:
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
     }
 
 

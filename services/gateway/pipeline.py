@@ -10,6 +10,9 @@ ValueError naming the field), render the chat template, tokenize, and build the 
   separate_reasoning off) and, when the request declares tools (and tool_choice is not "none"), the
   tool-call parser (config.tool_call_parser); finish_reason "stop" becomes "tool_calls" when calls
   were parsed. Completions return raw text.
+- Text: special tokens are skipped (unless skip_special_tokens is false) but for the parsers' markers;
+  min_p and min_tokens go to the verifier's sampler (SamplingParams), which applies them per tree node.
+- continue_final_message: the prompt is cut right after the final assistant message's content.
 """
 
 from __future__ import annotations
@@ -66,6 +69,9 @@ class Job:
     tool_parser: str | None = None
     in_reasoning: bool = False  # the prompt opened a think block
     tool_index_offset: int = 0  # tool calls earlier in the conversation
+    skip_special: bool = True  # special ids are not rendered, except the markers the active parsers read
+    include_stop_str: bool = False  # a matched stop string stays in the text
+    min_tokens: int = 0  # stop strings are looked for only after this many tokens (the verifier masks stop ids)
 
 
 def validate_options(
@@ -86,6 +92,12 @@ def validate_options(
         raise Invalid(f"{prefix}temperature: must be a finite number >= 0, got {o.temperature}")
     if o.top_p != 0 and not 0 < o.top_p <= 1:  # NaN fails the range test too
         raise Invalid(f"{prefix}top_p: must be in (0, 1] (0 = unset), got {o.top_p}")
+    if not 0 <= o.min_p <= 1:  # NaN fails too
+        raise Invalid(f"{prefix}min_p: must be in [0, 1], got {o.min_p}")
+    if o.min_tokens < 0:
+        raise Invalid(f"{prefix}min_tokens: must be >= 0, got {o.min_tokens}")
+    if o.max_tokens and o.min_tokens > o.max_tokens:
+        raise Invalid(f"{prefix}min_tokens: must be <= max_tokens ({o.max_tokens}), got {o.min_tokens}")
     if o.top_k < 0:
         raise Invalid(f"{prefix}top_k: must be >= 0 (0 = disabled), got {o.top_k}")
     if o.budget < 0:
@@ -150,8 +162,12 @@ class Pipeline:
         separate_reasoning: bool = True,
         options_prefix: str = "options.",
         max_budget: int | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> Job:
-        """A chat request as a Job. `messages` are OpenAI-style dicts (chat_template.py)."""
+        """A chat request as a Job. `messages` are OpenAI-style dicts (chat_template.py).
+        continue_final_message: the prompt ends inside the last (assistant) message, which the answer
+        continues (vLLM's and HF's rule: the rendered text is cut right after that message's content)."""
         if not messages:
             raise Invalid("messages: must not be empty")
         if tool_choice not in TOOL_CHOICES:
@@ -164,7 +180,11 @@ class Pipeline:
         # Every string the template may print (content, names, ids, arguments, tool declarations),
         # counted before rendering; the rendered prompt is checked again after.
         self.check_prompt_chars(text_chars(messages) + text_chars(tools) + text_chars(kwargs), "messages and tools")
-        prompt, input_ids = self.render(messages, tools, True, kwargs)
+        if continue_final_message and add_generation_prompt:
+            raise Invalid("continue_final_message: cannot be true while add_generation_prompt is true")
+        prompt, input_ids = self.render(messages, tools, add_generation_prompt, kwargs)
+        if continue_final_message:
+            prompt, input_ids = self._cut_after_final(messages[-1], prompt, input_ids)
         history_calls = sum(len(m.get("tool_calls") or ()) for m in messages)
         reasoning = self.config.reasoning_parser if separate_reasoning else "none"
         tool_parser = self.config.tool_call_parser if tools else "none"
@@ -218,6 +238,27 @@ class Pipeline:
         self.check_prompt_chars(len(prompt), "rendered chat prompt")
         return prompt, ids
 
+    def _cut_after_final(self, final: dict, prompt: str, ids: list[int]) -> tuple[str, list[int]]:
+        """The rendered chat cut right after the final message's content: the special tokens the
+        template puts after it (end of turn) are dropped from both the text and the ids."""
+        if final.get("role") != "assistant":
+            raise Invalid("continue_final_message: the last message must be the assistant's")
+        content = final.get("content") or ""
+        core = content.strip()
+        at = prompt.rfind(core) if core else -1
+        if at < 0:
+            raise Invalid("continue_final_message: the final message's content does not appear in the rendered prompt")
+        end = at + (len(content.lstrip()) if prompt.startswith(content.lstrip(), at) else len(core))
+        tail, ids = prompt[end:], list(ids)
+        while tail and ids and self.tokenizer.is_special(ids[-1]):
+            name = self.tokenizer.id_to_token(ids[-1])
+            if not tail.endswith(name):
+                break
+            tail, ids = tail[: -len(name)], ids[:-1]
+        if tail:
+            raise Invalid(f"continue_final_message: the template adds text after the final message ({tail!r})")
+        return prompt[:end], ids
+
     def check_prompt_chars(self, n: int, what: str) -> None:
         if n > self.config.max_prompt_chars:
             raise Invalid(f"{what}: {n} characters, over the limit of {self.config.max_prompt_chars}")
@@ -244,19 +285,32 @@ class Pipeline:
         if limit and len(input_ids) > limit:
             raise Invalid(f"prompt: {len(input_ids)} tokens, over the limit of {limit}")
         stop_ids = list(dict.fromkeys([*o.stop_token_ids, *(() if o.ignore_eos else self._eos_ids)]))
-        sampling = common_pb2.SamplingParams(temperature=o.temperature, top_p=o.top_p, top_k=o.top_k)
+        sampling = common_pb2.SamplingParams(
+            temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, min_p=o.min_p, min_tokens=o.min_tokens
+        )
         if o.HasField("seed"):
             sampling.seed = o.seed
+        max_new = o.max_tokens or self.default_max_tokens(len(input_ids))
+        if o.min_tokens > max_new:
+            raise Invalid(f"{prefix}min_tokens: must be <= max_tokens ({max_new}, the default), got {o.min_tokens}")
         request = verifier_pb2.GenerateRequest(
             request_id=request_id or f"gw-{uuid.uuid4().hex}",
             input_ids=input_ids,
             sampling=sampling,
-            max_new_tokens=o.max_tokens or self.default_max_tokens(len(input_ids)),
+            max_new_tokens=max_new,
             ignore_eos=o.ignore_eos,
             stop_token_ids=stop_ids,
             spec=common_pb2.SpecOptions(no_spec=o.no_spec, budget=o.budget),
         )
-        return Job(request=request, stop_strings=tuple(o.stop), stop_ids=frozenset(stop_ids), **kwargs)
+        return Job(
+            request=request,
+            stop_strings=tuple(o.stop),
+            stop_ids=frozenset(stop_ids),
+            skip_special=o.skip_special_tokens if o.HasField("skip_special_tokens") else True,
+            include_stop_str=o.include_stop_str_in_output,
+            min_tokens=o.min_tokens,
+            **kwargs,
+        )
 
     def default_max_tokens(self, prompt_tokens: int) -> int:
         """max_tokens for a request that sets none: --default-max-tokens, or the room the context leaves

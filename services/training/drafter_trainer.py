@@ -46,6 +46,8 @@ RESUMABLE = {
     "resume",
     "device",
     "val_batches",
+    "verifier",
+    "service_token_file",
 }
 PROBE_STEPS = 3  # steps measured before a --minutes run fixes its schedule
 
@@ -101,6 +103,8 @@ def _check_args(args: argparse.Namespace, needs_corpus: bool) -> None:
         raise ValueError(f"--target {args.target}: no config.json (expected an HF-layout checkpoint dir)")
     if needs_corpus and not Path(args.corpus).is_dir():
         raise ValueError(f"--corpus {args.corpus}: not a directory")
+    if getattr(args, "verifier", "") and args.source == "corpus":
+        raise ValueError("--source corpus needs the target in this process: --verifier gives generations only")
     for name in ("batch", "anchors", "accum", "layers", "save_every", "log_every"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -128,13 +132,20 @@ class DrafterTrainer:
         tdtype = auto if args.target_dtype == "auto" else TORCH_DTYPES[args.target_dtype]
         self.autocast = dict(device_type=self.device.type, dtype=torch.bfloat16, enabled=cuda)
 
-        from ddtree.models.loader import load_target
-
         target_dir = Path(args.target)
-        self.target = load_target(target_dir, dtype=tdtype, device=self.device)
         tcfg = json.loads((target_dir / "config.json").read_text())
-        self.embed_w = self.target.model.embed_tokens.weight.detach()
-        self.head_w = self.target.lm_head.weight.detach()
+        self.remote = getattr(args, "verifier", "")  # the target runs in that verifier (verifier_data.py)
+        if self.remote:
+            from ddtree.training.verifier_data import load_head
+
+            self.target = None
+            self.embed_w, self.head_w = load_head(target_dir, tdtype, self.device)
+        else:
+            from ddtree.models.loader import load_target
+
+            self.target = load_target(target_dir, dtype=tdtype, device=self.device)
+            self.embed_w = self.target.model.embed_tokens.weight.detach()
+            self.head_w = self.target.lm_head.weight.detach()
 
         ckpt_file = self.run_dir / "checkpoint.pt"
         self.state = None
@@ -184,7 +195,7 @@ class DrafterTrainer:
         self.spec.validate(self.block)
         self._check_data_cache(target_dir, kinds, cfg.target_layer_ids)
         taps_dtype = TORCH_DTYPES[args.taps_dtype]
-        self.runner = TargetRunner(self.target, cfg.target_layer_ids, taps_dtype)
+        self.runner = self._runner(cfg.target_layer_ids, taps_dtype, tcfg)
         self.pool = BatchPool(
             self.run_dir / "data", args.pool, lambda i: make_batch(i, self.spec, streams, self.runner)
         )
@@ -196,6 +207,18 @@ class DrafterTrainer:
         )
         self.data_s = self.train_s = 0.0
         self.fresh = 0
+
+    def _runner(self, taps: tuple[int, ...], taps_dtype: torch.dtype, tcfg: dict):
+        """The target in this process (TargetRunner), or the --verifier serving it (VerifierRunner)."""
+        if not self.remote:
+            return TargetRunner(self.target, taps, taps_dtype)
+        from ddtree.training.verifier_data import VerifierRunner
+
+        token_file = getattr(self.args, "service_token_file", "")
+        token = Path(token_file).read_text().strip() if token_file else ""
+        runner = VerifierRunner(self.remote, taps, taps_dtype, token=token)
+        runner.check(tcfg, self.args.prompt_max, self.args.gen_tokens)
+        return runner
 
     def _initial_drafter(self, target_dir: Path, tcfg: dict) -> Path:
         """run_dir/init: the drafter training starts from (resumed runs load their checkpoint over it): a copy

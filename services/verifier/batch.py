@@ -6,6 +6,8 @@ queries see the whole committed prefix, and among the new tokens a verify item s
 (tree mask) while a prefill chunk is causal. Positions: verify = start + depth (siblings share one),
 prefill = absolute. What each item needs from the LM head (`ItemHead`) goes to the target with the
 inputs; how it is computed, on one device or tensor parallel, is the target's business (target.py).
+The forward taps the drafter's layers plus those of any Features request in the batch (feature_taps.py);
+each item's output holds the drafter's columns (`taps`) and the request's own (`feature_taps`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from ddtree.contract.token_tree import TokenTree
 from ddtree.models.attention import AttentionMetadata, SeqAttention
+from ddtree.verifier.feature_taps import split_taps, step_tap_layers
 from ddtree.verifier.kv_pool import LatentKVPool
 from ddtree.verifier.sequence import Sequence
 from ddtree.verifier.target import ForwardInputs, ItemHead, Target
@@ -49,6 +52,7 @@ class ItemOutput:
     logits: torch.Tensor | None  # fp32 [q_len, V] for verify; [1, V] for a last prefill chunk; else None
     taps: torch.Tensor | None  # [q_len, F] tapped features of the new tokens (None without taps)
     argmax: torch.Tensor | None = None  # int64 per row: the walk's rows (greedy tree) or every row (tensor parallel)
+    feature_taps: torch.Tensor | None = None  # [q_len, len(feature_taps) * H]: a Features request's layers
 
 
 def q_len_of(item: WorkItem) -> int:
@@ -93,13 +97,14 @@ def run_batch(
         raise
     device = pool.cache.device
     rows = torch.cat(logit_rows) if logit_rows else torch.empty(0, dtype=torch.int64)
+    layers = step_tap_layers(tap_layer_ids, [item.seq.params.feature_taps for item in items])
     inputs = ForwardInputs(
         torch.cat(ids).to(device),
         torch.cat(pos).to(device),
         AttentionMetadata(seqs=tuple(seqs)),
         pool.cache,
         rows.to(device),
-        tap_layer_ids,
+        layers,
     )
     heads = [_head(item, sa) for item, sa in zip(items, seqs)]
     try:
@@ -112,13 +117,16 @@ def run_batch(
     results = []
     for item, sa, (item_logits, item_argmax) in zip(items, seqs, per_item):
         item_taps = taps[sa.q_start : sa.q_start + sa.q_len] if taps is not None else None
-        results.append(ItemOutput(item, sa.new_slots, item_logits, item_taps, item_argmax))
+        own, wanted = split_taps(item_taps, layers, tap_layer_ids, item.seq.params.feature_taps)
+        results.append(ItemOutput(item, sa.new_slots, item_logits, own, item_argmax, wanted))
     return results
 
 
 def _head(item: WorkItem, sa: SeqAttention) -> ItemHead:
-    """What item needs from the LM head: a verify reads all its rows, a prompt's last chunk its last row."""
-    greedy = item.seq.params.sampling.greedy
+    """What item needs from the LM head: a verify reads all its rows, a prompt's last chunk its last row.
+    Full logits when it samples, or when min_tokens masks stop ids this step (the greedy walk shortcut
+    reads argmaxes of unmasked rows)."""
+    greedy = item.seq.params.sampling.greedy and not item.seq.masks_stops
     if isinstance(item, VerifyItem):
         return ItemHead(rows=sa.q_len, walk=item.tree if greedy else None, sampled=not greedy)
     return ItemHead(rows=1 if item.is_last else 0, walk=None, sampled=not greedy)

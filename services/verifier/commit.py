@@ -6,7 +6,8 @@ sits at depth j, so its latent was computed at position start + j, exactly where
 page size 1 the table keeps its slot and the others are freed (nothing moves); with page size P it is
 copied to the slot of position start + j and the scratch pages are freed. The drafter's next commit
 is the accepted tokens with the tapped features gathered at the accepted node indices (not the first
-rows).
+rows). A Features request's own tapped rows (batch.ItemOutput.feature_taps) go to its stream, gathered
+the same way.
 """
 
 from __future__ import annotations
@@ -17,13 +18,19 @@ from ddtree.contract.verdict import Verdict
 from ddtree.verifier.accept import accept
 from ddtree.verifier.batch import ItemOutput, PrefillItem, VerifyItem
 from ddtree.verifier.kv_pool import LatentKVPool
-from ddtree.verifier.sampling import make_generator, target_choices
-from ddtree.verifier.sequence import PendingCommit, Sequence
+from ddtree.verifier.sampling import make_generator, mask_stop_tokens, stop_mask_rows, target_choices
+from ddtree.verifier.sequence import PendingCommit, Sequence, StreamEvent
 
 
 def _log_features(seq: Sequence, features: torch.Tensor | None) -> None:
     if seq.feature_log is not None and features is not None:
         seq.feature_log.append(features)
+
+
+def _stream_features(seq: Sequence, rows: torch.Tensor | None) -> None:
+    """A Features request's rows of the tokens just committed, to its stream (ahead of their tokens)."""
+    if rows is not None:
+        seq.events.put(StreamEvent((), features=rows.cpu()))
 
 
 def append_pending(seq: Sequence, tokens: list[int], start: int, features: torch.Tensor | None, window: int) -> None:
@@ -45,12 +52,17 @@ def append_pending(seq: Sequence, tokens: list[int], start: int, features: torch
     seq.pending_commit = pend
 
 
-def _choices(seq: Sequence, out: ItemOutput) -> list[int]:
-    """The target's choice per row: argmax, or one sample per row from the request's generator."""
+def _choices(seq: Sequence, out: ItemOutput, depths: tuple[int, ...]) -> list[int]:
+    """The target's choice per row: argmax, or one sample per row from the request's generator.
+    depths[r]: row r's depth (its choice is output token len(generated) + depth), for min_tokens."""
     cfg = seq.params.sampling
-    if cfg.greedy and out.argmax is not None:
+    masked = seq.masks_stops
+    if cfg.greedy and out.argmax is not None and (not masked or out.logits is None):
         return out.argmax.tolist()  # tensor parallel: combined from the vocab shards, logits never gathered
     logits = out.logits
+    if masked:
+        rows = stop_mask_rows(cfg.min_tokens, len(seq.generated), depths)
+        logits = mask_stop_tokens(logits, rows, seq.params.stop_token_ids)
     if not cfg.greedy and not seq.generator_ready:
         seq.generator = make_generator(cfg, logits.device)
         seq.generator_ready = True
@@ -66,12 +78,13 @@ def commit_prefill(out: ItemOutput, pool: LatentKVPool, window: int) -> list[int
     taps = None if out.taps is None else out.taps.cpu()
     append_pending(seq, chunk, item.start, taps, window)
     _log_features(seq, taps)
+    _stream_features(seq, out.feature_taps)
     seq.committed.extend(chunk)
     seq.table.commit(len(chunk))
     seq.prefill_done = item.end
     if not item.is_last:
         return []
-    first = _choices(seq, out)[0]
+    first = _choices(seq, out, (0,))[0]
     seq.root = first
     return [first]
 
@@ -81,7 +94,7 @@ def commit_verify(out: ItemOutput, pool: LatentKVPool, window: int) -> tuple[Ver
     item = out.item
     assert isinstance(item, VerifyItem)
     seq = item.seq
-    choices = _choices(seq, out)
+    choices = _choices(seq, out, (0, *item.tree.depths))
     verdict = accept(item.tree, seq.root, choices)
     acc = torch.tensor(verdict.accepted_nodes, dtype=torch.int64)
     seq.table.commit_tree(pool, verdict.accepted_nodes)
@@ -89,6 +102,8 @@ def commit_verify(out: ItemOutput, pool: LatentKVPool, window: int) -> tuple[Ver
     features = out.taps.index_select(0, acc.to(out.taps.device)).cpu() if out.taps is not None else None
     append_pending(seq, list(verdict.accepted_tokens), start, features, window)
     _log_features(seq, features)
+    if out.feature_taps is not None:
+        _stream_features(seq, out.feature_taps.index_select(0, acc.to(out.feature_taps.device)))
     seq.committed.extend(verdict.accepted_tokens)
     seq.root = verdict.next_root
     return verdict, list(verdict.accepted_tokens[1:]) + [verdict.next_root]

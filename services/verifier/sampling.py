@@ -12,11 +12,20 @@ Why "sample at every node and walk" is exact (docs/design.md §3.7):
   Leviathan rule to top-K candidates would bias the output. Temperature 0 is the limit where every
   draw is the argmax, which makes the output identical to greedy autoregressive decoding.
 
-Filtering order (as HF / vLLM / z-lab): logits / T, then top_k, then top_p on the renormalized
-distribution of what top_k kept, then renormalize.
+Filtering order (as vLLM): logits / T, then min_p (a token stays when p >= min_p * max p; the ratio
+does not change under top_k's renormalization, so min_p and top_k commute), then top_k, then top_p on
+the renormalized distribution of what is left, then renormalize. min_p never changes the argmax.
+
+min_tokens (vLLM's MinTokensLogitsProcessor): `mask_stop_tokens` sets the request's stop ids to -inf
+in the rows whose choice would be an output token before min_tokens; it runs before the argmax or the
+sample, at temperature 0 too. Row i of a tree chooses output token `generated + depth(i)`, so the mask
+is per row by depth, and the walk still commits only target choices: output equals masked AR decoding.
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -49,6 +58,10 @@ def sampling_probs(logits: Tensor, cfg: SamplingConfig) -> Tensor:
         raise ValueError(f"logits must be [N, V], got shape {tuple(logits.shape)}")
     scores = logits.float() / cfg.temperature  # [N, V]
     vocab = scores.shape[-1]
+    if cfg.min_p > 0.0:
+        # p_i >= min_p * p_max  <=>  s_i >= s_max + log(min_p) (no softmax needed; -inf rows stay -inf)
+        floor = scores.max(dim=-1, keepdim=True).values + math.log(cfg.min_p)  # [N, 1]
+        scores = scores.masked_fill(scores < floor, float("-inf"))
     if 0 < cfg.top_k < vocab:
         kth = torch.topk(scores, cfg.top_k, dim=-1).values[:, -1:]  # [N, 1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -86,3 +99,21 @@ def target_choices(logits: Tensor, cfg: SamplingConfig, generator: torch.Generat
     # NOTE: an exact 0 draw would make 0/0 = NaN win the argmax for a zero-probability token.
     race.clamp_min_(torch.finfo(race.dtype).tiny)
     return (probs / race).argmax(dim=-1)
+
+
+def stop_mask_rows(min_tokens: int, generated: int, depths: Sequence[int]) -> list[int]:
+    """The rows (row r chooses output token `generated + depths[r]`) where stop ids are masked for
+    min_tokens: those whose output token index is < min_tokens."""
+    return [r for r, d in enumerate(depths) if generated + d < min_tokens]
+
+
+def mask_stop_tokens(logits: Tensor, rows: Sequence[int], stop_ids: Iterable[int]) -> Tensor:
+    """logits [N, V] with the stop ids set to -inf in `rows` (a new tensor; the input is untouched)."""
+    ids = sorted(i for i in stop_ids if 0 <= i < logits.shape[-1])
+    if not rows or not ids:
+        return logits
+    out = logits.clone()
+    r = torch.tensor(list(rows), dtype=torch.int64, device=logits.device)
+    c = torch.tensor(ids, dtype=torch.int64, device=logits.device)
+    out[r.unsqueeze(1), c.unsqueeze(0)] = float("-inf")
+    return out

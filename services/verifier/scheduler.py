@@ -213,12 +213,14 @@ class Scheduler:
         first output token). A speculative sequence needs the prefix's features to seed the drafter."""
         prompt = list(seq.params.input_ids)
         seq.feature_log = [] if self.tap_layer_ids else None
+        if seq.params.feature_taps:  # a Features request streams every prompt row: it computes them all
+            return
         match = self.cache.match(prompt[:-1])
         if match.length == 0 or (seq.use_spec and match.features is None):
             self.cache.release(match)
             return
         seq.prefix_match = match
-        seq.prefill_done = match.length
+        seq.prefill_done = seq.cached_tokens = match.length
         seq.table.share(match.slots)
         seq.committed = prompt[: match.length]
         if match.features is not None:

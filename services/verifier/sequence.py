@@ -42,6 +42,7 @@ class GenerateParams:
     use_spec: bool
     budget: int
     chain: bool = False  # ask the drafter for a width-1 tree (a chain)
+    feature_taps: tuple[int, ...] = ()  # a Features request: the layers whose rows it streams (features_rpc.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +53,7 @@ class StreamEvent:
     step: StepRecord | None = None
     finish_reason: str | None = None
     error: str | None = None
+    features: torch.Tensor | None = None  # a Features request: rows of the tokens just committed (CPU)
 
 
 @dataclasses.dataclass
@@ -80,6 +82,7 @@ class Sequence:
         self.table = PageTable()  # KV pages; the scheduler sets the pool's page size at submit
         self.prefill_done = 0  # prompt tokens already in the KV cache
         self.prefix_match = None  # the PrefixMatch pinning them
+        self.cached_tokens = 0  # prompt tokens taken from the prefix cache (usage.cached_tokens)
         self.feature_log: list[torch.Tensor] | None = None  # taps of every committed token (prefix cache)
         self.root: int | None = None
         self.generated: list[int] = []
@@ -96,6 +99,7 @@ class Sequence:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.finish_reason: str | None = None
+        self.stop_token_id: int | None = None  # the stop token that ended it (not emitted)
         self.events: queue.Queue[StreamEvent] = queue.Queue()
         self.abort_requested = threading.Event()
         # Created on the logits' device at the first sampled choice (see commit.py); None = greedy
@@ -124,6 +128,11 @@ class Sequence:
     def remaining(self) -> int:
         return self.params.max_new_tokens - len(self.generated)
 
+    @property
+    def masks_stops(self) -> bool:
+        """This step's choices need the stop ids masked (min_tokens not reached yet): full logits."""
+        return len(self.generated) < self.params.sampling.min_tokens and bool(self.params.stop_token_ids)
+
     def reserved_slots(self, budget: int) -> int:
         """Worst-case KV slots for its whole life: prompt + outputs + one tree in flight, in whole pages."""
         page = self.table.page_size
@@ -137,6 +146,7 @@ class Sequence:
         for tok in tokens:
             if tok in self.params.stop_token_ids:
                 finish = "stop"
+                self.stop_token_id = tok
                 break
             out.append(tok)
             if len(self.generated) + len(out) >= self.params.max_new_tokens:

@@ -22,6 +22,7 @@ from ddtree.telemetry.logging import get_logger
 from ddtree.telemetry.metrics import serve_metrics
 from ddtree.verifier import metrics
 from ddtree.verifier.drafter_pool import DrafterPool
+from ddtree.verifier.features_rpc import stream_features
 from ddtree.verifier.kv_pool import LatentKVPool
 from ddtree.verifier.kv_sizing import kv_size_for
 from ddtree.verifier.scheduler import AdmissionError, Scheduler
@@ -36,7 +37,9 @@ def usage_of(seq: Sequence) -> common_pb2.Usage:
     """The usage of a finished sequence (ddtree.contract.usage defines its fields), on the verifier's clock."""
     ttft = (seq.first_token_time - seq.arrival) * 1e3 if seq.first_token_time else 0.0
     decode = (seq.last_token_time - seq.first_token_time) * 1e3 if seq.last_token_time and seq.first_token_time else 0.0
-    return usage_from_steps(seq.prompt_len, len(seq.generated), seq.accept_lengths, ttft, decode)
+    usage = usage_from_steps(seq.prompt_len, len(seq.generated), seq.accept_lengths, ttft, decode)
+    usage.cached_tokens = getattr(seq, "cached_tokens", 0)
+    return usage
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
@@ -82,13 +85,17 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         if bad_stop:
             raise ValueError(f"stop_token_ids has an id outside [0, {self.vocab_size}): {bad_stop[0]}")
         s = req.sampling
-        if math.isnan(s.temperature) or math.isnan(s.top_p):
-            raise ValueError("temperature and top_p must be numbers, got NaN")
+        if math.isnan(s.temperature) or math.isnan(s.top_p) or math.isnan(s.min_p):
+            raise ValueError("temperature, top_p and min_p must be numbers, got NaN")
+        if s.min_tokens > req.max_new_tokens:
+            raise ValueError(f"sampling.min_tokens {s.min_tokens} is above max_new_tokens {req.max_new_tokens}")
         sampling = SamplingConfig(
             temperature=s.temperature,
             top_p=s.top_p if s.top_p != 0 else 1.0,
             top_k=s.top_k,
             seed=s.seed if s.HasField("seed") else None,
+            min_p=s.min_p,
+            min_tokens=s.min_tokens,
         )
         sampling.validate()
         budget = req.spec.budget if req.spec.budget else cfg.default_budget
@@ -122,6 +129,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         except AdmissionError as err:
             context.abort(err.code, str(err))
         context.add_callback(lambda: self.scheduler.abort_sequence(seq))
+        first = True
         while True:
             try:
                 event = seq.events.get(timeout=1.0)
@@ -132,6 +140,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             if event.error:
                 context.abort(grpc.StatusCode.INTERNAL, event.error)
             resp = verifier_pb2.GenerateResponse(request_id=seq.request_id, token_ids=list(event.token_ids))
+            if first:  # what the prefix cache gave is known now: a gateway that cuts the stream still reports it
+                resp.usage.prompt_tokens, resp.usage.cached_tokens, first = seq.prompt_len, seq.cached_tokens, False
             if event.step is not None:
                 resp.steps.add(**event.step.__dict__)
             if event.finish_reason:
@@ -140,6 +150,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 yield resp
                 return
             yield resp
+
+    def Features(self, request, context):
+        """The target's generation and the tapped features of every token it read (features_rpc.py)."""
+        yield from stream_features(self, request, context, usage_of)
 
     def Abort(self, request, context):
         if not request.request_id:

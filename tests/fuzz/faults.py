@@ -306,14 +306,25 @@ def request_id_reuse(stack: FuzzStack, refs: References, report: Report, s: Sett
     return {"back_to_back": len(back_to_back), "back_to_back_identical": not seq_bad, "concurrent_outcomes": conc}
 
 
-KV_TOKENS, KV_REQUEST_TOKENS, KV_QUEUE = 320, 120, 2  # two requests (prompt + 120 + 1 slots) fit at a time
+# Two requests (prompt + 120 + 1 slots) fit at a time, and the batch is two: the verifier admits
+# max_batch + max_queue = 4 requests (running + waiting) and refuses the rest.
+KV_TOKENS, KV_REQUEST_TOKENS, KV_QUEUE, KV_BATCH = 320, 120, 2, 2
 
 
 def kv_exhaustion(model: str, log_dir: pathlib.Path, refs_tokens: dict, canary: Canary, report: Report,
                   s: Settings) -> dict:  # fmt: skip
     """refs_tokens: prompt -> the main stack's StreamResult for KV_REQUEST_TOKENS tokens."""
     phase = "KV exhaustion"
-    args = ("--kv-tokens", str(KV_TOKENS), "--max-queue", str(KV_QUEUE), "--max-batch", "8", "--max-context", "2048")
+    args = (
+        "--kv-tokens",
+        str(KV_TOKENS),
+        "--max-queue",
+        str(KV_QUEUE),
+        "--max-batch",
+        str(KV_BATCH),
+        "--max-context",
+        "2048",
+    )
     stack = FuzzStack(model, None, log_dir, verifier_args=args)
     try:
         canary.check(stack, f"{phase} (before)")

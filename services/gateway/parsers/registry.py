@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from ddtree.gateway.parsers import ToolCall, ToolCallDelta, deepseek_v3_tools, kimi_k2_tools
-from ddtree.gateway.parsers.kimi_k2_reasoning import KimiK2ReasoningParser, parse_reasoning
+from ddtree.gateway.parsers.kimi_k2_reasoning import THINK_END, THINK_START, KimiK2ReasoningParser, parse_reasoning
 
 
 class ToolParser(Protocol):
@@ -54,6 +54,17 @@ def check_names(reasoning_parser: str, tool_call_parser: str) -> None:
         raise ValueError(
             f"tool_call_parser {tool_call_parser!r} is not available (choose from {', '.join(TOOL_CALL_PARSERS)})"
         )
+
+
+def parser_markers(reasoning: str | None, tools: str | None) -> tuple[str, ...]:
+    """The marker strings the active parsers read (the detokenizer keeps these special tokens when it
+    skips the others). The reasoning parser's tool-section marker counts only with a tool parser."""
+    fmt = TOOL_FORMATS.get(tools or "")
+    marks: tuple[str, ...] = (THINK_START, THINK_END) if reasoning == "kimi_k2" else ()
+    if fmt is not None:
+        module = kimi_k2_tools if fmt.name == "kimi_k2" else deepseek_v3_tools
+        marks += module.MARKERS
+    return marks
 
 
 class OutputParsers:

@@ -50,6 +50,11 @@ class VerifierStub:
                 request_serializer=ddtree_dot_v1_dot_verifier__pb2.VerifierInfoRequest.SerializeToString,
                 response_deserializer=ddtree_dot_v1_dot_verifier__pb2.VerifierInfo.FromString,
                 _registered_method=True)
+        self.Features = channel.unary_stream(
+                '/ddtree.v1.Verifier/Features',
+                request_serializer=ddtree_dot_v1_dot_verifier__pb2.FeaturesRequest.SerializeToString,
+                response_deserializer=ddtree_dot_v1_dot_verifier__pb2.FeaturesResponse.FromString,
+                _registered_method=True)
 
 
 class VerifierServicer:
@@ -74,6 +79,14 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Features(self, request, context):
+        """Training data for a drafter: the target's own generation from a prompt and the tapped features of
+        every token it read, streamed in chunks of bounded bytes (services/verifier/features_rpc.py).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VerifierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -91,6 +104,11 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=ddtree_dot_v1_dot_verifier__pb2.VerifierInfoRequest.FromString,
                     response_serializer=ddtree_dot_v1_dot_verifier__pb2.VerifierInfo.SerializeToString,
+            ),
+            'Features': grpc.unary_stream_rpc_method_handler(
+                    servicer.Features,
+                    request_deserializer=ddtree_dot_v1_dot_verifier__pb2.FeaturesRequest.FromString,
+                    response_serializer=ddtree_dot_v1_dot_verifier__pb2.FeaturesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +193,33 @@ class Verifier:
             '/ddtree.v1.Verifier/GetInfo',
             ddtree_dot_v1_dot_verifier__pb2.VerifierInfoRequest.SerializeToString,
             ddtree_dot_v1_dot_verifier__pb2.VerifierInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Features(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ddtree.v1.Verifier/Features',
+            ddtree_dot_v1_dot_verifier__pb2.FeaturesRequest.SerializeToString,
+            ddtree_dot_v1_dot_verifier__pb2.FeaturesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,150 @@
+"""The one-command GPU check (issue 17 point 3): kernels against their references, then a reduced-depth
+Kimi-K2.6-shaped model served end to end, in one table and one JSON.
+
+    python -m scripts.gpu_check --out runs/gpu_check.json       # one CUDA GPU (H200: well under 8 minutes)
+    python -m scripts.gpu_check --dry-run --out /tmp/gc.json    # the same on a CPU: shapes shrunk, kernels
+                                                                # under TRITON_INTERPRET=1 (~1-2 minutes)
+    options: --skip-kernels | --skip-serving, --layers N, --experts N, --contexts 128,1024, --new-tokens N,
+             --work-dir DIR (checkpoint and service logs; default a temp dir, removed unless --keep)
+
+(a) scripts/gpu_check_kernels.py: MLA decode / verify / extend, the latent write, the FP8 / INT4 dense
+    GEMMs and the fused MoE (bf16 / INT4 / FP8, through scripts/bench_moe_kernels.py), each against its
+    torch reference, with µs and GB/s.
+(b) scripts/gpu_check_serving.py: a random full-width Kimi-K2.6-shaped checkpoint (4 layers, 64 INT4
+    experts by default) made on this machine, served by gateway + verifier + the replay oracle drafter
+    (scripts/gpu_check_oracle.py) on one GPU; AR and DDTree at contexts 128 / 1k / 4k / 16k / 32k, step
+    time split into draft / verify / transport, DDTree's tokens equal to AR's. CUDA graphs are measured
+    when the verifier has a --cuda-graphs flag, and the JSON says "not available" when it has not.
+
+It exits 1 on any mismatch (a kernel off its reference, DDTree off AR in fp32), on an error, and when a
+DDTree run that matches AR accepts under 2 tokens per step (the oracle's trees not followed); 2 when it
+cannot run at all.
+DDTree is compared with AR in two passes: bf16 (the timing table; a difference there is reported as a
+divergence, since a near-tie may resolve differently when the batch shape changes, docs/design.md §3.7)
+and fp32 (contexts up to 4k; any difference is a mismatch).
+The JSON: {device, dry_run, wall_s, kernels: {rows, mismatches}, serving: {plan, passes, checkpoint,
+cuda_graphs, expected_tau, stacks, rows, mismatches, divergences}, mismatches, ok}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/gpu_check.json"))
+    p.add_argument("--dry-run", action="store_true", help="shrunk shapes on a CPU, kernels interpreted")
+    p.add_argument("--skip-kernels", action="store_true", help="no part (a)")
+    p.add_argument("--skip-serving", action="store_true", help="no part (b)")
+    p.add_argument("--layers", type=int, default=0, help="decoder layers of the served model (default 4; dry 2)")
+    p.add_argument("--experts", type=int, default=0, help="routed experts per MoE layer (default 64; dry 4)")
+    p.add_argument("--contexts", default="", help="comma-separated prompt lengths (default 128,1024,4096,16384,32768)")
+    p.add_argument("--new-tokens", type=int, default=0, help="tokens generated per request (default 48; dry 12)")
+    p.add_argument("--work-dir", default="", help="checkpoint + logs (default: a temp dir)")
+    p.add_argument("--keep", action="store_true", help="keep the temp work dir")
+    p.add_argument("--deadline-s", type=float, default=450.0,
+                   help="serve no new context after this many seconds from the start (the rest: skipped)")  # fmt: skip
+    p.add_argument("--corrupt-reference", action="store_true", help=argparse.SUPPRESS)  # tests: must fail
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton / the kernels are imported (children inherit it)
+    import torch
+
+    if not args.dry_run and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device is visible; on a CPU only --dry-run runs", file=sys.stderr)
+        return 2
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreted)"
+    t0 = time.perf_counter()
+    result = dict(device=name, dry_run=args.dry_run, torch=torch.__version__, triton=_triton_version(),
+                  corrupt_reference=args.corrupt_reference, errors=[])  # fmt: skip
+    print(f"gpu_check on {name}{' (dry run)' if args.dry_run else ''}", flush=True)
+    log = lambda line: print(line, flush=True)  # noqa: E731
+    if not args.skip_kernels:
+        from scripts import gpu_check_kernels as gk
+
+        print("\n(a) kernels against their torch references\n" + gk.HEADER, flush=True)
+        try:
+            result["kernels"] = gk.run_kernels(args.dry_run, device, args.corrupt_reference, log)
+        except Exception:
+            result["errors"].append(dict(part="kernels", error=traceback.format_exc()[-3000:]))
+            traceback.print_exc()
+        result["kernels_s"] = time.perf_counter() - t0
+        save(args.out, result)  # something to read if the serving part never returns
+    if not args.skip_serving:
+        from scripts import gpu_check_serving as gs
+
+        plan = gs.make_plan(args.dry_run, args.layers, args.experts, args.contexts, args.new_tokens)
+        print(f"\n(b) served end to end: {plan.layers} layers, hidden {plan.hidden}, {plan.experts} INT4 experts, "
+              f"contexts {list(plan.contexts)}, {plan.new_tokens} new tokens", flush=True)  # fmt: skip
+        work = pathlib.Path(args.work_dir) if args.work_dir else pathlib.Path(tempfile.mkdtemp(prefix="gpu-check-"))
+        work.mkdir(parents=True, exist_ok=True)
+        t1 = time.perf_counter()
+        try:
+            result["serving"] = gs.run_serving(plan, work, args.corrupt_reference, t0 + args.deadline_s, log)
+            result["errors"] += result["serving"]["errors"]
+        except Exception:
+            result["errors"].append(dict(part="serving", error=traceback.format_exc()[-3000:], work_dir=str(work)))
+            traceback.print_exc()
+        result["serving_s"] = time.perf_counter() - t1
+        if not args.work_dir and not args.keep and not result["errors"]:
+            shutil.rmtree(work, ignore_errors=True)
+    result["mismatches"] = sum(result.get(part, {}).get("mismatches", 0) for part in ("kernels", "serving"))
+    low = result.get("serving", {}).get("low_acceptance", 0)
+    result["ok"] = result["mismatches"] == 0 and not result["errors"] and not low
+    result["wall_s"] = time.perf_counter() - t0
+    save(args.out, result)
+    print(summary(result), flush=True)
+    print(f"saved {args.out} ({result['wall_s']:.0f} s)", flush=True)
+    return 0 if result["ok"] else 1
+
+
+def save(path: pathlib.Path, result: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1, default=str))
+
+
+def summary(result: dict) -> str:
+    lines = ["", "summary"]
+    if "kernels" in result:
+        k = result["kernels"]
+        lines.append(f"  kernels: {len(k['rows'])} checked, {k['mismatches']} mismatches")
+    if "serving" in result:
+        s = result["serving"]
+        dd = [r for r in s["rows"] if r["kind"] == "ddtree"]
+        lines.append(f"  serving: {len(dd)} DDTree runs; differ from AR: {s['mismatches']} in fp32 (mismatches), "
+                     f"{s['divergences']} in bf16 (divergences); expected tau {s['expected_tau']:.2f}; CUDA graphs: "
+                     f"{s['cuda_graphs']}")  # fmt: skip
+        if s["low_acceptance"]:
+            lines.append(f"  serving: {s['low_acceptance']} DDTree runs with tau < 2: the oracle's trees not followed")
+        if s["skipped"]:
+            lines.append(f"  serving: {s['skipped']} contexts skipped, past --deadline-s")
+    for e in result["errors"]:
+        lines.append(f"  ERROR in {e['part']}: {e['error'].strip().splitlines()[-1]}")
+    lines.append(f"  {'OK' if result['ok'] else 'FAILED'} in {result['wall_s']:.0f} s")
+    return "\n".join(lines)
+
+
+def _triton_version() -> str:
+    try:
+        import triton
+    except ImportError:
+        return "none"
+    return triton.__version__
+
+
+if __name__ == "__main__":
+    sys.exit(main())

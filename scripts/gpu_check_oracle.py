@@ -1,0 +1,168 @@
+"""The GPU check's drafter: the oracle's noisy trees (tests/oracle_engine.py) over a *replayed* greedy
+continuation, so its acceptance is known and its draft costs no target forward.
+
+    python -m scripts.gpu_check_oracle drafter --model DIR --target DIR --port 0 --reference FILE
+        [--taps 1,2,3] [--oracle-seed 7] [--window 2048]
+
+tests/oracle_drafter.py asks the target itself for the greedy continuation of the whole history at every
+step (window 0, an fp32 forward over the full context per draft): right for the small test models, far too
+slow for a full-width model at 32k tokens. Here the continuation comes from FILE, JSON
+`{"sequences": [[prompt ids + AR output ids], ...]}`, which the check writes after each AR run (re-read
+when it changes): a sequence is matched on its first commit (tokens at their absolute positions), and each
+draft proposes the reference's next `depth` tokens after the root, broken and padded with wrong siblings by
+`noisy_tree`. If the root leaves the reference (DDTree diverged from AR) the tree is empty: an AR step.
+
+The verifier still checks every node against its own forward, and it sends real features of the `--taps`
+layers over a `--window` (the DFlash drafter's default, 2048), so transport is measured as in production;
+the features themselves are checked for shape and dropped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import random
+import sys
+import zlib
+
+from ddtree.config import DrafterConfig, add_config_flags, config_from_flags
+from ddtree.contract.token_tree import TokenTree
+from ddtree.drafter.engine import SeqDraftInput
+from ddtree.drafter.server import serve_engine
+from ddtree.models.loader import load_config
+from ddtree.protocol.server import stop_on_signals
+from ddtree.telemetry.logging import configure_logging
+from tests.oracle_engine import noisy_tree
+
+
+class ReplayDraftEngine:
+    def __init__(self, reference: pathlib.Path, vocab_size: int, hidden_size: int, taps: tuple[int, ...],
+                 window: int, depth: int = 7, default_budget: int = 16, max_budget: int = 1024, seed: int = 7):  # fmt: skip
+        self.reference = reference
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.taps = taps
+        self.window = window
+        self.depth = depth
+        self.default_budget = default_budget
+        self.max_budget = max_budget
+        self.seed = seed
+        self.feature_width = len(taps) * hidden_size
+        self.sequences: list[list[int]] = []
+        self._mtime = None
+        self.state: dict[str, list[int]] = {}  # seq_id -> [reference index or -1, committed length]
+
+    def info(self) -> dict:
+        return dict(model_id="replay-oracle", block_size=self.depth + 1, mask_token_id=-1,
+                    target_layer_ids=list(self.taps), window=self.window, default_budget=self.default_budget,
+                    max_budget=self.max_budget, hidden_size=self.hidden_size, vocab_size=self.vocab_size,
+                    active_sequences=len(self.state))  # fmt: skip
+
+    def knows(self, seq_id: str) -> bool:
+        return seq_id in self.state
+
+    def release(self, seq_ids) -> int:
+        return sum(self.state.pop(s, None) is not None for s in seq_ids)
+
+    def _reload(self) -> None:
+        try:
+            mtime = self.reference.stat().st_mtime_ns
+        except FileNotFoundError:
+            return
+        if mtime != self._mtime:
+            self.sequences = json.loads(self.reference.read_text())["sequences"]
+            self._mtime = mtime
+
+    def _match(self, start: int, tokens: list[int]) -> int:
+        """The reference holding `tokens` at positions start.. (re-reading the file once if none does)."""
+        for attempt in range(2):
+            if attempt:
+                self._reload()
+            for i, ref in enumerate(self.sequences):
+                if ref[start : start + len(tokens)] == tokens:
+                    return i
+        return -1
+
+    def _validate(self, s: SeqDraftInput) -> None:
+        where = f"sequence {s.seq_id!r}"
+        if not s.reset and s.seq_id not in self.state:
+            raise ValueError(f"{where} is unknown; send reset=true with its context first")
+        if not s.reset and s.commit_start != self.state[s.seq_id][1]:
+            raise ValueError(f"{where}: commit_start {s.commit_start}, expected {self.state[s.seq_id][1]}")
+        if s.reset and not s.commit_token_ids:
+            raise ValueError(f"{where}: reset with an empty commit")
+        if any(not 0 <= t < self.vocab_size for t in (*s.commit_token_ids, s.root_token_id)):
+            raise ValueError(f"{where}: token id outside [0, {self.vocab_size})")
+        if tuple(s.commit_features.shape) != (len(s.commit_token_ids), self.feature_width):
+            raise ValueError(f"{where}: commit_features shape {tuple(s.commit_features.shape)}, expected "
+                             f"({len(s.commit_token_ids)}, {self.feature_width})")  # fmt: skip
+        if not 0 <= s.budget <= self.max_budget:
+            raise ValueError(f"{where}: budget {s.budget} outside [0, {self.max_budget}]")
+
+    def append(self, seqs: list[SeqDraftInput]) -> None:
+        if len({s.seq_id for s in seqs}) != len(seqs):
+            raise ValueError("a sequence appears twice in one call")
+        for s in seqs:
+            self._validate(s)
+        for s in seqs:
+            tokens = list(s.commit_token_ids)
+            if s.reset:
+                self.state[s.seq_id] = [self._match(s.commit_start, tokens), s.commit_start + len(tokens)]
+            else:
+                self.state[s.seq_id][1] += len(tokens)
+
+    def draft(self, seqs: list[SeqDraftInput]) -> list[TokenTree]:
+        self.append(seqs)
+        trees = []
+        for s in seqs:
+            ref_index, length = self.state[s.seq_id]
+            ref = self.sequences[ref_index] if ref_index >= 0 else []
+            on_track = length < len(ref) and ref[length] == s.root_token_id
+            truth = ref[length + 1 : length + 1 + self.depth] if on_track else []
+            budget = min(s.budget or self.default_budget, self.depth) if s.chain else s.budget or self.default_budget
+            rng = random.Random(zlib.crc32(f"{ref_index}:{length}".encode(), self.seed & 0xFFFFFFFF))
+            trees.append(noisy_tree(truth, budget, self.vocab_size, rng))
+        return trees
+
+
+def expected_accept_length(depth: int = 7, budget: int = 16, trials: int = 5000, seed: int = 0) -> float:
+    """Mean accepted drafts + 1 of noisy_tree over a reference that the target follows (Monte Carlo)."""
+    rng = random.Random(seed)
+    truth = list(range(1, depth + 1))
+    total = 0
+    for _ in range(trials):
+        tree = noisy_tree(truth, budget, 1 << 20, rng)
+        node, accepted = 0, 0  # walk from the root: the child holding the next true token
+        while accepted < depth:
+            nxt = next((i + 1 for i, (t, p) in enumerate(zip(tree.token_ids, tree.parents))
+                        if p == node and t == truth[accepted]), None)  # fmt: skip
+            if nxt is None:
+                break
+            node, accepted = nxt, accepted + 1
+        total += accepted + 1
+    return total / trials
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m scripts.gpu_check_oracle")
+    parser.add_argument("command", choices=["drafter"])
+    add_config_flags(parser, DrafterConfig)
+    parser.add_argument("--reference", required=True, help="JSON file of reference sequences (re-read on change)")
+    parser.add_argument("--taps", default="0", help="comma-separated target layers whose features it takes")
+    parser.add_argument("--oracle-seed", type=int, default=7, help="noise seed of the trees")
+    args = parser.parse_args(argv)
+    cfg = config_from_flags(DrafterConfig, args)
+    configure_logging(cfg.log_level, cfg.log_format)
+    target = load_config(cfg.target)
+    taps = tuple(int(t) for t in args.taps.split(","))
+    engine = ReplayDraftEngine(pathlib.Path(args.reference), target.vocab_size, target.hidden_size, taps, cfg.window,
+                               default_budget=cfg.default_budget, max_budget=cfg.max_budget, seed=args.oracle_seed)  # fmt: skip
+    running = serve_engine(engine, cfg)
+    stop_on_signals(running)
+    running.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
