@@ -471,16 +471,23 @@ BAD = [
         400,
         "tools[0].function: must be an object",
     ),
-    ("n > 1", CHAT, {"messages": _user(), "n": 2}, None, 400, "n: only n = 1 is supported, got 2"),
+    ("n over limit", CHAT, {"messages": _user(), "n": 17}, None, 400, "n: must be in [1, 16], got 17"),
     (
-        "tool_choice required",
+        "tool_choice required without tools",
         CHAT,
-        {"messages": _user(), "tools": TOOLS, "tool_choice": "required"},
+        {"messages": _user(), "tool_choice": "required"},
         None,
         400,
-        "tool_choice: 'required' is not supported",
+        "tool_choice: 'required' needs tools",
     ),
-    ("logprobs", CHAT, {"messages": _user(), "logprobs": True}, None, 400, "logprobs: not supported"),
+    (
+        "top_logprobs over limit",
+        CHAT,
+        {"messages": _user(), "logprobs": True, "top_logprobs": 21},
+        None,
+        400,
+        "top_logprobs: must be in [0, 20], got 21",
+    ),
     (
         "max_tokens over limit",
         CHAT,
@@ -558,8 +565,8 @@ def test_bad_input(gw, fake, path, body, headers, status, message):
 
 def test_bad_input_through_the_openai_client(client, fake):
     fake.reset(script_for([5]))
-    with pytest.raises(openai.BadRequestError, match="n: only n = 1 is supported"):
-        client.chat.completions.create(model=MODEL, messages=_user(), n=2)
+    with pytest.raises(openai.BadRequestError, match=r"n: must be in \[1, 16\], got 17"):
+        client.chat.completions.create(model=MODEL, messages=_user(), n=17)
     with pytest.raises(openai.BadRequestError, match="temperature: must be number"):
         client.chat.completions.create(model=MODEL, messages=_user(), temperature="hot")
     with pytest.raises(openai.AuthenticationError, match="invalid API key"):

@@ -22,6 +22,7 @@ import pytest
 
 from ddtree.launcher import start_service
 from ddtree.models.parallel.process_group import free_port
+from ddtree.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from ddtree.tokenization.tokenizer import Tokenizer
 from tests.test_e2e_lossless import PROMPTS, _generate
 
@@ -198,3 +199,29 @@ def _stream(address, ids):
             input_ids=ids, max_new_tokens=1900, ignore_eos=True, spec=common_pb2.SpecOptions(no_spec=True)
         )
         yield from verifier_pb2_grpc.VerifierStub(ch).Generate(req, timeout=120)
+
+
+def _logprobs(address: str, ids: list[int], budget: int) -> tuple[list[int], list]:
+    with grpc.insecure_channel(address) as ch:
+        req = verifier_pb2.GenerateRequest(
+            input_ids=ids,
+            max_new_tokens=MAX_NEW,
+            ignore_eos=True,
+            sampling=common_pb2.SamplingParams(temperature=0.0),
+            spec=common_pb2.SpecOptions(budget=budget),
+            top_logprobs=3,
+        )
+        msgs = list(verifier_pb2_grpc.VerifierStub(ch).Generate(req, timeout=300))
+    return [t for m in msgs for t in m.token_ids], [lp for m in msgs for lp in m.logprobs]
+
+
+def test_tp2_logprobs_match_tp1(tp2_verifier, oracle_stack, prompt_ids):
+    """A greedy request with logprobs at TP 2 gathers the logits over the vocab shards: the same tokens
+    and, within fp32 tolerance, the same logprobs and top tokens as TP 1."""
+    for ids in prompt_ids[:2]:
+        tokens, got = _logprobs(tp2_verifier.address, ids, 8)
+        ref_tokens, ref = _logprobs(oracle_stack.verifier, ids, 8)
+        assert tokens == ref_tokens and len(got) == len(tokens) == MAX_NEW
+        for a, b in zip(got, ref):
+            assert abs(a.logprob - b.logprob) < 1e-4 and list(a.top_ids) == list(b.top_ids)
+            assert max(abs(x - y) for x, y in zip(a.top_logprobs, b.top_logprobs)) < 1e-4

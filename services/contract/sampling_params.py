@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+MAX_TOP_LOGPROBS = 20  # top_logprobs / logprobs: at most this many top tokens per output token (vLLM's default)
+
 
 @dataclass(frozen=True)
 class SamplingConfig:

@@ -11,6 +11,7 @@ text, reasoning and tool-call deltas, stop it early, cancel it.
   same definition (`ddtree.contract.usage`) over the tokens and steps it passed on (ttft/decode on the
   gateway's clock).
 - The token that stopped generation is reported in token_ids but not rendered into text.
+- With options.top_logprobs, each chunk carries the verifier's TokenLogprobs of its token_ids, one per id.
 - `cancel()` (the client left) cancels the verifier call; the verifier aborts the request and frees
   its KV. The generation then ends quietly.
 - Failures are `RequestError(grpc status code, message)`: the verifier's own status and message pass
@@ -64,6 +65,21 @@ class Result:
     token_ids: list[int]
     finish_reason: str
     usage: common_pb2.Usage
+    logprobs: list[common_pb2.TokenLogprobs] = dataclasses.field(default_factory=list)  # one per token id
+
+
+def fold(chunks: list[gateway_pb2.GenerateChunk]) -> Result:
+    """The chunks of one answer as one Result."""
+    deltas = [d for c in chunks for d in c.tool_calls]
+    return Result(
+        text="".join(c.text_delta for c in chunks),
+        reasoning="".join(c.reasoning_delta for c in chunks),
+        tool_calls=merge_deltas(deltas),
+        token_ids=[i for c in chunks for i in c.token_ids],
+        finish_reason=chunks[-1].finish_reason if chunks else "abort",
+        usage=chunks[-1].usage if chunks else common_pb2.Usage(),
+        logprobs=[lp for c in chunks for lp in c.logprobs],
+    )
 
 
 class StopMatcher:
@@ -136,16 +152,7 @@ class Generation:
 
     def collect(self) -> Result:
         """Run to the end and fold the chunks into one Result."""
-        chunks = list(self)
-        deltas = [d for c in chunks for d in c.tool_calls]
-        return Result(
-            text="".join(c.text_delta for c in chunks),
-            reasoning="".join(c.reasoning_delta for c in chunks),
-            tool_calls=merge_deltas(deltas),
-            token_ids=[i for c in chunks for i in c.token_ids],
-            finish_reason=chunks[-1].finish_reason if chunks else "abort",
-            usage=chunks[-1].usage if chunks else common_pb2.Usage(),
-        )
+        return fold(list(self))
 
     def _timeout(self) -> float | None:
         return None if self._deadline is None else max(self._deadline - time.monotonic(), 0.001)
@@ -244,7 +251,7 @@ class Generation:
             text = detok.push(text_ids[free:]) + (detok.flush() if final else "")
             text, matched = stops.push(text, final=final)
             text = head + text
-            chunk = gateway_pb2.GenerateChunk(request_id=rid, token_ids=ids, steps=msg.steps)
+            chunk = gateway_pb2.GenerateChunk(request_id=rid, token_ids=ids, steps=msg.steps, logprobs=msg.logprobs)
             _fill_text(chunk, *parsers.push(text))
             if not (final or matched):
                 yield chunk

@@ -15,6 +15,8 @@ verifier is healthy, else 503), GET /metrics (Prometheus text); Anthropic's POST
   status; a failure mid-stream is sent as a `data: {"error": ...}` event before [DONE].
 - A client that disconnects, streaming or not, cancels its generation: the verifier aborts the
   request and frees its KV at once.
+- `n` > 1 runs n choices side by side (choices.py): one stream with each chunk's choice index, or one
+  answer with n choices; the response's id and X-Request-Id are choice 0's.
 - `X-Request-Id` (else the body's `request_id`, else a fresh one) is the request's id on the verifier
   and in the logs, the response's id suffix (`chatcmpl-ID`, `cmpl-ID`), and comes back in the
   response's `X-Request-Id` header.
@@ -25,6 +27,7 @@ max_workers + max_streams at a time.
 
 from __future__ import annotations
 
+import functools
 import json
 import socket
 import threading
@@ -48,8 +51,10 @@ from ddtree.gateway import metrics
 from ddtree.gateway import openai_protocol as oai
 from ddtree.gateway import tokenize_protocol as tp
 from ddtree.gateway.auth import KeyPolicy, Unauthorized
+from ddtree.gateway.choices import Choices, choice_jobs
 from ddtree.gateway.generation import Generation, RequestError
-from ddtree.gateway.pipeline import Pipeline, validate_template_kwargs
+from ddtree.gateway.openai_logprobs import TokenStrings
+from ddtree.gateway.pipeline import Invalid, Job, Pipeline, validate_template_kwargs
 from ddtree.protocol.json_limits import JsonInputError, check_depth, parse_hooks
 from ddtree.telemetry.logging import get_logger
 from ddtree.tokenization.chat_template import validate_tools
@@ -104,7 +109,7 @@ class _GenerationResponse(Response):
 
     def __init__(
         self,
-        generation: Generation,
+        generation: Generation | Choices,
         limiter: anyio.CapacityLimiter,
         stream: bool,
         events: oai.EventStream | None = None,
@@ -193,6 +198,7 @@ class _Api:
         self.p, self.config = pipeline, config
         self.created = int(time.time())
         self._limiter: anyio.CapacityLimiter | None = None
+        self.strings = TokenStrings(pipeline.tokenizer)  # logprobs' token strings, cached
 
     @property
     def limiter(self) -> anyio.CapacityLimiter:
@@ -277,6 +283,17 @@ class _Api:
             raise ApiError(400, f"{where}: must be 1-{MAX_REQUEST_ID_CHARS} printable ASCII characters", where)
         return rid
 
+    def _choices(self, job: Job, n: int) -> Choices:
+        """The n choices of an OpenAI request (choices.py), started together."""
+        try:
+            jobs = choice_jobs(job, n)
+        except Invalid as e:
+            raise ApiError(400, str(e), oai.field_of(str(e))) from None
+        return Choices([self.p.generate(j, protocol="http") for j in jobs])
+
+    def _strings(self, options) -> TokenStrings | None:
+        return self.strings if options.HasField("top_logprobs") else None
+
     # -- routes ----------------------------------------------------------------------------------------
     async def chat(self, request: Request) -> Response:
         policy = self._authorize(request)
@@ -301,13 +318,13 @@ class _Api:
         )
         if params.user is not None:
             _log.info("http_request", request_id=job.request.request_id, user=params.user)
-        gen = self.p.generate(job, protocol="http")
+        gen, strings = self._choices(job, params.n), self._strings(params.options)
         rid, created = f"chatcmpl-{job.request.request_id}", int(time.time())
         if params.stream:
-            return _GenerationResponse(
-                gen, self.limiter, True, events=oai.ChatStream(rid, model, created, params.include_usage)
-            )
-        return _GenerationResponse(gen, self.limiter, False, build=lambda r: oai.chat_response(rid, model, created, r))
+            events = oai.ChatStream(rid, model, created, params.include_usage, params.n, strings)
+            return _GenerationResponse(gen, self.limiter, True, events=events)
+        build = functools.partial(oai.chat_response, rid, model, created, strings=strings)
+        return _GenerationResponse(gen, self.limiter, False, build=build)
 
     async def completions(self, request: Request) -> Response:
         policy = self._authorize(request)
@@ -322,15 +339,13 @@ class _Api:
         )
         if params.user is not None:
             _log.info("http_request", request_id=job.request.request_id, user=params.user)
-        gen = self.p.generate(job, protocol="http")
+        gen, strings = self._choices(job, params.n), self._strings(params.options)
         rid, created = f"cmpl-{job.request.request_id}", int(time.time())
         if params.stream:
-            return _GenerationResponse(
-                gen, self.limiter, True, events=oai.CompletionStream(rid, model, created, params.include_usage)
-            )
-        return _GenerationResponse(
-            gen, self.limiter, False, build=lambda r: oai.completion_response(rid, model, created, r)
-        )
+            events = oai.CompletionStream(rid, model, created, params.include_usage, params.n, strings)
+            return _GenerationResponse(gen, self.limiter, True, events=events)
+        build = functools.partial(oai.completion_response, rid, model, created, strings=strings)
+        return _GenerationResponse(gen, self.limiter, False, build=build)
 
     async def _model_card(self) -> dict:
         max_context = await anyio.to_thread.run_sync(self.p.max_context, limiter=self.limiter)

@@ -151,8 +151,8 @@ class Request(_Model):
     request_id: str | None = None  # vLLM's: the request id when no X-Request-Id header is sent
     budget: int | None = None  # ddtree: tree node budget
     no_spec: bool | None = None  # ddtree: plain autoregressive decoding
+    n: int | None = None  # choices.py: n sequences, seed + i each
     # Refused unless neutral (REFUSED says why).
-    n: int | None = None
     best_of: int | None = None
     use_beam_search: bool | None = None
     length_penalty: float | None = None
@@ -161,12 +161,12 @@ class Request(_Model):
     repetition_penalty: float | None = None
     logit_bias: dict | None = None
     prompt_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
+    response_format: ResponseFormat | None = None  # structured outputs (structured_outputs.py) ...
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
-    guided_decoding_backend: Any = None
+    guided_decoding_backend: Any = None  # ... to here, and structured_outputs
     guided_whitespace_pattern: Any = None
     structural_tag: Any = None
     structured_outputs: Any = None
@@ -219,14 +219,16 @@ class CompletionRequest(Request):
     prompt_embeds: Any = None
 
 
-_OTHER_WORK = "not supported yet (token log-probabilities)"
+_PROMPT_LOGPROBS = (
+    "not supported yet (it needs the logits of every prompt row, and a prefix-cache hit computes none; "
+    "logprobs of the output tokens are supported)"
+)
 _PENALTY = (
     "not supported (only {neutral}): a penalty changes the target distribution along each tree path, "
     "and ddtree refuses it rather than sample off the exact tree verification"
 )
 # field -> (is the value neutral?, why it is refused otherwise). {neutral} / {value} are filled in.
 REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "n": (lambda v: v == 1, "only n = 1 is supported, got {value}; send separate requests for several answers"),
     "best_of": (lambda v: v == 1, "only 1 is supported, got {value}"),
     "use_beam_search": (lambda v: v is False, "beam search is not supported"),
     "length_penalty": (lambda v: v == 1, "only 1 (it applies to beam search, which is not supported)"),
@@ -234,23 +236,11 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "frequency_penalty": (lambda v: v == 0, _PENALTY.format(neutral="0")),
     "repetition_penalty": (lambda v: v == 1, _PENALTY.format(neutral="1")),
     "logit_bias": (lambda v: not v, "not supported"),
-    "logprobs": (lambda v: v is False, _OTHER_WORK),
-    "top_logprobs": (lambda v: v == 0, _OTHER_WORK),
-    "prompt_logprobs": (lambda v: False, _OTHER_WORK),
-    "response_format": (lambda v: v.type == "text", "{value.type!r} is not supported (text only: structured outputs)"),
-    **{
-        k: (lambda v: False, "structured outputs are not supported yet")
-        for k in (
-            "guided_json",
-            "guided_regex",
-            "guided_choice",
-            "guided_grammar",
-            "guided_decoding_backend",
-            "guided_whitespace_pattern",
-            "structural_tag",
-            "structured_outputs",
-        )
-    },
+    "prompt_logprobs": (lambda v: False, _PROMPT_LOGPROBS),
+    # response_format, structured_outputs and guided_json / _regex / _choice / _grammar /
+    # _decoding_backend: structured_outputs.py
+    "guided_whitespace_pattern": (lambda v: False, "not supported (use structured_outputs.disable_any_whitespace)"),
+    "structural_tag": (lambda v: False, "not supported (structured outputs: json, regex, choice, grammar)"),
     "allowed_token_ids": (lambda v: False, "not supported"),
     "bad_words": (lambda v: not v, "not supported"),
     "logits_processors": (lambda v: not v, "not supported (custom logits processors)"),

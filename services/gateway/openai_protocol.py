@@ -8,7 +8,13 @@ Supported beyond the OpenAI basics: vLLM's top_k, min_p, min_tokens, stop_token_
 include_stop_str_in_output, skip_special_tokens, add_generation_prompt, continue_final_message,
 chat_template_kwargs (e.g. {"thinking": false}), request_id, SGLang's separate_reasoning, and the
 ddtree extensions `budget` (tree node budget) and `no_spec` (plain autoregressive decoding). What is
-refused, and why: openai_models.REFUSED (and README "OpenAI parameters").
+refused, and why: openai_models.REFUSED (and README "OpenAI parameters"). Structured outputs
+(response_format, structured_outputs, guided_*) become GenerationOptions.grammar (structured_outputs.py);
+tool_choice required / a named function, a forced tool call (pipeline.chat_job).
+
+logprobs (chat: logprobs + top_logprobs; completions: logprobs N) set GenerationOptions.top_logprobs,
+0..20; the answer's shapes are openai_logprobs.py's. `n` runs n choices (choices.py); usage counts the
+prompt once and sums the completion tokens.
 
 Responses carry the OpenAI fields plus `spec` (speculative statistics of the answer: verify_steps,
 avg_accept_length, accept_histogram[k] = steps that committed k tokens, ttft_ms, decode_ms measured by
@@ -22,7 +28,10 @@ import dataclasses
 from typing import Any
 
 from ddtree.config import GatewayConfig
+from ddtree.contract.sampling_params import MAX_TOP_LOGPROBS
+from ddtree.gateway.choices import check_n
 from ddtree.gateway.generation import Result
+from ddtree.gateway.openai_logprobs import chat_logprobs, completion_logprobs
 from ddtree.gateway.openai_models import (
     ChatCompletionRequest,
     ChatMessage,
@@ -33,6 +42,7 @@ from ddtree.gateway.openai_models import (
     validate,
 )
 from ddtree.gateway.pipeline import Invalid
+from ddtree.gateway.structured_outputs import request_grammar
 from ddtree.protocol.ddtree.v1 import common_pb2, gateway_pb2
 
 __all__ = ["json_type"]
@@ -57,6 +67,7 @@ class ChatParams:
     continue_final_message: bool = False
     request_id: str | None = None
     user: str | None = None
+    n: int = 1
 
 
 @dataclasses.dataclass
@@ -68,6 +79,7 @@ class CompletionParams:
     include_usage: bool
     request_id: str | None = None
     user: str | None = None
+    n: int = 1
 
 
 def _in(key: str, value: int | None, lo: int, hi: int) -> int | None:
@@ -102,6 +114,7 @@ def _options(r: Request, config: GatewayConfig, max_tokens: int | None, key: str
         o.skip_special_tokens = r.skip_special_tokens
     o.budget = _in("budget", r.budget, 0, INT32_MAX) or 0
     o.no_spec = bool(r.no_spec)
+    o.grammar = request_grammar(r)  # response_format, structured_outputs, guided_*: "" when none
     return o
 
 
@@ -137,16 +150,29 @@ def _message(m: ChatMessage, i: int) -> dict:
 
 
 def _tool_choice(value: Any) -> str:
+    """auto | none | required, or a named function as "function:NAME" (pipeline.chat_job)."""
     if value is None:
         return "auto"
-    if isinstance(value, dict) or value not in ("auto", "none"):
-        shown = "a named tool" if isinstance(value, dict) else repr(value)
-        raise Invalid(f"tool_choice: {shown} is not supported (auto | none; forced tool calls are not supported yet)")
+    if isinstance(value, dict):
+        fn = value.get("function")
+        if value.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise Invalid('tool_choice: a named tool is {"type": "function", "function": {"name": NAME}}')
+        return f"function:{fn['name']}"
+    if value not in ("auto", "none", "required"):
+        raise Invalid(f"tool_choice: must be auto, none, required or a named function, got {value!r}")
     return value
 
 
 def _stream(r: Request) -> tuple[bool, bool]:
     return bool(r.stream), bool(r.stream_options and r.stream_options.include_usage)
+
+
+def _chat_logprobs(r: ChatCompletionRequest, o: gateway_pb2.GenerationOptions) -> None:
+    top = _in("top_logprobs", r.top_logprobs, 0, MAX_TOP_LOGPROBS)
+    if top and not r.logprobs:
+        raise Invalid("top_logprobs: needs logprobs: true")
+    if r.logprobs:
+        o.top_logprobs = top or 0
 
 
 def parse_chat(body: dict, config: GatewayConfig) -> ChatParams:
@@ -155,10 +181,12 @@ def parse_chat(body: dict, config: GatewayConfig) -> ChatParams:
     if max_tokens is None:
         max_tokens, key = r.max_tokens, "max_tokens"
     stream, include_usage = _stream(r)
+    options = _options(r, config, max_tokens, key)
+    _chat_logprobs(r, options)
     return ChatParams(
         model=r.model,
         messages=[_message(m, i) for i, m in enumerate(r.messages)],
-        options=_options(r, config, max_tokens, key),
+        options=options,
         tools=r.tools,
         tool_choice=_tool_choice(r.tool_choice),
         chat_template_kwargs=r.chat_template_kwargs,
@@ -169,6 +197,7 @@ def parse_chat(body: dict, config: GatewayConfig) -> ChatParams:
         continue_final_message=bool(r.continue_final_message),
         request_id=r.request_id,
         user=r.user,
+        n=check_n(r.n),
     )
 
 
@@ -193,14 +222,18 @@ def _prompt(prompt: Any) -> str | list[int]:
 def parse_completion(body: dict, config: GatewayConfig) -> CompletionParams:
     r = validate(CompletionRequest, body)
     stream, include_usage = _stream(r)
+    options = _options(r, config, r.max_tokens, "max_tokens")
+    if r.logprobs is not None:
+        options.top_logprobs = _in("logprobs", r.logprobs, 0, MAX_TOP_LOGPROBS)
     return CompletionParams(
         model=r.model,
         prompt=_prompt(r.prompt),
-        options=_options(r, config, r.max_tokens, "max_tokens"),
+        options=options,
         stream=stream,
         include_usage=include_usage,
         request_id=r.request_id,
         user=r.user,
+        n=check_n(r.n),
     )
 
 
@@ -212,6 +245,29 @@ def usage_json(u: common_pb2.Usage) -> dict:
         "total_tokens": u.prompt_tokens + u.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
     }
+
+
+def sum_usage(usages: list[common_pb2.Usage]) -> common_pb2.Usage:
+    """The usage of n choices of one prompt, as OpenAI counts it: the prompt once, the completions summed.
+    cached_tokens: what every choice took from the cache (the least); the spec statistics over all
+    steps of all choices (ttft / decode: the slowest choice's)."""
+    if len(usages) == 1:
+        return usages[0]
+    hist = [0] * max(len(u.accept_histogram) for u in usages)
+    for u in usages:
+        for k, v in enumerate(u.accept_histogram):
+            hist[k] += v
+    steps = sum(u.verify_steps for u in usages)
+    return common_pb2.Usage(
+        prompt_tokens=usages[0].prompt_tokens,
+        completion_tokens=sum(u.completion_tokens for u in usages),
+        verify_steps=steps,
+        avg_accept_length=sum(k * v for k, v in enumerate(hist)) / steps if steps else 0.0,
+        accept_histogram=hist,
+        ttft_ms=max(u.ttft_ms for u in usages),
+        decode_ms=max(u.decode_ms for u in usages),
+        cached_tokens=min(u.cached_tokens for u in usages),
+    )
 
 
 def spec_json(u: common_pb2.Usage) -> dict:
@@ -245,10 +301,15 @@ def field_of(message: str) -> str | None:
 
 
 class EventStream:
-    """OpenAI stream chunks of one answer: start(), then events(chunk) per GenerateChunk."""
+    """OpenAI stream chunks of one request's n choices: start(), then events((index, chunk)) per
+    GenerateChunk of choice `index`. Each choice's finish chunk carries its own spec; the usage chunk
+    (include_usage) comes once, after the last choice finished, summed (sum_usage). `strings` (a
+    TokenStrings) when the request asked for logprobs."""
 
-    def __init__(self, rid: str, model: str, created: int, include_usage: bool, obj: str):
+    def __init__(self, rid: str, model: str, created: int, include_usage: bool, obj: str, n: int = 1, strings=None):
         self.rid, self.model, self.created, self.include_usage, self.obj = rid, model, created, include_usage, obj
+        self.n, self.strings = n, strings
+        self._usages: dict[int, common_pb2.Usage] = {}
 
     def _chunk(self, choices: list, **extra) -> dict:
         return {
@@ -260,107 +321,127 @@ class EventStream:
             **extra,
         }
 
-    def _final(self, choice: dict, c: gateway_pb2.GenerateChunk) -> list[dict]:
+    def _final(self, index: int, choice: dict, c: gateway_pb2.GenerateChunk) -> list[dict]:
         out = [self._chunk([choice], spec=spec_json(c.usage))]
-        if self.include_usage:
-            out.append(self._chunk([], usage=usage_json(c.usage)))
+        self._usages[index] = c.usage
+        if self.include_usage and len(self._usages) == self.n:
+            out.append(self._chunk([], usage=usage_json(sum_usage([self._usages[i] for i in range(self.n)]))))
         return out
 
 
 class ChatStream(EventStream):
-    """chat.completion.chunk events in OpenAI order: role; content / reasoning_content deltas; tool
-    calls (id + name first, then argument fragments); finish_reason (+ spec); usage; (then [DONE])."""
+    """chat.completion.chunk events in OpenAI order, per choice: role; content / reasoning_content
+    deltas (with their tokens' logprobs); tool calls (id + name first, then argument fragments);
+    finish_reason (+ spec); then usage; (then [DONE])."""
 
-    def __init__(self, rid: str, model: str, created: int, include_usage: bool):
-        super().__init__(rid, model, created, include_usage, "chat.completion.chunk")
+    def __init__(self, rid: str, model: str, created: int, include_usage: bool, n: int = 1, strings=None):
+        super().__init__(rid, model, created, include_usage, "chat.completion.chunk", n, strings)
 
-    def _delta(self, delta: dict, finish_reason: str | None = None) -> dict:
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    def _delta(self, index: int, delta: dict, finish_reason: str | None = None, logprobs=None) -> dict:
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def start(self) -> list[dict]:
-        return [self._chunk([self._delta({"role": "assistant", "content": ""})])]
+        return [self._chunk([self._delta(i, {"role": "assistant", "content": ""})]) for i in range(self.n)]
 
-    def events(self, c: gateway_pb2.GenerateChunk) -> list[dict]:
+    def events(self, item: tuple[int, gateway_pb2.GenerateChunk]) -> list[dict]:
+        index, c = item
         out = []
         delta = {}
         if c.reasoning_delta:  # both names: vLLM's current clients read `reasoning`, older ones `reasoning_content`
             delta["reasoning"] = delta["reasoning_content"] = c.reasoning_delta
         if c.text_delta:
             delta["content"] = c.text_delta
-        if delta:
-            out.append(self._chunk([self._delta(delta)]))
+        logprobs = chat_logprobs(self.strings, c.token_ids, c.logprobs) if self.strings and c.logprobs else None
+        if delta or logprobs:  # a chunk's tokens may render no text yet (a held-back stop string, a split character)
+            out.append(self._chunk([self._delta(index, delta, logprobs=logprobs)]))
         for d in c.tool_calls:
             if d.id:
                 call = {"index": d.index, "id": d.id, "type": "function", "function": {"name": d.name, "arguments": ""}}
             else:
                 call = {"index": d.index, "function": {"arguments": d.arguments_delta}}
-            out.append(self._chunk([self._delta({"tool_calls": [call]})]))
+            out.append(self._chunk([self._delta(index, {"tool_calls": [call]})]))
             if d.id and d.arguments_delta:
-                out.append(
-                    self._chunk(
-                        [
-                            self._delta(
-                                {"tool_calls": [{"index": d.index, "function": {"arguments": d.arguments_delta}}]}
-                            )
-                        ]
-                    )
-                )
+                more = {"tool_calls": [{"index": d.index, "function": {"arguments": d.arguments_delta}}]}
+                out.append(self._chunk([self._delta(index, more)]))
         if c.finish_reason:
-            out += self._final(self._delta({}, c.finish_reason), c)
+            out += self._final(index, self._delta(index, {}, c.finish_reason), c)
         return out
 
 
 class CompletionStream(EventStream):
-    """text_completion events: text deltas; finish_reason (+ spec); usage; (then [DONE])."""
+    """text_completion events per choice: text deltas (with their tokens' logprobs); finish_reason
+    (+ spec); then usage; (then [DONE])."""
 
-    def __init__(self, rid: str, model: str, created: int, include_usage: bool):
-        super().__init__(rid, model, created, include_usage, "text_completion")
+    def __init__(self, rid: str, model: str, created: int, include_usage: bool, n: int = 1, strings=None):
+        super().__init__(rid, model, created, include_usage, "text_completion", n, strings)
+        self._offsets = [0] * n  # text_offset of each choice's next token
 
-    def _choice(self, text: str, finish_reason: str | None = None) -> dict:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    def _choice(self, index: int, text: str, finish_reason: str | None = None, logprobs=None) -> dict:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def start(self) -> list[dict]:
         return []
 
-    def events(self, c: gateway_pb2.GenerateChunk) -> list[dict]:
+    def events(self, item: tuple[int, gateway_pb2.GenerateChunk]) -> list[dict]:
+        index, c = item
         out = []
-        if c.text_delta:
-            out.append(self._chunk([self._choice(c.text_delta)]))
+        logprobs = None
+        if self.strings and c.logprobs:
+            logprobs = completion_logprobs(self.strings, c.token_ids, c.logprobs, self._offsets[index])
+            self._offsets[index] += sum(len(t) for t in logprobs["tokens"])
+        if c.text_delta or logprobs:
+            out.append(self._chunk([self._choice(index, c.text_delta, logprobs=logprobs)]))
         if c.finish_reason:
-            out += self._final(self._choice("", c.finish_reason), c)
+            out += self._final(index, self._choice(index, "", c.finish_reason), c)
         return out
 
 
-def chat_response(rid: str, model: str, created: int, r: Result) -> dict:
-    message: dict = {
-        "role": "assistant",
-        "content": r.text or None,  # null when the answer is only reasoning or tool calls
-        "reasoning": r.reasoning or None,
-        "reasoning_content": r.reasoning or None,
-    }
-    if r.tool_calls:
-        message["tool_calls"] = [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-            for c in r.tool_calls
-        ]
+def _spec_and_usage(results: list[Result]) -> dict:
+    usage = sum_usage([r.usage for r in results])
+    return {"usage": usage_json(usage), "spec": spec_json(usage)}
+
+
+def chat_response(rid: str, model: str, created: int, results: list[Result], strings=None) -> dict:
+    choices = []
+    for index, r in enumerate(results):
+        message: dict = {
+            "role": "assistant",
+            "content": r.text or None,  # null when the answer is only reasoning or tool calls
+            "reasoning": r.reasoning or None,
+            "reasoning_content": r.reasoning or None,
+        }
+        if r.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in r.tool_calls
+            ]
+        logprobs = chat_logprobs(strings, r.token_ids, r.logprobs) if strings else None
+        choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": r.finish_reason})
     return {
         "id": rid,
         "object": "chat.completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": r.finish_reason}],
-        "usage": usage_json(r.usage),
-        "spec": spec_json(r.usage),
+        "choices": choices,
+        **_spec_and_usage(results),
     }
 
 
-def completion_response(rid: str, model: str, created: int, r: Result) -> dict:
+def completion_response(rid: str, model: str, created: int, results: list[Result], strings=None) -> dict:
+    choices = [
+        {
+            "index": index,
+            "text": r.text,
+            "logprobs": completion_logprobs(strings, r.token_ids, r.logprobs) if strings else None,
+            "finish_reason": r.finish_reason,
+        }
+        for index, r in enumerate(results)
+    ]
     return {
         "id": rid,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "text": r.text, "logprobs": None, "finish_reason": r.finish_reason}],
-        "usage": usage_json(r.usage),
-        "spec": spec_json(r.usage),
+        "choices": choices,
+        **_spec_and_usage(results),
     }

@@ -13,6 +13,10 @@ ValueError naming the field), render the chat template, tokenize, and build the 
 - Text: special tokens are skipped (unless skip_special_tokens is false) but for the parsers' markers;
   min_p and min_tokens go to the verifier's sampler (SamplingParams), which applies them per tree node.
 - continue_final_message: the prompt is cut right after the final assistant message's content.
+- Structured outputs: options.grammar (an llguidance grammar; the HTTP API compiles response_format and
+  the guided fields into it, structured_outputs.py) or tool_choice required / function:NAME (a forced
+  Kimi K2 tool-call section) go to the verifier as GenerateRequest.grammar; after a prompt that opened a
+  think block the constraint starts at `</think>`.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import uuid
 import grpc
 
 from ddtree.config import GatewayConfig
+from ddtree.contract.sampling_params import MAX_TOP_LOGPROBS
 from ddtree.gateway.auth import ApiKeys
 from ddtree.gateway.generation import Generation, RequestError, Result, StopMatcher
 from ddtree.gateway.parsers.kimi_k2_reasoning import starts_in_reasoning
@@ -50,7 +55,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1000
 MAX_STOP_TOKEN_IDS = 64
 INFO_TIMEOUT_S = 1.0
-TOOL_CHOICES = ("auto", "none")
+TOOL_CHOICES = ("auto", "none", "required")  # or "function:NAME": a call of that tool
 
 
 class Invalid(ValueError):
@@ -102,6 +107,8 @@ def validate_options(
         raise Invalid(f"{prefix}top_k: must be >= 0 (0 = disabled), got {o.top_k}")
     if o.budget < 0:
         raise Invalid(f"{prefix}budget: must be >= 0 (0 = server default), got {o.budget}")
+    if o.HasField("top_logprobs") and not 0 <= o.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise Invalid(f"{prefix}top_logprobs: must be in [0, {MAX_TOP_LOGPROBS}], got {o.top_logprobs}")
     if max_budget is not None and o.budget > max_budget:
         raise Invalid(f"{prefix}budget: must be <= {max_budget} (this server's or this API key's cap), got {o.budget}")
     if len(o.stop) > MAX_STOP_STRINGS:
@@ -170,9 +177,12 @@ class Pipeline:
         continues (vLLM's and HF's rule: the rendered text is cut right after that message's content)."""
         if not messages:
             raise Invalid("messages: must not be empty")
-        if tool_choice not in TOOL_CHOICES:
-            raise Invalid(f"tool_choice: must be one of {', '.join(TOOL_CHOICES)}, got {tool_choice!r}")
+        if tool_choice not in TOOL_CHOICES and not tool_choice.startswith("function:"):
+            raise Invalid(
+                f"tool_choice: must be one of {', '.join(TOOL_CHOICES)} or function:NAME, got {tool_choice!r}"
+            )
         tools = validate_tools(tools)
+        forced = self._forced_tool_grammar(tools, tool_choice, options.grammar)
         if tool_choice == "none":
             tools = None  # the model is not told about tools, and nothing is parsed as a call
         kwargs = validate_template_kwargs(chat_template_kwargs)
@@ -188,6 +198,11 @@ class Pipeline:
         history_calls = sum(len(m.get("tool_calls") or ()) for m in messages)
         reasoning = self.config.reasoning_parser if separate_reasoning else "none"
         tool_parser = self.config.tool_call_parser if tools else "none"
+        grammar = forced or options.grammar
+        if grammar and starts_in_reasoning(prompt) and reasoning != "none":
+            from ddtree.gateway.structured_outputs import after_reasoning
+
+            grammar = after_reasoning(grammar, self.tokenizer)  # the constraint starts after </think>
         return self._job(
             options,
             request_id,
@@ -199,7 +214,25 @@ class Pipeline:
             in_reasoning=starts_in_reasoning(prompt),
             tool_index_offset=history_calls,
             max_budget=max_budget,
+            grammar=grammar,
         )
+
+    def _forced_tool_grammar(self, tools, tool_choice: str, grammar: str) -> str:
+        """tool_choice required / function:NAME as a grammar of the tool-call section, or ""."""
+        if tool_choice in ("auto", "none"):
+            return ""
+        if not tools:
+            raise Invalid(f"tool_choice: {tool_choice!r} needs tools")
+        if grammar:
+            raise Invalid("tool_choice: a forced tool call cannot be combined with a structured output format")
+        if self.config.tool_call_parser != "kimi_k2":
+            raise Invalid(
+                f"tool_choice: forced tool calls need the kimi_k2 tool-call parser, not {self.config.tool_call_parser!r}"
+            )
+        from ddtree.gateway.structured_outputs import tool_grammar
+
+        name = tool_choice.removeprefix("function:") if tool_choice.startswith("function:") else None
+        return tool_grammar(tools, name, self.tokenizer)
 
     def complete_job(
         self,
@@ -270,6 +303,7 @@ class Pipeline:
         input_ids: list[int],
         prefix: str,
         max_budget: int | None = None,
+        grammar: str | None = None,
         **kwargs,
     ) -> Job:
         validate_options(
@@ -302,6 +336,13 @@ class Pipeline:
             stop_token_ids=stop_ids,
             spec=common_pb2.SpecOptions(no_spec=o.no_spec, budget=o.budget),
         )
+        if o.HasField("top_logprobs"):
+            request.top_logprobs = o.top_logprobs
+        request.grammar = o.grammar if grammar is None else grammar
+        if request.grammar:
+            from ddtree.gateway.structured_outputs import check_grammar
+
+            check_grammar(request.grammar, f"{prefix}grammar")
         return Job(
             request=request,
             stop_strings=tuple(o.stop),

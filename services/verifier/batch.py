@@ -124,9 +124,9 @@ def run_batch(
 
 def _head(item: WorkItem, sa: SeqAttention) -> ItemHead:
     """What item needs from the LM head: a verify reads all its rows, a prompt's last chunk its last row.
-    Full logits when it samples, or when min_tokens masks stop ids this step (the greedy walk shortcut
-    reads argmaxes of unmasked rows)."""
-    greedy = item.seq.params.sampling.greedy and not item.seq.masks_stops
+    Full logits when it samples, when min_tokens masks stop ids this step (the greedy walk shortcut
+    reads argmaxes of unmasked rows), or when it reports logprobs (they read the accepted rows)."""
+    greedy = not item.seq.wants_logits
     if isinstance(item, VerifyItem):
         return ItemHead(rows=sa.q_len, walk=item.tree if greedy else None, sampled=not greedy)
     return ItemHead(rows=1 if item.is_last else 0, walk=None, sampled=not greedy)

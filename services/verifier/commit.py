@@ -7,7 +7,8 @@ page size 1 the table keeps its slot and the others are freed (nothing moves); w
 copied to the slot of position start + j and the scratch pages are freed. The drafter's next commit
 is the accepted tokens with the tapped features gathered at the accepted node indices (not the first
 rows). A Features request's own tapped rows (batch.ItemOutput.feature_taps) go to its stream, gathered
-the same way.
+the same way. With top_logprobs, each emitted token's logprobs are read from the row it was chosen at
+(the accepted node before it; logprobs.py) and handed to Sequence.emit with the tokens.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from ddtree.contract.verdict import Verdict
 from ddtree.verifier.accept import accept
 from ddtree.verifier.batch import ItemOutput, PrefillItem, VerifyItem
 from ddtree.verifier.kv_pool import LatentKVPool
+from ddtree.verifier.logprobs import token_logprobs
 from ddtree.verifier.sampling import make_generator, mask_stop_tokens, stop_mask_rows, target_choices
 from ddtree.verifier.sequence import PendingCommit, Sequence, StreamEvent
 
@@ -57,16 +59,26 @@ def _choices(seq: Sequence, out: ItemOutput, depths: tuple[int, ...]) -> list[in
     depths[r]: row r's depth (its choice is output token len(generated) + depth), for min_tokens."""
     cfg = seq.params.sampling
     masked = seq.masks_stops
-    if cfg.greedy and out.argmax is not None and (not masked or out.logits is None):
+    if cfg.greedy and out.argmax is not None and (not masked and seq.grammar is None or out.logits is None):
         return out.argmax.tolist()  # tensor parallel: combined from the vocab shards, logits never gathered
     logits = out.logits
     if masked:
         rows = stop_mask_rows(cfg.min_tokens, len(seq.generated), depths)
         logits = mask_stop_tokens(logits, rows, seq.params.stop_token_ids)
+    if seq.grammar is not None:  # each row's grammar mask, from the path to its node (grammar.py)
+        logits = seq.grammar.mask_logits(logits)
     if not cfg.greedy and not seq.generator_ready:
         seq.generator = make_generator(cfg, logits.device)
         seq.generator_ready = True
     return target_choices(logits, cfg, seq.generator).tolist()
+
+
+def _keep_logprobs(seq: Sequence, out: ItemOutput, rows: list[int], tokens: list[int]) -> None:
+    """The logprobs of the tokens about to be emitted (token k chosen at row rows[k]), for emit."""
+    top = seq.params.top_logprobs
+    if top is not None:
+        assert out.logits is not None, "a logprobs request asks for full logits (batch._head)"
+        seq.step_logprobs = token_logprobs(out.logits, rows, tokens, top)
 
 
 def commit_prefill(out: ItemOutput, pool: LatentKVPool, window: int) -> list[int]:
@@ -86,6 +98,7 @@ def commit_prefill(out: ItemOutput, pool: LatentKVPool, window: int) -> list[int
         return []
     first = _choices(seq, out, (0,))[0]
     seq.root = first
+    _keep_logprobs(seq, out, [0], [first])
     return [first]
 
 
@@ -106,4 +119,6 @@ def commit_verify(out: ItemOutput, pool: LatentKVPool, window: int) -> tuple[Ver
         _stream_features(seq, out.feature_taps.index_select(0, acc.to(out.feature_taps.device)))
     seq.committed.extend(verdict.accepted_tokens)
     seq.root = verdict.next_root
-    return verdict, list(verdict.accepted_tokens[1:]) + [verdict.next_root]
+    emitted = list(verdict.accepted_tokens[1:]) + [verdict.next_root]
+    _keep_logprobs(seq, out, list(verdict.accepted_nodes), emitted)  # token k was chosen at accepted node k
+    return verdict, emitted

@@ -338,8 +338,13 @@ class Scheduler:
     def _step(self, decode: list[Sequence], prefill: list[PrefillItem]) -> None:
         t0 = time.perf_counter()
         self._draft([s for s in decode if s.use_spec and self.drafter is not None])
-        items: list[WorkItem] = [VerifyItem(s, s.draft.tree if s.draft else EMPTY_TREE) for s in decode]
+        items: list[WorkItem] = [
+            VerifyItem(s, _constrained(s, s.draft.tree if s.draft else EMPTY_TREE)) for s in decode
+        ]
         items += prefill
+        for item in prefill:
+            if item.is_last and item.seq.grammar is not None:
+                item.seq.grammar.prepare()  # the first token's mask
         t1 = time.perf_counter()
         committed = self._verify(items) if items else []
         t2 = time.perf_counter()
@@ -374,7 +379,10 @@ class Scheduler:
                 verdict, tokens = commit_verify(out, self.pool, self.window)
                 committed.append((out.item, tokens, len(verdict.accepted_nodes)))
             else:
-                committed.append((out.item, commit_prefill(out, self.pool, self.window), 0))
+                tokens = commit_prefill(out, self.pool, self.window)
+                committed.append((out.item, tokens, 0))
+            if out.item.seq.grammar is not None and tokens:
+                out.item.seq.grammar.advance(tokens)
         return committed
 
     def _record(
@@ -413,3 +421,8 @@ class Scheduler:
             record.feature_bytes,
         )
         return record
+
+
+def _constrained(seq: Sequence, tree: TokenTree) -> TokenTree:
+    """The tree a grammar-constrained sequence verifies: grammar-invalid nodes pruned, masks set (grammar.py)."""
+    return tree if seq.grammar is None else seq.grammar.prepare(tree)

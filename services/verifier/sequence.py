@@ -22,6 +22,7 @@ import torch
 from ddtree.contract.sampling_params import SamplingConfig
 from ddtree.contract.step_record import StepRecord
 from ddtree.contract.token_tree import TokenTree
+from ddtree.verifier.grammar import SequenceGrammar
 from ddtree.verifier.page_table import PageTable, pages_for
 
 
@@ -43,6 +44,8 @@ class GenerateParams:
     budget: int
     chain: bool = False  # ask the drafter for a width-1 tree (a chain)
     feature_taps: tuple[int, ...] = ()  # a Features request: the layers whose rows it streams (features_rpc.py)
+    grammar: str = ""  # an llguidance grammar every output token must follow (grammar.py); "" = none
+    top_logprobs: int | None = None  # set: each emitted token's logprob and this many top tokens (logprobs.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +57,7 @@ class StreamEvent:
     finish_reason: str | None = None
     error: str | None = None
     features: torch.Tensor | None = None  # a Features request: rows of the tokens just committed (CPU)
+    logprobs: tuple = ()  # with top_logprobs: (logprob, top ids, top logprobs) per token_ids entry
 
 
 @dataclasses.dataclass
@@ -106,6 +110,8 @@ class Sequence:
         # or the global RNG when the request set no seed.
         self.generator: torch.Generator | None = None
         self.generator_ready = False
+        self.grammar: SequenceGrammar | None = None  # params.grammar's state (server.py builds it)
+        self.step_logprobs: list = []  # commit's logprobs of the tokens it hands to emit (top_logprobs set)
 
     @property
     def request_id(self) -> str:
@@ -127,6 +133,17 @@ class Sequence:
     @property
     def remaining(self) -> int:
         return self.params.max_new_tokens - len(self.generated)
+
+    @property
+    def wants_logits(self) -> bool:
+        """Full logits for every row: a sampled request, stop ids masked (min_tokens), logprobs, or a
+        grammar (its masks apply before the choice; the greedy walk shortcut reads unmasked argmaxes)."""
+        return (
+            not self.params.sampling.greedy
+            or self.masks_stops
+            or self.params.top_logprobs is not None
+            or self.grammar is not None
+        )
 
     @property
     def masks_stops(self) -> bool:
@@ -159,5 +176,6 @@ class Sequence:
             self.last_token_time = now
         self.generated.extend(out)
         self.finish_reason = finish
-        self.events.put(StreamEvent(tuple(out), step, finish))
+        logprobs, self.step_logprobs = tuple(self.step_logprobs[: len(out)]), []
+        self.events.put(StreamEvent(tuple(out), step, finish, logprobs=logprobs))
         return finish is not None

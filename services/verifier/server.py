@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import math
 import queue
+import threading
 import uuid
 
 import grpc
 
 from ddtree.config import VerifierConfig
-from ddtree.contract.sampling_params import SamplingConfig
+from ddtree.contract.sampling_params import MAX_TOP_LOGPROBS, SamplingConfig
 from ddtree.contract.usage import usage_from_steps
 from ddtree.models.attention import resolve_attention_backend
 from ddtree.models.dtypes import TORCH_DTYPES
@@ -20,9 +21,12 @@ from ddtree.protocol.server import RunningServer, start_server
 from ddtree.protocol.stream_slots import StreamSlots
 from ddtree.telemetry.logging import get_logger
 from ddtree.telemetry.metrics import serve_metrics
+from ddtree.tokenization.grammar_vocab import ll_tokenizer
+from ddtree.tokenization.tokenizer import Tokenizer
 from ddtree.verifier import metrics
 from ddtree.verifier.drafter_pool import DrafterPool
 from ddtree.verifier.features_rpc import stream_features
+from ddtree.verifier.grammar import SequenceGrammar
 from ddtree.verifier.kv_pool import LatentKVPool
 from ddtree.verifier.kv_sizing import kv_size_for
 from ddtree.verifier.scheduler import AdmissionError, Scheduler
@@ -50,8 +54,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         model_id: str,
         model_config_json: str,
         eos_token_ids: tuple[int, ...],
+        tokenizer_dir: str | None = None,
     ):
         self.scheduler = scheduler
+        self.tokenizer_dir = tokenizer_dir  # the checkpoint's tokenizer: grammars are compiled against it
+        self._ll_tokenizer = None
+        self._ll_lock = threading.Lock()
         self.config = config
         self.model_id = model_id
         self.model_config_json = model_config_json
@@ -106,6 +114,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             raise ValueError(f"spec.budget {budget} is above the drafter's maximum {drafter.info.max_budget}")
         use_spec = drafter is not None and not req.spec.no_spec and budget > 0
         stops = set(req.stop_token_ids) | (set() if req.ignore_eos else set(self.eos_token_ids))
+        top = req.top_logprobs if req.HasField("top_logprobs") else None
+        if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
         return GenerateParams(
             request_id=req.request_id or uuid.uuid4().hex,
             input_ids=tuple(req.input_ids),
@@ -115,15 +126,35 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             use_spec=use_spec,
             budget=budget if use_spec else 0,
             chain=use_spec and req.spec.chain,
+            top_logprobs=top,
+            grammar=req.grammar,
         )
+
+    def _grammar(self, params: GenerateParams) -> SequenceGrammar | None:
+        """The request's grammar state, or None; ValueError when it does not compile."""
+        if not params.grammar:
+            return None
+        import llguidance
+
+        with self._ll_lock:  # built once, on the first constrained request (about 1 s for a large vocabulary)
+            if self._ll_tokenizer is None:
+                if self.tokenizer_dir is None:
+                    raise ValueError("grammar: this verifier has no tokenizer to compile grammars against")
+                self._ll_tokenizer = ll_tokenizer(Tokenizer(self.tokenizer_dir))
+        matcher = llguidance.LLMatcher(self._ll_tokenizer, params.grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"grammar: {matcher.get_error()}")
+        return SequenceGrammar(matcher, params.stop_token_ids, tuple(self._ll_tokenizer.eos_tokens))
 
     def Generate(self, request, context):
         self.stream_slots.take(context)  # or RESOURCE_EXHAUSTED: health and GetInfo keep their threads
         try:
             params = self._params(request)
+            grammar = self._grammar(params)
         except ValueError as err:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         seq = Sequence(params)
+        seq.grammar = grammar
         try:
             self.scheduler.submit(seq)
         except AdmissionError as err:
@@ -144,6 +175,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 resp.usage.prompt_tokens, resp.usage.cached_tokens, first = seq.prompt_len, seq.cached_tokens, False
             if event.step is not None:
                 resp.steps.add(**event.step.__dict__)
+            for lp, ids, lps in event.logprobs:
+                resp.logprobs.add(logprob=lp, top_ids=ids, top_logprobs=lps)
             if event.finish_reason:
                 resp.finish_reason = event.finish_reason
                 resp.usage.CopyFrom(usage_of(seq))
@@ -238,7 +271,7 @@ def serve(config: VerifierConfig, model_dir: str) -> RunningServer:
     scheduler.start()
     eos_ids = tuple(mcfg.eos_token_ids)
     config_json = (pathlib.Path(model_dir) / "config.json").read_text()
-    servicer = VerifierServicer(scheduler, config, pathlib.Path(model_dir).name, config_json, eos_ids)
+    servicer = VerifierServicer(scheduler, config, pathlib.Path(model_dir).name, config_json, eos_ids, model_dir)
 
     def register(server):
         verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)

@@ -1,0 +1,232 @@
+"""Structured outputs: the request's constraint as one llguidance grammar.
+
+The gateway compiles, the verifier enforces: every form below becomes an llguidance grammar (JSON text,
+`{"grammars": [...]}`) checked here, so a bad schema, regex or grammar is a 400 naming its field, and
+sent in `GenerateRequest.grammar`; the verifier masks the target's choice at every tree node with it
+(services/verifier/grammar.py).
+
+- `response_format`: `{"type": "json_object"}` (any JSON object), `{"type": "json_schema", "json_schema":
+  {"name", "schema", "strict", "description"}}`; `text` = none.
+- vLLM: `structured_outputs` `{json | regex | choice | grammar (Lark) | json_object, disable_any_whitespace,
+  disable_additional_properties, disable_fallback}`, and the older `guided_json` / `guided_regex` /
+  `guided_choice` / `guided_grammar` (with `guided_decoding_backend` auto / guidance / llguidance).
+- `tool_choice` `required` / a named function: the Kimi K2 tool-call section (the tool parser's syntax,
+  parsers/kimi_k2_tools.py), each call's arguments constrained to its `parameters` schema.
+
+JSON is compact (`{"a":1,"b":[2,3]}`, llguidance's `whitespace_flexible: false`): vLLM allows any
+whitespace unless `disable_any_whitespace`, which lets a weak model pad with whitespace until max_tokens;
+here `disable_any_whitespace` is accepted and always in effect. At most one constraint per request.
+When the prompt opens a think block (Kimi's template with thinking on), the grammar lets the
+reasoning run free up to `</think>` and constrains what follows, as vLLM's reasoning-aware structured
+outputs do.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ddtree.gateway.pipeline import Invalid
+from ddtree.tokenization.tokenizer import Tokenizer
+
+BACKENDS = ("auto", "guidance", "llguidance")
+MAX_FORCED_CALLS = 8  # tool_choice required: 1..8 calls (a bound, so a weak model cannot loop to max_tokens)
+_SO_KEYS = {
+    "json",
+    "regex",
+    "choice",
+    "grammar",
+    "json_object",
+    "disable_any_whitespace",
+    "disable_additional_properties",
+    "disable_fallback",
+    "whitespace_pattern",
+    "structural_tag",
+}
+
+
+def _check(grammar: dict, field: str) -> dict:
+    import llguidance
+
+    error = llguidance.LLMatcher.validate_grammar(json.dumps({"grammars": [grammar]}))
+    if error:
+        raise Invalid(f"{field}: {error.strip()}")
+    return grammar
+
+
+def _schema(value: Any, field: str, closed: bool = False) -> dict:
+    """A JSON schema (an object, or a JSON string of one) as a grammar."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise Invalid(f"{field}: not a JSON schema ({e})") from None
+    if isinstance(value, bool):  # true / false are schemas too; llguidance takes objects
+        value = {} if value else {"not": {}}
+    if not isinstance(value, dict):
+        raise Invalid(f"{field}: must be a JSON schema object, got {type(value).__name__}")
+    schema = {**value, "x-guidance": {"whitespace_flexible": False, **(value.get("x-guidance") or {})}}
+    if closed and schema.get("type") == "object" and "additionalProperties" not in schema:
+        schema["additionalProperties"] = False
+    return _check({"json_schema": schema}, field)
+
+
+def _regex(value: Any, field: str) -> dict:
+    import llguidance
+
+    if not isinstance(value, str):
+        raise Invalid(f"{field}: must be string, got {type(value).__name__}")
+    lark = json.loads(llguidance.LLMatcher.grammar_from_regex(value))["grammars"][0]["lark_grammar"]
+    return _check({"lark_grammar": lark}, field)
+
+
+def _choice(value: Any, field: str) -> dict:
+    if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+        raise Invalid(f"{field}: must be a non-empty array of non-empty strings")
+    return _check({"lark_grammar": "start: " + " | ".join(json.dumps(c) for c in value)}, field)
+
+
+def _lark(value: Any, field: str) -> dict:
+    if not isinstance(value, str) or not value.strip():
+        raise Invalid(f"{field}: must be a non-empty Lark grammar string")
+    return _check({"lark_grammar": value}, field)
+
+
+def _response_format(rf) -> dict | None:
+    extra = rf.model_extra or {}
+    if rf.type == "text":
+        return None
+    if rf.type == "json_object":
+        return _schema({"type": "object"}, "response_format")
+    if rf.type != "json_schema":
+        raise Invalid(f"response_format.type: must be text, json_object or json_schema, got {rf.type!r}")
+    spec = extra.get("json_schema")
+    if not isinstance(spec, dict):
+        raise Invalid("response_format.json_schema: is required (an object with name and schema)")
+    if "name" in spec and not isinstance(spec["name"], str):
+        raise Invalid("response_format.json_schema.name: must be string")
+    if "strict" in spec and not isinstance(spec["strict"], (bool, type(None))):
+        raise Invalid("response_format.json_schema.strict: must be boolean")
+    schema = spec.get("schema", {"type": "object"})
+    return _schema(schema, "response_format.json_schema.schema")
+
+
+def _structured_outputs(so: Any) -> dict | None:
+    field = "structured_outputs"
+    if not isinstance(so, dict):
+        raise Invalid(f"{field}: must be object, got {type(so).__name__}")
+    unknown = sorted(set(so) - _SO_KEYS)
+    if unknown:
+        raise Invalid(f"{field}.{unknown[0]}: not a structured_outputs field")
+    for key in ("whitespace_pattern", "structural_tag"):
+        if so.get(key) is not None:
+            raise Invalid(f"{field}.{key}: not supported")
+    forms = [k for k in ("json", "regex", "choice", "grammar", "json_object") if so.get(k) not in (None, False)]
+    if len(forms) != 1:
+        raise Invalid(f"{field}: exactly one of json, regex, choice, grammar, json_object, got {len(forms)}")
+    kind, value = forms[0], so[forms[0]]
+    if kind == "json":
+        return _schema(value, f"{field}.json", bool(so.get("disable_additional_properties")))
+    if kind == "json_object":
+        return _schema({"type": "object"}, f"{field}.json_object")
+    if kind == "regex":
+        return _regex(value, f"{field}.regex")
+    if kind == "choice":
+        return _choice(value, f"{field}.choice")
+    return _lark(value, f"{field}.grammar")
+
+
+def request_grammar(r) -> str:
+    """The grammar of an OpenAI / vLLM request model's structured-output fields (openai_models.Request),
+    "" for none; Invalid naming the field when bad or when more than one is set."""
+    backend = r.guided_decoding_backend
+    if backend is not None and backend not in BACKENDS:
+        raise Invalid(
+            f"guided_decoding_backend: only {', '.join(BACKENDS)} (llguidance is the engine), got {backend!r}"
+        )
+    found = []
+    if r.response_format is not None:
+        g = _response_format(r.response_format)
+        if g is not None:
+            found.append(("response_format", g))
+    if r.structured_outputs is not None:
+        found.append(("structured_outputs", _structured_outputs(r.structured_outputs)))
+    if r.guided_json is not None:
+        found.append(("guided_json", _schema(r.guided_json, "guided_json")))
+    if r.guided_regex is not None:
+        found.append(("guided_regex", _regex(r.guided_regex, "guided_regex")))
+    if r.guided_choice is not None:
+        found.append(("guided_choice", _choice(r.guided_choice, "guided_choice")))
+    if r.guided_grammar is not None:
+        found.append(("guided_grammar", _lark(r.guided_grammar, "guided_grammar")))
+    if len(found) > 1:
+        raise Invalid(f"{found[1][0]}: only one structured output per request (also got {found[0][0]})")
+    return _text([found[0][1]]) if found else ""
+
+
+def _text(grammars: list[dict]) -> str:
+    return json.dumps({"grammars": grammars}, separators=(",", ":"))
+
+
+def check_grammar(grammar: str, field: str) -> None:
+    """Invalid naming `field` when `grammar` (llguidance JSON or Lark text) does not compile."""
+    import llguidance
+
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise Invalid(f"{field}: {error.strip()}")
+
+
+def tool_grammar(tools: list[dict], name: str | None, tokenizer: Tokenizer) -> str:
+    """A forced Kimi K2 tool-call section: one call of `name`, or (name None: tool_choice required) 1 to
+    MAX_FORCED_CALLS calls of any declared tool, each call's arguments valid for its `parameters` schema."""
+    ids = {}
+    for marker in (
+        "<|tool_calls_section_begin|>",
+        "<|tool_calls_section_end|>",
+        "<|tool_call_begin|>",
+        "<|tool_call_argument_begin|>",
+        "<|tool_call_end|>",
+    ):
+        if marker not in tokenizer.special_tokens:
+            raise Invalid(f"tool_choice: the tokenizer has no {marker} token (the Kimi K2 tool-call format)")
+        ids[marker] = f"<[{tokenizer.special_tokens[marker]}]>"
+    grammars, calls = [], []
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") or {}
+        if name is not None and fn.get("name") != name:
+            continue
+        params = fn.get("parameters")
+        schema = _schema(params if params is not None else {"type": "object"}, f"tools[{i}].function.parameters")
+        grammars.append({"name": f"args_{i}", **schema})
+        head = json.dumps(f"functions.{fn.get('name')}:")
+        calls.append(
+            f"{ids['<|tool_call_begin|>']} {head} INDEX {ids['<|tool_call_argument_begin|>']} @args_{i} "
+            f"{ids['<|tool_call_end|>']}"
+        )
+    if not calls:
+        raise Invalid(f"tool_choice.function.name: no declared tool is named {name!r}")
+    repeat = "" if name is not None else f"{{1,{MAX_FORCED_CALLS}}}"
+    lark = "\n".join(
+        [
+            f"start: {ids['<|tool_calls_section_begin|>']} call{repeat} {ids['<|tool_calls_section_end|>']}",
+            "call: " + " | ".join(calls),
+            "INDEX: /[0-9]|[1-9][0-9]/",
+        ]
+    )
+    grammar = _text([{"lark_grammar": lark}, *grammars])
+    check_grammar(grammar, "tool_choice")
+    return grammar
+
+
+def after_reasoning(grammar: str, tokenizer: Tokenizer) -> str:
+    """`grammar` behind a free reasoning block that ends at `</think>` (the prompt opened one)."""
+    think_end = tokenizer.special_tokens.get("</think>")
+    if think_end is None:
+        return grammar
+    try:
+        grammars = json.loads(grammar)["grammars"]
+    except (ValueError, TypeError, KeyError):
+        grammars = [{"lark_grammar": grammar}]  # Lark text
+    top = {"lark_grammar": f"start: REASONING <[{think_end}]> @answer\nREASONING: /(?s:.*)/"}
+    return _text([top, {**grammars[0], "name": "answer"}, *grammars[1:]])

@@ -1,0 +1,175 @@
+"""n > 1 (services/gateway/choices.py): n sequences for one request, chat and completions, streaming
+(each chunk with its choice index) and not.
+
+- Against a FAKE verifier with the official `openai` client: n verifier requests with ids ID, ID-1, ...
+  and seeds seed, seed + 1, ...; n choices in index order; usage with the prompt once and the
+  completion tokens summed; a stream whose chunks carry every index, one usage chunk at the end; the
+  limits (400).
+- On the real stack: n = 3 with a seed at temperature 1 is reproducible per choice, different across
+  choices, and choice i equals a single request with seed + i (each choice is its own seed stream);
+  streaming gives the same choices; at temperature 0 the n choices are identical.
+"""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from ddtree.config import GatewayConfig
+from ddtree.gateway.choices import MAX_N
+from ddtree.gateway.server import serve
+from ddtree.protocol.ddtree.v1 import common_pb2
+from tests.fakes import script_for, start_fake_verifier
+
+MODEL = "ddtree-demo"
+USER = [{"role": "user", "content": "2+2?"}]
+NO_THINK = {"chat_template_kwargs": {"thinking": False}}  # the answer is content, not reasoning
+
+
+@pytest.fixture(scope="module")
+def fake():
+    servicer, running = start_fake_verifier()
+    yield servicer
+    running.stop(0)
+
+
+@pytest.fixture(scope="module")
+def client(fake, tokenizer_dir):
+    config = GatewayConfig(verifier=fake.address)
+    config.validate()
+    running = serve(config, tokenizer_dir=tokenizer_dir, announce=False)
+    yield openai.OpenAI(base_url=f"http://{running.http_address}/v1", api_key="none", max_retries=0, timeout=20)
+    running.stop(0)
+
+
+def _script(tok, text="four, of course"):
+    ids = tok.encode(text)
+    usage = common_pb2.Usage(
+        prompt_tokens=11, completion_tokens=len(ids), verify_steps=2, accept_histogram=[0, 0, 0, 1, 1], cached_tokens=4
+    )
+    return ids, script_for(ids, sizes=[3, len(ids) - 3], finish="length", usage=usage)
+
+
+def test_n_chat_and_completions(client, fake, tok):
+    ids, msgs = _script(tok)
+    fake.reset(msgs)
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=USER,
+        n=3,
+        seed=41,
+        temperature=1.0,
+        extra_body=NO_THINK,
+        extra_headers={"X-Request-Id": "many"},
+    )
+    r = raw.parse()
+    assert raw.headers["x-request-id"] == "many" and r.id == "chatcmpl-many"
+    assert sorted(q.request_id for q in fake.requests) == ["many", "many-1", "many-2"]
+    seeds = {q.request_id: q.sampling.seed for q in fake.requests}
+    assert seeds == {"many": 41, "many-1": 42, "many-2": 43}
+    assert all(q.input_ids == fake.requests[0].input_ids for q in fake.requests)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert all(c.message.content == "four, of course" for c in r.choices)
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (11, 3 * len(ids))
+    assert r.usage.prompt_tokens_details.cached_tokens == 4
+    assert r.model_extra["spec"]["verify_steps"] == 6 and r.model_extra["spec"]["accept_histogram"] == [0, 0, 0, 3, 3]
+
+    fake.reset(msgs)
+    c = client.completions.create(model=MODEL, prompt="a", n=2)  # no seed: none is sent
+    assert [x.index for x in c.choices] == [0, 1] and all(x.text == "four, of course" for x in c.choices)
+    assert not any(q.sampling.HasField("seed") for q in fake.requests)
+    assert c.usage.completion_tokens == 2 * len(ids) and c.usage.total_tokens == 11 + 2 * len(ids)
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_n_streams_carry_each_index(client, fake, tok, route):
+    ids, msgs = _script(tok)
+    fake.reset(msgs)
+    opts = dict(model=MODEL, n=3, stream=True, stream_options={"include_usage": True})
+    if route == "chat":
+        chunks = list(client.chat.completions.create(messages=USER, extra_body=NO_THINK, **opts))
+        text = lambda ch: ch.delta.content or ""  # noqa: E731
+    else:
+        chunks = list(client.completions.create(prompt="a", **opts))
+        text = lambda ch: ch.text  # noqa: E731
+    per: dict[int, str] = {0: "", 1: "", 2: ""}
+    finished = []
+    for c in chunks[:-1]:
+        (choice,) = c.choices
+        per[choice.index] += text(choice)
+        if choice.finish_reason:
+            finished.append(choice.index)
+    assert per == {i: "four, of course" for i in range(3)} and sorted(finished) == [0, 1, 2]
+    if route == "chat":  # the role comes first, once per choice
+        assert [c.choices[0].index for c in chunks[:3]] == [0, 1, 2]
+        assert all(c.choices[0].delta.role == "assistant" for c in chunks[:3])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3 * len(ids)
+    assert sum(1 for c in chunks if c.usage) == 1
+
+
+@pytest.mark.parametrize("n", [0, MAX_N + 1])
+def test_n_limits(client, fake, n):
+    fake.reset(script_for([5]))
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=USER, n=n)
+    assert f"n: must be in [1, {MAX_N}], got {n}" in err.value.body["message"] and err.value.body["param"] == "n"
+    assert fake.requests == []
+
+
+def test_one_failing_choice_fails_the_request(client, fake, tok):
+    import grpc
+
+    fake.reset(script_for(tok.encode("ok")), error=(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full"))
+    fake.run.script[-1].finish_reason = ""  # every choice ends in the error
+    with pytest.raises(openai.RateLimitError):
+        client.completions.create(model=MODEL, prompt="a", n=2)
+
+
+# -- the real stack ----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def stack_client(oracle_stack):
+    return openai.OpenAI(base_url=f"http://{oracle_stack.gateway_http}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def test_n_seed_streams_on_the_real_stack(stack_client):
+    def run(n, seed, stream=False, temperature=1.0):
+        kwargs = dict(
+            model=MODEL,
+            prompt="def parse(line):",
+            max_tokens=16,
+            temperature=temperature,
+            seed=seed,
+            n=n,
+            extra_body={"ignore_eos": True, "budget": 8},
+        )
+        if not stream:
+            r = stack_client.completions.create(**kwargs)
+            assert r.usage.completion_tokens == 16 * n
+            return [c.text for c in r.choices]
+        texts = [""] * n
+        for c in stack_client.completions.create(stream=True, **kwargs):
+            for ch in c.choices:
+                texts[ch.index] += ch.text
+        return texts
+
+    first = run(3, 5)
+    assert run(3, 5) == first  # reproducible per choice
+    assert len(set(first)) == 3  # different across choices
+    assert [run(1, 5 + i)[0] for i in range(3)] == first  # choice i is the seed + i stream
+    assert run(3, 5, stream=True) == first
+    greedy = run(3, None, temperature=0.0)
+    assert len(set(greedy)) == 1  # temperature 0: the same answer n times, as vLLM
+
+
+def test_n_choices_and_the_prefix_cache(stack_client):
+    """Concurrent choices each prefill a new prompt (at most a start shared with earlier prompts is
+    cached); once they
+    finished, the prompt is in the cache and every choice of the next request takes all but its last
+    token from there."""
+    prompt = "def tokenize(source):\n    tokens = []\n    for line in source.splitlines():"
+    kwargs = dict(model=MODEL, prompt=prompt, max_tokens=4, temperature=1.0, seed=1, n=3)
+    first = stack_client.completions.create(**kwargs).usage
+    again = stack_client.completions.create(**kwargs).usage
+    assert first.prompt_tokens == again.prompt_tokens and first.completion_tokens == again.completion_tokens == 12
+    assert first.prompt_tokens_details.cached_tokens < 4  # "def" and the like, from earlier tests' prompts
+    assert again.prompt_tokens_details.cached_tokens == again.prompt_tokens - 1

@@ -1,0 +1,335 @@
+"""Structured outputs on trees (services/gateway/structured_outputs.py, services/verifier/grammar.py).
+
+- The grammar follows each tree path: pruning keeps exactly the grammar-valid nodes, and the matcher
+  is back where it was after the depth-first walk.
+- The real stack with the oracle drafter (official `openai` client): 20 JSON schemas at temperature 0
+  through DDTree at budgets 8 and 32 parse, validate (`jsonschema`) and equal constrained AR
+  (`no_spec`) token for token; regex, choice and vLLM's structured_outputs; tool_choice required / a
+  named function always gives calls whose arguments validate; bad schemas are 400s naming the field.
+- Temperature 1: the first three tokens through DDTree follow the grammar-masked target distribution
+  (chi-square), on the tiny 8-token target of tests/test_sampling_through_ddtree.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jsonschema
+import llguidance
+import openai
+import pytest
+import torch
+
+from ddtree.config import DrafterConfig, VerifierConfig
+from ddtree.contract.sampling_params import SamplingConfig
+from ddtree.contract.token_tree import TokenTree
+from ddtree.drafter.server import serve_engine
+from ddtree.tokenization.grammar_vocab import ll_tokenizer
+from ddtree.verifier.drafter_client import DrafterClient
+from ddtree.verifier.grammar import SequenceGrammar
+from ddtree.verifier.kv_pool import LatentKVPool
+from ddtree.verifier.sampling import sampling_probs
+from ddtree.verifier.scheduler import Scheduler
+from ddtree.verifier.sequence import GenerateParams, Sequence
+from ddtree.verifier.target import LocalTarget
+from tests import test_min_p_min_tokens as min_tokens_tests
+from tests.oracle_engine import OracleDraftEngine
+from tests.test_sampling_through_ddtree import PROMPT, VOCAB, _chi2_pvalue
+
+SAMPLES = 1000
+
+_S = {"type": "string", "maxLength": 6}
+SCHEMAS = [
+    {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+    {"type": "object", "properties": {"name": _S, "age": {"type": "integer", "minimum": 0, "maximum": 120}}},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]},
+    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"]},
+    {"type": "array", "items": {"type": "integer", "minimum": -5, "maximum": 5}, "minItems": 1, "maxItems": 4},
+    {"type": "object", "properties": {"p": {"type": "object", "properties": {"x": {"type": "integer"}}}}},
+    {
+        "type": "object",
+        "properties": {"user": {"type": "object", "properties": {"id": {"type": "integer"}, "tag": _S}}},
+        "required": ["user"],
+    },
+    {"type": "object", "properties": {"xs": {"type": "array", "items": _S, "maxItems": 3}}, "required": ["xs"]},
+    {"enum": ["yes", "no", "maybe"]},
+    {"type": "integer", "minimum": 10, "maximum": 99},
+    {"type": "object", "properties": {"n": {"type": "null"}}, "required": ["n"]},
+    {"type": "object", "properties": {"k": {"const": "fixed"}, "v": {"type": "integer"}}, "required": ["k", "v"]},
+    {"type": "object", "properties": {"a": {"anyOf": [{"type": "integer"}, {"type": "boolean"}]}}, "required": ["a"]},
+    {"type": "object", "properties": {"s": {"type": "string", "pattern": "^[a-c]{2,4}$"}}, "required": ["s"]},
+    {
+        "type": "object",
+        "properties": {"items": {"type": "array", "items": {"enum": [1, 2, 3]}, "maxItems": 5}},
+        "required": ["items"],
+        "additionalProperties": False,
+    },
+    {"type": "object", "properties": {"opt": {"type": "integer"}, "req": {"type": "boolean"}}, "required": ["req"]},
+    {
+        "type": "object",
+        "properties": {"a": {"type": "object", "properties": {"b": {"type": "object", "properties": {"c": _S}}}}},
+        "required": ["a"],
+    },
+    {"type": "boolean"},
+    {
+        "type": "object",
+        "properties": {"level": {"enum": ["low", "high"]}, "score": {"type": "integer", "minimum": 1, "maximum": 5}},
+        "required": ["level", "score"],
+        "additionalProperties": False,
+    },
+    {"type": "array", "items": {"type": "object", "properties": {"id": {"type": "integer"}}}, "maxItems": 2},
+]
+
+
+def _closed(schema):
+    """Objects without extra keys, bounded integers (an open object lets the random demo model add keys until max_tokens)."""
+    if isinstance(schema, dict):
+        schema = {k: _closed(v) for k, v in schema.items()}
+        if schema.get("type") == "object":
+            schema.setdefault("additionalProperties", False)
+        if schema.get("type") == "integer":  # and integers bounded (else: digits until max_tokens)
+            schema.setdefault("minimum", -999)
+            schema.setdefault("maximum", 999)
+    elif isinstance(schema, list):
+        schema = [_closed(v) for v in schema]
+    return schema
+
+
+SCHEMAS = [_closed(s) for s in SCHEMAS]
+NO_THINK = {"chat_template_kwargs": {"thinking": False}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"enum": ["Paris", "Rome"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}},
+}
+
+
+@pytest.fixture(scope="module")
+def client(oracle_stack):
+    return openai.OpenAI(base_url=f"http://{oracle_stack.gateway_http}/v1", api_key="none", max_retries=0, timeout=300)
+
+
+def _chat(client, i: int, **extra):
+    return client.chat.completions.create(
+        model="ddtree-demo",
+        messages=[{"role": "user", "content": f"Answer {i} in JSON."}],
+        max_tokens=96,
+        temperature=0,
+        extra_body={**NO_THINK, **extra.pop("extra_body", {})},
+        **extra,
+    )
+
+
+def test_prune_keeps_grammar_valid_nodes_and_restores_state(tok):
+    lt = ll_tokenizer(tok)
+    matcher = llguidance.LLMatcher(lt, llguidance.LLMatcher.grammar_from_regex("ab(c|d)e"))
+    a, b, c, d, x = (tok.encode(ch)[0] for ch in "abcdx")
+    assert matcher.consume_token(a)  # the root "a" is emitted
+    # root -> b -> {c, x}, root -> x -> c, b -> c -> d (invalid: after "abc" only "e")
+    tree = TokenTree((b, x, c, x, c, d), (0, 0, 1, 1, 2, 3), (1, 1, 2, 2, 2, 3))
+    g = SequenceGrammar(matcher, frozenset())
+    pruned = g.prepare(tree)
+    assert pruned == TokenTree((b, c), (0, 1), (1, 2))
+    assert g.masks.shape[0] == 3 and g.masks[0, b] and not g.masks[0, x] and g.masks[1, c] and g.masks[1, d]
+    e = tok.encode("e")[0]
+    assert g.masks[2, e] and g.masks[2].sum() == 1
+    g.advance([b, d, e])  # the matcher was rolled back to "a": the emitted tokens take it on
+    assert matcher.is_accepting() and not matcher.is_error()
+
+
+def test_twenty_schemas_through_ddtree_equal_constrained_ar(client):
+    for i, schema in enumerate(SCHEMAS):
+        rf = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema, "strict": True}}
+        ar = _chat(client, i, response_format=rf, extra_body={"no_spec": True})
+        text = ar.choices[0].message.content
+        assert ar.choices[0].finish_reason == "stop", (i, text)
+        jsonschema.validate(json.loads(text), schema)
+        for budget in (8, 32):
+            r = _chat(client, i, response_format=rf, extra_body={"budget": budget})
+            assert r.choices[0].message.content == text, (i, budget)
+            assert r.usage.completion_tokens == ar.usage.completion_tokens
+            assert r.model_extra["spec"]["verify_steps"] <= ar.model_extra["spec"]["verify_steps"]
+
+
+def test_json_object_regex_choice_and_vllm_fields(client):
+    r = _chat(client, 0, response_format={"type": "json_object"})  # any object: may run to max_tokens here
+    text = r.choices[0].message.content
+    assert text.startswith("{") and (r.choices[0].finish_reason == "length" or isinstance(json.loads(text), dict))
+    r = _chat(client, 1, extra_body={"guided_regex": "[a-d]{3}-[0-9]{2}"})
+    assert r.choices[0].message.content[3] == "-" and len(r.choices[0].message.content) == 6
+    r = _chat(client, 2, extra_body={"guided_choice": ["alpha", "beta gamma"]})
+    assert r.choices[0].message.content in ("alpha", "beta gamma")
+    schema = SCHEMAS[1]
+    for body in ({"structured_outputs": {"json": schema}}, {"guided_json": schema}):
+        r = _chat(client, 3, extra_body=body)
+        jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    done = client.completions.create(
+        model="ddtree-demo", prompt="n=", max_tokens=16, temperature=0, extra_body={"guided_regex": "[0-9]{2,3}"}
+    )
+    assert done.choices[0].text.isdigit() and 2 <= len(done.choices[0].text) <= 3
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_choice_forces_valid_calls(client, stream):
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        for i in range(3):
+            kwargs = dict(
+                model="ddtree-demo",
+                messages=[{"role": "user", "content": f"What now {i}?"}],
+                tools=[WEATHER, CLOCK],
+                tool_choice=choice,
+                max_tokens=200,
+                temperature=0,
+                extra_body=NO_THINK,
+            )
+            if stream:
+                calls: dict[int, dict] = {}
+                for chunk in client.chat.completions.create(stream=True, **kwargs):
+                    for d in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+                        call = calls.setdefault(d.index, {"name": "", "arguments": ""})
+                        call["name"] += d.function.name or ""
+                        call["arguments"] += d.function.arguments or ""
+                got = list(calls.values())
+            else:
+                r = client.chat.completions.create(**kwargs)
+                assert r.choices[0].finish_reason == "tool_calls"
+                got = [
+                    {"name": c.function.name, "arguments": c.function.arguments}
+                    for c in r.choices[0].message.tool_calls
+                ]
+            assert got
+            for call in got:
+                if isinstance(choice, dict):
+                    assert call["name"] == "get_weather"
+                tool = {"get_weather": WEATHER, "get_time": CLOCK}[call["name"]]
+                jsonschema.validate(json.loads(call["arguments"]), tool["function"]["parameters"])
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frob"}}}},
+            "response_format.json_schema.schema",
+        ),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        ({"response_format": {"type": "yaml"}}, "response_format.type"),
+        ({"guided_regex": "[0-9"}, "guided_regex"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex"),
+        ({"structured_outputs": {"json": {"$ref": "#/nope"}}}, "structured_outputs.json"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice.function.name",
+        ),
+        ({"guided_whitespace_pattern": " *"}, "guided_whitespace_pattern"),
+    ],
+)
+def test_bad_constraints_are_400_naming_the_field(client, extra, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model="ddtree-demo", messages=[{"role": "user", "content": "x"}], max_tokens=4, extra_body=extra
+        )
+    assert err.value.body["param"] == param, err.value.body
+
+
+class _ByteVocab:
+    """An 8-token vocabulary "a".."h" for the tiny target (token 7, "h", is also the eos)."""
+
+    eos_token_id, bos_token_id, special_token_ids = 7, None, []
+    tokens = [bytes([ord("a") + i]) for i in range(VOCAB)]
+
+    def __call__(self, text):
+        return [ord(ch) - ord("a") for ch in (text.decode() if isinstance(text, bytes) else text)]
+
+
+REGEX = "[a-e][b-g][a-f]"  # over the tiny vocabulary: three tokens, each from a different allowed set
+ALLOWED = (range(0, 5), range(1, 7), range(0, 6))
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    return min_tokens_tests.tiny_target.__wrapped__(tmp_path_factory)
+
+
+def _run(model, configs: list[SamplingConfig], max_new: int) -> list[Sequence]:
+    """min_tokens_tests._run, each sequence with the regex grammar over the tiny vocabulary."""
+    lt = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteVocab()))
+    grammar = llguidance.LLMatcher.grammar_from_regex(REGEX)
+    engine = OracleDraftEngine(model, depth=4, default_budget=12, max_budget=64, seed=11)
+    drafter = serve_engine(engine, DrafterConfig(port=0, grace_s=0.0))
+    client = DrafterClient(f"127.0.0.1:{drafter.port}", timeout_s=30)
+    vcfg = VerifierConfig(max_batch=64, max_queue=len(configs), kv_tokens=64 * 40, prefill_chunk=64)
+    pool = LatentKVPool(
+        model.config.num_hidden_layers, vcfg.kv_tokens, model.config.kv_cache_width, torch.float32, "cpu"
+    )
+    sched = Scheduler(LocalTarget(model), pool, vcfg, client)
+    sched.start()
+    try:
+        seqs = []
+        for i, cfg in enumerate(configs):
+            seq = Sequence(GenerateParams(f"s{i}", PROMPT, cfg, max_new, frozenset(), True, 12, grammar=grammar))
+            seq.grammar = SequenceGrammar(llguidance.LLMatcher(lt, grammar), frozenset(), tuple(lt.eos_tokens))
+            sched.submit(seq)
+            seqs.append(seq)
+        for seq in seqs:
+            while not seq.events.get(timeout=120).finish_reason:
+                pass
+    finally:
+        sched.stop()
+        drafter.stop(0)
+        client.close()
+    return seqs
+
+
+def _masked(model, ids, cfg: SamplingConfig, position: int) -> torch.Tensor:
+    logits = min_tokens_tests._masked_probs(model, ids, SamplingConfig(), frozenset(), 0).clone()  # raw logits
+    keep = torch.zeros(VOCAB, dtype=torch.bool)
+    keep[list(ALLOWED[position])] = True
+    logits[~keep] = float("-inf")
+    return logits if cfg.greedy else sampling_probs(logits[None], cfg)[0].double()
+
+
+def test_greedy_tiny_target_equals_constrained_ar(tiny_target):
+    ids = list(PROMPT)
+    for position in range(3):
+        ids.append(int(_masked(tiny_target, ids, SamplingConfig(), position).argmax()))
+    (seq,) = _run(tiny_target, [SamplingConfig()], 3)
+    assert seq.generated == ids[len(PROMPT) :]
+
+
+def test_sampled_first_tokens_follow_the_masked_distribution(tiny_target):
+    model = tiny_target
+    cfg = SamplingConfig(temperature=1.0)
+    joint = torch.zeros(VOCAB, VOCAB, VOCAB, dtype=torch.float64)
+    p1 = _masked(model, PROMPT, cfg, 0)
+    for a in ALLOWED[0]:
+        p2 = _masked(model, PROMPT + (a,), cfg, 1)
+        for b in ALLOWED[1]:
+            joint[a, b] = p1[a] * p2[b] * _masked(model, PROMPT + (a, b), cfg, 2)
+    seqs = _run(model, [dataclasses.replace(cfg, seed=s) for s in range(SAMPLES)], 3)
+    counts = torch.zeros(VOCAB, VOCAB, VOCAB, dtype=torch.float64)
+    for seq in seqs:
+        assert len(seq.generated) == 3
+        assert all(t in allowed for t, allowed in zip(seq.generated, ALLOWED))
+        counts[tuple(seq.generated)] += 1
+    assert sum(s.accept_lengths[0] >= 2 for s in seqs) > SAMPLES * 0.1  # the walk is exercised
+    p_a = _chi2_pvalue(counts.sum((1, 2)), joint.sum((1, 2)))
+    p_bc = _chi2_pvalue(counts.sum(0).flatten(), joint.sum(0).flatten())
+    assert min(p_a, p_bc) > 1e-3, f"p-values {p_a:.2e} {p_bc:.2e}"
