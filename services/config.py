@@ -205,6 +205,14 @@ class VerifierConfig(ServiceConfig):
     attention_backend: str = dataclasses.field(
         default="auto", metadata={"help": "auto | torch | triton (auto = triton on CUDA)"}
     )
+    cuda_graphs: str = dataclasses.field(
+        default="auto",
+        metadata={
+            "help": "auto | on | off: verify / decode steps at static shapes (batch x rows x keys buckets), "
+            "captured as CUDA graphs at start-up on CUDA; steps outside every bucket run eagerly "
+            "(auto = on for CUDA, off on the CPU)"
+        },
+    )
     prefix_cache: bool = dataclasses.field(
         default=True, metadata={"help": "reuse the KV (and drafter features) of committed prefixes across requests"}
     )
@@ -241,6 +249,8 @@ class VerifierConfig(ServiceConfig):
         if self.max_tree_tokens < 0:
             raise ValueError(f"max_tree_tokens must be >= 0 (0 = no limit), got {self.max_tree_tokens}")
         kv_setting(self.kv_tokens, self.kv_memory_gb, self.kv_memory_fraction)
+        if self.cuda_graphs not in ("auto", "on", "off"):
+            raise ValueError(f"cuda_graphs must be auto, on or off, got {self.cuda_graphs!r}")
         if self.tp < 1:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
         if self.tp > 1 and self.page_size > 1:

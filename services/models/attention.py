@@ -13,6 +13,10 @@ plus its own new tokens through `new_mask`:
 - prefill / extend: q_len N, new_mask None (causal), prefix possibly non-empty;
 - tree verify:      new tokens [root, tree nodes], new_mask = ancestor mask (a node sees itself and its
                     ancestors), positions = start + depth (supplied by the caller to the model).
+
+The torch backend reads a sequence's long runs of consecutive prefix slots (`RUN_MIN`, fp32 cache) in
+place as views of the cache and gathers only the rest, so a step at long context does not copy the
+whole prefix of every layer (`SeqAttention.prefix_runs`).
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import torch
 
 from ddtree.models.norm import RMSNorm
 from ddtree.models.rope import RotaryEmbedding
+
+RUN_MIN = 128  # consecutive prefix slots read in place instead of gathered (TorchMLAAttention, fp32 cache)
 
 
 @dataclass(frozen=True, eq=False)
@@ -55,6 +61,29 @@ class SeqAttention:
         """int64 [P + q_len]: every slot this sequence's queries attend to, prefix first (computed once per
         forward, read by every layer)."""
         return torch.cat([self.prefix_slots, self.new_slots])
+
+    @functools.cached_property
+    def prefix_runs(self) -> tuple[tuple[tuple[int, int], ...], torch.Tensor]:
+        """The prefix split for attention: ((first slot, length) of every run of at least RUN_MIN
+        consecutive slots, read in place as views of the cache), and int64 [G + q_len] the slots of the
+        rest of the prefix then of the new tokens (gathered). Computed once per forward (page size 1 and
+        lowest-free-first allocation keep a prompt's slots consecutive, so at long context nearly all of
+        the prefix is a few runs: no per-layer gather of it)."""
+        P = self.prefix_slots.numel()
+        if P < RUN_MIN or self.prefix_slots.device.type != "cpu":
+            return (), self.key_slots
+        slots = self.prefix_slots
+        breaks = (torch.nonzero(slots[1:] - slots[:-1] != 1).flatten() + 1).tolist()
+        runs, rest, start = [], [], 0
+        for end in [*breaks, P]:
+            if end - start >= RUN_MIN:
+                runs.append((int(slots[start]), end - start))
+            else:
+                rest.append(slots[start:end])
+            start = end
+        if not runs:
+            return (), self.key_slots
+        return tuple(runs), torch.cat([*rest, self.new_slots])
 
     @functools.cached_property
     def hidden_new(self) -> torch.Tensor | None:
@@ -92,6 +121,13 @@ class AttentionMetadata:
         """int64 [sum(P + q_len)]: each sequence's key_slots (prefix, then its new tokens), sequences with
         queries in order; one gather per layer reads every sequence's keys."""
         parts = [s.key_slots for s in self.seqs if s.q_len > 0]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+
+    @functools.cached_property
+    def rest_slots(self) -> torch.Tensor:
+        """int64: each sequence's gathered keys (SeqAttention.prefix_runs' rest), sequences with queries
+        in order; equal to key_slots when no prefix has a long run."""
+        parts = [s.prefix_runs[1] for s in self.seqs if s.q_len > 0]
         return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
 
     @property
@@ -163,11 +199,20 @@ class TorchMLAAttention:
         # The scale goes into q once (per element, so every row gets the same numbers alone or in a batch).
         q = torch.cat([q_lat, q_pe], dim=-1).float() * scale  # [T, H, r+dr]
         seqs = [s for s in meta.seqs if s.q_len > 0]
-        # Every sequence's keys in one gather: [sum(P+q), r+dr], each sequence a contiguous block of rows.
-        keys_all = kv_layer[meta.key_slots.to(kv_layer.device)].float()
+        # Long runs of consecutive prefix slots are read in place (fp32 cache); the rest of every
+        # sequence's keys in one gather: [sum(G+q), r+dr], each sequence a contiguous block of rows.
+        in_place = kv_layer.dtype == torch.float32
+        gathered = meta.rest_slots if in_place else meta.key_slots
+        keys_all = kv_layer[gathered.to(kv_layer.device)].float()
         k0 = 0
         for s in seqs:
             rows = slice(s.q_start, s.q_start + s.q_len)
+            runs, rest = s.prefix_runs if in_place else ((), None)
+            if runs:
+                G = rest.numel()
+                _attend_runs(q[rows], kv_layer, runs, keys_all[k0 : k0 + G], s, out[rows], r)
+                k0 += G
+                continue
             P, n = s.prefix_slots.numel(), s.q_len
             keys = keys_all[k0 : k0 + P + n]  # [P+q, r+dr]
             k0 += P + n
@@ -183,6 +228,40 @@ class TorchMLAAttention:
             else:
                 o.copy_(probs.view(n * H, P + n) @ keys[:, :r])
         return out
+
+
+def _attend_runs(
+    q: torch.Tensor,  # fp32 [n, H, r+dr] scaled queries of one sequence
+    kv_layer: torch.Tensor,  # fp32 [S, r+dr]
+    runs: tuple[tuple[int, int], ...],  # (first slot, length) of the prefix runs read in place
+    rest: torch.Tensor,  # fp32 [G+n, r+dr] the gathered rest of the prefix, then the new tokens' keys
+    s: SeqAttention,
+    out: torch.Tensor,  # [n, H, r] this sequence's rows of the output, written
+    r: int,
+) -> None:
+    """One sequence's attention with its long prefix runs as views of the cache: the scores of each part
+    are written into one [n·H, P+n] buffer (runs, then the rest), one softmax, then the values of each
+    part accumulated into out."""
+    n, H = q.shape[0], q.shape[1]
+    qf = q.reshape(n * H, -1)
+    total = sum(length for _, length in runs) + rest.shape[0]
+    scores = qf.new_empty(n * H, total)
+    col = 0
+    for first, length in runs:
+        torch.mm(qf, kv_layer[first : first + length].T, out=scores[:, col : col + length])
+        col += length
+    torch.mm(qf, rest.T, out=scores[:, col:])
+    if s.hidden_new is not None:  # the causal or tree mask among the new tokens: the last n columns
+        scores.view(n, H, total)[:, :, total - n :].masked_fill_(
+            s.hidden_new.to(scores.device)[:, None, :], float("-inf")
+        )
+    probs = torch.softmax(scores, dim=-1)  # [n·H, P+n]
+    o = probs[:, col:] @ rest[:, :r]  # [n·H, r]
+    col = 0
+    for first, length in runs:
+        o.addmm_(probs[:, col : col + length], kv_layer[first : first + length, :r])
+        col += length
+    out.view(n * H, r).copy_(o)
 
 
 def _triton_backend() -> MLAAttentionBackend:

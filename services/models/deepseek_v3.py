@@ -18,7 +18,7 @@ from .config import DeepseekV3Config
 from .mla import DeepseekV3Attention
 from .moe import DeepseekV3MLP, DeepseekV3MoE
 from .norm import RMSNorm
-from .rope import RotaryEmbedding
+from .rope import PositionRope, RotaryEmbedding
 
 
 @dataclass(frozen=True, eq=False)
@@ -118,7 +118,7 @@ class DeepseekV3ForCausalLM(nn.Module):
                 raise ValueError(f"tap layer id {i} not in [0, {c.num_hidden_layers})")
 
         x = self.embed(input_ids)  # [T, d]
-        rope = self.model.rotary_emb
+        rope = PositionRope(self.model.rotary_emb, positions)  # cos/sin once for every layer
         taps: dict[int, torch.Tensor] = {}
         wanted = set(tap_layer_ids)
         for i, layer in enumerate(self.model.layers):

@@ -49,12 +49,18 @@ class DeepseekV3TopkRouter(nn.Module):
         logits = F.linear(x.float(), self.weight.float())  # [N, E] fp32
         scores = logits.sigmoid()
         choice = scores + self.e_score_correction_bias.float()  # bias affects selection only
+        if self.n_group == 1:  # one group, always kept: no group limit
+            idx = choice.topk(self.top_k, dim=-1, sorted=False).indices
+            return self._weights(scores, idx)
         grouped = choice.view(N, self.n_group, self.n_experts // self.n_group)  # [N, G, E/G]
         group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [N, G] sum of the top-2 per group
         group_idx = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices  # [N, topk_group]
         group_keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
         choice = grouped.masked_fill(~group_keep[:, :, None], float("-inf")).view(N, self.n_experts)
         idx = choice.topk(self.top_k, dim=-1, sorted=False).indices  # [N, k]
+        return self._weights(scores, idx)
+
+    def _weights(self, scores: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         weights = scores.gather(1, idx)  # unbiased scores
         if self.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)

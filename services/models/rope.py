@@ -141,3 +141,30 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return apply_rope_interleaved(x, positions, self.inv_freq, self.attention_factor)
+
+
+class PositionRope:
+    """A RotaryEmbedding at one forward's positions: cos/sin computed once and shared by every layer's
+    q_pe and k_pe (the same numbers as calling the RotaryEmbedding each time, fewer ops per layer).
+    Called with other positions it computes them afresh."""
+
+    def __init__(self, rope: RotaryEmbedding, positions: torch.Tensor):
+        self.dim, self.inv_freq, self.attention_factor = rope.dim, rope.inv_freq, rope.attention_factor
+        self.positions = positions
+        self.cos, self.sin = rope_cos_sin(positions, rope.inv_freq, rope.attention_factor)  # fp32 [T, dr/2]
+        self.cis = torch.complex(self.cos, self.sin)  # complex64 [T, dr/2]
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if positions is not self.positions:
+            return apply_rope_interleaved(x, positions, self.inv_freq, self.attention_factor)
+        T, half = self.cos.shape
+        assert x.shape[0] == T and x.shape[-1] == 2 * half, f"x {tuple(x.shape)} vs {T} positions of {2 * half} dims"
+        # The pair (2i, 2i+1) times cos_i + i·sin_i as one complex multiply: (a·c - b·s, b·c + a·s), the
+        # products and sums apply_rope forms, in fp32 (tests/test_static_step.py checks the bits).
+        pairs = x.to(torch.float32).unflatten(-1, (half, 2))
+        try:
+            z = torch.view_as_complex(pairs)
+        except RuntimeError:  # strides or offset not of whole pairs
+            z = torch.view_as_complex(pairs.contiguous())
+        out = torch.view_as_real(z * self.cis.view(T, *[1] * (x.dim() - 2), half)).flatten(-2)
+        return out.to(x.dtype)

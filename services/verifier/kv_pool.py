@@ -49,7 +49,10 @@ class LatentKVPool:
         self.page_size = page_size
         self.num_pages = num_slots // page_size
         self.num_slots = num_slots
-        self.cache = torch.zeros(num_layers, num_slots, width, dtype=dtype, device=device)
+        # One row past the last slot, never handed out: a static-shape step's padding rows write their
+        # latents there (static_step.py).
+        self.pad_slot = num_slots
+        self.cache = torch.zeros(num_layers, num_slots + 1, width, dtype=dtype, device=device)
         # A min-heap of free page ids (a sorted list is one). Kept on the host; pages are plain ints.
         self._free: list[int] = list(range(self.num_pages))
         self._in_use = torch.zeros(self.num_pages, dtype=torch.bool)

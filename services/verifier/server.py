@@ -31,6 +31,7 @@ from ddtree.verifier.kv_pool import LatentKVPool
 from ddtree.verifier.kv_sizing import kv_size_for
 from ddtree.verifier.scheduler import AdmissionError, Scheduler
 from ddtree.verifier.sequence import GenerateParams, Sequence
+from ddtree.verifier.static_step import make_static_step
 from ddtree.verifier.target import LocalTarget, ShardedTarget
 
 log = get_logger("ddtree.verifier")
@@ -268,6 +269,8 @@ def serve(config: VerifierConfig, model_dir: str) -> RunningServer:
     if tp is not None:
         tp.model.replicate_kv(pool.cache)  # every rank holds a full copy of the latent cache
     scheduler = Scheduler(target, pool, config, drafter)
+    if tp is None:
+        target.static = make_static_step(config, model, pool, scheduler.tap_layer_ids)
     scheduler.start()
     eos_ids = tuple(mcfg.eos_token_ids)
     config_json = (pathlib.Path(model_dir) / "config.json").read_text()

@@ -45,6 +45,10 @@ class ForwardInputs:
             "tap_layer_ids": self.tap_layer_ids,
         }
 
+    def static_args(self) -> tuple:
+        """The arguments of StaticStep.run (the kv cache is the step's own)."""
+        return self.input_ids, self.positions, self.meta, self.tap_layer_ids
+
 
 @dataclasses.dataclass(frozen=True)
 class ItemHead:
@@ -76,11 +80,17 @@ class LocalTarget:
     def __init__(self, model: DeepseekV3ForCausalLM):
         self.model = model
         self.config = model.config
+        self.static = None  # a static_step.StaticStep (--cuda-graphs): steps that fit a bucket run there
 
     def run(self, inputs: ForwardInputs, heads: list[ItemHead]) -> tuple[torch.Tensor | None, list[ItemRows]]:
-        args, kwargs = inputs.args()
-        out = self.model.forward(*args, **kwargs, hidden_only=True)
-        hidden = _blocks(out.hidden, heads)  # final-normed rows per item
+        static = self.static.run(*inputs.static_args()) if self.static is not None else None
+        if static is not None:  # every row, final-normed; the items' rows picked here
+            rows, taps = static[0].index_select(0, inputs.logits_rows), static[1]
+        else:
+            args, kwargs = inputs.args()
+            out = self.model.forward(*args, **kwargs, hidden_only=True)
+            rows, taps = out.hidden, out.taps
+        hidden = _blocks(rows, heads)  # final-normed rows per item
         results: list[ItemRows] = [
             (None, None) if h.walk is not None or rows is None else (self.model.compute_logits(rows), None)
             for h, rows in zip(heads, hidden)
@@ -92,7 +102,7 @@ class LocalTarget:
             )
             for i, c in zip(walking, choices):
                 results[i] = (None, c)
-        return out.taps, results
+        return taps, results
 
 
 class ShardedTarget:

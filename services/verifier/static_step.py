@@ -1,0 +1,234 @@
+"""The verify / decode forward at static shapes: buckets, preallocated inputs, CUDA graphs (issue 17).
+
+A bucket is (batch B, rows per sequence Q, keys per sequence K). A step fits the smallest bucket with
+B >= its sequences, Q >= its longest item (tree root + nodes, an AR row, a prefill chunk) and
+K >= its longest prefix + that item. Its inputs are copied into the bucket's buffers
+(models/static_forward.py has the layout), padding rows write to the pool's pad slot and see one key,
+and the forward reads only the buffers: no host synchronisation and no data-dependent shape inside,
+so on CUDA each bucket is a captured graph (`torch.cuda.CUDAGraph`, one memory pool shared by all
+buckets, captured at start-up, largest first) and a step is copy-in + replay. A step that fits no
+bucket runs the eager forward (the same tokens). On the CPU the same buffers and forward run
+directly (`--cuda-graphs on`), which is what the tests check against the eager forward.
+
+`run` returns the final-normed hidden rows and the taps of the real rows in the eager forward's row
+order, so the LM head and the accept walk (target.py, greedy_head.py) do not know which ran.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import time
+
+import torch
+
+from ddtree.models.attention import AttentionMetadata
+from ddtree.models.deepseek_v3 import DeepseekV3ForCausalLM
+from ddtree.models.moe import DeepseekV3MoE
+from ddtree.models.static_forward import static_forward
+from ddtree.telemetry.logging import get_logger
+
+log = get_logger("ddtree.verifier.static_step")
+CPU_KEY_BLOCK = 128  # on the CPU, keys per sequence are padded to a multiple of this
+DENSE_EXPERTS = 16  # more routed experts per rank than this: eager only (a fused MoE would be the static route)
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Bucket:
+    batch: int  # B sequences
+    rows: int  # Q rows per sequence
+    keys: int  # K keys per sequence (prefix + rows)
+
+
+def make_buckets(batch_sizes, row_sizes, key_sizes) -> tuple[Bucket, ...]:
+    return tuple(sorted(Bucket(b, q, k) for b in batch_sizes for q in row_sizes for k in key_sizes if k >= q))
+
+
+def default_buckets(max_batch: int, max_rows: int, max_keys: int, key_block: int = 512) -> tuple[Bucket, ...]:
+    """Batch 1, 2, 4, ... max_batch; rows 1 (AR) and max_rows (a full tree); keys key_block, 2·key_block,
+    4·key_block, ... up to max_keys (geometric: about log2(max_keys / key_block) graphs per (B, Q))."""
+    batches = sorted({min(1 << i, max_batch) for i in range(max_batch.bit_length() + 1)})
+    keys, k = [], key_block
+    while k < max_keys:
+        keys.append(k)
+        k *= 2
+    keys.append(max_keys)
+    return make_buckets(batches, sorted({1, max_rows}), keys)
+
+
+class StepBuffers:
+    """One bucket's inputs (models/static_forward.py's layout) and, once captured, its outputs."""
+
+    def __init__(self, b: Bucket, pad_slot: int, device: torch.device):
+        T = b.batch * b.rows
+        self.bucket, self.pad_slot = b, pad_slot
+        self.input_ids = torch.zeros(T, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(T, dtype=torch.int64, device=device)
+        self.write_slots = torch.full((T,), pad_slot, dtype=torch.int64, device=device)
+        self.key_slots = torch.full((b.batch, b.keys), pad_slot, dtype=torch.int64, device=device)
+        self.hidden_mask = torch.ones(b.batch, b.rows, b.keys, dtype=torch.bool, device=device)
+        # Every row sees key 0, also in the warm-up and capture runs: no all -inf row, so the pad slot only
+        # ever holds finite latents (a real row's weight 0 times a NaN there would still be NaN).
+        self.hidden_mask[:, :, 0] = False
+        self.rows = torch.arange(T, dtype=torch.int64, device=device)
+        self.out: tuple[torch.Tensor, torch.Tensor | None] | None = None  # graph outputs
+        self.graph = None
+
+    def fill(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Copy one step into the buffers; returns int64 [T_real]: each real row's padded row."""
+        b = self.bucket
+        Q, K = b.rows, b.keys
+        host_ids = torch.zeros(b.batch * Q, dtype=torch.int64)
+        host_pos = torch.zeros(b.batch * Q, dtype=torch.int64)
+        write = torch.full((b.batch * Q,), self.pad_slot, dtype=torch.int64)
+        keys = torch.full((b.batch, K), self.pad_slot, dtype=torch.int64)
+        hidden = torch.ones(b.batch, Q, K, dtype=torch.bool)
+        hidden[:, :, 0] = False  # every row sees one key (padding rows: never read)
+        where = []
+        ids, pos = ids.cpu(), pos.cpu()
+        for i, s in enumerate(meta.seqs):
+            P, n = s.prefix_slots.numel(), s.q_len
+            r0 = i * Q
+            host_ids[r0 : r0 + n] = ids[s.q_start : s.q_start + n]
+            host_pos[r0 : r0 + n] = pos[s.q_start : s.q_start + n]
+            write[r0 : r0 + n] = s.new_slots.cpu()
+            keys[i, :P] = s.prefix_slots.cpu()
+            keys[i, P : P + n] = s.new_slots.cpu()
+            hidden[i, :n, :P] = False
+            hidden[i, :n, P : P + n] = ~s.visible_new().cpu()
+            where.append(torch.arange(r0, r0 + n))
+        for buf, host in (
+            (self.input_ids, host_ids),
+            (self.positions, host_pos),
+            (self.write_slots, write),
+            (self.key_slots, keys),
+            (self.hidden_mask, hidden),
+        ):
+            buf.copy_(host, non_blocking=True)
+        return torch.cat(where) if where else torch.empty(0, dtype=torch.int64)
+
+    def forward(self, model, kv_cache: torch.Tensor, taps: tuple[int, ...]):
+        return static_forward(
+            model,
+            self.input_ids,
+            self.positions,
+            self.write_slots,
+            self.key_slots,
+            self.hidden_mask,
+            kv_cache,
+            self.rows,
+            taps,
+        )
+
+
+class StaticStep:
+    def __init__(
+        self,
+        model: DeepseekV3ForCausalLM,
+        kv_cache: torch.Tensor,
+        pad_slot: int,
+        buckets: tuple[Bucket, ...],
+        tap_layer_ids: tuple[int, ...],
+        graphs: bool,
+    ):
+        if not self.supports(model):
+            raise ValueError(f"static steps need unquantized routed experts, at most {DENSE_EXPERTS} per layer")
+        self.model, self.kv_cache, self.taps = model, kv_cache, tuple(tap_layer_ids)
+        self.buckets = tuple(sorted(buckets))
+        self._bucket_set = frozenset(self.buckets)
+        self._sizes = [sorted({getattr(b, f) for b in self.buckets}) for f in ("batch", "rows", "keys")]
+        self.graphs = graphs
+        self.pad_slot = pad_slot
+        self._buffers: dict[Bucket, StepBuffers] = {}  # made on first use (all of them by capture)
+        self.replays = 0
+        self.fallbacks = 0
+
+    @staticmethod
+    def supports(model: DeepseekV3ForCausalLM) -> bool:
+        """The static forward runs routed experts densely: unquantized and at most DENSE_EXPERTS of them."""
+        return all(
+            not isinstance(layer.mlp, DeepseekV3MoE)
+            or (layer.mlp.experts.gate_proj.kind == "bf16" and layer.mlp.experts.num_local <= DENSE_EXPERTS)
+            for layer in model.model.layers
+        )
+
+    def _buffer(self, b: Bucket) -> StepBuffers:
+        if b not in self._buffers:
+            self._buffers[b] = StepBuffers(b, self.pad_slot, self.kv_cache.device)
+        return self._buffers[b]
+
+    def bucket_for(self, meta: AttentionMetadata) -> Bucket | None:
+        seqs = meta.seqs
+        if not seqs:
+            return None
+        q = max(s.q_len for s in seqs)
+        k = max(s.prefix_slots.numel() + s.q_len for s in seqs)
+        # The smallest batch, then rows, then keys that fit (each dimension by bisection).
+        sizes = [self._sizes[i][bisect.bisect_left(self._sizes[i], need)] if need <= self._sizes[i][-1] else None
+                 for i, need in enumerate((len(seqs), q, k))]  # fmt: skip
+        b = None if None in sizes else Bucket(*sizes)
+        return b if b in self._bucket_set else None
+
+    def capture(self) -> float:
+        """Capture every bucket's graph (CUDA), largest first so that the shared pool is sized once;
+        returns the seconds it took."""
+        if not self.graphs:
+            return 0.0
+        t0 = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        for b in sorted(self.buckets, reverse=True):
+            buf = self._buffer(b)
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream), torch.inference_mode():
+                for _ in range(2):  # warm-up: allocator and kernel caches, outside the capture
+                    buf.forward(self.model, self.kv_cache, self.taps)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
+                buf.out = buf.forward(self.model, self.kv_cache, self.taps)
+            buf.graph = graph
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        log.info("cuda_graphs_captured", buckets=len(self.buckets), seconds=round(seconds, 2))
+        return seconds
+
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, tap_layer_ids: tuple[int, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """(final-normed hidden [T, d], taps [T, F] or None) in the eager row order, or None when the step
+        fits no bucket or taps other layers than the captured ones (the caller runs it eagerly)."""
+        b = self.bucket_for(meta)
+        if b is None or tuple(tap_layer_ids) != self.taps:
+            self.fallbacks += 1
+            return None
+        buf = self._buffer(b)
+        where = buf.fill(input_ids, positions, meta).to(self.kv_cache.device)
+        if buf.graph is not None:
+            buf.graph.replay()
+            hidden, taps = buf.out
+        else:
+            hidden, taps = buf.forward(self.model, self.kv_cache, self.taps)
+        self.replays += 1
+        return hidden.index_select(0, where), None if taps is None else taps.index_select(0, where)
+
+
+def make_static_step(config, model: DeepseekV3ForCausalLM, pool, tap_layer_ids: tuple[int, ...]) -> StaticStep | None:
+    """The verifier's StaticStep for `--cuda-graphs` (a VerifierConfig), captured now on CUDA; None when off
+    (auto: on for CUDA) or when the model cannot run at static shapes (then it says so in the log)."""
+    cuda = torch.device(config.device).type == "cuda"
+    if config.cuda_graphs == "off" or (config.cuda_graphs == "auto" and not cuda):
+        return None
+    if not StaticStep.supports(model):
+        log.warning("static_step_unsupported", reason=f"quantized or more than {DENSE_EXPERTS} routed experts")
+        return None
+    rows = config.default_budget + 1
+    if cuda:  # a graph per bucket: few, geometric in keys
+        buckets = default_buckets(config.max_batch, rows, config.max_context + rows)
+    else:  # no capture: buffers are made on first use, and keys padded by at most CPU_KEY_BLOCK
+        keys = range(CPU_KEY_BLOCK, config.max_context + rows + CPU_KEY_BLOCK, CPU_KEY_BLOCK)
+        buckets = make_buckets(range(1, config.max_batch + 1), (1, rows), keys)
+    step = StaticStep(model, pool.cache, pool.pad_slot, buckets, tap_layer_ids, graphs=cuda)
+    step.capture()
+    log.info("static_step", buckets=len(buckets), graphs=cuda)
+    return step

@@ -1,0 +1,221 @@
+"""The static-shape step (services/verifier/static_step.py) on the CPU, fp32.
+
+At every bucket edge (batch 1 and max, rows 1 and max, keys at the bucket boundaries) the step through
+the reused buffers equals, bit for bit, the static forward run eagerly on fresh tensors at that
+bucket (what a CUDA graph replay must reproduce), and agrees with the eager model forward (allclose,
+the same argmax). A step outside every bucket runs eagerly, and a generation gives the same tokens
+with the static step on and off.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from ddtree.contract.sampling_params import SamplingConfig
+from ddtree.contract.token_tree import EMPTY_TREE, TokenTree
+from ddtree.models.attention import AttentionMetadata, SeqAttention
+from ddtree.models.loader import load_target
+from ddtree.verifier.batch import PrefillItem, VerifyItem, run_batch
+from ddtree.verifier.commit import commit_prefill, commit_verify
+from ddtree.verifier.kv_pool import LatentKVPool
+from ddtree.verifier.page_table import PageTable
+from ddtree.verifier.sequence import GenerateParams, Phase, Sequence
+from ddtree.verifier.static_step import Bucket, StaticStep, StepBuffers, make_buckets
+from ddtree.verifier.target import LocalTarget
+from ddtree.verifier.tree_mask import tree_mask
+
+TAPS = (1, 2)
+BUCKETS = make_buckets((1, 3), (1, 8), (32, 64))
+
+
+@pytest.fixture(scope="module")
+def model(default_ckpt):
+    return load_target(default_ckpt.target).eval()
+
+
+def _tree(n: int, seed: int) -> TokenTree:
+    g = random.Random(seed)
+    parents, depths, toks = [], [], []
+    for i in range(1, n + 1):
+        par = i - 1 if i <= n // 2 + 1 else g.randrange(0, i)
+        used = {t for t, p in zip(toks, parents) if p == par}
+        tok = g.choice([t for t in range(20, 60) if t not in used])
+        parents.append(par)
+        depths.append(0 if par == 0 else depths[par - 1])
+        depths[-1] += 1
+        toks.append(tok)
+    return TokenTree(tuple(toks), tuple(parents), tuple(depths))
+
+
+def _meta(shapes, pool_slots: int, seed: int):
+    """shapes: (prefix length, new rows) per sequence -> ids, positions, meta on distinct random slots."""
+    g = torch.Generator().manual_seed(seed)
+    free = torch.randperm(pool_slots, generator=g)
+    ids, pos, seqs, row, used = [], [], [], 0, 0
+    for i, (P, n) in enumerate(shapes):
+        prefix, new = free[used : used + P], free[used + P : used + P + n]
+        used += P + n
+        mask = tree_mask(_tree(n - 1, seed + i)) if n > 1 else None
+        seqs.append(SeqAttention(row, n, prefix.clone(), new.clone(), mask))
+        ids.append(torch.randint(20, 4000, (n,), generator=g))
+        pos.append(torch.arange(P, P + n) if mask is None else P + mask.sum(1) - 1)
+        row += n
+    return torch.cat(ids), torch.cat(pos), AttentionMetadata(tuple(seqs))
+
+
+def _fresh(model, kv, bucket: Bucket, ids, pos, meta, pad_slot):
+    """The static forward at `bucket` on freshly built buffers (no reuse)."""
+    buf = StepBuffers(bucket, pad_slot, kv.device)
+    where = buf.fill(ids, pos, meta)
+    hidden, taps = buf.forward(model, kv, TAPS)
+    return hidden.index_select(0, where), taps.index_select(0, where)
+
+
+EDGES = [  # (prefix, rows) per sequence: batch 1 and max, rows 1 and max, keys at the boundaries
+    [(0, 1)],
+    [(31, 1)],
+    [(24, 8)],
+    [(25, 8)],  # 33 keys: the next key bucket
+    [(56, 8)],  # exactly the largest
+    [(63, 1), (10, 8), (0, 1)],
+    [(5, 8), (56, 8), (40, 1)],
+    [(1, 1), (2, 1)],
+]
+
+
+def test_every_bucket_edge_equals_the_eager_forward(model):
+    c = model.config
+    S = 600
+    kv0 = torch.randn(c.num_hidden_layers, S + 1, c.kv_cache_width, generator=torch.Generator().manual_seed(1))
+    kv_static = kv0.clone()
+    step = StaticStep(model, kv_static, S, BUCKETS, TAPS, graphs=False)
+    for k, shapes in enumerate(EDGES + EDGES[::-1]):  # twice, in both orders: stale buffer contents would show
+        ids, pos, meta = _meta(shapes, S, seed=k)
+        bucket = step.bucket_for(meta)
+        assert bucket is not None
+        with torch.inference_mode():
+            got_h, got_t = step.run(ids, pos, meta, TAPS)
+            kv_fresh = kv_static.clone()
+            want_h, want_t = _fresh(model, kv_fresh, bucket, ids, pos, meta, S)
+            kv_eager = kv_static.clone()
+            out = model.forward(ids, pos, meta, kv_eager, tap_layer_ids=TAPS, hidden_only=True)
+        assert torch.equal(got_h, want_h) and torch.equal(got_t, want_t), f"{shapes}: not bit for bit"
+        assert torch.equal(kv_static[:, :S], kv_fresh[:, :S])
+        torch.testing.assert_close(got_h, out.hidden, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(got_t, out.taps, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(kv_static[:, :S], kv_eager[:, :S], atol=1e-5, rtol=1e-5)
+        assert torch.equal(model.compute_logits(got_h).argmax(-1), model.compute_logits(out.hidden).argmax(-1))
+    assert step.replays == 2 * len(EDGES) and step.fallbacks == 0
+
+
+def test_outside_every_bucket_is_left_to_the_eager_forward(model):
+    c = model.config
+    kv = torch.zeros(c.num_hidden_layers, 201, c.kv_cache_width)
+    step = StaticStep(model, kv, 200, BUCKETS, TAPS, graphs=False)
+    for shapes in ([(60, 8)], [(0, 9)], [(0, 1)] * 4):  # 68 keys, 9 rows, 4 sequences
+        ids, pos, meta = _meta(shapes, 200, seed=0)
+        assert step.bucket_for(meta) is None and step.run(ids, pos, meta, TAPS) is None
+    ids, pos, meta = _meta([(3, 1)], 200, seed=0)
+    assert step.run(ids, pos, meta, (1,)) is None  # other tap layers than captured
+    assert step.fallbacks == 4
+
+
+def _generate(model, static: bool, prompts, steps: int) -> list[list[int]]:
+    c = model.config
+    pool = LatentKVPool(c.num_hidden_layers, 2048, c.kv_cache_width, torch.float32, "cpu")
+    target = LocalTarget(model)
+    if static:
+        target.static = StaticStep(model, pool.cache, pool.pad_slot, BUCKETS, TAPS, graphs=False)
+    seqs = []
+    for i, prompt in enumerate(prompts):
+        s = Sequence(GenerateParams(f"r{i}", tuple(prompt), SamplingConfig(), 1000, frozenset(), True, 8))
+        s.table, s.phase = PageTable(1), Phase.PREFILL
+        out = run_batch(target, pool, [PrefillItem(s, 0, len(prompt))], TAPS)
+        s.generated = commit_prefill(out[0], pool, 0)
+        s.phase = Phase.DECODE
+        seqs.append(s)
+    for k in range(steps):  # AR and tree steps, mixed in one batch; contexts grow past the largest bucket
+        items = [VerifyItem(s, EMPTY_TREE if (k + i) % 3 == 0 else _tree(7, k * 10 + i)) for i, s in enumerate(seqs)]
+        for out in run_batch(target, pool, items, TAPS):
+            out.item.seq.generated += commit_verify(out, pool, 0)[1]
+    if static:
+        assert target.static.replays > 0 and target.static.fallbacks > 0
+    return [s.generated for s in seqs]
+
+
+def test_tokens_are_the_same_with_and_without_the_static_step(model):
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(20, 4000, (n,), generator=g).tolist() for n in (5, 30, 44)]
+    assert _generate(model, True, prompts, 12) == _generate(model, False, prompts, 12)
+
+
+def test_prefix_runs_read_in_place_equal_the_gather(monkeypatch):
+    """Long runs of consecutive prefix slots are read as views of the cache (attention.RUN_MIN); the
+    result equals the one-gather path, with runs, fragments and a tree mask in one batch."""
+    from ddtree.models import attention
+
+    g = torch.Generator().manual_seed(5)
+    kv = torch.randn(3000, 80, generator=g)
+    frag = torch.randperm(3000, generator=g)[:40]  # scattered slots, then runs around them
+    prefixes = [
+        torch.arange(100, 400),  # one run
+        torch.cat([torch.arange(500, 700), frag[:10], torch.arange(900, 1200), frag[10:20]]),  # runs + fragments
+        frag[20:40],  # short: gathered
+    ]
+    seqs, row = [], 0
+    for i, (prefix, n) in enumerate(zip(prefixes, (1, 8, 8))):
+        new = torch.arange(2000 + 10 * i, 2000 + 10 * i + n)
+        mask = tree_mask(_tree(n - 1, i)) if n > 1 else None
+        seqs.append(SeqAttention(row, n, prefix, new, mask))
+        row += n
+    meta = AttentionMetadata(tuple(seqs))
+    assert [len(s.prefix_runs[0]) for s in seqs] == [1, 2, 0]
+    q_lat, q_pe = torch.randn(row, 4, 64, generator=g), torch.randn(row, 4, 16, generator=g)
+    backend = attention.TorchMLAAttention()
+    got = backend.attend(q_lat, q_pe, kv, meta, 0.1)
+    monkeypatch.setattr(attention, "RUN_MIN", 10**9)
+    want = backend.attend(
+        q_lat,
+        q_pe,
+        kv,
+        AttentionMetadata(
+            tuple(SeqAttention(s.q_start, s.q_len, s.prefix_slots, s.new_slots, s.new_mask) for s in seqs)
+        ),
+        0.1,
+    )
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+def test_cuda_graphs_flag(model):
+    """auto is off on the CPU, on builds the static step (no graphs on the CPU); bad values are refused."""
+    from ddtree.config import VerifierConfig
+    from ddtree.verifier.static_step import make_static_step
+
+    c = model.config
+    pool = LatentKVPool(c.num_hidden_layers, 256, c.kv_cache_width, torch.float32, "cpu")
+    assert make_static_step(VerifierConfig(), model, pool, TAPS) is None
+    assert make_static_step(VerifierConfig(cuda_graphs="off"), model, pool, TAPS) is None
+    step = make_static_step(VerifierConfig(cuda_graphs="on", max_batch=2, max_context=300), model, pool, TAPS)
+    assert step is not None and not step.graphs and step.capture() == 0.0
+    assert max(b.keys for b in step.buckets) >= 300 + 17 and {b.rows for b in step.buckets} == {1, 17}
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        VerifierConfig(cuda_graphs="yes").validate()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_position_rope_gives_the_bits_of_the_rotary_embedding(model, dtype):
+    """cos/sin once per forward, applied as one complex multiply: the numbers of RotaryEmbedding."""
+    from ddtree.models.rope import PositionRope
+
+    rope = model.model.rotary_emb
+    g = torch.Generator().manual_seed(0)
+    for T in (1, 17, 300):
+        pos = torch.randint(0, 8000, (T,), generator=g)
+        cached = PositionRope(rope, pos)
+        q = torch.randn(T, 4, 48, generator=g).to(dtype)[..., 32:]  # a split view, as q_pe
+        k = torch.randn(T, 80, generator=g).to(dtype)[:, 64:]  # as k_pe of kv_a_proj's output
+        for x in (q, k):
+            assert torch.equal(cached(x, pos), rope(x, pos))
