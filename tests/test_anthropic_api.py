@@ -294,6 +294,21 @@ def test_tool_use_stream(gw, client, fake, tok):
 
 
 # -- stop sequences, parameters -------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("choice", "section"),
+    [({"type": "any"}, "call{1,8}"), ({"type": "tool", "name": "get_weather"}, "call <")],
+)
+def test_tool_choice_any_and_tool_force_the_call(client, fake, tok, choice, section):
+    """any = OpenAI's required (1 to 8 calls), tool = one call of that tool: both through the forced
+    tool-call grammar (structured_outputs.tool_grammar), behind the think block the prompt opened."""
+    fake.reset(script_for(tok.encode(TOOL_OUT) + [IM_END], finish="stop"))
+    r = client.messages.create(model=MODEL, max_tokens=128, messages=_user(), tools=TOOLS, tool_choice=choice)
+    assert r.stop_reason == "tool_use" and [b.input for b in r.content if b.type == "tool_use"][0] == {"city": "Paris"}
+    grammars = json.loads(fake.requests[-1].grammar)["grammars"]
+    assert "REASONING" in grammars[0]["lark_grammar"] and section in grammars[1]["lark_grammar"]
+    assert grammars[2]["json_schema"]["required"] == ["city"]
+
+
 def test_stop_sequences(gw, client, fake, tok):
     out = "The answer is 42. END of the story."
     fake.reset(script_for(tok.encode(out), finish="length"), delay_s=0.002)
@@ -444,16 +459,28 @@ BAD = [
         "messages[1].content[0].input: must be an object, got string",
     ),
     (
-        "tool_choice any",
+        "tool_choice any without tools",
         {"max_tokens": 4, "messages": _user(), "tool_choice": {"type": "any"}},
         400,
-        "'any' is not supported",
+        "tool_choice.type: 'any' needs tools",
     ),
     (
-        "tool_choice tool",
-        {"max_tokens": 4, "messages": _user(), "tool_choice": {"type": "tool", "name": "get_weather"}},
+        "tool_choice tool unknown",
+        {"max_tokens": 4, "messages": _user(), "tools": TOOLS, "tool_choice": {"type": "tool", "name": "nope"}},
         400,
-        "tool_choice.type: 'tool' is not supported (it needs constrained decoding",
+        "tool_choice.name: no declared tool is named 'nope'",
+    ),
+    (
+        "tool_choice tool without name",
+        {"max_tokens": 4, "messages": _user(), "tools": TOOLS, "tool_choice": {"type": "tool"}},
+        400,
+        "tool_choice.name",
+    ),
+    (
+        "tool_choice any with min_tokens-free grammar but a name",
+        {"max_tokens": 4, "messages": _user(), "tools": TOOLS, "tool_choice": {"type": "any", "name": "get_weather"}},
+        400,
+        "tool_choice.name",
     ),
     (
         "server tool",
@@ -529,8 +556,10 @@ def test_bad_input(gw, fake, body, status, message):
 def test_errors_through_the_client(client, fake, tok):
     fake.reset([])
     with pytest.raises(anthropic.BadRequestError) as e:
-        client.messages.create(model=MODEL, max_tokens=4, messages=_user(), tool_choice={"type": "any"}, tools=TOOLS)
-    assert e.value.status_code == 400 and "constrained decoding" in e.value.body["error"]["message"]
+        client.messages.create(
+            model=MODEL, max_tokens=4, messages=_user(), tool_choice={"type": "tool", "name": "nope"}, tools=TOOLS
+        )
+    assert e.value.status_code == 400 and "tool_choice.name" in e.value.body["error"]["message"]
     with pytest.raises(anthropic.NotFoundError):
         client.messages.count_tokens(model="claude-x", messages=_user())
     assert fake.requests == []

@@ -104,7 +104,7 @@ def test_data_equals_the_in_process_trainers_at_tp2(tp2_verifier, reference):
 
 def _request(prompt, max_new=16, taps=TAPS, **kw) -> verifier_pb2.FeaturesRequest:
     gen = dict(input_ids=prompt, max_new_tokens=max_new, ignore_eos=True)
-    gen.update({k: kw.pop(k) for k in ("stop_token_ids", "sampling", "spec") if k in kw})
+    gen.update({k: kw.pop(k) for k in ("stop_token_ids", "sampling", "spec", "grammar", "top_logprobs") if k in kw})
     return verifier_pb2.FeaturesRequest(generate=verifier_pb2.GenerateRequest(**gen), tap_layer_ids=taps, **kw)
 
 
@@ -179,6 +179,9 @@ def test_sampled_generation_is_generates(oracle_stack):
         (dict(taps=[1, 4]), "tap_layer_ids: layer 4 is not a layer of the target (layers 0..3)"),
         (dict(taps=[-1]), "tap_layer_ids: layer -1 is not a layer of the target"),
         (dict(taps=[1, 2, 1]), "tap_layer_ids repeats layer 1"),
+        (dict(taps=[1] * 17), "tap_layer_ids names 17 layers, at most 16"),
+        (dict(grammar='start: "a"'), "generate.grammar is not supported by Features"),
+        (dict(top_logprobs=0), "generate.top_logprobs is not supported by Features"),
         (dict(features_dtype=common_pb2.INT32), "features_dtype INT32 is not a float type"),
         (dict(chunk_bytes=-1), "chunk_bytes must be in [1, 33554432]"),
         (dict(chunk_bytes=1 << 26), "chunk_bytes must be in [1, 33554432]"),

@@ -147,6 +147,28 @@ def test_grpc_chunks_carry_the_logprobs(gw, fake, tok):
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_logprobs" in err.value.details()
 
 
+def _padded(tok):
+    """TEXT's script whose top lists hold an id past the tokenizer's vocabulary (a padded-vocab row)."""
+    ids = tok.encode(TEXT)
+    msgs = script_for(ids, sizes=[len(ids)], finish="length")
+    for t in msgs[0].token_ids:
+        msgs[0].logprobs.add(logprob=-0.5, top_ids=[t, tok.vocab_size + 3], top_logprobs=[-0.5, -1.0])
+    return ids, msgs
+
+
+def test_top_ids_past_the_vocabulary_render_safely(client, fake, tok):
+    pad = f"<|{tok.vocab_size + 3}|>"
+    ids, msgs = _padded(tok)
+    fake.reset(msgs)
+    r = client.chat.completions.create(model=MODEL, messages=USER, logprobs=True, top_logprobs=2, extra_body=NO_THINK)
+    tops = [e.top_logprobs[1] for e in r.choices[0].logprobs.content]
+    assert len(tops) == len(ids) and all((t.token, t.bytes, t.logprob) == (pad, [], -1.0) for t in tops)
+    fake.reset(msgs)
+    stream = client.completions.create(model=MODEL, prompt="a", logprobs=2, stream=True)
+    dicts = [d for c in stream if c.choices and c.choices[0].logprobs for d in c.choices[0].logprobs.top_logprobs]
+    assert len(dicts) == len(ids) and all(d[pad] == -1.0 for d in dicts)
+
+
 def test_chosen_token_joins_the_completion_top_dict(client, fake, tok):
     ids = tok.encode("ab")
     msgs = script_for(ids, finish="length")

@@ -4,7 +4,8 @@
 - Against a FAKE verifier with the official `openai` client: n verifier requests with ids ID, ID-1, ...
   and seeds seed, seed + 1, ...; n choices in index order; usage with the prompt once and the
   completion tokens summed; a stream whose chunks carry every index, one usage chunk at the end; the
-  limits (400).
+  limits (400); n takes n of the gateway's worker threads (429 when not free); a whole response is
+  bounded (400) but a stream is not; Choices.close() returns at once and never raises.
 - On the real stack: n = 3 with a seed at temperature 1 is reproducible per choice, different across
   choices, and choice i equals a single request with seed + i (each choice is its own seed stream);
   streaming gives the same choices; at temperature 0 the n choices are identical.
@@ -12,13 +13,16 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import openai
 import pytest
 
 from ddtree.config import GatewayConfig
-from ddtree.gateway.choices import MAX_N
+from ddtree.gateway.choices import MAX_N, Choices
 from ddtree.gateway.server import serve
-from ddtree.protocol.ddtree.v1 import common_pb2
+from ddtree.protocol.ddtree.v1 import common_pb2, gateway_pb2
 from tests.fakes import script_for, start_fake_verifier
 
 MODEL = "ddtree-demo"
@@ -123,6 +127,99 @@ def test_one_failing_choice_fails_the_request(client, fake, tok):
     fake.run.script[-1].finish_reason = ""  # every choice ends in the error
     with pytest.raises(openai.RateLimitError):
         client.completions.create(model=MODEL, prompt="a", n=2)
+
+
+def _gateway(fake, tokenizer_dir, **kw):
+    config = GatewayConfig(verifier=fake.address, **kw)
+    config.validate()
+    return serve(config, tokenizer_dir=tokenizer_dir, announce=False)
+
+
+def _openai(running):
+    return openai.OpenAI(base_url=f"http://{running.http_address}/v1", api_key="none", max_retries=0, timeout=20)
+
+
+def test_n_takes_worker_threads_or_is_429(fake, tokenizer_dir, tok):
+    running = _gateway(fake, tokenizer_dir, max_workers=1, max_streams=2)  # 3 worker threads
+    try:
+        client = _openai(running)
+        fake.reset(script_for(tok.encode("ok")))
+        with pytest.raises(openai.RateLimitError) as err:
+            client.completions.create(model=MODEL, prompt="a", n=3, max_tokens=4)
+        assert err.value.body["param"] == "n" and "3 choices need 4 of the gateway's 3 worker threads" in str(err.value)
+        ids, msgs = _script(tok)
+        fake.reset(msgs)
+        r = client.completions.create(model=MODEL, prompt="a", n=2, max_tokens=8)  # 2 + 1 of 3: fits
+        assert [c.index for c in r.choices] == [0, 1]
+        fake.reset(msgs)
+        r = client.completions.create(model=MODEL, prompt="a", n=2, max_tokens=8)  # the tokens came back
+        assert len(r.choices) == 2
+    finally:
+        running.stop(0)
+
+
+def test_a_whole_n_response_is_bounded(fake, tokenizer_dir, tok):
+    running = _gateway(fake, tokenizer_dir, max_tokens_limit=200_000)
+    try:
+        client = _openai(running)
+        fake.reset(script_for([5]))
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model=MODEL, prompt="a", n=2, max_tokens=100_001, logprobs=9)
+        assert err.value.body["param"] == "n" and "n * max_tokens * (top_logprobs + 1)" in err.value.body["message"]
+        assert fake.requests == []
+        ids, msgs = _script(tok)
+        fake.reset(msgs)
+        chunks = list(
+            client.completions.create(model=MODEL, prompt="a", n=2, max_tokens=100_001, logprobs=9, stream=True)
+        )
+        assert {c.choices[0].index for c in chunks if c.choices} == {0, 1}
+    finally:
+        running.stop(0)
+
+
+class _Slow:
+    """A Generation stand-in that ends 0.5 s after cancel(), and whose close() may raise."""
+
+    def __init__(self, i: int, close_raises: bool = False):
+        self.request_id, self.close_raises = f"r-{i}", close_raises
+        self.cancelled, self.closed = threading.Event(), threading.Event()
+        self._it = self._run()
+
+    def _run(self):
+        yield gateway_pb2.GenerateChunk(request_id=self.request_id)
+        self.cancelled.wait(10)
+        time.sleep(0.5)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self._it)
+
+    def cancel(self):
+        self.cancelled.set()
+
+    def close(self):
+        self.closed.set()
+        if self.close_raises:
+            raise ValueError("generator already executing")
+        self._it.close()
+
+
+def test_choices_close_neither_blocks_nor_raises():
+    gens = [_Slow(i) for i in range(4)]
+    choices = Choices(gens)
+    assert next(choices)[1].request_id.startswith("r-")  # the threads run
+    started = time.monotonic()
+    choices.close()
+    assert time.monotonic() - started < 0.2
+    assert all(g.cancelled.is_set() for g in gens)
+    assert all(g.closed.wait(5) for g in gens)  # each thread closed its own generation
+    idle = Choices([_Slow(i, close_raises=True) for i in range(3)])  # never started: closed here
+    idle.close()
+    assert all(g.closed.is_set() for g in idle.generations)
+    with pytest.raises(StopIteration):
+        next(idle)
 
 
 # -- the real stack ----------------------------------------------------------------------------------------

@@ -291,3 +291,102 @@ def test_continue_final_message_and_add_generation_prompt(client, fake, tok):
 def test_models_carry_max_model_len(client):
     assert client.models.list().data[0].model_extra["max_model_len"] == 1234  # the fake's max_context
     assert client.models.retrieve(MODEL).model_extra["max_model_len"] == 1234
+
+
+DEEP = "[" * 100_000 + "]" * 100_000
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(
+    "extra, param, message",
+    [
+        ({"guided_json": DEEP}, "guided_json", "nested too deeply"),
+        ({"structured_outputs": {"json": '{"maximum": NaN}'}}, "structured_outputs.json", "NaN is not a JSON number"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": '{"maximum": 1' + "0" * 200 + "}"}}},
+            "response_format.json_schema.schema",
+            "a number of 201 characters",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"schema": {"type": "object", "x-guidance": "a"}},
+                }
+            },
+            "response_format.json_schema.schema.x-guidance",
+            "not supported",
+        ),
+        (
+            {"guided_json": {"type": "object", "x-guidance": {"whitespace_flexible": True}}},
+            "guided_json.x-guidance",
+            "not supported",
+        ),
+        ({"guided_choice": ["a", "b"], "min_tokens": 2}, "min_tokens", "must be 0 with a structured output"),
+        (
+            {"tools": [WEATHER], "tool_choice": "required", "min_tokens": 1},
+            "min_tokens",
+            "must be 0 with a structured output or a forced tool call",
+        ),
+    ],
+)
+def test_structured_output_inputs_are_400(client, fake, extra, param, message):
+    fake.reset(script_for([5]))
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=USER, extra_body=extra)
+    assert message in err.value.body["message"] and err.value.body["param"] == param, err.value.body
+    assert fake.requests == []
+
+
+@pytest.mark.parametrize("grammar", ['{"grammars":[]}', '{"grammars":["x"]}', '{"grammars":[{"lark_grammar":1}]}'])
+def test_grpc_malformed_grammar_after_think_is_invalid_argument(gw, fake, grammar):
+    """The prompt opens a think block (thinking on), so the grammar is wrapped after </think>: a
+    malformed one is INVALID_ARGUMENT naming options.grammar, never UNKNOWN."""
+    from ddtree.protocol.ddtree.v1 import gateway_pb2, gateway_pb2_grpc
+
+    fake.reset(script_for([5]))
+    request = gateway_pb2.ChatRequest(
+        messages=[gateway_pb2.ChatMessage(role="user", content="x")],
+        options=gateway_pb2.GenerationOptions(grammar=grammar),
+    )
+    with grpc.insecure_channel(gw.address) as channel, pytest.raises(grpc.RpcError) as err:
+        list(gateway_pb2_grpc.GatewayStub(channel).Chat(request))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    assert err.value.details().startswith("options.grammar: ")
+    assert fake.requests == []
+
+
+def test_grpc_grammar_after_think_keeps_its_name(gw, fake, tok):
+    from ddtree.protocol.ddtree.v1 import gateway_pb2, gateway_pb2_grpc
+
+    fake.reset(script_for(tok.encode("ok"), finish="length"))
+    grammar = json.dumps({"grammars": [{"name": "main", "lark_grammar": 'start: "ok"'}]})
+    request = gateway_pb2.ChatRequest(
+        messages=[gateway_pb2.ChatMessage(role="user", content="x")],
+        options=gateway_pb2.GenerationOptions(grammar=grammar),
+    )
+    with grpc.insecure_channel(gw.address) as channel:
+        list(gateway_pb2_grpc.GatewayStub(channel).Chat(request))
+    sent = json.loads(fake.requests[-1].grammar)["grammars"]
+    assert sent[0]["lark_grammar"].startswith("start: REASONING <[") and "@main" in sent[0]["lark_grammar"]
+    assert sent[1] == {"name": "main", "lark_grammar": 'start: "ok"'}
+
+
+def test_a_grammar_is_checked_once(client, gw, fake, tok, monkeypatch):
+    """HTTP: structured_outputs checks each field; the pipeline does not check the grammar again."""
+    import llguidance
+
+    from ddtree.protocol.ddtree.v1 import gateway_pb2, gateway_pb2_grpc
+
+    calls = []
+    validate = llguidance.LLMatcher.validate_grammar
+    monkeypatch.setattr(llguidance.LLMatcher, "validate_grammar", lambda g: calls.append(g) or validate(g))
+    fake.reset(script_for(tok.encode("a"), finish="length"))
+    client.chat.completions.create(model=MODEL, messages=USER, extra_body={"guided_choice": ["a", "b"]})
+    assert len(calls) == 1 and fake.requests[-1].grammar
+    calls.clear()
+    fake.reset(script_for(tok.encode("a"), finish="length"))
+    with grpc.insecure_channel(gw.address) as channel:
+        options = gateway_pb2.GenerationOptions(grammar='start: "a"')
+        list(gateway_pb2_grpc.GatewayStub(channel).Complete(gateway_pb2.CompleteRequest(prompt="x", options=options)))
+    assert calls == ['start: "a"']

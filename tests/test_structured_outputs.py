@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
 
+import grpc
 import jsonschema
 import llguidance
 import openai
@@ -25,6 +27,9 @@ from ddtree.config import DrafterConfig, VerifierConfig
 from ddtree.contract.sampling_params import SamplingConfig
 from ddtree.contract.token_tree import TokenTree
 from ddtree.drafter.server import serve_engine
+from ddtree.gateway.pipeline import Invalid
+from ddtree.gateway.structured_outputs import after_reasoning, check_grammar
+from ddtree.protocol.ddtree.v1 import verifier_pb2
 from ddtree.tokenization.grammar_vocab import ll_tokenizer
 from ddtree.verifier.drafter_client import DrafterClient
 from ddtree.verifier.grammar import SequenceGrammar
@@ -249,6 +254,34 @@ def test_bad_constraints_are_400_naming_the_field(client, extra, param):
     assert err.value.body["param"] == param, err.value.body
 
 
+@pytest.mark.parametrize(
+    ("grammar", "message"),
+    [
+        ('{"grammars": []}', "grammar: grammars must be a non-empty array"),
+        ('{"grammars": ["x"]}', "grammar: grammars must be a non-empty array"),
+        ('{"grammars": 3}', "grammar: grammars must be a non-empty array"),
+        ('{"grammars": [{"name": "a b", "lark_grammar": "start: \\"a\\""}]}', "grammar: grammars[0].name"),
+    ],
+)
+def test_after_reasoning_refuses_a_malformed_grammar(tok, grammar, message):
+    """Its callers check the grammar first (check_grammar); the wrapping itself never raises other than Invalid."""
+    with pytest.raises(Invalid) as err:
+        after_reasoning(grammar, tok)
+    assert str(err.value).startswith(message)
+
+
+def test_after_reasoning_names_the_answer_apart_from_the_others(tok):
+    inner = {"grammars": [{"lark_grammar": 'start: "a" @answer'}, {"name": "answer", "lark_grammar": 'start: "b"'}]}
+    grammars = json.loads(after_reasoning(json.dumps(inner), tok))["grammars"]
+    assert grammars[0]["lark_grammar"].split("\n")[0].endswith("@answer1") and grammars[1]["name"] == "answer1"
+    assert grammars[2]["name"] == "answer"
+    check_grammar(json.dumps({"grammars": grammars}), "grammar")
+    assert json.loads(after_reasoning('start: "a"', tok))["grammars"][1] == {
+        "lark_grammar": 'start: "a"',
+        "name": "answer",
+    }
+
+
 class _ByteVocab:
     """An 8-token vocabulary "a".."h" for the tiny target (token 7, "h", is also the eos)."""
 
@@ -268,33 +301,48 @@ def tiny_target(tmp_path_factory):
     return min_tokens_tests.tiny_target.__wrapped__(tmp_path_factory)
 
 
-def _run(model, configs: list[SamplingConfig], max_new: int) -> list[Sequence]:
-    """min_tokens_tests._run, each sequence with the regex grammar over the tiny vocabulary."""
-    lt = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteVocab()))
-    grammar = llguidance.LLMatcher.grammar_from_regex(REGEX)
+def _tiny_vocab():
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteVocab()))
+
+
+def _serve(model, seqs: list[Sequence]) -> list:
+    """Run the sequences in one in-process scheduler (the oracle drafter: real trees), submitted together
+    so that they share steps; returns each one's last event."""
     engine = OracleDraftEngine(model, depth=4, default_budget=12, max_budget=64, seed=11)
     drafter = serve_engine(engine, DrafterConfig(port=0, grace_s=0.0))
     client = DrafterClient(f"127.0.0.1:{drafter.port}", timeout_s=30)
-    vcfg = VerifierConfig(max_batch=64, max_queue=len(configs), kv_tokens=64 * 40, prefill_chunk=64)
+    vcfg = VerifierConfig(max_batch=64, max_queue=len(seqs), kv_tokens=64 * 40, prefill_chunk=64)
     pool = LatentKVPool(
         model.config.num_hidden_layers, vcfg.kv_tokens, model.config.kv_cache_width, torch.float32, "cpu"
     )
     sched = Scheduler(LocalTarget(model), pool, vcfg, client)
-    sched.start()
+    last = []
     try:
-        seqs = []
-        for i, cfg in enumerate(configs):
-            seq = Sequence(GenerateParams(f"s{i}", PROMPT, cfg, max_new, frozenset(), True, 12, grammar=grammar))
-            seq.grammar = SequenceGrammar(llguidance.LLMatcher(lt, grammar), frozenset(), tuple(lt.eos_tokens))
-            sched.submit(seq)
-            seqs.append(seq)
         for seq in seqs:
-            while not seq.events.get(timeout=120).finish_reason:
+            sched.submit(seq)
+        sched.start()
+        for seq in seqs:
+            while not (event := seq.events.get(timeout=120)).finish_reason:
                 pass
+            last.append(event)
+        sched.check_accounting()
     finally:
         sched.stop()
         drafter.stop(0)
         client.close()
+    return last
+
+
+def _run(model, configs: list[SamplingConfig], max_new: int) -> list[Sequence]:
+    """min_tokens_tests._run, each sequence with the regex grammar over the tiny vocabulary."""
+    lt = _tiny_vocab()
+    grammar = llguidance.LLMatcher.grammar_from_regex(REGEX)
+    seqs = []
+    for i, cfg in enumerate(configs):
+        seq = Sequence(GenerateParams(f"s{i}", PROMPT, cfg, max_new, frozenset(), True, 12, grammar=grammar))
+        seq.grammar = SequenceGrammar(llguidance.LLMatcher(lt, grammar), frozenset(), tuple(lt.eos_tokens))
+        seqs.append(seq)
+    _serve(model, seqs)
     return seqs
 
 
@@ -333,3 +381,101 @@ def test_sampled_first_tokens_follow_the_masked_distribution(tiny_target):
     p_a = _chi2_pvalue(counts.sum((1, 2)), joint.sum((1, 2)))
     p_bc = _chi2_pvalue(counts.sum(0).flatten(), joint.sum(0).flatten())
     assert min(p_a, p_bc) > 1e-3, f"p-values {p_a:.2e} {p_bc:.2e}"
+
+
+def test_a_grammar_dead_end_ends_only_its_own_sequence(tiny_target):
+    """A row whose grammar allows nothing ends that sequence alone: "stop" where the grammar accepts (a
+    finished one-token grammar whose only allowed token, the stop id, min_tokens holds back), an error
+    naming llguidance's reason where its matcher is in an error state (from the start, or a parser limit
+    hit mid-generation); a normal request batched with them gives the tokens it gives alone."""
+    lt, stop = _tiny_vocab(), frozenset({7})
+
+    def plain():
+        return Sequence(GenerateParams("plain", PROMPT, SamplingConfig(), 10, stop, True, 12))
+
+    def constrained(name, grammar, matcher, min_tokens):
+        cfg = SamplingConfig(min_tokens=min_tokens)
+        seq = Sequence(GenerateParams(name, PROMPT, cfg, 10, stop, True, 12, grammar=grammar))
+        seq.grammar = SequenceGrammar(matcher, stop, tuple(lt.eos_tokens))
+        return seq
+
+    alone = plain()
+    _serve(tiny_target, [alone])
+    one = llguidance.LLMatcher.grammar_from_regex("[a-e]")
+    broken = llguidance.LLMatcher(lt, llguidance.LLMatcher.grammar_from_regex("ab"), log_level=0)
+    assert not broken.consume_token(5) and broken.is_error()  # "f": the matcher is in an error state
+    # Every "a" opens more ways to parse the rest: past two Earley items per mask, a parser limit error.
+    ambiguous = llguidance.LLMatcher.grammar_from_lark('start: x*\nx: "a" | "a" "b" | y\ny: "a"+')
+    limited = llguidance.LLMatcher(
+        lt, ambiguous, log_level=0, limits=llguidance.LLParserLimits(step_max_items=2, verbose_errors=False)
+    )
+    seqs = [
+        constrained("finished", one, llguidance.LLMatcher(lt, one), min_tokens=3),
+        plain(),
+        constrained("broken", "x", broken, min_tokens=0),
+        constrained("limited", ambiguous, limited, min_tokens=5),
+    ]
+    finished, normal, error, limit = _serve(tiny_target, seqs)
+    assert normal.finish_reason == "length" and seqs[1].generated == alone.generated
+    assert finished.finish_reason == "stop" and finished.error is None
+    assert len(seqs[0].generated) == 1 and seqs[0].generated[0] in range(5)
+    assert error.finish_reason == "error" and seqs[2].generated == []
+    assert error.error.startswith("grammar: no token is allowed (llguidance: Parser Error: token")
+    assert limit.finish_reason == "error" and "Too many items" in limit.error, limit.error
+    assert set(seqs[3].generated) <= {0}  # only "a"s (stop ids held back), then the limit
+
+
+class _AbortContext:
+    """A servicer context whose abort raises what it was given (as grpcio's does)."""
+
+    def add_callback(self, fn) -> bool:
+        return True
+
+    def is_active(self) -> bool:
+        return True
+
+    def abort(self, code, details):
+        raise _Aborted(code, details)
+
+
+class _Aborted(Exception):
+    def __init__(self, code, details):
+        super().__init__(code, details)
+        self.code, self.details = code, details
+
+
+def _grammar_call(servicer, grammar: str) -> _Aborted:
+    req = verifier_pb2.GenerateRequest(input_ids=[5, 6], max_new_tokens=4, grammar=grammar)
+    with pytest.raises(_Aborted) as err:
+        next(servicer.Generate(req, _AbortContext()))
+    return err.value
+
+
+def test_grammar_setup_failures_are_statuses_without_exception_text(tmp_path, tokenizer_dir, monkeypatch):
+    """No tokenizer in the model dir: FAILED_PRECONDITION naming the cause, not the exception's text,
+    and tried once (not on every request); a grammar llguidance rejects: INVALID_ARGUMENT, its message."""
+    from ddtree.verifier import server
+
+    built = []
+
+    def counted(path):
+        built.append(path)
+        return server.Tokenizer.__wrapped__(path)
+
+    counted.__wrapped__ = server.Tokenizer
+    monkeypatch.setattr(server, "Tokenizer", counted)
+    scheduler = types.SimpleNamespace(vocab_size=4096, drafter=None)
+    cfg = VerifierConfig()
+    empty = server.VerifierServicer(scheduler, cfg, "t", "{}", (7,), tokenizer_dir=str(tmp_path))
+    for _ in range(3):
+        err = _grammar_call(empty, 'start: "a"')
+        assert err.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert err.details.startswith("grammar: the verifier has no tokenizer for constrained decoding ("), err.details
+        assert str(tmp_path) not in err.details
+    assert len(built) == 1
+    none = server.VerifierServicer(scheduler, cfg, "t", "{}", (7,))
+    assert _grammar_call(none, 'start: "a"').code == grpc.StatusCode.FAILED_PRECONDITION
+    ok = server.VerifierServicer(scheduler, cfg, "t", "{}", (7,), tokenizer_dir=str(tokenizer_dir))
+    err = _grammar_call(ok, "start: ( ")
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.details.startswith("grammar: ") and "Expected token" in err.details, err.details

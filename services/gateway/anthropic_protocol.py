@@ -13,9 +13,11 @@ Every field is implemented or refused with a 400 naming it (`Invalid`), nothing 
   tool_use id of an earlier assistant turn. Refused: images, documents, redacted_thinking, server tools'
   blocks, and a final assistant turn (prefill: the template cannot continue an assistant message).
 - `tools` {name, description, input_schema} become the template's tool declarations; server tools
-  (typed `bash_...`, `web_search_...`) and `strict` are refused. `tool_choice` auto | none
-  (`none`: no tools declared, nothing parsed as a call); any / tool / `disable_parallel_tool_use` need
-  constrained decoding and are refused.
+  (typed `bash_...`, `web_search_...`) and `strict` are refused. `tool_choice` auto | none (`none`: no
+  tools declared, nothing parsed as a call) | any (OpenAI's `required`: 1 to 8 calls of the declared
+  tools) | tool {name} (one call of that tool): any and tool are forced by the grammar of the Kimi K2
+  tool-call section (structured_outputs.tool_grammar), each call's input valid for its input_schema.
+  `disable_parallel_tool_use` is refused.
 - `thinking` {type: enabled, budget_tokens} | {type: adaptive} | {type: disabled} is the Kimi template's
   thinking switch (absent: the template's default, thinking on). `budget_tokens` is checked as Anthropic
   checks it (>= 1024, < max_tokens) but bounds nothing: thinking ends when the model closes it or at
@@ -53,8 +55,8 @@ REFUSED = {
     "container": "code-execution containers are not available",
     "mcp_servers": "MCP servers are not available",
     "context_management": "context management is not available",
-    "output_config": "output formats and effort need constrained decoding",
-    "output_format": "output formats need constrained decoding",
+    "output_config": "output formats and effort are not available (the OpenAI routes take response_format)",
+    "output_format": "output formats are not available (the OpenAI routes take response_format)",
     "inference_geo": "this server's location is fixed",
     "speed": "one speed: DDTree speculative decoding",
 }
@@ -76,7 +78,7 @@ class MessagesParams:
     model: str | None
     messages: list[dict]  # OpenAI-style dicts (chat_template.py)
     tools: list[dict] | None  # OpenAI-style declarations
-    tool_choice: str  # auto | none
+    tool_choice: str  # auto | none | required (any) | function:NAME (tool), as Pipeline.chat_job takes it
     chat_template_kwargs: dict
     options: gateway_pb2.GenerationOptions
     stream: bool = False
@@ -269,7 +271,9 @@ def _tools(body: dict) -> list[dict] | None:
         if kind not in (None, "custom"):
             raise Invalid(f"{where}.type: server tool {kind!r} is not supported (custom tools only)")
         if t.get("strict"):
-            raise Invalid(f"{where}.strict: not supported (strict tool inputs need constrained decoding)")
+            raise Invalid(
+                f"{where}.strict: not supported (inputs are constrained to input_schema only under tool_choice any / tool)"
+            )
         _only(t, {"type", "name", "description", "input_schema", "strict"}, where + ".", "a tool")
         fn = {"name": _typed(t, "name", where + ".", "string", required=True)}
         if t.get("description") is not None:
@@ -288,13 +292,26 @@ def _tool_choice(body: dict) -> str:
     if choice is None:
         return "auto"
     kind = _typed(choice, "type", "tool_choice.", "string", required=True)
-    if kind in ("any", "tool"):
-        raise Invalid(f"tool_choice.type: {kind!r} is not supported (it needs constrained decoding; auto | none)")
-    if kind not in ("auto", "none"):
+    if kind not in ("auto", "none", "any", "tool"):
         raise Invalid(f"tool_choice.type: must be auto, none, any or tool, got {kind!r}")
-    _only(choice, {"type", "disable_parallel_tool_use"}, "tool_choice.", "tool_choice")
+    _only(
+        choice,
+        {"type", "disable_parallel_tool_use", *(("name",) if kind == "tool" else ())},
+        "tool_choice.",
+        "tool_choice",
+    )
     if _typed(choice, "disable_parallel_tool_use", "tool_choice.", "boolean"):
         raise Invalid("tool_choice.disable_parallel_tool_use: not supported (the model may call several tools)")
+    if kind in ("any", "tool") and not body.get("tools"):
+        raise Invalid(f"tool_choice.type: {kind!r} needs tools")
+    if kind == "any":
+        return "required"  # the pipeline's forced tool-call section (structured_outputs.tool_grammar)
+    if kind == "tool":
+        name = _typed(choice, "name", "tool_choice.", "string", required=True)
+        declared = [t.get("name") for t in body["tools"] if isinstance(t, dict)]
+        if name not in declared:
+            raise Invalid(f"tool_choice.name: no declared tool is named {name!r}")
+        return f"function:{name}"
     return kind
 
 

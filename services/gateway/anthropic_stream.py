@@ -7,8 +7,8 @@ or the server-sent event sequence Anthropic streams.
   input {} in the whole answer, while a stream has already sent them as they came).
 - stop_reason: end_turn (end of turn token), max_tokens, stop_sequence (with the stop_sequence that
   matched: the earliest in the output, as the stop matcher cut it), tool_use (the answer called tools).
-- usage: input_tokens (prompt tokens) and output_tokens (generated tokens, the stop token included),
-  plus `spec`, the speculative statistics the OpenAI routes report.
+- usage: input_tokens (prompt tokens) and output_tokens (the verifier's completion_tokens: generated
+  tokens, the stop token not counted), plus `spec`, the speculative statistics the OpenAI routes report.
 - Stream: message_start (usage with input_tokens), ping, then per block content_block_start,
   content_block_delta (text_delta / thinking_delta / input_json_delta) and content_block_stop,
   then message_delta (stop_reason, stop_sequence, usage) and message_stop. A failure after the
@@ -21,6 +21,7 @@ import json
 from collections.abc import Callable
 
 from ddtree.gateway.generation import Result
+from ddtree.gateway.openai_protocol import spec_json
 from ddtree.gateway.parsers import find_first
 from ddtree.protocol.ddtree.v1 import common_pb2, gateway_pb2
 
@@ -63,16 +64,6 @@ def stop_reason(
 
 def usage_json(u: common_pb2.Usage) -> dict:
     return {"input_tokens": u.prompt_tokens, "output_tokens": u.completion_tokens}
-
-
-def spec_json(u: common_pb2.Usage) -> dict:
-    return {
-        "verify_steps": u.verify_steps,
-        "avg_accept_length": round(u.avg_accept_length, 4),
-        "accept_histogram": list(u.accept_histogram),
-        "ttft_ms": round(u.ttft_ms, 3),
-        "decode_ms": round(u.decode_ms, 3),
-    }
 
 
 def tool_input(arguments: str) -> dict:

@@ -9,6 +9,12 @@
 - `Choices` runs them as one: an iterator of (choice index, GenerateChunk) in arrival order, and
   `collect()` the n Results in index order. A failure of one cancels the others and is raised.
   With n = 1 it is the plain Generation, in the caller's thread.
+- `close()` (the HTTP response's `finally`, on the event loop) cancels every choice and returns at
+  once, never raising: each choice's thread closes its own generation as it ends.
+- Bounds: each choice is a verifier stream and (n > 1) a thread, so the HTTP API takes n of its
+  max_workers + max_streams tokens for them (429 when they are not free: http.py), and a response
+  that is not streamed holds at most MAX_RESPONSE_ENTRIES = n * max_tokens * (top_logprobs + 1)
+  token entries (400 above: `check_size`).
 """
 
 from __future__ import annotations
@@ -16,15 +22,18 @@ from __future__ import annotations
 import dataclasses
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from ddtree.gateway.generation import Generation, Result, fold
 from ddtree.gateway.pipeline import Invalid, Job
 from ddtree.protocol.ddtree.v1 import gateway_pb2, verifier_pb2
+from ddtree.telemetry.logging import get_logger
 
 MAX_N = 16
 MAX_REQUEST_ID_CHARS = 256  # the verifier's limit
+MAX_RESPONSE_ENTRIES = 2_000_000  # n * max_tokens * (top_logprobs + 1) of a response that is not streamed
 _END = object()
+_log = get_logger("gateway.choices")
 
 
 def check_n(n: int | None) -> int:
@@ -33,6 +42,18 @@ def check_n(n: int | None) -> int:
     if not 1 <= n <= MAX_N:
         raise Invalid(f"n: must be in [1, {MAX_N}], got {n}")
     return n
+
+
+def check_size(job: Job, n: int, stream: bool) -> None:
+    """Invalid naming n, max_tokens and top_logprobs when a whole (not streamed) response could hold
+    more than MAX_RESPONSE_ENTRIES token entries."""
+    top = job.request.top_logprobs if job.request.HasField("top_logprobs") else 0
+    size = n * job.request.max_new_tokens * (top + 1)
+    if not stream and size > MAX_RESPONSE_ENTRIES:
+        raise Invalid(
+            f"n: n * max_tokens * (top_logprobs + 1) = {n} * {job.request.max_new_tokens} * {top + 1} = {size} "
+            f"is over {MAX_RESPONSE_ENTRIES} for a response that is not streamed (stream it, or ask for less)"
+        )
 
 
 def choice_jobs(job: Job, n: int) -> list[Job]:
@@ -61,6 +82,8 @@ class Choices:
         self._queue: queue.Queue = queue.Queue()
         self._threads: list[threading.Thread] = []
         self._left = len(generations)
+        self._lock = threading.Lock()
+        self._closed = False
 
     @property
     def n(self) -> int:
@@ -72,14 +95,18 @@ class Choices:
 
     def cancel(self) -> None:
         for g in self.generations:
-            g.cancel()
+            _quietly(g.cancel, g.request_id)
 
     def close(self) -> None:
+        """Cancel every choice and release what is left, without waiting for a thread and without
+        raising (it runs on the event loop): a started choice's thread closes its own generation."""
+        with self._lock:
+            self._closed = True
+            started = bool(self._threads)
         self.cancel()
-        for t in self._threads:
-            t.join(timeout=5.0)  # a cancelled generation ends at once; close() must not race its thread
-        for g in self.generations:
-            g.close()
+        if self.n == 1 or not started:  # n = 1 runs in the caller's thread, which is not inside next() now
+            for g in self.generations:
+                _quietly(g.close, g.request_id)
 
     def __iter__(self) -> Iterator[tuple[int, gateway_pb2.GenerateChunk]]:
         return self
@@ -87,8 +114,11 @@ class Choices:
     def __next__(self) -> tuple[int, gateway_pb2.GenerateChunk]:
         if self.n == 1:
             return 0, next(self.generations[0])
-        if not self._threads:
-            self._start()
+        with self._lock:
+            if self._closed:
+                raise StopIteration
+            if not self._threads:
+                self._start()
         while self._left:
             index, item = self._queue.get()
             if item is _END:
@@ -109,6 +139,8 @@ class Choices:
                 self._queue.put((index, _END))
             except BaseException as e:  # handed to the consumer, which raises it
                 self._queue.put((index, e))
+            finally:
+                _quietly(gen.close, gen.request_id)  # this thread's own generation: no race with next()
 
         for i, g in enumerate(self.generations):
             t = threading.Thread(target=run, args=(i, g), name=f"choice-{i}", daemon=True)
@@ -121,3 +153,10 @@ class Choices:
         for index, chunk in self:
             chunks[index].append(chunk)
         return [fold(c) for c in chunks]
+
+
+def _quietly(fn: Callable[[], None], request_id: str) -> None:
+    try:
+        fn()
+    except Exception as e:  # close() must not raise; the log keeps the cause
+        _log.warning("choice_close_failed", request_id=request_id, error=f"{type(e).__name__}: {e}")

@@ -16,7 +16,9 @@ verifier is healthy, else 503), GET /metrics (Prometheus text); Anthropic's POST
 - A client that disconnects, streaming or not, cancels its generation: the verifier aborts the
   request and frees its KV at once.
 - `n` > 1 runs n choices side by side (choices.py): one stream with each chunk's choice index, or one
-  answer with n choices; the response's id and X-Request-Id are choice 0's.
+  answer with n choices; the response's id and X-Request-Id are choice 0's. Its n threads take n of
+  the max_workers + max_streams tokens below (429 when fewer are free), and an answer that is not
+  streamed is bounded (choices.MAX_RESPONSE_ENTRIES, 400 above).
 - `X-Request-Id` (else the body's `request_id`, else a fresh one) is the request's id on the verifier
   and in the logs, the response's id suffix (`chatcmpl-ID`, `cmpl-ID`), and comes back in the
   response's `X-Request-Id` header.
@@ -51,7 +53,7 @@ from ddtree.gateway import metrics
 from ddtree.gateway import openai_protocol as oai
 from ddtree.gateway import tokenize_protocol as tp
 from ddtree.gateway.auth import KeyPolicy, Unauthorized
-from ddtree.gateway.choices import Choices, choice_jobs
+from ddtree.gateway.choices import MAX_REQUEST_ID_CHARS, Choices, check_size, choice_jobs
 from ddtree.gateway.generation import Generation, RequestError
 from ddtree.gateway.openai_logprobs import TokenStrings
 from ddtree.gateway.pipeline import Invalid, Job, Pipeline, validate_template_kwargs
@@ -74,7 +76,6 @@ _STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
 DRAIN_BYTES = 64 * 1024 * 1024
-MAX_REQUEST_ID_CHARS = 256  # the verifier's limit
 SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache"),
@@ -122,8 +123,38 @@ class _GenerationResponse(Response):
         self.background = None
         self._answered = False  # the last byte is on its way: a disconnect now is the normal end
 
+    def _borrow(self) -> list[object] | None:
+        """n tokens of the limiter for the n choice threads (n > 1), and one left for the thread that
+        reads them; None (nothing taken) when they are not free. Runs on the event loop: no await
+        between the check and the takes."""
+        n = getattr(self.generation, "n", 1)
+        if n == 1:
+            return []
+        if self.limiter.available_tokens < n + 1:
+            return None
+        held = [object() for _ in range(n)]
+        for borrower in held:
+            self.limiter.acquire_on_behalf_of_nowait(borrower)
+        return held
+
     async def __call__(self, scope, receive, send) -> None:
         gen = self.generation
+        held = self._borrow()
+        if held is None:
+            gen.close()
+            free, total = int(self.limiter.available_tokens), int(self.limiter.total_tokens)
+            message = (
+                f"n: {gen.n} choices need {gen.n + 1} of the gateway's {total} worker threads, {free} are free now"
+            )
+            await error_response(429, message, "n", self.id_header)(scope, receive, send)
+            return
+        try:
+            await self._run(gen, scope, receive, send)
+        finally:
+            for borrower in held:
+                self.limiter.release_on_behalf_of(borrower)
+
+    async def _run(self, gen, scope, receive, send) -> None:
         async with anyio.create_task_group() as tg:
 
             async def watch() -> None:
@@ -143,7 +174,7 @@ class _GenerationResponse(Response):
             except OSError:  # the connection broke while we wrote
                 pass
             finally:
-                gen.close()  # cancels what is left and releases the verifier slot now
+                gen.close()  # cancels what is left and releases the verifier slot now; never blocks
                 tg.cancel_scope.cancel()
 
     async def _next(self):
@@ -283,9 +314,10 @@ class _Api:
             raise ApiError(400, f"{where}: must be 1-{MAX_REQUEST_ID_CHARS} printable ASCII characters", where)
         return rid
 
-    def _choices(self, job: Job, n: int) -> Choices:
+    def _choices(self, job: Job, n: int, stream: bool) -> Choices:
         """The n choices of an OpenAI request (choices.py), started together."""
         try:
+            check_size(job, n, stream)
             jobs = choice_jobs(job, n)
         except Invalid as e:
             raise ApiError(400, str(e), oai.field_of(str(e))) from None
@@ -314,11 +346,12 @@ class _Api:
                 max_budget=policy.max_budget,
                 add_generation_prompt=params.add_generation_prompt,
                 continue_final_message=params.continue_final_message,
+                grammar_checked=True,  # request_grammar checked each structured-output field
             )
         )
         if params.user is not None:
             _log.info("http_request", request_id=job.request.request_id, user=params.user)
-        gen, strings = self._choices(job, params.n), self._strings(params.options)
+        gen, strings = self._choices(job, params.n, params.stream), self._strings(params.options)
         rid, created = f"chatcmpl-{job.request.request_id}", int(time.time())
         if params.stream:
             events = oai.ChatStream(rid, model, created, params.include_usage, params.n, strings)
@@ -334,12 +367,17 @@ class _Api:
         rid = self._request_id(request, params.request_id)
         job = await self._prepare(
             lambda: self.p.complete_job(
-                params.prompt, params.options, rid, options_prefix="", max_budget=policy.max_budget
+                params.prompt,
+                params.options,
+                rid,
+                options_prefix="",
+                max_budget=policy.max_budget,
+                grammar_checked=True,  # request_grammar checked each structured-output field
             )
         )
         if params.user is not None:
             _log.info("http_request", request_id=job.request.request_id, user=params.user)
-        gen, strings = self._choices(job, params.n), self._strings(params.options)
+        gen, strings = self._choices(job, params.n, params.stream), self._strings(params.options)
         rid, created = f"cmpl-{job.request.request_id}", int(time.time())
         if params.stream:
             events = oai.CompletionStream(rid, model, created, params.include_usage, params.n, strings)

@@ -9,7 +9,9 @@
 A token's string is its own decode (special tokens by name, a partial UTF-8 character as U+FFFD, as
 vLLM shows them); `bytes` is the token's exact bytes when the tokenizer knows them (byte-level BPE,
 tiktoken), else the string's UTF-8. Every output token has an entry, reasoning and tool-call tokens
-included, and so does the stop token when the verifier reported it.
+included; the stop token that ends the answer (an eos / stop id) has none. An id past the tokenizer's
+vocabulary (a padded-vocabulary checkpoint such as DeepSeek-V3 has more logit rows than tokens; such an
+id can appear among the top logprobs) is shown as `<|N|>` (N the id) with empty bytes.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ class TokenStrings:
 
     def __call__(self, token_id: int) -> tuple[str, list[int]]:
         hit = self._cache.get(token_id)
+        if hit is None and not 0 <= token_id < self._tok.vocab_size:
+            return f"<|{token_id}|>", []  # a padding row of the logits: no token, no bytes (not cached)
         if hit is None:
             text = self._tok.decode([token_id])
             raw = self._tok.token_bytes(token_id)

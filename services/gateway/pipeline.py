@@ -16,7 +16,10 @@ ValueError naming the field), render the chat template, tokenize, and build the 
 - Structured outputs: options.grammar (an llguidance grammar; the HTTP API compiles response_format and
   the guided fields into it, structured_outputs.py) or tool_choice required / function:NAME (a forced
   Kimi K2 tool-call section) go to the verifier as GenerateRequest.grammar; after a prompt that opened a
-  think block the constraint starts at `</think>`.
+  think block the constraint starts at `</think>`. Each grammar is checked once: a raw gRPC
+  options.grammar here (check_client_grammar), the HTTP fields by structured_outputs, the tool-call
+  grammar by tool_grammar. min_tokens > 0 with a grammar is refused (a finished grammar allows only
+  the stop ids, which min_tokens masks).
 """
 
 from __future__ import annotations
@@ -171,10 +174,13 @@ class Pipeline:
         max_budget: int | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        grammar_checked: bool = False,
     ) -> Job:
         """A chat request as a Job. `messages` are OpenAI-style dicts (chat_template.py).
         continue_final_message: the prompt ends inside the last (assistant) message, which the answer
-        continues (vLLM's and HF's rule: the rendered text is cut right after that message's content)."""
+        continues (vLLM's and HF's rule: the rendered text is cut right after that message's content).
+        grammar_checked: options.grammar was compiled and checked by the caller (the HTTP API's
+        structured_outputs.request_grammar, field by field), so it is not checked again here."""
         if not messages:
             raise Invalid("messages: must not be empty")
         if tool_choice not in TOOL_CHOICES and not tool_choice.startswith("function:"):
@@ -182,7 +188,9 @@ class Pipeline:
                 f"tool_choice: must be one of {', '.join(TOOL_CHOICES)} or function:NAME, got {tool_choice!r}"
             )
         tools = validate_tools(tools)
-        forced = self._forced_tool_grammar(tools, tool_choice, options.grammar)
+        forced = self._forced_tool_grammar(tools, tool_choice, options.grammar)  # checked by tool_grammar
+        if not grammar_checked:
+            self.check_client_grammar(options, options_prefix)
         if tool_choice == "none":
             tools = None  # the model is not told about tools, and nothing is parsed as a call
         kwargs = validate_template_kwargs(chat_template_kwargs)
@@ -202,7 +210,8 @@ class Pipeline:
         if grammar and starts_in_reasoning(prompt) and reasoning != "none":
             from ddtree.gateway.structured_outputs import after_reasoning
 
-            grammar = after_reasoning(grammar, self.tokenizer)  # the constraint starts after </think>
+            # the constraint starts after </think>
+            grammar = after_reasoning(grammar, self.tokenizer, "tool_choice" if forced else f"{options_prefix}grammar")
         return self._job(
             options,
             request_id,
@@ -241,11 +250,15 @@ class Pipeline:
         request_id: str = "",
         options_prefix: str = "options.",
         max_budget: int | None = None,
+        grammar_checked: bool = False,
     ) -> Job:
         """A completion of `prompt` (text, or token ids; special-token strings in the text are special
-        ids: a completion's prompt is the client's whole input, with no structure to forge)."""
+        ids: a completion's prompt is the client's whole input, with no structure to forge).
+        grammar_checked: as for chat_job."""
         if not prompt:
             raise Invalid("prompt: must not be empty")
+        if not grammar_checked:
+            self.check_client_grammar(options, options_prefix)
         if isinstance(prompt, str):
             self.check_prompt_chars(len(prompt), "prompt")
             ids = self.tokenizer.encode(prompt)
@@ -291,6 +304,15 @@ class Pipeline:
         if tail:
             raise Invalid(f"continue_final_message: the template adds text after the final message ({tail!r})")
         return prompt[:end], ids
+
+    @staticmethod
+    def check_client_grammar(o: gateway_pb2.GenerationOptions, prefix: str) -> None:
+        """Invalid naming `{prefix}grammar` when the client's raw grammar does not compile (the one
+        check of it: after_reasoning and the verifier take it as checked)."""
+        if o.grammar:
+            from ddtree.gateway.structured_outputs import check_grammar
+
+            check_grammar(o.grammar, f"{prefix}grammar")
 
     def check_prompt_chars(self, n: int, what: str) -> None:
         if n > self.config.max_prompt_chars:
@@ -338,11 +360,12 @@ class Pipeline:
         )
         if o.HasField("top_logprobs"):
             request.top_logprobs = o.top_logprobs
-        request.grammar = o.grammar if grammar is None else grammar
-        if request.grammar:
-            from ddtree.gateway.structured_outputs import check_grammar
-
-            check_grammar(request.grammar, f"{prefix}grammar")
+        request.grammar = o.grammar if grammar is None else grammar  # checked before (check_client_grammar)
+        if request.grammar and o.min_tokens:
+            # A finished grammar allows only the stop ids, which min_tokens masks: no token would be left.
+            raise Invalid(
+                f"{prefix}min_tokens: must be 0 with a structured output or a forced tool call, got {o.min_tokens}"
+            )
         return Job(
             request=request,
             stop_strings=tuple(o.stop),

@@ -15,7 +15,10 @@ sent in `GenerateRequest.grammar`; the verifier masks the target's choice at eve
 
 JSON is compact (`{"a":1,"b":[2,3]}`, llguidance's `whitespace_flexible: false`): vLLM allows any
 whitespace unless `disable_any_whitespace`, which lets a weak model pad with whitespace until max_tokens;
-here `disable_any_whitespace` is accepted and always in effect. At most one constraint per request.
+here `disable_any_whitespace` is accepted and always in effect, and a schema's own `x-guidance`
+(llguidance's options) is refused (400). A schema given as a JSON string is parsed with json_limits'
+bounds (depth, number length, no NaN). At most one constraint per request; min_tokens must be 0 with one
+(pipeline.py).
 When the prompt opens a think block (Kimi's template with thinking on), the grammar lets the
 reasoning run free up to `</think>` and constrains what follows, as vLLM's reasoning-aware structured
 outputs do.
@@ -27,6 +30,7 @@ import json
 from typing import Any
 
 from ddtree.gateway.pipeline import Invalid
+from ddtree.protocol.json_limits import JsonInputError, check_depth, load_json
 from ddtree.tokenization.tokenizer import Tokenizer
 
 BACKENDS = ("auto", "guidance", "llguidance")
@@ -46,26 +50,27 @@ _SO_KEYS = {
 
 
 def _check(grammar: dict, field: str) -> dict:
-    import llguidance
-
-    error = llguidance.LLMatcher.validate_grammar(json.dumps({"grammars": [grammar]}))
-    if error:
-        raise Invalid(f"{field}: {error.strip()}")
+    check_grammar(json.dumps({"grammars": [grammar]}), field)
     return grammar
 
 
 def _schema(value: Any, field: str, closed: bool = False) -> dict:
-    """A JSON schema (an object, or a JSON string of one) as a grammar."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as e:
-            raise Invalid(f"{field}: not a JSON schema ({e})") from None
+    """A JSON schema (an object, or a JSON string of one, parsed with json_limits' bounds) as a grammar.
+    The schema's `x-guidance` (llguidance's options) is the gateway's: a client's is refused."""
+    try:
+        if isinstance(value, str):
+            value = load_json(value, field)
+        else:
+            check_depth(value, field)  # a schema object inside the body was bounded with the body
+    except JsonInputError as e:  # "FIELD: ..." or "FIELD is nested too deeply ...": "FIELD: ..." for the 400's param
+        raise Invalid(f"{field}: {str(e).removeprefix(field).removeprefix(':').strip()}") from None
     if isinstance(value, bool):  # true / false are schemas too; llguidance takes objects
         value = {} if value else {"not": {}}
     if not isinstance(value, dict):
         raise Invalid(f"{field}: must be a JSON schema object, got {type(value).__name__}")
-    schema = {**value, "x-guidance": {"whitespace_flexible": False, **(value.get("x-guidance") or {})}}
+    if "x-guidance" in value:
+        raise Invalid(f"{field}.x-guidance: not supported (the gateway sets llguidance's options)")
+    schema = {**value, "x-guidance": {"whitespace_flexible": False}}
     if closed and schema.get("type") == "object" and "additionalProperties" not in schema:
         schema["additionalProperties"] = False
     return _check({"json_schema": schema}, field)
@@ -219,14 +224,28 @@ def tool_grammar(tools: list[dict], name: str | None, tokenizer: Tokenizer) -> s
     return grammar
 
 
-def after_reasoning(grammar: str, tokenizer: Tokenizer) -> str:
-    """`grammar` behind a free reasoning block that ends at `</think>` (the prompt opened one)."""
+def after_reasoning(grammar: str, tokenizer: Tokenizer, field: str = "grammar") -> str:
+    """`grammar` (already checked: check_grammar) behind a free reasoning block that ends at `</think>`
+    (the prompt opened one). Invalid naming `field` when its shape does not allow the wrapping."""
     think_end = tokenizer.special_tokens.get("</think>")
     if think_end is None:
         return grammar
     try:
-        grammars = json.loads(grammar)["grammars"]
-    except (ValueError, TypeError, KeyError):
+        parsed = json.loads(grammar)
+    except (ValueError, RecursionError):
+        parsed = None
+    if not isinstance(parsed, dict):
         grammars = [{"lark_grammar": grammar}]  # Lark text
-    top = {"lark_grammar": f"start: REASONING <[{think_end}]> @answer\nREASONING: /(?s:.*)/"}
-    return _text([top, {**grammars[0], "name": "answer"}, *grammars[1:]])
+    else:
+        grammars = parsed.get("grammars")
+        if not isinstance(grammars, list) or not grammars or not all(isinstance(g, dict) for g in grammars):
+            raise Invalid(f"{field}: grammars must be a non-empty array of grammar objects")
+    first = grammars[0]
+    name = first.get("name")
+    if name is None:  # the answer's grammar gets a name the others do not use
+        taken = {g.get("name") for g in grammars}
+        name = next(f"answer{i or ''}" for i in range(len(grammars) + 1) if f"answer{i or ''}" not in taken)
+    elif not isinstance(name, str) or not name.isidentifier():
+        raise Invalid(f"{field}: grammars[0].name must be an identifier after a prompt that opens a think block")
+    top = {"lark_grammar": f"start: REASONING <[{think_end}]> @{name}\nREASONING: /(?s:.*)/"}
+    return _text([top, {**first, "name": name}, *grammars[1:]])

@@ -18,6 +18,7 @@ import torch
 from ddtree.contract.verdict import Verdict
 from ddtree.verifier.accept import accept
 from ddtree.verifier.batch import ItemOutput, PrefillItem, VerifyItem
+from ddtree.verifier.grammar import DEAD_END
 from ddtree.verifier.kv_pool import LatentKVPool
 from ddtree.verifier.logprobs import token_logprobs
 from ddtree.verifier.sampling import make_generator, mask_stop_tokens, stop_mask_rows, target_choices
@@ -56,7 +57,8 @@ def append_pending(seq: Sequence, tokens: list[int], start: int, features: torch
 
 def _choices(seq: Sequence, out: ItemOutput, depths: tuple[int, ...]) -> list[int]:
     """The target's choice per row: argmax, or one sample per row from the request's generator.
-    depths[r]: row r's depth (its choice is output token len(generated) + depth), for min_tokens."""
+    depths[r]: row r's depth (its choice is output token len(generated) + depth), for min_tokens.
+    A grammar row that allows no token (grammar.py, dead ends) chooses DEAD_END."""
     cfg = seq.params.sampling
     masked = seq.masks_stops
     if cfg.greedy and out.argmax is not None and (not masked and seq.grammar is None or out.logits is None):
@@ -70,19 +72,32 @@ def _choices(seq: Sequence, out: ItemOutput, depths: tuple[int, ...]) -> list[in
     if not cfg.greedy and not seq.generator_ready:
         seq.generator = make_generator(cfg, logits.device)
         seq.generator_ready = True
-    return target_choices(logits, cfg, seq.generator).tolist()
+    if seq.grammar is None:
+        return target_choices(logits, cfg, seq.generator).tolist()
+    dead = torch.isneginf(logits).all(dim=-1)
+    if not bool(dead.any()):
+        return target_choices(logits, cfg, seq.generator).tolist()
+    live = logits.masked_fill(dead[:, None], 0.0)  # any finite row: its choice is replaced below
+    return target_choices(live, cfg, seq.generator).masked_fill(dead, DEAD_END).tolist()
+
+
+def _live(tokens: list[int]) -> list[int]:
+    """The emitted tokens without a closing DEAD_END."""
+    return tokens[:-1] if tokens and tokens[-1] == DEAD_END else tokens
 
 
 def _keep_logprobs(seq: Sequence, out: ItemOutput, rows: list[int], tokens: list[int]) -> None:
     """The logprobs of the tokens about to be emitted (token k chosen at row rows[k]), for emit."""
     top = seq.params.top_logprobs
+    tokens = _live(tokens)
     if top is not None:
         assert out.logits is not None, "a logprobs request asks for full logits (batch._head)"
-        seq.step_logprobs = token_logprobs(out.logits, rows, tokens, top)
+        seq.step_logprobs = token_logprobs(out.logits, rows[: len(tokens)], tokens, top)
 
 
 def commit_prefill(out: ItemOutput, pool: LatentKVPool, window: int) -> list[int]:
-    """Returns the tokens to emit: [first token] after the last chunk, [] before it."""
+    """Returns the tokens to emit: [first token] after the last chunk, [] before it (a grammar's dead end:
+    [DEAD_END])."""
     item = out.item
     assert isinstance(item, PrefillItem)
     seq = item.seq
@@ -103,7 +118,8 @@ def commit_prefill(out: ItemOutput, pool: LatentKVPool, window: int) -> list[int
 
 
 def commit_verify(out: ItemOutput, pool: LatentKVPool, window: int) -> tuple[Verdict, list[int]]:
-    """Returns the verdict and the tokens to emit (matched node tokens, then the bonus)."""
+    """Returns the verdict and the tokens to emit (matched node tokens, then the bonus; the bonus is
+    DEAD_END where a grammar allows no token: the sequence ends after the tokens before it)."""
     item = out.item
     assert isinstance(item, VerifyItem)
     seq = item.seq

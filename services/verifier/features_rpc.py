@@ -35,6 +35,7 @@ from ddtree.verifier.scheduler import AdmissionError
 from ddtree.verifier.sequence import GenerateParams, Sequence
 
 MAX_CHUNK_BYTES = MAX_MESSAGE_BYTES // 2  # the features of one message; the token ids come beside them
+MAX_TAP_LAYERS = 16  # layers one request taps: each adds a hidden-size row per token to the step and the stream
 FEATURE_DTYPES = {
     common_pb2.FLOAT32: torch.float32,
     common_pb2.BFLOAT16: torch.bfloat16,
@@ -54,10 +55,17 @@ def features_params(servicer, req: verifier_pb2.FeaturesRequest) -> tuple[Genera
         params = servicer._params(req.generate)
     except ValueError as err:
         raise ValueError(f"generate: {err}") from None
+    # Generate's fields that Features does not carry out: refused, not ignored.
+    if req.generate.grammar:
+        raise ValueError("generate.grammar is not supported by Features (it streams the unconstrained generation)")
+    if req.generate.HasField("top_logprobs"):
+        raise ValueError("generate.top_logprobs is not supported by Features (its stream carries no logprobs)")
     layers = servicer.scheduler.target.config.num_hidden_layers
     taps = tuple(req.tap_layer_ids)
     if not taps:
         raise ValueError("tap_layer_ids is empty: name the target layers whose features to return")
+    if len(taps) > MAX_TAP_LAYERS:
+        raise ValueError(f"tap_layer_ids names {len(taps)} layers, at most {MAX_TAP_LAYERS}")
     bad = [i for i in taps if not 0 <= i < layers]
     if bad:
         raise ValueError(f"tap_layer_ids: layer {bad[0]} is not a layer of the target (layers 0..{layers - 1})")

@@ -17,6 +17,12 @@ state is the grammar after every emitted token (the root included). Each step, b
 Stop ids: allowed in a row exactly when the grammar accepts there (llguidance's own eos likewise); a
 finished grammar allows nothing else, so the answer stops at the grammar's end. A stop node of the tree
 (or llguidance's eos) is kept when allowed but neither consumed nor descended (the answer ends there).
+
+Dead ends: a matcher in an error state (a parser limit hit, `grammar_limits`, or a token it refused)
+allows nothing: its rows' masks are all False (llguidance itself would allow its eos, which would end
+the answer as if the grammar were done). A row that allows nothing (that, or a finished grammar whose
+stop ids min_tokens masks) is a dead end: the commit chooses `DEAD_END` there and the scheduler ends
+that sequence alone ("stop" when the grammar accepts, else an error naming llguidance's reason).
 """
 
 from __future__ import annotations
@@ -27,6 +33,37 @@ import numpy as np
 import torch
 
 from ddtree.contract.token_tree import EMPTY_TREE, TokenTree
+
+DEAD_END = -1  # the choice of a row whose mask allows no token (never a tree token: ids are >= 0)
+
+
+def grammar_limits():
+    """llguidance's parser limits for one matcher, tighter than its defaults so that a hostile grammar
+    cannot hold the scheduler thread: one mask costs about 7 ms at most (lexer fuel ~14k/ms: 100k,
+    default 200k; Earley items ~20k/ms: 20k, default 50k), a grammar row branches at most 1000 ways
+    (default 2000); a step computes one mask per kept tree node plus the root, so a sequence's masks
+    take at most about (budget + 1) x 7 ms a step. The 20 JSON schemas of tests/test_structured_outputs.py
+    run well inside them. A grammar past a limit puts its matcher in an error state: a dead end of that
+    sequence only. Construction limits (initial fuel, lexer states, grammar size) stay llguidance's:
+    a matcher is built on the RPC thread. verbose_errors off: messages without the parser's state."""
+    import llguidance
+
+    return llguidance.LLParserLimits(
+        step_lexer_fuel=100_000, step_max_items=20_000, max_items_in_row=1000, verbose_errors=False
+    )
+
+
+def new_matcher(tokenizer, grammar: str):
+    """An `llguidance.LLMatcher` of `grammar` under `grammar_limits`; check `is_error()` (never raises
+    for a bad grammar)."""
+    import llguidance
+
+    return llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=grammar_limits())
+
+
+def matcher_error(matcher) -> str:
+    """llguidance's reason for an error state (without the marker of its non-verbose state dump)."""
+    return matcher.get_error().replace("<non-verbose/>", "").strip() or "unknown error"
 
 
 class SequenceGrammar:
@@ -48,7 +85,9 @@ class SequenceGrammar:
         t0 = time.perf_counter()
         bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
         allowed = np.unpackbits(bits, bitorder="little").astype(bool)
-        if self.stop_ids:
+        if self.matcher.is_error():  # llguidance would allow its eos there: nothing is allowed
+            allowed[:] = False
+        elif self.stop_ids:
             ids = [i for i in self.stop_ids if i < allowed.shape[0]]
             allowed[ids] = self.matcher.is_accepting()
         self.mask_s += time.perf_counter() - t0
@@ -56,11 +95,14 @@ class SequenceGrammar:
         return allowed
 
     def prepare(self, tree: TokenTree = EMPTY_TREE) -> TokenTree:
-        """The tree with grammar-invalid nodes (and their subtrees) pruned; sets this step's masks."""
+        """The tree with grammar-invalid nodes (and their subtrees) pruned; sets this step's masks. A matcher
+        in an error state (before or during the walk) gives no tree and a root that allows nothing."""
         children: list[list[int]] = [[] for _ in range(tree.n + 1)]
         for i, parent in enumerate(tree.parents, start=1):
             children[parent].append(i)
         masks = {0: self._mask()}
+        if self.matcher.is_error():
+            return self._dead(masks[0], tree)
         stack = [(0, 0)]  # (node, next child position); the matcher holds the path to the top node
         while stack:
             node, at = stack[-1]
@@ -78,8 +120,8 @@ class SequenceGrammar:
             if tok in self._stops:
                 masks[child] = parent_mask  # never read past: the answer ends at a stop token
                 continue
-            if not self.matcher.consume_token(tok):
-                raise RuntimeError(f"grammar matcher refused an allowed token {tok}: {self.matcher.get_error()}")
+            if not self.matcher.consume_token(tok) or self.matcher.is_error():  # a parser limit, say
+                return self._dead(masks[0], tree)
             masks[child] = self._mask()
             stack.append((child, 0))
         kept = sorted(k for k in masks if k)
@@ -96,6 +138,18 @@ class SequenceGrammar:
             tuple(tree.scores[k - 1] for k in kept) if tree.scores else (),
         )
 
+    def _dead(self, root_mask: np.ndarray, tree: TokenTree) -> TokenTree:
+        """The step of a matcher in an error state: no tree, a root row that allows nothing."""
+        self.drafted_nodes += tree.n
+        self.masks = torch.zeros((1, root_mask.shape[0]), dtype=torch.bool)
+        return EMPTY_TREE
+
+    def dead_end_reason(self) -> str:
+        """Why a row allowed no token, for the client."""
+        if self.matcher.is_error():
+            return f"llguidance: {matcher_error(self.matcher)}"
+        return "llguidance: the grammar allows no token here"
+
     def mask_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [rows, V] with this step's disallowed tokens at -inf (ids past the tokenizer's vocab too)."""
         assert self.masks is not None and self.masks.shape[0] == logits.shape[0], "prepare() the step first"
@@ -111,5 +165,5 @@ class SequenceGrammar:
         for tok in tokens:
             if tok in self._stops:
                 return
-            if not self.matcher.consume_token(tok):
-                raise RuntimeError(f"grammar matcher refused emitted token {tok}: {self.matcher.get_error()}")
+            if not self.matcher.consume_token(tok):  # the next step's masks allow nothing: a dead end there
+                return

@@ -28,6 +28,7 @@ from ddtree.verifier import metrics
 from ddtree.verifier.batch import PrefillItem, VerifyItem, WorkItem, kv_needed, run_batch
 from ddtree.verifier.commit import append_pending, commit_prefill, commit_verify
 from ddtree.verifier.drafter_client import DraftResult
+from ddtree.verifier.grammar import DEAD_END
 from ddtree.verifier.kv_pool import LatentKVPool
 from ddtree.verifier.page_table import PageTable, check_accounting
 from ddtree.verifier.prefix_cache import PrefixCache
@@ -36,6 +37,7 @@ from ddtree.verifier.target import Target
 from ddtree.verifier.tree_budget import allocate_nodes, tree_budget
 
 log = get_logger("ddtree.verifier.scheduler")
+INTERNAL_ERROR = "verifier: internal error in a step (logged)"  # the client learns that it failed, not how
 
 
 class AdmissionError(Exception):
@@ -185,9 +187,7 @@ class Scheduler:
             log.exception("step_failed", error=str(err))
             with self._cond:
                 for seq in decode + [item.seq for item in prefill]:
-                    # The client learns that it failed, not how (the log has the exception).
-                    seq.events.put(StreamEvent((), None, "error", error="verifier: internal error in a step (logged)"))
-                    self._finish(seq, None)
+                    self._fail(seq, INTERNAL_ERROR)
 
     def check_accounting(self) -> None:
         """free + held by sequences + cached == total in slots and pages, no page held twice (debug
@@ -254,6 +254,21 @@ class Scheduler:
         if self.drafter is not None and seq.drafter_seeded:
             # Release outside the hot path would be nicer; it is one small RPC per finished request.
             threading.Thread(target=self.drafter.release, args=([seq.draft_id],), daemon=True).start()
+
+    def _fail(self, seq: Sequence, message: str) -> None:
+        """End one sequence with an error event (caller holds the lock)."""
+        if seq.phase is not Phase.FINISHED:
+            seq.events.put(StreamEvent((), None, "error", error=message))
+            self._finish(seq, None)
+
+    def _end_dead(self, seq: Sequence) -> None:
+        """A grammar's dead end (no token allowed, grammar.py) ends its sequence: "stop" where the grammar
+        accepts (a finished grammar whose stop ids min_tokens holds back), else an error naming why."""
+        if seq.grammar.matcher.is_accepting() and not seq.grammar.matcher.is_error():
+            self._finish(seq, "stop")
+        else:
+            log.warning("grammar_dead_end", request_id=seq.request_id, reason=seq.grammar.dead_end_reason())
+            self._fail(seq, f"grammar: no token is allowed ({seq.grammar.dead_end_reason()})")
 
     def _release_kv(self, seq: Sequence) -> None:
         """Hand the committed tokens' KV (and features) to the prefix cache, or free it."""
@@ -338,27 +353,41 @@ class Scheduler:
     def _step(self, decode: list[Sequence], prefill: list[PrefillItem]) -> None:
         t0 = time.perf_counter()
         self._draft([s for s in decode if s.use_spec and self.drafter is not None])
-        items: list[WorkItem] = [
-            VerifyItem(s, _constrained(s, s.draft.tree if s.draft else EMPTY_TREE)) for s in decode
-        ]
-        items += prefill
-        for item in prefill:
-            if item.is_last and item.seq.grammar is not None:
-                item.seq.grammar.prepare()  # the first token's mask
+        items: list[WorkItem] = []
+        failed: list[Sequence] = []  # a grammar failure (prepare, commit) ends its sequence, not the step
+        for item in [VerifyItem(s, s.draft.tree if s.draft else EMPTY_TREE) for s in decode] + prefill:
+            try:
+                if isinstance(item, VerifyItem):
+                    item = VerifyItem(item.seq, _constrained(item.seq, item.tree))
+                elif item.is_last and item.seq.grammar is not None:
+                    item.seq.grammar.prepare()  # the first token's mask
+                items.append(item)
+            except Exception as err:
+                log.exception("sequence_step_failed", request_id=item.seq.request_id, error=str(err))
+                failed.append(item.seq)
         t1 = time.perf_counter()
         committed = self._verify(items) if items else []
         t2 = time.perf_counter()
         with self._cond:
+            for seq in failed:
+                self._fail(seq, INTERNAL_ERROR)
             for item, tokens, accept_length in committed:
                 seq = item.seq
+                if tokens is None:
+                    self._fail(seq, INTERNAL_ERROR)
+                    continue
+                dead = bool(tokens) and tokens[-1] == DEAD_END
+                tokens = tokens[:-1] if dead else tokens
                 if isinstance(item, PrefillItem):
-                    if not tokens:
+                    if not tokens and not dead:
                         continue
                     seq.phase = Phase.DECODE
                     metrics.TTFT.observe(time.perf_counter() - seq.arrival)
-                    metrics.GENERATED_TOKENS.inc()
+                    metrics.GENERATED_TOKENS.inc(len(tokens))
                     if seq.emit(tokens, None):
                         self._finish(seq, None)
+                    elif dead:
+                        self._end_dead(seq)
                     continue
                 record = self._record(seq, item.tree, accept_length, t0, t1, t2)
                 seq.draft = None
@@ -367,22 +396,30 @@ class Scheduler:
                 metrics.GENERATED_TOKENS.inc(len(tokens))
                 if seq.emit(tokens, record):
                     self._finish(seq, None)
+                elif dead:
+                    self._end_dead(seq)
 
-    def _verify(self, items: list[WorkItem]) -> list[tuple[WorkItem, list[int], int]]:
-        """One target forward over the items, then accept + commit each: (item, tokens, accept length)."""
+    def _verify(self, items: list[WorkItem]) -> list[tuple[WorkItem, list[int] | None, int]]:
+        """One target forward over the items, then accept + commit each: (item, tokens, accept length);
+        tokens None: that sequence's commit failed (logged), which ends it alone."""
         with self._cond:
             self._make_room(items)
         outputs = run_batch(self.target, self.pool, items, self.tap_layer_ids)
         committed = []
         for out in outputs:
-            if isinstance(out.item, VerifyItem):
-                verdict, tokens = commit_verify(out, self.pool, self.window)
-                committed.append((out.item, tokens, len(verdict.accepted_nodes)))
-            else:
-                tokens = commit_prefill(out, self.pool, self.window)
-                committed.append((out.item, tokens, 0))
-            if out.item.seq.grammar is not None and tokens:
-                out.item.seq.grammar.advance(tokens)
+            try:
+                if isinstance(out.item, VerifyItem):
+                    verdict, tokens = commit_verify(out, self.pool, self.window)
+                    accept_length = len(verdict.accepted_nodes)
+                else:
+                    tokens, accept_length = commit_prefill(out, self.pool, self.window), 0
+                if out.item.seq.grammar is not None and tokens:
+                    out.item.seq.grammar.advance([t for t in tokens if t != DEAD_END])
+            except Exception as err:
+                log.exception("sequence_commit_failed", request_id=out.item.seq.request_id, error=str(err))
+                committed.append((out.item, None, 0))
+                continue
+            committed.append((out.item, tokens, accept_length))
         return committed
 
     def _record(

@@ -26,7 +26,7 @@ from ddtree.tokenization.tokenizer import Tokenizer
 from ddtree.verifier import metrics
 from ddtree.verifier.drafter_pool import DrafterPool
 from ddtree.verifier.features_rpc import stream_features
-from ddtree.verifier.grammar import SequenceGrammar
+from ddtree.verifier.grammar import SequenceGrammar, matcher_error, new_matcher
 from ddtree.verifier.kv_pool import LatentKVPool
 from ddtree.verifier.kv_sizing import kv_size_for
 from ddtree.verifier.scheduler import AdmissionError, Scheduler
@@ -47,6 +47,10 @@ def usage_of(seq: Sequence) -> common_pb2.Usage:
     return usage
 
 
+class NoGrammarTokenizer(Exception):
+    """A grammar request to a verifier that cannot build llguidance's tokenizer (FAILED_PRECONDITION)."""
+
+
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def __init__(
         self,
@@ -60,6 +64,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.scheduler = scheduler
         self.tokenizer_dir = tokenizer_dir  # the checkpoint's tokenizer: grammars are compiled against it
         self._ll_tokenizer = None
+        self._ll_failure: str | None = None  # why the grammar tokenizer could not be built (cached: tried once)
         self._ll_lock = threading.Lock()
         self.config = config
         self.model_id = model_id
@@ -131,21 +136,35 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             grammar=req.grammar,
         )
 
+    def _grammar_tokenizer(self):
+        """The checkpoint's vocabulary for llguidance, built once, on the first constrained request (about
+        1 s for a large vocabulary); NoGrammarTokenizer when it cannot be (that too is decided once)."""
+        with self._ll_lock:
+            if self._ll_tokenizer is None and self._ll_failure is None:
+                if self.tokenizer_dir is None:
+                    self._ll_failure = "no tokenizer directory"
+                else:
+                    try:
+                        self._ll_tokenizer = ll_tokenizer(Tokenizer(self.tokenizer_dir))
+                    except Exception as err:  # no tokenizer files, an unreadable or unknown format
+                        log.exception("grammar_tokenizer_failed", tokenizer_dir=str(self.tokenizer_dir))
+                        self._ll_failure = f"{type(err).__name__}; see the verifier's log"
+            if self._ll_failure is not None:
+                raise NoGrammarTokenizer(
+                    f"grammar: the verifier has no tokenizer for constrained decoding ({self._ll_failure})"
+                )
+            return self._ll_tokenizer
+
     def _grammar(self, params: GenerateParams) -> SequenceGrammar | None:
-        """The request's grammar state, or None; ValueError when it does not compile."""
+        """The request's grammar state, or None; ValueError when it does not compile (llguidance's
+        message), NoGrammarTokenizer when this verifier cannot compile grammars."""
         if not params.grammar:
             return None
-        import llguidance
-
-        with self._ll_lock:  # built once, on the first constrained request (about 1 s for a large vocabulary)
-            if self._ll_tokenizer is None:
-                if self.tokenizer_dir is None:
-                    raise ValueError("grammar: this verifier has no tokenizer to compile grammars against")
-                self._ll_tokenizer = ll_tokenizer(Tokenizer(self.tokenizer_dir))
-        matcher = llguidance.LLMatcher(self._ll_tokenizer, params.grammar, log_level=0)
+        tokenizer = self._grammar_tokenizer()
+        matcher = new_matcher(tokenizer, params.grammar)
         if matcher.is_error():
-            raise ValueError(f"grammar: {matcher.get_error()}")
-        return SequenceGrammar(matcher, params.stop_token_ids, tuple(self._ll_tokenizer.eos_tokens))
+            raise ValueError(f"grammar: {matcher_error(matcher)}")
+        return SequenceGrammar(matcher, params.stop_token_ids, tuple(tokenizer.eos_tokens))
 
     def Generate(self, request, context):
         self.stream_slots.take(context)  # or RESOURCE_EXHAUSTED: health and GetInfo keep their threads
@@ -154,6 +173,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             grammar = self._grammar(params)
         except ValueError as err:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        except NoGrammarTokenizer as err:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
         seq = Sequence(params)
         seq.grammar = grammar
         try:
