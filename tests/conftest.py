@@ -84,3 +84,13 @@ def tok(tokenizer_dir):
     from ddtree.tokenization.tokenizer import Tokenizer
 
     return Tokenizer(tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def fake():
+    """The fake verifier of the gateway tests (tests/fakes.py), one per test module."""
+    from tests.fakes import start_fake_verifier
+
+    servicer, running = start_fake_verifier()
+    yield servicer
+    running.stop(0)

@@ -1,6 +1,7 @@
 """A fake in-process verifier for gateway tests: streams scripted token ids, records what it was sent.
 
-Used by tests/test_gateway_server.py (gRPC) and tests/test_gateway_http.py (HTTP, routing)."""
+Used by the gateway tests over gRPC and HTTP: the `fake` fixture (tests/conftest.py) is one per test module,
+and `serve_gateway` starts a gateway over it."""
 
 from __future__ import annotations
 
@@ -118,3 +119,15 @@ def start_fake_verifier(name: str = "fake-verifier"):
     running = start_server(name, register, "127.0.0.1", 0, 16, 0.2, announce=False)
     servicer.address = running.address
     return servicer, running
+
+
+def serve_gateway(fake: FakeVerifier, tokenizer_dir, **config):
+    """A generator fixture body: a gateway (RunningServer) over the fake verifier, stopped afterwards."""
+    from ddtree.config import GatewayConfig
+    from ddtree.gateway.server import serve
+
+    cfg = GatewayConfig(verifier=fake.address, **config)
+    cfg.validate()
+    running = serve(cfg, tokenizer_dir=tokenizer_dir, announce=False)
+    yield running
+    running.stop(0)

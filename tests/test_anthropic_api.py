@@ -14,10 +14,8 @@ import grpc
 import openai
 import pytest
 
-from ddtree.config import GatewayConfig
-from ddtree.gateway.server import serve
 from ddtree.protocol.ddtree.v1 import common_pb2
-from tests.fakes import script_for, start_fake_verifier
+from tests.fakes import script_for, serve_gateway
 
 KEY = "sk-anthropic-test"
 MODEL = "ddtree-demo"
@@ -42,21 +40,10 @@ TOOL_OUT = (
 
 
 @pytest.fixture(scope="module")
-def fake():
-    servicer, running = start_fake_verifier()
-    yield servicer
-    running.stop(0)
-
-
-@pytest.fixture(scope="module")
 def gw(fake, tokenizer_dir):
-    config = GatewayConfig(
-        verifier=fake.address, max_prompt_chars=10_000, max_prompt_tokens=1500, max_body_bytes=64 * 1024, api_key=KEY
+    yield from serve_gateway(
+        fake, tokenizer_dir, max_prompt_chars=10_000, max_prompt_tokens=1500, max_body_bytes=64 * 1024, api_key=KEY
     )
-    config.validate()
-    running = serve(config, tokenizer_dir=tokenizer_dir, announce=False)
-    yield running
-    running.stop(0)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from ddtree.gateway.parsers.kimi_k2_reasoning import KimiK2ReasoningParser, pars
 from ddtree.gateway.parsers.kimi_k2_tools import MARKERS, KimiK2ToolParser, ToolCall, merge_deltas, parse_tool_calls
 from ddtree.gateway.server import StopMatcher, serve
 from ddtree.protocol.ddtree.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from tests.fakes import script_for, start_fake_verifier, verifier_usage
+from tests.fakes import script_for, verifier_usage
 
 IM_END, EOS = 2, 1
 
@@ -29,13 +29,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def fake():
-    servicer, running = start_fake_verifier()
-    yield servicer
-    running.stop(0)
 
 
 def _gateway(fake_address: str, tokenizer_dir, **overrides):

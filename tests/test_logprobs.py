@@ -18,10 +18,8 @@ import openai
 import pytest
 import torch
 
-from ddtree.config import GatewayConfig
-from ddtree.gateway.server import serve
 from ddtree.verifier.logprobs import token_logprobs
-from tests.fakes import script_for, start_fake_verifier
+from tests.fakes import script_for, serve_gateway
 
 MODEL = "ddtree-demo"
 USER = [{"role": "user", "content": "2+2?"}]
@@ -30,19 +28,8 @@ TEXT = "Hello world, fine"
 
 
 @pytest.fixture(scope="module")
-def fake():
-    servicer, running = start_fake_verifier()
-    yield servicer
-    running.stop(0)
-
-
-@pytest.fixture(scope="module")
 def gw(fake, tokenizer_dir):
-    config = GatewayConfig(verifier=fake.address)
-    config.validate()
-    running = serve(config, tokenizer_dir=tokenizer_dir, announce=False)
-    yield running
-    running.stop(0)
+    yield from serve_gateway(fake, tokenizer_dir)
 
 
 @pytest.fixture(scope="module")

@@ -23,18 +23,11 @@ from ddtree.config import GatewayConfig
 from ddtree.gateway.choices import MAX_N, Choices
 from ddtree.gateway.server import serve
 from ddtree.protocol.ddtree.v1 import common_pb2, gateway_pb2
-from tests.fakes import script_for, start_fake_verifier
+from tests.fakes import script_for
 
 MODEL = "ddtree-demo"
 USER = [{"role": "user", "content": "2+2?"}]
 NO_THINK = {"chat_template_kwargs": {"thinking": False}}  # the answer is content, not reasoning
-
-
-@pytest.fixture(scope="module")
-def fake():
-    servicer, running = start_fake_verifier()
-    yield servicer
-    running.stop(0)
 
 
 @pytest.fixture(scope="module")

@@ -14,11 +14,9 @@ import grpc
 import openai
 import pytest
 
-from ddtree.config import GatewayConfig
 from ddtree.gateway.openai_models import REFUSED
-from ddtree.gateway.server import serve
 from ddtree.protocol.ddtree.v1 import common_pb2
-from tests.fakes import script_for, start_fake_verifier
+from tests.fakes import script_for, serve_gateway
 
 MODEL = "ddtree-demo"
 IM_END = 2
@@ -26,19 +24,8 @@ USER = [{"role": "user", "content": "2+2?"}]
 
 
 @pytest.fixture(scope="module")
-def fake():
-    servicer, running = start_fake_verifier()
-    yield servicer
-    running.stop(0)
-
-
-@pytest.fixture(scope="module")
 def gw(fake, tokenizer_dir):
-    config = GatewayConfig(verifier=fake.address, max_prompt_chars=10_000)
-    config.validate()
-    running = serve(config, tokenizer_dir=tokenizer_dir, announce=False)
-    yield running
-    running.stop(0)
+    yield from serve_gateway(fake, tokenizer_dir, max_prompt_chars=10_000)
 
 
 @pytest.fixture(scope="module")
