@@ -33,37 +33,24 @@ from ddtree.drafter.server import serve_engine
 from ddtree.models.loader import load_config
 from ddtree.protocol.server import stop_on_signals
 from ddtree.telemetry.logging import configure_logging
+from tests.oracle_contexts import OracleContexts
 from tests.oracle_engine import noisy_tree
 
 
-class ReplayDraftEngine:
+class ReplayDraftEngine(OracleContexts):
+    """`contexts`: seq_id -> [index of its reference sequence or -1, committed length]."""
+
+    model_id = "replay-oracle"
+
     def __init__(self, reference: pathlib.Path, vocab_size: int, hidden_size: int, taps: tuple[int, ...],
                  window: int, depth: int = 7, default_budget: int = 16, max_budget: int = 1024, seed: int = 7):  # fmt: skip
+        super().__init__(vocab_size, hidden_size, taps, window, depth, default_budget, max_budget, seed)
         self.reference = reference
-        self.vocab_size = vocab_size
-        self.hidden_size = hidden_size
-        self.taps = taps
-        self.window = window
-        self.depth = depth
-        self.default_budget = default_budget
-        self.max_budget = max_budget
-        self.seed = seed
-        self.feature_width = len(taps) * hidden_size
         self.sequences: list[list[int]] = []
         self._mtime = None
-        self.state: dict[str, list[int]] = {}  # seq_id -> [reference index or -1, committed length]
 
-    def info(self) -> dict:
-        return dict(model_id="replay-oracle", block_size=self.depth + 1, mask_token_id=-1,
-                    target_layer_ids=list(self.taps), window=self.window, default_budget=self.default_budget,
-                    max_budget=self.max_budget, hidden_size=self.hidden_size, vocab_size=self.vocab_size,
-                    active_sequences=len(self.state))  # fmt: skip
-
-    def knows(self, seq_id: str) -> bool:
-        return seq_id in self.state
-
-    def release(self, seq_ids) -> int:
-        return sum(self.state.pop(s, None) is not None for s in seq_ids)
+    def _expected_start(self, s: SeqDraftInput) -> int | None:
+        return None if s.reset else self.contexts[s.seq_id][1]  # a reset starts where the window does
 
     def _reload(self) -> None:
         try:
@@ -84,45 +71,25 @@ class ReplayDraftEngine:
                     return i
         return -1
 
-    def _validate(self, s: SeqDraftInput) -> None:
-        where = f"sequence {s.seq_id!r}"
-        if not s.reset and s.seq_id not in self.state:
-            raise ValueError(f"{where} is unknown; send reset=true with its context first")
-        if not s.reset and s.commit_start != self.state[s.seq_id][1]:
-            raise ValueError(f"{where}: commit_start {s.commit_start}, expected {self.state[s.seq_id][1]}")
-        if s.reset and not s.commit_token_ids:
-            raise ValueError(f"{where}: reset with an empty commit")
-        if any(not 0 <= t < self.vocab_size for t in (*s.commit_token_ids, s.root_token_id)):
-            raise ValueError(f"{where}: token id outside [0, {self.vocab_size})")
-        if tuple(s.commit_features.shape) != (len(s.commit_token_ids), self.feature_width):
-            raise ValueError(f"{where}: commit_features shape {tuple(s.commit_features.shape)}, expected "
-                             f"({len(s.commit_token_ids)}, {self.feature_width})")  # fmt: skip
-        if not 0 <= s.budget <= self.max_budget:
-            raise ValueError(f"{where}: budget {s.budget} outside [0, {self.max_budget}]")
-
     def append(self, seqs: list[SeqDraftInput]) -> None:
-        if len({s.seq_id for s in seqs}) != len(seqs):
-            raise ValueError("a sequence appears twice in one call")
-        for s in seqs:
-            self._validate(s)
+        self._validate(seqs)
         for s in seqs:
             tokens = list(s.commit_token_ids)
             if s.reset:
-                self.state[s.seq_id] = [self._match(s.commit_start, tokens), s.commit_start + len(tokens)]
+                self.contexts[s.seq_id] = [self._match(s.commit_start, tokens), s.commit_start + len(tokens)]
             else:
-                self.state[s.seq_id][1] += len(tokens)
+                self.contexts[s.seq_id][1] += len(tokens)
 
     def draft(self, seqs: list[SeqDraftInput]) -> list[TokenTree]:
         self.append(seqs)
         trees = []
         for s in seqs:
-            ref_index, length = self.state[s.seq_id]
+            ref_index, length = self.contexts[s.seq_id]
             ref = self.sequences[ref_index] if ref_index >= 0 else []
             on_track = length < len(ref) and ref[length] == s.root_token_id
             truth = ref[length + 1 : length + 1 + self.depth] if on_track else []
-            budget = min(s.budget or self.default_budget, self.depth) if s.chain else s.budget or self.default_budget
             rng = random.Random(zlib.crc32(f"{ref_index}:{length}".encode(), self.seed & 0xFFFFFFFF))
-            trees.append(noisy_tree(truth, budget, self.vocab_size, rng))
+            trees.append(noisy_tree(truth, self._budget(s), self.vocab_size, rng))
         return trees
 
 

@@ -191,6 +191,13 @@ class VerifierConfig(ServiceConfig):
             "(an equal share, max_tree_tokens // n - 1 nodes each, when the drafter gives no scores)"
         },
     )
+    grammar_tree: str = dataclasses.field(
+        default="table",
+        metadata={
+            "help": "table | prune: the tree of a request with a grammar. table = built here from the drafter's "
+            "top-K table, of grammar-valid prefixes only; prune = the drafter's own tree, grammar-invalid nodes pruned"
+        },
+    )
     draft_timeout_s: float = dataclasses.field(
         default=10.0, metadata={"help": "deadline of one step's drafter calls (Append chunks + Draft)"}
     )
@@ -249,6 +256,8 @@ class VerifierConfig(ServiceConfig):
         if self.max_tree_tokens < 0:
             raise ValueError(f"max_tree_tokens must be >= 0 (0 = no limit), got {self.max_tree_tokens}")
         kv_setting(self.kv_tokens, self.kv_memory_gb, self.kv_memory_fraction)
+        if self.grammar_tree not in ("table", "prune"):
+            raise ValueError(f"grammar_tree must be table or prune, got {self.grammar_tree!r}")
         if self.cuda_graphs not in ("auto", "on", "off"):
             raise ValueError(f"cuda_graphs must be auto, on or off, got {self.cuda_graphs!r}")
         if self.tp < 1:

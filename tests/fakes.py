@@ -12,6 +12,16 @@ import types
 from ddtree.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from ddtree.protocol.server import start_server
 
+# What a Kimi-K2 model writes (the demo tokenizer's markers; kimi_k2 reasoning and tool parsers), for the
+# fake's scripts: reasoning, then an answer; reasoning, then two calls of the tool `get_weather`.
+REASONING_OUT = "Let me think. 2+2 is 4.</think>The answer is 4."
+TOOL_OUT = (
+    "I should call the tool.</think><|tool_calls_section_begin|>"
+    '<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|>'
+    '<|tool_call_begin|>functions.get_weather:1<|tool_call_argument_begin|>{"city": "Lyon"}<|tool_call_end|>'
+    "<|tool_calls_section_end|>"
+)
+
 
 @dataclasses.dataclass
 class _Run:

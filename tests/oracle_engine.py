@@ -11,23 +11,33 @@ Noise, per tree, from an RNG seeded by the engine's seed and the sequence's toke
 id, which the verifier makes fresh per request), so the same history always gets the same tree: the chain
 breaks at depth b drawn uniformly from 1..D+1 (b = D+1: the whole chain is right); with probability 1/3
 the right token at depth b is also present as a later sibling; the remaining budget goes to wrong
-siblings at random depths.
+siblings at random depths. A sequence that asks for a table (SeqDraft.table_width = K) gets the same
+noise as per-depth rows of K tokens: the truth at rank 0 of every row but row b, where a wrong token
+leads and the truth is rank 1 with probability 1/3; the other ranks are random wrong tokens, with
+log-probs -(rank + 1) ln 2.
 """
 
 from __future__ import annotations
 
 import array
+import math
 import random
 import zlib
 
 import torch
 
 from ddtree.contract.token_tree import TokenTree
+from ddtree.contract.tree_build import TokenTable
 from ddtree.drafter.engine import SeqDraftInput
 from ddtree.models.attention import AttentionMetadata, SeqAttention
+from tests.oracle_contexts import OracleContexts
 
 
-class OracleDraftEngine:
+class OracleDraftEngine(OracleContexts):
+    """`contexts`: seq_id -> the sequence's whole token history (window 0)."""
+
+    start_note = " (the oracle needs the whole history: window 0)"
+
     def __init__(
         self,
         target,
@@ -37,82 +47,32 @@ class OracleDraftEngine:
         seed: int = 0,
         tap_layer_ids: tuple[int, ...] = (0,),
     ):
+        cfg = target.config
+        super().__init__(cfg.vocab_size, cfg.hidden_size, tap_layer_ids, 0, depth, default_budget, max_budget, seed)
         self.target = target
-        self.depth = depth
-        self.default_budget = default_budget
-        self.max_budget = max_budget
-        self.seed = seed
-        self.tap_layer_ids = tap_layer_ids
-        self.vocab_size = target.config.vocab_size
-        self.feature_width = len(tap_layer_ids) * target.config.hidden_size
-        self.history: dict[str, list[int]] = {}
 
-    def info(self) -> dict:
-        return dict(
-            model_id="oracle",
-            block_size=self.depth + 1,
-            mask_token_id=-1,
-            target_layer_ids=list(self.tap_layer_ids),
-            window=0,
-            default_budget=self.default_budget,
-            max_budget=self.max_budget,
-            hidden_size=self.target.config.hidden_size,
-            vocab_size=self.vocab_size,
-            active_sequences=len(self.history),
-        )
-
-    def knows(self, seq_id: str) -> bool:
-        return seq_id in self.history
-
-    def release(self, seq_ids) -> int:
-        return sum(self.history.pop(s, None) is not None for s in seq_ids)
-
-    def _validate(self, seqs: list[SeqDraftInput]) -> None:
-        seen = set()
-        for s in seqs:
-            where = f"sequence {s.seq_id!r}"
-            if s.seq_id in seen:
-                raise ValueError(f"{where} appears twice in one call")
-            seen.add(s.seq_id)
-            known = s.seq_id in self.history and not s.reset
-            if not known and not s.reset:
-                raise ValueError(f"{where} is unknown; send reset=true with its context first")
-            expected = len(self.history[s.seq_id]) if known else 0
-            if s.commit_start != expected:
-                raise ValueError(
-                    f"{where}: commit_start {s.commit_start}, expected {expected} "
-                    f"(the oracle needs the whole history: window 0)"
-                )
-            if s.reset and not s.commit_token_ids:
-                raise ValueError(f"{where}: reset with an empty commit")
-            if any(not 0 <= t < self.vocab_size for t in (*s.commit_token_ids, s.root_token_id)):
-                raise ValueError(f"{where}: token id outside [0, {self.vocab_size})")
-            if tuple(s.commit_features.shape) != (len(s.commit_token_ids), self.feature_width):
-                raise ValueError(
-                    f"{where}: commit_features shape {tuple(s.commit_features.shape)}, expected "
-                    f"({len(s.commit_token_ids)}, {self.feature_width})"
-                )
-            if not 0 <= s.budget <= self.max_budget:
-                raise ValueError(f"{where}: budget {s.budget} outside [0, {self.max_budget}]")
+    def _expected_start(self, s: SeqDraftInput) -> int:
+        return 0 if s.reset else len(self.contexts[s.seq_id])
 
     def append(self, seqs: list[SeqDraftInput]) -> None:
         """Earlier chunks of long commits: extend the histories only."""
         self._validate(seqs)
         for s in seqs:
-            self.history[s.seq_id] = ([] if s.reset else self.history.get(s.seq_id, [])) + list(s.commit_token_ids)
+            self.contexts[s.seq_id] = ([] if s.reset else self.contexts.get(s.seq_id, [])) + list(s.commit_token_ids)
 
-    def draft(self, seqs: list[SeqDraftInput]) -> list[TokenTree]:
+    def draft(self, seqs: list[SeqDraftInput]) -> list[TokenTree | TokenTable]:
         self._validate(seqs)
         trees = []
         for s in seqs:
-            hist = ([] if s.reset else self.history.get(s.seq_id, [])) + list(s.commit_token_ids)
-            self.history[s.seq_id] = hist
-            budget = s.budget or self.default_budget
-            if s.chain:  # noisy_tree's first `depth` nodes are its chain; no room left for siblings
-                budget = min(budget, self.depth)
+            hist = ([] if s.reset else self.contexts.get(s.seq_id, [])) + list(s.commit_token_ids)
+            self.contexts[s.seq_id] = hist
+            budget = self._budget(s)
             truth = self._greedy(hist + [s.root_token_id], self.depth)
             rng = random.Random(zlib.crc32(array.array("q", hist).tobytes(), self.seed & 0xFFFFFFFF))
-            trees.append(noisy_tree(truth, budget, self.vocab_size, rng))
+            if s.table_width:
+                trees.append(noisy_table(truth, s.table_width, self.vocab_size, rng))
+            else:
+                trees.append(noisy_tree(truth, budget, self.vocab_size, rng))
         return trees
 
     @torch.inference_mode()
@@ -176,3 +136,20 @@ def noisy_tree(truth: list[int], budget: int, vocab_size: int, rng: random.Rando
         depths.append(d)
         children[d - 1].add(tok)
     return TokenTree(tuple(tokens), tuple(parents), tuple(depths))
+
+
+def noisy_table(truth: list[int], width: int, vocab_size: int, rng: random.Random) -> TokenTable:
+    """Per-depth rows of `width` (<= vocab_size) distinct tokens around `truth` (the module's noise), as a
+    drafter's top-K table."""
+    brk = rng.randint(1, len(truth) + 1)
+    rows = []
+    for d, right in enumerate(truth, start=1):
+        others = [t for t in rng.sample(range(vocab_size), min(vocab_size, width + 1)) if t != right]
+        row = [right] if d != brk else [others.pop(0)] + ([right] if width > 1 and rng.random() < 1 / 3 else [])
+        row += others[: width - len(row)]
+        if len(row) < width:  # the vocabulary has no other token left
+            row.append(right)
+        rows.append(row)
+    logprobs = [[-(r + 1) * math.log(2) for r in range(width)] for _ in rows]
+    shape = (len(rows), width)
+    return TokenTable(torch.tensor(logprobs, dtype=torch.float32).view(shape), torch.tensor(rows).view(shape))

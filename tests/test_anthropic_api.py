@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from ddtree.protocol.ddtree.v1 import common_pb2
-from tests.fakes import script_for, serve_gateway
+from tests.fakes import REASONING_OUT, TOOL_OUT, script_for, serve_gateway
 
 KEY = "sk-anthropic-test"
 MODEL = "ddtree-demo"
@@ -30,13 +30,6 @@ TOOLS = [
         "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
     }
 ]
-REASONING_OUT = "Let me think. 2+2 is 4.</think>The answer is 4."
-TOOL_OUT = (
-    "I should call the tool.</think><|tool_calls_section_begin|>"
-    '<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|>'
-    '<|tool_call_begin|>functions.get_weather:1<|tool_call_argument_begin|>{"city": "Lyon"}<|tool_call_end|>'
-    "<|tool_calls_section_end|>"
-)
 
 
 @pytest.fixture(scope="module")

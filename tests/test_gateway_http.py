@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2
 from ddtree.config import GatewayConfig
 from ddtree.gateway.server import serve
 from ddtree.protocol.ddtree.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from tests.fakes import script_for, serve_gateway, start_fake_verifier
+from tests.fakes import REASONING_OUT, TOOL_OUT, script_for, serve_gateway, start_fake_verifier
 
 KEY = "sk-test-key"
 MODEL = "ddtree-demo"
@@ -43,13 +43,6 @@ TOOLS = [
         },
     }
 ]
-REASONING_OUT = "Let me think. 2+2 is 4.</think>The answer is 4."
-TOOL_OUT = (
-    "I should call the tool.</think><|tool_calls_section_begin|>"
-    '<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|>'
-    '<|tool_call_begin|>functions.get_weather:1<|tool_call_argument_begin|>{"city": "Lyon"}<|tool_call_end|>'
-    "<|tool_calls_section_end|>"
-)
 
 
 @pytest.fixture(scope="module")

@@ -175,7 +175,13 @@ def test_chosen_token_joins_the_completion_top_dict(client, fake, tok):
         ("chat", {"logprobs": 2}, "logprobs: must be boolean, got integer"),
         ("completions", {"logprobs": 21}, "logprobs: must be in [0, 20], got 21"),
         ("completions", {"logprobs": True}, "logprobs: must be integer, got boolean"),
-        ("completions", {"prompt_logprobs": 1}, "prompt_logprobs: not supported yet"),
+        ("completions", {"prompt_logprobs": 21}, "prompt_logprobs: must be in [0, 20], got 21"),
+        ("completions", {"prompt_logprobs": -1}, "prompt_logprobs: must be in [0, 20], got -1"),
+        ("completions", {"prompt_logprobs": "x"}, "prompt_logprobs: must be integer, got string"),
+        ("chat", {"prompt_logprobs": 21}, "prompt_logprobs: must be in [0, 20], got 21"),
+        ("chat", {"prompt_logprobs": -1}, "prompt_logprobs: must be in [0, 20], got -1"),
+        ("chat", {"prompt_logprobs": "x"}, "prompt_logprobs: must be integer, got string"),
+        ("chat", {"prompt_logprobs": 1.5}, "prompt_logprobs: must be integer, got number"),
     ],
 )
 def test_logprobs_limits_are_400(client, fake, route, extra, message):

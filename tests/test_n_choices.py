@@ -8,11 +8,14 @@
   bounded (400) but a stream is not; Choices.close() returns at once and never raises.
 - On the real stack: n = 3 with a seed at temperature 1 is reproducible per choice, different across
   choices, and choice i equals a single request with seed + i (each choice is its own seed stream);
-  streaming gives the same choices; at temperature 0 the n choices are identical.
+  streaming gives the same choices; at temperature 0 the n choices are identical. n = 4 with a new
+  prompt prefills it once: one choice computes it, the other three take all but its last token from
+  the prefix cache (the verifier's prefix_hit events), and each equals its request run alone.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -252,10 +255,9 @@ def test_n_seed_streams_on_the_real_stack(stack_client):
 
 
 def test_n_choices_and_the_prefix_cache(stack_client):
-    """Concurrent choices each prefill a new prompt (at most a start shared with earlier prompts is
-    cached); once they
-    finished, the prompt is in the cache and every choice of the next request takes all but its last
-    token from there."""
+    """The response's cached_tokens is the least over its choices: for a new prompt, what the choice that
+    prefilled it found (at most a start shared with earlier prompts); once it is cached, every choice
+    of the next request takes all but its last token from there."""
     prompt = "def tokenize(source):\n    tokens = []\n    for line in source.splitlines():"
     kwargs = dict(model=MODEL, prompt=prompt, max_tokens=4, temperature=1.0, seed=1, n=3)
     first = stack_client.completions.create(**kwargs).usage
@@ -263,3 +265,37 @@ def test_n_choices_and_the_prefix_cache(stack_client):
     assert first.prompt_tokens == again.prompt_tokens and first.completion_tokens == again.completion_tokens == 12
     assert first.prompt_tokens_details.cached_tokens < 4  # "def" and the like, from earlier tests' prompts
     assert again.prompt_tokens_details.cached_tokens == again.prompt_tokens - 1
+
+
+def _prefix_hits(stack, request_ids) -> dict[str, int]:
+    """cached_tokens of the verifier's prefix_hit events, by request id (0: no hit)."""
+    hits = dict.fromkeys(request_ids, 0)
+    for line in stack.get("verifier").log_path.read_text().splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict) and event.get("event") == "prefix_hit" and event.get("request_id") in hits:
+            hits[event["request_id"]] = event["cached_tokens"]
+    return hits
+
+
+def test_n_choices_share_one_prefill(stack_client, oracle_stack):
+    """n = 4, a new prompt: the verifier prefills it once. The first choice admitted computes it and
+    enters it into the prefix cache as its prefill completes; the others wait for that and take all but
+    the last prompt token from the cache. Each choice equals the same request sent alone (seed + i)."""
+    prompt = "class Interval:\n    def __init__(self, lo, hi):\n        self.lo, self.hi = lo, hi\n"
+    kwargs = dict(
+        model=MODEL, prompt=prompt, max_tokens=12, temperature=1.0, extra_body={"ignore_eos": True, "budget": 8}
+    )
+    r = stack_client.completions.create(n=4, seed=3, extra_headers={"X-Request-Id": "shared-prefill"}, **kwargs)
+    ids = ["shared-prefill"] + [f"shared-prefill-{i}" for i in range(1, 4)]
+    L = r.usage.prompt_tokens
+    cached = sorted(_prefix_hits(oracle_stack, ids).values())
+    assert cached[1:] == [L - 1] * 3, cached  # three choices prefilled only the last prompt token
+    assert cached[0] < L - 1  # the one that prefilled it: at most a start shared with earlier prompts
+    prefilled = sum(L - c for c in cached)
+    assert prefilled == (L - cached[0]) + 3, f"{prefilled} prompt tokens prefilled for a {L}-token prompt"
+    assert r.usage.prompt_tokens_details.cached_tokens == cached[0]  # the least over the choices
+    alone = [stack_client.completions.create(seed=3 + i, **kwargs).choices[0].text for i in range(4)]
+    assert [c.text for c in r.choices] == alone

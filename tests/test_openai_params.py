@@ -42,7 +42,6 @@ NOT_NEUTRAL = {
     "frequency_penalty": -0.2,
     "repetition_penalty": 1.1,
     "logit_bias": {"5": 10},
-    "prompt_logprobs": 1,
     "guided_whitespace_pattern": " ",  # structured outputs themselves: tests/test_structured_outputs.py
     "structural_tag": "{}",
     "allowed_token_ids": [1, 2],

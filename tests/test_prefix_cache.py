@@ -1,12 +1,15 @@
-"""The radix prefix cache against a brute-force model of what it should hold."""
+"""The radix prefix cache against a brute-force model of what it should hold, and running sequences that
+enter their prompts into it (PrefixCache.enter) against ids written into the KV they computed."""
 
 from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from ddtree.verifier.kv_pool import LatentKVPool
+from ddtree.verifier.page_table import PageTable, check_accounting
 from ddtree.verifier.prefix_cache import PrefixCache
 
 
@@ -73,3 +76,101 @@ def test_random_traffic_keeps_accounting_and_matches_brute_force():
         for k in range(len(seq)):
             stored.setdefault(tuple(seq[: k + 1]), int(slots[k]))
         _check(cache, pool, 0)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_enter_adopts_a_running_prompt_and_pins_it(page_size):
+    """A sequence's prompt enters at its prefill's end: the cache owns its whole pages, pinned by the
+    sequence, whose partial last page stays its own; a second sequence that computed the same prompt
+    beside it keeps its own KV (None) and hands it back at its end."""
+    P = page_size
+    pool = LatentKVPool(1, 64, 2, torch.float32, "cpu", page_size=P)
+    cache = PrefixCache(pool)
+    prompt = list(range(10, 20))  # 10 tokens: whole pages 8 with P = 4
+    whole = len(prompt) - len(prompt) % P
+    first, second = PageTable(P), PageTable(P)
+    for t in (first, second):
+        t.extend(pool, len(prompt))
+        t.commit(len(prompt))
+    entered = cache.enter(prompt, first.slots, torch.arange(10.0)[:, None])
+    assert entered.length == whole and torch.equal(entered.slots, first.slots[:whole])
+    first.share_entered(entered.slots)
+    assert cache.enter(prompt, second.slots, None) is None
+    check_accounting(pool, [first, second], cache)
+    assert cache.cached_slots == whole and cache.evict(pool.num_slots) == 0  # pinned
+    hit = cache.match(prompt[:-1])  # a third request: all but the last token, whole pages
+    assert hit.length == (len(prompt) - 1) // P * P and hit.features.flatten().tolist() == list(range(hit.length))
+    cache.release(hit)
+    # at their ends: the first's pages are the cache's already; the second's duplicates come back
+    for t in (first, second):
+        t.extend(pool, 3)
+        t.commit(3)
+    pool.free(cache.insert(prompt + [1, 2, 3], first.slots, None))
+    cache.release(entered)
+    duplicates = cache.insert(prompt + [4, 5, 6], second.slots, None)
+    assert set(duplicates.tolist()) >= set(second.pages[: whole // P].tolist())
+    pool.free(duplicates)
+    check_accounting(pool, [], cache)
+    cache.evict(pool.num_slots)
+    assert cache.cached_slots == 0 and pool.num_free == pool.num_slots
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_running_sequences_that_enter_their_prompts_read_the_right_kv(page_size):
+    """Random lives of sequences as the scheduler runs them (match, prefill, enter, decode, finish, with
+    eviction when the pool runs low). Every slot written holds an id of the token prefix it was
+    computed for; every match must give slots holding exactly the ids of the matched prefixes, and the
+    accounting (free + held + cached, nothing held twice) holds after every event."""
+    rng = random.Random(page_size)
+    P = page_size
+    pool = LatentKVPool(1, 256, 1, torch.float32, "cpu", page_size=P)
+    cache = PrefixCache(pool)
+    ids: dict[tuple, int] = {}
+
+    def write(table, tokens, start, slots):
+        for k, slot in enumerate(slots.tolist()):
+            pool.cache[0, slot, 0] = float(ids.setdefault(tuple(tokens[: start + k + 1]), len(ids) + 1))
+
+    def room(n):
+        if pool.num_free < n:
+            cache.evict(n - pool.num_free)
+        return pool.num_free >= n
+
+    prompts = [[rng.randint(0, 2) for _ in range(rng.randint(2, 13))] for _ in range(5)]
+    running: list[dict] = []
+    for _ in range(600):
+        r = rng.random()
+        if r < 0.3 and len(running) < 5:
+            tokens = list(rng.choice(prompts))
+            table, match = PageTable(P), cache.match(tokens[:-1])
+            for k in range(match.length):
+                assert float(pool.cache[0, int(match.slots[k]), 0]) == ids[tuple(tokens[: k + 1])]
+            if match.length:
+                table.share(match.slots)
+            if not room(P * table.pages_needed(len(tokens) - match.length)):
+                cache.release(match)
+                continue
+            write(table, tokens, match.length, table.extend(pool, len(tokens) - match.length))
+            table.commit(len(tokens) - match.length)
+            entered = cache.enter(tokens, table.slots, None)
+            if entered is not None:
+                table.share_entered(entered.slots)
+                cache.release(match)
+                match = entered
+            running.append({"tokens": tokens, "table": table, "match": match})
+        elif r < 0.75 and running:
+            s = rng.choice(running)
+            if room(P * s["table"].pages_needed(1)):
+                s["tokens"].append(rng.randint(0, 2))
+                write(s["table"], s["tokens"], s["table"].length, s["table"].extend(pool, 1))
+                s["table"].commit(1)
+        elif running:
+            s = running.pop(rng.randrange(len(running)))
+            pool.free(cache.insert(s["tokens"], s["table"].slots, None))
+            cache.release(s["match"])
+        check_accounting(pool, [s["table"] for s in running], cache)
+    for s in running:
+        pool.free(cache.insert(s["tokens"], s["table"].slots, None))
+        cache.release(s["match"])
+    cache.evict(pool.num_slots)
+    assert cache.cached_slots == 0 and pool.num_free == pool.num_slots

@@ -7,7 +7,10 @@
   (`no_spec`) token for token; regex, choice and vLLM's structured_outputs; tool_choice required / a
   named function always gives calls whose arguments validate; bad schemas are 400s naming the field.
 - Temperature 1: the first three tokens through DDTree follow the grammar-masked target distribution
-  (chi-square), on the tiny 8-token target of tests/test_sampling_through_ddtree.py.
+  (chi-square), on the tiny 8-token target of tests/test_sampling_through_ddtree.py (trees built from the
+  drafter's table, `grammar_tree table`, the default); greedy equals constrained AR with either tree.
+- A grammar's dead end is the request's error (INVALID_ARGUMENT, HTTP 400), a fault in a grammar step the
+  verifier's (INTERNAL, without the exception's text).
 """
 
 from __future__ import annotations
@@ -305,13 +308,15 @@ def _tiny_vocab():
     return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteVocab()))
 
 
-def _serve(model, seqs: list[Sequence]) -> list:
-    """Run the sequences in one in-process scheduler (the oracle drafter: real trees), submitted together
-    so that they share steps; returns each one's last event."""
+def _serve(model, seqs: list[Sequence], grammar_tree: str = "table") -> list:
+    """Run the sequences in one in-process scheduler (the oracle drafter: real trees, or tables), submitted
+    together so that they share steps; returns each one's last event."""
     engine = OracleDraftEngine(model, depth=4, default_budget=12, max_budget=64, seed=11)
     drafter = serve_engine(engine, DrafterConfig(port=0, grace_s=0.0))
     client = DrafterClient(f"127.0.0.1:{drafter.port}", timeout_s=30)
-    vcfg = VerifierConfig(max_batch=64, max_queue=len(seqs), kv_tokens=64 * 40, prefill_chunk=64)
+    vcfg = VerifierConfig(
+        max_batch=64, max_queue=len(seqs), kv_tokens=64 * 40, prefill_chunk=64, grammar_tree=grammar_tree
+    )
     pool = LatentKVPool(
         model.config.num_hidden_layers, vcfg.kv_tokens, model.config.kv_cache_width, torch.float32, "cpu"
     )
@@ -333,7 +338,7 @@ def _serve(model, seqs: list[Sequence]) -> list:
     return last
 
 
-def _run(model, configs: list[SamplingConfig], max_new: int) -> list[Sequence]:
+def _run(model, configs: list[SamplingConfig], max_new: int, grammar_tree: str = "table") -> list[Sequence]:
     """min_tokens_tests._run, each sequence with the regex grammar over the tiny vocabulary."""
     lt = _tiny_vocab()
     grammar = llguidance.LLMatcher.grammar_from_regex(REGEX)
@@ -342,7 +347,7 @@ def _run(model, configs: list[SamplingConfig], max_new: int) -> list[Sequence]:
         seq = Sequence(GenerateParams(f"s{i}", PROMPT, cfg, max_new, frozenset(), True, 12, grammar=grammar))
         seq.grammar = SequenceGrammar(llguidance.LLMatcher(lt, grammar), frozenset(), tuple(lt.eos_tokens))
         seqs.append(seq)
-    _serve(model, seqs)
+    _serve(model, seqs, grammar_tree)
     return seqs
 
 
@@ -354,12 +359,16 @@ def _masked(model, ids, cfg: SamplingConfig, position: int) -> torch.Tensor:
     return logits if cfg.greedy else sampling_probs(logits[None], cfg)[0].double()
 
 
-def test_greedy_tiny_target_equals_constrained_ar(tiny_target):
+@pytest.mark.parametrize("grammar_tree", ["table", "prune"])
+def test_greedy_tiny_target_equals_constrained_ar(tiny_target, grammar_tree):
     ids = list(PROMPT)
     for position in range(3):
         ids.append(int(_masked(tiny_target, ids, SamplingConfig(), position).argmax()))
-    (seq,) = _run(tiny_target, [SamplingConfig()], 3)
+    (seq,) = _run(tiny_target, [SamplingConfig()], 3, grammar_tree)
     assert seq.generated == ids[len(PROMPT) :]
+    assert seq.grammar.drafted_nodes > 0
+    if grammar_tree == "table":  # every node was built grammar-valid: the walk pruned none
+        assert seq.grammar.kept_nodes == seq.grammar.drafted_nodes
 
 
 def test_sampled_first_tokens_follow_the_masked_distribution(tiny_target):
@@ -383,7 +392,8 @@ def test_sampled_first_tokens_follow_the_masked_distribution(tiny_target):
     assert min(p_a, p_bc) > 1e-3, f"p-values {p_a:.2e} {p_bc:.2e}"
 
 
-def test_a_grammar_dead_end_ends_only_its_own_sequence(tiny_target):
+@pytest.mark.parametrize("grammar_tree", ["table", "prune"])
+def test_a_grammar_dead_end_ends_only_its_own_sequence(tiny_target, grammar_tree):
     """A row whose grammar allows nothing ends that sequence alone: "stop" where the grammar accepts (a
     finished one-token grammar whose only allowed token, the stop id, min_tokens holds back), an error
     naming llguidance's reason where its matcher is in an error state (from the start, or a parser limit
@@ -400,7 +410,7 @@ def test_a_grammar_dead_end_ends_only_its_own_sequence(tiny_target):
         return seq
 
     alone = plain()
-    _serve(tiny_target, [alone])
+    _serve(tiny_target, [alone], grammar_tree)
     one = llguidance.LLMatcher.grammar_from_regex("[a-e]")
     broken = llguidance.LLMatcher(lt, llguidance.LLMatcher.grammar_from_regex("ab"), log_level=0)
     assert not broken.consume_token(5) and broken.is_error()  # "f": the matcher is in an error state
@@ -415,7 +425,7 @@ def test_a_grammar_dead_end_ends_only_its_own_sequence(tiny_target):
         constrained("broken", "x", broken, min_tokens=0),
         constrained("limited", ambiguous, limited, min_tokens=5),
     ]
-    finished, normal, error, limit = _serve(tiny_target, seqs)
+    finished, normal, error, limit = _serve(tiny_target, seqs, grammar_tree)
     assert normal.finish_reason == "length" and seqs[1].generated == alone.generated
     assert finished.finish_reason == "stop" and finished.error is None
     assert len(seqs[0].generated) == 1 and seqs[0].generated[0] in range(5)
@@ -423,6 +433,58 @@ def test_a_grammar_dead_end_ends_only_its_own_sequence(tiny_target):
     assert error.error.startswith("grammar: no token is allowed (llguidance: Parser Error: token")
     assert limit.finish_reason == "error" and "Too many items" in limit.error, limit.error
     assert set(seqs[3].generated) <= {0}  # only "a"s (stop ids held back), then the limit
+    # The request's grammar and its limits, not the verifier: INVALID_ARGUMENT (HTTP 400 at the gateway).
+    assert error.error_status == limit.error_status == grpc.StatusCode.INVALID_ARGUMENT
+
+
+class _FaultyGrammar(SequenceGrammar):
+    """A grammar state whose step fails (a bug, say): the verifier's fault, not the request's."""
+
+    def prepare(self, tree=None):
+        raise RuntimeError("secret internals")
+
+
+def test_a_fault_in_a_grammar_step_is_internal(tiny_target):
+    lt, grammar = _tiny_vocab(), llguidance.LLMatcher.grammar_from_regex(REGEX)
+    seq = Sequence(GenerateParams("faulty", PROMPT, SamplingConfig(), 3, frozenset(), True, 12, grammar=grammar))
+    seq.grammar = _FaultyGrammar(llguidance.LLMatcher(lt, grammar), frozenset(), tuple(lt.eos_tokens))
+    (last,) = _serve(tiny_target, [seq])
+    assert last.finish_reason == "error" and last.error_status == grpc.StatusCode.INTERNAL
+    assert "secret" not in last.error and last.error.startswith("verifier: internal error")
+
+
+@pytest.mark.parametrize("status", [grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL])
+def test_the_stream_ends_with_the_error_events_status(status):
+    """Verifier.Generate aborts with the status the scheduler gave the error event."""
+    from ddtree.verifier import server
+    from ddtree.verifier.sequence import StreamEvent
+
+    def submit(seq):
+        seq.events.put(StreamEvent((), None, "error", error="grammar: no token is allowed (x)", error_status=status))
+
+    scheduler = types.SimpleNamespace(vocab_size=4096, drafter=None, submit=submit, abort_sequence=lambda seq: None)
+    servicer = server.VerifierServicer(scheduler, VerifierConfig(), "t", "{}", (7,))
+    req = verifier_pb2.GenerateRequest(input_ids=[5, 6], max_new_tokens=4)
+    with pytest.raises(_Aborted) as err:
+        list(servicer.Generate(req, _AbortContext()))
+    assert err.value.code == status and err.value.details == "grammar: no token is allowed (x)"
+
+
+@pytest.fixture(scope="module")
+def fake_gateway(fake, tokenizer_dir):
+    from tests.fakes import serve_gateway
+
+    yield from serve_gateway(fake, tokenizer_dir)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_grammar_dead_end_is_a_400_at_the_gateway(fake, fake_gateway, stream):
+    fake.reset([], error=(grpc.StatusCode.INVALID_ARGUMENT, "grammar: no token is allowed (llguidance: x)"))
+    client = openai.OpenAI(base_url=f"http://{fake_gateway.http_address}/v1", api_key="none", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as err:
+        r = client.completions.create(model="ddtree-demo", prompt="a", max_tokens=4, stream=stream)
+        list(r) if stream else None
+    assert err.value.status_code == 400 and "grammar: no token is allowed" in err.value.message
 
 
 class _AbortContext:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import zlib
 from dataclasses import dataclass
 
 import pytest
@@ -250,3 +251,81 @@ def test_tree_mask_empty_and_positions() -> None:
         tree_mask(TokenTree((1, 2), (0, 3), (1, 2)))
     with pytest.raises(ValueError, match="start must be >= 0"):
         tree_positions(tree, -1)
+
+
+# -- the build under a validity predicate (services/contract/tree_build.py) ----------------------------------
+class PathRule:
+    """A random predicate over token paths, as build_tree's `allowed(parent, token)`: it mirrors the tree
+    the build grows (the k-th True answer is node k, build_tree's call contract) to know the parent's path."""
+
+    def __init__(self, seed: int, keep: float):
+        self.seed, self.keep = seed, keep
+        self.paths: list[tuple[int, ...]] = [()]  # by node index
+        self.calls = 0
+
+    def valid(self, path: tuple[int, ...]) -> bool:
+        """The token path[-1] may follow path[:-1]: a fixed random draw per (seed, path)."""
+        return zlib.crc32(repr((self.seed,) + path).encode()) % 1000 < self.keep * 1000
+
+    def __call__(self, parent: int, token: int) -> bool:
+        self.calls += 1
+        path = self.paths[parent] + (token,)
+        ok = self.valid(path)
+        if ok:
+            self.paths.append(path)
+        return ok
+
+
+def brute_force_valid(lp: torch.Tensor, ids: torch.Tensor, budget: int, rule: PathRule):
+    """brute_force over the prefixes whose every token is valid after its own prefix."""
+    everything = brute_force(lp, ids, 10**9)
+    valid = [r for r in everything if all(rule.valid(r[1][: d + 1]) for d in range(len(r[1])))]
+    return valid[:budget]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("keep", [0.3, 0.7])
+def test_build_tree_with_a_predicate_matches_brute_force(case: Case, seed: int, keep: float) -> None:
+    """The first `budget` valid prefixes in (-score, ranks) order; dropped candidates give no node and no
+    child, but the budget still reaches their valid siblings; the scores are the path sums."""
+    lp, ids = random_table(case.depth, case.width, case.vocab, seed, case.quantize)
+    rule = PathRule(seed, keep)
+    tree = build_tree(lp, ids, case.budget, rule)
+    tree.validate()
+    ref = brute_force_valid(lp, ids, case.budget, PathRule(seed, keep))
+    assert node_paths(tree) == [r[1] for r in ref]
+    assert list(tree.scores) == [r[2] for r in ref]
+    assert rule.paths[1:] == node_paths(tree), "a True answer was not the next node"
+    assert tree.n == 0 or rule.calls >= tree.n
+
+
+def test_a_predicate_that_allows_all_changes_nothing() -> None:
+    for case in CASES:
+        lp, ids = random_table(case.depth, case.width, case.vocab, 3, case.quantize)
+        plain = build_tree(lp, ids, case.budget)
+        ruled = build_tree(lp, ids, case.budget, lambda parent, token: True)
+        assert ruled == plain and ruled.scores == plain.scores
+
+
+def test_a_dropped_candidate_is_skipped_not_the_budget() -> None:
+    """Depth 1 allows only the third-best token: the tree is that token, then its best children, and
+    the predicate is never asked once the budget is full."""
+    lp, ids = random_table(2, 4, 12, 0)
+    third = int(ids[0, 2])
+    asked = []
+
+    def allowed(parent: int, token: int) -> bool:
+        asked.append((parent, token))
+        return parent != 0 or token == third
+
+    tree = build_tree(lp, ids, 3, allowed)
+    assert node_paths(tree) == [(third,), (third, int(ids[1, 0])), (third, int(ids[1, 1]))]
+    assert asked[-1] == (1, int(ids[1, 1])), "asked past the budget"
+
+
+def test_the_drafter_builds_with_the_contract_copy() -> None:
+    from ddtree.contract import tree_build
+    from ddtree.drafter import tree
+
+    assert tree.build_tree is tree_build.build_tree and tree.topk_logprobs is tree_build.topk_logprobs

@@ -2,7 +2,8 @@
 
 One `draft` call takes, per sequence, the commit of the previous step (token ids, absolute start,
 the target's tapped features of those tokens) and the root (the previous bonus token, not yet
-committed), and returns one TokenTree per sequence, in input order.
+committed), and returns per sequence, in input order, its TokenTree, or its top-K TokenTable when it
+asks for one (`table_width` > 0: the verifier builds the tree, a grammar's valid prefixes only).
 
 Commit / window contract (with window W > 0):
   - `commit_features` has exactly one row per `commit_token_ids` entry, and the tokens sit at absolute
@@ -26,7 +27,7 @@ from torch import Tensor
 
 from ddtree.contract.token_tree import TokenTree
 from ddtree.drafter.context import DraftContext
-from ddtree.drafter.tree import build_tree, topk_logprobs
+from ddtree.drafter.tree import MAX_TABLE_WIDTH, TokenTable, build_tree, topk_logprobs
 from ddtree.models.dflash import DFlashDraftModel
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -50,6 +51,7 @@ class SeqDraftInput:
     budget: int = 0  # non-root tree nodes; 0 = the engine's default
     reset: bool = False  # forget any earlier context of this sequence first
     chain: bool = False  # width 1: the top-1 token per depth, min(budget, block_size - 1) nodes
+    table_width: int = 0  # > 0: the top-K table (K = table_width) [block_size - 1, K] instead of a tree
 
 
 class DraftEngine:
@@ -154,8 +156,9 @@ class DraftEngine:
         """Forget these sequences; returns how many were known."""
         return sum(self._contexts.pop(s, None) is not None for s in seq_ids)
 
-    def draft(self, seqs: Sequence[SeqDraftInput]) -> list[TokenTree]:
-        """Validate every sequence first (no state changes on error), then draft each in order."""
+    def draft(self, seqs: Sequence[SeqDraftInput]) -> list[TokenTree | TokenTable]:
+        """Validate every sequence first (no state changes on error), then draft each in order: a tree, or
+        the sequence's top-K table where it asks for one (table_width > 0)."""
         seen: set[str] = set()
         for i, seq in enumerate(seqs):
             self._validate(i, seq, seen)
@@ -197,6 +200,10 @@ class DraftEngine:
         if not 0 <= seq.budget <= self.max_budget:
             fail(f"budget must be in [0, {self.max_budget}] (0 = default {self.default_budget}), got {seq.budget}")
         vocab = self.vocab_size
+        try:
+            check_table_width(seq.table_width, seq.chain, vocab)
+        except ValueError as err:
+            fail(str(err))
         bad = [t for t in seq.commit_token_ids if not 0 <= t < vocab]
         if bad:
             fail(f"commit_token_ids has ids outside [0, {vocab}): {bad[:4]}")
@@ -254,9 +261,10 @@ class DraftEngine:
             for layer in range(len(parts[0]))
         ]
 
-    def _draft_all(self, seqs: Sequence[SeqDraftInput]) -> list[TokenTree]:
+    def _draft_all(self, seqs: Sequence[SeqDraftInput]) -> list[TokenTree | TokenTable]:
         """One drafter forward for every sequence's block [root, MASK x (B-1)] (S blocks of B slots),
-        one LM head over all S x (B-1) slots, then each sequence's top-K and best-first tree."""
+        one LM head over all S x (B-1) slots, then each sequence's top-K and best-first tree (or its
+        top-K table, K = table_width)."""
         if not seqs:
             return []
         cfg, model = self.config, self.model
@@ -277,11 +285,27 @@ class DraftEngine:
         budgets = [seq.budget or self.default_budget for seq in seqs]
         # chain (K = 1): the best-first build can only extend the single path, one node per depth
         budgets = [min(b, B - 1) if seq.chain else b for seq, b in zip(seqs, budgets)]
-        ks = [1 if seq.chain else min(budget, self.vocab_size) for seq, budget in zip(seqs, budgets)]
+        ks = [
+            seq.table_width or (1 if seq.chain else min(budget, self.vocab_size)) for seq, budget in zip(seqs, budgets)
+        ]
         # One top-K over every sequence's rows; a sequence takes the first k of its rows' sorted top-K.
         logprobs, ids = topk_logprobs(logits.view(S * (B - 1), -1), max(ks))  # [S*D, K]
         logprobs, ids = logprobs.cpu().view(S, B - 1, -1), ids.cpu().view(S, B - 1, -1)
-        trees = [
-            build_tree(logprobs[s, :, :k], ids[s, :, :k], budget) for s, (k, budget) in enumerate(zip(ks, budgets))
+        return [
+            TokenTable(logprobs[s, :, :k].contiguous(), ids[s, :, :k].contiguous())
+            if seq.table_width
+            else build_tree(logprobs[s, :, :k], ids[s, :, :k], budget)
+            for s, (seq, k, budget) in enumerate(zip(seqs, ks, budgets))
         ]
-        return trees
+
+
+def check_table_width(table_width: int, chain: bool, vocab_size: int) -> None:
+    """SeqDraft.table_width: 0 (a tree) or 1..min(vocab_size, MAX_TABLE_WIDTH), and not with chain; ValueError
+    naming the field otherwise. The Drafter server checks it for any engine."""
+    top = min(vocab_size, MAX_TABLE_WIDTH)
+    if not 0 <= table_width <= top:
+        raise ValueError(
+            f"table_width must be in [0, {top}] (0 = a tree; at most min(vocab_size, {MAX_TABLE_WIDTH})), got {table_width}"
+        )
+    if table_width and chain:
+        raise ValueError("table_width and chain exclude each other (a chain is the tree of a width-1 table)")

@@ -1,9 +1,10 @@
 """The Drafter gRPC service: decodes and validates Draft calls, runs the engine, returns trees.
 
-The engine is anything with `draft(list[SeqDraftInput]) -> list[TokenTree]`, `release(ids) -> int`
-and `info() -> dict` of DrafterInfo fields: the DFlash engine (the tests serve an oracle engine through the
-same server). A malformed call is answered INVALID_ARGUMENT as a whole and changes no sequence's state
-(the engine validates every sequence before touching any).
+The engine is anything with `draft(list[SeqDraftInput]) -> list[TokenTree | TokenTable]` (a table for a
+sequence with table_width > 0), `release(ids) -> int` and `info() -> dict` of DrafterInfo fields: the DFlash
+engine (the tests serve an oracle engine through the same server). A malformed call is answered
+INVALID_ARGUMENT as a whole and changes no sequence's state (the engine validates every sequence before
+touching any).
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import time
 import grpc
 
 from ddtree.config import DrafterConfig
+from ddtree.contract.tree_build import MAX_TABLE_WIDTH, TokenTable
 from ddtree.drafter import metrics
-from ddtree.drafter.engine import SeqDraftInput
+from ddtree.drafter.engine import SeqDraftInput, check_table_width
 from ddtree.protocol.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
 from ddtree.protocol.security import ServiceSecurity
 from ddtree.protocol.server import RunningServer, start_server
@@ -29,13 +31,17 @@ MAX_SEQ_ID_CHARS = 256
 MAX_CHUNKS_PER_APPEND = 65536  # 64 MiB messages: far beyond any window's worth of features
 
 
-def decode_request(req: drafter_pb2.DraftRequest) -> list[SeqDraftInput]:
+def decode_request(req: drafter_pb2.DraftRequest, vocab_size: int) -> list[SeqDraftInput]:
     if len(req.seqs) > MAX_SEQS_PER_CALL:
         raise ValueError(f"{len(req.seqs)} sequences in one Draft call; the limit is {MAX_SEQS_PER_CALL}")
     out = []
     for i, s in enumerate(req.seqs):
         if not s.seq_id or len(s.seq_id) > MAX_SEQ_ID_CHARS:
             raise ValueError(f"seqs[{i}].seq_id must be 1..{MAX_SEQ_ID_CHARS} characters")
+        try:
+            check_table_width(s.table_width, s.chain, vocab_size)
+        except ValueError as err:
+            raise ValueError(f"seqs[{i}] (seq_id={s.seq_id!r}): {err}") from None
         feats = tensor_from_proto(s.commit_features, what=f"seqs[{i}] ({s.seq_id}) commit_features")
         out.append(
             SeqDraftInput(
@@ -47,6 +53,7 @@ def decode_request(req: drafter_pb2.DraftRequest) -> list[SeqDraftInput]:
                 budget=s.budget,
                 reset=s.reset,
                 chain=s.chain,
+                table_width=s.table_width,
             )
         )
     return out
@@ -73,6 +80,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def __init__(self, engine, max_sequences: int):
         self.engine = engine
         self.max_sequences = max_sequences  # draft contexts held at once (--max-sequences)
+        # What a table_width is checked against (an engine that reports none is bounded by MAX_TABLE_WIDTH alone).
+        self.vocab_size = int(engine.info().get("vocab_size", MAX_TABLE_WIDTH))
         # The engine holds per-sequence state: one Draft call at a time.
         self._lock = threading.Lock()
         # What the state gauges read at scrape time (metric_state), noted under the lock after every call
@@ -93,7 +102,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     def Draft(self, request, context):
         try:
-            seqs = decode_request(request)
+            seqs = decode_request(request, self.vocab_size)
         except ValueError as err:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         t0 = time.perf_counter()
@@ -108,7 +117,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                     f"max_sequences is {self.max_sequences}",
                 )
             try:
-                trees = self.engine.draft(seqs)
+                drafts = self.engine.draft(seqs)
             except ValueError as err:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
             finally:
@@ -117,10 +126,23 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         metrics.DRAFT_CALLS.inc()
         metrics.DRAFT_SECONDS.observe(draft_ms / 1e3)
         resp = drafter_pb2.DraftResponse(draft_ms=draft_ms)
-        for s, tree in zip(seqs, trees):
-            resp.trees.add(
-                seq_id=s.seq_id, token_ids=tree.token_ids, parents=tree.parents, depths=tree.depths, scores=tree.scores
-            )
+        for s, draft in zip(seqs, drafts):
+            if isinstance(draft, TokenTable):
+                resp.tables.add(
+                    seq_id=s.seq_id,
+                    depth=draft.depth,
+                    width=draft.width,
+                    logprobs=draft.logprobs.flatten().tolist(),
+                    token_ids=draft.token_ids.flatten().tolist(),
+                )
+            else:
+                resp.trees.add(
+                    seq_id=s.seq_id,
+                    token_ids=draft.token_ids,
+                    parents=draft.parents,
+                    depths=draft.depths,
+                    scores=draft.scores,
+                )
         return resp
 
     def Append(self, request_iterator, context):

@@ -1,6 +1,7 @@
 """The Anthropic Messages routes of the gateway's HTTP API: `POST /v1/messages` (streaming or not) and
-`POST /v1/messages/count_tokens`, over the same request path as the OpenAI routes (`http._Api`'s body
-checks, `Pipeline.chat_job`, `Generation`, `http._GenerationResponse` with its disconnect watch).
+`POST /v1/messages/count_tokens`, over the same request path as the OpenAI routes (http_request.py's
+body checks, `Pipeline.chat_job`, `Generation`, http_response.py's `GenerationResponse` with its
+disconnect watch, in Anthropic's shapes).
 
 - Keys: `x-api-key: KEY` (what Anthropic clients send) or `Authorization: Bearer KEY`, checked as on
   the OpenAI routes.
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio.to_thread
 from starlette.requests import Request
@@ -27,10 +28,13 @@ from ddtree.gateway import metrics
 from ddtree.gateway.anthropic_protocol import MessagesParams, parse_count_tokens, parse_messages
 from ddtree.gateway.anthropic_stream import MessageStream, error_json, message_response, stop_reason
 from ddtree.gateway.auth import KeyPolicy, Unauthorized
-from ddtree.gateway.generation import RequestError
-from ddtree.gateway.http import _STATUS, SSE_HEADERS, ApiError, _Api, _GenerationResponse
+from ddtree.gateway.http_request import ApiError, read_json_body, served_model
+from ddtree.gateway.http_response import SSE_HEADERS, GenerationResponse
 from ddtree.gateway.pipeline import Job
 from ddtree.telemetry.logging import get_logger
+
+if TYPE_CHECKING:
+    from ddtree.gateway.http import OpenAIApi
 
 _log = get_logger("gateway.anthropic")
 
@@ -46,41 +50,27 @@ def _sse(event: dict) -> bytes:
     return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
 
 
-class _MessagesResponse(_GenerationResponse):
+class _MessagesResponse(GenerationResponse):
     """The OpenAI routes' response runner (a disconnect cancels the generation) with Anthropic's
     error shape and event stream."""
 
-    async def _error(self, scope, send, e: RequestError) -> None:
-        self._answered = True
-        await error_response(_STATUS.get(e.code, 500), e.message)(scope, None, send)
+    def error_answer(self, status: int, message: str) -> Response:
+        return error_response(status, message)
 
-    async def _stream(self, scope, send) -> None:
-        try:
-            first = await self._next()  # a failure before the first tokens is a plain error status
-        except RequestError as e:
-            await self._error(scope, send, e)
-            return
-        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
-        events, chunk = self.events.start(), first
-        try:
-            while chunk is not None:
-                events += self.events.events(chunk)
-                if events:
-                    await send({"type": "http.response.body", "body": b"".join(map(_sse, events)), "more_body": True})
-                events = []
-                chunk = await self._next()
-        except RequestError as e:
-            status = _STATUS.get(e.code, 500)
-            metrics.HTTP_ERRORS.labels(status=str(status)).inc()
-            events = [error_json(status, e.message)]
-        self._answered = True
-        await send({"type": "http.response.body", "body": b"".join(map(_sse, events)), "more_body": False})
+    def stream_headers(self) -> list[tuple[bytes, bytes]]:
+        return SSE_HEADERS
+
+    def encode(self, event: dict) -> bytes:
+        return _sse(event)
+
+    def last_events(self, failure: tuple[int, str] | None) -> list:
+        return [error_json(*failure)] if failure else []  # no [DONE]: message_stop ends a stream
 
 
 class AnthropicApi:
-    """The Messages route handlers, over the OpenAI routes' `_Api` (pipeline, config, body reading)."""
+    """The Messages route handlers, beside the OpenAI routes' (their pipeline, config, worker threads)."""
 
-    def __init__(self, api: _Api):
+    def __init__(self, api: OpenAIApi):
         self.api, self.p, self.config = api, api.p, api.config
 
     def _authorize(self, request: Request) -> KeyPolicy:
@@ -130,9 +120,9 @@ class AnthropicApi:
 
     async def _messages(self, request: Request) -> Response:
         policy = self._authorize(request)
-        body = await self.api._body(request)
+        body = await read_json_body(request, self.config.max_body_bytes)
         params = await self._prepare(lambda: parse_messages(body, self.config.max_tokens_limit))
-        model = self.api._model(params.model)
+        model = served_model(params.model, self.config.model_id)
         job = await self._prepare(lambda: self._job(params, policy.max_budget))
         _log.info("anthropic_request", request_id=job.request.request_id, user_id=params.user_id, stream=params.stream)
         gen = self.p.generate(job, protocol="http")
@@ -153,14 +143,14 @@ class AnthropicApi:
 
     async def _count_tokens(self, request: Request) -> Response:
         policy = self._authorize(request)
-        body = await self.api._body(request)
+        body = await read_json_body(request, self.config.max_body_bytes)
         params = await self._prepare(lambda: parse_count_tokens(body))
-        self.api._model(params.model)
+        served_model(params.model, self.config.model_id)
         job = await self._prepare(lambda: self._job(params, policy.max_budget))
         return JSONResponse({"input_tokens": len(job.request.input_ids)})
 
 
-def anthropic_routes(api: _Api) -> list[Route]:
+def anthropic_routes(api: OpenAIApi) -> list[Route]:
     a = AnthropicApi(api)
     return [
         Route("/v1/messages", a.messages, methods=["POST"]),

@@ -21,7 +21,7 @@ import json
 from collections.abc import Callable
 
 from ddtree.gateway.generation import Result
-from ddtree.gateway.openai_protocol import spec_json
+from ddtree.gateway.openai_responses import spec_json
 from ddtree.gateway.parsers import find_first
 from ddtree.protocol.ddtree.v1 import common_pb2, gateway_pb2
 

@@ -4,8 +4,11 @@
   set a seed, seed + i (mod 2^64), so each choice has its own reproducible seed stream; without a
   seed every choice draws from the verifier's global RNG, independently.
 - The n requests start together, so with one verifier they share its steps (one forward for all of
-  them). The prefix cache enters a prompt when a request finishes: choices that run concurrently each
-  prefill the prompt (in the same steps), and a later request with that prompt reuses it.
+  them) and one prefill of the prompt: the verifier prefills it for the first of them it admits and
+  enters it into its prefix cache when that prefill completes; the others wait for it and take all
+  but the last prompt token from the cache (services/verifier/prefix_cache.py). Nothing here orders
+  them: whichever the verifier admits first prefills. With several verifiers the router may send
+  choices to different ones, which each prefill the prompt.
 - `Choices` runs them as one: an iterator of (choice index, GenerateChunk) in arrival order, and
   `collect()` the n Results in index order. A failure of one cancels the others and is raised.
   With n = 1 it is the plain Generation, in the caller's thread.
@@ -14,7 +17,8 @@
 - Bounds: each choice is a verifier stream and (n > 1) a thread, so the HTTP API takes n of its
   max_workers + max_streams tokens for them (429 when they are not free: http.py), and a response
   that is not streamed holds at most MAX_RESPONSE_ENTRIES = n * max_tokens * (top_logprobs + 1)
-  token entries (400 above: `check_size`).
+  token entries (400 above: `check_size`); with prompt_logprobs, n * prompt tokens * (prompt_logprobs + 1)
+  more, streamed or not (a stream sends each choice's prompt entries whole on one chunk).
 """
 
 from __future__ import annotations
@@ -46,7 +50,8 @@ def check_n(n: int | None) -> int:
 
 def check_size(job: Job, n: int, stream: bool) -> None:
     """Invalid naming n, max_tokens and top_logprobs when a whole (not streamed) response could hold
-    more than MAX_RESPONSE_ENTRIES token entries."""
+    more than MAX_RESPONSE_ENTRIES token entries; naming prompt_logprobs when its prompt entries (held
+    whole, streamed or not) take it over."""
     top = job.request.top_logprobs if job.request.HasField("top_logprobs") else 0
     size = n * job.request.max_new_tokens * (top + 1)
     if not stream and size > MAX_RESPONSE_ENTRIES:
@@ -54,6 +59,15 @@ def check_size(job: Job, n: int, stream: bool) -> None:
             f"n: n * max_tokens * (top_logprobs + 1) = {n} * {job.request.max_new_tokens} * {top + 1} = {size} "
             f"is over {MAX_RESPONSE_ENTRIES} for a response that is not streamed (stream it, or ask for less)"
         )
+    if job.request.HasField("prompt_logprobs"):
+        k, prompt = job.request.prompt_logprobs, len(job.request.input_ids)
+        held = n * prompt * (k + 1) + (0 if stream else size)
+        if held > MAX_RESPONSE_ENTRIES:
+            output = "" if stream else f" + {size} output entries"
+            raise Invalid(
+                f"prompt_logprobs: n * prompt_tokens * (prompt_logprobs + 1) = {n} * {prompt} * {k + 1}{output} "
+                f"= {held} entries is over {MAX_RESPONSE_ENTRIES} for one response (ask for less)"
+            )
 
 
 def choice_jobs(job: Job, n: int) -> list[Job]:

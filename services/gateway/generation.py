@@ -12,6 +12,7 @@ text, reasoning and tool-call deltas, stop it early, cancel it.
   gateway's clock).
 - The token that stopped generation is reported in token_ids but not rendered into text.
 - With options.top_logprobs, each chunk carries the verifier's TokenLogprobs of its token_ids, one per id.
+  With options.prompt_logprobs, chunks without tokens carry the prompt's PromptLogprobs, before the first.
 - `cancel()` (the client left) cancels the verifier call; the verifier aborts the request and frees
   its KV. The generation then ends quietly.
 - Failures are `RequestError(grpc status code, message)`: the verifier's own status and message pass
@@ -66,6 +67,7 @@ class Result:
     finish_reason: str
     usage: common_pb2.Usage
     logprobs: list[common_pb2.TokenLogprobs] = dataclasses.field(default_factory=list)  # one per token id
+    prompt_logprobs: list[common_pb2.PromptLogprobs] = dataclasses.field(default_factory=list)  # in prompt order
 
 
 def fold(chunks: list[gateway_pb2.GenerateChunk]) -> Result:
@@ -79,6 +81,7 @@ def fold(chunks: list[gateway_pb2.GenerateChunk]) -> Result:
         finish_reason=chunks[-1].finish_reason if chunks else "abort",
         usage=chunks[-1].usage if chunks else common_pb2.Usage(),
         logprobs=[lp for c in chunks for lp in c.logprobs],
+        prompt_logprobs=[c.prompt_logprobs for c in chunks if c.HasField("prompt_logprobs")],
     )
 
 
@@ -252,6 +255,8 @@ class Generation:
             text, matched = stops.push(text, final=final)
             text = head + text
             chunk = gateway_pb2.GenerateChunk(request_id=rid, token_ids=ids, steps=msg.steps, logprobs=msg.logprobs)
+            if msg.HasField("prompt_logprobs"):
+                chunk.prompt_logprobs.CopyFrom(msg.prompt_logprobs)
             _fill_text(chunk, *parsers.push(text))
             if not (final or matched):
                 yield chunk

@@ -24,13 +24,14 @@ verifier is healthy, else 503), GET /metrics (Prometheus text); Anthropic's POST
   response's `X-Request-Id` header.
 
 The pipeline is synchronous (gRPC); each request's blocking calls run in worker threads, at most
-max_workers + max_streams at a time.
+max_workers + max_streams at a time. Here: the route table (`create_app`), the OpenAI handlers
+(`OpenAIApi`) and the server thread (`HttpServer`); the body, request id and model checks are
+http_request.py's, the generation's answer (SSE or JSON, the disconnect watch) http_response.py's.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import socket
 import threading
 import time
@@ -39,7 +40,6 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
-import grpc
 import prometheus_client
 import uvicorn
 from starlette.applications import Starlette
@@ -52,177 +52,21 @@ from ddtree.config import GatewayConfig
 from ddtree.gateway import metrics
 from ddtree.gateway import openai_protocol as oai
 from ddtree.gateway import tokenize_protocol as tp
+from ddtree.gateway.anthropic_http import anthropic_routes
 from ddtree.gateway.auth import KeyPolicy, Unauthorized
-from ddtree.gateway.choices import MAX_REQUEST_ID_CHARS, Choices, check_size, choice_jobs
-from ddtree.gateway.generation import Generation, RequestError
+from ddtree.gateway.choices import Choices, check_size, choice_jobs
+from ddtree.gateway.http_request import ApiError, read_json_body, request_id_of, served_model
+from ddtree.gateway.http_response import GenerationResponse, error_response
 from ddtree.gateway.openai_logprobs import TokenStrings
+from ddtree.gateway.openai_responses import ChatStream, CompletionStream, chat_response, completion_response, field_of
 from ddtree.gateway.pipeline import Invalid, Job, Pipeline, validate_template_kwargs
-from ddtree.protocol.json_limits import JsonInputError, check_depth, parse_hooks
 from ddtree.telemetry.logging import get_logger
 from ddtree.tokenization.chat_template import validate_tools
 
-_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400,
-    grpc.StatusCode.OUT_OF_RANGE: 400,
-    grpc.StatusCode.FAILED_PRECONDITION: 400,
-    grpc.StatusCode.UNAUTHENTICATED: 401,
-    grpc.StatusCode.PERMISSION_DENIED: 403,
-    grpc.StatusCode.NOT_FOUND: 404,
-    grpc.StatusCode.ALREADY_EXISTS: 409,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-    grpc.StatusCode.CANCELLED: 499,
-    grpc.StatusCode.UNIMPLEMENTED: 501,
-    grpc.StatusCode.UNAVAILABLE: 503,
-    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
-}
-DRAIN_BYTES = 64 * 1024 * 1024
-SSE_HEADERS = [
-    (b"content-type", b"text/event-stream; charset=utf-8"),
-    (b"cache-control", b"no-cache"),
-    (b"x-accel-buffering", b"no"),
-]
 _log = get_logger("gateway.http")
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-
-
-def error_response(
-    status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
-) -> JSONResponse:
-    metrics.HTTP_ERRORS.labels(status=str(status)).inc()
-    if status >= 500:
-        _log.warning("http_error", status=status, message=message)
-    return JSONResponse(oai.error_json(message, status, param), status_code=status, headers=headers)
-
-
-def _sse(event: Any) -> bytes:
-    data = event if isinstance(event, str) else json.dumps(event, ensure_ascii=False, separators=(",", ":"))
-    return f"data: {data}\n\n".encode()
-
-
-class _GenerationResponse(Response):
-    """Runs one Generation and answers with SSE or one JSON body. Watches the connection meanwhile:
-    a disconnect cancels the generation (the verifier frees the request's KV)."""
-
-    def __init__(
-        self,
-        generation: Generation | Choices,
-        limiter: anyio.CapacityLimiter,
-        stream: bool,
-        events: oai.EventStream | None = None,
-        build: Callable[[Any], dict] | None = None,
-    ):
-        self.generation, self.limiter, self.stream = generation, limiter, stream
-        self.id_header = {"x-request-id": generation.request_id}
-        self.events, self.build = events, build
-        self.status_code = 200
-        self.background = None
-        self._answered = False  # the last byte is on its way: a disconnect now is the normal end
-
-    def _borrow(self) -> list[object] | None:
-        """n tokens of the limiter for the n choice threads (n > 1), and one left for the thread that
-        reads them; None (nothing taken) when they are not free. Runs on the event loop: no await
-        between the check and the takes."""
-        n = getattr(self.generation, "n", 1)
-        if n == 1:
-            return []
-        if self.limiter.available_tokens < n + 1:
-            return None
-        held = [object() for _ in range(n)]
-        for borrower in held:
-            self.limiter.acquire_on_behalf_of_nowait(borrower)
-        return held
-
-    async def __call__(self, scope, receive, send) -> None:
-        gen = self.generation
-        held = self._borrow()
-        if held is None:
-            gen.close()
-            free, total = int(self.limiter.available_tokens), int(self.limiter.total_tokens)
-            message = (
-                f"n: {gen.n} choices need {gen.n + 1} of the gateway's {total} worker threads, {free} are free now"
-            )
-            await error_response(429, message, "n", self.id_header)(scope, receive, send)
-            return
-        try:
-            await self._run(gen, scope, receive, send)
-        finally:
-            for borrower in held:
-                self.limiter.release_on_behalf_of(borrower)
-
-    async def _run(self, gen, scope, receive, send) -> None:
-        async with anyio.create_task_group() as tg:
-
-            async def watch() -> None:
-                while (await receive())["type"] != "http.disconnect":
-                    pass
-                if not self._answered:
-                    _log.info("client_disconnected", request_id=gen.request_id)
-                    gen.cancel()
-                    tg.cancel_scope.cancel()
-
-            tg.start_soon(watch)
-            try:
-                if self.stream:
-                    await self._stream(scope, send)
-                else:
-                    await self._whole(scope, send)
-            except OSError:  # the connection broke while we wrote
-                pass
-            finally:
-                gen.close()  # cancels what is left and releases the verifier slot now; never blocks
-                tg.cancel_scope.cancel()
-
-    async def _next(self):
-        return await anyio.to_thread.run_sync(next, self.generation, None, limiter=self.limiter)
-
-    async def _error(self, scope, send, e: RequestError) -> None:
-        status = _STATUS.get(e.code, 500)
-        self._answered = True
-        param = oai.field_of(e.message) if status == 400 else None
-        await error_response(status, e.message, param, self.id_header)(scope, None, send)
-
-    async def _whole(self, scope, send) -> None:
-        try:
-            result = await anyio.to_thread.run_sync(self.generation.collect, limiter=self.limiter)
-        except RequestError as e:
-            await self._error(scope, send, e)
-            return
-        self._answered = True
-        await JSONResponse(self.build(result), headers=self.id_header)(scope, None, send)
-
-    async def _stream(self, scope, send) -> None:
-        try:
-            first = await self._next()
-        except RequestError as e:
-            await self._error(scope, send, e)
-            return
-        headers = [*SSE_HEADERS, (b"x-request-id", self.generation.request_id.encode())]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        events = self.events.start()
-        chunk = first
-        try:
-            while chunk is not None:
-                events += self.events.events(chunk)
-                if events:
-                    await send({"type": "http.response.body", "body": b"".join(map(_sse, events)), "more_body": True})
-                events = []
-                chunk = await self._next()
-        except RequestError as e:
-            status = _STATUS.get(e.code, 500)
-            metrics.HTTP_ERRORS.labels(status=str(status)).inc()
-            await send(
-                {"type": "http.response.body", "body": _sse(oai.error_json(e.message, status)), "more_body": True}
-            )
-        self._answered = True
-        await send({"type": "http.response.body", "body": _sse("[DONE]"), "more_body": False})
-
-
-class _Api:
+class OpenAIApi:
     """The route handlers over one pipeline."""
 
     def __init__(self, pipeline: Pipeline, config: GatewayConfig):
@@ -246,73 +90,17 @@ class _Api:
             raise ApiError(401, str(e)) from None
 
     async def _body(self, request: Request) -> dict:
-        """The JSON object of the body. An oversize body is read and dropped (up to DRAIN_BYTES) before
-        the 413, so that the client, still sending, reads the answer instead of a reset connection."""
-        limit = self.config.max_body_bytes
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > max(limit, DRAIN_BYTES):
-            raise ApiError(413, f"request body of {declared} bytes is over the limit of {limit} bytes")
-        body, seen, more = bytearray(), 0, True
-        while more and seen <= DRAIN_BYTES:
-            message = await request.receive()
-            if message["type"] == "http.disconnect":
-                raise ApiError(400, "client disconnected while sending the request")
-            piece, more = message.get("body", b""), message.get("more_body", False)
-            seen += len(piece)
-            if seen <= limit:
-                body += piece
-        if seen > limit:
-            raise ApiError(
-                413, f"request body of {declared or 'more than ' + str(limit)} bytes is over the limit of {limit} bytes"
-            )
-        try:
-            # Strict UTF-8 first: json.loads(bytes) would let encoded lone surrogates (ED A0 80) through.
-            data = json.loads(bytes(body).decode("utf-8"), **parse_hooks())
-        except JsonInputError as e:  # a number over the limit, or NaN / Infinity
-            raise ApiError(400, f"request body: {e}") from None
-        except UnicodeDecodeError:
-            raise ApiError(400, "request body is not UTF-8 text") from None
-        except json.JSONDecodeError as e:
-            raise ApiError(
-                400, f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
-            ) from None
-        except RecursionError:
-            raise ApiError(400, "request body is nested too deeply") from None
-        try:
-            check_depth(data, "request body")
-        except JsonInputError as e:
-            raise ApiError(400, str(e)) from None
-        if not isinstance(data, dict):
-            raise ApiError(400, f"request body must be a JSON object, got {oai.json_type(data)}")
-        if b"\\ud" in body.lower():  # an escaped surrogate: fine in pairs, invalid alone
-            try:
-                json.dumps(data, ensure_ascii=False).encode("utf-8")
-            except UnicodeEncodeError:
-                raise ApiError(400, "request body has an unpaired UTF-16 surrogate escape") from None
-        return data
+        return await read_json_body(request, self.config.max_body_bytes)
 
     def _model(self, model: str | None) -> str:
-        if model is not None and model != self.config.model_id:
-            raise ApiError(
-                404, f"model {model!r} does not exist (this server serves {self.config.model_id!r})", "model"
-            )
-        return self.config.model_id
+        return served_model(model, self.config.model_id)
 
     async def _prepare(self, fn: Callable[[], Any]) -> Any:
         """Run request preparation (template, tokenizer) in a worker thread; map its errors."""
         try:
             return await anyio.to_thread.run_sync(fn, limiter=self.limiter)
         except ValueError as e:
-            raise ApiError(400, str(e), oai.field_of(str(e))) from None
-
-    @staticmethod
-    def _request_id(request: Request, from_body: str | None) -> str:
-        """X-Request-Id, else the body's request_id, else "" (the pipeline makes one)."""
-        header = request.headers.get("x-request-id")
-        rid, where = (header, "X-Request-Id") if header is not None else (from_body or "", "request_id")
-        if len(rid) > MAX_REQUEST_ID_CHARS or not all("!" <= c <= "~" for c in rid):
-            raise ApiError(400, f"{where}: must be 1-{MAX_REQUEST_ID_CHARS} printable ASCII characters", where)
-        return rid
+            raise ApiError(400, str(e), field_of(str(e))) from None
 
     def _choices(self, job: Job, n: int, stream: bool) -> Choices:
         """The n choices of an OpenAI request (choices.py), started together."""
@@ -320,19 +108,36 @@ class _Api:
             check_size(job, n, stream)
             jobs = choice_jobs(job, n)
         except Invalid as e:
-            raise ApiError(400, str(e), oai.field_of(str(e))) from None
+            raise ApiError(400, str(e), field_of(str(e))) from None
         return Choices([self.p.generate(j, protocol="http") for j in jobs])
 
     def _strings(self, options) -> TokenStrings | None:
-        return self.strings if options.HasField("top_logprobs") else None
+        return self.strings.for_request(options)  # None when it asks for no logprobs
+
+    async def _parsed(self, request: Request, parse: Callable[[dict, GatewayConfig], Any]) -> tuple:
+        """(key policy, params, model, request id) of a chat or completion request, checked in this order:
+        the key (401), the body (413, 400), its fields (`parse`: 400), the model (404), the id (400)."""
+        policy = self._authorize(request)
+        body = await self._body(request)
+        params = await self._prepare(lambda: parse(body, self.config))
+        return policy, params, self._model(params.model), request_id_of(request, params.request_id)
+
+    def _respond(self, job: Job, params, model: str, prefix: str, stream_type, answer) -> Response:
+        """The response of a chat or completion job (params: its ChatParams / CompletionParams): its n
+        choices streamed as `stream_type`'s chunks, or `answer`'s one JSON body; the id is PREFIX-ID."""
+        if params.user is not None:
+            _log.info("http_request", request_id=job.request.request_id, user=params.user)
+        gen, strings = self._choices(job, params.n, params.stream), self._strings(params.options)
+        rid, created = f"{prefix}-{job.request.request_id}", int(time.time())
+        if params.stream:
+            events = stream_type(rid, model, created, params.include_usage, params.n, strings)
+            return GenerationResponse(gen, self.limiter, True, events=events)
+        build = functools.partial(answer, rid, model, created, strings=strings)
+        return GenerationResponse(gen, self.limiter, False, build=build)
 
     # -- routes ----------------------------------------------------------------------------------------
     async def chat(self, request: Request) -> Response:
-        policy = self._authorize(request)
-        body = await self._body(request)
-        params = await self._prepare(lambda: oai.parse_chat(body, self.config))
-        model = self._model(params.model)
-        rid = self._request_id(request, params.request_id)
+        policy, params, model, rid = await self._parsed(request, oai.parse_chat)
         job = await self._prepare(
             lambda: self.p.chat_job(
                 params.messages,
@@ -349,22 +154,10 @@ class _Api:
                 grammar_checked=True,  # request_grammar checked each structured-output field
             )
         )
-        if params.user is not None:
-            _log.info("http_request", request_id=job.request.request_id, user=params.user)
-        gen, strings = self._choices(job, params.n, params.stream), self._strings(params.options)
-        rid, created = f"chatcmpl-{job.request.request_id}", int(time.time())
-        if params.stream:
-            events = oai.ChatStream(rid, model, created, params.include_usage, params.n, strings)
-            return _GenerationResponse(gen, self.limiter, True, events=events)
-        build = functools.partial(oai.chat_response, rid, model, created, strings=strings)
-        return _GenerationResponse(gen, self.limiter, False, build=build)
+        return self._respond(job, params, model, "chatcmpl", ChatStream, chat_response)
 
     async def completions(self, request: Request) -> Response:
-        policy = self._authorize(request)
-        body = await self._body(request)
-        params = await self._prepare(lambda: oai.parse_completion(body, self.config))
-        model = self._model(params.model)
-        rid = self._request_id(request, params.request_id)
+        policy, params, model, rid = await self._parsed(request, oai.parse_completion)
         job = await self._prepare(
             lambda: self.p.complete_job(
                 params.prompt,
@@ -375,15 +168,7 @@ class _Api:
                 grammar_checked=True,  # request_grammar checked each structured-output field
             )
         )
-        if params.user is not None:
-            _log.info("http_request", request_id=job.request.request_id, user=params.user)
-        gen, strings = self._choices(job, params.n, params.stream), self._strings(params.options)
-        rid, created = f"cmpl-{job.request.request_id}", int(time.time())
-        if params.stream:
-            events = oai.CompletionStream(rid, model, created, params.include_usage, params.n, strings)
-            return _GenerationResponse(gen, self.limiter, True, events=events)
-        build = functools.partial(oai.completion_response, rid, model, created, strings=strings)
-        return _GenerationResponse(gen, self.limiter, False, build=build)
+        return self._respond(job, params, model, "cmpl", CompletionStream, completion_response)
 
     async def _model_card(self) -> dict:
         max_context = await anyio.to_thread.run_sync(self.p.max_context, limiter=self.limiter)
@@ -471,7 +256,7 @@ async def _server_error(request: Request, e: Exception) -> Response:
 
 
 def create_app(pipeline: Pipeline, config: GatewayConfig) -> Starlette:
-    api = _Api(pipeline, config)
+    api = OpenAIApi(pipeline, config)
     routes = [
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
@@ -483,8 +268,6 @@ def create_app(pipeline: Pipeline, config: GatewayConfig) -> Starlette:
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
     ]
-    from ddtree.gateway.anthropic_http import anthropic_routes  # it imports this module: loaded here
-
     routes += anthropic_routes(api)  # POST /v1/messages, /v1/messages/count_tokens
     return Starlette(
         routes=routes, exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _server_error}

@@ -1,4 +1,5 @@
-"""The verifier's per-token logprobs (`TokenLogprobs`, one per output token id) in OpenAI's two shapes.
+"""The verifier's logprobs in OpenAI's and vLLM's shapes: per output token (`TokenLogprobs`, one per
+output token id) in OpenAI's two shapes, and per prompt token (`PromptLogprobs`) in vLLM's.
 
 - chat: `choices[i].logprobs = {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob,
   bytes}]}]}`, top_logprobs exactly the request's top_logprobs most likely tokens, most likely first.
@@ -12,6 +13,15 @@ tiktoken), else the string's UTF-8. Every output token has an entry, reasoning a
 included; the stop token that ends the answer (an eos / stop id) has none. An id past the tokenizer's
 vocabulary (a padded-vocabulary checkpoint such as DeepSeek-V3 has more logit rows than tokens; such an
 id can appear among the top logprobs) is shown as `<|N|>` (N the id) with empty bytes.
+
+- prompt_logprobs (vLLM's): a list as long as the prompt, `null` for its first token (nothing scores it),
+  then per prompt token a dict keyed by token id (a string in JSON) of `{logprob, rank, decoded_token}`:
+  the prompt token first, then the k most likely tokens (rank 1..k; when the prompt token is one of
+  them its entry stays first and carries that rank, as vLLM's dict does). Completions put it on each choice, chat
+  on the response (both as vLLM). A stream sends it whole on the first chunk of each choice after the
+  prompt's entries arrived (chat: a chunk with an empty delta and `prompt_logprobs`; completions: a
+  choice with empty text and `prompt_logprobs`), ahead of its text: vLLM refuses prompt_logprobs > 0
+  with stream. -inf is shown as -9999.0 (vLLM's clamp; JSON has no infinity).
 """
 
 from __future__ import annotations
@@ -23,11 +33,19 @@ from ddtree.tokenization.tokenizer import Tokenizer
 
 
 class TokenStrings:
-    """Token id -> (string, bytes), cached (a vocabulary has a few hundred thousand ids at most)."""
+    """Token id -> (string, bytes), cached (a vocabulary has a few hundred thousand ids at most).
+    `output` / `prompt`: what the request it renders for asked (`for_request`)."""
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, cache: dict | None = None, output: bool = True, prompt: bool = False):
         self._tok = tokenizer
-        self._cache: dict[int, tuple[str, list[int]]] = {}
+        self._cache: dict[int, tuple[str, list[int]]] = {} if cache is None else cache
+        self.output, self.prompt = output, prompt
+
+    def for_request(self, options) -> TokenStrings | None:
+        """These strings (the same cache) for a request's GenerationOptions: None when it asks for no
+        logprobs; else `output` = top_logprobs set, `prompt` = prompt_logprobs set."""
+        output, prompt = options.HasField("top_logprobs"), options.HasField("prompt_logprobs")
+        return TokenStrings(self._tok, self._cache, output, prompt) if output or prompt else None
 
     def __call__(self, token_id: int) -> tuple[str, list[int]]:
         hit = self._cache.get(token_id)
@@ -69,3 +87,46 @@ def completion_logprobs(
         out["text_offset"].append(offset)
         offset += len(text)
     return out
+
+
+def _prompt_entry(strings: TokenStrings, token_id: int, logprob: float, rank: int) -> dict:
+    return {"logprob": max(logprob, -9999.0), "rank": rank, "decoded_token": strings(token_id)[0]}
+
+
+def prompt_logprobs_json(strings: TokenStrings, pieces: Sequence[common_pb2.PromptLogprobs]) -> list:
+    """The prompt's entries (the verifier's pieces, in order from position 1) as vLLM's list."""
+    out: list = [None]
+    for piece in pieces:
+        for token_id, lp, rank in zip(piece.token_ids, piece.logprobs, piece.ranks):
+            entry = {str(token_id): _prompt_entry(strings, token_id, lp.logprob, rank)}
+            for k, (top_id, value) in enumerate(zip(lp.top_ids, lp.top_logprobs)):
+                entry[str(top_id)] = _prompt_entry(strings, top_id, value, k + 1)
+            out.append(entry)
+    return out
+
+
+class PromptLogprobsStream:
+    """A stream's prompt_logprobs: each choice's pieces held until its first chunk with tokens or a
+    finish_reason, then given once, whole (`take`)."""
+
+    def __init__(self, strings: TokenStrings, n: int):
+        self._strings = strings
+        self._pieces: list[list[common_pb2.PromptLogprobs] | None] = [[] for _ in range(n)]  # None: given
+
+    def take(self, index: int, chunk) -> list | None:
+        """The choice's whole prompt_logprobs when `chunk` (a GenerateChunk of choice `index`) is the
+        first after its prompt's entries; else None (held, or given before)."""
+        pieces = self._pieces[index]
+        if pieces is None:
+            return None
+        if chunk.HasField("prompt_logprobs"):
+            pieces.append(chunk.prompt_logprobs)
+        if not (chunk.token_ids or chunk.finish_reason):
+            return None
+        self._pieces[index] = None
+        return prompt_logprobs_json(self._strings, pieces)
+
+
+def prompt_logprobs_field(strings: TokenStrings | None, pieces: Sequence[common_pb2.PromptLogprobs]) -> dict:
+    """{"prompt_logprobs": [...]} for an answer whose request asked for them, else {} (vLLM's field)."""
+    return {"prompt_logprobs": prompt_logprobs_json(strings, pieces)} if strings and strings.prompt else {}

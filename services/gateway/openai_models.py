@@ -152,6 +152,7 @@ class Request(_Model):
     budget: int | None = None  # ddtree: tree node budget
     no_spec: bool | None = None  # ddtree: plain autoregressive decoding
     n: int | None = None  # choices.py: n sequences, seed + i each
+    prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs, 0..20 top tokens (openai_logprobs.py)
     # Refused unless neutral (REFUSED says why).
     best_of: int | None = None
     use_beam_search: bool | None = None
@@ -160,7 +161,6 @@ class Request(_Model):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict | None = None
-    prompt_logprobs: int | None = None
     response_format: ResponseFormat | None = None  # structured outputs (structured_outputs.py) ...
     guided_json: Any = None
     guided_regex: Any = None
@@ -219,10 +219,6 @@ class CompletionRequest(Request):
     prompt_embeds: Any = None
 
 
-_PROMPT_LOGPROBS = (
-    "not supported yet (it needs the logits of every prompt row, and a prefix-cache hit computes none; "
-    "logprobs of the output tokens are supported)"
-)
 _PENALTY = (
     "not supported (only {neutral}): a penalty changes the target distribution along each tree path, "
     "and ddtree refuses it rather than sample off the exact tree verification"
@@ -236,7 +232,6 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "frequency_penalty": (lambda v: v == 0, _PENALTY.format(neutral="0")),
     "repetition_penalty": (lambda v: v == 1, _PENALTY.format(neutral="1")),
     "logit_bias": (lambda v: not v, "not supported"),
-    "prompt_logprobs": (lambda v: False, _PROMPT_LOGPROBS),
     # response_format, structured_outputs and guided_json / _regex / _choice / _grammar /
     # _decoding_backend: structured_outputs.py
     "guided_whitespace_pattern": (lambda v: False, "not supported (use structured_outputs.disable_any_whitespace)"),

@@ -112,6 +112,8 @@ def validate_options(
         raise Invalid(f"{prefix}budget: must be >= 0 (0 = server default), got {o.budget}")
     if o.HasField("top_logprobs") and not 0 <= o.top_logprobs <= MAX_TOP_LOGPROBS:
         raise Invalid(f"{prefix}top_logprobs: must be in [0, {MAX_TOP_LOGPROBS}], got {o.top_logprobs}")
+    if o.HasField("prompt_logprobs") and not 0 <= o.prompt_logprobs <= MAX_TOP_LOGPROBS:
+        raise Invalid(f"{prefix}prompt_logprobs: must be in [0, {MAX_TOP_LOGPROBS}], got {o.prompt_logprobs}")
     if max_budget is not None and o.budget > max_budget:
         raise Invalid(f"{prefix}budget: must be <= {max_budget} (this server's or this API key's cap), got {o.budget}")
     if len(o.stop) > MAX_STOP_STRINGS:
@@ -360,6 +362,8 @@ class Pipeline:
         )
         if o.HasField("top_logprobs"):
             request.top_logprobs = o.top_logprobs
+        if o.HasField("prompt_logprobs"):
+            request.prompt_logprobs = o.prompt_logprobs
         request.grammar = o.grammar if grammar is None else grammar  # checked before (check_client_grammar)
         if request.grammar and o.min_tokens:
             # A finished grammar allows only the stop ids, which min_tokens masks: no token would be left.

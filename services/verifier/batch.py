@@ -41,6 +41,11 @@ class PrefillItem:
     def is_last(self) -> bool:
         return self.end == self.seq.prompt_len
 
+    @property
+    def scores_prompt(self) -> bool:
+        """A prompt_logprobs request: the LM head runs on every row (row p scores prompt token p + 1)."""
+        return self.seq.params.prompt_logprobs is not None
+
 
 WorkItem = VerifyItem | PrefillItem
 
@@ -49,7 +54,7 @@ WorkItem = VerifyItem | PrefillItem
 class ItemOutput:
     item: WorkItem
     new_slots: torch.Tensor  # int64 [q_len], slots the new tokens were written to
-    logits: torch.Tensor | None  # fp32 [q_len, V] for verify; [1, V] for a last prefill chunk; else None
+    logits: torch.Tensor | None  # fp32 [q_len, V] for verify and prompt_logprobs; [1, V] for a last prefill chunk
     taps: torch.Tensor | None  # [q_len, F] tapped features of the new tokens (None without taps)
     argmax: torch.Tensor | None = None  # int64 per row: the walk's rows (greedy tree) or every row (tensor parallel)
     feature_taps: torch.Tensor | None = None  # [q_len, len(feature_taps) * H]: a Features request's layers
@@ -85,7 +90,9 @@ def run_batch(
                 pos.append(torch.arange(item.start, item.end, dtype=torch.int64))
                 mask = None
                 q_len = item.end - item.start
-                if item.is_last:
+                if item.scores_prompt:
+                    logit_rows.append(torch.arange(row, row + q_len))
+                elif item.is_last:
                     logit_rows.append(torch.tensor([row + q_len - 1]))
             slots = seq.table.extend(pool, q_len)
             allocated.append(seq)
@@ -129,4 +136,6 @@ def _head(item: WorkItem, sa: SeqAttention) -> ItemHead:
     greedy = not item.seq.wants_logits
     if isinstance(item, VerifyItem):
         return ItemHead(rows=sa.q_len, walk=item.tree if greedy else None, sampled=not greedy)
+    if item.scores_prompt:  # full logits of every row, at TP N too (logprobs.prompt_logprobs)
+        return ItemHead(rows=sa.q_len, walk=None, sampled=True)
     return ItemHead(rows=1 if item.is_last else 0, walk=None, sampled=not greedy)

@@ -8,10 +8,14 @@ copied to the slot of position start + j and the scratch pages are freed. The dr
 is the accepted tokens with the tapped features gathered at the accepted node indices (not the first
 rows). A Features request's own tapped rows (batch.ItemOutput.feature_taps) go to its stream, gathered
 the same way. With top_logprobs, each emitted token's logprobs are read from the row it was chosen at
-(the accepted node before it; logprobs.py) and handed to Sequence.emit with the tokens.
+(the accepted node before it; logprobs.py) and handed to Sequence.emit with the tokens. With
+prompt_logprobs, a prefill chunk's rows (all of them computed, batch._head) score the prompt tokens after
+them and go to the stream at once (ahead of the first token); the last row alone then picks the first token.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -20,7 +24,7 @@ from ddtree.verifier.accept import accept
 from ddtree.verifier.batch import ItemOutput, PrefillItem, VerifyItem
 from ddtree.verifier.grammar import DEAD_END
 from ddtree.verifier.kv_pool import LatentKVPool
-from ddtree.verifier.logprobs import token_logprobs
+from ddtree.verifier.logprobs import prompt_logprobs, token_logprobs
 from ddtree.verifier.sampling import make_generator, mask_stop_tokens, stop_mask_rows, target_choices
 from ddtree.verifier.sequence import PendingCommit, Sequence, StreamEvent
 
@@ -95,6 +99,16 @@ def _keep_logprobs(seq: Sequence, out: ItemOutput, rows: list[int], tokens: list
         seq.step_logprobs = token_logprobs(out.logits, rows[: len(tokens)], tokens, top)
 
 
+def _stream_prompt_logprobs(seq: Sequence, out: ItemOutput) -> ItemOutput:
+    """A prompt_logprobs chunk: its rows' prompt logprobs to the stream; the output cut to the last row."""
+    item = out.item
+    rows = prompt_logprobs(out.logits, seq.params.input_ids, item.start, seq.params.prompt_logprobs)
+    if rows is not None:
+        seq.events.put(StreamEvent((), prompt_logprobs=rows))
+    last = None if out.argmax is None else out.argmax[-1:]
+    return dataclasses.replace(out, logits=out.logits[-1:], argmax=last)
+
+
 def commit_prefill(out: ItemOutput, pool: LatentKVPool, window: int) -> list[int]:
     """Returns the tokens to emit: [first token] after the last chunk, [] before it (a grammar's dead end:
     [DEAD_END])."""
@@ -106,6 +120,8 @@ def commit_prefill(out: ItemOutput, pool: LatentKVPool, window: int) -> list[int
     append_pending(seq, chunk, item.start, taps, window)
     _log_features(seq, taps)
     _stream_features(seq, out.feature_taps)
+    if item.scores_prompt:
+        out = _stream_prompt_logprobs(seq, out)
     seq.committed.extend(chunk)
     seq.table.commit(len(chunk))
     seq.prefill_done = item.end

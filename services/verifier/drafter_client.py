@@ -1,8 +1,10 @@
 """The verifier's side of the Drafter contract: one Draft RPC per step for the whole batch.
 
 Each sequence sends only what the drafter has not seen (its pending commit, already trimmed to the
-draft window) and its root. Trees coming back are validated like any untrusted input: a bad tree
-turns into an AR step for that sequence, never into a wrong token.
+draft window) and its root. A sequence may ask for the drafter's top-K table instead of a tree
+(`table_widths`: a grammar-constrained one, whose tree the verifier builds from grammar-valid tokens).
+Trees and tables coming back are validated like any untrusted input: a bad one turns into an AR step
+for that sequence, never into a wrong token.
 """
 
 from __future__ import annotations
@@ -11,8 +13,11 @@ import dataclasses
 import time
 
 import grpc
+import numpy as np
+import torch
 
 from ddtree.contract.token_tree import TokenTree
+from ddtree.contract.tree_build import TokenTable
 from ddtree.protocol.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
 from ddtree.protocol.security import ServiceSecurity
 from ddtree.protocol.server import GRPC_OPTIONS
@@ -27,11 +32,12 @@ log = get_logger("ddtree.verifier.drafter_client")
 
 @dataclasses.dataclass(frozen=True)
 class DraftResult:
-    trees: dict[str, TokenTree]  # by request id; missing = AR step for that sequence
+    trees: dict[str, TokenTree]  # by draft id; missing (and no table) = AR step for that sequence
     draft_ms: float  # drafter compute, as reported
     rpc_ms: float  # wall time of the RPC
-    feature_bytes: dict[str, int]  # bytes of features sent, by request id
-    failed: frozenset[str] = frozenset()  # request ids whose drafter failed: they continue with AR
+    feature_bytes: dict[str, int]  # bytes of features sent, by draft id
+    failed: frozenset[str] = frozenset()  # draft ids whose drafter failed: they continue with AR
+    tables: dict[str, TokenTable] = dataclasses.field(default_factory=dict)  # by draft id: those that asked one
 
 
 class DrafterClient:
@@ -58,20 +64,26 @@ class DrafterClient:
     def tap_layer_ids(self) -> tuple[int, ...]:
         return tuple(self.info.target_layer_ids)
 
-    def draft(self, batch: list[tuple[Sequence, int]], vocab_size: int) -> DraftResult:
-        """batch: (sequence, budget). Raises grpc.RpcError when the call fails as a whole. A commit
-        over `chunk_bytes` of features goes ahead in chunks (one Append stream for the batch, in the
-        same deadline), its last piece in the Draft."""
+    def draft(
+        self, batch: list[tuple[Sequence, int]], vocab_size: int, table_widths: dict[str, int] | None = None
+    ) -> DraftResult:
+        """batch: (sequence, budget); table_widths: draft id -> K for the sequences that ask for a top-K
+        table instead of a tree (SeqDraft.table_width; not with chain). Raises grpc.RpcError when the call
+        fails as a whole. A commit over `chunk_bytes` of features goes ahead in chunks (one Append stream
+        for the batch, in the same deadline), its last piece in the Draft."""
+        widths = table_widths or {}
         msgs, sent, chunks = [], {}, []
         for seq, budget in batch:
             pend = seq.pending_commit
             reset = not seq.drafter_seeded
+            width = widths.get(seq.draft_id, 0)
             msg = drafter_pb2.SeqDraft(
                 seq_id=seq.draft_id,
                 commit_start=pend.start if pend is not None else seq.context_len,
                 root_token_id=seq.root,
                 budget=budget,
-                chain=seq.params.chain,
+                chain=seq.params.chain and not width,
+                table_width=width,
             )
             sent[seq.draft_id] = 0
             if pend is not None:
@@ -108,6 +120,8 @@ class DrafterClient:
         trees = {}
         for tree_msg in resp.trees:
             rid = tree_msg.seq_id
+            # A tree where a table was asked is taken as a tree (a drafter that predates tables ignores
+            # table_width): the grammar prunes it as under --grammar-tree prune.
             if rid not in budgets or rid in trees:
                 log.error("drafter_bad_tree", draft_id=rid, reason="unknown or duplicate seq_id")
                 continue
@@ -123,8 +137,17 @@ class DrafterClient:
                 log.error("drafter_bad_tree", draft_id=rid, reason=str(err))
                 continue
             trees[rid] = tree
+        tables = {}
+        for table_msg in resp.tables:
+            rid = table_msg.seq_id
+            try:
+                if rid not in widths or rid in tables:
+                    raise ValueError("unknown or duplicate seq_id, or a tree was asked")
+                tables[rid] = _table(table_msg, widths[rid], self.info.block_size - 1, vocab_size)
+            except ValueError as err:
+                log.error("drafter_bad_table", draft_id=rid, reason=str(err))
         # Drafter compute = the Draft's and the chunks' context K/V; transport is the rest of the wall time.
-        return DraftResult(trees, resp.draft_ms + append_ms, rpc_ms, sent)
+        return DraftResult(trees, resp.draft_ms + append_ms, rpc_ms, sent, tables=tables)
 
     def release(self, draft_ids: list[str]) -> None:
         if not draft_ids:
@@ -150,3 +173,23 @@ def _with_scores(tree: TokenTree, scores: tuple[float, ...], draft_id: str) -> T
         log.warning("drafter_bad_scores", draft_id=draft_id, reason=str(err))
         return tree
     return scored
+
+
+def _table(msg: drafter_pb2.TokenTable, width: int, max_depth: int, vocab_size: int) -> TokenTable:
+    """A TokenTable message as asked (width K, at most the drafter's block_size - 1 rows), validated like a
+    tree (TokenTable.validate: sorted finite log-probs, distinct ids in [0, vocab_size)); ValueError if not."""
+    if msg.width != width:
+        raise ValueError(f"table width {msg.width}, asked {width}")
+    if not 0 <= msg.depth <= max(max_depth, 0):
+        raise ValueError(f"table depth {msg.depth} outside [0, {max_depth}] (the drafter's block_size - 1)")
+    n = msg.depth * msg.width
+    if len(msg.logprobs) != n or len(msg.token_ids) != n:
+        raise ValueError(
+            f"{len(msg.logprobs)} logprobs and {len(msg.token_ids)} token_ids for a {msg.depth} x {width} table"
+        )
+    table = TokenTable(  # through numpy: a repeated field converts in one pass, not element by element
+        torch.from_numpy(np.asarray(msg.logprobs, dtype=np.float32)).view(msg.depth, width),
+        torch.from_numpy(np.asarray(msg.token_ids, dtype=np.int64)).view(msg.depth, width),
+    )
+    table.validate(vocab_size)
+    return table

@@ -160,7 +160,10 @@ class DrafterPool:
             self._assigned[seq.draft_id] = addr
             return addr
 
-    def draft(self, batch: list[tuple[Sequence, int]], vocab_size: int) -> DraftResult:
+    def draft(
+        self, batch: list[tuple[Sequence, int]], vocab_size: int, table_widths: dict[str, int] | None = None
+    ) -> DraftResult:
+        """DrafterClient.draft over the replicas (table_widths: draft id -> K, those that ask for a table)."""
         groups: dict[str, list[tuple[Sequence, int]]] = {}
         failed: set[str] = set()
         for seq, budget in batch:
@@ -177,12 +180,14 @@ class DrafterPool:
             ((addr, group),) = groups.items()
             futures = {addr: cf.Future()}
             try:
-                futures[addr].set_result(clients[addr].draft(group, vocab_size))
+                futures[addr].set_result(clients[addr].draft(group, vocab_size, table_widths))
             except grpc.RpcError as err:
                 futures[addr].set_exception(err)
         else:
-            futures = {a: self._executor.submit(clients[a].draft, g, vocab_size) for a, g in groups.items()}
-        trees, fbytes, draft_ms, rpc_ms = {}, {}, 0.0, 0.0
+            futures = {
+                a: self._executor.submit(clients[a].draft, g, vocab_size, table_widths) for a, g in groups.items()
+            }
+        trees, tables, fbytes, draft_ms, rpc_ms = {}, {}, {}, 0.0, 0.0
         for addr, fut in futures.items():
             try:
                 res = fut.result()
@@ -202,9 +207,10 @@ class DrafterPool:
                     self._releases.submit(self.release, ids)
                 continue
             trees.update(res.trees)
+            tables.update(res.tables)
             fbytes.update(res.feature_bytes)
             draft_ms, rpc_ms = max(draft_ms, res.draft_ms), max(rpc_ms, res.rpc_ms)
-        return DraftResult(trees, draft_ms, rpc_ms, fbytes, frozenset(failed))
+        return DraftResult(trees, draft_ms, rpc_ms, fbytes, frozenset(failed), tables=tables)
 
     def release(self, draft_ids: list[str]) -> None:
         by_addr: dict[str, list[str]] = {}

@@ -22,7 +22,6 @@ past the end (a stop or the length limit cuts inside its accepted nodes) are dro
 from __future__ import annotations
 
 import dataclasses
-import queue
 
 import grpc
 import torch
@@ -60,6 +59,8 @@ def features_params(servicer, req: verifier_pb2.FeaturesRequest) -> tuple[Genera
         raise ValueError("generate.grammar is not supported by Features (it streams the unconstrained generation)")
     if req.generate.HasField("top_logprobs"):
         raise ValueError("generate.top_logprobs is not supported by Features (its stream carries no logprobs)")
+    if req.generate.HasField("prompt_logprobs"):
+        raise ValueError("generate.prompt_logprobs is not supported by Features (its stream carries no logprobs)")
     layers = servicer.scheduler.target.config.num_hidden_layers
     taps = tuple(req.tap_layer_ids)
     if not taps:
@@ -151,15 +152,7 @@ def stream_features(servicer, request, context, usage_of):
     context.add_callback(lambda: servicer.scheduler.abort_sequence(seq))
     rows = FeatureRows(seq.request_id, fmt)
     tokens = list(params.input_ids)
-    while True:
-        try:
-            event = seq.events.get(timeout=1.0)
-        except queue.Empty:
-            if not context.is_active():
-                return
-            continue
-        if event.error:
-            context.abort(grpc.StatusCode.INTERNAL, event.error)
+    for event in seq.iter_events(context):  # ends when the client goes away; an error event aborts
         if event.features is not None:
             rows.add(event.features)
             continue

@@ -14,6 +14,10 @@ state is the grammar after every emitted token (the root included). Each step, b
   accepts exactly constrained AR's tokens (greedy) and samples from the masked distribution (T > 0).
 - `advance(tokens)`: the emitted tokens (accepted nodes + bonus) move the matcher on.
 
+The tree itself (verifier setting `grammar_tree`): `table` (the default) asks the drafter for its top-K
+table and builds the tree of grammar-valid prefixes only (grammar_tree.py), whose masks `prepare` reuses
+(`offer_masks`), so the walk keeps every node; `prune` takes the drafter's own tree and prunes it here.
+
 Stop ids: allowed in a row exactly when the grammar accepts there (llguidance's own eos likewise); a
 finished grammar allows nothing else, so the answer stops at the grammar's end. A stop node of the tree
 (or llguidance's eos) is kept when allowed but neither consumed nor descended (the answer ends there).
@@ -75,32 +79,54 @@ class SequenceGrammar:
         # Tokens that end the answer: the matcher never consumes them (llguidance's eos does not roll back).
         self._stops = stop_ids | frozenset(eos_ids)
         self.masks: torch.Tensor | None = None  # bool [rows, tokenizer vocab]
+        # This step's tree as grammar_tree.py built it and the masks it computed by node (the rows prepare needs).
+        self._offered: tuple[TokenTree, dict[int, np.ndarray]] | None = None
         # Totals for measuring: masks computed, their seconds, tree nodes drafted and kept.
         self.mask_count = 0
         self.mask_s = 0.0
         self.drafted_nodes = 0
         self.kept_nodes = 0
 
-    def _mask(self) -> np.ndarray:
+    @property
+    def stops(self) -> frozenset[int]:
+        """The tokens that end the answer (stop ids and llguidance's eos): a tree's stop node is a leaf."""
+        return self._stops
+
+    def mask_of(self, matcher=None) -> np.ndarray:
+        """bool [tokenizer vocab]: the tokens allowed after `matcher`'s state (default: the sequence's)."""
+        matcher = self.matcher if matcher is None else matcher
         t0 = time.perf_counter()
-        bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
         allowed = np.unpackbits(bits, bitorder="little").astype(bool)
-        if self.matcher.is_error():  # llguidance would allow its eos there: nothing is allowed
+        if matcher.is_error():  # llguidance would allow its eos there: nothing is allowed
             allowed[:] = False
         elif self.stop_ids:
             ids = [i for i in self.stop_ids if i < allowed.shape[0]]
-            allowed[ids] = self.matcher.is_accepting()
+            allowed[ids] = matcher.is_accepting()
         self.mask_s += time.perf_counter() - t0
         self.mask_count += 1
         return allowed
 
+    def offer_masks(self, tree: TokenTree, masks: dict[int, np.ndarray]) -> None:
+        """Masks already computed for this step's tree (node -> its row's mask, from the sequence's current
+        state along the node's path): `prepare` of this tree, or of a prefix of it, takes them instead of
+        computing them again."""
+        self._offered = (tree, masks)
+
+    def _known_masks(self, tree: TokenTree) -> dict[int, np.ndarray]:
+        offered, self._offered = self._offered, None
+        if offered is None or tree.n > offered[0].n or tree != offered[0].prefix(tree.n):
+            return {}
+        return offered[1]
+
     def prepare(self, tree: TokenTree = EMPTY_TREE) -> TokenTree:
         """The tree with grammar-invalid nodes (and their subtrees) pruned; sets this step's masks. A matcher
         in an error state (before or during the walk) gives no tree and a root that allows nothing."""
+        known = self._known_masks(tree)
         children: list[list[int]] = [[] for _ in range(tree.n + 1)]
         for i, parent in enumerate(tree.parents, start=1):
             children[parent].append(i)
-        masks = {0: self._mask()}
+        masks = {0: known[0] if 0 in known else self.mask_of()}
         if self.matcher.is_error():
             return self._dead(masks[0], tree)
         stack = [(0, 0)]  # (node, next child position); the matcher holds the path to the top node
@@ -122,7 +148,7 @@ class SequenceGrammar:
                 continue
             if not self.matcher.consume_token(tok) or self.matcher.is_error():  # a parser limit, say
                 return self._dead(masks[0], tree)
-            masks[child] = self._mask()
+            masks[child] = known[child] if child in known else self.mask_of()
             stack.append((child, 0))
         kept = sorted(k for k in masks if k)
         self.drafted_nodes += tree.n
@@ -162,6 +188,7 @@ class SequenceGrammar:
     def advance(self, tokens: list[int]) -> None:
         """The matcher after the emitted tokens (up to a stop token, which ends the answer)."""
         self.masks = None
+        self._offered = None
         for tok in tokens:
             if tok in self._stops:
                 return

@@ -3,7 +3,8 @@ pages[p // P]·P + p % P (P = the pool's page size; page size 1: the pages are t
 
 Between steps a table covers exactly its committed tokens: ceil(length / P) pages, the last possibly
 partial (its unused slots are the sequence's, written by the next step). The first `shared_pages` pages
-belong to the prefix cache (a cached prefix, pinned by the sequence's match); the rest to the sequence.
+belong to the prefix cache (a cached prefix, or the sequence's own prompt once it entered the cache,
+pinned by the sequence's match); the rest to the sequence.
 
 One step:
   extend(pool, q)   slots for positions length .. length+q-1, with new pages as needed: a prefill chunk's
@@ -63,6 +64,14 @@ class PageTable:
         self.length = slots.numel()
         self.shared_pages = self.pages.numel()
         self._slots = slots.clone()
+
+    def share_entered(self, slots: torch.Tensor) -> None:
+        """The first slots.numel() committed slots (whole pages, these very slots) entered the prefix
+        cache (PrefixCache.enter): from now on they are its pages, pinned by the sequence's match."""
+        n = slots.numel()
+        assert n % self.page_size == 0 and self.shared_len <= n <= self.length, "entered whole committed pages"
+        assert torch.equal(self._slots[:n], slots), "entered slots are not the table's"
+        self.shared_pages = n // self.page_size
 
     def pages_needed(self, n: int) -> int:
         """New pages extend(pool, n) will allocate."""

@@ -1,7 +1,11 @@
 """Prefix cache: a radix tree over committed token ids whose edges own latent KV slots.
 
-Only committed tokens enter (a finished sequence's prompt and accepted outputs, never tree nodes),
-so a hit reuses KV that the target computed for exactly those tokens at exactly those positions.
+Only committed tokens enter, never tree nodes, so a hit reuses KV that the target computed for exactly
+those tokens at exactly those positions. They enter twice: a sequence's prompt when its prefill
+completes (`enter`: its whole pages become the cache's, pinned by that sequence as a hit pins them, so
+a request with the same prompt that arrives while it still runs, such as the other choices of an
+`n` > 1 request, reuses the prompt instead of prefilling it again), and at its end (finish or abort)
+the prompt and accepted outputs (`insert`).
 Every edge also keeps the target's tapped features of its tokens (host memory), so a sequence that
 starts from a cached prefix can seed the drafter with the same context it would have had after a
 full prefill: acceptance is the same with and without a hit. (The alternative, a draft-context cache
@@ -149,6 +153,28 @@ class PrefixCache:
                 child.last_used = time.monotonic()
                 node, i = child, i + n
             return torch.cat(rejected) if rejected else torch.empty(0, dtype=torch.int64)
+
+    def enter(self, tokens: list[int], slots: torch.Tensor, features: torch.Tensor | None) -> PrefixMatch | None:
+        """A running sequence's committed `tokens` (slots[i] holds token i, page-aligned) enter the cache
+        in whole pages, which the cache owns from now on, pinned by the returned match (the sequence
+        keeps them as its shared prefix and release()s the match at its end, like a hit's).
+
+        None where the cache holds part of those tokens under other slots (another sequence computed
+        the same prefix at the same time): nothing changes, the sequence keeps its own KV and inserts
+        it at its end. Tokens the cache holds under these very slots (the sequence's own hit) stay."""
+        assert len(tokens) == slots.numel()
+        whole = len(tokens) - len(tokens) % self.page_size
+        with self._lock:
+            held = self.match(tokens[:whole])
+            if not torch.equal(held.slots, slots[: held.length]):
+                self.release(held)
+                return None
+            taken = self.insert(tokens[:whole], slots[:whole], None if features is None else features[:whole])
+            assert taken.numel() == 0, "the cache refused pages of a prefix it did not hold"
+            entered = self.match(tokens[:whole])
+            self.release(held)
+            assert entered.length == whole
+            return entered
 
     def evict(self, need: int) -> int:
         """Free at least `need` slots from unreferenced leaves, least recently used first."""

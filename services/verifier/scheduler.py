@@ -2,11 +2,12 @@
 
 One thread owns the model, the KV pool and every running sequence. RPC threads only `submit` and
 `abort` (under the lock) and read their sequence's event queue. Each step:
-  1. admit waiting requests whose worst-case KV reservation fits (prompt + max_new + one tree);
+  1. admit waiting requests whose worst-case KV reservation fits (prompt + max_new + one tree); one whose
+     prompt another sequence is prefilling waits for that prefill and takes the prompt from the cache;
   2. finish sequences whose client aborted;
-  3. Draft (one RPC for all speculative sequences), 4. one target forward over all trees plus at most
-  prefill_chunk prompt tokens (several short prompts may share them), 5. accept + commit per sequence,
-  stream the tokens and the step record.
+  3. Draft (one RPC for all speculative sequences; step_drafter.py), 4. one target forward over all
+  trees plus at most prefill_chunk prompt tokens (several short prompts may share them), 5. accept +
+  commit per sequence, stream the tokens and the step record (step_records.py).
 Admission by reservation means a running sequence never runs out of KV mid-generation.
 """
 
@@ -27,14 +28,14 @@ from ddtree.telemetry.step_log import open_step_log
 from ddtree.verifier import metrics
 from ddtree.verifier.batch import PrefillItem, VerifyItem, WorkItem, kv_needed, run_batch
 from ddtree.verifier.commit import append_pending, commit_prefill, commit_verify
-from ddtree.verifier.drafter_client import DraftResult
 from ddtree.verifier.grammar import DEAD_END
 from ddtree.verifier.kv_pool import LatentKVPool
 from ddtree.verifier.page_table import PageTable, check_accounting
 from ddtree.verifier.prefix_cache import PrefixCache
-from ddtree.verifier.sequence import DraftedTree, Phase, Sequence, StreamEvent
+from ddtree.verifier.sequence import Phase, Sequence, StreamEvent
+from ddtree.verifier.step_drafter import StepDrafter
+from ddtree.verifier.step_records import record_step
 from ddtree.verifier.target import Target
-from ddtree.verifier.tree_budget import allocate_nodes, tree_budget
 
 log = get_logger("ddtree.verifier.scheduler")
 INTERNAL_ERROR = "verifier: internal error in a step (logged)"  # the client learns that it failed, not how
@@ -55,6 +56,7 @@ class Scheduler:
         self.pool = pool
         self.config = config
         self.drafter = drafter
+        self._draft_step = StepDrafter(drafter, target.config.vocab_size, config)  # the Draft call of a step
         self.vocab_size = target.config.vocab_size
         self.window = drafter.window if drafter is not None else 0
         self.tap_layer_ids = drafter.tap_layer_ids if drafter is not None else ()
@@ -196,24 +198,54 @@ class Scheduler:
             check_accounting(self.pool, [s.table for s in self._running], self.cache)
 
     def _admit(self) -> None:
-        while self._waiting and len(self._running) < self.config.max_batch:
-            seq = self._waiting[0]
+        for seq in list(self._waiting):
+            if len(self._running) >= self.config.max_batch:
+                return
+            if self._awaits_prefill(seq):
+                continue  # admitted once that prefill entered the prompt into the cache; the rest go on
             need = seq.reserved_slots(seq.params.budget)
             if self._reserved + need > self.pool.num_slots:
                 return  # FIFO: wait for KV to be released
-            self._waiting.popleft()
+            self._waiting.remove(seq)
             self._reserved += need
             seq.phase = Phase.PREFILL
             self._running.append(seq)
             if self.cache is not None:
                 self._reuse_prefix(seq)
 
+    def _awaits_prefill(self, seq: Sequence) -> bool:
+        """A running sequence is prefilling this very prompt and has not computed the part `seq` would take
+        from the cache yet: `seq` waits for it (its prompt enters the cache when its prefill completes,
+        `_enter_prompt`) rather than computing the same KV beside it (the choices of an `n` > 1 request)."""
+        if self.cache is None or seq.reads_whole_prompt:  # a request that reads no cache waits for none
+            return False
+        usable = (seq.prompt_len - 1) // self.pool.page_size * self.pool.page_size  # what a match may give
+        prompt = seq.params.input_ids
+        return any(
+            s.phase is Phase.PREFILL and s.prefill_done < usable and s.params.input_ids == prompt for s in self._running
+        )
+
+    def _enter_prompt(self, seq: Sequence) -> None:
+        """At the end of its prefill the sequence's prompt (whole pages) enters the prefix cache, and the
+        sequence holds it from then on as a shared, pinned prefix, as if it had been a hit."""
+        if self.cache is None:
+            return
+        feats = torch.cat(seq.feature_log) if seq.feature_log else None
+        feats = feats if feats is not None and feats.shape[0] == len(seq.committed) else None
+        entered = self.cache.enter(seq.committed, seq.slots, feats)
+        if entered is None:  # the cache holds part of it under another sequence's slots: it enters at the end
+            return
+        seq.table.share_entered(entered.slots)
+        if seq.prefix_match is not None:
+            self.cache.release(seq.prefix_match)
+        seq.prefix_match = entered
+
     def _reuse_prefix(self, seq: Sequence) -> None:
         """Start from the longest cached prefix (all but the last prompt token, whose logits give the
         first output token). A speculative sequence needs the prefix's features to seed the drafter."""
         prompt = list(seq.params.input_ids)
         seq.feature_log = [] if self.tap_layer_ids else None
-        if seq.params.feature_taps:  # a Features request streams every prompt row: it computes them all
+        if seq.reads_whole_prompt:  # Features, prompt_logprobs: every prompt row is computed
             return
         match = self.cache.match(prompt[:-1])
         if match.length == 0 or (seq.use_spec and match.features is None):
@@ -255,10 +287,11 @@ class Scheduler:
             # Release outside the hot path would be nicer; it is one small RPC per finished request.
             threading.Thread(target=self.drafter.release, args=([seq.draft_id],), daemon=True).start()
 
-    def _fail(self, seq: Sequence, message: str) -> None:
-        """End one sequence with an error event (caller holds the lock)."""
+    def _fail(self, seq: Sequence, message: str, status: grpc.StatusCode = grpc.StatusCode.INTERNAL) -> None:
+        """End one sequence with an error event (caller holds the lock); `status` is what its stream ends with:
+        INTERNAL for a fault of the verifier, INVALID_ARGUMENT for one of the request (its grammar's dead end)."""
         if seq.phase is not Phase.FINISHED:
-            seq.events.put(StreamEvent((), None, "error", error=message))
+            seq.events.put(StreamEvent((), None, "error", error=message, error_status=status))
             self._finish(seq, None)
 
     def _end_dead(self, seq: Sequence) -> None:
@@ -268,7 +301,9 @@ class Scheduler:
             self._finish(seq, "stop")
         else:
             log.warning("grammar_dead_end", request_id=seq.request_id, reason=seq.grammar.dead_end_reason())
-            self._fail(seq, f"grammar: no token is allowed ({seq.grammar.dead_end_reason()})")
+            # The request's own grammar (or its parser limits, grammar_limits) allows no way on: a client error.
+            message = f"grammar: no token is allowed ({seq.grammar.dead_end_reason()})"
+            self._fail(seq, message, grpc.StatusCode.INVALID_ARGUMENT)
 
     def _release_kv(self, seq: Sequence) -> None:
         """Hand the committed tokens' KV (and features) to the prefix cache, or free it."""
@@ -292,51 +327,6 @@ class Scheduler:
         if self.cache is not None and self.pool.num_free < need:
             self.cache.evict(need - self.pool.num_free)
 
-    def _draft(self, seqs: list[Sequence]) -> None:
-        """One Draft call for seqs (the speculative ones of this step); each gets its tree (EMPTY_TREE if
-        the drafter gave none: an AR step) and what its step record needs, in `Sequence.draft`."""
-        if not seqs:
-            return
-        # Full budgets: under --max-tree-tokens the trees are cut to fit after drafting (_fit_trees).
-        spec = [(s, s.params.budget) for s in seqs]
-        try:
-            result: DraftResult | None = self.drafter.draft(spec, self.vocab_size)
-            failed = result.failed
-        except grpc.RpcError as err:
-            log.error("draft_failed", code=str(err.code()), details=err.details(), sequences=len(spec))
-            result, failed = None, frozenset(s.draft_id for s in seqs)
-        trees = self._fit_trees(seqs, result.trees) if result is not None else {}
-        for seq in seqs:
-            if seq.draft_id in failed:
-                # The drafter's state for this sequence is lost or unknown: it finishes with AR
-                # decoding, which yields exactly the same tokens.
-                log.warning("draft_fallback_ar", request_id=seq.request_id)
-                seq.use_spec = False
-                seq.pending_commit = None
-                seq.draft = None
-                continue
-            tree = trees.get(seq.draft_id)
-            seq.draft = DraftedTree(
-                tree if tree is not None else EMPTY_TREE,
-                result.draft_ms if tree else 0.0,
-                max(result.rpc_ms - result.draft_ms, 0.0),
-                result.feature_bytes.get(seq.draft_id, 0),
-            )
-
-    def _fit_trees(self, seqs: list[Sequence], trees: dict[str, TokenTree]) -> dict[str, TokenTree]:
-        """The drafted trees cut to fit --max-tree-tokens over the sequences of one Draft call (tree_budget.py):
-        the best-scoring nodes over the batch when every tree carries the drafter's scores, else an equal
-        share. Uncapped (0): unchanged."""
-        cap = self.config.max_tree_tokens
-        if cap <= 0:
-            return trees
-        drafted = [trees.get(s.draft_id, EMPTY_TREE) for s in seqs]
-        if all(t.scores or t.n == 0 for t in drafted):
-            kept = allocate_nodes([t.scores for t in drafted], cap)
-        else:
-            kept = [tree_budget(t.n, len(seqs), cap) for t in drafted]
-        return {s.draft_id: t.prefix(k) for s, t, k in zip(seqs, drafted, kept) if s.draft_id in trees}
-
     def _prefill_items(self) -> list[PrefillItem]:
         """This step's prefill: up to prefill_chunk prompt tokens, taken from the prefilling sequences in
         admission order (several short prompts share a step; a long one is split across steps)."""
@@ -352,7 +342,7 @@ class Scheduler:
 
     def _step(self, decode: list[Sequence], prefill: list[PrefillItem]) -> None:
         t0 = time.perf_counter()
-        self._draft([s for s in decode if s.use_spec and self.drafter is not None])
+        self._draft_step.draft([s for s in decode if s.use_spec and self.drafter is not None])
         items: list[WorkItem] = []
         failed: list[Sequence] = []  # a grammar failure (prepare, commit) ends its sequence, not the step
         for item in [VerifyItem(s, s.draft.tree if s.draft else EMPTY_TREE) for s in decode] + prefill:
@@ -382,6 +372,7 @@ class Scheduler:
                     if not tokens and not dead:
                         continue
                     seq.phase = Phase.DECODE
+                    self._enter_prompt(seq)
                     metrics.TTFT.observe(time.perf_counter() - seq.arrival)
                     metrics.GENERATED_TOKENS.inc(len(tokens))
                     if seq.emit(tokens, None):
@@ -425,39 +416,10 @@ class Scheduler:
     def _record(
         self, seq: Sequence, tree: TokenTree, accept_length: int, t0: float, t1: float, t2: float
     ) -> StepRecord:
-        """The step record of a verified sequence (logged, exported, streamed); total_ms runs from the
-        step's start (before its Draft call) to the commit."""
-        drafted = seq.draft
-        record = StepRecord(
-            step=seq.steps,
-            context_tokens=seq.context_len - accept_length,
-            tree_nodes=tree.n,
-            accept_length=accept_length,
-            draft_ms=drafted.draft_ms if drafted else 0.0,
-            verify_ms=(t2 - t1) * 1e3,
-            transport_ms=drafted.transport_ms if drafted else 0.0,
-            total_ms=(t2 - t0) * 1e3,
-            feature_bytes=drafted.feature_bytes if drafted else 0,
-        )
-        seq.steps += 1
-        seq.accept_lengths.append(accept_length)
+        """The step record of a verified sequence (step_records.py), counted in the totals GetInfo reports."""
         self.total_steps += 1
         self.total_tokens += accept_length
-        if self.step_log is not None:
-            self.step_log.info("step", request_id=seq.request_id, **record.__dict__)
-        metrics.observe_step(
-            {
-                "draft": record.draft_ms,
-                "verify": record.verify_ms,
-                "transport": record.transport_ms,
-                "total": record.total_ms,
-            },
-            accept_length,
-            record.context_tokens,
-            record.tree_nodes,
-            record.feature_bytes,
-        )
-        return record
+        return record_step(seq, tree, accept_length, t0, t1, t2, self.step_log)
 
 
 def _constrained(seq: Sequence, tree: TokenTree) -> TokenTree:

@@ -16,13 +16,16 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 
+import grpc
 import torch
 
 from ddtree.contract.sampling_params import SamplingConfig
 from ddtree.contract.step_record import StepRecord
 from ddtree.contract.token_tree import TokenTree
 from ddtree.verifier.grammar import SequenceGrammar
+from ddtree.verifier.logprobs import PromptRows
 from ddtree.verifier.page_table import PageTable, pages_for
 
 
@@ -46,6 +49,7 @@ class GenerateParams:
     feature_taps: tuple[int, ...] = ()  # a Features request: the layers whose rows it streams (features_rpc.py)
     grammar: str = ""  # an llguidance grammar every output token must follow (grammar.py); "" = none
     top_logprobs: int | None = None  # set: each emitted token's logprob and this many top tokens (logprobs.py)
+    prompt_logprobs: int | None = None  # set: each prompt token's logprob, rank and this many top tokens (logprobs.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,8 +60,10 @@ class StreamEvent:
     step: StepRecord | None = None
     finish_reason: str | None = None
     error: str | None = None
+    error_status: grpc.StatusCode = grpc.StatusCode.INTERNAL  # with error: the status the stream ends with
     features: torch.Tensor | None = None  # a Features request: rows of the tokens just committed (CPU)
     logprobs: tuple = ()  # with top_logprobs: (logprob, top ids, top logprobs) per token_ids entry
+    prompt_logprobs: PromptRows | None = None  # a prefill chunk's prompt logprobs (before the first token)
 
 
 @dataclasses.dataclass
@@ -135,6 +141,12 @@ class Sequence:
         return self.params.max_new_tokens - len(self.generated)
 
     @property
+    def reads_whole_prompt(self) -> bool:
+        """Every prompt row is computed, none taken from the prefix cache: a Features request streams
+        every row's features, a prompt_logprobs request scores every prompt token."""
+        return bool(self.params.feature_taps) or self.params.prompt_logprobs is not None
+
+    @property
     def wants_logits(self) -> bool:
         """Full logits for every row: a sampled request, stop ids masked (min_tokens), logprobs, or a
         grammar (its masks apply before the choice; the greedy walk shortcut reads unmasked argmaxes)."""
@@ -179,3 +191,18 @@ class Sequence:
         logprobs, self.step_logprobs = tuple(self.step_logprobs[: len(out)]), []
         self.events.put(StreamEvent(tuple(out), step, finish, logprobs=logprobs))
         return finish is not None
+
+    def iter_events(self, context: grpc.ServicerContext) -> Iterator[StreamEvent]:
+        """The stream's events, for the RPC that serves this sequence (Generate, Features). Waits at most
+        1 s at a time, so a client gone away (`context.is_active()` false) ends the iteration; an error
+        event aborts the RPC here (`context.abort` raises) with the event's status."""
+        while True:
+            try:
+                event = self.events.get(timeout=1.0)
+            except queue.Empty:
+                if not context.is_active():
+                    return
+                continue
+            if event.error:
+                context.abort(event.error_status, event.error)
+            yield event

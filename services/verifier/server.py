@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import queue
 import threading
 import uuid
 
@@ -29,6 +28,7 @@ from ddtree.verifier.features_rpc import stream_features
 from ddtree.verifier.grammar import SequenceGrammar, matcher_error, new_matcher
 from ddtree.verifier.kv_pool import LatentKVPool
 from ddtree.verifier.kv_sizing import kv_size_for
+from ddtree.verifier.logprobs import prompt_logprobs_messages
 from ddtree.verifier.scheduler import AdmissionError, Scheduler
 from ddtree.verifier.sequence import GenerateParams, Sequence
 from ddtree.verifier.static_step import make_static_step
@@ -123,6 +123,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         top = req.top_logprobs if req.HasField("top_logprobs") else None
         if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
+        prompt_top = req.prompt_logprobs if req.HasField("prompt_logprobs") else None
+        if prompt_top is not None and not 0 <= prompt_top <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {prompt_top}")
         return GenerateParams(
             request_id=req.request_id or uuid.uuid4().hex,
             input_ids=tuple(req.input_ids),
@@ -133,6 +136,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             budget=budget if use_spec else 0,
             chain=use_spec and req.spec.chain,
             top_logprobs=top,
+            prompt_logprobs=prompt_top,
             grammar=req.grammar,
         )
 
@@ -183,15 +187,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             context.abort(err.code, str(err))
         context.add_callback(lambda: self.scheduler.abort_sequence(seq))
         first = True
-        while True:
-            try:
-                event = seq.events.get(timeout=1.0)
-            except queue.Empty:
-                if not context.is_active():
-                    return
+        for event in seq.iter_events(context):  # ends when the client goes away; an error event aborts
+            if event.prompt_logprobs is not None:  # a prefill chunk's, in messages of bounded size (logprobs.py)
+                for piece in prompt_logprobs_messages(event.prompt_logprobs):
+                    yield verifier_pb2.GenerateResponse(request_id=seq.request_id, prompt_logprobs=piece)
                 continue
-            if event.error:
-                context.abort(grpc.StatusCode.INTERNAL, event.error)
             resp = verifier_pb2.GenerateResponse(request_id=seq.request_id, token_ids=list(event.token_ids))
             if first:  # what the prefix cache gave is known now: a gateway that cuts the stream still reports it
                 resp.usage.prompt_tokens, resp.usage.cached_tokens, first = seq.prompt_len, seq.cached_tokens, False

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from ddtree.protocol.ddtree.v1 import common_pb2 as ddtree_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x64\x64tree/v1/verifier.proto\x12\tddtree.v1\x1a\x16\x64\x64tree/v1/common.proto\"\x8c\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.ddtree.v1.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12$\n\x04spec\x18\x07 \x01(\x0b\x32\x16.ddtree.v1.SpecOptions\x12\x19\n\x0ctop_logprobs\x18\x08 \x01(\x05H\x00\x88\x01\x01\x12\x0f\n\x07grammar\x18\x0c \x01(\tB\x0f\n\r_top_logprobs\"\xc2\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12#\n\x05steps\x18\x03 \x03(\x0b\x32\x14.ddtree.v1.StepStats\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.ddtree.v1.Usage\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.ddtree.v1.TokenLogprobs\"\x95\x01\n\x0f\x46\x65\x61turesRequest\x12,\n\x08generate\x18\x01 \x01(\x0b\x32\x1a.ddtree.v1.GenerateRequest\x12\x15\n\rtap_layer_ids\x18\x02 \x03(\x05\x12(\n\x0e\x66\x65\x61tures_dtype\x18\x03 \x01(\x0e\x32\x10.ddtree.v1.DType\x12\x13\n\x0b\x63hunk_bytes\x18\x04 \x01(\x03\"\xbc\x01\n\x10\x46\x65\x61turesResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12#\n\x08\x66\x65\x61tures\x18\x04 \x01(\x0b\x32\x11.ddtree.v1.Tensor\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x15\n\rnext_token_id\x18\x06 \x01(\x05\x12\x1f\n\x05usage\x18\x07 \x01(\x0b\x32\x10.ddtree.v1.Usage\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\rAbortResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x15\n\x13VerifierInfoRequest\"\xf0\x02\n\x0cVerifierInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x19\n\x11model_config_json\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x13\n\x0bmax_context\x18\x04 \x01(\x05\x12\x1c\n\x14max_new_tokens_limit\x18\x05 \x01(\x05\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12\x14\n\x0cspec_enabled\x18\x07 \x01(\x08\x12\x17\n\x0f\x64rafter_address\x18\x08 \x01(\t\x12\x16\n\x0e\x64\x65\x66\x61ult_budget\x18\t \x01(\x05\x12\x13\n\x0btotal_steps\x18\n \x01(\x03\x12\x14\n\x0ctotal_tokens\x18\x0b \x01(\x03\x12\x18\n\x10running_requests\x18\x0c \x01(\x05\x12\x16\n\x0ekv_used_tokens\x18\r \x01(\x03\x12\x17\n\x0fkv_total_tokens\x18\x0e \x01(\x03\x12\x18\n\x10kv_cached_tokens\x18\x0f \x01(\x03\x32\x98\x02\n\x08Verifier\x12\x45\n\x08Generate\x12\x1a.ddtree.v1.GenerateRequest\x1a\x1b.ddtree.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.ddtree.v1.AbortRequest\x1a\x18.ddtree.v1.AbortResponse\x12\x42\n\x07GetInfo\x12\x1e.ddtree.v1.VerifierInfoRequest\x1a\x17.ddtree.v1.VerifierInfo\x12\x45\n\x08\x46\x65\x61tures\x12\x1a.ddtree.v1.FeaturesRequest\x1a\x1b.ddtree.v1.FeaturesResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x64\x64tree/v1/verifier.proto\x12\tddtree.v1\x1a\x16\x64\x64tree/v1/common.proto\"\xbe\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.ddtree.v1.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12$\n\x04spec\x18\x07 \x01(\x0b\x32\x16.ddtree.v1.SpecOptions\x12\x19\n\x0ctop_logprobs\x18\x08 \x01(\x05H\x00\x88\x01\x01\x12\x0f\n\x07grammar\x18\x0c \x01(\t\x12\x1c\n\x0fprompt_logprobs\x18\r \x01(\x05H\x01\x88\x01\x01\x42\x0f\n\r_top_logprobsB\x12\n\x10_prompt_logprobs\"\xf6\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12#\n\x05steps\x18\x03 \x03(\x0b\x32\x14.ddtree.v1.StepStats\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.ddtree.v1.Usage\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.ddtree.v1.TokenLogprobs\x12\x32\n\x0fprompt_logprobs\x18\x07 \x01(\x0b\x32\x19.ddtree.v1.PromptLogprobs\"\x95\x01\n\x0f\x46\x65\x61turesRequest\x12,\n\x08generate\x18\x01 \x01(\x0b\x32\x1a.ddtree.v1.GenerateRequest\x12\x15\n\rtap_layer_ids\x18\x02 \x03(\x05\x12(\n\x0e\x66\x65\x61tures_dtype\x18\x03 \x01(\x0e\x32\x10.ddtree.v1.DType\x12\x13\n\x0b\x63hunk_bytes\x18\x04 \x01(\x03\"\xbc\x01\n\x10\x46\x65\x61turesResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12#\n\x08\x66\x65\x61tures\x18\x04 \x01(\x0b\x32\x11.ddtree.v1.Tensor\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x15\n\rnext_token_id\x18\x06 \x01(\x05\x12\x1f\n\x05usage\x18\x07 \x01(\x0b\x32\x10.ddtree.v1.Usage\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\rAbortResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x15\n\x13VerifierInfoRequest\"\xf0\x02\n\x0cVerifierInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x19\n\x11model_config_json\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x13\n\x0bmax_context\x18\x04 \x01(\x05\x12\x1c\n\x14max_new_tokens_limit\x18\x05 \x01(\x05\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12\x14\n\x0cspec_enabled\x18\x07 \x01(\x08\x12\x17\n\x0f\x64rafter_address\x18\x08 \x01(\t\x12\x16\n\x0e\x64\x65\x66\x61ult_budget\x18\t \x01(\x05\x12\x13\n\x0btotal_steps\x18\n \x01(\x03\x12\x14\n\x0ctotal_tokens\x18\x0b \x01(\x03\x12\x18\n\x10running_requests\x18\x0c \x01(\x05\x12\x16\n\x0ekv_used_tokens\x18\r \x01(\x03\x12\x17\n\x0fkv_total_tokens\x18\x0e \x01(\x03\x12\x18\n\x10kv_cached_tokens\x18\x0f \x01(\x03\x32\x98\x02\n\x08Verifier\x12\x45\n\x08Generate\x12\x1a.ddtree.v1.GenerateRequest\x1a\x1b.ddtree.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.ddtree.v1.AbortRequest\x1a\x18.ddtree.v1.AbortResponse\x12\x42\n\x07GetInfo\x12\x1e.ddtree.v1.VerifierInfoRequest\x1a\x17.ddtree.v1.VerifierInfo\x12\x45\n\x08\x46\x65\x61tures\x12\x1a.ddtree.v1.FeaturesRequest\x1a\x1b.ddtree.v1.FeaturesResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,21 +33,21 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ddtree.v1.verifier_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=64
-  _globals['_GENERATEREQUEST']._serialized_end=332
-  _globals['_GENERATERESPONSE']._serialized_start=335
-  _globals['_GENERATERESPONSE']._serialized_end=529
-  _globals['_FEATURESREQUEST']._serialized_start=532
-  _globals['_FEATURESREQUEST']._serialized_end=681
-  _globals['_FEATURESRESPONSE']._serialized_start=684
-  _globals['_FEATURESRESPONSE']._serialized_end=872
-  _globals['_ABORTREQUEST']._serialized_start=874
-  _globals['_ABORTREQUEST']._serialized_end=908
-  _globals['_ABORTRESPONSE']._serialized_start=910
-  _globals['_ABORTRESPONSE']._serialized_end=945
-  _globals['_VERIFIERINFOREQUEST']._serialized_start=947
-  _globals['_VERIFIERINFOREQUEST']._serialized_end=968
-  _globals['_VERIFIERINFO']._serialized_start=971
-  _globals['_VERIFIERINFO']._serialized_end=1339
-  _globals['_VERIFIER']._serialized_start=1342
-  _globals['_VERIFIER']._serialized_end=1622
+  _globals['_GENERATEREQUEST']._serialized_end=382
+  _globals['_GENERATERESPONSE']._serialized_start=385
+  _globals['_GENERATERESPONSE']._serialized_end=631
+  _globals['_FEATURESREQUEST']._serialized_start=634
+  _globals['_FEATURESREQUEST']._serialized_end=783
+  _globals['_FEATURESRESPONSE']._serialized_start=786
+  _globals['_FEATURESRESPONSE']._serialized_end=974
+  _globals['_ABORTREQUEST']._serialized_start=976
+  _globals['_ABORTREQUEST']._serialized_end=1010
+  _globals['_ABORTRESPONSE']._serialized_start=1012
+  _globals['_ABORTRESPONSE']._serialized_end=1047
+  _globals['_VERIFIERINFOREQUEST']._serialized_start=1049
+  _globals['_VERIFIERINFOREQUEST']._serialized_end=1070
+  _globals['_VERIFIERINFO']._serialized_start=1073
+  _globals['_VERIFIERINFO']._serialized_end=1441
+  _globals['_VERIFIER']._serialized_start=1444
+  _globals['_VERIFIER']._serialized_end=1724
 # @@protoc_insertion_point(module_scope)

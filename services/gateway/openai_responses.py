@@ -1,0 +1,240 @@
+"""OpenAI responses (docs/design.md §9.4), independent of the web framework: the answer of a chat or
+completion request (`chat_response`, `completion_response`), its stream chunks (`ChatStream`,
+`CompletionStream`), usage and error JSON. The requests are openai_protocol.py's.
+
+Responses carry the OpenAI fields plus `spec` (speculative statistics of the answer: verify_steps,
+avg_accept_length, accept_histogram[k] = steps that committed k tokens, ttft_ms, decode_ms measured by
+the verifier). Streams send it on the chunk that carries finish_reason. usage has
+prompt_tokens_details.cached_tokens (prompt tokens the verifier's prefix cache held); with `n` choices
+it counts the prompt once and sums the completion tokens.
+"""
+
+from __future__ import annotations
+
+from ddtree.gateway.generation import Result
+from ddtree.gateway.openai_logprobs import (
+    PromptLogprobsStream,
+    chat_logprobs,
+    completion_logprobs,
+    prompt_logprobs_field,
+)
+from ddtree.protocol.ddtree.v1 import common_pb2, gateway_pb2
+
+
+# -- responses -------------------------------------------------------------------------------------------
+def usage_json(u: common_pb2.Usage) -> dict:
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+    }
+
+
+def sum_usage(usages: list[common_pb2.Usage]) -> common_pb2.Usage:
+    """The usage of n choices of one prompt, as OpenAI counts it: the prompt once, the completions summed.
+    cached_tokens: what every choice took from the cache (the least); the spec statistics over all
+    steps of all choices (ttft / decode: the slowest choice's)."""
+    if len(usages) == 1:
+        return usages[0]
+    hist = [0] * max(len(u.accept_histogram) for u in usages)
+    for u in usages:
+        for k, v in enumerate(u.accept_histogram):
+            hist[k] += v
+    steps = sum(u.verify_steps for u in usages)
+    return common_pb2.Usage(
+        prompt_tokens=usages[0].prompt_tokens,
+        completion_tokens=sum(u.completion_tokens for u in usages),
+        verify_steps=steps,
+        avg_accept_length=sum(k * v for k, v in enumerate(hist)) / steps if steps else 0.0,
+        accept_histogram=hist,
+        ttft_ms=max(u.ttft_ms for u in usages),
+        decode_ms=max(u.decode_ms for u in usages),
+        cached_tokens=min(u.cached_tokens for u in usages),
+    )
+
+
+def spec_json(u: common_pb2.Usage) -> dict:
+    return {
+        "verify_steps": u.verify_steps,
+        "avg_accept_length": round(u.avg_accept_length, 4),
+        "accept_histogram": list(u.accept_histogram),
+        "ttft_ms": round(u.ttft_ms, 3),
+        "decode_ms": round(u.decode_ms, 3),
+    }
+
+
+def error_json(message: str, status: int, param: str | None = None) -> dict:
+    kinds = {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        404: "not_found_error",
+        413: "invalid_request_error",
+        422: "invalid_request_error",
+        429: "rate_limit_error",
+        503: "service_unavailable",
+        504: "timeout",
+    }
+    return {"error": {"message": message, "type": kinds.get(status, "server_error"), "param": param, "code": status}}
+
+
+def field_of(message: str) -> str | None:
+    """The field an error message names ("messages[0].role: ..." -> "messages[0].role")."""
+    head, sep, _ = message.partition(": ")
+    return head if sep and " " not in head else None
+
+
+class EventStream:
+    """OpenAI stream chunks of one request's n choices: start(), then events((index, chunk)) per
+    GenerateChunk of choice `index`. Each choice's finish chunk carries its own spec; the usage chunk
+    (include_usage) comes once, after the last choice finished, summed (sum_usage). `strings` (a
+    TokenStrings) when the request asked for logprobs."""
+
+    def __init__(self, rid: str, model: str, created: int, include_usage: bool, obj: str, n: int = 1, strings=None):
+        self.rid, self.model, self.created, self.include_usage, self.obj = rid, model, created, include_usage, obj
+        self.n, self.strings = n, strings
+        self._usages: dict[int, common_pb2.Usage] = {}
+        self.prompt = PromptLogprobsStream(strings, n) if strings and strings.prompt else None
+
+    def _chunk(self, choices: list, **extra) -> dict:
+        return {
+            "id": self.rid,
+            "object": self.obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            **extra,
+        }
+
+    def _final(self, index: int, choice: dict, c: gateway_pb2.GenerateChunk) -> list[dict]:
+        out = [self._chunk([choice], spec=spec_json(c.usage))]
+        self._usages[index] = c.usage
+        if self.include_usage and len(self._usages) == self.n:
+            out.append(self._chunk([], usage=usage_json(sum_usage([self._usages[i] for i in range(self.n)]))))
+        return out
+
+
+class ChatStream(EventStream):
+    """chat.completion.chunk events in OpenAI order, per choice: role; content / reasoning_content
+    deltas (with their tokens' logprobs); tool calls (id + name first, then argument fragments);
+    finish_reason (+ spec); then usage; (then [DONE])."""
+
+    def __init__(self, rid: str, model: str, created: int, include_usage: bool, n: int = 1, strings=None):
+        super().__init__(rid, model, created, include_usage, "chat.completion.chunk", n, strings)
+
+    def _delta(self, index: int, delta: dict, finish_reason: str | None = None, logprobs=None) -> dict:
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def start(self) -> list[dict]:
+        return [self._chunk([self._delta(i, {"role": "assistant", "content": ""})]) for i in range(self.n)]
+
+    def events(self, item: tuple[int, gateway_pb2.GenerateChunk]) -> list[dict]:
+        index, c = item
+        out = []
+        prompt = self.prompt.take(index, c) if self.prompt else None
+        if prompt is not None:  # the choice's whole prompt_logprobs, ahead of its text (openai_logprobs.py)
+            out.append(self._chunk([self._delta(index, {})], prompt_logprobs=prompt))
+        delta = {}
+        if c.reasoning_delta:  # both names: vLLM's current clients read `reasoning`, older ones `reasoning_content`
+            delta["reasoning"] = delta["reasoning_content"] = c.reasoning_delta
+        if c.text_delta:
+            delta["content"] = c.text_delta
+        logprobs = chat_logprobs(self.strings, c.token_ids, c.logprobs) if self.strings and c.logprobs else None
+        if delta or logprobs:  # a chunk's tokens may render no text yet (a held-back stop string, a split character)
+            out.append(self._chunk([self._delta(index, delta, logprobs=logprobs)]))
+        for d in c.tool_calls:
+            if d.id:
+                call = {"index": d.index, "id": d.id, "type": "function", "function": {"name": d.name, "arguments": ""}}
+            else:
+                call = {"index": d.index, "function": {"arguments": d.arguments_delta}}
+            out.append(self._chunk([self._delta(index, {"tool_calls": [call]})]))
+            if d.id and d.arguments_delta:
+                more = {"tool_calls": [{"index": d.index, "function": {"arguments": d.arguments_delta}}]}
+                out.append(self._chunk([self._delta(index, more)]))
+        if c.finish_reason:
+            out += self._final(index, self._delta(index, {}, c.finish_reason), c)
+        return out
+
+
+class CompletionStream(EventStream):
+    """text_completion events per choice: text deltas (with their tokens' logprobs); finish_reason
+    (+ spec); then usage; (then [DONE])."""
+
+    def __init__(self, rid: str, model: str, created: int, include_usage: bool, n: int = 1, strings=None):
+        super().__init__(rid, model, created, include_usage, "text_completion", n, strings)
+        self._offsets = [0] * n  # text_offset of each choice's next token
+
+    def _choice(self, index: int, text: str, finish_reason: str | None = None, logprobs=None) -> dict:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def start(self) -> list[dict]:
+        return []
+
+    def events(self, item: tuple[int, gateway_pb2.GenerateChunk]) -> list[dict]:
+        index, c = item
+        out = []
+        prompt = self.prompt.take(index, c) if self.prompt else None
+        if prompt is not None:  # the choice's whole prompt_logprobs, ahead of its text (openai_logprobs.py)
+            out.append(self._chunk([{**self._choice(index, ""), "prompt_logprobs": prompt}]))
+        logprobs = None
+        if self.strings and c.logprobs:
+            logprobs = completion_logprobs(self.strings, c.token_ids, c.logprobs, self._offsets[index])
+            self._offsets[index] += sum(len(t) for t in logprobs["tokens"])
+        if c.text_delta or logprobs:
+            out.append(self._chunk([self._choice(index, c.text_delta, logprobs=logprobs)]))
+        if c.finish_reason:
+            out += self._final(index, self._choice(index, "", c.finish_reason), c)
+        return out
+
+
+def _spec_and_usage(results: list[Result]) -> dict:
+    usage = sum_usage([r.usage for r in results])
+    return {"usage": usage_json(usage), "spec": spec_json(usage)}
+
+
+def chat_response(rid: str, model: str, created: int, results: list[Result], strings=None) -> dict:
+    choices = []
+    for index, r in enumerate(results):
+        message: dict = {
+            "role": "assistant",
+            "content": r.text or None,  # null when the answer is only reasoning or tool calls
+            "reasoning": r.reasoning or None,
+            "reasoning_content": r.reasoning or None,
+        }
+        if r.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in r.tool_calls
+            ]
+        logprobs = chat_logprobs(strings, r.token_ids, r.logprobs) if strings and strings.output else None
+        choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": r.finish_reason})
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        **_spec_and_usage(results),
+        **prompt_logprobs_field(strings, results[0].prompt_logprobs),  # vLLM's: on the response, once
+    }
+
+
+def completion_response(rid: str, model: str, created: int, results: list[Result], strings=None) -> dict:
+    choices = [
+        {
+            "index": index,
+            "text": r.text,
+            "logprobs": completion_logprobs(strings, r.token_ids, r.logprobs) if strings and strings.output else None,
+            "finish_reason": r.finish_reason,
+            **prompt_logprobs_field(strings, r.prompt_logprobs),  # vLLM's: on each choice
+        }
+        for index, r in enumerate(results)
+    ]
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        **_spec_and_usage(results),
+    }
