@@ -39,7 +39,8 @@ class _Run:
 
 
 class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
-    """Streams the current run's script for every Generate; records what it was sent."""
+    """Streams the current run's script for every Generate (its prompt_logprobs messages only to a request
+    that asks for them, as the verifier); records what it was sent."""
 
     def __init__(self):
         self.run = _Run([])
@@ -56,7 +57,8 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
         run.time_remaining.append(context.time_remaining())
         over = threading.Event()
         context.add_callback(over.set)  # wakes the waits below as soon as the call is cancelled
-        for i, msg in enumerate(run.script):
+        asks = request.HasField("prompt_logprobs")
+        for i, msg in enumerate(m for m in run.script if asks or not m.HasField("prompt_logprobs")):
             if i and run.delay_s:
                 over.wait(run.delay_s)
             if not context.is_active():

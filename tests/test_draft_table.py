@@ -3,7 +3,7 @@
 - The DFlash engine's table is the top-K of its block's log-softmax (a hand-computed reference), from the
   same forward as its trees: the tree it returns is the best-first build over the table's first columns.
 - The width is validated by the Drafter server for any engine: 1..min(vocab, 256), not with chain, else
-  INVALID_ARGUMENT naming table_width.
+  INVALID_ARGUMENT naming table_width; the verifier asks at most the drafter's vocabulary (and the target's).
 - A table the verifier cannot use (bad shape, unsorted, ids out of range, a tree where a table was asked)
   is dropped like a bad tree: that sequence takes an AR step, and a constrained sequence whose drafter
   only sends bad tables gives exactly constrained AR's tokens.
@@ -28,6 +28,7 @@ from ddtree.verifier.grammar import SequenceGrammar
 from ddtree.verifier.kv_pool import LatentKVPool
 from ddtree.verifier.scheduler import Scheduler
 from ddtree.verifier.sequence import GenerateParams, PendingCommit, Sequence
+from ddtree.verifier.step_drafter import StepDrafter
 from ddtree.verifier.target import LocalTarget
 from tests import test_min_p_min_tokens as min_tokens_tests
 from tests.test_chain import BLOCK, _engine, _seq
@@ -171,6 +172,44 @@ def test_a_tree_where_a_table_was_asked_is_taken_as_a_tree():
     finally:
         client.close()
         running.stop(0)
+
+
+def _grammar_step(engine: TableEngine, grammar: SequenceGrammar) -> Sequence:
+    """One StepDrafter Draft call (target vocab 4096) for a grammar-constrained sequence, served by engine."""
+    running = serve_engine(engine, DrafterConfig(port=0, grace_s=0.0))
+    client = DrafterClient(f"127.0.0.1:{running.port}", timeout_s=30)
+    try:
+        seq = _sequence(0)
+        seq.grammar = grammar
+        StepDrafter(client, 4096, VerifierConfig()).draft([seq])
+        return seq
+    finally:
+        client.close()
+        running.stop(0)
+
+
+def test_the_width_asked_fits_the_drafters_vocabulary():
+    """A drafter whose vocabulary is smaller than the target's (and than 256) is asked a table no wider than its
+    vocabulary: it answers (a wider one is INVALID_ARGUMENT for the whole call, and every sequence of it
+    would fall back to AR)."""
+    from tests.test_grammar_tree import _grammar
+
+    engine = TableEngine(lambda s: _good(width=s.table_width), vocab=100)
+    seq = _grammar_step(engine, _grammar("[k-m]+"))
+    assert [s.table_width for s in engine.seen] == [100]
+    assert seq.use_spec and seq.draft is not None, "the Draft call failed: the sequence fell back to AR"
+
+
+def test_a_table_is_checked_once(monkeypatch):
+    """Where the Draft RPC returns it (TokenTable.validate), not again by the grammar build."""
+    from ddtree.contract import tree_build
+    from tests.test_grammar_tree import _grammar
+
+    checks, check = [], tree_build._check_tensors
+    monkeypatch.setattr(tree_build, "_check_tensors", lambda lp, ids: checks.append(lp.shape) or check(lp, ids))
+    seq = _grammar_step(TableEngine(lambda s: _good(width=s.table_width)), _grammar("[k-m]+"))
+    assert seq.draft.tree.n == seq.params.budget, "the grammar build did not run"
+    assert checks == [(4, 256)]
 
 
 @pytest.fixture(scope="module")

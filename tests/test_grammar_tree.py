@@ -4,7 +4,10 @@
   (stop tokens only last), sorted by (-score, ranks), the first `budget`.
 - `prepare` keeps every built node and computes the same masks as pruning does, each mask once per step;
   the build consumes every node at most once and never moves the sequence's own matcher; stop tokens are
-  leaves; a matcher in an error state, or a parser limit hit while building, ends as the pruned path does.
+  leaves; a matcher in an error state gives no tree; a parser limit met on a draft path (built or pruned)
+  gives each row plain constrained AR's mask after that node's path: the limited node's row allows nothing,
+  the rest of the tree stays, and the sequence goes on (or ends, where the walk reaches that node) as plain
+  decoding does.
 - The demo pair, JSON schemas at temperature 0: AR, the pruned tree and the table build give the same
   tokens, and the table build keeps more nodes per step than pruning, on the same requests.
 """
@@ -72,6 +75,18 @@ def test_the_build_is_the_best_valid_prefixes(regex, seed):
         assert list(tree.scores) == [r[2] for r in valid[:budget]]
 
 
+def _plain_rows(fresh, tree: TokenTree) -> torch.Tensor:
+    """Plain constrained AR's mask at every row of the tree: a fresh grammar state (`fresh()`) takes the node's
+    path (up to a stop token, where the answer ends: a stop node's row is its parent's), then its next mask."""
+    rows = []
+    for path in [()] + node_paths(tree):
+        g = fresh()
+        g.advance(list(path))
+        g.prepare()
+        rows.append(g.masks[0])
+    return torch.stack(rows)
+
+
 class _Counting:
     """An LLMatcher whose consume_token calls (its forks' too) are logged, with the matcher they ran on."""
 
@@ -103,32 +118,76 @@ def test_prepare_keeps_the_built_tree_with_the_pruned_masks_each_computed_once(r
         pruned = _grammar(regex)
         assert pruned.prepare(tree) == tree
         assert torch.equal(g.masks, pruned.masks)
+        assert torch.equal(g.masks, _plain_rows(lambda: _grammar(regex), tree))
         assert g.mask_count == pruned.mask_count, "a mask computed twice (or one missing)"
         assert g.kept_nodes == g.drafted_nodes == tree.n
 
 
-def test_dead_ends_end_as_the_pruned_path_does():
+def test_a_matcher_in_an_error_state_gives_no_tree():
     broken = llguidance.LLMatcher(LT, llguidance.LLMatcher.grammar_from_regex("ab"), log_level=0)
     assert not broken.consume_token(5) and broken.is_error()
     g = _grammar("", broken)
     assert build_grammar_tree(g, _table(0), 8) == TokenTree()
     assert g.prepare(TokenTree()) == TokenTree() and g.masks.shape[0] == 1 and not g.masks.any()
-    # Every "a" opens more ways to parse the rest: past two Earley items per mask, a parser limit error.
-    ambiguous = llguidance.LLMatcher.grammar_from_lark('start: x*\nx: "a" | "a" "b" | y\ny: "a"+')
-    limits = llguidance.LLParserLimits(step_max_items=50, verbose_errors=False)  # about ten "a"s
-    a_first = TokenTable(torch.tensor([[-0.1, -3.0]] * 4), torch.tensor([[0, 1]] * 4))
 
-    def limited():
-        m = llguidance.LLMatcher(LT, ambiguous, log_level=0, limits=limits)
-        assert m.consume_tokens([0] * 8) and not m.is_error()
-        return _grammar("", m)
 
-    g = limited()
-    tree = build_grammar_tree(g, a_first, 8)
-    assert tree.n > 0 and not g.matcher.is_error(), "the build moved the sequence's matcher"
-    got, pruned = g.prepare(tree), limited()
-    assert got == pruned.prepare(tree) == TokenTree() and torch.equal(g.masks, pruned.masks)
-    assert g.matcher.is_error() and "Too many items" in g.dead_end_reason()
+# Every "a" opens more ways to parse the rest: after 8 "a"s, two more and a mask needs more than 50 Earley
+# items (a parser limit, an error state that stays); a "b" closes them.
+AMBIGUOUS = llguidance.LLMatcher.grammar_from_lark('start: x*\nx: "a" | "a" "b" | y\ny: "a"+')
+A_FIRST = TokenTable(torch.tensor([[-0.1, -3.0]] * 4), torch.tensor([[0, 1]] * 4))  # "a" first, then "b"
+
+
+def _limited() -> SequenceGrammar:
+    limits = llguidance.LLParserLimits(step_max_items=50, verbose_errors=False)
+    m = llguidance.LLMatcher(LT, AMBIGUOUS, log_level=0, limits=limits)
+    assert m.consume_tokens([0] * 8) and not m.is_error()
+    return _grammar("", m)
+
+
+def _limited_step(mode: str) -> tuple[SequenceGrammar, TokenTree, TokenTree]:
+    """(grammar state, tree, prepare's tree) of one step: the table build, or the same tree pruned."""
+    g = _limited()
+    tree = build_grammar_tree(g, A_FIRST, 8)
+    if mode == "prune":
+        g = _limited()  # nothing offered: prepare computes every row
+    return g, tree, g.prepare(tree)
+
+
+@pytest.mark.parametrize("mode", ["table", "prune"])
+def test_a_parser_limit_on_a_draft_path_costs_that_row_only(mode):
+    """Rows are plain constrained AR's masks after each node's path: the nodes whose path meets the limit
+    allow nothing, the rest of the tree stays, and the sequence's matcher goes on as plain decoding does."""
+    g, tree, kept = _limited_step(mode)
+    assert kept == tree and tree.n == 8, "a limit on a draft path dropped the step's tree"
+    rows = _plain_rows(_limited, tree)
+    assert torch.equal(g.masks, rows)
+    assert rows[0, 0] and rows[0, 1] and not rows.any(dim=1).all(), "the limit is met on a draft path"
+    assert not g.matcher.is_error()
+    pruned = _limited()
+    pruned.prepare(tree)
+    assert g.mask_count == pruned.mask_count == tree.n + 1, "a mask computed twice (or one missing)"
+    g.advance([1])  # the target chose "b" at the root
+    g.prepare()
+    after_b = _plain_rows(_limited, TokenTree((1,), (0,), (1,)))[1]
+    assert not g.matcher.is_error() and torch.equal(g.masks[0], after_b) and after_b.any()
+
+
+@pytest.mark.parametrize("mode", ["table", "prune"])
+def test_the_walk_reaching_a_limit_ends_as_plain_decoding_does(mode):
+    """The accept walk reaching a node whose row allows nothing (its choice is DEAD_END): after its path, the
+    sequence's matcher is in plain decoding's error state (the dead end reads llguidance's reason)."""
+    g, tree, _ = _limited_step(mode)
+    dead = next(i for i in range(1, tree.n + 1) if not g.masks[i].any())
+    path = node_paths(tree)[dead - 1]
+    g.advance(list(path))
+    plain = _limited()
+    plain.advance(list(path))
+    plain.prepare()
+    assert plain.matcher.is_error() and not plain.masks.any()
+    assert g.matcher.is_error() and not g.matcher.is_accepting()
+    assert g.dead_end_reason() == plain.dead_end_reason() and "Too many items" in g.dead_end_reason()
+    g.prepare()
+    assert g.masks.shape[0] == 1 and not g.masks.any()
 
 
 def test_table_width():

@@ -10,7 +10,9 @@
   choices, and choice i equals a single request with seed + i (each choice is its own seed stream);
   streaming gives the same choices; at temperature 0 the n choices are identical. n = 4 with a new
   prompt prefills it once: one choice computes it, the other three take all but its last token from
-  the prefix cache (the verifier's prefix_hit events), and each equals its request run alone.
+  the prefix cache (the verifier's prefix_hit events), and each equals its request run alone. With
+  prompt_logprobs only choice 0 reads the whole prompt, the others still share a prefill, and every
+  choice shows the entries the request alone gets.
 """
 
 from __future__ import annotations
@@ -299,3 +301,44 @@ def test_n_choices_share_one_prefill(stack_client, oracle_stack):
     assert r.usage.prompt_tokens_details.cached_tokens == cached[0]  # the least over the choices
     alone = [stack_client.completions.create(seed=3 + i, **kwargs).choices[0].text for i in range(4)]
     assert [c.text for c in r.choices] == alone
+
+
+def _same_prompt_logprobs(a: list, b: list, tol: float = 1e-4) -> bool:
+    """Two answers' prompt_logprobs agree: the same ids in the same order at each position (the prompt
+    token, then the top ones), each logprob within fp32 tolerance (batches of other shapes may round
+    otherwise)."""
+    return (
+        len(a) == len(b)
+        and a[0] is None is b[0]
+        and all(
+            list(x) == list(y) and all(abs(x[i]["logprob"] - y[i]["logprob"]) < tol for i in x)
+            for x, y in zip(a[1:], b[1:])
+        )
+    )
+
+
+def test_prompt_logprobs_choices_share_one_prefill(stack_client, oracle_stack):
+    """n = 3 with prompt_logprobs, a new prompt: only choice 0 reads the whole prompt; the others share a
+    prefill (when each asked, each read it whole and none took it from the cache). Every choice shows
+    the prompt_logprobs of the same request sent alone, and each choice's text is its request's alone
+    (seed + i)."""
+    prompt = "class Deque:\n    def push_left(self, item):\n        self.items.insert(0, item)\n"
+    kwargs = dict(model=MODEL, prompt=prompt, max_tokens=4, temperature=1.0)
+    body = {"ignore_eos": True, "budget": 8, "prompt_logprobs": 2}
+    r = stack_client.completions.create(
+        n=3, seed=9, extra_headers={"X-Request-Id": "pl-shared"}, extra_body=body, **kwargs
+    )
+    L = r.usage.prompt_tokens
+    hits = _prefix_hits(oracle_stack, ["pl-shared", "pl-shared-1", "pl-shared-2"])
+    assert hits["pl-shared"] == 0  # choice 0 scores every prompt row: it takes nothing from the cache
+    # Choice 0 admitted first: both others wait for its prefill and take all but the last token from the
+    # cache; another one admitted first prefills for the last (beside choice 0). Never three prefills.
+    assert max(hits["pl-shared-1"], hits["pl-shared-2"]) == L - 1, hits
+    alone = stack_client.completions.create(seed=9, extra_body=body, **kwargs).choices[0]
+    assert len(alone.model_extra["prompt_logprobs"]) == L
+    assert all(
+        _same_prompt_logprobs(c.model_extra["prompt_logprobs"], alone.model_extra["prompt_logprobs"]) for c in r.choices
+    )
+    plain = {k: v for k, v in body.items() if k != "prompt_logprobs"}
+    others = [stack_client.completions.create(seed=9 + i, extra_body=plain, **kwargs).choices[0].text for i in (1, 2)]
+    assert [c.text for c in r.choices] == [alone.text, *others]

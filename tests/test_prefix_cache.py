@@ -174,3 +174,49 @@ def test_running_sequences_that_enter_their_prompts_read_the_right_kv(page_size)
         cache.release(s["match"])
     cache.evict(pool.num_slots)
     assert cache.cached_slots == 0 and pool.num_free == pool.num_slots
+
+
+def test_enter_takes_the_rows_after_a_hit_without_a_copy():
+    """A sequence that started from a hit enters its prompt with the features of the tokens after the hit
+    only (features_from): the new edge keeps a view of the tensor handed over, the hit's edge keeps its
+    rows, and a later match reads them all; at its end the rows after the entered prompt go in the same way.
+    `pinned_slots` counts what the matches pin, against a walk of the tree."""
+    P = 4
+    pool = LatentKVPool(1, 64, 2, torch.float32, "cpu", page_size=P)
+    cache = PrefixCache(pool)
+    a = list(range(100, 112))  # a finished sequence: 12 tokens with features 0..11
+    ta = PageTable(P)
+    ta.extend(pool, 12)
+    ta.commit(12)
+    pool.free(cache.insert(a, ta.slots, torch.arange(12.0)[:, None]))
+    b = a[:8] + [200 + k for k in range(6)]  # 14 tokens: the first 8 cached
+    hit = cache.match(b[:-1])
+    assert hit.length == 8 and cache.pinned_slots == 8
+    tb = PageTable(P)
+    tb.share(hit.slots)
+    tb.extend(pool, 6)
+    tb.commit(6)
+    rows = 50.0 + torch.arange(6.0)[:, None]  # tokens 8..13
+    entered = cache.enter(b, tb.slots, rows, features_from=8)
+    assert entered.length == 12 and entered.features is None
+    tb.share_entered(entered.slots)
+    cache.release(hit)
+    check_accounting(pool, [tb], cache)
+    assert cache.pinned_slots == 12 == cache.all_slots(pinned_only=True).numel()
+    edges = [nd for nd in cache.root.children[tuple(b[:P])].children.values() if nd.tokens[0] == b[8]]
+    assert len(edges) == 1 and edges[0].features.untyped_storage().data_ptr() == rows.untyped_storage().data_ptr()
+    again = cache.match(b[:12])
+    assert again.features.flatten().tolist() == list(range(8)) + [50.0, 51.0, 52.0, 53.0]
+    cache.release(again)
+    tb.extend(pool, 2)
+    tb.commit(2)
+    tail = torch.tensor([[54.0], [55.0], [56.0], [57.0]])  # tokens 12..15
+    pool.free(cache.insert(b + [300, 301], tb.slots, tail, features_from=12, owned=True))
+    cache.release(entered)
+    assert cache.pinned_slots == 0
+    check_accounting(pool, [], cache)
+    whole = cache.match(b + [300, 301])
+    assert whole.length == 16 and whole.features.flatten().tolist() == list(range(8)) + [50.0 + k for k in range(8)]
+    cache.release(whole)
+    cache.evict(pool.num_slots)
+    assert cache.cached_slots == 0 and pool.num_free == pool.num_slots

@@ -3,8 +3,10 @@
 - `prompt_logprobs` / `prompt_logprobs_messages` (services/verifier/logprobs.py) against a brute force.
 - Against a FAKE verifier (tests/fakes.py) with the official `openai` client: vLLM's shape (null for the
   first prompt token, then a dict keyed by token id: the prompt token first, then the top k), where it
-  goes (completions: each choice; chat: the response; a stream: one chunk per choice, ahead of its
-  text, the verifier's pieces joined), what reaches the verifier, the 400s.
+  goes (completions: each choice; chat: the response; a stream: one chunk, per choice for completions,
+  ahead of the text, the verifier's pieces joined), what reaches the verifier (with n = 3: only choice
+  0's request asks, and every choice shows its entries), the 400s, and a failure before the first
+  token of a stream (a plain error status, though prompt entries came before it).
 - On the real stack (oracle drafter, --prefill-chunk 64): every prompt position equals the in-process
   target's log_softmax over the prompt, within fp32 tolerance, for a prompt split over several prefill
   chunks that is also in the prefix cache (complete all the same: nothing taken from the cache), for
@@ -93,8 +95,8 @@ def _scored(tok, prompt_ids: list[int], k: int) -> list[tuple[int, float, int, l
     return out
 
 
-def _script(tok, prompt_ids: list[int], k: int, per_message: int = 2) -> list:
-    """The verifier's messages: the prompt's entries in pieces of `per_message` positions, then ANSWER."""
+def _pieces(tok, prompt_ids: list[int], k: int, per_message: int = 2) -> list:
+    """The verifier's messages of the prompt's entries, in pieces of `per_message` positions."""
     scored = _scored(tok, prompt_ids, k)
     msgs = []
     for a in range(0, len(scored), per_message):
@@ -104,7 +106,12 @@ def _script(tok, prompt_ids: list[int], k: int, per_message: int = 2) -> list:
             piece.logprobs.add(logprob=lp, top_ids=top, top_logprobs=top_lps)
             piece.ranks.append(rank)
         msgs.append(verifier_pb2.GenerateResponse(request_id="r", prompt_logprobs=piece))
-    return msgs + script_for(tok.encode(ANSWER), finish="length")
+    return msgs
+
+
+def _script(tok, prompt_ids: list[int], k: int, per_message: int = 2) -> list:
+    """The verifier's messages: the prompt's entries (to a request that asks), then ANSWER."""
+    return _pieces(tok, prompt_ids, k, per_message) + script_for(tok.encode(ANSWER), finish="length")
 
 
 def _check_shape(tok, prompt_ids: list[int], k: int, got: list) -> None:
@@ -173,6 +180,70 @@ def test_streams_send_them_whole_ahead_of_the_text(client, fake, tok):
     _check_shape(tok, ids, 0, chunks[carrying[0]].model_extra["prompt_logprobs"])
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_choices_ask_once_and_show_choice_0s(client, fake, tok, stream):
+    """n = 3: only choice 0's verifier request asks for prompt_logprobs (the others share its prefill);
+    completions show its entries on every choice (a stream: once per choice, ahead of its text, though
+    the other choices' text comes first: the fake sends them no entries, and each of choice 0's pieces
+    0.02 s apart), chat once on the response."""
+    ids = tok.encode(PROMPT_TEXT)
+    fake.reset(_script(tok, ids, 2), delay_s=0.02)
+    kwargs = dict(model=MODEL, n=3, extra_headers={"X-Request-Id": "pl"}, extra_body={"prompt_logprobs": 2})
+    got: dict[int, list] = {}
+    texts = dict.fromkeys(range(3), "")
+    if stream:
+        for chunk in client.completions.create(prompt=ids, stream=True, **kwargs):
+            for c in chunk.choices:
+                if "prompt_logprobs" in c.model_extra:
+                    assert c.index not in got and texts[c.index] == "", c.index  # once, ahead of the text
+                    got[c.index] = c.model_extra["prompt_logprobs"]
+                texts[c.index] += c.text
+    else:
+        r = client.completions.create(prompt=ids, **kwargs)
+        got = {c.index: c.model_extra["prompt_logprobs"] for c in r.choices}
+        texts = {c.index: c.text for c in r.choices}
+    assert {q.request_id: q.HasField("prompt_logprobs") for q in fake.requests} == {
+        "pl": True,
+        "pl-1": False,
+        "pl-2": False,
+    }
+    assert texts == dict.fromkeys(range(3), ANSWER) and sorted(got) == [0, 1, 2]
+    for entries in got.values():
+        _check_shape(tok, ids, 2, entries)
+
+    fake.reset(_script(tok, ids, 2), delay_s=0.02)
+    chat = dict(kwargs, extra_body={"prompt_logprobs": 2, **NO_THINK})
+    if stream:
+        chunks = list(client.chat.completions.create(messages=USER, stream=True, **chat))
+        carrying = [c for c in chunks if "prompt_logprobs" in (c.model_extra or {})]
+        assert len(carrying) == 1 and [ch.index for ch in carrying[0].choices] == [0]
+        entries = carrying[0].model_extra["prompt_logprobs"]
+    else:
+        r = client.chat.completions.create(messages=USER, **chat)
+        assert [c.message.content for c in r.choices] == [ANSWER] * 3
+        entries = r.model_extra["prompt_logprobs"]
+    assert sorted(q.request_id for q in fake.requests if q.HasField("prompt_logprobs")) == ["pl"]
+    _check_shape(tok, ids, 2, entries)
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_a_failure_before_the_first_token_is_an_error_status(client, fake, tok, route):
+    """The verifier sends the prompt's entries, then fails before any token (a grammar's dead end at the
+    first token is INVALID_ARGUMENT): the stream has not started, the answer is a plain 400."""
+    ids = tok.encode(PROMPT_TEXT)
+    message = "response_format: the grammar allows no token at output position 0"
+    fake.reset(_pieces(tok, ids, 1), error=(grpc.StatusCode.INVALID_ARGUMENT, message))
+    with pytest.raises(openai.BadRequestError) as err:
+        if route == "chat":
+            client.chat.completions.create(
+                model=MODEL, messages=USER, stream=True, extra_body={"prompt_logprobs": 1, **NO_THINK}
+            )
+        else:
+            client.completions.create(model=MODEL, prompt=ids, stream=True, extra_body={"prompt_logprobs": 1})
+    assert err.value.status_code == 400 and err.value.body["message"] == message
+    assert fake.sent == len(_pieces(tok, ids, 1))  # every entry reached the gateway before the failure
+
+
 def test_grpc_chunks_carry_the_pieces(gw, fake, tok):
     ids = tok.encode(PROMPT_TEXT)
     fake.reset(_script(tok, ids, 2))
@@ -200,6 +271,16 @@ def test_a_response_too_large_is_400(client, fake, tok):
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=MODEL, prompt=ids, n=16, stream=True, extra_body={"prompt_logprobs": 20})
     assert err.value.body["param"] == "prompt_logprobs" and "is over 2000000" in err.value.body["message"]
+    assert fake.requests == []
+
+    # A stream of n choices may hold the other n - 1 choices' output until choice 0's entries are in:
+    # 16 * 2200 * 21 prompt entries fit, with 15 * 4096 * 21 held output entries they do not.
+    options = {"prompt_logprobs": 20}
+    with pytest.raises(openai.BadRequestError) as err:
+        kwargs = dict(model=MODEL, prompt=[7] * 2200, n=16, max_tokens=4096, logprobs=20, stream=True)
+        client.completions.create(extra_body=options, **kwargs)
+    message = err.value.body["message"]
+    assert err.value.body["param"] == "prompt_logprobs" and f"16 * 2200 * 21 + {15 * 4096 * 21} output" in message
     assert fake.requests == []
 
 

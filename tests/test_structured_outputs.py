@@ -1,7 +1,8 @@
 """Structured outputs on trees (services/gateway/structured_outputs.py, services/verifier/grammar.py).
 
-- The grammar follows each tree path: pruning keeps exactly the grammar-valid nodes, and the matcher
-  is back where it was after the depth-first walk.
+- The grammar follows each tree path: pruning keeps exactly the grammar-valid nodes, and the sequence's
+  state is where it was after the depth-first walk; a parser limit met on a draft path (the target takes
+  another token) leaves plain constrained AR's output, with the table build and with pruning.
 - The real stack with the oracle drafter (official `openai` client): 20 JSON schemas at temperature 0
   through DDTree at budgets 8 and 32 parse, validate (`jsonschema`) and equal constrained AR
   (`no_spec`) token for token; regex, choice and vLLM's structured_outputs; tool_choice required / a
@@ -28,7 +29,7 @@ import torch
 
 from ddtree.config import DrafterConfig, VerifierConfig
 from ddtree.contract.sampling_params import SamplingConfig
-from ddtree.contract.token_tree import TokenTree
+from ddtree.contract.token_tree import EMPTY_TREE, TokenTree
 from ddtree.drafter.server import serve_engine
 from ddtree.gateway.pipeline import Invalid
 from ddtree.gateway.structured_outputs import after_reasoning, check_grammar
@@ -143,7 +144,7 @@ def _chat(client, i: int, **extra):
     )
 
 
-def test_prune_keeps_grammar_valid_nodes_and_restores_state(tok):
+def test_prune_keeps_grammar_valid_nodes_and_leaves_the_state(tok):
     lt = ll_tokenizer(tok)
     matcher = llguidance.LLMatcher(lt, llguidance.LLMatcher.grammar_from_regex("ab(c|d)e"))
     a, b, c, d, x = (tok.encode(ch)[0] for ch in "abcdx")
@@ -156,8 +157,8 @@ def test_prune_keeps_grammar_valid_nodes_and_restores_state(tok):
     assert g.masks.shape[0] == 3 and g.masks[0, b] and not g.masks[0, x] and g.masks[1, c] and g.masks[1, d]
     e = tok.encode("e")[0]
     assert g.masks[2, e] and g.masks[2].sum() == 1
-    g.advance([b, d, e])  # the matcher was rolled back to "a": the emitted tokens take it on
-    assert matcher.is_accepting() and not matcher.is_error()
+    g.advance([b, d, e])  # the walk left the sequence's state at "a": the emitted tokens take it on
+    assert g.matcher.is_accepting() and not g.matcher.is_error()
 
 
 def test_twenty_schemas_through_ddtree_equal_constrained_ar(client):
@@ -437,6 +438,38 @@ def test_a_grammar_dead_end_ends_only_its_own_sequence(tiny_target, grammar_tree
     assert error.error_status == limit.error_status == grpc.StatusCode.INVALID_ARGUMENT
 
 
+class _Counting(SequenceGrammar):
+    """A grammar state that counts the tree rows its steps gave no allowed token (the root's aside)."""
+
+    dead_rows = 0
+
+    def prepare(self, tree=EMPTY_TREE):
+        kept = super().prepare(tree)
+        self.dead_rows += int((~self.masks[1:].any(dim=1)).sum())
+        return kept
+
+
+@pytest.mark.parametrize("grammar_tree", ["table", "prune"])
+def test_a_parser_limit_on_a_draft_path_leaves_plain_decodings_output(tiny_target, grammar_tree):
+    """The target takes "b" at every step, which keeps the parse small; the tree explores "a"s, every one of
+    which opens more ways to parse the rest, and a few in a row pass the parser limit. Those draft rows allow
+    nothing, and the request gives plain constrained AR decoding's tokens and finish (not an error)."""
+    lt, stop = _tiny_vocab(), frozenset({7})
+    grammar = llguidance.LLMatcher.grammar_from_lark('start: x*\nx: "b" | "a" | "a" "b" | y\ny: "a"+')
+    limits = llguidance.LLParserLimits(step_max_items=25, verbose_errors=False)
+
+    def limited(name, spec):
+        seq = Sequence(GenerateParams(name, PROMPT, SamplingConfig(min_tokens=12), 12, stop, spec, 12, grammar=grammar))
+        seq.grammar = _Counting(llguidance.LLMatcher(lt, grammar, log_level=0, limits=limits), stop, (7,))
+        return seq
+
+    ar, tree = limited("ar", False), limited("tree", True)
+    last_ar, last_tree = _serve(tiny_target, [ar, tree], grammar_tree)
+    assert last_ar.finish_reason == "length" and ar.grammar.drafted_nodes == 0
+    assert tree.generated == ar.generated and (last_tree.finish_reason, last_tree.error) == ("length", None)
+    assert tree.grammar.dead_rows > 0, "no draft path met the limit: the case tests nothing"
+
+
 class _FaultyGrammar(SequenceGrammar):
     """A grammar state whose step fails (a bug, say): the verifier's fault, not the request's."""
 
@@ -485,6 +518,7 @@ def test_a_grammar_dead_end_is_a_400_at_the_gateway(fake, fake_gateway, stream):
         r = client.completions.create(model="ddtree-demo", prompt="a", max_tokens=4, stream=stream)
         list(r) if stream else None
     assert err.value.status_code == 400 and "grammar: no token is allowed" in err.value.message
+    assert err.value.param is None, "param names the verifier's field, not one of this request"
 
 
 class _AbortContext:

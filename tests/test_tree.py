@@ -1,4 +1,5 @@
-"""DDTree build (services/drafter/tree.py) and tree mask / positions (services/verifier/tree_mask.py)."""
+"""DDTree build (`ddtree.contract.tree_build`: services/contract/tree_build.py, the drafter's and the verifier's
+one copy) and tree mask / positions (services/verifier/tree_mask.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from ddtree.contract.token_tree import TokenTree
-from ddtree.drafter.tree import build_tree, topk_logprobs
+from ddtree.contract.tree_build import LEAF, TokenTable, build_checked_tree, build_tree, topk_logprobs
 from ddtree.verifier.tree_mask import tree_input_ids, tree_mask, tree_positions
 
 
@@ -322,6 +323,55 @@ def test_a_dropped_candidate_is_skipped_not_the_budget() -> None:
     tree = build_tree(lp, ids, 3, allowed)
     assert node_paths(tree) == [(third,), (third, int(ids[1, 0])), (third, int(ids[1, 1]))]
     assert asked[-1] == (1, int(ids[1, 1])), "asked past the budget"
+
+
+class StopRule(PathRule):
+    """PathRule whose valid tokens in `stops` answer LEAF (a stop token: nothing may follow it); it notes every
+    parent it is asked about."""
+
+    def __init__(self, seed: int, keep: float, stops: set[int]):
+        super().__init__(seed, keep)
+        self.stops, self.leaves, self.asked_parents = stops, set(), set()
+
+    def __call__(self, parent: int, token: int) -> int:
+        self.asked_parents.add(parent)
+        if not super().__call__(parent, token):
+            return False
+        if token in self.stops:
+            self.leaves.add(len(self.paths) - 1)
+            return LEAF
+        return True
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_leaf_answer_is_a_node_without_children(case: Case, seed: int) -> None:
+    """LEAF: the candidate is a node, and the predicate is never asked about a child of it (no candidate is
+    pushed under it); the tree is the brute force's valid prefixes with stop tokens only last."""
+    lp, ids = random_table(case.depth, case.width, case.vocab, seed, case.quantize)
+    stops = {t for t in range(case.vocab) if t % 3 == 0}
+    rule = StopRule(seed, 0.7, stops)
+    tree = build_tree(lp, ids, case.budget, rule)
+    tree.validate()
+    ref = [r for r in brute_force_valid(lp, ids, 10**9, PathRule(seed, 0.7)) if not stops & set(r[1][:-1])]
+    assert node_paths(tree) == [r[1] for r in ref[: case.budget]]
+    assert list(tree.scores) == [r[2] for r in ref[: case.budget]]
+    assert not rule.leaves & rule.asked_parents, "a child of a LEAF node was popped"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_a_checked_table_builds_the_same_tree(case: Case) -> None:
+    """build_checked_tree (a table TokenTable.validate passed) gives build_tree's tree, with or without a
+    predicate, and still refuses a negative budget."""
+    lp, ids = random_table(case.depth, case.width, case.vocab, 4, case.quantize)
+    table = TokenTable(lp, ids)
+    table.validate(case.vocab)
+    for rule in (None, PathRule(4, 0.5)):
+        fresh = None if rule is None else PathRule(4, 0.5)
+        checked, plain = build_checked_tree(table, case.budget, rule), build_tree(lp, ids, case.budget, fresh)
+        assert checked == plain and checked.scores == plain.scores
+    with pytest.raises(ValueError, match="budget must be >= 0"):
+        build_checked_tree(table, -1)
 
 
 def test_the_drafter_builds_with_the_contract_copy() -> None:

@@ -5,7 +5,9 @@ block predicts depth d); `topk_logprobs` turns them into true log-probs of the K
 `TokenTable`), and `build_tree` selects the `budget` highest-scoring prefixes, where a prefix's score
 is the sum of its per-depth log-probs. Both services use it: the drafter builds every tree it returns,
 and the verifier builds the tree of a sequence with a grammar from the drafter's table, keeping only
-grammar-valid prefixes (`allowed`; services/verifier/grammar_tree.py).
+grammar-valid prefixes (`allowed`; services/verifier/grammar_tree.py). `build_tree` checks its table
+(check_table); `build_checked_tree` takes one that TokenTable.validate passed (the verifier checks each table
+once, where the Draft RPC returns it).
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ from ddtree.contract.token_tree import TokenTree
 # sequence on the wire, and the verifier's grammar build pops at most about (budget + 1) x K candidates.
 MAX_TABLE_WIDTH = 256
 
-# allowed(parent node index, token id): may this token follow the parent's path (parent 0 = the root)?
-Allowed = Callable[[int, int], bool]
+# allowed(parent node index, token id) -> bool | LEAF: may this token follow the parent's path (parent 0 = the
+# root)? False: no; True: yes; LEAF: yes, and nothing may follow it (a stop token: the answer ends there).
+LEAF = 2  # truthy, and != True: a bool-answering predicate never gives it
+Allowed = Callable[[int, int], int]
 
 
 @dataclass(frozen=True)
@@ -45,8 +49,9 @@ class TokenTable:
         return self.logprobs.shape[1] if self.logprobs.dim() == 2 else 0
 
     def validate(self, vocab_size: int) -> None:
-        """Raise ValueError naming the first broken invariant (check_table's, finite, ids < vocab_size)."""
-        check_table(self.logprobs, self.token_ids, 0)
+        """Raise ValueError naming the first broken invariant (check_table's, finite, ids < vocab_size). A table
+        that passed is what `build_checked_tree` takes without checking it again."""
+        _check_tensors(self.logprobs, self.token_ids)
         if not bool(torch.isfinite(self.logprobs).all()):
             raise ValueError("logprobs must be finite")
         if self.token_ids.numel() and int(self.token_ids.max()) >= vocab_size:
@@ -76,6 +81,12 @@ def check_table(logprobs: Tensor, token_ids: Tensor, budget: int) -> tuple[list[
     """Raise ValueError naming the first broken invariant of a build's input; else the table as lists."""
     if budget < 0:
         raise ValueError(f"budget must be >= 0, got {budget}")
+    lpf, tid = _check_tensors(logprobs, token_ids)
+    return lpf.tolist(), tid.tolist()
+
+
+def _check_tensors(logprobs: Tensor, token_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """check_table's invariants of the table itself; the table as fp32 [D, K] and int64 [D, K] CPU tensors."""
     if logprobs.dim() != 2 or tuple(logprobs.shape) != tuple(token_ids.shape):
         raise ValueError(
             f"logprobs and token_ids must both be [D, K]; got {tuple(logprobs.shape)} and {tuple(token_ids.shape)}"
@@ -98,8 +109,7 @@ def check_table(logprobs: Tensor, token_ids: Tensor, budget: int) -> tuple[list[
     dup = srt[:, 1:] == srt[:, :-1]
     if dup.any():
         raise ValueError(f"token_ids row {torch.nonzero(dup)[0, 0].item()} repeats a token")
-    lp, ids = lpf.tolist(), tid.tolist()
-    return lp, ids
+    return lpf, tid
 
 
 def build_tree(logprobs: Tensor, token_ids: Tensor, budget: int, allowed: Allowed | None = None) -> TokenTree:
@@ -125,14 +135,32 @@ def build_tree(logprobs: Tensor, token_ids: Tensor, budget: int, allowed: Allowe
     push their next sibling), so the tree is the first `budget` valid prefixes in (-score, ranks)
     order: the budget goes to the best valid prefixes only. Call contract (what a stateful predicate
     may rely on): `allowed` is called exactly once per popped candidate, in pop order, and only while
-    the tree has fewer than `budget` nodes; parent is always an existing node (0 = the root); a True
-    answer makes that candidate the next node (index = nodes so far + 1).
+    the tree has fewer than `budget` nodes; parent is always an existing node (0 = the root) that did
+    not answer LEAF; a True answer makes that candidate the next node (index = nodes so far + 1), a LEAF
+    answer too, but it gets no child candidate (its children would all be dropped: a stop token's
+    answer has ended), so no later call has it as the parent.
+
+    Raises ValueError naming the first broken invariant of the table (check_table); a table that passed
+    TokenTable.validate goes to `build_checked_tree`, which does not check it again.
 
     NOTE: the score of a candidate is its parent's score + one log-prob (not "sibling score -
     lp[r] + lp[r+1]" as in the reference code); same value in exact arithmetic, but this keeps
     every score equal to the left-to-right float sum along its path.
     """
     lp, ids = check_table(logprobs, token_ids, budget)
+    return _best_first(lp, ids, budget, allowed)
+
+
+def build_checked_tree(table: TokenTable, budget: int, allowed: Allowed | None = None) -> TokenTree:
+    """build_tree of a table that passed TokenTable.validate (the verifier checks every table once, where it
+    comes back from the Draft RPC): the same tree, without checking the table again."""
+    if budget < 0:
+        raise ValueError(f"budget must be >= 0, got {budget}")
+    return _best_first(table.logprobs.tolist(), table.token_ids.tolist(), budget, allowed)
+
+
+def _best_first(lp: list[list[float]], ids: list[list[int]], budget: int, allowed: Allowed | None) -> TokenTree:
+    """build_tree's heap walk over a checked table (lp [D][K] sorted descending, ids [D][K]), budget >= 0."""
     depth_max = len(lp)
     width = len(lp[0]) if depth_max else 0
     if budget == 0 or depth_max == 0 or width == 0:
@@ -153,7 +181,8 @@ def build_tree(logprobs: Tensor, token_ids: Tensor, budget: int, allowed: Allowe
         if rank + 1 < width:
             s = parent_score + lp[depth - 1][rank + 1]
             sibling = (-s, ranks[:-1] + (rank + 1,), parent, depth, rank + 1, parent_score)
-        if allowed is not None and not allowed(parent, tok):
+        verdict = True if allowed is None else allowed(parent, tok)
+        if not verdict:
             if sibling is not None:  # the dropped candidate's place in the queue goes to its next sibling
                 cand = heapq.heappushpop(heap, sibling)
                 continue
@@ -165,7 +194,7 @@ def build_tree(logprobs: Tensor, token_ids: Tensor, budget: int, allowed: Allowe
             scores.append(score)
             if sibling is not None:
                 heapq.heappush(heap, sibling)
-            if depth < depth_max:  # first child
+            if depth < depth_max and verdict != LEAF:  # first child
                 s = score + lp[depth][0]
                 heapq.heappush(heap, (-s, ranks + (0,), len(tokens), depth + 1, 0, score))
         if not heap or len(tokens) >= budget:

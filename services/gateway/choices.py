@@ -9,6 +9,12 @@
   but the last prompt token from the cache (services/verifier/prefix_cache.py). Nothing here orders
   them: whichever the verifier admits first prefills. With several verifiers the router may send
   choices to different ones, which each prefill the prompt.
+- prompt_logprobs: only choice 0 asks for them (`choice_jobs`). A request that reads the whole prompt
+  never waits for a prefill nor takes from the cache, so were every choice to ask, each would prefill
+  the prompt itself and run the LM head on every prompt row; this way choice 0 computes them once and
+  the others share its prefill (they wait for it, or take the prompt from the cache, as above; when
+  the verifier admits another choice first, that one prefills for the rest, beside choice 0). The
+  answers show choice 0's entries for every choice (openai_responses.py).
 - `Choices` runs them as one: an iterator of (choice index, GenerateChunk) in arrival order, and
   `collect()` the n Results in index order. A failure of one cancels the others and is raised.
   With n = 1 it is the plain Generation, in the caller's thread.
@@ -18,7 +24,8 @@
   max_workers + max_streams tokens for them (429 when they are not free: http.py), and a response
   that is not streamed holds at most MAX_RESPONSE_ENTRIES = n * max_tokens * (top_logprobs + 1)
   token entries (400 above: `check_size`); with prompt_logprobs, n * prompt tokens * (prompt_logprobs + 1)
-  more, streamed or not (a stream sends each choice's prompt entries whole on one chunk).
+  more, streamed or not (completions show choice 0's entries on each of the n choices), and a stream
+  counts the output of the n - 1 choices it may hold until choice 0's entries are in.
 """
 
 from __future__ import annotations
@@ -51,7 +58,8 @@ def check_n(n: int | None) -> int:
 def check_size(job: Job, n: int, stream: bool) -> None:
     """Invalid naming n, max_tokens and top_logprobs when a whole (not streamed) response could hold
     more than MAX_RESPONSE_ENTRIES token entries; naming prompt_logprobs when its prompt entries (held
-    whole, streamed or not) take it over."""
+    whole, streamed or not) take it over. A stream with prompt_logprobs and n > 1 may hold the other
+    n - 1 choices' output until choice 0's entries are in (openai_responses.CompletionStream): counted."""
     top = job.request.top_logprobs if job.request.HasField("top_logprobs") else 0
     size = n * job.request.max_new_tokens * (top + 1)
     if not stream and size > MAX_RESPONSE_ENTRIES:
@@ -61,9 +69,10 @@ def check_size(job: Job, n: int, stream: bool) -> None:
         )
     if job.request.HasField("prompt_logprobs"):
         k, prompt = job.request.prompt_logprobs, len(job.request.input_ids)
-        held = n * prompt * (k + 1) + (0 if stream else size)
+        out = (n - 1) * job.request.max_new_tokens * (top + 1) if stream else size
+        held = n * prompt * (k + 1) + out
         if held > MAX_RESPONSE_ENTRIES:
-            output = "" if stream else f" + {size} output entries"
+            output = f" + {out} output entries" if out else ""
             raise Invalid(
                 f"prompt_logprobs: n * prompt_tokens * (prompt_logprobs + 1) = {n} * {prompt} * {k + 1}{output} "
                 f"= {held} entries is over {MAX_RESPONSE_ENTRIES} for one response (ask for less)"
@@ -71,7 +80,8 @@ def check_size(job: Job, n: int, stream: bool) -> None:
 
 
 def choice_jobs(job: Job, n: int) -> list[Job]:
-    """The job of each choice: the same prompt and options, its own request id and seed."""
+    """The job of each choice: the same prompt and options, its own request id and seed; prompt_logprobs
+    on choice 0 alone (the others share its prefill)."""
     if n == 1:
         return [job]
     rid = job.request.request_id
@@ -84,12 +94,13 @@ def choice_jobs(job: Job, n: int) -> list[Job]:
         request.request_id = f"{rid}-{i}"
         if job.request.sampling.HasField("seed"):
             request.sampling.seed = (job.request.sampling.seed + i) % 2**64
+        request.ClearField("prompt_logprobs")  # choice 0's entries serve every choice
         jobs.append(dataclasses.replace(job, request=request))
     return jobs
 
 
 class Choices:
-    """n Generations of one request as one (the interface http._GenerationResponse runs)."""
+    """n Generations of one request as one (the interface http_response.GenerationResponse runs)."""
 
     def __init__(self, generations: list[Generation]):
         self.generations = generations

@@ -3,7 +3,9 @@ and answers with server-sent events or one JSON body, watching the connection me
 cancels the generation, and the verifier frees the request's KV at once).
 
 - A failure before the first tokens is a plain error status (`error_answer`); once the stream started,
-  it is an error event among the stream's last events (`last_events`).
+  it is an error event among the stream's last events (`last_events`). So a stream starts with the
+  first chunk that carries tokens or a finish_reason: the prompt_logprobs chunks before it are held
+  until then (bounded: choices.check_size) and go ahead of it.
 - The verifier's gRPC status keeps its meaning over HTTP (STATUS: 400 bad input, 429 queue full, 503
   unavailable, 504 deadline, ...; anything else 500).
 - The shapes are OpenAI's here (`data: {json}` events ending with `data: [DONE]`, OpenAI error JSON);
@@ -88,6 +90,8 @@ class GenerationResponse(Response):
     def error_answer(self, status: int, message: str) -> Response:
         """The answer to a request that failed before anything was sent."""
         param = field_of(message) if status == 400 else None
+        if param == "grammar":  # the verifier's GenerateRequest.grammar (a grammar dead end), not a field of this
+            param = None  # request, whose constraint is response_format, structured_outputs, guided_* or tool_choice
         return error_response(status, message, param, self.id_header)
 
     def stream_headers(self) -> list[tuple[bytes, bytes]]:
@@ -173,13 +177,19 @@ class GenerationResponse(Response):
         await JSONResponse(self.build(result), headers=self.id_header)(scope, None, send)
 
     async def _stream(self, scope, send) -> None:
-        try:
-            first = await self._next()  # a failure before the first tokens is a plain error status
+        held = []  # the prompt_logprobs chunks before the first tokens
+        try:  # a failure before the first tokens is a plain error status
+            chunk = await self._next()
+            while chunk is not None and _prompt_only(chunk):
+                held.append(chunk)
+                chunk = await self._next()
         except RequestError as e:
             await self._error(scope, send, e)
             return
         await send({"type": "http.response.start", "status": 200, "headers": self.stream_headers()})
-        events, chunk, failure = self.events.start(), first, None
+        events, failure = self.events.start(), None
+        for item in held:
+            events += self.events.events(item)
         try:
             while chunk is not None:
                 events += self.events.events(chunk)
@@ -194,3 +204,9 @@ class GenerationResponse(Response):
         self._answered = True
         body = b"".join(map(self.encode, self.last_events(failure)))
         await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def _prompt_only(item) -> bool:
+    """A chunk (a Generation's, or Choices' (index, chunk)) that carries prompt_logprobs and nothing else."""
+    chunk = item[1] if isinstance(item, tuple) else item
+    return chunk.HasField("prompt_logprobs") and not (chunk.token_ids or chunk.finish_reason)

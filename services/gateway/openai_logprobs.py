@@ -18,10 +18,11 @@ id can appear among the top logprobs) is shown as `<|N|>` (N the id) with empty 
   then per prompt token a dict keyed by token id (a string in JSON) of `{logprob, rank, decoded_token}`:
   the prompt token first, then the k most likely tokens (rank 1..k; when the prompt token is one of
   them its entry stays first and carries that rank, as vLLM's dict does). Completions put it on each choice, chat
-  on the response (both as vLLM). A stream sends it whole on the first chunk of each choice after the
-  prompt's entries arrived (chat: a chunk with an empty delta and `prompt_logprobs`; completions: a
-  choice with empty text and `prompt_logprobs`), ahead of its text: vLLM refuses prompt_logprobs > 0
-  with stream. -inf is shown as -9999.0 (vLLM's clamp; JSON has no infinity).
+  on the response (both as vLLM); with n > 1 they are choice 0's (the one choice that asks for them:
+  choices.choice_jobs). A stream sends them whole once choice 0's entries are all in, ahead of any
+  text they precede (chat: once, a chunk with an empty delta and `prompt_logprobs`; completions: a
+  choice with empty text and `prompt_logprobs`, for each choice): vLLM refuses prompt_logprobs > 0 with
+  stream. -inf is shown as -9999.0 (vLLM's clamp; JSON has no infinity).
 """
 
 from __future__ import annotations
@@ -106,24 +107,29 @@ def prompt_logprobs_json(strings: TokenStrings, pieces: Sequence[common_pb2.Prom
 
 
 class PromptLogprobsStream:
-    """A stream's prompt_logprobs: each choice's pieces held until its first chunk with tokens or a
-    finish_reason, then given once, whole (`take`)."""
+    """A stream's prompt_logprobs: choice 0's pieces (the only choice whose verifier request asks for
+    them) held until its first chunk with tokens or a finish_reason, which follows the last of them;
+    then given once, whole (`take`)."""
 
-    def __init__(self, strings: TokenStrings, n: int):
+    def __init__(self, strings: TokenStrings):
         self._strings = strings
-        self._pieces: list[list[common_pb2.PromptLogprobs] | None] = [[] for _ in range(n)]  # None: given
+        self._pieces: list[common_pb2.PromptLogprobs] | None = []  # None: given
+
+    @property
+    def pending(self) -> bool:
+        """Choice 0's entries are not all in yet."""
+        return self._pieces is not None
 
     def take(self, index: int, chunk) -> list | None:
-        """The choice's whole prompt_logprobs when `chunk` (a GenerateChunk of choice `index`) is the
-        first after its prompt's entries; else None (held, or given before)."""
-        pieces = self._pieces[index]
-        if pieces is None:
+        """The whole prompt_logprobs when `chunk` (a GenerateChunk of choice `index`) is choice 0's first
+        after its prompt's entries; else None (held, given before, or another choice's chunk)."""
+        if index != 0 or self._pieces is None:
             return None
         if chunk.HasField("prompt_logprobs"):
-            pieces.append(chunk.prompt_logprobs)
+            self._pieces.append(chunk.prompt_logprobs)
         if not (chunk.token_ids or chunk.finish_reason):
             return None
-        self._pieces[index] = None
+        pieces, self._pieces = self._pieces, None
         return prompt_logprobs_json(self._strings, pieces)
 
 

@@ -94,7 +94,7 @@ class EventStream:
         self.rid, self.model, self.created, self.include_usage, self.obj = rid, model, created, include_usage, obj
         self.n, self.strings = n, strings
         self._usages: dict[int, common_pb2.Usage] = {}
-        self.prompt = PromptLogprobsStream(strings, n) if strings and strings.prompt else None
+        self.prompt = PromptLogprobsStream(strings) if strings and strings.prompt else None
 
     def _chunk(self, choices: list, **extra) -> dict:
         return {
@@ -132,7 +132,7 @@ class ChatStream(EventStream):
         index, c = item
         out = []
         prompt = self.prompt.take(index, c) if self.prompt else None
-        if prompt is not None:  # the choice's whole prompt_logprobs, ahead of its text (openai_logprobs.py)
+        if prompt is not None:  # choice 0's whole prompt_logprobs, ahead of its text: once (openai_logprobs.py)
             out.append(self._chunk([self._delta(index, {})], prompt_logprobs=prompt))
         delta = {}
         if c.reasoning_delta:  # both names: vLLM's current clients read `reasoning`, older ones `reasoning_content`
@@ -157,12 +157,16 @@ class ChatStream(EventStream):
 
 
 class CompletionStream(EventStream):
-    """text_completion events per choice: text deltas (with their tokens' logprobs); finish_reason
-    (+ spec); then usage; (then [DONE])."""
+    """text_completion events per choice: (prompt_logprobs); text deltas (with their tokens' logprobs);
+    finish_reason (+ spec); then usage; (then [DONE]). With prompt_logprobs every choice shows choice 0's,
+    ahead of its text: the other choices' chunks that come before choice 0's entries are all in are held
+    until then (usually a few steps' worth, those of one prefill; at most their whole answers, when the
+    verifier admits choice 0 last: choices.check_size counts them)."""
 
     def __init__(self, rid: str, model: str, created: int, include_usage: bool, n: int = 1, strings=None):
         super().__init__(rid, model, created, include_usage, "text_completion", n, strings)
         self._offsets = [0] * n  # text_offset of each choice's next token
+        self._held: list[tuple[int, gateway_pb2.GenerateChunk]] = []  # choices 1.. while self.prompt.pending
 
     def _choice(self, index: int, text: str, finish_reason: str | None = None, logprobs=None) -> dict:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -172,10 +176,13 @@ class CompletionStream(EventStream):
 
     def events(self, item: tuple[int, gateway_pb2.GenerateChunk]) -> list[dict]:
         index, c = item
+        if index and self.prompt and self.prompt.pending:
+            self._held.append(item)
+            return []
         out = []
         prompt = self.prompt.take(index, c) if self.prompt else None
-        if prompt is not None:  # the choice's whole prompt_logprobs, ahead of its text (openai_logprobs.py)
-            out.append(self._chunk([{**self._choice(index, ""), "prompt_logprobs": prompt}]))
+        if prompt is not None:  # choice 0's whole prompt_logprobs on every choice, ahead of its text
+            out += [self._chunk([{**self._choice(i, ""), "prompt_logprobs": prompt}]) for i in range(self.n)]
         logprobs = None
         if self.strings and c.logprobs:
             logprobs = completion_logprobs(self.strings, c.token_ids, c.logprobs, self._offsets[index])
@@ -184,6 +191,10 @@ class CompletionStream(EventStream):
             out.append(self._chunk([self._choice(index, c.text_delta, logprobs=logprobs)]))
         if c.finish_reason:
             out += self._final(index, self._choice(index, "", c.finish_reason), c)
+        if prompt is not None:
+            held, self._held = self._held, []
+            for h in held:
+                out += self.events(h)
         return out
 
 
@@ -220,13 +231,14 @@ def chat_response(rid: str, model: str, created: int, results: list[Result], str
 
 
 def completion_response(rid: str, model: str, created: int, results: list[Result], strings=None) -> dict:
+    prompt = prompt_logprobs_field(strings, results[0].prompt_logprobs)  # choice 0's (choices.choice_jobs)
     choices = [
         {
             "index": index,
             "text": r.text,
             "logprobs": completion_logprobs(strings, r.token_ids, r.logprobs) if strings and strings.output else None,
             "finish_reason": r.finish_reason,
-            **prompt_logprobs_field(strings, r.prompt_logprobs),  # vLLM's: on each choice
+            **prompt,  # vLLM's: on each choice
         }
         for index, r in enumerate(results)
     ]

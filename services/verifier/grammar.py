@@ -7,16 +7,19 @@ state is the grammar after every emitted token (the root included). Each step, b
 - `prepare(tree)`: walk the tree depth-first from the root; node v (token t, parent p) stays only if t
   is allowed in p's state, else v and its subtree are pruned (no accepted path can hold a token the
   target may not choose, so pruning never changes the output, only the rows verified). For a kept node
-  the matcher consumes t, the mask of v's children is computed, and the matcher rolls back one token.
-  The masks of the rows [root, kept nodes] are kept for the commit.
+  the walk consumes t, the mask of v's children is computed, and the walk rolls back one token. The walk
+  runs on a copy of the sequence's matcher (`deep_copy`), never on the sequence's own: a parser limit met
+  on a draft path puts only the copy in an error state (below). The masks of the rows [root, kept nodes]
+  are kept for the commit.
 - the commit (`commit._choices`) sets the logits of disallowed tokens to -inf per row before the argmax
   or the sample, so every target choice is the constrained AR choice given that node's path: the walk
   accepts exactly constrained AR's tokens (greedy) and samples from the masked distribution (T > 0).
-- `advance(tokens)`: the emitted tokens (accepted nodes + bonus) move the matcher on.
+- `advance(tokens)`: the emitted tokens (accepted nodes + bonus) move the sequence's matcher on: the only
+  place its state moves.
 
 The tree itself (verifier setting `grammar_tree`): `table` (the default) asks the drafter for its top-K
 table and builds the tree of grammar-valid prefixes only (grammar_tree.py), whose masks `prepare` reuses
-(`offer_masks`), so the walk keeps every node; `prune` takes the drafter's own tree and prunes it here.
+(`offer`), so the walk keeps every node; `prune` takes the drafter's own tree and prunes it here.
 
 Stop ids: allowed in a row exactly when the grammar accepts there (llguidance's own eos likewise); a
 finished grammar allows nothing else, so the answer stops at the grammar's end. A stop node of the tree
@@ -26,11 +29,18 @@ Dead ends: a matcher in an error state (a parser limit hit, `grammar_limits`, or
 allows nothing: its rows' masks are all False (llguidance itself would allow its eos, which would end
 the answer as if the grammar were done). A row that allows nothing (that, or a finished grammar whose
 stop ids min_tokens masks) is a dead end: the commit chooses `DEAD_END` there and the scheduler ends
-that sequence alone ("stop" when the grammar accepts, else an error naming llguidance's reason).
+that sequence alone ("stop" when the grammar accepts, else an error naming llguidance's reason). A
+parser limit met on a draft path (a node whose token or mask puts the walk's copy, or the build's fork,
+in an error state) costs that node's row only: it allows nothing, and it is a dead end only where the
+accept walk reaches it, exactly where plain constrained AR decoding would meet the same limit (a limit is
+a function of the matcher's state, so the sequence's matcher meets it after the same tokens: `advance`
+then computes the next mask at once, so that the matcher's error is what the dead end reads). A step
+whose root allows nothing (the sequence's own matcher, after the emitted tokens, is stuck) verifies no tree.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -45,10 +55,13 @@ def grammar_limits():
     """llguidance's parser limits for one matcher, tighter than its defaults so that a hostile grammar
     cannot hold the scheduler thread: one mask costs about 7 ms at most (lexer fuel ~14k/ms: 100k,
     default 200k; Earley items ~20k/ms: 20k, default 50k), a grammar row branches at most 1000 ways
-    (default 2000); a step computes one mask per kept tree node plus the root, so a sequence's masks
-    take at most about (budget + 1) x 7 ms a step. The 20 JSON schemas of tests/test_structured_outputs.py
-    run well inside them. A grammar past a limit puts its matcher in an error state: a dead end of that
-    sequence only. Construction limits (initial fuel, lexer states, grammar size) stay llguidance's:
+    (default 2000); a step computes one mask per kept tree node plus the root (the table build and
+    `prepare` together: a mask the build computed is not computed again) and consumes one token per kept
+    node (on a copy of the matcher), so a sequence's masks take at most about (budget + 1) x 7 ms a step.
+    The 20 JSON schemas of tests/test_structured_outputs.py run well inside them. A grammar past a limit
+    puts its matcher in an error state: on a draft path, a row that allows nothing (a dead end only where
+    the accept walk reaches it); after the emitted tokens, a dead end of that sequence only. Construction
+    limits (initial fuel, lexer states, grammar size) stay llguidance's:
     a matcher is built on the RPC thread. verbose_errors off: messages without the parser's state."""
     import llguidance
 
@@ -70,6 +83,43 @@ def matcher_error(matcher) -> str:
     return matcher.get_error().replace("<non-verbose/>", "").strip() or "unknown error"
 
 
+class _Walk:
+    """A copy of the sequence's matcher that walks a tree depth first: `down` consumes a child's token, `up`
+    rolls it back. A parser limit puts it in an error state that rollback does not undo: `restart` goes on
+    from a copy of it taken at the parent before its first child was consumed (one copy per node walked
+    under, the root's being the sequence's own matcher, which the walk never moves)."""
+
+    def __init__(self, matcher):
+        self.matcher = matcher.deep_copy()
+        self._at: dict[int, object] = {0: matcher}  # node -> the matcher at its path, untouched
+
+    def down(self, node: int, token: int) -> bool:
+        """Consume token under node (the walk is at node's path); False where the matcher refuses it."""
+        if node not in self._at:
+            self._at[node] = self.matcher.deep_copy()
+        return self.matcher.consume_token(token) and not self.matcher.is_error()
+
+    def up(self, node: int) -> None:
+        """Back from node (its subtree walked) to its parent's path."""
+        if node:
+            self._at.pop(node, None)
+            self.matcher.rollback(1)
+
+    def restart(self, node: int) -> None:
+        """The walk at node's path again, after a child's token put the matcher in an error state."""
+        self.matcher = self._at[node].deep_copy()
+
+
+@dataclasses.dataclass(frozen=True)
+class BuiltTree:
+    """What the table build (grammar_tree.py) computed for this step's tree, for `prepare` to reuse: by node
+    (0 = the root), the mask of its row (all False where its path met a parser limit: `failed`)."""
+
+    tree: TokenTree
+    masks: dict[int, np.ndarray]
+    failed: frozenset[int] = frozenset()
+
+
 class SequenceGrammar:
     """The grammar state of one sequence, and this step's masks (rows: root, then the kept nodes)."""
 
@@ -79,8 +129,11 @@ class SequenceGrammar:
         # Tokens that end the answer: the matcher never consumes them (llguidance's eos does not roll back).
         self._stops = stop_ids | frozenset(eos_ids)
         self.masks: torch.Tensor | None = None  # bool [rows, tokenizer vocab]
-        # This step's tree as grammar_tree.py built it and the masks it computed by node (the rows prepare needs).
-        self._offered: tuple[TokenTree, dict[int, np.ndarray]] | None = None
+        # The mask after the sequence's matcher (this step's root row), computed once until `advance` moves it.
+        self._root: np.ndarray | None = None
+        self._offered: BuiltTree | None = None  # this step's tree as grammar_tree.py built it
+        # This step's walk met a parser limit on a kept node's path: `advance` computes the next mask at once.
+        self._limit_met = False
         # Totals for measuring: masks computed, their seconds, tree nodes drafted and kept.
         self.mask_count = 0
         self.mask_s = 0.0
@@ -93,8 +146,15 @@ class SequenceGrammar:
         return self._stops
 
     def mask_of(self, matcher=None) -> np.ndarray:
-        """bool [tokenizer vocab]: the tokens allowed after `matcher`'s state (default: the sequence's)."""
-        matcher = self.matcher if matcher is None else matcher
+        """bool [tokenizer vocab]: the tokens allowed after `matcher`'s state (default: the sequence's, computed
+        once per state: do not write to it). A matcher in an error state allows nothing."""
+        if matcher is None:
+            if self._root is None:
+                self._root = self._compute(self.matcher)
+            return self._root
+        return self._compute(matcher)
+
+    def _compute(self, matcher) -> np.ndarray:
         t0 = time.perf_counter()
         bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
         allowed = np.unpackbits(bits, bitorder="little").astype(bool)
@@ -107,53 +167,71 @@ class SequenceGrammar:
         self.mask_count += 1
         return allowed
 
-    def offer_masks(self, tree: TokenTree, masks: dict[int, np.ndarray]) -> None:
-        """Masks already computed for this step's tree (node -> its row's mask, from the sequence's current
-        state along the node's path): `prepare` of this tree, or of a prefix of it, takes them instead of
-        computing them again."""
-        self._offered = (tree, masks)
+    def offer(self, built: BuiltTree) -> None:
+        """What the table build computed for this step's tree (masks from the sequence's current state along
+        each node's path): `prepare` of this tree, or of a prefix of it, reuses them."""
+        self._offered = built
 
-    def _known_masks(self, tree: TokenTree) -> dict[int, np.ndarray]:
+    def _known(self, tree: TokenTree) -> BuiltTree | None:
         offered, self._offered = self._offered, None
-        if offered is None or tree.n > offered[0].n or tree != offered[0].prefix(tree.n):
-            return {}
-        return offered[1]
+        if offered is None or tree.n > offered.tree.n or tree != offered.tree.prefix(tree.n):
+            return None
+        return offered
 
     def prepare(self, tree: TokenTree = EMPTY_TREE) -> TokenTree:
-        """The tree with grammar-invalid nodes (and their subtrees) pruned; sets this step's masks. A matcher
-        in an error state (before or during the walk) gives no tree and a root that allows nothing."""
-        known = self._known_masks(tree)
+        """The tree with grammar-invalid nodes (and their subtrees) pruned; sets this step's masks. The
+        sequence's matcher in an error state (it allows nothing after the emitted tokens) gives no tree and a
+        root that allows nothing; a parser limit met on a node's path gives that node's row no allowed token
+        (a dead end only if the accept walk reaches it). The tree is walked on a copy of the sequence's
+        matcher (_Walk); the copy, back at the sequence's state, then becomes the sequence's matcher: the
+        same state, with what llguidance cached while walking (its caches are per matcher)."""
+        built = self._known(tree)
+        known = built.masks if built is not None else {}
+        root = known[0] if 0 in known else self.mask_of()
+        if self.matcher.is_error():
+            return self._dead(root, tree)
+        if not tree.n:  # an AR step: the root's row only
+            self._limit_met = False
+            self.masks = torch.from_numpy(root[None].copy())
+            return tree
         children: list[list[int]] = [[] for _ in range(tree.n + 1)]
         for i, parent in enumerate(tree.parents, start=1):
             children[parent].append(i)
-        masks = {0: known[0] if 0 in known else self.mask_of()}
-        if self.matcher.is_error():
-            return self._dead(masks[0], tree)
-        stack = [(0, 0)]  # (node, next child position); the matcher holds the path to the top node
+        rows = {0: root}  # node -> its row's mask, for the kept nodes
+        failed = set(built.failed) if built is not None else set()  # kept nodes whose path met a parser limit
+        walk = _Walk(self.matcher)
+        stack = [(0, 0)]  # (node, next child position); the walk is at the top node's path
         while stack:
             node, at = stack[-1]
             if at == len(children[node]):
                 stack.pop()
-                if node:
-                    self.matcher.rollback(1)
+                walk.up(node)
                 continue
             stack[-1] = (node, at + 1)
             child = children[node][at]
             tok = tree.token_ids[child - 1]
-            parent_mask = masks[node]
-            if tok >= parent_mask.shape[0] or not parent_mask[tok]:
+            allowed = rows[node]
+            if tok >= allowed.shape[0] or not allowed[tok]:
                 continue
-            if tok in self._stops:
-                masks[child] = parent_mask  # never read past: the answer ends at a stop token
+            if tok in self._stops or child in failed or (child in known and not children[child]):
+                # a stop token (its row is never read past: the answer ends there), a node the build found
+                # limited, or a built leaf: its row is known and nothing is walked under it
+                rows[child] = allowed if tok in self._stops else known[child]
                 continue
-            if not self.matcher.consume_token(tok) or self.matcher.is_error():  # a parser limit, say
-                return self._dead(masks[0], tree)
-            masks[child] = known[child] if child in known else self.mask_of()
-            stack.append((child, 0))
-        kept = sorted(k for k in masks if k)
+            if walk.down(node, tok):
+                rows[child] = known[child] if child in known else self.mask_of(walk.matcher)
+                if not walk.matcher.is_error():
+                    stack.append((child, 0))
+                    continue
+            rows[child] = np.zeros_like(root)  # a parser limit on this path (an error state is sticky)
+            failed.add(child)
+            walk.restart(node)
+        self.matcher = walk.matcher
+        kept = sorted(k for k in rows if k)
+        self._limit_met = bool(failed.intersection(kept))
         self.drafted_nodes += tree.n
         self.kept_nodes += len(kept)
-        self.masks = torch.from_numpy(np.stack([masks[0]] + [masks[k] for k in kept]))
+        self.masks = torch.from_numpy(np.stack([root] + [rows[k] for k in kept]))
         if len(kept) == tree.n:
             return tree
         index = {old: new for new, old in enumerate(kept, start=1)}
@@ -167,6 +245,7 @@ class SequenceGrammar:
     def _dead(self, root_mask: np.ndarray, tree: TokenTree) -> TokenTree:
         """The step of a matcher in an error state: no tree, a root row that allows nothing."""
         self.drafted_nodes += tree.n
+        self._limit_met = False
         self.masks = torch.zeros((1, root_mask.shape[0]), dtype=torch.bool)
         return EMPTY_TREE
 
@@ -186,11 +265,18 @@ class SequenceGrammar:
         return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
     def advance(self, tokens: list[int]) -> None:
-        """The matcher after the emitted tokens (up to a stop token, which ends the answer)."""
+        """The matcher after the emitted tokens (up to a stop token, which ends the answer). After a step whose
+        walk met a parser limit on a kept node's path, the next mask is computed now (the next step takes it):
+        where the emitted tokens end at that node (its row allowed nothing, a dead end), the matcher meets the
+        same limit here, so the dead end reads its error, as plain decoding's next step would."""
         self.masks = None
         self._offered = None
+        self._root = None
+        limit_met, self._limit_met = self._limit_met, False
         for tok in tokens:
             if tok in self._stops:
                 return
             if not self.matcher.consume_token(tok):  # the next step's masks allow nothing: a dead end there
-                return
+                break
+        if limit_met:
+            self.mask_of()

@@ -10,12 +10,14 @@ token is allowed after its parent's path": the budget goes to the best grammar-v
 The parent's mask is computed lazily, when its first child candidate pops, from a fork of the parent's
 matcher (`LLMatcher.deep_copy`, about a microsecond) that consumes the parent's token: every node is
 consumed at most once per build, nodes whose children never come up get no mask, and the sequence's own
-matcher is never moved (a parser limit hit while building leaves it as it was: that node gets no
-children, and `prepare`, not offered its mask, meets the same limit on the sequence's matcher and ends
-the sequence as a dead end, as for a pruned tree). Stop tokens (and llguidance's eos) are leaves. The
-masks computed here are handed to `prepare` (`offer_masks`), which walks the tree as before (it keeps
-every node) but computes only the masks of the nodes whose children never came up: at most budget + 1
-masks a step, as with pruning, so `grammar_limits` bounds it the same.
+matcher is never moved. A parser limit hit while building (the fork fails to consume the node's token or to
+compute its mask) gives that node a mask that allows nothing: it gets no children, and its row is a dead end
+only if the accept walk reaches it (grammar.py, dead ends), as plain constrained AR would meet the same limit
+after the same tokens. Stop tokens (and llguidance's eos) are leaves (`LEAF`: no child candidate is even
+pushed under them). The masks computed here are handed to `prepare` (`offer`), which walks the tree as before
+(it keeps every node) but computes only the masks of the nodes whose children never came up: at most budget + 1
+masks a step, as with pruning, so `grammar_limits` bounds it the same. The table was checked where the Draft
+RPC returned it (drafter_client.py): the build does not check it again (`build_checked_tree`).
 
 Which nodes are proposed changes, nothing else: the verifier's masked choice at every row is still the
 only judge, so the output is exactly constrained AR (greedy token for token; sampled in distribution).
@@ -26,21 +28,23 @@ from __future__ import annotations
 import numpy as np
 
 from ddtree.contract.token_tree import TokenTree
-from ddtree.contract.tree_build import MAX_TABLE_WIDTH, TokenTable, build_tree
-from ddtree.verifier.grammar import SequenceGrammar
+from ddtree.contract.tree_build import LEAF, MAX_TABLE_WIDTH, TokenTable, build_checked_tree
+from ddtree.verifier.grammar import BuiltTree, SequenceGrammar
 
 # The table a grammar build asks for: the widest the Draft RPC gives. A grammar often allows a handful of tokens
 # at a position (a quote, a digit, a key) and the drafter ranks those anywhere in its top 256: measured on the
 # demo pair (scripts/bench_grammar.py's prompts, temperature 0), tau at budget 8 is 1.10 / 1.23 / 1.46 / 1.72
 # with K = 8 / 32 / 64 / 256, at budget 32 1.32 / 1.59 / 1.85 with K = 32 / 64 / 256. Its cost: 15 rows x 256 x
-# 8 bytes = 30 KB a sequence on the wire, about 0.6 ms to decode and check, and a build that pops at most about
-# (budget + 1) x K candidates (0.7 ms at budget 8, 1 ms at budget 32 on a 2-core CPU, masks included).
+# 8 bytes = 30 KB a sequence on the wire, decoded and checked once where the RPC returns it (about 0.15 ms on a
+# 2-core CPU; the build does not check it again), and a build that pops at most about (budget + 1) x K candidates
+# (0.7 ms at budget 8, 1 ms at budget 32 on a 2-core CPU, masks included).
 GRAMMAR_TABLE_WIDTH = MAX_TABLE_WIDTH
 
 
 def grammar_table_width(chain: bool, vocab_size: int) -> int:
     """The table width K a grammar-constrained sequence asks for: 1 for a chain (a chain is the tree of a
-    width-1 table), else GRAMMAR_TABLE_WIDTH, at most the vocabulary."""
+    width-1 table), else GRAMMAR_TABLE_WIDTH, at most `vocab_size` (the smaller of the target's and the
+    drafter's vocabularies: the drafter refuses a wider table, and with it the whole Draft call)."""
     return 1 if chain else max(1, min(GRAMMAR_TABLE_WIDTH, vocab_size))
 
 
@@ -48,51 +52,48 @@ class GrammarPaths:
     """`allowed(parent, token)` for build_tree: may token follow the parent node's path under the grammar?
 
     It mirrors the tree as build_tree grows it (build_tree's call contract: one call per popped candidate,
-    and the k-th True answer becomes node k), keeping per node its token, its parent, and once its
-    children come up its matcher fork and its children's mask (None: a leaf, a stop token or a consume
-    the grammar refused)."""
+    and the k-th truthy answer becomes node k; a LEAF answer, a stop token, is never a parent), keeping per
+    node its token, its parent, and once its children come up its matcher fork and its children's mask (all
+    False where the fork met a parser limit: `failed`)."""
 
     def __init__(self, grammar: SequenceGrammar):
         self.grammar = grammar
         self.tokens: list[int] = [-1]  # by node; node 0 is the root (its token is already consumed)
         self.parents: list[int] = [-1]
-        self._matchers = {0: grammar.matcher}  # the root's is the sequence's own: only copied, never moved
-        self.masks: dict[int, np.ndarray | None] = {}  # node -> the mask of its row (allowed children)
-        # Nodes whose mask put their fork in an error state (a parser limit): allowing nothing here, but
-        # not offered to prepare, which computes them on the sequence's matcher and ends the sequence as
-        # it does for a pruned tree.
-        self.failed: set[int] = set()
+        self.forks: dict[int, object] = {}  # node -> its fork (the root's matcher is the sequence's: only copied)
+        self.masks: dict[int, np.ndarray] = {}  # node -> the mask of its row (allowed children)
+        self.failed: set[int] = set()  # nodes whose fork met a parser limit (their mask allows nothing)
 
-    def __call__(self, parent: int, token: int) -> bool:
+    def __call__(self, parent: int, token: int) -> int:
         mask = self._children(parent)
-        ok = mask is not None and token < mask.shape[0] and bool(mask[token])
-        if ok:
-            self.tokens.append(token)
-            self.parents.append(parent)
-        return ok
+        if token >= mask.shape[0] or not mask[token]:
+            return False
+        self.tokens.append(token)
+        self.parents.append(parent)
+        return LEAF if token in self.grammar.stops else True  # a stop token ends the answer
 
-    def _children(self, node: int) -> np.ndarray | None:
+    def _children(self, node: int) -> np.ndarray:
         if node in self.masks:
             return self.masks[node]
-        mask = None
         if node == 0:
-            mask = self.grammar.mask_of()
-        elif self.tokens[node] not in self.grammar.stops:  # a stop token ends the answer: a leaf
-            fork = self._matchers[self.parents[node]].deep_copy()  # the parent's mask exists, so its fork does
-            if fork.consume_token(self.tokens[node]) and not fork.is_error():
-                self._matchers[node] = fork
-                mask = self.grammar.mask_of(fork)
-                if fork.is_error():
-                    self.failed.add(node)
+            mask = self.grammar.mask_of()  # the sequence's matcher: computed, never moved
+        else:
+            parent = self.parents[node]  # its mask exists and allows this node, so its fork does too
+            fork = (self.grammar.matcher if parent == 0 else self.forks[parent]).deep_copy()
+            ok = fork.consume_token(self.tokens[node]) and not fork.is_error()
+            mask = self.grammar.mask_of(fork) if ok else np.zeros_like(self._children(0))  # all False on an error
+            if ok and not fork.is_error():
+                self.forks[node] = fork
+            else:  # a parser limit (an error state is sticky): this path ends here
+                self.failed.add(node)
         self.masks[node] = mask
         return mask
 
 
 def build_grammar_tree(grammar: SequenceGrammar, table: TokenTable, budget: int) -> TokenTree:
-    """The best-first tree of `budget` grammar-valid prefixes of `table` after the sequence's current state
-    (the root consumed); its masks are offered to this step's `prepare`."""
+    """The best-first tree of `budget` grammar-valid prefixes of `table` (validated: TokenTable.validate) after
+    the sequence's current state (the root consumed); its masks are offered to this step's `prepare`."""
     paths = GrammarPaths(grammar)
-    tree = build_tree(table.logprobs, table.token_ids, budget, paths)
-    usable = {node: mask for node, mask in paths.masks.items() if mask is not None and node not in paths.failed}
-    grammar.offer_masks(tree, usable)
+    tree = build_checked_tree(table, budget, paths)
+    grammar.offer(BuiltTree(tree, paths.masks, frozenset(paths.failed)))
     return tree

@@ -72,8 +72,11 @@ STATE = StateGauges(
     {
         "running": ("ddtree_running_sequences", "Sequences in prefill or decode"),
         "queued": ("ddtree_queued_requests", "Requests waiting for admission"),
-        "kv_used": ("ddtree_kv_slots_used", "Latent KV slots held by requests"),
-        "kv_cached": ("ddtree_kv_slots_cached", "Latent KV slots held by the prefix cache"),
+        "kv_used": (
+            "ddtree_kv_slots_used",
+            "Latent KV slots held by running requests, the cached prefixes they pin included",
+        ),
+        "kv_cached": ("ddtree_kv_slots_cached", "Latent KV slots the prefix cache holds that no request pins"),
         "kv_total": ("ddtree_kv_slots_total", "Latent KV slots in the pool"),
     },
 )

@@ -129,8 +129,9 @@ class PageTable:
 
 
 def check_accounting(pool: LatentKVPool, tables: list[PageTable], cache=None) -> None:
-    """free + held by sequences + cached == total, in pages and in slots, and every page in use is held
-    by exactly one owner: one sequence, or the prefix cache (`cache`: a PrefixCache or None)."""
+    """free + held by sequences + cached == total, in pages and in slots, every page in use is held by
+    exactly one owner: one sequence, or the prefix cache (`cache`: a PrefixCache or None), and every page
+    a sequence shares is pinned in the cache (its `pinned_slots` count checked too)."""
     pool.check()
     for t in tables:
         t.check()
@@ -148,6 +149,12 @@ def check_accounting(pool: LatentKVPool, tables: list[PageTable], cache=None) ->
     cached_slots = cache.cached_slots if cache is not None else 0
     if cached_slots != cached.numel() * P:
         raise AssertionError(f"prefix cache counts {cached_slots} slots, holds {cached.numel()} pages of {P}")
+    if cache is not None:  # a shared page must stay pinned while its sequence runs (never evicted under it)
+        pinned = cache.all_pages(pinned_only=True)
+        if cache.pinned_slots != pinned.numel() * P:
+            raise AssertionError(f"prefix cache counts {cache.pinned_slots} pinned slots, pins {pinned.numel()} pages")
+        if not bool(torch.isin(shared, pinned).all()):
+            raise AssertionError("a sequence's shared prefix page is not pinned in the prefix cache")
     if pool.num_free_pages + held.numel() + cached.numel() != pool.num_pages:
         raise AssertionError(
             f"KV accounting: free {pool.num_free_pages} + held {held.numel()} + cached "

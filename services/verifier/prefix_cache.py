@@ -12,7 +12,8 @@ full prefill: acceptance is the same with and without a hit. (The alternative, a
 inside the drafter keyed by token ids, would need a new RPC and per-replica affinity for prefixes.)
 
 Reference counts pin the edges a running sequence uses; eviction frees least-recently-used leaves with
-no reference. Accounting: pool free + slots held by sequences alone + slots in the cache == total.
+no reference. Accounting: pool free + slots held by sequences alone + slots in the cache == total;
+`pinned_slots` of the cache's are pinned (held by running sequences as their shared prefixes).
 
 Page size P > 1 (like SGLang's paged radix cache): the cache holds whole pages only. Edges are cut at
 page boundaries, children are keyed by their first page of tokens, a match is a whole number of pages,
@@ -58,6 +59,7 @@ class PrefixCache:
         self.page_size = pool.page_size
         self.root = _Node([], torch.empty(0, dtype=torch.int64), None, None)
         self.cached_slots = 0
+        self.pinned_slots = 0  # of cached_slots: those of nodes some match pins (ref > 0)
         self._lock = threading.RLock()
 
     def _key(self, tokens: list[int], i: int) -> tuple[int, ...]:
@@ -84,8 +86,9 @@ class PrefixCache:
         upper.children[self._key(node.tokens, 0)] = node
         return upper
 
-    def match(self, tokens: list[int]) -> PrefixMatch:
-        """Longest cached prefix of `tokens` (whole pages); pins its nodes (release() them when done)."""
+    def match(self, tokens: list[int], with_features: bool = True) -> PrefixMatch:
+        """Longest cached prefix of `tokens` (whole pages); pins its nodes (release() them when done).
+        with_features False: the match's features are None (a pin only, no copy of the rows)."""
         with self._lock:
             tokens = tokens[: len(tokens) - len(tokens) % self.page_size]
             node, i, path = self.root, 0, []
@@ -104,7 +107,7 @@ class PrefixCache:
             self._walk_up(path[-1] if path else None, +1, now)
             slots = torch.cat([nd.slots for nd in path]) if path else torch.empty(0, dtype=torch.int64)
             feats = None
-            if path and all(nd.features is not None for nd in path):
+            if with_features and path and all(nd.features is not None for nd in path):
                 feats = torch.cat([nd.features for nd in path])
             return PrefixMatch(i, slots, feats, path[-1] if path else None)
 
@@ -112,6 +115,8 @@ class PrefixCache:
         while node is not None and node is not self.root:
             node.ref += delta
             assert node.ref >= 0, "prefix cache reference count below zero"
+            if (node.ref > 0) != (node.ref - delta > 0):  # pinned now, or no longer
+                self.pinned_slots += node.slots.numel() if node.ref > 0 else -node.slots.numel()
             if now is not None:
                 node.last_used = now
             node = node.parent
@@ -120,25 +125,41 @@ class PrefixCache:
         with self._lock:
             self._walk_up(match.last, -1)
 
-    def insert(self, tokens: list[int], slots: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
+    def insert(
+        self,
+        tokens: list[int],
+        slots: torch.Tensor,
+        features: torch.Tensor | None,
+        features_from: int = 0,
+        owned: bool = False,
+    ) -> torch.Tensor:
         """Adopt the KV of `tokens` (slots[i] holds token i; page-aligned: token i at page offset i % P).
         Returns the pages (page size 1: slots) the cache did not take: those whose tokens were cached
-        already, and a partial last page; the caller frees them."""
+        already, and a partial last page; the caller frees them.
+
+        features: None, or the rows of tokens[features_from:] ([n, F]; rows past the whole pages are not
+        read). The tokens before features_from are cached already (the caller's pinned prefix) and keep
+        the features they have. owned: `features` is a fresh tensor handed over, so a new edge that starts
+        at its first row keeps a view of it, not a copy (its storage then also holds the rows past the
+        whole pages, less than a page's)."""
         assert len(tokens) == slots.numel()
         P = self.page_size
         whole = len(tokens) - len(tokens) % P
+        assert features is None or features.shape[0] >= whole - features_from, "a feature row per token"
+
+        def rows(start: int, end: int, view: bool) -> torch.Tensor | None:
+            if features is None or start < features_from:
+                return None
+            part = features[start - features_from : end - features_from]
+            return part if view and owned and start == features_from else part.clone()
+
         rejected = [slots[whole::P] // P] if whole < len(tokens) else []  # the partial last page
         with self._lock:
             node, i = self.root, 0
             while i < whole:
                 child = node.children.get(self._key(tokens, i))
                 if child is None:
-                    leaf = _Node(
-                        list(tokens[i:whole]),
-                        slots[i:whole].clone(),
-                        None if features is None else features[i:whole].clone(),
-                        node,
-                    )
+                    leaf = _Node(list(tokens[i:whole]), slots[i:whole].clone(), rows(i, whole, view=True), node)
                     node.children[self._key(tokens, i)] = leaf
                     self.cached_slots += leaf.slots.numel()
                     break
@@ -148,16 +169,20 @@ class PrefixCache:
                 own = self.pool.pages_of(slots[i : i + n])
                 # the cache's own pages (a shared prefix) are not ours to free
                 rejected.append(own[own != self.pool.pages_of(child.slots[:n])])
-                if child.features is None and features is not None:
-                    child.features = features[i : i + n].clone()
+                if child.features is None:
+                    child.features = rows(i, i + n, view=False)
                 child.last_used = time.monotonic()
                 node, i = child, i + n
             return torch.cat(rejected) if rejected else torch.empty(0, dtype=torch.int64)
 
-    def enter(self, tokens: list[int], slots: torch.Tensor, features: torch.Tensor | None) -> PrefixMatch | None:
+    def enter(
+        self, tokens: list[int], slots: torch.Tensor, features: torch.Tensor | None, features_from: int = 0
+    ) -> PrefixMatch | None:
         """A running sequence's committed `tokens` (slots[i] holds token i, page-aligned) enter the cache
         in whole pages, which the cache owns from now on, pinned by the returned match (the sequence
-        keeps them as its shared prefix and release()s the match at its end, like a hit's).
+        keeps them as its shared prefix and release()s the match at its end, like a hit's). The match
+        carries no features (they are the cache's). `features`: the rows of tokens[features_from:], the
+        tokens before being the sequence's pinned hit, handed over (insert's `owned`: not copied).
 
         None where the cache holds part of those tokens under other slots (another sequence computed
         the same prefix at the same time): nothing changes, the sequence keeps its own KV and inserts
@@ -165,13 +190,14 @@ class PrefixCache:
         assert len(tokens) == slots.numel()
         whole = len(tokens) - len(tokens) % self.page_size
         with self._lock:
-            held = self.match(tokens[:whole])
+            held = self.match(tokens[:whole], with_features=False)
             if not torch.equal(held.slots, slots[: held.length]):
                 self.release(held)
                 return None
-            taken = self.insert(tokens[:whole], slots[:whole], None if features is None else features[:whole])
+            assert held.length >= features_from, "the tokens before features_from are the sequence's pinned hit"
+            taken = self.insert(tokens[:whole], slots[:whole], features, features_from, owned=True)
             assert taken.numel() == 0, "the cache refused pages of a prefix it did not hold"
-            entered = self.match(tokens[:whole])
+            entered = self.match(tokens[:whole], with_features=False)
             self.release(held)
             assert entered.length == whole
             return entered
@@ -199,14 +225,16 @@ class PrefixCache:
                         break
         return freed
 
-    def all_slots(self) -> torch.Tensor:
+    def all_slots(self, pinned_only: bool = False) -> torch.Tensor:
+        """The slots the cache holds (pinned_only: those of pinned nodes), by walking the tree."""
         with self._lock:
             out, stack = [], list(self.root.children.values())
             while stack:
                 nd = stack.pop()
-                out.append(nd.slots)
+                if nd.ref > 0 or not pinned_only:
+                    out.append(nd.slots)
                 stack.extend(nd.children.values())
             return torch.cat(out) if out else torch.empty(0, dtype=torch.int64)
 
-    def all_pages(self) -> torch.Tensor:
-        return self.pool.pages_of(self.all_slots())
+    def all_pages(self, pinned_only: bool = False) -> torch.Tensor:
+        return self.pool.pages_of(self.all_slots(pinned_only))

@@ -3,7 +3,8 @@
 One thread owns the model, the KV pool and every running sequence. RPC threads only `submit` and
 `abort` (under the lock) and read their sequence's event queue. Each step:
   1. admit waiting requests whose worst-case KV reservation fits (prompt + max_new + one tree); one whose
-     prompt another sequence is prefilling waits for that prefill and takes the prompt from the cache;
+     prompt another sequence is prefilling waits for that prefill and takes the prompt from the cache
+     (what the prefix cache does over a sequence's life: prefix_sharing.py);
   2. finish sequences whose client aborted;
   3. Draft (one RPC for all speculative sequences; step_drafter.py), 4. one target forward over all
   trees plus at most prefill_chunk prompt tokens (several short prompts may share them), 5. accept +
@@ -18,7 +19,6 @@ import threading
 import time
 
 import grpc
-import torch
 
 from ddtree.config import VerifierConfig
 from ddtree.contract.step_record import StepRecord
@@ -27,11 +27,12 @@ from ddtree.telemetry.logging import get_logger
 from ddtree.telemetry.step_log import open_step_log
 from ddtree.verifier import metrics
 from ddtree.verifier.batch import PrefillItem, VerifyItem, WorkItem, kv_needed, run_batch
-from ddtree.verifier.commit import append_pending, commit_prefill, commit_verify
+from ddtree.verifier.commit import commit_prefill, commit_verify
 from ddtree.verifier.grammar import DEAD_END
 from ddtree.verifier.kv_pool import LatentKVPool
 from ddtree.verifier.page_table import PageTable, check_accounting
 from ddtree.verifier.prefix_cache import PrefixCache
+from ddtree.verifier.prefix_sharing import PrefixSharing
 from ddtree.verifier.sequence import Phase, Sequence, StreamEvent
 from ddtree.verifier.step_drafter import StepDrafter
 from ddtree.verifier.step_records import record_step
@@ -61,6 +62,7 @@ class Scheduler:
         self.window = drafter.window if drafter is not None else 0
         self.tap_layer_ids = drafter.tap_layer_ids if drafter is not None else ()
         self.cache = PrefixCache(pool) if config.prefix_cache else None
+        self._sharing = PrefixSharing(pool, self.cache, self.window, bool(self.tap_layer_ids))
         self.step_log = open_step_log(config.step_log)  # None = off
         self._cond = threading.Condition()
         self._waiting: collections.deque[Sequence] = collections.deque()
@@ -125,11 +127,13 @@ class Scheduler:
 
     @property
     def kv_cached(self) -> int:
-        return self.cache.cached_slots if self.cache is not None else 0
+        """Slots the prefix cache holds that no running request pins (evictable)."""
+        return self.cache.cached_slots - self.cache.pinned_slots if self.cache is not None else 0
 
     @property
     def kv_held_by_requests(self) -> int:
-        """Slots in use that the prefix cache does not own (pool used - cached)."""
+        """Slots the running requests hold: their own and the cached prefixes they pin, each slot once
+        (pool used - kv_cached; free + held + kv_cached == total)."""
         return self.pool.num_used - self.kv_cached
 
     @property
@@ -201,7 +205,7 @@ class Scheduler:
         for seq in list(self._waiting):
             if len(self._running) >= self.config.max_batch:
                 return
-            if self._awaits_prefill(seq):
+            if self._sharing.must_wait(seq):
                 continue  # admitted once that prefill entered the prompt into the cache; the rest go on
             need = seq.reserved_slots(seq.params.budget)
             if self._reserved + need > self.pool.num_slots:
@@ -210,56 +214,7 @@ class Scheduler:
             self._reserved += need
             seq.phase = Phase.PREFILL
             self._running.append(seq)
-            if self.cache is not None:
-                self._reuse_prefix(seq)
-
-    def _awaits_prefill(self, seq: Sequence) -> bool:
-        """A running sequence is prefilling this very prompt and has not computed the part `seq` would take
-        from the cache yet: `seq` waits for it (its prompt enters the cache when its prefill completes,
-        `_enter_prompt`) rather than computing the same KV beside it (the choices of an `n` > 1 request)."""
-        if self.cache is None or seq.reads_whole_prompt:  # a request that reads no cache waits for none
-            return False
-        usable = (seq.prompt_len - 1) // self.pool.page_size * self.pool.page_size  # what a match may give
-        prompt = seq.params.input_ids
-        return any(
-            s.phase is Phase.PREFILL and s.prefill_done < usable and s.params.input_ids == prompt for s in self._running
-        )
-
-    def _enter_prompt(self, seq: Sequence) -> None:
-        """At the end of its prefill the sequence's prompt (whole pages) enters the prefix cache, and the
-        sequence holds it from then on as a shared, pinned prefix, as if it had been a hit."""
-        if self.cache is None:
-            return
-        feats = torch.cat(seq.feature_log) if seq.feature_log else None
-        feats = feats if feats is not None and feats.shape[0] == len(seq.committed) else None
-        entered = self.cache.enter(seq.committed, seq.slots, feats)
-        if entered is None:  # the cache holds part of it under another sequence's slots: it enters at the end
-            return
-        seq.table.share_entered(entered.slots)
-        if seq.prefix_match is not None:
-            self.cache.release(seq.prefix_match)
-        seq.prefix_match = entered
-
-    def _reuse_prefix(self, seq: Sequence) -> None:
-        """Start from the longest cached prefix (all but the last prompt token, whose logits give the
-        first output token). A speculative sequence needs the prefix's features to seed the drafter."""
-        prompt = list(seq.params.input_ids)
-        seq.feature_log = [] if self.tap_layer_ids else None
-        if seq.reads_whole_prompt:  # Features, prompt_logprobs: every prompt row is computed
-            return
-        match = self.cache.match(prompt[:-1])
-        if match.length == 0 or (seq.use_spec and match.features is None):
-            self.cache.release(match)
-            return
-        seq.prefix_match = match
-        seq.prefill_done = seq.cached_tokens = match.length
-        seq.table.share(match.slots)
-        seq.committed = prompt[: match.length]
-        if match.features is not None:
-            if seq.feature_log is not None:
-                seq.feature_log.append(match.features)
-            append_pending(seq, seq.committed, 0, match.features, self.window)
-        log.info("prefix_hit", request_id=seq.request_id, cached_tokens=match.length, prompt_tokens=len(prompt))
+            self._sharing.admit(seq)
 
     def _reap_aborts(self) -> None:
         for seq in [s for s in self._waiting if s.abort_requested.is_set()]:
@@ -281,7 +236,7 @@ class Scheduler:
         metrics.REQUESTS.labels(finish_reason=seq.finish_reason or "error").inc()
         metrics.E2E.observe(time.perf_counter() - seq.arrival)
         self._by_id.pop(seq.request_id, None)
-        self._release_kv(seq)
+        self._sharing.release(seq)
         seq.phase = Phase.FINISHED
         if self.drafter is not None and seq.drafter_seeded:
             # Release outside the hot path would be nicer; it is one small RPC per finished request.
@@ -304,28 +259,6 @@ class Scheduler:
             # The request's own grammar (or its parser limits, grammar_limits) allows no way on: a client error.
             message = f"grammar: no token is allowed ({seq.grammar.dead_end_reason()})"
             self._fail(seq, message, grpc.StatusCode.INVALID_ARGUMENT)
-
-    def _release_kv(self, seq: Sequence) -> None:
-        """Hand the committed tokens' KV (and features) to the prefix cache, or free it."""
-        seq.table.trim(self.pool)  # the scratch of a step that failed before its commit
-        if self.cache is None:
-            self.pool.free(seq.table.pages)
-        else:
-            feats = None
-            if seq.feature_log:
-                feats = torch.cat(seq.feature_log)
-                feats = feats if feats.shape[0] == len(seq.committed) else None
-            self.pool.free(self.cache.insert(seq.committed, seq.slots, feats))
-            if seq.prefix_match is not None:
-                self.cache.release(seq.prefix_match)
-                seq.prefix_match = None
-        seq.table = PageTable(self.pool.page_size)
-        seq.feature_log = None
-
-    def _make_room(self, items: list[WorkItem]) -> None:
-        need = kv_needed(items)
-        if self.cache is not None and self.pool.num_free < need:
-            self.cache.evict(need - self.pool.num_free)
 
     def _prefill_items(self) -> list[PrefillItem]:
         """This step's prefill: up to prefill_chunk prompt tokens, taken from the prefilling sequences in
@@ -372,7 +305,7 @@ class Scheduler:
                     if not tokens and not dead:
                         continue
                     seq.phase = Phase.DECODE
-                    self._enter_prompt(seq)
+                    self._sharing.prefilled(seq)
                     metrics.TTFT.observe(time.perf_counter() - seq.arrival)
                     metrics.GENERATED_TOKENS.inc(len(tokens))
                     if seq.emit(tokens, None):
@@ -394,7 +327,7 @@ class Scheduler:
         """One target forward over the items, then accept + commit each: (item, tokens, accept length);
         tokens None: that sequence's commit failed (logged), which ends it alone."""
         with self._cond:
-            self._make_room(items)
+            self._sharing.make_room(kv_needed(items))
         outputs = run_batch(self.target, self.pool, items, self.tap_layer_ids)
         committed = []
         for out in outputs:

@@ -93,7 +93,10 @@ class Sequence:
         self.prefill_done = 0  # prompt tokens already in the KV cache
         self.prefix_match = None  # the PrefixMatch pinning them
         self.cached_tokens = 0  # prompt tokens taken from the prefix cache (usage.cached_tokens)
-        self.feature_log: list[torch.Tensor] | None = None  # taps of every committed token (prefix cache)
+        # Taps of the committed tokens after the prefix the cache holds for it (prefix_match), for the
+        # prefix cache (prefix_sharing.py): the cache keeps those of that prefix, so no row is held twice.
+        self.feature_log: list[torch.Tensor] | None = None
+        self.prompt_key = hash(params.input_ids)  # equal prompts, equal keys: finds a twin prefill (prefix_sharing.py)
         self.root: int | None = None
         self.generated: list[int] = []
         self.pending_commit: PendingCommit | None = None

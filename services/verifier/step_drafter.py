@@ -38,8 +38,9 @@ class StepDrafter:
             return
         # Full budgets: under --max-tree-tokens the trees are cut to fit after drafting (_fit_trees).
         spec = [(s, s.params.budget) for s in seqs]
+        table_vocab = self._table_vocab()
         widths = {  # --grammar-tree table: a grammar's tree is built here from the drafter's table (grammar_tree.py)
-            s.draft_id: grammar_table_width(s.params.chain, self.vocab_size)
+            s.draft_id: grammar_table_width(s.params.chain, table_vocab)
             for s in seqs
             if s.grammar is not None and self.config.grammar_tree == "table"
         }
@@ -66,6 +67,13 @@ class StepDrafter:
                 max(result.rpc_ms - result.draft_ms, 0.0),
                 result.feature_bytes.get(seq.draft_id, 0),
             )
+
+    def _table_vocab(self) -> int:
+        """The vocabulary a table width is bounded by: the smaller of the target's and the drafter's
+        (DrafterInfo.vocab_size; the drafter answers a wider table_width with INVALID_ARGUMENT for the whole
+        call, and every sequence of it would fall back to AR)."""
+        drafter_vocab = getattr(getattr(self.drafter, "info", None), "vocab_size", 0)
+        return min(self.vocab_size, drafter_vocab) if drafter_vocab > 0 else self.vocab_size
 
     def _grammar_trees(self, seqs: list[Sequence], result: DraftResult) -> dict[str, TokenTree]:
         """The drafted trees, plus the trees built from the tables the grammar-constrained sequences asked

@@ -46,13 +46,15 @@ def json_text(rng: random.Random) -> str:
 def options(rng: random.Random, o: gateway_pb2.GenerationOptions, big: int) -> None:
     for _ in range(rng.randint(1, 4)):
         field = rng.choice(["max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
-                            "ignore_eos", "no_spec", "budget"])  # fmt: skip
+                            "ignore_eos", "no_spec", "budget", "prompt_logprobs"])  # fmt: skip
         if field == "max_tokens":
             o.max_tokens = rng.choice([-5, 0, 1, 4, 2048, 4096, 4097, 2**31 - 1, -(2**31)])
         elif field in ("temperature", "top_p"):
             setattr(o, field, rng.choice(FLOATS))
         elif field in ("top_k", "budget"):
             setattr(o, field, rng.choice([*INT32, 1024, 1025]))
+        elif field == "prompt_logprobs":
+            o.prompt_logprobs = rng.choice([*INT32, 20, 21])
         elif field == "seed":
             o.seed = rng.choice([0, 1, 2**64 - 1])
         elif field == "stop":
@@ -104,7 +106,8 @@ def generate(rng, ctx, big):
     vocab = ctx["vocab"]
     req = verifier_pb2.GenerateRequest(input_ids=[5, 6, 7], max_new_tokens=4)
     for _ in range(rng.randint(1, 4)):
-        field = rng.choice(["input_ids", "sampling", "max_new_tokens", "stop_token_ids", "spec", "request_id"])
+        field = rng.choice(["input_ids", "sampling", "max_new_tokens", "stop_token_ids", "spec", "request_id",
+                            "prompt_logprobs"])  # fmt: skip
         if field == "input_ids":
             del req.input_ids[:]
             n = rng.choice([0, 1, 50, 2047, 2048, 2049, 5000])
@@ -122,6 +125,8 @@ def generate(rng, ctx, big):
         elif field == "spec":
             req.spec.CopyFrom(common_pb2.SpecOptions(no_spec=rng.random() < 0.3, chain=rng.random() < 0.3,
                                                      budget=rng.choice([*INT32, 1024, 1025])))  # fmt: skip
+        elif field == "prompt_logprobs":
+            req.prompt_logprobs = rng.choice([*INT32, 20, 21])
         else:
             req.request_id = rng.choice(["", "fuzz-dup", "x" * 257, text(rng, 300)])
     return req
@@ -142,7 +147,8 @@ def draft(rng, ctx, big):
                                  commit_start=0, root_token_id=rng.randrange(vocab), budget=4, reset=True)  # fmt: skip
         rows, cols, dtype = n, width, common_pb2.FLOAT32
         for _ in range(rng.randint(0, 3)):
-            field = rng.choice(["shape", "dtype", "data", "tokens", "start", "root", "budget", "reset", "chain"])
+            field = rng.choice(["shape", "dtype", "data", "tokens", "start", "root", "budget", "reset", "chain",
+                                "table", "table_chain"])  # fmt: skip
             if field == "shape":
                 rows, cols = rng.choice([(n + 1, width), (n, width + 1), (n, 0), (0, width), (n * width, 1)])
             elif field == "dtype":
@@ -159,6 +165,10 @@ def draft(rng, ctx, big):
                 s.reset = False
             elif field == "chain":
                 s.chain = True
+            elif field == "table":  # a top-K table instead of a tree: 1..min(vocab, 256), else INVALID_ARGUMENT
+                s.table_width = rng.choice([-(2**31), -1, 1, 2, 256, 257, vocab, vocab + 1, 2**31 - 1])
+            elif field == "table_chain":  # both: refused as a whole
+                s.table_width, s.chain = rng.choice([1, 2, 256]), True
             else:
                 rows = -1  # data of the wrong length
         size = {0: 4, 1: 4, 2: 2, 3: 2, 4: 4, 5: 8}.get(dtype, 4)
