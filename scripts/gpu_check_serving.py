@@ -12,7 +12,8 @@
    split, and DDTree's tokens compared with AR's.
 
 Two passes, each its own stack: fp32 (the identity check, contexts up to 4k) and bf16 (the production
-dtype: the timing table, every context; twice, --cuda-graphs off and on, when the verifier has the flag).
+dtype: the timing table, every context; twice, --cuda-graphs off and on, when the verifier can capture
+the checkpoint: not with INT4 routed experts, so not today).
 A bf16 difference is reported as a divergence but does not fail the check: docs/design.md §3.7, in
 reduced precision a near-tie can resolve differently when the batch shape changes (a tree row vs an AR
 row); in fp32 any difference is a mismatch and fails it.
@@ -124,6 +125,8 @@ def passes(plan: ServePlan) -> tuple[list[Pass], str]:
         return out, "not available: the verifier has no --cuda-graphs flag"
     if plan.device != "cuda":
         return out, "not measured: CUDA graphs need a CUDA device"
+    if plan.group:  # the checkpoint's routed experts are INT4: `--cuda-graphs on` refuses to start with them
+        return out, "not measured: the static step needs unquantized routed experts (this checkpoint's are INT4)"
     fp32, bf16 = out
     eager = dataclasses.replace(bf16, name="bf16-eager", flags=("--cuda-graphs", "off"))
     graphs = dataclasses.replace(bf16, name="bf16-graphs", flags=("--cuda-graphs", "on"))

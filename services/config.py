@@ -216,8 +216,17 @@ class VerifierConfig(ServiceConfig):
         default="auto",
         metadata={
             "help": "auto | on | off: verify / decode steps at static shapes (batch x rows x keys buckets), "
-            "captured as CUDA graphs at start-up on CUDA; steps outside every bucket run eagerly "
-            "(auto = on for CUDA, off on the CPU)"
+            "captured as CUDA graphs at start-up on CUDA; steps outside every bucket run eagerly. "
+            "auto = on for CUDA at tp 1 when the model allows, else eager (the log says why); "
+            "on = required: needs tp 1 and unquantized routed experts, at most 16 per rank, or the verifier "
+            "refuses to start (on the CPU: the static buffers run without graphs)"
+        },
+    )
+    cuda_graph_reserve_gb: float = dataclasses.field(
+        default=0.0,
+        metadata={
+            "help": "GiB kept free for the CUDA graphs' memory pool when kv_memory_fraction sizes the KV cache "
+            "(0 = estimated from the model and the buckets; logged at start-up as kv_pool graph_reserve_bytes)"
         },
     )
     prefix_cache: bool = dataclasses.field(
@@ -260,6 +269,13 @@ class VerifierConfig(ServiceConfig):
             raise ValueError(f"grammar_tree must be table or prune, got {self.grammar_tree!r}")
         if self.cuda_graphs not in ("auto", "on", "off"):
             raise ValueError(f"cuda_graphs must be auto, on or off, got {self.cuda_graphs!r}")
+        if self.cuda_graphs == "on" and self.tp > 1:
+            raise ValueError(
+                f"--cuda-graphs on: not supported with --tp {self.tp} yet: the sharded target has no static "
+                "step (use auto or off)"
+            )
+        if not self.cuda_graph_reserve_gb >= 0:
+            raise ValueError(f"cuda_graph_reserve_gb must be >= 0 (0 = estimate), got {self.cuda_graph_reserve_gb}")
         if self.tp < 1:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
         if self.tp > 1 and self.page_size > 1:

@@ -10,12 +10,20 @@ from ddtree.config import VerifierConfig, config_from_flags, kv_setting
 from ddtree.verifier.kv_sizing import (
     DEFAULT_KV_TOKENS,
     GIB,
+    GRAPH_POOL_SAFETY,
+    GRAPH_POOL_SLACK,
+    WARMUP_COPIES,
     KVSize,
     free_device_memory,
+    graph_pool_reserve,
+    graph_reserve_for,
     kv_bytes_per_token,
     kv_size_for,
     size_kv_pool,
+    static_buffer_bytes,
+    static_forward_peak_bytes,
 )
+from ddtree.verifier.static_step import Bucket, make_buckets
 
 V3 = kv_bytes_per_token(61, 512, 64, 2)  # DeepSeek-V3 / Kimi-K2 in bf16
 
@@ -85,3 +93,55 @@ def test_free_memory_and_sizing_from_a_config():
     assert s.tokens == int(0.001 * GIB) // 320 // 4 * 4
     s = kv_size_for(VerifierConfig(kv_memory_fraction=0.01), model)
     assert s.bytes_per_token == 640 and 0 < s.bytes <= 0.011 * free_device_memory("cpu")
+
+
+def test_the_fraction_applies_to_free_memory_less_the_graph_reserve():
+    free, reserve = 80 * GIB, 7 * GIB + 12345
+    s = size_kv_pool(bytes_per_token=V3, kv_memory_fraction=0.5, free_bytes=free, reserve_bytes=reserve)
+    assert (s.tokens, s.reserve_bytes) == (int(0.5 * (free - reserve)) // V3, reserve)
+    assert s.tokens < size_kv_pool(bytes_per_token=V3, kv_memory_fraction=0.5, free_bytes=free).tokens
+    s = size_kv_pool(bytes_per_token=V3, kv_tokens=1000, reserve_bytes=reserve)  # an absolute size: not applied
+    assert (s.tokens, s.reserve_bytes) == (1000, 0)
+    with pytest.raises(ValueError, match=r"graph reserve \(8.00 GiB\) is not below the free device memory \(8.00"):
+        size_kv_pool(bytes_per_token=V3, kv_memory_fraction=0.5, free_bytes=8 * GIB, reserve_bytes=8 * GIB)
+    with pytest.raises(ValueError, match="reserve_bytes must be >= 0"):
+        size_kv_pool(bytes_per_token=V3, reserve_bytes=-1)
+
+
+SMALL = types.SimpleNamespace(hidden_size=64, num_attention_heads=2, kv_lora_rank=16, qk_rope_head_dim=8,
+                              qk_nope_head_dim=8, v_head_dim=8, q_lora_rank=24, intermediate_size=96,
+                              moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+                              n_shared_experts=1, first_k_dense_replace=1, num_hidden_layers=3)  # fmt: skip
+
+
+def test_graph_pool_reserve_is_every_buffer_and_two_largest_forwards_with_the_margin():
+    """The reserve against a brute-force walk over the buckets: the sum of each one's buffers and the peak
+    of the one whose forward needs most (the largest, as every term grows with batch, rows and keys)."""
+    buckets = make_buckets((1, 2, 4), (1, 9), (16, 64, 128))
+    total_buffers, peak, largest = 0, 0, None
+    for b in buckets:
+        total_buffers += static_buffer_bytes(b.batch, b.rows, b.keys, SMALL.hidden_size, 2, 2)
+        p = static_forward_peak_bytes(SMALL, b.batch, b.rows, b.keys, 2, 2)
+        if p > peak:
+            peak, largest = p, b
+    assert largest == Bucket(4, 9, 128)
+    want = int(GRAPH_POOL_SAFETY * (total_buffers + WARMUP_COPIES * peak)) + GRAPH_POOL_SLACK
+    assert graph_pool_reserve(SMALL, buckets, 2, 2) == want
+    # Each bucket's buffers, tensor by tensor (models/static_forward.py's layout, bf16 outputs).
+    T = 4 * 9
+    assert static_buffer_bytes(4, 9, 128, 64, 2, 2) == 4 * T * 8 + 4 * 128 * 8 + 4 * 9 * 128 + T * 64 * 2 * 3
+
+
+def test_graph_reserve_for_a_config():
+    plan = types.SimpleNamespace(buckets=make_buckets((1, 2), (1, 17), (512, 1024)), graphs=True)
+    got = graph_reserve_for(VerifierConfig(device="cuda", dtype="bfloat16"), SMALL, plan, 3)
+    assert got == (graph_pool_reserve(SMALL, plan.buckets, 3, 2), "estimate")
+    assert graph_reserve_for(VerifierConfig(cuda_graph_reserve_gb=1.5), SMALL, plan, 3) == (
+        int(1.5 * GIB),
+        "cuda_graph_reserve_gb",
+    )
+    assert graph_reserve_for(VerifierConfig(), SMALL, None, 3) == (0, "none")
+    cpu_plan = types.SimpleNamespace(buckets=plan.buckets, graphs=False)  # the CPU: no capture, nothing reserved
+    assert graph_reserve_for(VerifierConfig(), SMALL, cpu_plan, 3) == (0, "none")
+    with pytest.raises(ValueError, match="cuda_graph_reserve_gb must be >= 0"):
+        VerifierConfig(cuda_graph_reserve_gb=-1).validate()

@@ -9,21 +9,36 @@ with the static step on and off.
 
 from __future__ import annotations
 
+import copy
 import random
+import weakref
 
 import pytest
 import torch
+from structlog.testing import capture_logs
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from ddtree.config import VerifierConfig
 from ddtree.contract.sampling_params import SamplingConfig
 from ddtree.contract.token_tree import EMPTY_TREE, TokenTree
 from ddtree.models.attention import AttentionMetadata, SeqAttention
 from ddtree.models.loader import load_target
+from ddtree.models.moe import DeepseekV3MoE
 from ddtree.verifier.batch import PrefillItem, VerifyItem, run_batch
 from ddtree.verifier.commit import commit_prefill, commit_verify
 from ddtree.verifier.kv_pool import LatentKVPool
+from ddtree.verifier.kv_sizing import static_buffer_bytes, static_forward_peak_bytes
 from ddtree.verifier.page_table import PageTable
 from ddtree.verifier.sequence import GenerateParams, Phase, Sequence
-from ddtree.verifier.static_step import Bucket, StaticStep, StepBuffers, make_buckets
+from ddtree.verifier.static_step import (
+    DENSE_EXPERTS,
+    Bucket,
+    StaticStep,
+    StepBuffers,
+    make_buckets,
+    make_static_step,
+    plan_static_step,
+)
 from ddtree.verifier.target import LocalTarget
 from ddtree.verifier.tree_mask import tree_mask
 
@@ -191,18 +206,72 @@ def test_prefix_runs_read_in_place_equal_the_gather(monkeypatch):
 
 def test_cuda_graphs_flag(model):
     """auto is off on the CPU, on builds the static step (no graphs on the CPU); bad values are refused."""
-    from ddtree.config import VerifierConfig
-    from ddtree.verifier.static_step import make_static_step
-
     c = model.config
     pool = LatentKVPool(c.num_hidden_layers, 256, c.kv_cache_width, torch.float32, "cpu")
-    assert make_static_step(VerifierConfig(), model, pool, TAPS) is None
-    assert make_static_step(VerifierConfig(cuda_graphs="off"), model, pool, TAPS) is None
-    step = make_static_step(VerifierConfig(cuda_graphs="on", max_batch=2, max_context=300), model, pool, TAPS)
-    assert step is not None and not step.graphs and step.capture() == 0.0
+    with capture_logs() as logs:
+        assert plan_static_step(VerifierConfig(), model) is None
+        assert plan_static_step(VerifierConfig(cuda_graphs="off"), model) is None
+    assert [e["reason"] for e in logs if e["event"] == "static_step_off"] == [
+        "--cuda-graphs auto on device cpu: CUDA graphs are for CUDA devices",
+        "--cuda-graphs off",
+    ]
+    plan = plan_static_step(VerifierConfig(cuda_graphs="on", max_batch=2, max_context=300), model)
+    step = make_static_step(plan, model, pool, TAPS)
+    assert not plan.graphs and not step.graphs and step.capture() == 0.0
     assert max(b.keys for b in step.buckets) >= 300 + 17 and {b.rows for b in step.buckets} == {1, 17}
     with pytest.raises(ValueError, match="cuda_graphs"):
         VerifierConfig(cuda_graphs="yes").validate()
+
+
+def _layers_with_experts(model):
+    return [layer.mlp.experts for layer in model.model.layers if isinstance(layer.mlp, DeepseekV3MoE)]
+
+
+@pytest.mark.parametrize("change", ["quantized", "wide"])
+def test_on_refuses_a_model_the_static_step_cannot_run_and_auto_says_why(model, monkeypatch, change):
+    experts = _layers_with_experts(model)[-1]
+    if change == "quantized":
+        monkeypatch.setattr(experts.gate_proj, "kind", "int4")
+        why = "the model's routed experts are int4 (static steps need unquantized ones)"
+    else:
+        monkeypatch.setattr(experts, "num_local", DENSE_EXPERTS + 1)
+        why = f"the model has {DENSE_EXPERTS + 1} routed experts per rank (static steps run at most {DENSE_EXPERTS}, densely)"
+    for device in ("cpu", "cuda"):  # the decision reads the device's name only: no CUDA call
+        with pytest.raises(ValueError) as err:
+            plan_static_step(VerifierConfig(cuda_graphs="on", device=device), model)
+        assert str(err.value) == f"--cuda-graphs on: {why} (use auto or off)"
+    with capture_logs() as logs:
+        assert plan_static_step(VerifierConfig(cuda_graphs="auto", device="cuda"), model) is None
+    assert [e["reason"] for e in logs if e["event"] == "static_step_off"] == [f"--cuda-graphs auto: {why}"]
+    with pytest.raises(ValueError, match="int4|routed experts per rank"):
+        StaticStep(model, torch.zeros(1), 0, BUCKETS, TAPS, graphs=False)
+
+
+def test_on_at_tp_above_1_is_refused_at_start_up_and_auto_falls_back(model, capsys):
+    """`ddtree verifier --tp 2 --cuda-graphs on` exits 2 with one line, before loading anything (a missing
+    checkpoint would be the error otherwise); auto at tp 2 plans no static step and logs why."""
+    from ddtree.cli import main
+
+    assert main(["verifier", "--tp", "2", "--cuda-graphs", "on", "--model", "/nonexistent"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "ddtree verifier: error: --cuda-graphs on: not supported with --tp 2 yet: the sharded target has no "
+        "static step (use auto or off)\n"
+    )
+    VerifierConfig(tp=2, cuda_graphs="auto").validate()
+    VerifierConfig(tp=2, cuda_graphs="off").validate()
+    with capture_logs() as logs:
+        assert plan_static_step(VerifierConfig(tp=2, device="cuda"), model) is None
+    assert [e["reason"] for e in logs if e["event"] == "static_step_off"] == [
+        "--cuda-graphs auto with --tp 2: the sharded target has no static step yet"
+    ]
+
+
+def test_the_help_says_what_on_requires():
+    import dataclasses
+
+    help_text = {f.name: f.metadata["help"] for f in dataclasses.fields(VerifierConfig)}["cuda_graphs"]
+    assert "needs tp 1" in help_text and f"at most {DENSE_EXPERTS} per rank" in help_text
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -219,3 +288,71 @@ def test_position_rope_gives_the_bits_of_the_rotary_embedding(model, dtype):
         k = torch.randn(T, 80, generator=g).to(dtype)[:, 64:]  # as k_pe of kv_a_proj's output
         for x in (q, k):
             assert torch.equal(cached(x, pos), rope(x, pos))
+
+
+class LivePeak(TorchDispatchMode):
+    """The most bytes of tensors made inside the mode alive at once (storages of tensors that existed before,
+    the weights, the cache and the buffers, not counted): a brute-force measure of a forward's activations."""
+
+    def __init__(self, existing: list[torch.Tensor]):
+        super().__init__()
+        self.external = {t.untyped_storage().data_ptr() for t in existing}
+        self.live: dict[int, list[int]] = {}  # storage pointer -> [bytes, tensors referring to it]
+        self.now = self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                ptr = t.untyped_storage().data_ptr()
+                if ptr in self.external or ptr == 0:
+                    continue
+                if ptr not in self.live:
+                    self.live[ptr] = [t.untyped_storage().nbytes(), 0]
+                    self.now += self.live[ptr][0]
+                    self.peak = max(self.peak, self.now)
+                self.live[ptr][1] += 1
+                weakref.finalize(t, self._drop, ptr)
+        return out
+
+    def _drop(self, ptr: int) -> None:
+        entry = self.live[ptr]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.now -= entry[0]
+            del self.live[ptr]
+
+
+def _fill_buffers(model, b: Bucket, pad_slot: int, seed: int) -> StepBuffers:
+    """A bucket's buffers holding a step that fills it (every sequence: a full prefix and all rows)."""
+    ids, pos, meta = _meta([(b.keys - b.rows, b.rows)] * b.batch, pad_slot, seed)
+    buf = StepBuffers(b, pad_slot, torch.device("cpu"))
+    buf.fill(ids, pos, meta)
+    return buf
+
+
+def test_graph_pool_estimate_against_the_buffers_and_the_measured_forward(model):
+    """kv_sizing's estimate of the graphs' pool: the static buffers equal the bytes of the real StepBuffers
+    and outputs, and the activation bound is at least the live peak measured in the static forward (fp32 and
+    bf16) and no more than twice it."""
+    c = model.config
+    buckets = (Bucket(1, 1, 32), Bucket(3, 8, 64), Bucket(2, 17, 256), Bucket(4, 1, 512), Bucket(2, 17, 1536))
+    for dtype in (torch.float32, torch.bfloat16):
+        m = model if dtype == torch.float32 else copy.deepcopy(model).to(dtype)
+        s = torch.empty(0, dtype=dtype).element_size()
+        S = 4096  # distinct slots for every bucket's keys
+        kv = torch.randn(c.num_hidden_layers, S + 1, c.kv_cache_width, generator=torch.Generator().manual_seed(2))
+        kv = kv.to(dtype)
+        for k, b in enumerate(buckets):
+            buf = _fill_buffers(m, b, S, seed=k)
+            inputs = (buf.input_ids, buf.positions, buf.write_slots, buf.key_slots, buf.hidden_mask, buf.rows)
+            existing = [*m.parameters(), *m.buffers(), kv, *inputs]
+            with torch.inference_mode(), LivePeak(existing) as meter:
+                hidden, taps = buf.forward(m, kv, TAPS)
+            outputs = hidden.nbytes + taps.nbytes
+            assert (
+                static_buffer_bytes(b.batch, b.rows, b.keys, c.hidden_size, len(TAPS), s)
+                == sum(t.nbytes for t in inputs) + outputs
+            )
+            bound = static_forward_peak_bytes(c, b.batch, b.rows, b.keys, len(TAPS), s)
+            assert meter.peak <= bound <= 2 * meter.peak, (dtype, b, meter.peak, bound)

@@ -27,11 +27,11 @@ from ddtree.verifier.drafter_pool import DrafterPool
 from ddtree.verifier.features_rpc import stream_features
 from ddtree.verifier.grammar import SequenceGrammar, matcher_error, new_matcher
 from ddtree.verifier.kv_pool import LatentKVPool
-from ddtree.verifier.kv_sizing import kv_size_for
+from ddtree.verifier.kv_sizing import graph_reserve_for, kv_size_for
 from ddtree.verifier.logprobs import prompt_logprobs_messages
 from ddtree.verifier.scheduler import AdmissionError, Scheduler
 from ddtree.verifier.sequence import GenerateParams, Sequence
-from ddtree.verifier.static_step import make_static_step
+from ddtree.verifier.static_step import make_static_step, plan_static_step
 from ddtree.verifier.target import LocalTarget, ShardedTarget
 
 log = get_logger("ddtree.verifier")
@@ -263,6 +263,7 @@ def serve(config: VerifierConfig, model_dir: str) -> RunningServer:
         )
         model.eval()
         target = LocalTarget(model)
+    static_plan = plan_static_step(config, model)  # None: eager steps; ValueError: an `on` it cannot honour
     mcfg = model.config
     security = ServiceSecurity.from_config(config)
     drafter = (
@@ -270,7 +271,9 @@ def serve(config: VerifierConfig, model_dir: str) -> RunningServer:
         if config.drafter
         else None
     )
-    kv = kv_size_for(config, mcfg)
+    n_taps = len(drafter.tap_layer_ids) if drafter is not None else 0  # the scheduler taps the drafter's layers
+    reserve, reserve_source = graph_reserve_for(config, mcfg, static_plan, n_taps)
+    kv = kv_size_for(config, mcfg, reserve_bytes=reserve)
     log.info(
         "kv_pool",
         tokens=kv.tokens,
@@ -278,6 +281,9 @@ def serve(config: VerifierConfig, model_dir: str) -> RunningServer:
         bytes_per_token=kv.bytes_per_token,
         source=kv.source,
         page_size=config.page_size,
+        graph_reserve_bytes=reserve,
+        graph_reserve_source=reserve_source,
+        graph_reserve_applied=kv.reserve_bytes > 0,  # only kv_memory_fraction sizes from free memory
     )
     pool = LatentKVPool(
         mcfg.num_hidden_layers,
@@ -290,8 +296,8 @@ def serve(config: VerifierConfig, model_dir: str) -> RunningServer:
     if tp is not None:
         tp.model.replicate_kv(pool.cache)  # every rank holds a full copy of the latent cache
     scheduler = Scheduler(target, pool, config, drafter)
-    if tp is None:
-        target.static = make_static_step(config, model, pool, scheduler.tap_layer_ids)
+    if static_plan is not None:  # TP 1 only (plan_static_step)
+        target.static = make_static_step(static_plan, model, pool, scheduler.tap_layer_ids)
     scheduler.start()
     eos_ids = tuple(mcfg.eos_token_ids)
     config_json = (pathlib.Path(model_dir) / "config.json").read_text()

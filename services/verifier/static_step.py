@@ -131,8 +131,8 @@ class StaticStep:
         tap_layer_ids: tuple[int, ...],
         graphs: bool,
     ):
-        if not self.supports(model):
-            raise ValueError(f"static steps need unquantized routed experts, at most {DENSE_EXPERTS} per layer")
+        if (reason := unsupported_reason(model)) is not None:
+            raise ValueError(reason)
         self.model, self.kv_cache, self.taps = model, kv_cache, tuple(tap_layer_ids)
         self.buckets = tuple(sorted(buckets))
         self._bucket_set = frozenset(self.buckets)
@@ -142,15 +142,6 @@ class StaticStep:
         self._buffers: dict[Bucket, StepBuffers] = {}  # made on first use (all of them by capture)
         self.replays = 0
         self.fallbacks = 0
-
-    @staticmethod
-    def supports(model: DeepseekV3ForCausalLM) -> bool:
-        """The static forward runs routed experts densely: unquantized and at most DENSE_EXPERTS of them."""
-        return all(
-            not isinstance(layer.mlp, DeepseekV3MoE)
-            or (layer.mlp.experts.gate_proj.kind == "bf16" and layer.mlp.experts.num_local <= DENSE_EXPERTS)
-            for layer in model.model.layers
-        )
 
     def _buffer(self, b: Bucket) -> StepBuffers:
         if b not in self._buffers:
@@ -184,6 +175,10 @@ class StaticStep:
                 for _ in range(2):  # warm-up: allocator and kernel caches, outside the capture
                     buf.forward(self.model, self.kv_cache, self.taps)
             torch.cuda.current_stream().wait_stream(stream)
+            # The warm-up's blocks are cached by the default allocator, outside the graphs' pool: handed back
+            # here, so that start-up holds the pool plus one warm-up at a time (kv_sizing.graph_pool_reserve).
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
                 buf.out = buf.forward(self.model, self.kv_cache, self.taps)
@@ -213,14 +208,48 @@ class StaticStep:
         return hidden.index_select(0, where), None if taps is None else taps.index_select(0, where)
 
 
-def make_static_step(config, model: DeepseekV3ForCausalLM, pool, tap_layer_ids: tuple[int, ...]) -> StaticStep | None:
-    """The verifier's StaticStep for `--cuda-graphs` (a VerifierConfig), captured now on CUDA; None when off
-    (auto: on for CUDA) or when the model cannot run at static shapes (then it says so in the log)."""
+@dataclasses.dataclass(frozen=True)
+class StaticPlan:
+    """What `--cuda-graphs` decided at start-up, before the KV pool is sized (the graphs' pool is reserved
+    out of the memory the pool may take: kv_sizing.graph_pool_reserve)."""
+
+    buckets: tuple[Bucket, ...]
+    graphs: bool  # captured as CUDA graphs (a CUDA device); else the buffers run directly (the CPU)
+
+
+def unsupported_reason(model: DeepseekV3ForCausalLM) -> str | None:
+    """Why the static forward cannot run this model (it runs routed experts densely), or None."""
+    for layer in model.model.layers:
+        if isinstance(layer.mlp, DeepseekV3MoE):
+            experts = layer.mlp.experts
+            if experts.gate_proj.kind != "bf16":
+                return f"the model's routed experts are {experts.gate_proj.kind} (static steps need unquantized ones)"
+            if experts.num_local > DENSE_EXPERTS:
+                return (
+                    f"the model has {experts.num_local} routed experts per rank (static steps run at most "
+                    f"{DENSE_EXPERTS}, densely)"
+                )
+    return None
+
+
+def plan_static_step(config, model: DeepseekV3ForCausalLM) -> StaticPlan | None:
+    """The static step `--cuda-graphs` (a VerifierConfig) asks for, or None for eager steps, with one log line
+    saying why. `on` is strict: ValueError (the CLI's one-line start-up error) when this model cannot run at
+    static shapes; at tp > 1 VerifierConfig.validate has refused it already."""
     cuda = torch.device(config.device).type == "cuda"
-    if config.cuda_graphs == "off" or (config.cuda_graphs == "auto" and not cuda):
-        return None
-    if not StaticStep.supports(model):
-        log.warning("static_step_unsupported", reason=f"quantized or more than {DENSE_EXPERTS} routed experts")
+    reason = None
+    if config.cuda_graphs == "off":
+        reason = "--cuda-graphs off"
+    elif config.tp > 1:  # only auto gets here (validate refuses on): the sharded target runs eagerly
+        reason = f"--cuda-graphs auto with --tp {config.tp}: the sharded target has no static step yet"
+    elif config.cuda_graphs == "auto" and not cuda:
+        reason = f"--cuda-graphs auto on device {config.device}: CUDA graphs are for CUDA devices"
+    elif (unsupported := unsupported_reason(model)) is not None:
+        if config.cuda_graphs == "on":
+            raise ValueError(f"--cuda-graphs on: {unsupported} (use auto or off)")
+        reason = f"--cuda-graphs auto: {unsupported}"
+    if reason is not None:
+        log.info("static_step_off", reason=reason)
         return None
     rows = config.default_budget + 1
     if cuda:  # a graph per bucket: few, geometric in keys
@@ -228,7 +257,14 @@ def make_static_step(config, model: DeepseekV3ForCausalLM, pool, tap_layer_ids: 
     else:  # no capture: buffers are made on first use, and keys padded by at most CPU_KEY_BLOCK
         keys = range(CPU_KEY_BLOCK, config.max_context + rows + CPU_KEY_BLOCK, CPU_KEY_BLOCK)
         buckets = make_buckets(range(1, config.max_batch + 1), (1, rows), keys)
-    step = StaticStep(model, pool.cache, pool.pad_slot, buckets, tap_layer_ids, graphs=cuda)
+    return StaticPlan(buckets, graphs=cuda)
+
+
+def make_static_step(
+    plan: StaticPlan, model: DeepseekV3ForCausalLM, pool, tap_layer_ids: tuple[int, ...]
+) -> StaticStep:
+    """The verifier's StaticStep for a plan, its graphs captured now (on CUDA)."""
+    step = StaticStep(model, pool.cache, pool.pad_slot, plan.buckets, tap_layer_ids, graphs=plan.graphs)
     step.capture()
-    log.info("static_step", buckets=len(buckets), graphs=cuda)
+    log.info("static_step", buckets=len(plan.buckets), graphs=plan.graphs)
     return step
