@@ -31,7 +31,7 @@ from ddtree.contract.token_tree import TokenTree
 from ddtree.drafter.engine import SeqDraftInput
 from ddtree.drafter.server import serve_engine
 from ddtree.models.loader import load_config
-from ddtree.protocol.server import stop_on_signals
+from ddtree.protocol.server import serve_until_stopped
 from ddtree.telemetry.logging import configure_logging
 from tests.oracle_contexts import OracleContexts
 from tests.oracle_engine import noisy_tree
@@ -126,8 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = ReplayDraftEngine(pathlib.Path(args.reference), target.vocab_size, target.hidden_size, taps, cfg.window,
                                default_budget=cfg.default_budget, max_budget=cfg.max_budget, seed=args.oracle_seed)  # fmt: skip
     running = serve_engine(engine, cfg)
-    stop_on_signals(running)
-    running.wait()
+    serve_until_stopped(running)
     return 0
 
 

@@ -46,10 +46,9 @@ def _set_threads(threads: int) -> None:
 
 
 def _wait(running) -> None:
-    from ddtree.protocol.server import stop_on_signals
+    from ddtree.protocol.server import serve_until_stopped
 
-    stop_on_signals(running)
-    running.wait()
+    serve_until_stopped(running)
 
 
 def cmd_drafter(args) -> None:

@@ -143,3 +143,20 @@ def serve_gateway(fake: FakeVerifier, tokenizer_dir, **config):
     running = serve(cfg, tokenizer_dir=tokenizer_dir, announce=False)
     yield running
     running.stop(0)
+
+
+def stub_engine_info(model_id: str, hidden: int, vocab: int = 4096, block_size: int = 8) -> dict:
+    """The `info()` of a test drafter engine served by the production Drafter server: one tapped layer,
+    no window, budgets 8 / 64, no sequence held."""
+    return dict(
+        model_id=model_id,
+        block_size=block_size,
+        mask_token_id=14,
+        target_layer_ids=[0],
+        window=0,
+        default_budget=8,
+        max_budget=64,
+        hidden_size=hidden,
+        vocab_size=vocab,
+        active_sequences=0,
+    )

@@ -17,7 +17,7 @@ import torch
 from ddtree.config import DrafterConfig, add_config_flags, config_from_flags
 from ddtree.drafter.server import serve_engine
 from ddtree.models.loader import load_target
-from ddtree.protocol.server import stop_on_signals
+from ddtree.protocol.server import serve_until_stopped
 from ddtree.telemetry.logging import configure_logging
 from tests.oracle_engine import OracleDraftEngine
 
@@ -36,8 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = OracleDraftEngine(target, default_budget=cfg.default_budget, max_budget=cfg.max_budget,
                                seed=args.oracle_seed)  # fmt: skip
     running = serve_engine(engine, cfg)
-    stop_on_signals(running)
-    running.wait()
+    serve_until_stopped(running)
     return 0
 
 

@@ -31,6 +31,7 @@ from ddtree.verifier.sequence import GenerateParams, PendingCommit, Sequence
 from ddtree.verifier.step_drafter import StepDrafter
 from ddtree.verifier.target import LocalTarget
 from tests import test_min_p_min_tokens as min_tokens_tests
+from tests.fakes import stub_engine_info
 from tests.test_chain import BLOCK, _engine, _seq
 from tests.test_sampling_through_ddtree import PROMPT, VOCAB
 
@@ -71,18 +72,7 @@ class TableEngine:
         self.seen = []
 
     def info(self):
-        return dict(
-            model_id="tables",
-            block_size=5,
-            mask_token_id=14,
-            target_layer_ids=[0],
-            window=0,
-            default_budget=8,
-            max_budget=64,
-            hidden_size=self.hidden,
-            vocab_size=self.vocab,
-            active_sequences=0,
-        )
+        return stub_engine_info("tables", self.hidden, self.vocab, block_size=5)
 
     def draft(self, seqs):
         self.seen.extend(seqs)

@@ -14,6 +14,7 @@ from ddtree.contract.token_tree import TokenTree
 from ddtree.drafter.server import serve_engine
 from ddtree.launcher import start_service
 from ddtree.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from tests.fakes import stub_engine_info
 
 pytestmark = pytest.mark.slow
 
@@ -34,18 +35,7 @@ class HostileEngine:
         self.hidden = hidden
 
     def info(self):
-        return dict(
-            model_id="hostile",
-            block_size=8,
-            mask_token_id=14,
-            target_layer_ids=[0],
-            window=0,
-            default_budget=8,
-            max_budget=64,
-            hidden_size=self.hidden,
-            vocab_size=4096,
-            active_sequences=0,
-        )
+        return stub_engine_info("hostile", self.hidden)
 
     def draft(self, seqs):
         self.calls += 1

@@ -133,5 +133,11 @@ def stop_on_signals(running: RunningServer) -> None:
     signal.signal(signal.SIGINT, handler)
 
 
+def serve_until_stopped(running: RunningServer) -> None:
+    """A service process's main thread: SIGTERM / SIGINT stop it gracefully; returns once it has stopped."""
+    stop_on_signals(running)
+    running.wait()
+
+
 def abort_invalid(context: grpc.ServicerContext, message: str) -> None:
     context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
