@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 import types
 
 from ddtree.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
@@ -60,7 +61,11 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
         asks = request.HasField("prompt_logprobs")
         for i, msg in enumerate(m for m in run.script if asks or not m.HasField("prompt_logprobs")):
             if i and run.delay_s:
-                over.wait(run.delay_s)
+                # Woken by the callback, with a poll of the call's state as a second way to see a cancel.
+                until = time.monotonic() + run.delay_s
+                while not over.wait(min(0.2, max(until - time.monotonic(), 0))) and context.is_active():
+                    if time.monotonic() >= until:
+                        break
             if not context.is_active():
                 run.cancelled.set()
                 return
