@@ -150,6 +150,13 @@ def serve_gateway(fake: FakeVerifier, tokenizer_dir, **config):
     running.stop(0)
 
 
+def openai_client(gw, api_key: str = "none"):
+    """The official openai client on a gateway's HTTP API (no retries: a test sees the first answer)."""
+    import openai
+
+    return openai.OpenAI(base_url=f"http://{gw.http_address}/v1", api_key=api_key, max_retries=0, timeout=20)
+
+
 def stub_engine_info(model_id: str, hidden: int, vocab: int = 4096, block_size: int = 8) -> dict:
     """The `info()` of a test drafter engine served by the production Drafter server: one tapped layer,
     no window, budgets 8 / 64, no sequence held."""

@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2
 from ddtree.config import GatewayConfig
 from ddtree.gateway.server import serve
 from ddtree.protocol.ddtree.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from tests.fakes import REASONING_OUT, TOOL_OUT, script_for, serve_gateway, start_fake_verifier
+from tests.fakes import REASONING_OUT, TOOL_OUT, openai_client, script_for, serve_gateway, start_fake_verifier
 
 KEY = "sk-test-key"
 MODEL = "ddtree-demo"
@@ -54,7 +54,7 @@ def gw(fake, tokenizer_dir):
 
 @pytest.fixture(scope="module")
 def client(gw):
-    return openai.OpenAI(base_url=f"http://{gw.http_address}/v1", api_key=KEY, max_retries=0, timeout=20)
+    return openai_client(gw, KEY)
 
 
 def _http(address, method, path, body=None, headers=None, timeout=20):

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ddtree.verifier.logprobs import token_logprobs
-from tests.fakes import script_for, serve_gateway
+from tests.fakes import openai_client, script_for, serve_gateway
 
 MODEL = "ddtree-demo"
 USER = [{"role": "user", "content": "2+2?"}]
@@ -34,7 +34,7 @@ def gw(fake, tokenizer_dir):
 
 @pytest.fixture(scope="module")
 def client(gw):
-    return openai.OpenAI(base_url=f"http://{gw.http_address}/v1", api_key="none", max_retries=0, timeout=20)
+    return openai_client(gw)
 
 
 def _scripted(tok, sizes=None):

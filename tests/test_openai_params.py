@@ -16,7 +16,7 @@ import pytest
 
 from ddtree.gateway.openai_models import REFUSED
 from ddtree.protocol.ddtree.v1 import common_pb2
-from tests.fakes import script_for, serve_gateway
+from tests.fakes import openai_client, script_for, serve_gateway
 
 MODEL = "ddtree-demo"
 IM_END = 2
@@ -30,7 +30,7 @@ def gw(fake, tokenizer_dir):
 
 @pytest.fixture(scope="module")
 def client(gw):
-    return openai.OpenAI(base_url=f"http://{gw.http_address}/v1", api_key="none", max_retries=0, timeout=20)
+    return openai_client(gw)
 
 
 # A value that is not neutral, per refused field; the chat body (completions: the prompt body) carries it.

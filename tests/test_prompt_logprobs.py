@@ -27,7 +27,7 @@ import torch
 
 from ddtree.protocol.ddtree.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, verifier_pb2
 from ddtree.verifier.logprobs import prompt_logprobs, prompt_logprobs_messages
-from tests.fakes import script_for, serve_gateway
+from tests.fakes import openai_client, script_for, serve_gateway
 
 MODEL = "ddtree-demo"
 USER = [{"role": "user", "content": "2+2?"}]
@@ -79,7 +79,7 @@ def gw(fake, tokenizer_dir):
 
 @pytest.fixture(scope="module")
 def client(gw):
-    return openai.OpenAI(base_url=f"http://{gw.http_address}/v1", api_key="none", max_retries=0, timeout=20)
+    return openai_client(gw)
 
 
 def _scored(tok, prompt_ids: list[int], k: int) -> list[tuple[int, float, int, list[int], list[float]]]:
