@@ -191,6 +191,16 @@ class VerifierConfig(ServiceConfig):
             "(an equal share, max_tree_tokens // n - 1 nodes each, when the drafter gives no scores)"
         },
     )
+    tree_cut: str = dataclasses.field(
+        default="cost",
+        metadata={
+            "help": "cost | fixed: how many of the drafter's nodes a step verifies. cost = the nodes that raise "
+            "the step's expected tokens per ms, from the step time measured on this verifier (per row, and per "
+            "row per context token) and the drafter's node probabilities calibrated to the acceptance seen: "
+            "smaller trees at long context or on hard text; fixed = the whole tree of the request's budget "
+            "(under --max-tree-tokens either way). The tokens are the same"
+        },
+    )
     grammar_tree: str = dataclasses.field(
         default="table",
         metadata={
@@ -265,6 +275,8 @@ class VerifierConfig(ServiceConfig):
         if self.max_tree_tokens < 0:
             raise ValueError(f"max_tree_tokens must be >= 0 (0 = no limit), got {self.max_tree_tokens}")
         kv_setting(self.kv_tokens, self.kv_memory_gb, self.kv_memory_fraction)
+        if self.tree_cut not in ("cost", "fixed"):
+            raise ValueError(f"tree_cut must be cost or fixed, got {self.tree_cut!r}")
         if self.grammar_tree not in ("table", "prune"):
             raise ValueError(f"grammar_tree must be table or prune, got {self.grammar_tree!r}")
         if self.cuda_graphs not in ("auto", "on", "off"):

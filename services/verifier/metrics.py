@@ -7,7 +7,7 @@ slots) are `STATE`, read from the scheduler at scrape time (`Scheduler.metric_st
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from ddtree.telemetry.metrics import LATENCY_BUCKETS, STEP_BUCKETS, StateGauges, service_registry
 
@@ -62,6 +62,13 @@ ITL = Histogram(
     "ddtree_inter_token_seconds",
     "Time between streamed token batches, per token",
     buckets=STEP_BUCKETS,
+    registry=REGISTRY,
+)
+TREE_CUT = Gauge(
+    "ddtree_tree_cut_fit",
+    "--tree-cut cost's step-cost fit (step_cost.py): verify_ms (intercept), row_ms, row_ms_per_1k_context, "
+    "draft_ms (the Draft call)",
+    ["term"],
     registry=REGISTRY,
 )
 E2E = Histogram("ddtree_request_seconds", "Arrival to finish", buckets=LATENCY_BUCKETS, registry=REGISTRY)

@@ -275,7 +275,11 @@ class Scheduler:
 
     def _step(self, decode: list[Sequence], prefill: list[PrefillItem]) -> None:
         t0 = time.perf_counter()
-        self._draft_step.draft([s for s in decode if s.use_spec and self.drafter is not None])
+        spec = [s for s in decode if s.use_spec and self.drafter is not None]
+        spec_ids = {id(s) for s in spec}
+        others = [(1, s.context_len) for s in decode if id(s) not in spec_ids]
+        others += [(p.end - p.start, p.start) for p in prefill]
+        self._draft_step.draft(spec, others, len(decode))
         items: list[WorkItem] = []
         failed: list[Sequence] = []  # a grammar failure (prepare, commit) ends its sequence, not the step
         for item in [VerifyItem(s, s.draft.tree if s.draft else EMPTY_TREE) for s in decode] + prefill:
@@ -288,9 +292,21 @@ class Scheduler:
             except Exception as err:
                 log.exception("sequence_step_failed", request_id=item.seq.request_id, error=str(err))
                 failed.append(item.seq)
+        shape = [_item_shape(item) for item in items]  # before the commit moves the contexts on
         t1 = time.perf_counter()
         committed = self._verify(items) if items else []
         t2 = time.perf_counter()
+        self._draft_step.observe(
+            shape,
+            bool(prefill),
+            (t1 - t0) * 1e3,
+            (t2 - t1) * 1e3,
+            [
+                (item.tree, tokens)
+                for item, tokens, _ in committed
+                if isinstance(item, VerifyItem) and id(item.seq) in spec_ids and tokens is not None
+            ],
+        )
         with self._cond:
             for seq in failed:
                 self._fail(seq, INTERNAL_ERROR)
@@ -353,6 +369,13 @@ class Scheduler:
         self.total_steps += 1
         self.total_tokens += accept_length
         return record_step(seq, tree, accept_length, t0, t1, t2, self.step_log)
+
+
+def _item_shape(item: WorkItem) -> tuple[int, int]:
+    """(rows, context tokens before them) of a work item, what the step's cost model reads."""
+    if isinstance(item, VerifyItem):
+        return 1 + item.tree.n, item.seq.context_len
+    return item.end - item.start, item.start
 
 
 def _constrained(seq: Sequence, tree: TokenTree) -> TokenTree:

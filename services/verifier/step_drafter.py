@@ -5,21 +5,33 @@ sequences, and each one's tree for the verify, in `Sequence.draft`.
   tree is built here from it (grammar_tree.py).
 - Under `--max-tree-tokens` the trees are cut after drafting to fit the cap over the whole call
   (tree_budget.py): the best-scoring nodes over the batch, else an equal share.
+- Under `--tree-cut cost` (the default) they are then cut to the nodes that raise the step's expected
+  tokens per ms (tree_budget.cost_cut), from the step's cost and the drafter's calibrated node
+  probabilities as measured on this verifier (step_cost.py; `observe` after every step). Until the cost
+  fit has MIN_OBSERVATIONS decode steps, and on every EXPLORE_EVERY-th step after, each tree is cut at a
+  random size instead, so that the fit sees steps of different rows (the same tokens either way).
 - A failed call, or a sequence whose drafter state is lost, decodes with AR from then on (the same
   tokens); a sequence the drafter gave no tree takes an AR step (EMPTY_TREE).
 """
 
 from __future__ import annotations
 
+import random
+
 import grpc
 
 from ddtree.config import VerifierConfig
 from ddtree.contract.token_tree import EMPTY_TREE, TokenTree
 from ddtree.telemetry.logging import get_logger
+from ddtree.verifier import metrics
 from ddtree.verifier.drafter_client import DraftResult
 from ddtree.verifier.grammar_tree import build_grammar_tree, grammar_table_width
 from ddtree.verifier.sequence import DraftedTree, Sequence
-from ddtree.verifier.tree_budget import allocate_nodes, tree_budget
+from ddtree.verifier.step_cost import AcceptCalibration, StepCostModel, StepShape, accepted_nodes
+from ddtree.verifier.tree_budget import allocate_nodes, cost_cut, tree_budget
+
+# A random cut every this many cut steps keeps the cost fit seeing steps of different rows.
+EXPLORE_EVERY = 8
 
 log = get_logger("ddtree.verifier.step_drafter")
 
@@ -30,10 +42,16 @@ class StepDrafter:
         self.drafter = drafter
         self.vocab_size = vocab_size
         self.config = config
+        self.cost = StepCostModel()
+        self.calibration = AcceptCalibration()
+        self._cuts = 0  # steps cut by cost so far (every EXPLORE_EVERY-th is random)
+        self._explore = random.Random(0)
 
-    def draft(self, seqs: list[Sequence]) -> None:
+    def draft(self, seqs: list[Sequence], others: list[tuple[int, int]] = (), decoding: int = 0) -> None:
         """One Draft call for seqs (the speculative ones of this step); each gets its tree (EMPTY_TREE if
-        the drafter gave none: an AR step) and what its step record needs, in `Sequence.draft`."""
+        the drafter gave none: an AR step) and what its step record needs, in `Sequence.draft`.
+        others: (rows, context) of the step's other work items (AR decodes, prefill chunks); decoding: the
+        step's decoding sequences, speculative or not (a token each at least): for `--tree-cut cost`."""
         if not seqs:
             return
         # Full budgets: under --max-tree-tokens the trees are cut to fit after drafting (_fit_trees).
@@ -51,6 +69,8 @@ class StepDrafter:
             log.error("draft_failed", code=str(err.code()), details=err.details(), sequences=len(spec))
             result, failed = None, frozenset(s.draft_id for s in seqs)
         trees = self._fit_trees(seqs, self._grammar_trees(seqs, result)) if result is not None else {}
+        if self.config.tree_cut == "cost" and trees:
+            trees = self._cost_cut(seqs, trees, list(others), max(decoding, len(seqs)))
         for seq in seqs:
             if seq.draft_id in failed:
                 # The drafter's state for this sequence is lost or unknown: it finishes with AR
@@ -102,3 +122,62 @@ class StepDrafter:
         else:
             kept = [tree_budget(t.n, len(seqs), cap) for t in drafted]
         return {s.draft_id: t.prefix(k) for s, t, k in zip(seqs, drafted, kept) if s.draft_id in trees}
+
+    def _cost_cut(
+        self, seqs: list[Sequence], trees: dict[str, TokenTree], others: list[tuple[int, int]], decoding: int
+    ) -> dict[str, TokenTree]:
+        """The trees with scores cut by tree_budget.cost_cut (a random cut while exploring); trees without
+        scores are verified whole and counted in the step's base cost."""
+        cut = [s for s in seqs if s.draft_id in trees and len(trees[s.draft_id].scores) > 1]
+        if not cut:
+            return trees
+        cut_ids = {s.draft_id for s in cut}
+        fixed = others + [
+            (1 + trees.get(s.draft_id, EMPTY_TREE).n, s.context_len) for s in seqs if s.draft_id not in cut_ids
+        ]
+        fixed += [(1, s.context_len) for s in cut]  # the roots
+        self._cuts += 1
+        if self._cuts % 64 == 1:
+            a, b, c = self.cost.coefficients
+            log.info(
+                "tree_cut_model",
+                verify_ms=round(a, 3),
+                row_ms=round(b, 4),
+                row_ms_per_1k_context=round(c, 4),
+                draft_ms=round(self.cost.draft_ms, 3),
+                alpha_by_score={f"{x:g}": round(self.calibration.alpha(x), 3) for x in (-0.05, -0.4, -1.2, -2.5, -5.0)},
+                observations=self.cost.observations,
+            )
+        if not self.cost.ready or self._cuts % EXPLORE_EVERY == 0:
+            kept = [self._explore.randint(1, trees[s.draft_id].n) for s in cut]
+        else:
+            kept = cost_cut(
+                [self.calibration.gains(trees[s.draft_id].scores) for s in cut],
+                [self.cost.node_ms(s.context_len) for s in cut],
+                float(decoding),
+                self.cost.predict(StepShape.of(fixed)),
+            )
+        return trees | {s.draft_id: trees[s.draft_id].prefix(k) for s, k in zip(cut, kept)}
+
+    def observe(
+        self,
+        items: list[tuple[int, int]],
+        prefill: bool,
+        draft_ms: float,
+        verify_ms: float,
+        verified: list[tuple[TokenTree, list[int]]],
+    ) -> None:
+        """After a step: items (rows, context) of its forward, whether it held prefill chunks, the times of
+        its Draft call and of its verify, and per speculative sequence (tree verified, tokens emitted).
+        Only speculative steps without prefill are fitted (step_cost.py says why)."""
+        if self.config.tree_cut != "cost":
+            return
+        if items and verified and not prefill:
+            self.cost.observe(StepShape.of(items), verify_ms, draft_ms)
+            a, b, c = self.cost.coefficients
+            for term, value in (("verify_ms", a), ("row_ms", b), ("row_ms_per_1k_context", c)):
+                metrics.TREE_CUT.labels(term=term).set(value)
+            metrics.TREE_CUT.labels(term="draft_ms").set(self.cost.draft_ms)
+        for tree, emitted in verified:
+            if tree.scores:
+                self.calibration.observe(tree.scores, accepted_nodes(tree, emitted))

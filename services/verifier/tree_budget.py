@@ -14,13 +14,23 @@ max_tree_tokens (0 = no cap). Every sequence keeps at least one node. Two rules,
   best nodes of a tree are its first ones, and keeping the first k_i nodes of tree i (TokenTree.prefix)
   is exactly the tree its drafter would have built with budget k_i.
 
-Neither rule changes the output: the verifier decides every token; they only decide how many drafts each
+- `cost_cut` (`--tree-cut cost`): every node verified costs step time (step_cost.py estimates how much,
+  more at long context), so the best tree is not the biggest one: it keeps the nodes that raise the step's
+  expected tokens per millisecond, G / T. With p a node's expected gain (its calibrated probability of
+  acceptance) and m its cost, adding it raises G / T exactly when p / m > G / T. Within a tree p falls
+  and m is constant, so the
+  nodes are taken best ratio first over the batch until the best one left is below the running G / T;
+  that is the optimum of G / T over all prefix cuts (Dinkelbach: the optimal set is every node whose
+  ratio beats the optimal value), which the tests check by brute force.
+
+None of these rules changes the output: the verifier decides every token; they only decide how many drafts each
 step checks.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 from collections import abc
 
 
@@ -52,3 +62,38 @@ def allocate_nodes(scores: abc.Sequence[abc.Sequence[float]], max_tree_tokens: i
         if kept[i] < sizes[i]:
             heapq.heappush(heap, (-scores[i][kept[i]], i))
     return kept
+
+
+def cost_cut(
+    gains: abc.Sequence[abc.Sequence[float]],
+    node_ms: abc.Sequence[float],
+    base_tokens: float,
+    base_ms: float,
+) -> list[int]:
+    """The nodes each tree keeps to maximise expected tokens per ms of the step.
+
+    gains[i]: tree i's nodes' expected accepted tokens, non-increasing in node order
+    (step_cost.AcceptCalibration.gains); node_ms[i]: the cost of one node of tree i (ms, >= 0);
+    base_tokens / base_ms: the step's tokens and time with no node at all (a bonus token per decoding
+    sequence; the step's predicted time with roots only, > 0). Every tree with nodes keeps its first."""
+    kept = [min(1, len(g)) for g in gains]
+    tokens = base_tokens + sum(g[0] for g in gains if g)
+    ms = base_ms + sum(m for g, m in zip(gains, node_ms) if g)
+    heap = [(-_ratio(g[1], node_ms[i]), i) for i, g in enumerate(gains) if len(g) > 1]  # each tree's next node
+    heapq.heapify(heap)
+    while heap:
+        neg_ratio, i = heap[0]
+        if -neg_ratio * ms <= tokens:  # ratio <= G / T: this node, and every later one, lowers G / T
+            break
+        heapq.heappop(heap)
+        tokens += gains[i][kept[i]]
+        ms += node_ms[i]
+        kept[i] += 1
+        if kept[i] < len(gains[i]):
+            heapq.heappush(heap, (-_ratio(gains[i][kept[i]], node_ms[i]), i))
+    return kept
+
+
+def _ratio(gain: float, node_ms: float) -> float:
+    """A node's expected tokens per ms; a free node (node_ms 0) is always worth verifying."""
+    return gain / node_ms if node_ms > 0 else math.inf
