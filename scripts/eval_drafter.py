@@ -92,6 +92,7 @@ def measure_tau(
         prefill_chunk=512,
         default_budget=budget,
         max_context=longest + tokens + 1,
+        tree_cut="fixed",  # tau of the drafter's whole trees: not of cuts that depend on this machine's timing
     )
     pool = LatentKVPool(model.config.num_hidden_layers, kv_tokens, model.config.kv_cache_width, torch.float32, "cpu")
     sched = Scheduler(LocalTarget(model), pool, vcfg, client)

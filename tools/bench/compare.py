@@ -5,6 +5,8 @@ AR (the verifier with no_spec), DDTree at each tree budget, a chain (width 1: th
 at each depth, as DFlash verifies it) as deep as the drafter's block allows, and, when transformers is
 installed and the checkpoint is on this machine, Hugging Face `DeepseekV3ForCausalLM.generate` on the
 same checkpoint (greedy, fixed length, decode rate = (N - 1) / (t(N) - t(1)) so prefill cancels).
+The private verifier it starts verifies whole trees (`--tree-cut fixed`), so each budget is the tree it
+names; a running verifier (--verifier, --gateway) cuts them as it is configured to.
 """
 
 from __future__ import annotations
@@ -110,7 +112,8 @@ def run(args) -> int:
     corpus = pathlib.Path(args.corpus) if args.corpus else None
     prompts = make_prompts(tok, args.kind, args.context, args.prompts, corpus)
     rows = []
-    with open_endpoint(args, args.context + args.tokens + 8, tok) as ep:
+    # The budgets compared are the trees verified: a private verifier does not cut them by cost.
+    with open_endpoint(args, args.context + args.tokens + 8, tok, ("--tree-cut", "fixed")) as ep:
         warm_up(ep, tok, budgets[0])
         modes = [("AR", dict(no_spec=True))] + [(f"DDTree b={b}", dict(budget=b)) for b in budgets]
         if ep.supports_chain:

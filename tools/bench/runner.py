@@ -243,8 +243,9 @@ def make_log_dir(args) -> pathlib.Path:
 
 
 @contextlib.contextmanager
-def open_endpoint(args, max_context: int, tokenizer=None):
-    """The endpoint the arguments name; a private one sized for `max_context` tokens when none is named."""
+def open_endpoint(args, max_context: int, tokenizer=None, private_verifier_args: tuple[str, ...] = ()):
+    """The endpoint the arguments name; a private one sized for `max_context` tokens when none is named
+    (with private_verifier_args before the user's --verifier-args, which override them)."""
     if args.verifier:
         ep = VerifierEndpoint(args.verifier)
     elif args.gateway:
@@ -254,7 +255,12 @@ def open_endpoint(args, max_context: int, tokenizer=None):
         log_dir = make_log_dir(args)
         print(f"starting a private drafter + verifier (logs in {log_dir}) ...", flush=True)
         with private_verifier(
-            model, drafter, max_context, log_dir, tuple(args.drafter_args.split()), tuple(args.verifier_args.split())
+            model,
+            drafter,
+            max_context,
+            log_dir,
+            tuple(args.drafter_args.split()),
+            private_verifier_args + tuple(args.verifier_args.split()),
         ) as address:
             ep = VerifierEndpoint(address)
             try:
