@@ -244,3 +244,47 @@ def test_bench_serving_batching_and_prefix(default_ckpt, tmp_path):
         cwd=REPO,
     )
     assert bad.returncode == 2 and "--only takes" in bad.stderr
+
+
+def test_bench_ab_runs_every_arm_on_every_prompt(default_ckpt, tmp_path):
+    """scripts.bench_ab: two arms (whole trees, cost cut), interleaved, lossless, one row each."""
+    out = tmp_path / "ab.json"
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "scripts.bench_ab",
+            "--kind",
+            "padding",
+            "--context",
+            "48",
+            "--prompts",
+            "2",
+            "--tokens",
+            "12",
+            "--arm",
+            "fixed=--tree-cut fixed",
+            "--arm",
+            "cost=--tree-cut cost",
+            "--out",
+            str(out),
+            *_dirs(default_ckpt),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert [r["arm"] for r in report["rows"]] == ["fixed", "cost"]
+    assert all(len(report["runs"][arm]) == 2 for arm in ("fixed", "cost"))
+    assert all(r["speedup"] > 0 and r["tau"] >= 1.0 for r in report["rows"])
+    bad = subprocess.run(
+        [sys.executable, "-m", "scripts.bench_ab", "--arm", "no-equals-sign"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
+    assert bad.returncode == 2 and "NAME=FLAGS" in bad.stderr
