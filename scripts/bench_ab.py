@@ -4,11 +4,11 @@ speed falls on every arm alike.
     python -m scripts.bench_ab [--corpus runs/corpus] --kind code --context 4096 --prompts 11 \
         --arm "fixed=--tree-cut fixed" --arm "cost=--tree-cut cost" [--out runs/bench_ab.json]
 
-Each arm is a private drafter + verifier (the demo pair unless --model / --drafter) started with that
-arm's verifier flags. For every prompt, each arm in turn generates it AR (no_spec) then DDTree, greedy,
-fixed length (ignore_eos); outputs must equal AR's (the script fails otherwise). Per arm it prints the
-aggregate decode speed (all tokens / all decode time, the verifier's clock) of DDTree and AR, their
-ratio, tau and the median step; JSON keeps every run.
+Each arm is a private drafter + verifier (the demo pair unless --model / --drafter; `--arm-drafter
+NAME=DIR` gives an arm its own drafter) started with that arm's verifier flags. For every prompt, each
+arm in turn generates it AR (no_spec) then DDTree, greedy, fixed length (ignore_eos); outputs must equal
+AR's (the script fails otherwise). Per arm it prints the aggregate decode speed (all tokens / all decode
+time, the verifier's clock) of DDTree and AR, their ratio, tau and the median step; JSON keeps every run.
 """
 
 from __future__ import annotations
@@ -42,23 +42,43 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--arm", type=_arm, action="append", required=True, help="NAME=verifier flags (repeat)")
+    p.add_argument(
+        "--arm-drafter",
+        type=_arm,
+        action="append",
+        default=[],
+        help="NAME=DIR: that arm's drafter checkpoint instead of --drafter (old drafter vs new)",
+    )
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/bench_ab.json"))
     args = p.parse_args(argv)
     tok = Tokenizer(args.model)
     prompts = make_prompts(tok, args.kind, args.context, args.prompts, args.corpus)
     runs: dict[str, list[dict]] = {name: [] for name, _ in args.arm}
+    drafters = {name: " ".join(d) for name, d in args.arm_drafter}
+    unknown = set(drafters) - set(runs)
+    if unknown:
+        p.error(f"--arm-drafter names no arm: {sorted(unknown)}")
     with contextlib.ExitStack() as stack:
         endpoints = {}
         for name, flags in args.arm:
             log_dir = pathlib.Path(tempfile.mkdtemp(prefix=f"ddtree-ab-{name}-"))
             address = stack.enter_context(
                 private_verifier(
-                    args.model, args.drafter, args.context + args.tokens + 64, log_dir, verifier_args=flags, name=name
+                    args.model,
+                    drafters.get(name, args.drafter),
+                    args.context + args.tokens + 64,
+                    log_dir,
+                    verifier_args=flags,
+                    name=name,
                 )
             )
             endpoints[name] = stack.enter_context(contextlib.closing(VerifierEndpoint(address)))
             endpoints[name].generate(prompts[0][:64], 8)  # warm-up
-            print(f"arm {name}: {' '.join(flags) or '(defaults)'}; logs in {log_dir}", flush=True)
+            print(
+                f"arm {name}: drafter {drafters.get(name, args.drafter)}, verifier {' '.join(flags) or '(defaults)'}; "
+                f"logs in {log_dir}",
+                flush=True,
+            )
         for i, ids in enumerate(prompts):
             for name, ep in endpoints.items():
                 ar = ep.generate(ids, args.tokens, no_spec=True)
