@@ -22,6 +22,13 @@ def _ddtree(*args, timeout=120):
     return res.stdout
 
 
+def _script(name: str, *args, timeout=300) -> subprocess.CompletedProcess:
+    """`python -m scripts.NAME ARGS` from the checkout, output captured (the caller checks the exit code)."""
+    return subprocess.run(
+        [sys.executable, "-m", f"scripts.{name}", *args], capture_output=True, text=True, timeout=timeout, cwd=REPO
+    )
+
+
 def _dirs(ckpt):
     return ["--model", str(ckpt.target), "--drafter", str(ckpt.drafter)]
 
@@ -206,27 +213,19 @@ def test_diagnose_window_on_and_off(default_ckpt, tmp_path):
 def test_bench_serving_batching_and_prefix(default_ckpt, tmp_path):
     """scripts.bench_serving's batching (solo, burst, sustained) and prefix parts, tiny sizes."""
     out = tmp_path / "serving.json"
-    res = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "scripts.bench_serving",
-            "--only",
-            "prefix,batching",
-            "--streams",
-            "3",
-            "--tokens",
-            "12",
-            "--rounds",
-            "3",
-            "--out",
-            str(out),
-            *_dirs(default_ckpt),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
+    res = _script(
+        "bench_serving",
+        "--only",
+        "prefix,batching",
+        "--streams",
+        "3",
+        "--tokens",
+        "12",
+        "--rounds",
+        "3",
+        "--out",
+        str(out),
+        *_dirs(default_ckpt),
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     results = json.loads(out.read_text())
@@ -236,55 +235,35 @@ def test_bench_serving_batching_and_prefix(default_ckpt, tmp_path):
     assert b["sustained"]["tau"] >= 1.0 and b["solo"]["tau"] >= 1.0
     p = results["prefix"]
     assert p["same_output"] and p["same_acceptance"] and p["ttft_ratio"] < 1.0  # the second prompt hits the cache
-    bad = subprocess.run(
-        [sys.executable, "-m", "scripts.bench_serving", "--only", "nonsense"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=REPO,
-    )
+    bad = _script("bench_serving", "--only", "nonsense", timeout=60)
     assert bad.returncode == 2 and "--only takes" in bad.stderr
 
 
 def test_bench_ab_runs_every_arm_on_every_prompt(default_ckpt, tmp_path):
     """scripts.bench_ab: two arms (whole trees, cost cut), interleaved, lossless, one row each."""
     out = tmp_path / "ab.json"
-    res = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "scripts.bench_ab",
-            "--kind",
-            "padding",
-            "--context",
-            "48",
-            "--prompts",
-            "2",
-            "--tokens",
-            "12",
-            "--arm",
-            "fixed=--tree-cut fixed",
-            "--arm",
-            "cost=--tree-cut cost",
-            "--out",
-            str(out),
-            *_dirs(default_ckpt),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
+    res = _script(
+        "bench_ab",
+        "--kind",
+        "padding",
+        "--context",
+        "48",
+        "--prompts",
+        "2",
+        "--tokens",
+        "12",
+        "--arm",
+        "fixed=--tree-cut fixed",
+        "--arm",
+        "cost=--tree-cut cost",
+        "--out",
+        str(out),
+        *_dirs(default_ckpt),
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     report = json.loads(out.read_text())
     assert [r["arm"] for r in report["rows"]] == ["fixed", "cost"]
     assert all(len(report["runs"][arm]) == 2 for arm in ("fixed", "cost"))
     assert all(r["speedup"] > 0 and r["tau"] >= 1.0 for r in report["rows"])
-    bad = subprocess.run(
-        [sys.executable, "-m", "scripts.bench_ab", "--arm", "no-equals-sign"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=REPO,
-    )
+    bad = _script("bench_ab", "--arm", "no-equals-sign", timeout=60)
     assert bad.returncode == 2 and "NAME=FLAGS" in bad.stderr

@@ -138,16 +138,7 @@ class StepDrafter:
         fixed += [(1, s.context_len) for s in cut]  # the roots
         self._cuts += 1
         if self._cuts % 64 == 1:
-            a, b, c = self.cost.coefficients
-            log.info(
-                "tree_cut_model",
-                verify_ms=round(a, 3),
-                row_ms=round(b, 4),
-                row_ms_per_1k_context=round(c, 4),
-                draft_ms=round(self.cost.draft_ms, 3),
-                alpha_by_score={f"{x:g}": round(self.calibration.alpha(x), 3) for x in (-0.05, -0.4, -1.2, -2.5, -5.0)},
-                observations=self.cost.observations,
-            )
+            self._log_model()
         if not self.cost.ready or self._cuts % EXPLORE_EVERY == 0:
             kept = [self._explore.randint(1, trees[s.draft_id].n) for s in cut]
         else:
@@ -158,6 +149,19 @@ class StepDrafter:
                 self.cost.predict(StepShape.of(fixed)),
             )
         return trees | {s.draft_id: trees[s.draft_id].prefix(k) for s, k in zip(cut, kept)}
+
+    def _log_model(self) -> None:
+        """The cut's current estimates, as a `tree_cut_model` log line (every 64 cuts)."""
+        a, b, c = self.cost.coefficients
+        log.info(
+            "tree_cut_model",
+            verify_ms=round(a, 3),
+            row_ms=round(b, 4),
+            row_ms_per_1k_context=round(c, 4),
+            draft_ms=round(self.cost.draft_ms, 3),
+            alpha_by_score={f"{x:g}": round(self.calibration.alpha(x), 3) for x in (-0.05, -0.4, -1.2, -2.5, -5.0)},
+            observations=self.cost.observations,
+        )
 
     def observe(
         self,
