@@ -56,8 +56,14 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
         run = self.run
         run.requests.append(request)
         run.time_remaining.append(context.time_remaining())
-        over = threading.Event()
-        context.add_callback(over.set)  # wakes the waits below as soon as the call is cancelled
+        over, done = threading.Event(), threading.Event()  # done: the script ran to its end
+
+        def ended():  # gRPC calls this when the call ends, for whatever reason
+            over.set()  # wakes the waits below
+            if not done.is_set():  # ended before the script did: cancelled, by the client or its deadline
+                run.cancelled.set()  # (also when gRPC stops pulling messages while this generator waits at a yield)
+
+        context.add_callback(ended)
         asks = request.HasField("prompt_logprobs")
         for i, msg in enumerate(m for m in run.script if asks or not m.HasField("prompt_logprobs")):
             if i and run.delay_s:
@@ -71,6 +77,7 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
                 return
             run.sent += 1
             yield msg
+        done.set()
         if run.error:
             context.abort(*run.error)
 
