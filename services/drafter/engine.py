@@ -35,9 +35,11 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # CPU, where oneDNN caches a primitive per shape (ONEDNN_PRIMITIVE_CACHE_CAPACITY) and ideep one more
 # (LRU_CACHE_CAPACITY), 1024 entries and about 0.3 MB each. Every prompt length would be a new row count, so
 # longer commits run in pieces of at most this many rows: the row counts ever run are 1..KV_ROWS_PER_CALL, all
-# built by warm_up, and the caches stop growing (scripts/measure_drafter_rss.py). context_kv is row-wise and
-# these kernels give each row the same bits whatever the row count (tests/test_drafter_memory.py), so the pieces
-# change no K/V. fp32 matmuls (MKL) keep nothing per shape, and their bits do depend on it: not split.
+# built by warm_up, and the caches stop growing (scripts/measure_drafter_rss.py). context_kv is row-wise; oneDNN's
+# AVX512-BF16 kernels give each row the same bits whatever the row count, so there the pieces change no K/V, while
+# its AMX kernels (Sapphire Rapids and later) do not, and the pieces' K/V differ from one call's by rounding only
+# (tests/test_drafter_memory.py checks whichever holds): the drafter only proposes, so neither changes an output.
+# fp32 matmuls (MKL) keep nothing per shape, and their bits do depend on it: not split.
 KV_ROWS_PER_CALL = 128
 
 
