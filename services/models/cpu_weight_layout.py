@@ -1,0 +1,59 @@
+"""Column-major linear weights for CPU inference: a measured fixed-cost lever of the small-row step.
+
+`nn.Linear` stores its weight [N, K] row-major, and `F.linear(x, w)` computes x @ w.T. On the CPU, for
+the few rows of a decode or verify step (1 to a few dozen), oneDNN / MKL run the product faster when w.T
+is itself row-major, i.e. when w is stored column-major: `w.t().contiguous().t()` (same shape [N, K],
+strides (1, N)). Measured on an AMX Xeon (2 vCPUs) over the demo target's linears: 1.1-1.9x faster per
+linear at 1-17 rows (the A/B lives in scripts/bench_ab.py `--arm ... --cpu-linear-layout row|column`).
+
+Numerics: the same products and sums, possibly in a different blocking order, so a row's last bits may
+differ from the row-major product's (fp32: within a few ulp); the model's argmax, and so every output
+token, is checked against the row-major model by the tests (the verifier still decides every token).
+
+Which weights: every plain `nn.Linear` weight of a float dtype on the CPU, except the ones the model views
+as something else (MLA's `kv_b_proj`, viewed [H, dn + dv, r] by `mla.w_uk_uv`, which needs row-major
+strides). Packed (FP8 / INT4) projections and the stacked routed experts are not `nn.Linear` and are left
+as they are. Training keeps row-major weights (safetensors writes contiguous tensors only).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+LAYOUTS = ("auto", "row", "column")
+# Linears whose weight another module reads as a view with row-major strides.
+VIEWED_WEIGHTS = ("kv_b_proj",)
+
+
+def resolve_layout(layout: str, device: str) -> str:
+    """'row' or 'column' for a setting of `--cpu-linear-layout` on a device (auto = column on the CPU)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"cpu_linear_layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    if layout == "auto":
+        return "column" if str(device).split(":")[0] == "cpu" else "row"
+    return layout
+
+
+def use_column_major_linears(model: nn.Module) -> int:
+    """Store every eligible CPU `nn.Linear` weight column-major, in place; returns how many were changed.
+
+    The parameter object stays the same (its `.data` is replaced), so optimizers and state-dict views built
+    before this call still name it; `state_dict()` then returns non-contiguous tensors (call
+    `.contiguous()` before saving)."""
+    changed = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or name.rsplit(".", 1)[-1] in VIEWED_WEIGHTS:
+            continue
+        w = module.weight
+        if w.device.type != "cpu" or not w.dtype.is_floating_point or w.dim() != 2:
+            continue
+        if w.stride() == (1, w.shape[0]):  # already column-major
+            continue
+        w.data = w.data.t().contiguous().t()
+        changed += 1
+    return changed
+
+
+def is_column_major(weight) -> bool:
+    """True when a 2-D weight [N, K] is stored column-major (strides (1, N))."""
+    return weight.dim() == 2 and weight.stride() == (1, weight.shape[0])
