@@ -250,8 +250,8 @@ class VerifierConfig(ServiceConfig):
     cpu_linear_layout: str = dataclasses.field(
         default="auto",
         metadata={
-            "help": "auto | row | column: how the target's linear weights are stored on the CPU; column-major "
-            "runs the few rows of a step faster there (auto = column on the CPU, as loaded elsewhere)"
+            "help": "auto | row | column: how the target's linear and bf16 expert weights are stored on "
+            "the CPU; column-major runs the few rows of a step faster there (auto = column on the CPU, as loaded elsewhere)"
         },
     )
     threads: int = dataclasses.field(default=0, metadata={"help": "torch CPU threads (0 = torch's default)"})

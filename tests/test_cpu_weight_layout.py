@@ -1,4 +1,5 @@
-"""Column-major CPU linear weights (services/models/cpu_weight_layout.py): the layout changes, the model does not.
+"""Column-major CPU linear and expert weights (services/models/cpu_weight_layout.py): the layout changes, the
+model does not.
 
 Against transformers (independent reference) on a random HF checkpoint, and against the same model with
 row-major weights on the shipped demo target (greedy tokens identical over a long decode).
@@ -14,9 +15,10 @@ from ddtree.models.cpu_weight_layout import (
     VIEWED_WEIGHTS,
     is_column_major,
     resolve_layout,
-    use_column_major_linears,
+    use_column_major_weights,
 )
 from ddtree.models.loader import load_target
+from ddtree.models.moe_experts import StackedProjection
 from tests.compare import assert_close
 from tests.test_target_parity import BASE, ancestor_mask, hf_logits, prefill, run, save_hf_checkpoint
 
@@ -26,8 +28,9 @@ from transformers import DeepseekV3ForCausalLM as HFModel  # noqa: E402
 DEMO_TARGET = "checkpoints/demo/target"
 
 
-def _linears(model: nn.Module) -> dict[str, nn.Linear]:
-    return {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+def _weighted(model: nn.Module) -> dict[str, nn.Module]:
+    """The modules whose weight the layout may change: linears and stacked expert projections."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, (nn.Linear, StackedProjection))}
 
 
 def test_resolve_layout():
@@ -39,20 +42,24 @@ def test_resolve_layout():
         resolve_layout("transposed", "cpu")
 
 
-def test_every_linear_but_the_viewed_ones_becomes_column_major(tmp_path):
+def test_every_linear_and_expert_weight_but_the_viewed_ones_becomes_column_major(tmp_path):
     path = save_hf_checkpoint({**BASE, "rms_norm_eps": 1e-5}, tmp_path / "hf")
     hf = HFModel.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).eval()
     ours = load_target(path).eval()
-    before = {n: m.weight.detach().clone() for n, m in _linears(ours).items()}
-    params = {n: m.weight for n, m in _linears(ours).items()}
-    changed = use_column_major_linears(ours)
+    before = {n: m.weight.detach().clone() for n, m in _weighted(ours).items()}
+    params = {n: m.weight for n, m in _weighted(ours).items()}
+    assert not any(is_column_major(w) for w in before.values())  # the loader's layout is row-major
+    changed = use_column_major_weights(ours)
     viewed = [n for n in before if n.rsplit(".", 1)[-1] in VIEWED_WEIGHTS]
-    assert viewed and changed == len(before) - len(viewed)
-    for name, linear in _linears(ours).items():
-        assert linear.weight is params[name]  # the same Parameter, new storage
-        assert torch.equal(linear.weight, before[name])  # same values
-        assert is_column_major(linear.weight) == (name not in viewed), name
-    assert use_column_major_linears(ours) == 0  # idempotent
+    experts = [n for n, m in _weighted(ours).items() if isinstance(m, StackedProjection)]
+    assert viewed and experts and changed == len(before) - len(viewed)
+    for name, module in _weighted(ours).items():
+        assert module.weight is params[name]  # the same Parameter, new storage
+        assert torch.equal(module.weight, before[name])  # same values
+        assert is_column_major(module.weight) == (name not in viewed), name
+    for name in experts:  # the grouped matmul's operand, weight [E, N, K] -> [E, K, N], is now contiguous
+        assert params[name].transpose(1, 2).is_contiguous(), name
+    assert use_column_major_weights(ours) == 0  # idempotent
 
     # the model still matches transformers: prefill, then a tree verify over the prefix
     g = torch.Generator().manual_seed(7)
@@ -90,7 +97,7 @@ def test_demo_target_greedy_tokens_identical():
     and the last logits within fp32 tolerance (the products may block differently, never differ more)."""
     row = load_target(DEMO_TARGET).eval()
     col = load_target(DEMO_TARGET).eval()
-    assert use_column_major_linears(col) > 0
+    assert use_column_major_weights(col) > 0
     prompt = torch.randint(0, row.config.vocab_size, (40,), generator=torch.Generator().manual_seed(3)).tolist()
     tokens_row, last_row = _greedy(row, prompt, 96)
     tokens_col, last_col = _greedy(col, prompt, 96)

@@ -96,6 +96,9 @@ def test_quantized_experts_dequantized_in_blocks(kind, monkeypatch):
 
 def test_bf16_model_dtype_and_unaligned_widths():
     """bf16 weights and activations (and widths whose bf16 rows are not 16-byte multiples: the padded bmm)."""
+    # Seeded: the inputs came from whatever RNG state earlier tests left, and about 1 draw in 400 put one
+    # element of 2880 past the bf16 tolerance (an output near cancellation, where rounding h to bf16 moves it).
+    torch.manual_seed(0)
     for d, inter in ((96, 64), (44, 20)):
         gate, up, down = moe_weights("bf16", 8, d, inter, torch.bfloat16)
         w, ids = routing(30, 2, 8, skew=False, seed=1)

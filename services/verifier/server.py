@@ -12,7 +12,7 @@ from ddtree.config import VerifierConfig
 from ddtree.contract.sampling_params import MAX_TOP_LOGPROBS, SamplingConfig
 from ddtree.contract.usage import usage_from_steps
 from ddtree.models.attention import resolve_attention_backend
-from ddtree.models.cpu_weight_layout import resolve_layout, use_column_major_linears
+from ddtree.models.cpu_weight_layout import resolve_layout, use_column_major_weights
 from ddtree.models.dtypes import TORCH_DTYPES
 from ddtree.models.loader import load_target
 from ddtree.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
@@ -264,7 +264,7 @@ def serve(config: VerifierConfig, model_dir: str) -> RunningServer:
         )
         model.eval()
         if resolve_layout(config.cpu_linear_layout, config.device) == "column":
-            log.info("cpu_linear_layout", layout="column", linears=use_column_major_linears(model))
+            log.info("cpu_linear_layout", layout="column", linears=use_column_major_weights(model))
         target = LocalTarget(model)
     static_plan = plan_static_step(config, model)  # None: eager steps; ValueError: an `on` it cannot honour
     mcfg = model.config
