@@ -104,3 +104,18 @@ def test_demo_target_greedy_tokens_identical():
     tokens_col, last_col = _greedy(col, prompt, 64)
     assert tokens_col == tokens_row
     assert_close("last logits", last_col, last_row)
+
+
+def test_bench_cpu_layout_script_runs_and_saves(tmp_path):
+    """scripts/bench_cpu_layout.py (the measurement behind the flag's default) runs at tiny shapes and saves
+    one result per (context, rows), both layouts timed."""
+    import json
+
+    from scripts.bench_cpu_layout import main
+
+    out = tmp_path / "layout.json"
+    assert main(["--contexts", "8", "20", "--rows", "1", "3", "--repeats", "1", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["weights_changed"] > 0
+    assert [(r["context"], r["rows"]) for r in data["results"]] == [(8, 1), (8, 3), (20, 1), (20, 3)]
+    assert all(r["row_ms"] > 0 and r["column_ms"] > 0 for r in data["results"])
