@@ -20,7 +20,7 @@ from ddtree.models.cpu_weight_layout import (
 from ddtree.models.loader import load_target
 from ddtree.models.moe_experts import StackedProjection
 from tests.compare import assert_close
-from tests.test_target_parity import BASE, ancestor_mask, hf_logits, prefill, run, save_hf_checkpoint
+from tests.test_target_parity import BASE, ancestor_mask, hf_logits, prefill, root_path, run, save_hf_checkpoint
 
 transformers = pytest.importorskip("transformers")
 from transformers import DeepseekV3ForCausalLM as HFModel  # noqa: E402
@@ -72,11 +72,7 @@ def test_every_linear_and_expert_weight_but_the_viewed_ones_becomes_column_major
         depth = [0, 1, 1, 2, 2]
         out = run(ours, kv, [(tokens, [11 + d for d in depth], slots[:11], slots[11:16], ancestor_mask(parents))])
     for i in range(len(parents)):
-        path, j = [], i
-        while j >= 0:
-            path.insert(0, tokens[j])
-            j = parents[j]
-        assert_close(f"tree node {i}", out.logits[i], hf_logits(hf, ids + path)[-1])
+        assert_close(f"tree node {i}", out.logits[i], hf_logits(hf, ids + root_path(tokens, parents, i))[-1])
 
 
 @torch.no_grad()

@@ -90,6 +90,15 @@ def prefill(model, kv, ids: list[int], slots: torch.Tensor, **kw):
     return run(model, kv, [(ids, list(range(len(ids))), EMPTY, slots, None)], **kw)
 
 
+def root_path(tokens: list[int], parents: list[int], i: int) -> list[int]:
+    """The tokens from the tree's first node down to node i."""
+    path = []
+    while i >= 0:
+        path.insert(0, tokens[i])
+        i = parents[i]
+    return path
+
+
 def ancestor_mask(parents: list[int]) -> torch.Tensor:
     n = len(parents)
     mask = torch.zeros(n, n, dtype=torch.bool)
@@ -139,11 +148,7 @@ def test_tree_verify(pair):
     P = len(prefix)
     out = run(ours, kv, [(tokens, [P + d for d in depth], slots[:6], slots[6:14], ancestor_mask(parents))])
     for i in range(len(parents)):
-        path, j = [], i
-        while j >= 0:
-            path.insert(0, tokens[j])
-            j = parents[j]
-        assert_close(f"tree node {i}", out.logits[i], hf_logits(hf, prefix + path)[-1])
+        assert_close(f"tree node {i}", out.logits[i], hf_logits(hf, prefix + root_path(tokens, parents, i))[-1])
 
 
 def test_batched_equals_separate(pair):
