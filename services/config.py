@@ -251,7 +251,8 @@ class VerifierConfig(ServiceConfig):
         default="auto",
         metadata={
             "help": "auto | row | column: how the target's linear and bf16 expert weights are stored on "
-            "the CPU; column-major runs the few rows of a step faster there (auto = column on the CPU, as loaded elsewhere)"
+            "the CPU at --tp 1; column-major runs the few rows of a step a little faster there (auto = "
+            "column on the CPU, as loaded elsewhere)"
         },
     )
     threads: int = dataclasses.field(default=0, metadata={"help": "torch CPU threads (0 = torch's default)"})

@@ -264,7 +264,7 @@ def serve(config: VerifierConfig, model_dir: str) -> RunningServer:
         )
         model.eval()
         if resolve_layout(config.cpu_linear_layout, config.device) == "column":
-            log.info("cpu_linear_layout", layout="column", linears=use_column_major_weights(model))
+            log.info("cpu_linear_layout", layout="column", weights=use_column_major_weights(model))
         target = LocalTarget(model)
     static_plan = plan_static_step(config, model)  # None: eager steps; ValueError: an `on` it cannot honour
     mcfg = model.config
