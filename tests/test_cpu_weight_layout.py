@@ -40,6 +40,12 @@ def test_resolve_layout():
     assert resolve_layout("column", "cpu") == "column"
     with pytest.raises(ValueError, match="cpu_linear_layout must be one of auto, row, column"):
         resolve_layout("transposed", "cpu")
+    # the verifier's flag is checked when its config is validated (load_config does), before any model loads
+    from ddtree.config import VerifierConfig
+
+    VerifierConfig(cpu_linear_layout="row").validate()
+    with pytest.raises(ValueError, match="cpu_linear_layout must be auto, row or column, got 'transposed'"):
+        VerifierConfig(cpu_linear_layout="transposed").validate()
 
 
 def test_every_linear_and_expert_weight_but_the_viewed_ones_becomes_column_major(tmp_path):
