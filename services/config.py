@@ -18,6 +18,8 @@ ENV_PREFIX = "DDTREE_"
 # The floating-point dtypes a service or tool may be asked to compute in, by name (torch.float32, ...;
 # `ddtree.models.dtypes.TORCH_DTYPES` maps them: this module does not import torch).
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+# How the verifier stores its target's weights on the CPU (`ddtree.models.cpu_weight_layout` applies them).
+CPU_LINEAR_LAYOUTS = ("auto", "row", "column")
 DEFAULT_CHECKPOINT_DIR = pathlib.Path(os.environ.get("DDTREE_HOME", pathlib.Path.home() / ".cache" / "ddtree"))
 
 
@@ -287,7 +289,7 @@ class VerifierConfig(ServiceConfig):
             raise ValueError(f"tree_cut must be cost or fixed, got {self.tree_cut!r}")
         if self.grammar_tree not in ("table", "prune"):
             raise ValueError(f"grammar_tree must be table or prune, got {self.grammar_tree!r}")
-        if self.cpu_linear_layout not in ("auto", "row", "column"):
+        if self.cpu_linear_layout not in CPU_LINEAR_LAYOUTS:
             raise ValueError(f"cpu_linear_layout must be auto, row or column, got {self.cpu_linear_layout!r}")
         if self.cuda_graphs not in ("auto", "on", "off"):
             raise ValueError(f"cuda_graphs must be auto, on or off, got {self.cuda_graphs!r}")

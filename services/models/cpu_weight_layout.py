@@ -25,9 +25,10 @@ from __future__ import annotations
 
 from torch import nn
 
+from ddtree.config import CPU_LINEAR_LAYOUTS as LAYOUTS
+
 from .moe_experts import StackedProjection
 
-LAYOUTS = ("auto", "row", "column")
 # Linears whose weight another module reads as a view with row-major strides.
 VIEWED_WEIGHTS = ("kv_b_proj",)
 
