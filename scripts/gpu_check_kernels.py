@@ -10,6 +10,7 @@
   weight on the device.
 - the fused MoE, bf16 / INT4 / FP8 weights: scripts/bench_moe_kernels.py's `bench_model` (CUDA-graph
   timing, cosine difference from the per-expert torch loop), its rows folded into this table.
+- the drafter's block forward as a CUDA graph against the eager one (scripts/gpu_check_draft.py).
 
 Every row: kernel, shape, kernel µs, torch µs, the bytes the call must move / kernel time (GB/s), ok.
 """
@@ -24,6 +25,7 @@ import torch
 
 from scripts import bench_kernels as bk
 from scripts import bench_moe_kernels as bm
+from scripts.gpu_check_draft import draft_graph_cases
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,6 +205,9 @@ def run_kernels(dry_run: bool, device: torch.device, corrupt: bool = False, log=
              for T in plan.latent_tokens]  # fmt: skip
     jobs.append((functools.partial(gemm_cases, plan, device, measure, peak, corrupt), "dense gemm", "all"))
     jobs.append((functools.partial(moe_cases, plan, device, peak), "fused moe", "all"))
+    draft_row, draft_compare = functools.partial(_row, peak=peak), functools.partial(compare, corrupt=corrupt)
+    draft = functools.partial(draft_graph_cases, dry_run, device, measure, draft_compare, draft_row)
+    jobs.append((draft, "draft graph", "all"))
     rows = []
     for fn, kernel, shape in jobs:
         for row in _guarded(fn, kernel, shape):

@@ -128,6 +128,16 @@ class DrafterConfig(ServiceConfig):
         },
     )
     threads: int = dataclasses.field(default=0, metadata={"help": "torch CPU threads (0 = torch's default)"})
+    cuda_graphs: str = dataclasses.field(
+        default="auto",
+        metadata={
+            "help": "auto | on | off: draft block forwards at static shapes (sequences x context-rows buckets up "
+            "to the window), captured as CUDA graphs at start-up on CUDA; calls outside every bucket run "
+            "eagerly. auto = on for CUDA with a bounded --window, else eager (the log says why); on = "
+            "required (a bounded --window, or the drafter refuses to start; on the CPU: the static buffers "
+            "run without graphs)"
+        },
+    )
     warmup_sequences: int = dataclasses.field(
         default=16,
         metadata={
@@ -144,6 +154,10 @@ class DrafterConfig(ServiceConfig):
             raise ValueError(f"window must be >= 0 (0 = unlimited), got {self.window}")
         if self.max_sequences < 1:
             raise ValueError(f"max_sequences must be >= 1, got {self.max_sequences}")
+        if self.cuda_graphs not in ("auto", "on", "off"):
+            raise ValueError(f"cuda_graphs must be auto, on or off, got {self.cuda_graphs!r}")
+        if self.cuda_graphs == "on" and self.window == 0:
+            raise ValueError("--cuda-graphs on needs a bounded --window (contexts are padded to it); got 0")
         if not 1 <= self.default_budget <= self.max_budget:
             raise ValueError(f"default_budget must be in [1, max_budget={self.max_budget}], got {self.default_budget}")
         _check_dtype(self.dtype, allow_auto=True)

@@ -17,7 +17,7 @@ from scripts.gpu_check_serving import first_mismatch
 from tests import installed_env as env
 
 KERNELS = {"mla decode", "mla verify", "mla extend", "latent write", "fp8 gemm", "int4 gemm", "fused moe bf16",
-           "fused moe int4", "fused moe fp8"}  # fmt: skip
+           "fused moe int4", "fused moe fp8", "draft graph"}  # fmt: skip
 ROW_KEYS = {"mode", "kind", "context", "prompt_tokens", "tokens", "steps", "tau", "draft_ms", "verify_ms",
             "transport_ms", "step_ms", "decode_tok_s", "ttft_ms", "identical"}  # fmt: skip
 

@@ -95,6 +95,12 @@ class DraftEngine:
         self._context_dtype = torch.float32 if model.device.type == "cpu" else None
         shape_cached = model.device.type == "cpu" and model.dtype in (torch.bfloat16, torch.float16)
         self.kv_rows_per_call = KV_ROWS_PER_CALL if shape_cached else 0  # 0 = all commit rows in one call
+        self.static = None  # a static_draft.StaticDraft (--cuda-graphs): block forwards that fit a bucket run there
+
+    @property
+    def context_dtype(self) -> torch.dtype:
+        """The dtype the draft contexts hold their K/V in."""
+        return self._context_dtype or self.model.dtype
 
     @property
     def vocab_size(self) -> int:
@@ -281,7 +287,10 @@ class DraftEngine:
         block_pos = (
             root_pos[:, None] + torch.arange(B, device=model.device)[None, :]
         )  # [S, B]: the root's position first
-        hidden = model.forward_blocks(embeds, block_pos, [ctx.kv for ctx in contexts])  # [S, B, H]; not cached
+        kv = [ctx.kv for ctx in contexts]
+        hidden = self.static.run(embeds, block_pos, kv) if self.static is not None else None
+        if hidden is None:  # no static step, or the call fits none of its buckets
+            hidden = model.forward_blocks(embeds, block_pos, kv)  # [S, B, H]; not cached
         logits = model.compute_logits(hidden[:, 1:].reshape(S * (B - 1), -1), self.lm_head_weight)  # fp32
         logits = logits.view(S, B - 1, -1)  # slot d of block s -> depth d of sequence s
         budgets = [seq.budget or self.default_budget for seq in seqs]

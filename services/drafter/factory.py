@@ -27,7 +27,7 @@ def make_engine(cfg: DrafterConfig, model_dir: str, target_dir: str):
 
     model = load_drafter(model_dir).to(device=cfg.device, dtype=dtype).eval()
     head = load_tensors(target_dir, ["model.embed_tokens.weight", "lm_head.weight"])
-    return DraftEngine(
+    engine = DraftEngine(
         model,
         head["model.embed_tokens.weight"].to(cfg.device, dtype),
         head["lm_head.weight"].to(cfg.device, dtype),
@@ -35,3 +35,18 @@ def make_engine(cfg: DrafterConfig, model_dir: str, target_dir: str):
         default_budget=cfg.default_budget,
         max_budget=cfg.max_budget,
     )
+    engine.static = make_static_draft(cfg, engine)
+    return engine
+
+
+def make_static_draft(cfg: DrafterConfig, engine):
+    """The engine's static block step as `--cuda-graphs` asks (None: eager), its graphs captured now on CUDA."""
+    from ddtree.drafter.static_draft import StaticDraft, plan_static_draft
+
+    buckets = plan_static_draft(cfg.cuda_graphs, cfg.device, cfg.window)
+    if buckets is None:
+        return None
+    graphs = torch.device(cfg.device).type == "cuda"
+    static = StaticDraft(engine.model, buckets, engine.config.block_size, engine.context_dtype, graphs=graphs)
+    static.capture()
+    return static

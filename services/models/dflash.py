@@ -142,10 +142,16 @@ class DFlashDraftModel(nn.Module):
     def device(self) -> torch.device:
         return self.fc.weight.device
 
-    def cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+    def cos_sin(self, positions: Tensor, inv_freq: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """positions [n] -> rotate-half cos, sin [n, hd] in the model dtype (computed in fp32, as HF), for
-        apply_rope(..., interleaved=False) on q and k of every layer."""
-        return rope_cos_sin(positions, self._inv_freq, self._rope_scale, interleaved=False, dtype=self.dtype)
+        apply_rope(..., interleaved=False) on q and k of every layer. `inv_freq`: the frequencies already on
+        positions' device (`rope_inv_freq(device)`), so that nothing is copied from the host (a CUDA graph)."""
+        freqs = self._inv_freq if inv_freq is None else inv_freq
+        return rope_cos_sin(positions, freqs, self._rope_scale, interleaved=False, dtype=self.dtype)
+
+    def rope_inv_freq(self, device: torch.device) -> Tensor:
+        """The fp32 RoPE frequencies [hd/2] on `device` (a copy for static-shape forwards)."""
+        return self._inv_freq.to(device)
 
     def context_kv(self, features: Tensor, positions: Tensor) -> list[tuple[Tensor, Tensor]]:
         """features [n, len(ids) * H_t], positions [n] (absolute) -> per layer (K, V) [n, kvh, hd]."""
