@@ -27,6 +27,7 @@ from torch import Tensor
 
 from ddtree.models.dflash import DFlashDraftModel
 from ddtree.models.dflash_static import static_forward_blocks
+from ddtree.models.static_shapes import doubling_sizes, powers_of_two_up_to
 from ddtree.telemetry.logging import get_logger
 
 log = get_logger("ddtree.drafter.static_draft")
@@ -43,14 +44,7 @@ class DraftBucket:
 def draft_buckets(max_seqs: int, window: int, context_block: int = CONTEXT_BLOCK) -> tuple[DraftBucket, ...]:
     """Sequences 1, 2, 4, ... max_seqs x context rows context_block, 2·context_block, ... up to the window
     (the window itself last): about 5 x log2(window / context_block) graphs."""
-    if max_seqs < 1 or window < 1 or context_block < 1:
-        raise ValueError(f"max_seqs {max_seqs}, window {window}, context_block {context_block} must be >= 1")
-    seqs = sorted({min(1 << i, max_seqs) for i in range(max_seqs.bit_length() + 1)})
-    contexts, c = [], context_block
-    while c < window:
-        contexts.append(c)
-        c *= 2
-    contexts.append(window)
+    seqs, contexts = powers_of_two_up_to(max_seqs), doubling_sizes(context_block, window)
     return tuple(sorted(DraftBucket(s, c) for s in seqs for c in contexts))
 
 

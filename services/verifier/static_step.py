@@ -26,6 +26,7 @@ from ddtree.models.attention import AttentionMetadata
 from ddtree.models.deepseek_v3 import DeepseekV3ForCausalLM
 from ddtree.models.moe import DeepseekV3MoE
 from ddtree.models.static_forward import static_forward
+from ddtree.models.static_shapes import doubling_sizes, powers_of_two_up_to
 from ddtree.telemetry.logging import get_logger
 
 log = get_logger("ddtree.verifier.static_step")
@@ -47,13 +48,7 @@ def make_buckets(batch_sizes, row_sizes, key_sizes) -> tuple[Bucket, ...]:
 def default_buckets(max_batch: int, max_rows: int, max_keys: int, key_block: int = 512) -> tuple[Bucket, ...]:
     """Batch 1, 2, 4, ... max_batch; rows 1 (AR) and max_rows (a full tree); keys key_block, 2·key_block,
     4·key_block, ... up to max_keys (geometric: about log2(max_keys / key_block) graphs per (B, Q))."""
-    batches = sorted({min(1 << i, max_batch) for i in range(max_batch.bit_length() + 1)})
-    keys, k = [], key_block
-    while k < max_keys:
-        keys.append(k)
-        k *= 2
-    keys.append(max_keys)
-    return make_buckets(batches, sorted({1, max_rows}), keys)
+    return make_buckets(powers_of_two_up_to(max_batch), sorted({1, max_rows}), doubling_sizes(key_block, max_keys))
 
 
 class StepBuffers:
