@@ -51,13 +51,14 @@ def draft_graph_cases(dry_run: bool, device: torch.device, measure, compare, row
     static = StaticDraft(model, draft_buckets(16, window), BLOCK, model.dtype, graphs=device.type == "cuda")
     static.capture()
     rows = []
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator(device=device).manual_seed(1)  # inputs made on the device (GBs of features)
     for S, C in points:
         with torch.inference_mode():
-            feats = torch.randn(S * C, cfg.feature_size, generator=gen).to(device, model.dtype)
+            feats = torch.randn(S * C, cfg.feature_size, generator=gen, device=device).to(model.dtype)
             kv = model.context_kv(feats, torch.arange(C, device=device).repeat(S))
+            del feats
             contexts = [[(k[s * C : (s + 1) * C], v[s * C : (s + 1) * C]) for k, v in kv] for s in range(S)]
-            embeds = torch.randn(S, BLOCK, cfg.hidden_size, generator=gen).to(device, model.dtype)
+            embeds = torch.randn(S, BLOCK, cfg.hidden_size, generator=gen, device=device).to(model.dtype)
             positions = (C + torch.arange(BLOCK))[None, :].repeat(S, 1).to(device)
             want = model.forward_blocks(embeds, positions, contexts)
             got = static.run(embeds, positions, contexts)
