@@ -102,15 +102,16 @@ def _seq(seq_id: str, start: int, n: int, root: int, reset: bool, seed: int) -> 
     )  # fmt: skip
 
 
-def test_engine_with_static_drafts_the_same_trees(model) -> None:
+def _draft_side_by_side(model, static_draft) -> StaticDraft:
+    """Eight Draft calls (one or two sequences, contexts growing past the window) on an eager engine and on
+    one with `static_draft(engine)` as its static step: the same trees every time."""
     g = torch.Generator().manual_seed(0)
     emb, head = torch.randn(64, 32, generator=g), torch.randn(64, 32, generator=g) / 4
     eager = DraftEngine(model, emb, head, window=WINDOW)
     static = DraftEngine(model, emb, head, window=WINDOW)
-    static.static = make_static_draft(DrafterConfig(cuda_graphs="on", window=WINDOW), static)
-    assert static.static is not None and not static.static.graphs  # the CPU: buffers, no graphs
+    static.static = static_draft(static)
     ends = {"a": 0, "b": 0}
-    for step in range(8):  # contexts grow past the window; one or two sequences per call
+    for step in range(8):
         names = ["a", "b"] if step % 3 else ["a"]
         calls = []
         for k, name in enumerate(names):
@@ -118,7 +119,23 @@ def test_engine_with_static_drafts_the_same_trees(model) -> None:
             calls.append(_seq(name, ends[name], n, root=step + 3, reset=ends[name] == 0, seed=10 * step + k))
             ends[name] += n
         assert eager.draft(calls) == static.draft(calls)
-    assert static.static.replays == 8 and static.static.fallbacks == 0
+    return static.static
+
+
+def test_engine_with_static_drafts_the_same_trees(model) -> None:
+    static = _draft_side_by_side(
+        model, lambda eng: make_static_draft(DrafterConfig(cuda_graphs="on", window=WINDOW), eng)
+    )
+    assert not static.graphs  # the CPU: buffers, no graphs
+    assert static.replays == 8 and static.fallbacks == 0
+
+
+def test_calls_outside_the_buckets_draft_eagerly_the_same_trees(model) -> None:
+    # Buckets of at most one sequence and 8 context rows: most calls fall back to forward_blocks.
+    static = _draft_side_by_side(
+        model, lambda eng: StaticDraft(model, (DraftBucket(1, 8),), BLOCK, torch.float32, False)
+    )
+    assert static.replays >= 1 and static.fallbacks >= 5 and static.replays + static.fallbacks == 8
 
 
 def test_plan_and_config() -> None:
