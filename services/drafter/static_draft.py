@@ -61,7 +61,7 @@ class DraftBuffers:
         self.ctx_k = [torch.zeros(kv_shape, dtype=context_dtype, device=dev) for _ in model.layers]
         self.ctx_v = [torch.zeros(kv_shape, dtype=context_dtype, device=dev) for _ in model.layers]
         self.ctx_hidden = torch.ones(S, C, dtype=torch.bool, device=dev)
-        self.inv_freq = model.rope_inv_freq(dev)
+        self.inv_freq = model.inv_freq_on(dev)
 
     def views(self, b: DraftBucket) -> tuple:
         """static_forward_blocks' inputs for bucket b (after the model)."""

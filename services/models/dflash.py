@@ -145,11 +145,11 @@ class DFlashDraftModel(nn.Module):
     def cos_sin(self, positions: Tensor, inv_freq: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """positions [n] -> rotate-half cos, sin [n, hd] in the model dtype (computed in fp32, as HF), for
         apply_rope(..., interleaved=False) on q and k of every layer. `inv_freq`: the frequencies already on
-        positions' device (`rope_inv_freq(device)`), so that nothing is copied from the host (a CUDA graph)."""
+        positions' device (`inv_freq_on(device)`), so that nothing is copied from the host (a CUDA graph)."""
         freqs = self._inv_freq if inv_freq is None else inv_freq
         return rope_cos_sin(positions, freqs, self._rope_scale, interleaved=False, dtype=self.dtype)
 
-    def rope_inv_freq(self, device: torch.device) -> Tensor:
+    def inv_freq_on(self, device: torch.device) -> Tensor:
         """The fp32 RoPE frequencies [hd/2] on `device` (a copy for static-shape forwards)."""
         return self._inv_freq.to(device)
 
