@@ -248,6 +248,16 @@ class VerifierConfig(ServiceConfig):
             "refuses to start (on the CPU: the static buffers run without graphs)"
         },
     )
+    cpu_compile: str = dataclasses.field(
+        default="off",
+        metadata={
+            "help": "on | off: on the CPU, compile the verify / decode forward at static shapes with inductor, "
+            "one build per bucket (batch 1; rows 1 and budget + 1; keys 512 doubling up to max_context), made "
+            "at start-up (about 10 s each on the demo target; the log's cpu_compile_built line says how long); "
+            "steps outside every bucket run eagerly. Needs a C++ compiler (g++), --tp 1, and unquantized "
+            "routed experts (at most 16), or the verifier refuses to start"
+        },
+    )
     cuda_graph_reserve_gb: float = dataclasses.field(
         default=0.0,
         metadata={
@@ -312,6 +322,16 @@ class VerifierConfig(ServiceConfig):
                 f"--cuda-graphs on: not supported with --tp {self.tp} yet: the sharded target has no static "
                 "step (use auto or off)"
             )
+        if self.cpu_compile not in ("on", "off"):
+            raise ValueError(f"cpu_compile must be on or off, got {self.cpu_compile!r}")
+        if self.cpu_compile == "on":
+            if self.device.split(":")[0] != "cpu":
+                raise ValueError(f"--cpu-compile on is for --device cpu, got {self.device!r} (CUDA: --cuda-graphs)")
+            if self.tp > 1:
+                raise ValueError(f"--cpu-compile on: not supported with --tp {self.tp}: the sharded target has no "
+                                 "static step (use off)")  # fmt: skip
+            if self.cuda_graphs == "off":
+                raise ValueError("--cpu-compile on compiles the static step, which --cuda-graphs off turns off")
         if not self.cuda_graph_reserve_gb >= 0:
             raise ValueError(f"cuda_graph_reserve_gb must be >= 0 (0 = estimate), got {self.cuda_graph_reserve_gb}")
         if self.tp < 1:

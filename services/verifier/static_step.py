@@ -8,7 +8,9 @@ and the forward reads only the buffers: no host synchronisation and no data-depe
 so on CUDA each bucket is a captured graph (`torch.cuda.CUDAGraph`, one memory pool shared by all
 buckets, captured at start-up, largest first) and a step is copy-in + replay. A step that fits no
 bucket runs the eager forward (the same tokens). On the CPU the same buffers and forward run
-directly (`--cuda-graphs on`), which is what the tests check against the eager forward.
+directly (`--cuda-graphs on`), which is what the tests check against the eager forward, or compiled
+(`--cpu-compile on`: one inductor build per bucket, made at start-up, cpu_compile.py says why and
+what it gains), with fewer buckets: batch 1, rows 1 and a full tree, keys doubling from 512.
 
 `run` returns the final-normed hidden rows and the taps of the real rows in the eager forward's row
 order, so the LM head and the accept walk (target.py, greedy_head.py) do not know which ran.
@@ -28,10 +30,12 @@ from ddtree.models.moe import DeepseekV3MoE
 from ddtree.models.static_forward import static_forward
 from ddtree.models.static_shapes import doubling_sizes, powers_of_two_up_to
 from ddtree.telemetry.logging import get_logger
+from ddtree.verifier.cpu_compile import CompiledStaticForward, compiler_missing
 
 log = get_logger("ddtree.verifier.static_step")
 CPU_KEY_BLOCK = 128  # on the CPU, keys per sequence are padded to a multiple of this
 DENSE_EXPERTS = 16  # more routed experts per rank than this: eager only (a fused MoE would be the static route)
+COMPILED_KEY_BLOCK = 512  # --cpu-compile: the smallest keys bucket (then doubling), one build per bucket
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -66,6 +70,7 @@ class StepBuffers:
         # ever holds finite latents (a real row's weight 0 times a NaN there would still be NaN).
         self.hidden_mask[:, :, 0] = False
         self.rows = torch.arange(T, dtype=torch.int64, device=device)
+        self.key_cols = torch.full((T,), b.batch * b.keys, dtype=torch.int64, device=device)  # spliced mode
         self.out: tuple[torch.Tensor, torch.Tensor | None] | None = None  # graph outputs
         self.graph = None
 
@@ -76,6 +81,7 @@ class StepBuffers:
         host_ids = torch.zeros(b.batch * Q, dtype=torch.int64)
         host_pos = torch.zeros(b.batch * Q, dtype=torch.int64)
         write = torch.full((b.batch * Q,), self.pad_slot, dtype=torch.int64)
+        cols = torch.full((b.batch * Q,), b.batch * K, dtype=torch.int64)  # pad rows: the spare key row
         keys = torch.full((b.batch, K), self.pad_slot, dtype=torch.int64)
         hidden = torch.ones(b.batch, Q, K, dtype=torch.bool)
         hidden[:, :, 0] = False  # every row sees one key (padding rows: never read)
@@ -89,6 +95,7 @@ class StepBuffers:
             write[r0 : r0 + n] = s.new_slots.cpu()
             keys[i, :P] = s.prefix_slots.cpu()
             keys[i, P : P + n] = s.new_slots.cpu()
+            cols[r0 : r0 + n] = torch.arange(i * K + P, i * K + P + n)
             hidden[i, :n, :P] = False
             hidden[i, :n, P : P + n] = ~s.visible_new().cpu()
             where.append(torch.arange(r0, r0 + n))
@@ -98,12 +105,14 @@ class StepBuffers:
             (self.write_slots, write),
             (self.key_slots, keys),
             (self.hidden_mask, hidden),
+            (self.key_cols, cols),
         ):
             buf.copy_(host, non_blocking=True)
         return torch.cat(where) if where else torch.empty(0, dtype=torch.int64)
 
     def forward(self, model, kv_cache: torch.Tensor, taps: tuple[int, ...]):
-        return static_forward(
+        """static_forward in place: (hidden rows, taps), the cache written."""
+        hidden, tap, _ = static_forward(
             model,
             self.input_ids,
             self.positions,
@@ -113,6 +122,20 @@ class StepBuffers:
             kv_cache,
             self.rows,
             taps,
+        )
+        return hidden, tap
+
+    def spliced_inputs(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """CompiledStaticForward's inputs: these buffers and the cache."""
+        return (
+            self.input_ids,
+            self.positions,
+            self.write_slots,
+            self.key_slots,
+            self.hidden_mask,
+            kv_cache,
+            self.rows,
+            self.key_cols,
         )
 
 
@@ -125,14 +148,20 @@ class StaticStep:
         buckets: tuple[Bucket, ...],
         tap_layer_ids: tuple[int, ...],
         graphs: bool,
+        compiled: bool = False,
     ):
+        """graphs: capture a CUDA graph per bucket; compiled: an inductor build per bucket (CPU); neither:
+        the buffers run the forward directly."""
         if (reason := unsupported_reason(model)) is not None:
             raise ValueError(reason)
+        if graphs and compiled:
+            raise ValueError("a static step is CUDA graphs or CPU builds, not both")
         self.model, self.kv_cache, self.taps = model, kv_cache, tuple(tap_layer_ids)
         self.buckets = tuple(sorted(buckets))
         self._bucket_set = frozenset(self.buckets)
         self._sizes = [sorted({getattr(b, f) for b in self.buckets}) for f in ("batch", "rows", "keys")]
         self.graphs = graphs
+        self.compiled = CompiledStaticForward(model, self.taps, len(self.buckets)) if compiled else None
         self.pad_slot = pad_slot
         self._buffers: dict[Bucket, StepBuffers] = {}  # made on first use (all of them by capture)
         self.replays = 0
@@ -156,8 +185,10 @@ class StaticStep:
         return b if b in self._bucket_set else None
 
     def capture(self) -> float:
-        """Capture every bucket's graph (CUDA), largest first so that the shared pool is sized once;
-        returns the seconds it took."""
+        """Capture every bucket's graph (CUDA), largest first so that the shared pool is sized once, or make
+        every bucket's CPU build; returns the seconds it took."""
+        if self.compiled is not None:
+            return self._build_all()
         if not self.graphs:
             return 0.0
         t0 = time.perf_counter()
@@ -183,6 +214,17 @@ class StaticStep:
         log.info("cuda_graphs_captured", buckets=len(self.buckets), seconds=round(seconds, 2))
         return seconds
 
+    def _build_all(self) -> float:
+        """One build per bucket, smallest first. The builds run on the buffers as made (pad rows only),
+        which read the cache and write nothing."""
+        t0 = time.perf_counter()
+        for b in self.buckets:
+            buf = self._buffer(b)
+            self.compiled.build(*buf.spliced_inputs(self.kv_cache))
+        seconds = time.perf_counter() - t0
+        log.info("cpu_compile_built", buckets=len(self.buckets), seconds=round(seconds, 2))
+        return seconds
+
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, tap_layer_ids: tuple[int, ...]
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -197,6 +239,9 @@ class StaticStep:
         if buf.graph is not None:
             buf.graph.replay()
             hidden, taps = buf.out
+        elif self.compiled is not None:
+            hidden, taps, new_rows = self.compiled(*buf.spliced_inputs(self.kv_cache))
+            self.kv_cache.index_copy_(1, buf.write_slots, new_rows)  # [L, S, r+dr] at this step's slots
         else:
             hidden, taps = buf.forward(self.model, self.kv_cache, self.taps)
         self.replays += 1
@@ -210,6 +255,7 @@ class StaticPlan:
 
     buckets: tuple[Bucket, ...]
     graphs: bool  # captured as CUDA graphs (a CUDA device); else the buffers run directly (the CPU)
+    compiled: bool = False  # --cpu-compile on: an inductor build per bucket (the CPU)
 
 
 def unsupported_reason(model: DeepseekV3ForCausalLM) -> str | None:
@@ -232,6 +278,14 @@ def plan_static_step(config, model: DeepseekV3ForCausalLM) -> StaticPlan | None:
     saying why. `on` is strict: ValueError (the CLI's one-line start-up error) when this model cannot run at
     static shapes; at tp > 1 VerifierConfig.validate has refused it already."""
     cuda = torch.device(config.device).type == "cuda"
+    if config.cpu_compile == "on":  # VerifierConfig.validate: CPU, tp 1, static steps not off
+        if (missing := compiler_missing()) is not None:
+            raise ValueError(f"--cpu-compile on: {missing} (install one, or use --cpu-compile off)")
+        if (unsupported := unsupported_reason(model)) is not None:
+            raise ValueError(f"--cpu-compile on: {unsupported} (use --cpu-compile off)")
+        rows = config.default_budget + 1
+        keys = doubling_sizes(COMPILED_KEY_BLOCK, config.max_context + rows)
+        return StaticPlan(make_buckets((1,), sorted({1, rows}), keys), graphs=False, compiled=True)
     reason = None
     if config.cuda_graphs == "off":
         reason = "--cuda-graphs off"
@@ -259,7 +313,9 @@ def make_static_step(
     plan: StaticPlan, model: DeepseekV3ForCausalLM, pool, tap_layer_ids: tuple[int, ...]
 ) -> StaticStep:
     """The verifier's StaticStep for a plan, its graphs captured now (on CUDA)."""
-    step = StaticStep(model, pool.cache, pool.pad_slot, plan.buckets, tap_layer_ids, graphs=plan.graphs)
+    step = StaticStep(
+        model, pool.cache, pool.pad_slot, plan.buckets, tap_layer_ids, graphs=plan.graphs, compiled=plan.compiled
+    )
     step.capture()
-    log.info("static_step", buckets=len(plan.buckets), graphs=plan.graphs)
+    log.info("static_step", buckets=len(plan.buckets), graphs=plan.graphs, compiled=plan.compiled)
     return step
