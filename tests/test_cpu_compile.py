@@ -9,6 +9,8 @@ refused where it cannot run.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -117,3 +119,14 @@ def test_the_plan_has_one_sequence_two_row_sizes_and_doubling_keys(model):
     assert plan.compiled and not plan.graphs
     assert {(b.batch, b.rows) for b in plan.buckets} == {(1, 1), (1, 17)}
     assert sorted({b.keys for b in plan.buckets}) == [512, 1024, 2048, 3017]
+
+
+@needs_compiler
+def test_the_bench_script_runs_and_saves_its_table(tmp_path):
+    from scripts import bench_cpu_compile
+
+    out = tmp_path / "bench.json"
+    assert bench_cpu_compile.main(["--contexts", "16", "--rows", "3", "--repeats", "20", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["results"]
+    assert (row["context"], row["rows"]) == (16, 3) and row["same_argmax"] and row["max_logit_diff"] < 1e-3
+    assert row["eager_ms"] > 0 and row["compiled_ms"] > 0 and row["build_s"] > 0

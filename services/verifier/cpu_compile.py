@@ -81,10 +81,13 @@ class CompiledStaticForward:
 
     def __call__(self, *inputs: torch.Tensor):
         """(input_ids, positions, write_slots, key_slots, hidden_mask, kv_cache, rows, key_cols) ->
-        static_forward's (hidden rows, taps, cache rows)."""
-        with _compile_settings(self.builds):
+        static_forward's (hidden rows, taps, cache rows), from a build made by `build`. Inputs no build
+        fits raise (dynamo's fail_on_recompile stance) rather than build here, under other settings, in the
+        middle of a step."""
+        with torch.compiler.set_stance("fail_on_recompile"), torch.inference_mode():
             return self._compiled(*inputs)
 
     def build(self, *inputs: torch.Tensor) -> None:
         """Make the build for these inputs' shapes now (one call; its outputs are dropped)."""
-        self(*inputs)
+        with _compile_settings(self.builds):
+            self._compiled(*inputs)

@@ -240,7 +240,12 @@ class StaticStep:
             buf.graph.replay()
             hidden, taps = buf.out
         elif self.compiled is not None:
-            hidden, taps, new_rows = self.compiled(*buf.spliced_inputs(self.kv_cache))
+            try:
+                hidden, taps, new_rows = self.compiled(*buf.spliced_inputs(self.kv_cache))
+            except Exception as err:  # no build fits (it would have to build now): this step runs eagerly
+                log.warning("cpu_compile_miss", bucket=dataclasses.astuple(b), error=str(err)[:200])
+                self.fallbacks += 1
+                return None
             self.kv_cache.index_copy_(1, buf.write_slots, new_rows)  # [L, S, r+dr] at this step's slots
         else:
             hidden, taps = buf.forward(self.model, self.kv_cache, self.taps)
