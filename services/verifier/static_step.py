@@ -10,7 +10,8 @@ buckets, captured at start-up, largest first) and a step is copy-in + replay. A 
 bucket runs the eager forward (the same tokens). On the CPU the same buffers and forward run
 directly (`--cuda-graphs on`), which is what the tests check against the eager forward, or compiled
 (`--cpu-compile on`: one inductor build per bucket, made at start-up, cpu_compile.py says why and
-what it gains), with fewer buckets: batch 1, rows 1 and a full tree, keys doubling from 512.
+what it gains), with fewer buckets: batch 1, rows 1 and a full tree, keys doubling from 512 (trees up
+to COMPILED_TREE_KEYS).
 
 `run` returns the final-normed hidden rows and the taps of the real rows in the eager forward's row
 order, so the LM head and the accept walk (target.py, greedy_head.py) do not know which ran.
@@ -36,6 +37,10 @@ log = get_logger("ddtree.verifier.static_step")
 CPU_KEY_BLOCK = 128  # on the CPU, keys per sequence are padded to a multiple of this
 DENSE_EXPERTS = 16  # more routed experts per rank than this: eager only (a fused MoE would be the static route)
 COMPILED_KEY_BLOCK = 512  # --cpu-compile: the smallest keys bucket (then doubling), one build per bucket
+# --cpu-compile: trees get builds up to this many keys. Past it the static forward's masked softmax over
+# every padded key costs more than the eager path's in-place prefix runs (a 17-row tree at 4k: 11.2 vs
+# 10.0 ms, scripts/bench_cpu_compile.py), so longer trees run eagerly; an AR row gains at every length.
+COMPILED_TREE_KEYS = 2048
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -290,7 +295,9 @@ def plan_static_step(config, model: DeepseekV3ForCausalLM) -> StaticPlan | None:
             raise ValueError(f"--cpu-compile on: {unsupported} (use --cpu-compile off)")
         rows = config.default_budget + 1
         keys = doubling_sizes(COMPILED_KEY_BLOCK, config.max_context + rows)
-        return StaticPlan(make_buckets((1,), sorted({1, rows}), keys), graphs=False, compiled=True)
+        trees = [k for k in keys if k <= COMPILED_TREE_KEYS] if rows > 1 else []
+        buckets = make_buckets((1,), (1,), keys) + make_buckets((1,), (rows,), trees)
+        return StaticPlan(tuple(sorted(buckets)), graphs=False, compiled=True)
     reason = None
     if config.cuda_graphs == "off":
         reason = "--cuda-graphs off"
