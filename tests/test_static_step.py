@@ -138,12 +138,13 @@ def test_outside_every_bucket_is_left_to_the_eager_forward(model):
     assert step.fallbacks == 4
 
 
-def _generate(model, static: bool, prompts, steps: int) -> list[list[int]]:
+def _generate(model, static: bool, prompts, steps: int, buckets=BUCKETS, compiled=False) -> list[list[int]]:
     c = model.config
     pool = LatentKVPool(c.num_hidden_layers, 2048, c.kv_cache_width, torch.float32, "cpu")
     target = LocalTarget(model)
     if static:
-        target.static = StaticStep(model, pool.cache, pool.pad_slot, BUCKETS, TAPS, graphs=False)
+        target.static = StaticStep(model, pool.cache, pool.pad_slot, buckets, TAPS, graphs=False, compiled=compiled)
+        target.static.capture()  # the CPU builds with compiled; nothing without
     seqs = []
     for i, prompt in enumerate(prompts):
         s = Sequence(GenerateParams(f"r{i}", tuple(prompt), SamplingConfig(), 1000, frozenset(), True, 8))

@@ -10,17 +10,20 @@ each, around 103 matmuls that are themselves small. torch.compile (inductor) of 
 - static shapes, one build per bucket (B, Q, K): dynamic sizes (one build for all keys) ran slower than
   the eager forward on the demo;
 - spliced mode: the forward only reads the KV cache; this step's rows are written after it
-  (`index_copy_`, one op). A forward that mutates the cache makes the build copy the whole cache back
-  at every call (measured: 8.3 ms against 1.9 ms for one AR row at 1k context).
+  (`index_copy_`, one op). A forward that mutates the cache made the build copy the whole cache back at
+  every call (in an experiment: 8.3 ms against 1.9 ms for one AR row at 1k context).
 
-Measured on the demo target (fp32, 1 thread, Sapphire Rapids vCPU; `python -m scripts.bench_cpu_compile`
-prints the table): an AR forward at 1k context 4.0 -> 1.9 ms, a 17-row tree 8.5 -> 5.2 ms; each build
-~11 s. The compiled forward reorders floating-point sums: its logits differ from the eager forward's
-in the last bits (~1e-5), as the eager forward's own rows do between a 1-row and a 17-row batch.
+Measured on the demo target (fp32, 1 thread, a Sapphire Rapids vCPU) by
+`python -m scripts.bench_cpu_compile`: eager / compiled 1.51x, 1.46x, 1.23x for an AR row at 128, 1024,
+4096 tokens of context; 1.67x, 1.31x, 0.89x for a 17-row tree (so trees past 2048 keys stay eager:
+static_step.COMPILED_TREE_KEYS); each build ~11 s. The compiled forward reorders floating-point sums:
+its logits differ from the eager forward's in the last bits (~1e-5, the same argmax), as the eager
+forward's own rows do between a 1-row and a 17-row batch.
 
 The builds need a C++ compiler (inductor's, `g++` by default); `--cpu-compile on` without one is a
-start-up error, not a silent slow path. Each build holds its own packed copy of the weights (about the
-fp32 model's size per bucket: small for the demo, a reason the buckets are few).
+start-up error, not a silent slow path. Each build holds its own packed copy of the layer weights
+(measured: ~25-35 MB per build on the demo target, plus ~130 MB once for inductor itself), a reason the
+buckets are few.
 """
 
 from __future__ import annotations
