@@ -47,8 +47,7 @@ def test_the_spliced_forward_gives_the_in_place_numbers_and_rows(model):
             kv_in_place = kv.clone()
             want_h, want_t = buf.forward(model, kv_in_place, TAPS)
             kv_spliced = kv.clone()
-            got_h, got_t, rows = static_forward(model, *buf.spliced_inputs(kv_spliced)[:7], TAPS,
-                                                            key_cols=buf.key_cols)  # fmt: skip
+            got_h, got_t, rows = static_forward(model, *buf.step_inputs(kv_spliced), TAPS, key_cols=buf.key_cols)
             assert torch.equal(kv_spliced, kv), "the spliced forward must not write the cache"
             kv_spliced.index_copy_(1, buf.write_slots, rows)
         assert torch.equal(got_h.index_select(0, where), want_h.index_select(0, where)), f"{shapes}"

@@ -117,31 +117,16 @@ class StepBuffers:
 
     def forward(self, model, kv_cache: torch.Tensor, taps: tuple[int, ...]):
         """static_forward in place: (hidden rows, taps), the cache written."""
-        hidden, tap, _ = static_forward(
-            model,
-            self.input_ids,
-            self.positions,
-            self.write_slots,
-            self.key_slots,
-            self.hidden_mask,
-            kv_cache,
-            self.rows,
-            taps,
-        )
+        hidden, tap, _ = static_forward(model, *self.step_inputs(kv_cache), taps)
         return hidden, tap
 
+    def step_inputs(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """static_forward's tensors, in its order: these buffers and the cache."""
+        return self.input_ids, self.positions, self.write_slots, self.key_slots, self.hidden_mask, kv_cache, self.rows
+
     def spliced_inputs(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """CompiledStaticForward's inputs: these buffers and the cache."""
-        return (
-            self.input_ids,
-            self.positions,
-            self.write_slots,
-            self.key_slots,
-            self.hidden_mask,
-            kv_cache,
-            self.rows,
-            self.key_cols,
-        )
+        """CompiledStaticForward's inputs: step_inputs, then key_cols (spliced mode)."""
+        return (*self.step_inputs(kv_cache), self.key_cols)
 
 
 class StaticStep:
