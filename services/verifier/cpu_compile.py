@@ -71,7 +71,7 @@ def _compile_settings(builds: int) -> abc.Iterator[None]:
 class CompiledStaticForward:
     """static_forward of `model` (spliced mode, these taps) compiled for the CPU, one build per input
     shape (static: `dynamic=False`), at most `builds` of them: call `build` once per bucket at start-up;
-    a call with a shape never built would build then (a step's worth of seconds), so callers don't."""
+    a later call whose shapes no build fits raises (StaticStep.run then runs that step eagerly)."""
 
     def __init__(self, model, tap_layer_ids: tuple[int, ...], builds: int):
         fn = functools.partial(static_forward, model, tap_layer_ids=tuple(tap_layer_ids))
