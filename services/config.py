@@ -251,9 +251,9 @@ class VerifierConfig(ServiceConfig):
     cpu_compile: str = dataclasses.field(
         default="off",
         metadata={
-            "help": "on | off: on the CPU, compile the verify / decode forward at static shapes with inductor, "
+            "help": "on | off: on the CPU, compile the verify / decode forward at static shapes ahead of time (AOTInductor), "
             "one build per bucket (batch 1; rows 1 and budget + 1; keys 512 doubling up to max_context, trees up to "
-            "2048), made at start-up (about 10 s each on the demo target; the log's cpu_compile_built line says how long); "
+            "2048), made at start-up (about 13 s each on the demo target; the log's cpu_compile_built line says how long); "
             "steps outside every bucket run eagerly. Needs a C++ compiler (g++), --tp 1, and unquantized "
             "routed experts (at most 16), or the verifier refuses to start"
         },

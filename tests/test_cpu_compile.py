@@ -55,6 +55,42 @@ def test_the_spliced_forward_gives_the_in_place_numbers_and_rows(model):
         assert torch.equal(kv_spliced[:, :S], kv_in_place[:, :S]), f"{shapes}: other cache rows"
 
 
+def test_one_cpu_row_runs_its_top_k_experts_with_the_dense_bits(model, monkeypatch):
+    """static_forward's MoE on one row computes only the row's top-k experts (counted), and gives the sum
+    over every expert, written out here (the skipped ones weigh 0), bit for bit."""
+    from torch.nn import functional
+
+    from ddtree.models.moe import DeepseekV3MoE
+    from ddtree.models.static_forward import _dense_moe
+
+    moes = [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, DeepseekV3MoE)]
+    g = torch.Generator().manual_seed(3)
+    with torch.inference_mode():
+        for t in range(40):
+            x = torch.randn(1, model.config.hidden_size, generator=g) * (1 + t % 4)
+            for moe in moes:
+                weights, idx = moe.gate(x)
+                gate, up, down = (p.weight for p in moe.experts.projections())
+                want = torch.zeros(1, down.shape[1])
+                for e in range(gate.shape[0]):  # every expert, ascending; weight 0 off the top-k
+                    w = weights[0][idx[0] == e].sum()
+                    want = want + functional.linear(functional.silu(x @ gate[e].T) * (x @ up[e].T), down[e]) * w
+                assert torch.equal(_dense_moe(moe, x), want + moe.shared_experts(x))
+    moe, real, seen = moes[0], functional.linear, []
+
+    def counting(inp, w, *args):
+        seen.append(w.data_ptr())
+        return real(inp, w, *args)
+
+    monkeypatch.setattr(functional, "linear", counting)
+    gate_weights = {moe.experts.gate_proj.weight[e].data_ptr() for e in range(moe.experts.num_local)}
+    with torch.inference_mode():
+        for rows, experts in ((1, model.config.num_experts_per_tok), (2, moe.experts.num_local)):
+            seen.clear()
+            _dense_moe(moe, torch.randn(rows, model.config.hidden_size, generator=g))
+            assert len(gate_weights & set(seen)) == experts, f"{rows} row(s)"
+
+
 needs_compiler = pytest.mark.skipif(compiler_missing() is not None, reason=f"{compiler_missing()}")
 ONE_SEQUENCE = make_buckets((1,), (1, 8), (64,))  # two builds
 
@@ -112,7 +148,10 @@ def test_the_plan_has_one_sequence_two_row_sizes_and_doubling_keys(model):
     assert plan.compiled and not plan.graphs
     assert {(b.batch, b.rows) for b in plan.buckets} == {(1, 1), (1, 17)}
     assert sorted(b.keys for b in plan.buckets if b.rows == 1) == [512, 1024, 2048, 3017]
-    assert sorted(b.keys for b in plan.buckets if b.rows == 17) == [512, 1024, 2048]  # COMPILED_TREE_KEYS
+    assert sorted(b.keys for b in plan.buckets if b.rows == 17) == [512, 1024, 2048, 3017]
+    longer = plan_static_step(VerifierConfig(cpu_compile="on", max_context=6000, default_budget=16), model)
+    assert sorted(b.keys for b in longer.buckets if b.rows == 1) == [512, 1024, 2048, 4096, 6017]
+    assert max(b.keys for b in longer.buckets if b.rows == 17) == static_step.COMPILED_TREE_KEYS == 4096
 
 
 @needs_compiler

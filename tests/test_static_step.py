@@ -346,7 +346,7 @@ def test_graph_pool_estimate_against_the_buffers_and_the_measured_forward(model)
         kv = kv.to(dtype)
         for k, b in enumerate(buckets):
             buf = _fill_buffers(m, b, S, seed=k)
-            inputs = (buf.input_ids, buf.positions, buf.write_slots, buf.key_slots, buf.hidden_mask, buf.rows)
+            inputs = (buf.input_ids, buf.positions, buf.write_slots, buf.key_slots, buf.key_bias, buf.rows)
             existing = [*m.parameters(), *m.buffers(), kv, *inputs]
             with torch.inference_mode(), LivePeak(existing) as meter:
                 hidden, taps = buf.forward(m, kv, TAPS)

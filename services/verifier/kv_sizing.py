@@ -144,7 +144,9 @@ I64 = 8
 def static_buffer_bytes(batch: int, rows: int, keys: int, hidden: int, n_taps: int, dtype_bytes: int) -> int:
     """One bucket's StepBuffers (models/static_forward.py's layout) and its captured outputs."""
     T = batch * rows
-    inputs = 4 * T * I64 + batch * keys * I64 + batch * rows * keys  # ids, positions, writes, rows; key_slots; mask
+    inputs = (
+        4 * T * I64 + batch * keys * I64 + batch * rows * keys * F32
+    )  # ids, positions, writes, rows; key_slots; key_bias
     outputs = T * hidden * dtype_bytes * (1 + n_taps)  # final-normed rows [T, d], taps [T, n_taps·d]
     return inputs + outputs
 
@@ -188,9 +190,10 @@ def static_forward_peak_bytes(mc, batch: int, rows: int, keys: int, n_taps: int,
         shared = mc.n_shared_experts * inter
         routing = T * d * up + 3 * T * E * F32 + T * k * (F32 + 2 * I64)  # router: x in fp32, logits, scores, choice
         routing += 4 * T * k * I64 + T * (E + 1) * F32  # local ids, keep, the combine weights
-        experts = max(
-            3 * E * T * inter * s,  # silu(gate) and up [E, T, I], their product
-            E * T * inter * s + E * T * d * (s + up + F32),  # the product, down [E, T, d], in fp32, × combine
+        # One expert at a time (static_forward._dense_moe); the running sum [T, d] fp32 is held throughout.
+        experts = T * d * F32 + max(
+            3 * T * inter * s,  # silu(gate), up, their product
+            T * inter * s + T * d * (s + up + F32) + T * d * F32,  # the product, down, in fp32, × combine, the new sum
         )
         combine = T * d * F32 + 3 * T * shared * s + T * d * (s + up + F32)  # the sum; the shared experts, added
         moe = routing + experts + combine

@@ -9,7 +9,7 @@ so on CUDA each bucket is a captured graph (`torch.cuda.CUDAGraph`, one memory p
 buckets, captured at start-up, largest first) and a step is copy-in + replay. A step that fits no
 bucket runs the eager forward (the same tokens). On the CPU the same buffers and forward run
 directly (`--cuda-graphs on`), which is what the tests check against the eager forward, or compiled
-(`--cpu-compile on`: one inductor build per bucket, made at start-up, cpu_compile.py says why and
+(`--cpu-compile on`: one AOTInductor build per bucket, made at start-up, cpu_compile.py says why and
 what it gains), with fewer buckets: batch 1, rows 1 and a full tree, keys doubling from 512 (trees up
 to COMPILED_TREE_KEYS).
 
@@ -37,10 +37,12 @@ log = get_logger("ddtree.verifier.static_step")
 CPU_KEY_BLOCK = 128  # on the CPU, keys per sequence are padded to a multiple of this
 DENSE_EXPERTS = 16  # more routed experts per rank than this: eager only (a fused MoE would be the static route)
 COMPILED_KEY_BLOCK = 512  # --cpu-compile: the smallest keys bucket (then doubling), one build per bucket
-# --cpu-compile: trees get builds up to this many keys. Past it the static forward's masked softmax over
-# every padded key costs more than the eager path's in-place prefix runs (a 17-row tree at 4k: 11.2 vs
-# 10.0 ms, scripts/bench_cpu_compile.py), so longer trees run eagerly; an AR row gains at every length.
-COMPILED_TREE_KEYS = 2048
+# --cpu-compile: trees get builds up to this many keys. A tree's compiled step pays for every padded key
+# (attention over the bucket's keys is most of it), so one just past a bucket edge costs about twice the
+# one at the edge: a 17-row tree, compiled / eager, 3.5 / 6.7 ms at 128 keys, 4.6 / 8.1 at 1k, 8.8 / 12.0
+# at 4k (scripts/bench_cpu_compile.py), so a build for 8k keys (~2 x 8.8) would lose to the eager step at
+# 4k; longer trees run eagerly. An AR row gains at every length (1.5 / 4.1 ms at 128, 2.5 / 5.0 at 4k).
+COMPILED_TREE_KEYS = 4096
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -70,14 +72,15 @@ class StepBuffers:
         self.positions = torch.zeros(T, dtype=torch.int64, device=device)
         self.write_slots = torch.full((T,), pad_slot, dtype=torch.int64, device=device)
         self.key_slots = torch.full((b.batch, b.keys), pad_slot, dtype=torch.int64, device=device)
-        self.hidden_mask = torch.ones(b.batch, b.rows, b.keys, dtype=torch.bool, device=device)
+        self.key_bias = torch.full((b.batch, b.rows, b.keys), float("-inf"), device=device)
         # Every row sees key 0, also in the warm-up and capture runs: no all -inf row, so the pad slot only
         # ever holds finite latents (a real row's weight 0 times a NaN there would still be NaN).
-        self.hidden_mask[:, :, 0] = False
+        self.key_bias[:, :, 0] = 0.0
         self.rows = torch.arange(T, dtype=torch.int64, device=device)
         self.key_cols = torch.full((T,), b.batch * b.keys, dtype=torch.int64, device=device)  # spliced mode
         self.out: tuple[torch.Tensor, torch.Tensor | None] | None = None  # graph outputs
         self.graph = None
+        self.compiled: CompiledStaticForward | None = None  # --cpu-compile: this bucket's build
 
     def fill(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Copy one step into the buffers; returns int64 [T_real]: each real row's padded row."""
@@ -88,8 +91,8 @@ class StepBuffers:
         write = torch.full((b.batch * Q,), self.pad_slot, dtype=torch.int64)
         cols = torch.full((b.batch * Q,), b.batch * K, dtype=torch.int64)  # pad rows: the spare key row
         keys = torch.full((b.batch, K), self.pad_slot, dtype=torch.int64)
-        hidden = torch.ones(b.batch, Q, K, dtype=torch.bool)
-        hidden[:, :, 0] = False  # every row sees one key (padding rows: never read)
+        bias = torch.full((b.batch, Q, K), float("-inf"))
+        bias[:, :, 0] = 0.0  # every row sees one key (padding rows: never read)
         where = []
         ids, pos = ids.cpu(), pos.cpu()
         for i, s in enumerate(meta.seqs):
@@ -101,15 +104,15 @@ class StepBuffers:
             keys[i, :P] = s.prefix_slots.cpu()
             keys[i, P : P + n] = s.new_slots.cpu()
             cols[r0 : r0 + n] = torch.arange(i * K + P, i * K + P + n)
-            hidden[i, :n, :P] = False
-            hidden[i, :n, P : P + n] = ~s.visible_new().cpu()
+            bias[i, :n, :P] = 0.0
+            bias[i, :n, P : P + n] = torch.where(s.visible_new().cpu(), 0.0, float("-inf"))
             where.append(torch.arange(r0, r0 + n))
         for buf, host in (
             (self.input_ids, host_ids),
             (self.positions, host_pos),
             (self.write_slots, write),
             (self.key_slots, keys),
-            (self.hidden_mask, hidden),
+            (self.key_bias, bias),
             (self.key_cols, cols),
         ):
             buf.copy_(host, non_blocking=True)
@@ -122,7 +125,7 @@ class StepBuffers:
 
     def step_inputs(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """static_forward's tensors, in its order: these buffers and the cache."""
-        return self.input_ids, self.positions, self.write_slots, self.key_slots, self.hidden_mask, kv_cache, self.rows
+        return self.input_ids, self.positions, self.write_slots, self.key_slots, self.key_bias, kv_cache, self.rows
 
     def spliced_inputs(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """CompiledStaticForward's inputs: step_inputs, then key_cols (spliced mode)."""
@@ -140,7 +143,7 @@ class StaticStep:
         graphs: bool,
         compiled: bool = False,
     ):
-        """graphs: capture a CUDA graph per bucket; compiled: an inductor build per bucket (CPU); neither:
+        """graphs: capture a CUDA graph per bucket; compiled: an AOTInductor build per bucket (CPU); neither:
         the buffers run the forward directly."""
         if (reason := unsupported_reason(model)) is not None:
             raise ValueError(reason)
@@ -151,7 +154,7 @@ class StaticStep:
         self._bucket_set = frozenset(self.buckets)
         self._sizes = [sorted({getattr(b, f) for b in self.buckets}) for f in ("batch", "rows", "keys")]
         self.graphs = graphs
-        self.compiled = CompiledStaticForward(model, self.taps, len(self.buckets)) if compiled else None
+        self.compiled = compiled
         self.pad_slot = pad_slot
         self._buffers: dict[Bucket, StepBuffers] = {}  # made on first use (all of them by capture)
         self.replays = 0
@@ -177,7 +180,7 @@ class StaticStep:
     def capture(self) -> float:
         """Capture every bucket's graph (CUDA), largest first so that the shared pool is sized once, or make
         every bucket's CPU build; returns the seconds it took."""
-        if self.compiled is not None:
+        if self.compiled:
             return self._build_all()
         if not self.graphs:
             return 0.0
@@ -210,7 +213,7 @@ class StaticStep:
         t0 = time.perf_counter()
         for b in self.buckets:
             buf = self._buffer(b)
-            self.compiled.build(*buf.spliced_inputs(self.kv_cache))
+            buf.compiled = CompiledStaticForward(self.model, self.taps, buf.spliced_inputs(self.kv_cache))
         seconds = time.perf_counter() - t0
         log.info("cpu_compile_built", buckets=len(self.buckets), seconds=round(seconds, 2))
         return seconds
@@ -229,13 +232,8 @@ class StaticStep:
         if buf.graph is not None:
             buf.graph.replay()
             hidden, taps = buf.out
-        elif self.compiled is not None:
-            try:
-                hidden, taps, new_rows = self.compiled(*buf.spliced_inputs(self.kv_cache))
-            except Exception as err:  # no build fits (it would have to build now): this step runs eagerly
-                log.warning("cpu_compile_miss", bucket=dataclasses.astuple(b), error=str(err)[:200])
-                self.fallbacks += 1
-                return None
+        elif buf.compiled is not None:
+            hidden, taps, new_rows = buf.compiled(*buf.spliced_inputs(self.kv_cache))
             self.kv_cache.index_copy_(1, buf.write_slots, new_rows)  # [L, S, r+dr] at this step's slots
         else:
             hidden, taps = buf.forward(self.model, self.kv_cache, self.taps)
@@ -250,7 +248,7 @@ class StaticPlan:
 
     buckets: tuple[Bucket, ...]
     graphs: bool  # captured as CUDA graphs (a CUDA device); else the buffers run directly (the CPU)
-    compiled: bool = False  # --cpu-compile on: an inductor build per bucket (the CPU)
+    compiled: bool = False  # --cpu-compile on: an AOTInductor build per bucket (the CPU)
 
 
 def unsupported_reason(model: DeepseekV3ForCausalLM) -> str | None:
