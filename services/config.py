@@ -138,6 +138,16 @@ class DrafterConfig(ServiceConfig):
             "run without graphs)"
         },
     )
+    cpu_compile: str = dataclasses.field(
+        default="off",
+        metadata={
+            "help": "on | off: on the CPU, compile the draft block forward at static shapes ahead of time "
+            "(AOTInductor), one build per context bucket of one sequence (256 rows doubling up to the "
+            "window), made at start-up (a few seconds each on the demo drafter; the log's "
+            "draft_cpu_compile_built line says how long); calls outside every bucket run eagerly. Needs a C++ "
+            "compiler (g++) and a bounded --window"
+        },
+    )
     warmup_sequences: int = dataclasses.field(
         default=16,
         metadata={
@@ -158,6 +168,15 @@ class DrafterConfig(ServiceConfig):
             raise ValueError(f"cuda_graphs must be auto, on or off, got {self.cuda_graphs!r}")
         if self.cuda_graphs == "on" and self.window == 0:
             raise ValueError("--cuda-graphs on needs a bounded --window (contexts are padded to it); got 0")
+        if self.cpu_compile not in ("on", "off"):
+            raise ValueError(f"cpu_compile must be on or off, got {self.cpu_compile!r}")
+        if self.cpu_compile == "on":
+            if self.device.split(":")[0] != "cpu":
+                raise ValueError(f"--cpu-compile on is for --device cpu, got {self.device!r} (CUDA: --cuda-graphs)")
+            if self.window == 0:
+                raise ValueError("--cpu-compile on needs a bounded --window (contexts are padded to it); got 0")
+            if self.cuda_graphs == "off":
+                raise ValueError("--cpu-compile on compiles the static draft, which --cuda-graphs off turns off")
         if not 1 <= self.default_budget <= self.max_budget:
             raise ValueError(f"default_budget must be in [1, max_budget={self.max_budget}], got {self.default_budget}")
         _check_dtype(self.dtype, allow_auto=True)

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from ddtree.config import VerifierConfig
+from ddtree.models.aot_compile import compiler_missing
 from ddtree.models.loader import load_target
 from ddtree.models.static_forward import static_forward
 from ddtree.verifier import static_step
-from ddtree.verifier.cpu_compile import compiler_missing
 from ddtree.verifier.static_step import StaticStep, StepBuffers, make_buckets, plan_static_step
 from tests.test_static_step import EDGES, TAPS, _generate, _meta
 

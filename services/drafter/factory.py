@@ -40,13 +40,15 @@ def make_engine(cfg: DrafterConfig, model_dir: str, target_dir: str):
 
 
 def make_static_draft(cfg: DrafterConfig, engine):
-    """The engine's static block step as `--cuda-graphs` asks (None: eager), its graphs captured now on CUDA."""
+    """The engine's static block step as `--cuda-graphs` / `--cpu-compile` ask (None: eager), its graphs
+    captured now on CUDA, or its CPU builds made now."""
     from ddtree.drafter.static_draft import StaticDraft, plan_static_draft
 
-    buckets = plan_static_draft(cfg.cuda_graphs, cfg.device, cfg.window)
+    buckets = plan_static_draft(cfg.cuda_graphs, cfg.device, cfg.window, cfg.cpu_compile == "on")
     if buckets is None:
         return None
     graphs = torch.device(cfg.device).type == "cuda"
-    static = StaticDraft(engine.model, buckets, engine.config.block_size, engine.context_dtype, graphs=graphs)
+    compiled = cfg.cpu_compile == "on"
+    static = StaticDraft(engine.model, buckets, engine.config.block_size, engine.context_dtype, graphs, compiled)
     static.capture()
     return static

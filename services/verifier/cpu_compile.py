@@ -20,34 +20,17 @@ Measured on the demo target (fp32, 1 thread, a Sapphire Rapids vCPU) by
 floating-point sums: its logits differ from the eager forward's in the last bits (~1e-5, the same
 argmax), as the eager forward's own rows do between a 1-row and a 17-row batch.
 
-The builds need a C++ compiler (inductor's, `g++` by default); `--cpu-compile on` without one is a
-start-up error, not a silent slow path. Each build holds its own packed copy of the layer weights (a
-reason the buckets are few); the packages are written to a temporary directory, removed once loaded.
+The builds (models/aot_compile.py) need a C++ compiler (inductor's, `g++` by default); `--cpu-compile
+on` without one is a start-up error, not a silent slow path. Each build holds its own copy of the layer
+weights (a reason the buckets are few).
 """
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from pathlib import Path
-
 import torch
-import torch._inductor.config as inductor_config
 
+from ddtree.models.aot_compile import aot_compile
 from ddtree.models.static_forward import static_forward
-
-
-def compiler_missing() -> str | None:
-    """Why inductor cannot build C++ here (no compiler on PATH), or None."""
-    try:
-        from torch._inductor.cpp_builder import get_cpp_compiler
-
-        compiler = get_cpp_compiler()
-    except Exception as err:  # inductor raises when its search finds nothing
-        return f"inductor finds no C++ compiler ({err})"
-    if shutil.which(compiler) is None:
-        return f"inductor's C++ compiler {compiler!r} is not on PATH"
-    return None
 
 
 class _SplicedForward(torch.nn.Module):
@@ -70,14 +53,7 @@ class CompiledStaticForward:
     static_forward's (hidden rows, taps, cache rows)."""
 
     def __init__(self, model, tap_layer_ids: tuple[int, ...], inputs: tuple[torch.Tensor, ...]):
-        module = _SplicedForward(model, tap_layer_ids).eval()
-        # Outside inference mode, export and build alike: a build made under inference mode ran 2x slower
-        # (measured on the demo: 2.2 against 1.1 ms for one AR row at 512 keys).
-        with torch.inference_mode(False), tempfile.TemporaryDirectory(prefix="ddtree-cpu-build-") as tmp:
-            program = torch.export.export(module, tuple(t.clone() for t in inputs), strict=False)
-            with inductor_config.patch(freezing=True):
-                package = torch._inductor.aoti_compile_and_package(program, package_path=str(Path(tmp) / "step.pt2"))
-            self._run = torch._inductor.aoti_load_package(package)
+        self._run = aot_compile(_SplicedForward(model, tap_layer_ids), inputs)
         self.shapes = tuple(tuple(t.shape) for t in inputs)
 
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:

@@ -25,13 +25,14 @@ import time
 
 import torch
 
+from ddtree.models.aot_compile import compiler_missing
 from ddtree.models.attention import AttentionMetadata
 from ddtree.models.deepseek_v3 import DeepseekV3ForCausalLM
 from ddtree.models.moe import DeepseekV3MoE
 from ddtree.models.static_forward import static_forward
 from ddtree.models.static_shapes import doubling_sizes, powers_of_two_up_to
 from ddtree.telemetry.logging import get_logger
-from ddtree.verifier.cpu_compile import CompiledStaticForward, compiler_missing
+from ddtree.verifier.cpu_compile import CompiledStaticForward
 
 log = get_logger("ddtree.verifier.static_step")
 CPU_KEY_BLOCK = 128  # on the CPU, keys per sequence are padded to a multiple of this
