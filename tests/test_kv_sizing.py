@@ -127,9 +127,9 @@ def test_graph_pool_reserve_is_every_buffer_and_two_largest_forwards_with_the_ma
     assert largest == Bucket(4, 9, 128)
     want = int(GRAPH_POOL_SAFETY * (total_buffers + WARMUP_COPIES * peak)) + GRAPH_POOL_SLACK
     assert graph_pool_reserve(SMALL, buckets, 2, 2) == want
-    # Each bucket's buffers, tensor by tensor (models/static_forward.py's layout: fp32 key bias, bf16 outputs).
+    # Each bucket's buffers, tensor by tensor (models/static_forward.py's layout: bf16 key bias and outputs).
     T = 4 * 9
-    assert static_buffer_bytes(4, 9, 128, 64, 2, 2) == 4 * T * 8 + 4 * 128 * 8 + 4 * 9 * 128 * 4 + T * 64 * 2 * 3
+    assert static_buffer_bytes(4, 9, 128, 64, 2, 2) == 4 * T * 8 + 4 * 128 * 8 + 4 * 9 * 128 * 2 + T * 64 * 2 * 3
 
 
 def test_graph_reserve_for_a_config():

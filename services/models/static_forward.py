@@ -8,7 +8,7 @@ as a slot table of K entries:
     positions   int64 [B·Q]
     write_slots int64 [B·Q]        pad rows write to the pool's pad slot (never handed out)
     key_slots   int64 [B, K]       prefix slots, then the sequence's new slots, then the pad slot
-    key_bias    fp32  [B, Q, K]    added to the scores: 0 where a row sees a key, -inf where it must not
+    key_bias    bf16  [B, Q, K]    added to the fp32 scores: 0 where a row sees a key, -inf where it must not
                                    (padding, the tree/causal mask); a pad row sees the pad slot only, so
                                    no row is all -inf. A float input, not a bool mask: inductor's CPU
                                    build of a masked_fill from bools ran the softmax 5x slower
@@ -52,7 +52,7 @@ def static_forward(
     positions: torch.Tensor,  # int64 [B·Q]
     write_slots: torch.Tensor,  # int64 [B·Q]
     key_slots: torch.Tensor,  # int64 [B, K]
-    key_bias: torch.Tensor,  # fp32 [B, Q, K]: 0 seen, -inf hidden
+    key_bias: torch.Tensor,  # bf16 [B, Q, K]: 0 seen, -inf hidden
     kv_cache: torch.Tensor,  # [num_layers, S, r + dr], written in place
     rows: torch.Tensor,  # int64 [R]
     tap_layer_ids: tuple[int, ...] = (),
@@ -84,7 +84,7 @@ def _attention(
     rope: PositionRope,
     write_slots: torch.Tensor,  # [T]
     key_slots: torch.Tensor,  # [B, K]
-    key_bias: torch.Tensor,  # fp32 [B, Q, K]
+    key_bias: torch.Tensor,  # bf16 [B, Q, K]
     kv_layer: torch.Tensor,  # [S, r + dr]
     key_cols: torch.Tensor | None,  # [T] spliced mode, or None: written in place
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [T, d], this layer's cache rows [T, r + dr] (cache dtype)

@@ -4,8 +4,8 @@ On the CPU a step of the demo target is mostly fixed cost: ~700 small aten ops p
 each, around 100 matmuls that are themselves small. Compiling the static-shape forward
 (models/static_forward.py, spliced mode) ahead of time removes nearly all of it:
 
-- `freezing`: the model's weights become constants of the build, so linears run as prepacked oneDNN / MKL
-  matmuls and everything between them (norms, RoPE, the router, softmax) is fused into C++ loops;
+- `freezing`: the model's weights become constants of the build, so linears run as BLAS matmuls on them
+  and everything between them (norms, RoPE, the router, softmax) is fused into C++ loops;
 - AOTInductor (`torch.export` then `aoti_compile_and_package`): the build is a shared library called
   straight from the step, without torch.compile's guards and runtime wrappers around it (0.3 ms of a
   2 ms call on the demo); each bucket's step calls its own build, so nothing is looked up per call;
@@ -54,7 +54,6 @@ class CompiledStaticForward:
 
     def __init__(self, model, tap_layer_ids: tuple[int, ...], inputs: tuple[torch.Tensor, ...]):
         self._run = aot_compile(_SplicedForward(model, tap_layer_ids), inputs)
-        self.shapes = tuple(tuple(t.shape) for t in inputs)
 
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         return self._run(*inputs)

@@ -144,9 +144,8 @@ I64 = 8
 def static_buffer_bytes(batch: int, rows: int, keys: int, hidden: int, n_taps: int, dtype_bytes: int) -> int:
     """One bucket's StepBuffers (models/static_forward.py's layout) and its captured outputs."""
     T = batch * rows
-    inputs = (
-        4 * T * I64 + batch * keys * I64 + batch * rows * keys * F32
-    )  # ids, positions, writes, rows; key_slots; key_bias
+    # ids, positions, writes, rows; key_slots; key_bias (bf16)
+    inputs = 4 * T * I64 + batch * keys * I64 + batch * rows * keys * 2
     outputs = T * hidden * dtype_bytes * (1 + n_taps)  # final-normed rows [T, d], taps [T, n_taps·d]
     return inputs + outputs
 

@@ -73,7 +73,8 @@ class StepBuffers:
         self.positions = torch.zeros(T, dtype=torch.int64, device=device)
         self.write_slots = torch.full((T,), pad_slot, dtype=torch.int64, device=device)
         self.key_slots = torch.full((b.batch, b.keys), pad_slot, dtype=torch.int64, device=device)
-        self.key_bias = torch.full((b.batch, b.rows, b.keys), float("-inf"), device=device)
+        # bf16 holds 0 and -inf exactly at half fp32's bytes (the host fills it every step); the scores add it in fp32
+        self.key_bias = torch.full((b.batch, b.rows, b.keys), float("-inf"), dtype=torch.bfloat16, device=device)
         # Every row sees key 0, also in the warm-up and capture runs: no all -inf row, so the pad slot only
         # ever holds finite latents (a real row's weight 0 times a NaN there would still be NaN).
         self.key_bias[:, :, 0] = 0.0
@@ -92,7 +93,7 @@ class StepBuffers:
         write = torch.full((b.batch * Q,), self.pad_slot, dtype=torch.int64)
         cols = torch.full((b.batch * Q,), b.batch * K, dtype=torch.int64)  # pad rows: the spare key row
         keys = torch.full((b.batch, K), self.pad_slot, dtype=torch.int64)
-        bias = torch.full((b.batch, Q, K), float("-inf"))
+        bias = torch.full((b.batch, Q, K), float("-inf"), dtype=torch.bfloat16)
         bias[:, :, 0] = 0.0  # every row sees one key (padding rows: never read)
         where = []
         ids, pos = ids.cpu(), pos.cpu()
