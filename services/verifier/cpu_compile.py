@@ -22,8 +22,8 @@ argmax), as the eager forward's own rows do between a 1-row and a 17-row batch.
 
 The builds (models/aot_compile.py) need a C++ compiler (inductor's, `g++` by default); `--cpu-compile
 on` without one is a start-up error, not a silent slow path. Each build holds its own copy of the layer
-weights, a reason the buckets are few: the demo verifier at the default --max-context (10 builds) starts
-in 129 s instead of 5 and holds 1400 instead of 477 MiB.
+weights, a reason the buckets are few: the demo verifier at the default --max-context (9 builds) starts
+in 121 s instead of 5 and holds 1181 instead of 476 MiB.
 """
 
 from __future__ import annotations

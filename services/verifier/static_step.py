@@ -279,9 +279,11 @@ def plan_static_step(config, model: DeepseekV3ForCausalLM) -> StaticPlan | None:
         if (unsupported := unsupported_reason(model)) is not None:
             raise ValueError(f"--cpu-compile on: {unsupported} (use --cpu-compile off)")
         rows = config.default_budget + 1
-        keys = doubling_sizes(COMPILED_KEY_BLOCK, config.max_context + rows)
-        trees = [k for k in keys if k <= COMPILED_TREE_KEYS] if rows > 1 else []
-        buckets = make_buckets((1,), (1,), keys) + make_buckets((1,), (rows,), trees)
+        # An AR row's keys (its prefix and itself) never pass max_context; a tree's can by its rows.
+        ar_keys = doubling_sizes(COMPILED_KEY_BLOCK, config.max_context)
+        tree_keys = doubling_sizes(COMPILED_KEY_BLOCK, config.max_context + rows)
+        trees = [k for k in tree_keys if k <= COMPILED_TREE_KEYS] if rows > 1 else []
+        buckets = make_buckets((1,), (1,), ar_keys) + make_buckets((1,), (rows,), trees)
         return StaticPlan(tuple(sorted(buckets)), graphs=False, compiled=True)
     reason = None
     if config.cuda_graphs == "off":
