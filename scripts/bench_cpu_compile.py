@@ -1,7 +1,7 @@
 """The target's verify / decode forward on the CPU: eager against the compiled static step (`--cpu-compile on`).
 
 For each context and rows (1 = an AR decode, 17 = a root + 16-node tree), one sequence: the eager model
-forward and the verifier's StaticStep with inductor builds (buffers filled, compiled forward, the step's
+forward and the verifier's StaticStep with AOTInductor builds (buffers filled, compiled forward, the step's
 cache rows written), in blocks of 20 calls in turn in one process, with a bucket of exactly that shape. Prints the medians,
 the builds' seconds, and the largest logit difference; saves JSON.
 
