@@ -28,9 +28,15 @@ rounded to it); x fp32 runs exact fp32 dots. Under the Triton interpreter (TRITO
 dot is fp32 (its bf16 dot is wrong, see mla_checks.kernel_dims), h stays fp32 and the bf16 output is
 rounded with explicit bit arithmetic; the fp8 dot runs as on a GPU (the interpreter widens e4m3 to fp16,
 exactly).
+Tiles: a GEMM whose config needs more shared memory (or threads) than the device has is relaunched with
+moe_configs.smaller_configs until one fits, and that one is used for its key from then on.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable, Hashable
 
 import torch
 import triton
@@ -39,13 +45,19 @@ import triton.language as tl
 from .latent_write import _round_bf16
 from .mla_checks import check_device, is_interpreted
 from .moe_align import moe_align
-from .moe_configs import MoeTileConfig, get_config
+from .moe_configs import MoeTileConfig, get_config, smaller_configs
 from .moe_weights import FLOAT_DTYPES, ExpertWeights, check_routing
 from .quant_formats import FP8_MAX
+
+try:
+    from triton.runtime.errors import OutOfResources
+except ImportError:  # where older Triton releases define it
+    from triton.runtime.autotuner import OutOfResources
 
 _KIND = {"bf16": 0, "int4": 1, "fp8": 2}
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 _SCALE_MIN = 1e-12  # the activation scale of an all-zero group
+_FITTED: dict[tuple, MoeTileConfig] = {}  # _gemm's launch key -> the config that launched (launch_with_fallback)
 
 
 @triton.jit
@@ -263,7 +275,7 @@ def _check_inputs(x, gate, up, down, topk_weights, topk_ids, expert_map) -> None
             raise ValueError(f"fused moe: expert_map values must be in [-1, {gate.num_experts}), got {lo}..{hi}")
 
 
-def _configs(config, x, gate, down, topk: int) -> tuple[MoeTileConfig, MoeTileConfig]:
+def _configs(config, x, gate, down, topk: int, wide: bool) -> tuple[MoeTileConfig, MoeTileConfig]:
     if isinstance(config, MoeTileConfig):
         return config, config
     if isinstance(config, tuple) and len(config) == 2 and all(isinstance(c, MoeTileConfig) for c in config):
@@ -274,29 +286,63 @@ def _configs(config, x, gate, down, topk: int) -> tuple[MoeTileConfig, MoeTileCo
         raise ValueError(f"fused moe: config must be None, a MoeTileConfig or a (gate_up, down) pair, got {config!r}")
     name = torch.cuda.get_device_name(x.device) if x.is_cuda else None
     E, M, inter, d = gate.num_experts, x.shape[0], gate.out_features, gate.in_features
-    gu = get_config(gate.kind, "gate_up", E, inter, d, M, topk, name)
-    dn = get_config(down.kind, "down", E, down.out_features, inter, M, topk, name)
+    a_bytes = lambda kind: 4 if wide and kind != "fp8" else 2  # noqa: E731  (fp8 dots take e4m3 activations)
+    gu = get_config(gate.kind, "gate_up", E, inter, d, M, topk, name, a_bytes(gate.kind))
+    dn = get_config(down.kind, "down", E, down.out_features, inter, M, topk, name, a_bytes(down.kind))
     return gu, MoeTileConfig(gu.block_m, dn.block_n, dn.block_k, dn.num_warps, dn.num_stages)
 
 
-def _gemm(a, a_scale, w1: ExpertWeights, w2, out, align, cfg, row_div, topk_w, dot, precision) -> None:
+def launch_with_fallback(
+    launch: Callable[[MoeTileConfig], None], cfg: MoeTileConfig, cache: dict, key: Hashable
+) -> MoeTileConfig:
+    """launch(cfg), or while that raises OutOfResources, launch(c) for each c of smaller_configs(cfg) in turn;
+    cache[key] keeps the config that launched, where later calls with the key start. Returns that config;
+    when none fits, raises the last OutOfResources again, naming the configs tried."""
+    start = cache.get(key, cfg)
+    tried = []
+    for c in itertools.chain((start,), smaller_configs(start)):
+        try:
+            launch(c)
+        except OutOfResources as e:
+            tried.append(c)
+            error = e
+            continue
+        cache[key] = c
+        return c
+    names = ", ".join(f"{c.block_m}x{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages}" for c in tried)
+    raise OutOfResources(error.required, error.limit, f"{error.name} (fused moe tried {names})") from error
+
+
+def _gemm(a, a_scale, w1: ExpertWeights, w2, out, align, cfg, row_div, topk_w, dot, precision, fallback) -> None:
+    """One grouped GEMM; fallback: a config that does not fit the device shrinks (launch_with_fallback), else
+    OutOfResources propagates (an explicit config is launched as given: the autotuner rejects tiles by it)."""
     N, K = w1.out_features, w1.in_features
-    block_k = cfg.block_k
-    if w1.kind == "fp8":  # a K tile must lie in one scale block
-        block_k = min(block_k, w1.block[1] & -w1.block[1])  # the largest power of two dividing the block
+    if w1.kind == "fp8":  # a K tile must lie in one scale block (smaller_configs' halving keeps that)
+        cfg = dataclasses.replace(cfg, block_k=min(cfg.block_k, w1.block[1] & -w1.block[1]))  # largest 2^n dividing it
+        precision = "tf32"
     ws = w1.weight.stride()
     ss = (0, 0, 0) if w1.scale is None else w1.scale.stride()
-    grid = (align.num_blocks, triton.cdiv(N, cfg.block_n))
-    _moe_gemm_kernel[grid](
-        a, a if a_scale is None else a_scale, w1.weight, w1.weight if w1.scale is None else w1.scale,
-        (w2 or w1).weight, (w2 or w1).weight if (w2 or w1).scale is None else (w2 or w1).scale, out,
-        align.sorted_pair_ids, align.block_expert, topk_w, align.num_pairs, N, K,
-        a.stride(0), 0 if a_scale is None else a_scale.stride(0), *ws, *ss, out.stride(0),
-        ROW_DIV=row_div, GATE_UP=w2 is not None, KIND=_KIND[w1.kind], GROUP=max(w1.group_size, 8),
-        SCALE_BN=w1.block[0], SCALE_BK=w1.block[1], DOT=dot, PRECISION="tf32" if w1.kind == "fp8" else precision,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )  # fmt: skip
+    w_up = w2 or w1  # down: w1 again (GATE_UP is off, it is not read)
+
+    def launch(c: MoeTileConfig) -> None:
+        _moe_gemm_kernel[(align.num_blocks, triton.cdiv(N, c.block_n))](
+            a, a if a_scale is None else a_scale, w1.weight, w1.weight if w1.scale is None else w1.scale,
+            w_up.weight, w_up.weight if w_up.scale is None else w_up.scale, out,
+            align.sorted_pair_ids, align.block_expert, topk_w, align.num_pairs, N, K,
+            a.stride(0), 0 if a_scale is None else a_scale.stride(0), *ws, *ss, out.stride(0),
+            ROW_DIV=row_div, GATE_UP=w2 is not None, KIND=_KIND[w1.kind], GROUP=max(w1.group_size, 8),
+            SCALE_BN=w1.block[0], SCALE_BK=w1.block[1], DOT=dot, PRECISION=precision, BLOCK_M=c.block_m,
+            BLOCK_N=c.block_n, BLOCK_K=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages,
+        )  # fmt: skip
+
+    # What sets the compiled kernel's shared memory besides the tile config: dtypes, weight format, op.
+    scale_dtype = None if w1.scale is None else w1.scale.dtype
+    key = (cfg, str(dot), precision, w2 is not None, w1.kind, w1.weight.dtype, scale_dtype, w1.group_size, w1.block,
+           a.dtype, out.dtype, a.device.index)  # fmt: skip
+    if fallback:
+        launch_with_fallback(launch, cfg, _FITTED, key)
+    else:
+        launch(cfg)
 
 
 def fused_moe(
@@ -307,7 +353,8 @@ def fused_moe(
     topk_weights: torch.Tensor,  # float [M, k]
     topk_ids: torch.Tensor,  # int [M, k] global expert ids
     expert_map: torch.Tensor | None = None,  # int [E_global]: local slot or -1 (another rank)
-    config: MoeTileConfig | tuple[MoeTileConfig, MoeTileConfig] | None = None,  # None: moe_configs' table
+    config: MoeTileConfig | tuple[MoeTileConfig, MoeTileConfig] | None = None,  # None: moe_configs' table (shrunk
+    # when it does not fit the device); a config given is launched as is
 ) -> torch.Tensor:  # [M, D], dtype of x
     """fused_moe_reference's result from the Triton kernels (ValueError on malformed inputs)."""
     _check_inputs(x, gate, up, down, topk_weights, topk_ids, expert_map)
@@ -320,10 +367,10 @@ def fused_moe(
     out = torch.empty(M, D, dtype=x.dtype, device=x.device)
     if M == 0 or k == 0 or D == 0:
         return out.zero_()
-    cfg_gu, cfg_dn = _configs(config, x, gate, down, k)
+    wide = interpreted or x.dtype == torch.float32
+    cfg_gu, cfg_dn = _configs(config, x, gate, down, k, wide)
     align = moe_align(topk_ids, gate.num_experts, cfg_gu.block_m, expert_map)
     P, inter = align.num_pairs, gate.out_features
-    wide = interpreted or x.dtype == torch.float32
     dot = tl.float32 if wide else _TL[x.dtype]
     precision = "ieee" if wide else "tf32"  # fp32 dots are exact fp32 (no TF32); ignored for 16-bit inputs
     topk_w = topk_weights.reshape(-1).float().contiguous()
@@ -331,11 +378,11 @@ def fused_moe(
     a, a_scale = (x, None) if gate.kind != "fp8" else quantize_fp8(x, gate.block[1])
     h_dtype = torch.float32 if wide or down.kind == "fp8" else x.dtype
     h = torch.empty(P, inter, dtype=h_dtype, device=x.device)
-    _gemm(a, a_scale, gate, up, h, align, cfg_gu, k, topk_w, dot, precision)
+    _gemm(a, a_scale, gate, up, h, align, cfg_gu, k, topk_w, dot, precision, config is None)
 
     a, a_scale = (h, None) if down.kind != "fp8" else quantize_fp8(h, down.block[1], align.local_ids)
     y = torch.empty(P, D, dtype=torch.float32, device=x.device)
-    _gemm(a, a_scale, down, None, y, align, cfg_dn, 1, topk_w, dot, precision)
+    _gemm(a, a_scale, down, None, y, align, cfg_dn, 1, topk_w, dot, precision, config is None)
 
     block_n = min(256, triton.next_power_of_2(D))
     block_t = max(1, min(triton.next_power_of_2(M), 4096 // block_n))

@@ -11,6 +11,7 @@ A config is looked up by (kind, op, E, N, K) and the bucket of M (tokens in the 
 
 The bucket nearest to M (by log distance, ties to the larger) of the key's entry wins; a key with no entry,
 no table, or a CPU (interpreted) run falls back to default_config. The table is read once per file.
+A config that does not fit the device (OutOfResources at launch) is retried smaller (smaller_configs).
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ import json
 import math
 import pathlib
 import re
+from collections.abc import Iterator
 
 OPS = ("gate_up", "down")
 KINDS = ("bf16", "int4", "fp8")
 M_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 2048, 4096)
 TABLE_DIR = pathlib.Path(__file__).with_name("moe_configs")
+_WIDE_SMEM_BUDGET = 160 * 1024  # default_config's cap on its shared memory estimate with fp32 dots
 
 
 def _pow2(n: int) -> bool:
@@ -58,6 +61,24 @@ class MoeTileConfig:
         return cls(**d)
 
 
+def smaller_configs(cfg: MoeTileConfig) -> Iterator[MoeTileConfig]:
+    """Ever smaller variants of cfg, to retry a launch that ran out of resources: num_stages down by one to
+    1, then block_k halved down to 16, then block_n halved down to 16, each step on top of the ones before.
+
+    block_m never changes: the alignment (moe_align) pads each expert's pairs to it. A block_k that divides
+    the fp8 scale block still does when halved.
+    """
+    for stages in range(cfg.num_stages - 1, 0, -1):
+        cfg = dataclasses.replace(cfg, num_stages=stages)
+        yield cfg
+    while cfg.block_k > 16:
+        cfg = dataclasses.replace(cfg, block_k=cfg.block_k // 2)
+        yield cfg
+    while cfg.block_n > 16:
+        cfg = dataclasses.replace(cfg, block_n=cfg.block_n // 2)
+        yield cfg
+
+
 def table_key(kind: str, op: str, E: int, N: int, K: int) -> str:
     if kind not in KINDS or op not in OPS:
         raise ValueError(f"moe config: kind must be one of {KINDS} and op one of {OPS}, got {kind!r} / {op!r}")
@@ -70,8 +91,9 @@ def m_bucket(M: int) -> int:
     return min(M_BUCKETS, key=lambda b: (abs(math.log2(b) - math.log2(m)), -b))
 
 
-def default_config(kind: str, op: str, E: int, N: int, K: int, M: int, topk: int) -> MoeTileConfig:
-    """A heuristic for shapes without a table entry.
+def default_config(kind: str, op: str, E: int, N: int, K: int, M: int, topk: int, a_bytes: int = 2) -> MoeTileConfig:
+    """A heuristic for shapes without a table entry; a_bytes: the size of an activation element in the dot
+    (4: fp32 dots, whose tiles take twice the shared memory of bf16's).
 
     block_m follows the pairs per expert (M·topk/E, the rows an M-block can fill): decode and tree verify
     (a few pairs per expert) use 16, the tl.dot minimum, so padding wastes little compute. With few active
@@ -86,7 +108,13 @@ def default_config(kind: str, op: str, E: int, N: int, K: int, M: int, topk: int
     block_n = 16 if programs(32) < 128 else 32 if programs(64) < 512 else 64 if block_m < 64 else 128
     block_k = 64 if kind == "bf16" else 128
     num_warps = 8 if block_m * block_n >= 64 * 128 else 4
-    return MoeTileConfig(block_m, block_n, block_k, num_warps, num_stages=3 if block_m <= 32 else 4)
+    num_stages = 3 if block_m <= 32 else 4
+    if a_bytes >= 4:
+        # An estimate of the pipelined A and W tiles, kept under 160 KiB: headroom under Hopper's 227 KiB
+        # per-block (opt-in) limit. Only an estimate: fused_moe's launch fallback is what guarantees a fit.
+        per_stage = (block_m * block_k + block_k * block_n) * a_bytes
+        num_stages = max(1, min(num_stages, _WIDE_SMEM_BUDGET // per_stage))
+    return MoeTileConfig(block_m, block_n, block_k, num_warps, num_stages)
 
 
 def device_table_path(device_name: str) -> pathlib.Path:
@@ -127,12 +155,13 @@ def save_table(path: pathlib.Path, configs: dict[str, dict[int, MoeTileConfig]],
 
 
 def get_config(
-    kind: str, op: str, E: int, N: int, K: int, M: int, topk: int, device_name: str | None = None
+    kind: str, op: str, E: int, N: int, K: int, M: int, topk: int, device_name: str | None = None, a_bytes: int = 2
 ) -> MoeTileConfig:
-    """The table's config for the nearest M bucket (device_name None: no table), else default_config."""
+    """The table's config for the nearest M bucket (device_name None: no table), else default_config (with
+    a_bytes, the activation element size in the dot)."""
     if device_name:
         by_m = load_table(device_table_path(device_name)).get(table_key(kind, op, E, N, K))
         if by_m:
             m = max(1, M)
             return by_m[min(by_m, key=lambda b: (abs(math.log2(b) - math.log2(m)), -b))]
-    return default_config(kind, op, E, N, K, M, topk)
+    return default_config(kind, op, E, N, K, M, topk, a_bytes)
