@@ -20,7 +20,8 @@ It exits 1 on any mismatch (a kernel off its reference, DDTree off AR in fp32), 
 DDTree run that matches AR accepts under 2 tokens per step (the oracle's trees not followed); 2 when it
 cannot run at all.
 DDTree is compared with AR in two passes: bf16 (the timing table; a difference there is reported as a
-divergence, since a near-tie may resolve differently when the batch shape changes, docs/design.md §3.7)
+divergence, since a near-tie may resolve differently when the batch shape changes, docs/design.md §3.7;
+its row says AR's top-2 gap there and whether DDTree took the second)
 and fp32 (contexts up to 4k; any difference is a mismatch).
 The JSON: {device, dry_run, wall_s, kernels: {rows, mismatches}, serving: {plan, passes, checkpoint,
 cuda_graphs, expected_tau, stacks, rows, mismatches, divergences}, mismatches, ok}.

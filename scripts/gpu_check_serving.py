@@ -16,7 +16,9 @@ dtype: the timing table, every context; twice, --cuda-graphs off and on, when th
 the checkpoint: not with INT4 routed experts, so not today).
 A bf16 difference is reported as a divergence but does not fail the check: docs/design.md §3.7, in
 reduced precision a near-tie can resolve differently when the batch shape changes (a tree row vs an AR
-row); in fp32 any difference is a mismatch and fails it.
+row); in fp32 any difference is a mismatch and fails it. Each difference is diagnosed (tie_at): the
+target's top-2 log-probabilities at that token and whether DDTree took the second, so that a near-tie can
+be told from a wrong verify path (on the first H200 run, bf16 left AR within 1-43 tokens at every context).
 """
 
 from __future__ import annotations
@@ -161,6 +163,25 @@ def run_row(run_pass: Pass, kind: str, context: int, run, prompt_tokens: int) ->
                 first_transport_ms=float(run.steps[0]["transport_ms"]) if run.steps else 0.0)  # fmt: skip
 
 
+def tie_at(verifier: str, prefix: list[int], other: int) -> dict:
+    """Why DDTree left AR at a position: the target's two most likely next tokens after `prefix` (asked of
+    the verifier alone, AR, one token) and whether DDTree's token (`other`) was the second. A gap of a few
+    bf16 rounding units with DDTree on the second is a near-tie; a wide gap, or DDTree on neither, is a
+    bug in the batched verify path. The gap is as a prefill of `prefix` sees it (not the decode's own row)."""
+    import grpc
+
+    from ddtree.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+
+    with grpc.insecure_channel(verifier) as channel:
+        req = verifier_pb2.GenerateRequest(request_id="gpu-check-tie", input_ids=prefix, max_new_tokens=1,
+                                           ignore_eos=True, top_logprobs=2,
+                                           spec=common_pb2.SpecOptions(no_spec=True))  # fmt: skip
+        lp = [t for msg in verifier_pb2_grpc.VerifierStub(channel).Generate(req, timeout=600) for t in msg.logprobs]
+    top_ids, top_lp = list(lp[0].top_ids), list(lp[0].top_logprobs)
+    return dict(top_ids=top_ids, top_logprobs=top_lp, gap=top_lp[0] - top_lp[1], ddtree_token=other,
+                ddtree_took_second=other == top_ids[1])  # fmt: skip
+
+
 def serve_contexts(plan: ServePlan, run_pass: Pass, stack, tok, reference: pathlib.Path, corrupt: bool,
                    deadline: float, log=print) -> list[dict]:  # fmt: skip
     from ddtree.protocol.ddtree.v1 import gateway_pb2
@@ -189,6 +210,8 @@ def serve_contexts(plan: ServePlan, run_pass: Pass, stack, tok, reference: pathl
                 expected[-1] = (expected[-1] + 1) % tok.vocab_size
             bad = first_mismatch(expected, dd.token_ids)
             same = dict(identical=bad is None, first_mismatch=bad, strict=run_pass.strict)
+            if bad is not None and bad < min(len(expected), len(dd.token_ids)):
+                same["tie"] = tie_at(stack.get("verifier").address, prompt + expected[:bad], dd.token_ids[bad])
             if i == 0:
                 rows.append(dict(mode=run_pass.name, dtype=run_pass.dtype, kind="warmup", context=context, **same))
                 log(f"{run_pass.name:<11} warm-up ({context} tokens): {_same(rows[-1])}")
@@ -249,7 +272,10 @@ HEADER = (f"{'mode':<11} {'context':>7} {'kind':<6} {'tok':>4} {'steps':>5} {'ta
 def _same(r: dict) -> str:
     if r["identical"]:
         return f"yes{'  LOW TAU (the oracle is not followed)' if r.get('low_acceptance') else ''}"
-    return f"{'MISMATCH' if r['strict'] else 'diverges (bf16 near-tie?)'} at token {r['first_mismatch']}"
+    tie = r.get("tie")
+    why = "" if tie is None else (f" (AR's top-2 gap {tie['gap']:.3g} nats, DDTree took "
+                                  f"{'#2' if tie['ddtree_took_second'] else 'neither'})")  # fmt: skip
+    return f"{'MISMATCH' if r['strict'] else 'diverges'} at token {r['first_mismatch']}{why}"
 
 
 def format_pair(ar: dict, dd: dict) -> str:

@@ -66,6 +66,11 @@ def test_dry_run_fails_on_a_spoiled_reference(tmp_path):
     assert not dd["fp32"]["identical"] and dd["fp32"]["strict"] and dd["fp32"]["first_mismatch"] == 5
     assert not dd["bf16"]["identical"] and not dd["bf16"]["strict"]
     assert "MISMATCH" in res.stdout
+    # The divergence is diagnosed from the target's own top-2 there: the spoiled reference is the wrong one,
+    # so AR's first choice at that position is DDTree's token (a prefix off by one would name another).
+    tie = dd["fp32"]["tie"]
+    assert tie["top_ids"][0] == tie["ddtree_token"] and not tie["ddtree_took_second"] and tie["gap"] > 0
+    assert "ddtree_token" in dd["bf16"]["tie"] and "top-2 gap" in res.stdout
 
 
 def test_kernel_rows_fail_on_a_spoiled_reference():
