@@ -12,6 +12,7 @@ ddtree diagnose   explain a deployment's speed: profile, reconciliation, flags (
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import pathlib
@@ -76,7 +77,13 @@ def cmd_verifier(args) -> None:
 
     cfg = config_from_flags(VerifierConfig, args)
     configure_logging(cfg.log_level, cfg.log_format)
-    _set_threads(cfg.threads)
+    if cfg.device == "cpu" and cfg.tp == 1:  # only the scheduler thread runs parallel (models/cpu_threads.py)
+        from ddtree.models.cpu_threads import engine_threads, main_thread_single
+
+        cfg = dataclasses.replace(cfg, threads=engine_threads(cfg.threads))
+        main_thread_single()
+    else:
+        _set_threads(cfg.threads)
     from ddtree.verifier.server import serve
 
     _wait(serve(cfg, cfg.model or str(_default_dirs().target)))

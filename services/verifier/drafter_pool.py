@@ -22,6 +22,7 @@ import time
 
 import grpc
 
+from ddtree.models.cpu_threads import single_threaded
 from ddtree.protocol.discovery import resolve
 from ddtree.protocol.security import ServiceSecurity
 from ddtree.telemetry.logging import get_logger
@@ -51,7 +52,10 @@ class DrafterPool:
         self._lock = threading.Lock()
         self._clients: dict[str, DrafterClient] = {}
         self._assigned: dict[str, str] = {}  # request id -> replica address
-        self._executor = cf.ThreadPoolExecutor(max_workers=8, thread_name_prefix="draft-rpc")
+        # Draft calls serialise features: one thread each (models/cpu_threads.py: no OpenMP pool of their own).
+        self._executor = cf.ThreadPoolExecutor(
+            max_workers=8, thread_name_prefix="draft-rpc", initializer=single_threaded
+        )
         # Releases wait on their own threads: a hung replica must not hold up Draft calls to the others.
         self._releases = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="draft-release")
         deadline = time.monotonic() + connect_timeout_s

@@ -23,6 +23,7 @@ import grpc
 from ddtree.config import VerifierConfig
 from ddtree.contract.step_record import StepRecord
 from ddtree.contract.token_tree import EMPTY_TREE, TokenTree
+from ddtree.models.cpu_threads import claim_for_steps, engine_threads
 from ddtree.telemetry.logging import get_logger
 from ddtree.telemetry.step_log import open_step_log
 from ddtree.verifier import metrics
@@ -167,6 +168,7 @@ class Scheduler:
 
     # ---- the loop ----
     def _loop(self) -> None:
+        claim_for_steps(engine_threads(self.config.threads))  # this thread's pool runs the steps' CPU work
         while not self._stopping:
             try:
                 self._loop_once()

@@ -159,7 +159,7 @@ class FuzzStack:
 
     def restart_drafter(self) -> float:
         """The same command start_stack ran, on the same port (the verifier finds it again by itself)."""
-        threads = ["--threads", str(default_engine_threads())]
+        threads = ["--threads", str(default_engine_threads("drafter"))]
         return self._replace(
             "drafter",
             ["drafter", "--model", self.drafter_dir, "--target", self.model, "--host", "127.0.0.1",
@@ -167,7 +167,7 @@ class FuzzStack:
         )  # fmt: skip
 
     def restart_verifier(self) -> float:
-        threads = ["--threads", str(default_engine_threads())]
+        threads = ["--threads", str(default_engine_threads("verifier"))]
         args = ["verifier", "--model", self.model, "--host", "127.0.0.1", "--port", str(self.ports[1]), *threads]
         args += [*self.verifier_args, *(["--drafter", self.proc("drafter").address] if self.drafter_dir else [])]
         return self._replace("verifier", args)

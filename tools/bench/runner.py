@@ -204,10 +204,20 @@ def private_verifier(
     """A drafter + verifier pair as child processes on loopback; yields the verifier's address."""
     from ddtree.launcher import default_engine_threads, start_service
 
-    threads = ["--threads", str(default_engine_threads())]
     d = start_service(
         f"drafter{name}",
-        ["drafter", "--model", drafter, "--target", model, "--port", "0", *threads, *drafter_args],
+        [
+            "drafter",
+            "--model",
+            drafter,
+            "--target",
+            model,
+            "--port",
+            "0",
+            "--threads",
+            str(default_engine_threads("drafter")),
+            *drafter_args,
+        ],
         log_dir,
     )
     try:
@@ -225,7 +235,8 @@ def private_verifier(
                 str(max_context),
                 "--kv-tokens",
                 str(2 * max_context + 1024),
-                *threads,
+                "--threads",
+                str(default_engine_threads("verifier")),
                 *verifier_args,
             ],
             log_dir,
