@@ -49,15 +49,23 @@ def main(argv=None) -> int:
         default=[],
         help="NAME=DIR: that arm's drafter checkpoint instead of --drafter (old drafter vs new)",
     )
+    p.add_argument(
+        "--arm-drafter-flags",
+        type=_arm,
+        action="append",
+        default=[],
+        help="NAME=FLAGS: that arm's drafter flags (e.g. --threads 2)",
+    )
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/bench_ab.json"))
     args = p.parse_args(argv)
     tok = Tokenizer(args.model)
     prompts = make_prompts(tok, args.kind, args.context, args.prompts, args.corpus)
     runs: dict[str, list[dict]] = {name: [] for name, _ in args.arm}
     drafters = {name: " ".join(d) for name, d in args.arm_drafter}
-    unknown = set(drafters) - set(runs)
+    drafter_flags = dict(args.arm_drafter_flags)
+    unknown = (set(drafters) | set(drafter_flags)) - set(runs)
     if unknown:
-        p.error(f"--arm-drafter names no arm: {sorted(unknown)}")
+        p.error(f"--arm-drafter / --arm-drafter-flags name no arm: {sorted(unknown)}")
     with contextlib.ExitStack() as stack:
         endpoints = {}
         for name, flags in args.arm:
@@ -69,13 +77,15 @@ def main(argv=None) -> int:
                     args.context + args.tokens + 64,
                     log_dir,
                     verifier_args=flags,
+                    drafter_args=drafter_flags.get(name, ()),
                     name=name,
                 )
             )
             endpoints[name] = stack.enter_context(contextlib.closing(VerifierEndpoint(address)))
             endpoints[name].generate(prompts[0][:64], 8)  # warm-up
             print(
-                f"arm {name}: drafter {drafters.get(name, args.drafter)}, verifier {' '.join(flags) or '(defaults)'}; "
+                f"arm {name}: drafter {drafters.get(name, args.drafter)} {' '.join(drafter_flags.get(name, ()))}, "
+                f"verifier {' '.join(flags) or '(defaults)'}; "
                 f"logs in {log_dir}",
                 flush=True,
             )

@@ -57,7 +57,14 @@ def cmd_drafter(args) -> None:
 
     cfg = config_from_flags(DrafterConfig, args)
     configure_logging(cfg.log_level, cfg.log_format)
-    _set_threads(cfg.threads)
+    engine_thread = None
+    if cfg.device == "cpu":  # one thread runs every forward (models/cpu_threads.py)
+        from ddtree.models.cpu_threads import EngineThread, engine_threads, main_thread_single
+
+        engine_thread = EngineThread(engine_threads(cfg.threads))
+        main_thread_single()
+    else:
+        _set_threads(cfg.threads)
     model, target = cfg.model, cfg.target
     if not model or not target:
         d = _default_dirs()
@@ -67,9 +74,10 @@ def cmd_drafter(args) -> None:
 
     engine = make_engine(cfg, model, target)
     if cfg.warmup_sequences and hasattr(engine, "warm_up"):
-        seconds = engine.warm_up(cfg.warmup_sequences)
+        warm_up = engine_thread.run if engine_thread is not None else lambda fn, *a: fn(*a)
+        seconds = warm_up(engine.warm_up, cfg.warmup_sequences)
         get_logger("ddtree.drafter").info("warmed_up", sequences=cfg.warmup_sequences, seconds=round(seconds, 3))
-    _wait(serve_engine(engine, cfg))
+    _wait(serve_engine(engine, cfg, engine_thread))
 
 
 def cmd_verifier(args) -> None:

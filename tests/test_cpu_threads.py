@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from ddtree.models.cpu_threads import claim_for_steps, engine_threads, single_threaded
+from ddtree.models.cpu_threads import EngineThread, claim_for_steps, engine_threads, single_threaded
 
 
 def _in_threads(first, second) -> int:
@@ -58,3 +58,21 @@ def test_engine_threads():
         engine_threads(-1)
     with pytest.raises(ValueError, match="threads must be >= 1"):
         claim_for_steps(0)
+
+
+def test_engine_thread_runs_every_call_on_one_claimed_thread_and_raises_what_it_raised():
+    before = torch.get_num_threads()
+    engine = EngineThread(2)
+    try:
+        seen = [engine.run(lambda: (threading.current_thread().name, torch.get_num_threads())) for _ in range(3)]
+        assert len(set(seen)) == 1 and seen[0][0].startswith("engine") and seen[0][1] == 2
+        with pytest.raises(ValueError, match="bad draft"):
+            engine.run(_raise, "bad draft")
+        assert engine.run(max, 3, 7) == 7
+    finally:
+        engine.close()
+        torch.set_num_threads(before)
+
+
+def _raise(message: str):
+    raise ValueError(message)

@@ -18,6 +18,7 @@ from ddtree.config import DrafterConfig
 from ddtree.contract.tree_build import MAX_TABLE_WIDTH, TokenTable
 from ddtree.drafter import metrics
 from ddtree.drafter.engine import SeqDraftInput, check_table_width
+from ddtree.models.cpu_threads import EngineThread, single_threaded
 from ddtree.protocol.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
 from ddtree.protocol.security import ServiceSecurity
 from ddtree.protocol.server import RunningServer, start_server
@@ -77,8 +78,10 @@ def decode_chunk(i: int, chunk: drafter_pb2.CommitChunk) -> SeqDraftInput:
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
-    def __init__(self, engine, max_sequences: int):
+    def __init__(self, engine, max_sequences: int, engine_thread: EngineThread | None = None):
         self.engine = engine
+        # Draft / Append compute runs there when given (models/cpu_threads.py), else on the handler's thread.
+        self._compute = engine_thread.run if engine_thread is not None else lambda fn, *args: fn(*args)
         self.max_sequences = max_sequences  # draft contexts held at once (--max-sequences)
         # What a table_width is checked against (an engine that reports none is bounded by MAX_TABLE_WIDTH alone).
         self.vocab_size = int(engine.info().get("vocab_size", MAX_TABLE_WIDTH))
@@ -117,7 +120,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                     f"max_sequences is {self.max_sequences}",
                 )
             try:
-                drafts = self.engine.draft(seqs)
+                drafts = self._compute(self.engine.draft, seqs)
             except ValueError as err:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
             finally:
@@ -173,7 +176,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                         )
                     t0 = time.perf_counter()
                     try:
-                        self.engine.append([seq])
+                        self._compute(self.engine.append, [seq])
                     except ValueError as err:
                         context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"chunk {chunks}: {err}")
                     compute_s += time.perf_counter() - t0
@@ -196,8 +199,14 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             return drafter_pb2.DrafterInfo(**self.engine.info(), max_sequences=self.max_sequences)
 
 
-def serve_engine(engine, config: DrafterConfig) -> RunningServer:
-    servicer = DrafterServicer(engine, config.max_sequences)
+def _on_stop(servicer: DrafterServicer, engine_thread: EngineThread | None) -> None:
+    metrics.STATE.untrack(servicer)  # a stopped drafter's contexts stop counting
+    if engine_thread is not None:
+        engine_thread.close()
+
+
+def serve_engine(engine, config: DrafterConfig, engine_thread: EngineThread | None = None) -> RunningServer:
+    servicer = DrafterServicer(engine, config.max_sequences, engine_thread)
 
     def register(server):
         drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
@@ -210,8 +219,9 @@ def serve_engine(engine, config: DrafterConfig) -> RunningServer:
         config.port,
         config.max_workers,
         config.grace_s,
-        lambda: metrics.STATE.untrack(servicer),  # a stopped drafter's contexts stop counting
+        lambda: _on_stop(servicer, engine_thread),
         security=ServiceSecurity.from_config(config),
+        handler_init=single_threaded if engine_thread is not None else None,
     )
     serve_metrics(config.metrics_port, config.host, metrics.REGISTRY)
     return running

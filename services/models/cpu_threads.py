@@ -10,7 +10,8 @@ threads make the 17-row tree step at 4k context 1.4x faster than one.
 
 So an engine process runs:
 - start-up on the main thread with one thread (`main_thread_single`), since loading copies little;
-- its steps on one thread that calls `claim_for_steps(n)` first;
+- its steps on one thread that calls `claim_for_steps(n)` first: the verifier's scheduler thread, the
+  drafter's `EngineThread`;
 - helper threads that may touch big tensors (feature serialisation) with `single_threaded` as their
   initializer.
 
@@ -20,7 +21,13 @@ own. So `claim_for_steps` sets n and then runs one parallel op, to take its copy
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
+
+T = TypeVar("T")
 
 # Elements of an op that torch runs in parallel (its grain size is 32768): the claim's own op.
 _PARALLEL_OP_NUMEL = 1 << 17
@@ -50,3 +57,21 @@ def claim_for_steps(threads: int) -> None:
         raise ValueError(f"threads must be >= 1, got {threads}")
     torch.set_num_threads(threads)
     torch.zeros(_PARALLEL_OP_NUMEL).add_(1.0)  # see the module docstring: take the count before anyone else
+
+
+class EngineThread:
+    """One thread that runs every compute call of an engine whose callers are many threads (the drafter's
+    gRPC handlers): its OpenMP pool is then the only one in the process. `run` blocks its caller until the
+    call returns and raises what it raised."""
+
+    def __init__(self, threads: int):
+        self.threads = threads
+        self._executor = cf.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="engine", initializer=claim_for_steps, initargs=(threads,)
+        )
+
+    def run(self, fn: Callable[..., T], *args) -> T:
+        return self._executor.submit(fn, *args).result()
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)

@@ -83,6 +83,7 @@ def start_server(
     security: ServiceSecurity | None = None,
     interceptors: Sequence[grpc.ServerInterceptor] = (),
     max_receive_bytes: int = MAX_MESSAGE_BYTES,
+    handler_init: Callable[[], None] | None = None,
 ) -> RunningServer:
     """Create, register and start a server. `register(server)` adds servicers and returns the full
     service names it registered (e.g. "ddtree.v1.Verifier").
@@ -91,11 +92,12 @@ def start_server(
     at once (more: RESOURCE_EXHAUSTED from grpcio, never a wait inside it); a service whose streams
     take `StreamSlots` of `stream_threads` keeps `max_workers` threads for unary calls and health.
     `security` adds mutual TLS and the service-token check (protocol/security.py). A request message
-    over `max_receive_bytes` is refused by grpcio (RESOURCE_EXHAUSTED) before it is parsed."""
+    over `max_receive_bytes` is refused by grpcio (RESOURCE_EXHAUSTED) before it is parsed. `handler_init`
+    runs once on each handler thread (an engine's: models/cpu_threads.single_threaded)."""
     threads = max_workers + stream_threads
     security = security or ServiceSecurity()
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"{name}-rpc"),
+        futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"{name}-rpc", initializer=handler_init),
         options=[
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", max_receive_bytes),

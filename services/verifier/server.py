@@ -12,6 +12,7 @@ from ddtree.config import VerifierConfig
 from ddtree.contract.sampling_params import MAX_TOP_LOGPROBS, SamplingConfig
 from ddtree.contract.usage import usage_from_steps
 from ddtree.models.attention import resolve_attention_backend
+from ddtree.models.cpu_threads import single_threaded
 from ddtree.models.cpu_weight_layout import resolve_layout, use_column_major_weights
 from ddtree.models.dtypes import TORCH_DTYPES
 from ddtree.models.loader import load_target
@@ -328,6 +329,7 @@ def serve(config: VerifierConfig, model_dir: str) -> RunningServer:
         on_stop,
         stream_threads=servicer.stream_slots.limit,
         security=security,
+        handler_init=single_threaded,  # only the scheduler thread runs parallel work (models/cpu_threads.py)
     )
     if tp is not None:
         tp.attach(running)
