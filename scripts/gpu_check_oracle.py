@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(cfg.log_level, cfg.log_format)
     target = load_config(cfg.target)
     taps = tuple(int(t) for t in args.taps.split(","))
-    engine = ReplayDraftEngine(pathlib.Path(args.reference), target.vocab_size, target.hidden_size, taps, cfg.window,
+    engine = ReplayDraftEngine(pathlib.Path(args.reference), target.vocab_size, target.hidden_size, taps, cfg.resolved_window(),
                                default_budget=cfg.default_budget, max_budget=cfg.max_budget, seed=args.oracle_seed)  # fmt: skip
     running = serve_engine(engine, cfg)
     serve_until_stopped(running)

@@ -193,3 +193,12 @@ def test_engine_with_compiled_static_drafts_the_same_trees(model) -> None:
 def test_the_drafter_refuses_cpu_compile_where_it_cannot_run(flags, message) -> None:
     with pytest.raises(ValueError, match=message):
         DrafterConfig(**flags).validate()
+
+
+def test_the_window_auto_default_by_device():
+    """--window -1 (the default) is 512 on the CPU and 2048 on CUDA; a window given is kept."""
+    assert DrafterConfig().window == -1 and DrafterConfig().resolved_window() == 512
+    assert DrafterConfig(device="cuda:1").resolved_window() == 2048
+    assert DrafterConfig(window=0).resolved_window() == 0 and DrafterConfig(window=96).resolved_window() == 96
+    with pytest.raises(ValueError, match="window must be >= -1"):
+        DrafterConfig(window=-2).validate()

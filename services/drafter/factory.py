@@ -31,7 +31,7 @@ def make_engine(cfg: DrafterConfig, model_dir: str, target_dir: str):
         model,
         head["model.embed_tokens.weight"].to(cfg.device, dtype),
         head["lm_head.weight"].to(cfg.device, dtype),
-        window=cfg.window,
+        window=cfg.resolved_window(),
         default_budget=cfg.default_budget,
         max_budget=cfg.max_budget,
     )
@@ -44,7 +44,7 @@ def make_static_draft(cfg: DrafterConfig, engine):
     captured now on CUDA, or its CPU builds made now."""
     from ddtree.drafter.static_draft import StaticDraft, plan_static_draft
 
-    buckets = plan_static_draft(cfg.cuda_graphs, cfg.device, cfg.window, cfg.cpu_compile == "on")
+    buckets = plan_static_draft(cfg.cuda_graphs, cfg.device, cfg.resolved_window(), cfg.cpu_compile == "on")
     if buckets is None:
         return None
     graphs = torch.device(cfg.device).type == "cuda"
