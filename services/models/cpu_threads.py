@@ -5,8 +5,8 @@ its own pool of worker threads, kept for the process's life. Once the pooled thr
 libgomp stops spinning between regions and parks its workers, so every op pays a wake-up. A verifier's
 forward is hundreds of small ops, so that wake-up dominates. It happened when the main thread loaded the
 model with 2 threads and the scheduler thread then ran the steps with 2: a 1-row step of the demo target
-took 16 ms instead of 3.2 (3.6 with one thread) on a 2-core VM. With only the step thread parallel, 2
-threads make the 17-row tree step at 4k context 1.4x faster than one.
+took 16.0 ms instead of 3.1 (3.5 with one thread) on a 2-core VM. With only the step thread parallel,
+2 threads make the 17-row tree step at 4k context 1.3x faster than one (7.95 vs 10.61 ms).
 
 So an engine process runs:
 - start-up on the main thread with one thread (`main_thread_single`), since loading copies little;
