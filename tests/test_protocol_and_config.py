@@ -60,8 +60,9 @@ def test_config_precedence_flag_env_default():
         config_from_flags(VerifierConfig, None, environ={"DDTREE_KV_TOKENS": "x"})
     with pytest.raises(ValueError, match="max_batch must be >= 1"):
         config_from_flags(VerifierConfig, None, environ={"DDTREE_MAX_BATCH": "0"})
-    with pytest.raises(ValueError, match="window must be >= 0"):
-        config_from_flags(DrafterConfig, None, environ={"DDTREE_WINDOW": "-1"})
+    with pytest.raises(ValueError, match="window must be >= -1"):
+        config_from_flags(DrafterConfig, None, environ={"DDTREE_WINDOW": "-2"})
+    assert config_from_flags(DrafterConfig, None, environ={"DDTREE_WINDOW": "-1"}).resolved_window() == 512
     with pytest.raises(ValueError, match="warmup_sequences must be >= 0, got -2"):
         config_from_flags(DrafterConfig, None, environ={"DDTREE_WARMUP_SEQUENCES": "-2"})
     assert "DDTREE_VERIFIER" in env_var_names(GatewayConfig)
