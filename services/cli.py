@@ -74,8 +74,9 @@ def cmd_drafter(args) -> None:
 
     engine = make_engine(cfg, model, target)
     if cfg.warmup_sequences and hasattr(engine, "warm_up"):
-        warm_up = engine_thread.run if engine_thread is not None else lambda fn, *a: fn(*a)
-        seconds = warm_up(engine.warm_up, cfg.warmup_sequences)
+        from ddtree.models.cpu_threads import run_on
+
+        seconds = run_on(engine_thread)(engine.warm_up, cfg.warmup_sequences)
         get_logger("ddtree.drafter").info("warmed_up", sequences=cfg.warmup_sequences, seconds=round(seconds, 3))
     _wait(serve_engine(engine, cfg, engine_thread))
 

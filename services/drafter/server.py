@@ -18,7 +18,7 @@ from ddtree.config import DrafterConfig
 from ddtree.contract.tree_build import MAX_TABLE_WIDTH, TokenTable
 from ddtree.drafter import metrics
 from ddtree.drafter.engine import SeqDraftInput, check_table_width
-from ddtree.models.cpu_threads import EngineThread, single_threaded
+from ddtree.models.cpu_threads import EngineThread, run_on, single_threaded
 from ddtree.protocol.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
 from ddtree.protocol.security import ServiceSecurity
 from ddtree.protocol.server import RunningServer, start_server
@@ -81,7 +81,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def __init__(self, engine, max_sequences: int, engine_thread: EngineThread | None = None):
         self.engine = engine
         # Draft / Append compute runs there when given (models/cpu_threads.py), else on the handler's thread.
-        self._compute = engine_thread.run if engine_thread is not None else lambda fn, *args: fn(*args)
+        self._compute = run_on(engine_thread)
         self.max_sequences = max_sequences  # draft contexts held at once (--max-sequences)
         # What a table_width is checked against (an engine that reports none is bounded by MAX_TABLE_WIDTH alone).
         self.vocab_size = int(engine.info().get("vocab_size", MAX_TABLE_WIDTH))

@@ -59,6 +59,15 @@ def claim_for_steps(threads: int) -> None:
     torch.zeros(_PARALLEL_OP_NUMEL).add_(1.0)  # see the module docstring: take the count before anyone else
 
 
+def run_on(engine_thread: EngineThread | None) -> Callable[..., object]:
+    """How to run an engine's compute call: on `engine_thread` when there is one, else on the caller."""
+    return engine_thread.run if engine_thread is not None else _call
+
+
+def _call(fn, *args):
+    return fn(*args)
+
+
 class EngineThread:
     """One thread that runs every compute call of an engine whose callers are many threads (the drafter's
     gRPC handlers): its OpenMP pool is then the only one in the process. `run` blocks its caller until the
