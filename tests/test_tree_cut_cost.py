@@ -185,3 +185,30 @@ def test_free_rows_and_fixed_cut_keep_the_whole_tree():
         steps._cuts = 1
         steps.draft([seq], [], 1)
         assert seq.draft.tree == CHAIN
+
+
+def test_exploration_steps_verify_whole_trees_once_the_fit_is_ready():
+    """Every EXPLORE_EVERY-th cut step keeps the whole tree (more rows than the cut keeps, no acceptance given
+    away); the steps between are cut by cost, and before the fit is ready the cut is random."""
+    from ddtree.verifier.step_drafter import EXPLORE_EVERY
+
+    steps = _trained_step_drafter("cost", row_ms=0.2, per_1k_context_ms=0.4)
+    sizes = []
+    for _ in range(2 * EXPLORE_EVERY):
+        seq = _seq(0, 4000)
+        steps.draft([seq], [], 1)
+        sizes.append((steps._cuts % EXPLORE_EVERY == 0, seq.draft.tree.n))
+    explored = [n for whole, n in sizes if whole]
+    cut = [n for whole, n in sizes if not whole]
+    assert explored == [BUDGET, BUDGET]
+    assert max(cut) < BUDGET  # rows cost at 4000 tokens: the cut keeps fewer nodes
+    assert len(set(cut)) == 1  # the same tree and fit give the same cut: nothing random once ready
+
+    fresh = StepDrafter(_FixedDrafter(), 4096, VerifierConfig(tree_cut="cost"))  # no fit yet: random sizes
+    seen = set()
+    for _ in range(12):
+        seq = _seq(0, 4000)
+        fresh.draft([seq], [], 1)
+        seen.add(seq.draft.tree.n)
+        assert seq.draft.tree == CHAIN.prefix(seq.draft.tree.n)
+    assert len(seen) > 2
