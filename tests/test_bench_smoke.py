@@ -181,8 +181,16 @@ def test_diagnose_reconciles_a_real_run(default_ckpt, tmp_path):
 
 
 def test_diagnose_window_on_and_off(default_ckpt, tmp_path):
-    """A deployment with a 24-token draft window; diagnose starts the window-off control itself."""
+    """A deployment with a 24-token draft window; diagnose starts the window-off control itself. The text is a
+    kind of the user's own (--corpus DIR with heldout_notes.txt)."""
     from ddtree.tools.bench.runner import private_verifier
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "heldout_notes.txt").write_text(
+        " ".join(f"Note {i}: the meeting moved to room {i % 7} at {9 + i % 8} o'clock." for i in range(200)),
+        encoding="utf-8",
+    )
 
     with private_verifier(
         str(default_ckpt.target), str(default_ckpt.drafter), 512, tmp_path / "deploy", drafter_args=("--window", "24")
@@ -202,8 +210,12 @@ def test_diagnose_window_on_and_off(default_ckpt, tmp_path):
             str(out),
             "--log-dir",
             str(tmp_path / "logs"),
+            "--kind",
+            "notes",
+            "--corpus",
+            str(corpus),
         )
-    assert "window 24" in text
+    assert "window 24" in text and "profile: notes text" in text
     report = json.loads(out.read_text())
     window = report["flags"][1]
     assert window["checked"] and "context 40" in window["evidence"]  # measured with the window on and off

@@ -113,7 +113,9 @@ def diagnose(args) -> dict:
         drift_tokens = min(args.drift_tokens, info.max_context - args.drift_context - 8)
         window_contexts = [c for c in contexts if window > 0 and c > window]
         # --prompts texts; the prompts of context c are their first c tokens (so contexts differ only in length).
-        streams = make_prompts(tok, args.kind, max(contexts + [args.drift_context + drift_tokens // 2]), args.prompts)
+        corpus = pathlib.Path(args.corpus) if args.corpus else None
+        longest = max(contexts + [args.drift_context + drift_tokens // 2])
+        streams = make_prompts(tok, args.kind, longest, args.prompts, corpus)
         prompts = lambda n: [s[:n] for s in streams]  # noqa: E731
         prompt = lambda n: streams[0][:n]  # noqa: E731  the drift generations use the first text
         print(
@@ -308,7 +310,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--contexts", default="16,1024,2048,4096", help="prompt lengths of the profile")
     p.add_argument("--tokens", type=int, default=256, help="output tokens per profile generation")
     p.add_argument("--prompts", type=int, default=3, help="prompts (texts) per context; tau is pooled over them")
-    p.add_argument("--kind", default="prose", help="padding | code | prose")
+    p.add_argument("--kind", default="prose", help="padding | code | prose (| KIND with --corpus)")
+    p.add_argument("--corpus", default="", help="dir with heldout_{kind}.txt (default: the standard library)")
     p.add_argument("--budget", type=int, default=0, help="tree node budget (0 = the verifier's default)")
     p.add_argument("--drift-context", type=int, default=256, help="prompt length of the long generation")
     p.add_argument("--drift-tokens", type=int, default=512, help="tokens of the long generation")
