@@ -57,6 +57,39 @@ def test_cost_cut_is_the_best_prefix_cut(seed):
     assert _value(gains, node_ms, base_tokens, base_ms, kept) == pytest.approx(best, rel=1e-12)
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_cost_cut_margin_keeps_the_optimum_and_the_nodes_just_under_it(seed):
+    """With margin μ the nodes are taken best ratio first while ratio > μ·G / T (checked here against its own
+    greedy walk over every node sorted by ratio): a superset of the optimum's nodes, every node at μ = 0."""
+    rng = random.Random(100 + seed)
+    gains = [_random_gains(rng, rng.randint(0, 7)) for _ in range(rng.randint(1, 3))]
+    node_ms = [rng.uniform(0.05, 2.0) for _ in gains]
+    base_tokens, base_ms = float(len(gains)), rng.uniform(2.0, 30.0)
+    optimum = cost_cut(gains, node_ms, base_tokens, base_ms)
+    sizes = [cost_cut(gains, node_ms, base_tokens, base_ms, margin) for margin in (1.0, 0.75, 0.5, 0.25, 0.0)]
+    assert sizes[0] == optimum
+    for looser, tighter in zip(sizes[1:], sizes):
+        assert all(a >= b for a, b in zip(looser, tighter))
+    assert sizes[-1] == [len(g) for g in gains]  # every gain > 0
+    # μ = 0.5 by hand: first nodes kept; then the rest by ratio, while ratio > 0.5 · tokens / ms
+    kept = [min(1, len(g)) for g in gains]
+    tokens = base_tokens + sum(g[0] for g in gains if g)
+    ms = base_ms + sum(m for g, m in zip(gains, node_ms) if g)
+    # by ratio, best first; a tree's equal gains in node order (a node comes after its ancestors)
+    rest = sorted((-g[k] / node_ms[i], i, k) for i, g in enumerate(gains) for k in range(1, len(g)))
+    for neg_ratio, i, k in rest:
+        ratio = -neg_ratio
+        if ratio <= 0.5 * tokens / ms:
+            break
+        tokens, ms, kept[i] = tokens + gains[i][k], ms + node_ms[i], k + 1
+    assert sizes[2] == kept
+
+
+def test_cost_cut_margin_is_checked():
+    with pytest.raises(ValueError, match="margin"):
+        cost_cut([[0.5]], [0.1], 1.0, 5.0, margin=1.5)
+
+
 def test_cost_cut_shrinks_as_nodes_get_dearer():
     gains = [[0.9, 0.8, 0.6, 0.4, 0.2, 0.1, 0.05, 0.02]]
     sizes = [cost_cut(gains, [m], 1.0, 10.0)[0] for m in (0.0, 0.1, 0.5, 2.0, 50.0)]

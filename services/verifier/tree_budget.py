@@ -21,7 +21,9 @@ max_tree_tokens (0 = no cap). Every sequence keeps at least one node. Two rules,
   and m is constant, so the
   nodes are taken best ratio first over the batch until the best one left is below the running G / T;
   that is the optimum of G / T over all prefix cuts (Dinkelbach: the optimal set is every node whose
-  ratio beats the optimal value), which the tests check by brute force.
+  ratio beats the optimal value), which the tests check by brute force. With a margin μ < 1 the nodes are
+  taken while p / m > μ·G / T: every node the optimum keeps and those just under it (the verifier's
+  step uses μ = 0.5, step_drafter.CUT_MARGIN, because p and m are estimates).
 
 None of these rules changes the output: the verifier decides every token; they only decide how many drafts each
 step checks.
@@ -69,13 +71,18 @@ def cost_cut(
     node_ms: abc.Sequence[float],
     base_tokens: float,
     base_ms: float,
+    margin: float = 1.0,
 ) -> list[int]:
     """The nodes each tree keeps to maximise expected tokens per ms of the step.
 
     gains[i]: tree i's nodes' expected accepted tokens, non-increasing in node order
     (step_cost.AcceptCalibration.gains); node_ms[i]: the cost of one node of tree i (ms, >= 0);
     base_tokens / base_ms: the step's tokens and time with no node at all (a bonus token per decoding
-    sequence; the step's predicted time with roots only, > 0). Every tree with nodes keeps its first."""
+    sequence; the step's predicted time with roots only, > 0). Every tree with nodes keeps its first.
+    margin in [0, 1]: a node is kept while its ratio beats margin x the running G / T (1 = the optimum;
+    smaller keeps a superset, 0 every node with a gain)."""
+    if not 0.0 <= margin <= 1.0:
+        raise ValueError(f"margin must be in [0, 1], got {margin}")
     kept = [min(1, len(g)) for g in gains]
     tokens = base_tokens + sum(g[0] for g in gains if g)
     ms = base_ms + sum(m for g, m in zip(gains, node_ms) if g)
@@ -83,7 +90,7 @@ def cost_cut(
     heapq.heapify(heap)
     while heap:
         neg_ratio, i = heap[0]
-        if -neg_ratio * ms <= tokens:  # ratio <= G / T: this node, and every later one, lowers G / T
+        if -neg_ratio * ms <= margin * tokens:  # ratio <= G / T: this node, and every later one, lowers G / T
             break
         heapq.heappop(heap)
         tokens += gains[i][kept[i]]
