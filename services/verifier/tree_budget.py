@@ -90,7 +90,8 @@ def cost_cut(
     heapq.heapify(heap)
     while heap:
         neg_ratio, i = heap[0]
-        if -neg_ratio * ms <= margin * tokens:  # ratio <= G / T: this node, and every later one, lowers G / T
+        # ratio <= margin·G / T: stop (at margin 1, this node and every later one would lower G / T)
+        if -neg_ratio * ms <= margin * tokens:
             break
         heapq.heappop(heap)
         tokens += gains[i][kept[i]]
