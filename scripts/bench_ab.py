@@ -5,7 +5,8 @@ speed falls on every arm alike.
         --arm "fixed=--tree-cut fixed" --arm "cost=--tree-cut cost" [--out runs/bench_ab.json]
 
 Each arm is a private drafter + verifier (the demo pair unless --model / --drafter; `--arm-drafter
-NAME=DIR` gives an arm its own drafter) started with that arm's verifier flags. For every prompt, each
+NAME=DIR` gives an arm its own drafter, `--arm-drafter-flags NAME=FLAGS` its drafter flags, `--arm-env
+NAME=VAR=VALUE ...` environment variables of both processes) started with that arm's verifier flags. For every prompt, each
 arm in turn generates it AR (no_spec) then DDTree, greedy, fixed length (ignore_eos); outputs must equal
 AR's (the script fails otherwise). Per arm it prints the aggregate decode speed (all tokens / all decode
 time, the verifier's clock) of DDTree and AR, their ratio, tau and the median step; JSON keeps every run.
@@ -56,6 +57,13 @@ def main(argv=None) -> int:
         default=[],
         help="NAME=FLAGS: that arm's drafter flags (e.g. --threads 2)",
     )
+    p.add_argument(
+        "--arm-env",
+        type=_arm,
+        action="append",
+        default=[],
+        help="NAME=VAR=VALUE ...: environment variables of that arm's drafter and verifier (e.g. GOMP_SPINCOUNT=300000)",
+    )
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/bench_ab.json"))
     args = p.parse_args(argv)
     tok = Tokenizer(args.model)
@@ -63,9 +71,15 @@ def main(argv=None) -> int:
     runs: dict[str, list[dict]] = {name: [] for name, _ in args.arm}
     drafters = {name: " ".join(d) for name, d in args.arm_drafter}
     drafter_flags = dict(args.arm_drafter_flags)
-    unknown = (set(drafters) | set(drafter_flags)) - set(runs)
+    envs = {}
+    for name, assignments in args.arm_env:
+        pairs = [a.partition("=") for a in assignments]
+        if not pairs or any(not var or not sep for var, sep, _ in pairs):
+            p.error(f"--arm-env {name}= takes VAR=VALUE pairs, got {' '.join(assignments)!r}")
+        envs[name] = {var: value for var, _, value in pairs}
+    unknown = (set(drafters) | set(drafter_flags) | set(envs)) - set(runs)
     if unknown:
-        p.error(f"--arm-drafter / --arm-drafter-flags name no arm: {sorted(unknown)}")
+        p.error(f"--arm-drafter / --arm-drafter-flags / --arm-env name no arm: {sorted(unknown)}")
     with contextlib.ExitStack() as stack:
         endpoints = {}
         for name, flags in args.arm:
@@ -79,6 +93,7 @@ def main(argv=None) -> int:
                     verifier_args=flags,
                     drafter_args=drafter_flags.get(name, ()),
                     name=name,
+                    env=envs.get(name),
                 )
             )
             endpoints[name] = stack.enter_context(contextlib.closing(VerifierEndpoint(address)))
@@ -86,6 +101,7 @@ def main(argv=None) -> int:
             print(
                 f"arm {name}: drafter {drafters.get(name, args.drafter)} {' '.join(drafter_flags.get(name, ()))}, "
                 f"verifier {' '.join(flags) or '(defaults)'}; "
+                f"env {' '.join(f'{k}={v}' for k, v in envs.get(name, {}).items()) or '(defaults)'}; "
                 f"logs in {log_dir}",
                 flush=True,
             )

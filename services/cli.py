@@ -20,6 +20,7 @@ import signal
 import sys
 import tempfile
 import threading
+from typing import Any
 
 from ddtree.config import (
     DrafterConfig,
@@ -52,11 +53,23 @@ def _wait(running) -> None:
     serve_until_stopped(running)
 
 
-def cmd_drafter(args) -> None:
+def _engine_start(cls, args, logger: str):
+    """An engine command's first steps: its config, logging, and the OpenMP spin count, which must be
+    set before anything imports torch (models/openmp_spin.py). Returns the config."""
+    from ddtree.models.openmp_spin import apply_spin_count
     from ddtree.telemetry.logging import configure_logging, get_logger
 
-    cfg = config_from_flags(DrafterConfig, args)
+    cfg = config_from_flags(cls, args)
     configure_logging(cfg.log_level, cfg.log_format)
+    spin = apply_spin_count(cfg.omp_spin_count)
+    get_logger(logger).info("omp_spin_count", spins=cfg.omp_spin_count, setting=spin)
+    return cfg
+
+
+def cmd_drafter(args) -> None:
+    from ddtree.telemetry.logging import get_logger
+
+    cfg = _engine_start(DrafterConfig, args, "ddtree.drafter")
     engine_thread = None
     if cfg.device == "cpu":  # one thread runs every forward (models/cpu_threads.py)
         from ddtree.models.cpu_threads import EngineThread, engine_threads, main_thread_single
@@ -82,10 +95,7 @@ def cmd_drafter(args) -> None:
 
 
 def cmd_verifier(args) -> None:
-    from ddtree.telemetry.logging import configure_logging
-
-    cfg = config_from_flags(VerifierConfig, args)
-    configure_logging(cfg.log_level, cfg.log_format)
+    cfg = _engine_start(VerifierConfig, args, "ddtree.verifier")
     if cfg.device == "cpu" and cfg.tp == 1:  # only the scheduler thread runs parallel (models/cpu_threads.py)
         from ddtree.models.cpu_threads import engine_threads, main_thread_single
 
@@ -294,17 +304,34 @@ def _add_command(sub, name: str, module_name: str) -> None:
     module.add_parser(sub)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ddtree", description="DDTree speculative decoding for MLA + MoE models")
-    sub = parser.add_subparsers(dest="command", required=True)
+def _add_service_commands(sub, names: tuple[str, ...]) -> None:
     for name, cls, fn in (
         ("drafter", DrafterConfig, cmd_drafter),
         ("verifier", VerifierConfig, cmd_verifier),
         ("gateway", GatewayConfig, cmd_gateway),
     ):
-        p = sub.add_parser(name, help=f"run the {name} service")
-        add_config_flags(p, cls)
-        p.set_defaults(fn=fn)
+        if name in names:
+            p = sub.add_parser(name, help=f"run the {name} service")
+            add_config_flags(p, cls)
+            p.set_defaults(fn=fn)
+
+
+def _root_parser() -> tuple[argparse.ArgumentParser, Any]:
+    parser = argparse.ArgumentParser(prog="ddtree", description="DDTree speculative decoding for MLA + MoE models")
+    return parser, parser.add_subparsers(dest="command", required=True)
+
+
+def engine_parser(name: str) -> argparse.ArgumentParser:
+    """The parser of one engine command alone. build_parser imports the command modules, and they
+    import torch; an engine must set its OpenMP spin count before torch loads (models/openmp_spin.py)."""
+    parser, sub = _root_parser()
+    _add_service_commands(sub, (name,))
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser, sub = _root_parser()
+    _add_service_commands(sub, ("drafter", "verifier", "gateway"))
     p = sub.add_parser("health", help="check a service's grpc.health.v1 status (exit 0 = SERVING)")
     p.add_argument("address", help="HOST:PORT")
     p.add_argument("--service", default="", help="service name, e.g. ddtree.v1.Verifier ('' = the server)")
@@ -333,8 +360,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+ENGINE_COMMANDS = ("drafter", "verifier")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    parser = engine_parser(argv[0]) if argv and argv[0] in ENGINE_COMMANDS else build_parser()
+    args = parser.parse_args(argv)
     try:
         return args.fn(args) or 0
     except ValueError as err:  # configuration errors: one clear line, exit 2

@@ -112,6 +112,21 @@ CUDA_WINDOW = 2048
 CPU_WINDOW = 512
 
 
+# The engines' OpenMP spin count (ddtree.models.openmp_spin sets it, and says why this value).
+DEFAULT_OMP_SPIN_COUNT = 30000
+
+
+def _omp_spin_count_field():
+    return dataclasses.field(
+        default=DEFAULT_OMP_SPIN_COUNT,
+        metadata={
+            "help": "rounds an OpenMP worker busy-waits after a parallel region before it sleeps (GOMP_SPINCOUNT, "
+            "set before torch loads; -1 = libgomp's own 300000, about 4 ms of a core on the demo machine, "
+            "which the other engine's turn loses). A GOMP_SPINCOUNT or OMP_WAIT_POLICY in the environment wins"
+        },
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class DrafterConfig(ServiceConfig):
     model: str = dataclasses.field(default="", metadata={"help": "drafter checkpoint dir ('' = default)"})
@@ -142,6 +157,7 @@ class DrafterConfig(ServiceConfig):
         },
     )
     threads: int = dataclasses.field(default=0, metadata={"help": "torch CPU threads (0 = torch's default)"})
+    omp_spin_count: int = _omp_spin_count_field()
     cuda_graphs: str = dataclasses.field(
         default="auto",
         metadata={
@@ -174,6 +190,7 @@ class DrafterConfig(ServiceConfig):
         super().validate()
         if self.warmup_sequences < 0:
             raise ValueError(f"warmup_sequences must be >= 0, got {self.warmup_sequences}")
+        _check_omp_spin_count(self.omp_spin_count)
         if self.window < -1:
             raise ValueError(f"window must be >= -1 (-1 = auto, 0 = unlimited), got {self.window}")
         if self.max_sequences < 1:
@@ -323,6 +340,7 @@ class VerifierConfig(ServiceConfig):
         },
     )
     threads: int = dataclasses.field(default=0, metadata={"help": "torch CPU threads (0 = torch's default)"})
+    omp_spin_count: int = _omp_spin_count_field()
     tp: int = dataclasses.field(
         default=1,
         metadata={"help": "tensor-parallel ranks (torch.distributed; spawned locally unless RANK/WORLD_SIZE are set)"},
@@ -343,6 +361,7 @@ class VerifierConfig(ServiceConfig):
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+        _check_omp_spin_count(self.omp_spin_count)
         if self.default_budget < 0:
             raise ValueError(f"default_budget must be >= 0, got {self.default_budget}")
         if self.feature_chunk_bytes < 1:
@@ -479,6 +498,11 @@ class GatewayConfig(ServiceConfig):
             raise ValueError(
                 f"max_tokens_limit must be >= default_max_tokens={self.default_max_tokens}, got {self.max_tokens_limit}"
             )
+
+
+def _check_omp_spin_count(spins: int) -> None:
+    if spins < -1:
+        raise ValueError(f"omp_spin_count must be >= -1 (-1 = libgomp's own default), got {spins}")
 
 
 def _check_dtype(name: str, allow_auto: bool = False) -> None:

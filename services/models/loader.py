@@ -73,6 +73,8 @@ def read_config_dict(path: str | Path) -> dict[str, Any]:
     try:
         with open(file) as f:
             return json.load(f)
+    except (FileNotFoundError, NotADirectoryError) as err:
+        raise CheckpointError(f"{path}: no config.json (not a checkpoint directory)") from err
     except json.JSONDecodeError as err:
         raise CheckpointError(f"{file}: invalid JSON ({err})") from err
 

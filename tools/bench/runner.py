@@ -200,8 +200,10 @@ def private_verifier(
     drafter_args: tuple[str, ...] = (),
     verifier_args: tuple[str, ...] = (),
     name: str = "",
+    env: dict[str, str] | None = None,
 ):
-    """A drafter + verifier pair as child processes on loopback; yields the verifier's address."""
+    """A drafter + verifier pair as child processes on loopback; yields the verifier's address. env: extra
+    environment variables of both processes (over the launcher's engine defaults)."""
     from ddtree.launcher import default_engine_threads, start_service
 
     d = start_service(
@@ -219,6 +221,7 @@ def private_verifier(
             *drafter_args,
         ],
         log_dir,
+        env=env,
     )
     try:
         v = start_service(
@@ -240,6 +243,7 @@ def private_verifier(
                 *verifier_args,
             ],
             log_dir,
+            env=env,
         )
         try:
             yield v.address
