@@ -113,9 +113,10 @@ def start_service(
 def default_engine_threads(service: str) -> int:
     """Torch threads for an engine process on a machine it shares with the other engine: the verifier
     takes every core, the drafter half. The two take turns within a step (draft, then verify), so the
-    verifier's tree forwards, the part that grows with context, get the whole machine. The drafter runs
-    its forwards on gRPC handler threads, each with its own OpenMP pool (models/cpu_threads.py), so it
-    stays at half. Measured on the demo pair, 2-core VM, code at 4096 (`scripts.bench_ab`, verifier
+    verifier's tree forwards, the part that grows with context, get the whole machine. The drafter stays
+    at half: with the engines' short OpenMP spin (models/openmp_spin.py), 2 drafter threads measured only
+    1-2.5% faster (code at 128 / 4096 tokens, scripts.bench_ab --arm-drafter-flags), and without it they
+    spun through the verifier's turn. Measured on the demo pair, 2-core VM, code at 4096 (`scripts.bench_ab`, verifier
     --threads 1 vs 2): DDTree 252 -> 293 tok/s, AR 167 -> 180 tok/s."""
     cores = os.cpu_count() or 2
     if service not in ("verifier", "drafter"):
