@@ -11,11 +11,7 @@ import grpc
 from ddtree.config import VerifierConfig
 from ddtree.contract.sampling_params import MAX_TOP_LOGPROBS, SamplingConfig
 from ddtree.contract.usage import usage_from_steps
-from ddtree.models.attention import resolve_attention_backend
 from ddtree.models.cpu_threads import single_threaded
-from ddtree.models.cpu_weight_layout import resolve_layout, use_column_major_weights
-from ddtree.models.dtypes import TORCH_DTYPES
-from ddtree.models.loader import load_target
 from ddtree.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from ddtree.protocol.security import ServiceSecurity
 from ddtree.protocol.server import RunningServer, start_server
@@ -25,16 +21,12 @@ from ddtree.telemetry.metrics import serve_metrics
 from ddtree.tokenization.grammar_vocab import ll_tokenizer
 from ddtree.tokenization.tokenizer import Tokenizer
 from ddtree.verifier import metrics
-from ddtree.verifier.drafter_pool import DrafterPool
+from ddtree.verifier.engine import build_engine
 from ddtree.verifier.features_rpc import stream_features
 from ddtree.verifier.grammar import SequenceGrammar, matcher_error, new_matcher
-from ddtree.verifier.kv_pool import LatentKVPool
-from ddtree.verifier.kv_sizing import graph_reserve_for, kv_size_for
 from ddtree.verifier.logprobs import prompt_logprobs_messages
 from ddtree.verifier.scheduler import AdmissionError, Scheduler
 from ddtree.verifier.sequence import GenerateParams, Sequence
-from ddtree.verifier.static_step import make_static_step, plan_static_step
-from ddtree.verifier.target import LocalTarget, ShardedTarget
 
 log = get_logger("ddtree.verifier")
 MAX_REQUEST_ID_CHARS = 256
@@ -248,60 +240,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
 
 def serve(config: VerifierConfig, model_dir: str) -> RunningServer:
-    """Load the target, connect to the drafter (if any), start the scheduler and the gRPC server."""
+    """Build the engine (engine.py), start its scheduler and the gRPC server."""
     import pathlib
 
-    backend = resolve_attention_backend(config.attention_backend, config.device)
-    tp = None
-    if config.tp > 1:  # N ranks (tp_worker.py); on ranks > 0 this call does not return
-        from ddtree.verifier.tp_worker import start_tensor_parallel
-
-        tp = start_tensor_parallel(config, model_dir, backend)
-        model = tp.model
-        target = ShardedTarget(model)
-    else:
-        model = load_target(
-            model_dir, dtype=TORCH_DTYPES[config.dtype], device=config.device, attention_backend=backend
-        )
-        model.eval()
-        if resolve_layout(config.cpu_linear_layout, config.device) == "column":
-            log.info("cpu_linear_layout", layout="column", weights=use_column_major_weights(model))
-        target = LocalTarget(model)
-    static_plan = plan_static_step(config, model)  # None: eager steps; ValueError: an `on` it cannot honour
-    mcfg = model.config
-    security = ServiceSecurity.from_config(config)
-    drafter = (
-        DrafterPool(config.drafter, config.draft_timeout_s, security=security, chunk_bytes=config.feature_chunk_bytes)
-        if config.drafter
-        else None
-    )
-    n_taps = len(drafter.tap_layer_ids) if drafter is not None else 0  # the scheduler taps the drafter's layers
-    reserve, reserve_source = graph_reserve_for(config, mcfg, static_plan, n_taps)
-    kv = kv_size_for(config, mcfg, reserve_bytes=reserve)
-    log.info(
-        "kv_pool",
-        tokens=kv.tokens,
-        bytes=kv.bytes,
-        bytes_per_token=kv.bytes_per_token,
-        source=kv.source,
-        page_size=config.page_size,
-        graph_reserve_bytes=reserve,
-        graph_reserve_source=reserve_source,
-        graph_reserve_applied=kv.reserve_bytes > 0,  # only kv_memory_fraction sizes from free memory
-    )
-    pool = LatentKVPool(
-        mcfg.num_hidden_layers,
-        kv.tokens,
-        mcfg.kv_cache_width,
-        TORCH_DTYPES[config.dtype],
-        config.device,
-        page_size=config.page_size,
-    )
-    if tp is not None:
-        tp.model.replicate_kv(pool.cache)  # every rank holds a full copy of the latent cache
-    scheduler = Scheduler(target, pool, config, drafter)
-    if static_plan is not None:  # TP 1 only (plan_static_step)
-        target.static = make_static_step(static_plan, model, pool, scheduler.tap_layer_ids)
+    engine = build_engine(config, model_dir)
+    scheduler = engine.scheduler
+    mcfg = engine.target.config
     scheduler.start()
     eos_ids = tuple(mcfg.eos_token_ids)
     config_json = (pathlib.Path(model_dir) / "config.json").read_text()
@@ -312,13 +256,9 @@ def serve(config: VerifierConfig, model_dir: str) -> RunningServer:
         return [verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name]
 
     def on_stop():
-        scheduler.stop()
-        if tp is not None:
-            tp.close()
-        if drafter is not None:
-            drafter.close()
+        engine.stop()
 
-    log.info("verifier_ready", model=model_dir, drafter=config.drafter or None, kv_tokens=kv.tokens)
+    log.info("verifier_ready", model=model_dir, drafter=config.drafter or None, kv_tokens=engine.pool.num_slots)
     running = start_server(
         "verifier",
         register,
@@ -328,10 +268,10 @@ def serve(config: VerifierConfig, model_dir: str) -> RunningServer:
         config.grace_s,
         on_stop,
         stream_threads=servicer.stream_slots.limit,
-        security=security,
+        security=ServiceSecurity.from_config(config),
         handler_init=single_threaded,  # only the scheduler thread runs parallel work (models/cpu_threads.py)
     )
-    if tp is not None:
-        tp.attach(running)
+    if engine.tensor_parallel is not None:
+        engine.tensor_parallel.attach(running)
     serve_metrics(config.metrics_port, config.host, metrics.REGISTRY)
     return running

@@ -77,10 +77,11 @@ def _blocks(rows: torch.Tensor | None, heads: list[ItemHead]) -> list[torch.Tens
 
 
 class LocalTarget:
-    def __init__(self, model: DeepseekV3ForCausalLM):
+    def __init__(self, model: DeepseekV3ForCausalLM, static=None):
+        """static: a static_step.StaticStep (--cuda-graphs), where the steps that fit a bucket run; None: eager."""
         self.model = model
         self.config = model.config
-        self.static = None  # a static_step.StaticStep (--cuda-graphs): steps that fit a bucket run there
+        self.static = static
 
     def run(self, inputs: ForwardInputs, heads: list[ItemHead]) -> tuple[torch.Tensor | None, list[ItemRows]]:
         static = self.static.run(*inputs.static_args()) if self.static is not None else None

@@ -1,0 +1,128 @@
+"""The verifier's one assembly: config + checkpoint (or a loaded model) -> a ready scheduler.
+
+Order, each piece built once and handed to the next (nothing patched afterwards):
+  model (TP 1 loaded here, TP N started by tp_worker) -> static-step plan -> drafter pool ->
+  KV sizing (the graph pools reserved first) -> KV pool -> static step (needs the pool and the taps) ->
+  target (TP 1: LocalTarget with its static step; TP N: ShardedTarget) -> scheduler.
+The server builds one engine and serves it; tests build theirs with `build_engine(cfg, model=...)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ddtree.config import VerifierConfig
+from ddtree.models.attention import resolve_attention_backend
+from ddtree.models.cpu_weight_layout import resolve_layout, use_column_major_weights
+from ddtree.models.dtypes import TORCH_DTYPES
+from ddtree.models.loader import load_target
+from ddtree.protocol.security import ServiceSecurity
+from ddtree.telemetry.logging import get_logger
+from ddtree.verifier.drafter_pool import DrafterPool
+from ddtree.verifier.kv_pool import LatentKVPool
+from ddtree.verifier.kv_sizing import graph_reserve_for, kv_size_for
+from ddtree.verifier.scheduler import Scheduler
+from ddtree.verifier.static_step import make_static_step, plan_static_step
+from ddtree.verifier.target import LocalTarget, ShardedTarget, Target
+
+log = get_logger("ddtree.verifier.engine")
+
+
+@dataclasses.dataclass
+class VerifierEngine:
+    """What one verifier runs: its target, KV pool, drafter (None: AR only) and the scheduler over them."""
+
+    config: VerifierConfig
+    target: Target
+    pool: LatentKVPool
+    drafter: object | None  # a DrafterPool, or one DrafterClient / test double with the same calls
+    scheduler: Scheduler
+    tensor_parallel: object | None = None  # tp_worker.TensorParallel at TP N (its ranks > 0 are its workers)
+
+    def start(self) -> None:
+        self.scheduler.start()
+
+    def stop(self) -> None:
+        """Stop the scheduler (every sequence aborted), then the TP workers and the drafter channels."""
+        self.scheduler.stop()
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.close()
+        if self.drafter is not None and hasattr(self.drafter, "close"):
+            self.drafter.close()
+
+
+def build_engine(
+    config: VerifierConfig,
+    model_dir: str | None = None,
+    *,
+    model: torch.nn.Module | None = None,
+    drafter: object | None = None,
+) -> VerifierEngine:
+    """The verifier for `config`: from `model_dir` (loaded here; at `config.tp` > 1 on ranks > 0 this call
+    does not return, see tp_worker.py) or from an already loaded TP-1 `model`. `drafter` overrides the
+    one `config.drafter` names (None and no address: AR only)."""
+    if (model is None) == (model_dir is None):
+        raise ValueError("build_engine needs exactly one of model_dir and model")
+    tp = None
+    if model is None:
+        model, tp = _load(config, model_dir)
+    static_plan = plan_static_step(config, model)  # None: eager steps; ValueError: an `on` it cannot honour
+    if drafter is None and config.drafter:
+        drafter = DrafterPool(
+            config.drafter,
+            config.draft_timeout_s,
+            security=ServiceSecurity.from_config(config),
+            chunk_bytes=config.feature_chunk_bytes,
+        )
+    tap_layer_ids = tuple(drafter.tap_layer_ids) if drafter is not None else ()
+    pool = _kv_pool(config, model.config, static_plan, len(tap_layer_ids))
+    if tp is not None:
+        tp.model.replicate_kv(pool.cache)  # every rank holds a full copy of the latent cache
+        target: Target = ShardedTarget(tp.model)
+    else:
+        static = make_static_step(static_plan, model, pool, tap_layer_ids) if static_plan is not None else None
+        target = LocalTarget(model, static=static)
+    scheduler = Scheduler(target, pool, config, drafter)
+    return VerifierEngine(config, target, pool, drafter, scheduler, tp)
+
+
+def _load(config: VerifierConfig, model_dir: str):
+    """(model, tensor-parallel group or None) for the config's device, dtype and TP degree."""
+    backend = resolve_attention_backend(config.attention_backend, config.device)
+    if config.tp > 1:  # N ranks (tp_worker.py); on ranks > 0 this call does not return
+        from ddtree.verifier.tp_worker import start_tensor_parallel
+
+        tp = start_tensor_parallel(config, model_dir, backend)
+        return tp.model, tp
+    model = load_target(model_dir, dtype=TORCH_DTYPES[config.dtype], device=config.device, attention_backend=backend)
+    model.eval()
+    if resolve_layout(config.cpu_linear_layout, config.device) == "column":
+        log.info("cpu_linear_layout", layout="column", weights=use_column_major_weights(model))
+    return model, None
+
+
+def _kv_pool(config: VerifierConfig, model_config, static_plan, n_taps: int) -> LatentKVPool:
+    """The latent KV pool, sized by kv_sizing after the static step's graph pools are reserved."""
+    reserve, reserve_source = graph_reserve_for(config, model_config, static_plan, n_taps)
+    kv = kv_size_for(config, model_config, reserve_bytes=reserve)
+    log.info(
+        "kv_pool",
+        tokens=kv.tokens,
+        bytes=kv.bytes,
+        bytes_per_token=kv.bytes_per_token,
+        source=kv.source,
+        page_size=config.page_size,
+        graph_reserve_bytes=reserve,
+        graph_reserve_source=reserve_source,
+        graph_reserve_applied=kv.reserve_bytes > 0,  # only kv_memory_fraction sizes from free memory
+    )
+    return LatentKVPool(
+        model_config.num_hidden_layers,
+        kv.tokens,
+        model_config.kv_cache_width,
+        TORCH_DTYPES[config.dtype],
+        config.device,
+        page_size=config.page_size,
+    )
