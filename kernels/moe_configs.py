@@ -5,7 +5,7 @@ A fused MoE call runs two grouped GEMMs over the same alignment (moe_align.py), 
   op "down":    N = d, K = I.
 A config is looked up by (kind, op, E, N, K) and the bucket of M (tokens in the call):
 
-    kernels/moe_configs/<device name>.json   (written by `python -m scripts.bench_moe_kernels --moe --autotune`)
+    kernels/moe_configs/<device name>.json   (written by `python -m scripts.bench.bench_moe_kernels --moe --autotune`)
     {"device": "NVIDIA H200", "triton": "3.9.0",
      "configs": {"int4/gate_up/E384/N256/K7168": {"1": {"block_m": 16, "block_n": 32, ...}, "16": {...}}}}
 

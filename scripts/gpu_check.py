@@ -8,7 +8,7 @@ Kimi-K2.6-shaped model served end to end, in one table and one JSON.
              --work-dir DIR (checkpoint and service logs; default a temp dir, removed unless --keep)
 
 (a) scripts/gpu_check_kernels.py: MLA decode / verify / extend, the latent write, the FP8 / INT4 dense
-    GEMMs and the fused MoE (bf16 / INT4 / FP8, through scripts/bench_moe_kernels.py), each against its
+    GEMMs and the fused MoE (bf16 / INT4 / FP8, through scripts/bench/bench_moe_kernels.py), each against its
     torch reference, with µs and GB/s.
 (b) scripts/gpu_check_serving.py: a random full-width Kimi-K2.6-shaped checkpoint (4 layers, 64 INT4
     experts by default) made on this machine, served by gateway + verifier + the replay oracle drafter

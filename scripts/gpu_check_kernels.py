@@ -3,12 +3,12 @@
 - MLA attention (kernels/mla_attention.py): decode (1 query), tree verify (root + 16 / 64 nodes, random
   trees) and extend (a prefill chunk over a cached prefix, causal), against fp32 SDPA over the same
   gathered latents; the torch time is SDPA in the kernel's dtype (KV pre-gathered, so it excludes the
-  gather it would need). Inputs and the SDPA helpers come from scripts/bench_kernels.py.
+  gather it would need). Inputs and the SDPA helpers come from scripts/bench/bench_kernels.py.
 - the fused latent write (kernels/latent_write.py) against write_latent_ref (the torch ops it replaces).
 - the dense FP8 block GEMM and INT4 group GEMM (kernels/fp8_gemm.py, kernels/int4_gemm.py) against
   kernels/dense_gemm_reference.py (fp32 on the CPU); the torch time is a bf16 matmul of the dequantized
   weight on the device.
-- the fused MoE, bf16 / INT4 / FP8 weights: scripts/bench_moe_kernels.py's `bench_model` (CUDA-graph
+- the fused MoE, bf16 / INT4 / FP8 weights: scripts/bench/bench_moe_kernels.py's `bench_model` (CUDA-graph
   timing, cosine difference from the per-expert torch loop), its rows folded into this table.
 - the drafter's block forward as a CUDA graph against the eager one (scripts/gpu_check_draft.py).
 
@@ -23,8 +23,8 @@ import math
 
 import torch
 
-from scripts import bench_kernels as bk
-from scripts import bench_moe_kernels as bm
+from scripts.bench import bench_kernels as bk
+from scripts.bench import bench_moe_kernels as bm
 from scripts.gpu_check_draft import draft_graph_cases
 
 
@@ -56,9 +56,9 @@ def make_plan(dry_run: bool) -> KernelPlan:
 
 
 def compare(name: str, actual: torch.Tensor, expected: torch.Tensor, corrupt: bool = False, **tol) -> tuple[bool, str]:
-    """tests/compare.py's assert_close as (ok, detail). corrupt: spoil the expected value first (the check's
+    """tests/support/compare.py's assert_close as (ok, detail). corrupt: spoil the expected value first (the check's
     own test: a wrong result must fail)."""
-    from tests.compare import assert_close
+    from tests.support.compare import assert_close
 
     if corrupt:
         expected = expected.clone()

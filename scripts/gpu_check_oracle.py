@@ -1,10 +1,10 @@
-"""The GPU check's drafter: the oracle's noisy trees (tests/oracle_engine.py) over a *replayed* greedy
+"""The GPU check's drafter: the oracle's noisy trees (tests/support/oracle_engine.py) over a *replayed* greedy
 continuation, so its acceptance is known and its draft costs no target forward.
 
     python -m scripts.gpu_check_oracle drafter --model DIR --target DIR --port 0 --reference FILE
         [--taps 1,2,3] [--oracle-seed 7] [--window 2048]
 
-tests/oracle_drafter.py asks the target itself for the greedy continuation of the whole history at every
+tests/support/oracle_drafter.py asks the target itself for the greedy continuation of the whole history at every
 step (window 0, an fp32 forward over the full context per draft): right for the small test models, far too
 slow for a full-width model at 32k tokens. Here the continuation comes from FILE, JSON
 `{"sequences": [[prompt ids + AR output ids], ...]}`, which the check writes after each AR run (re-read
@@ -33,8 +33,8 @@ from ddtree.drafter.server import serve_engine
 from ddtree.models.loader import load_config
 from ddtree.protocol.server import serve_until_stopped
 from ddtree.telemetry.logging import configure_logging
-from tests.oracle_contexts import OracleContexts
-from tests.oracle_engine import noisy_tree
+from tests.support.oracle_contexts import OracleContexts
+from tests.support.oracle_engine import noisy_tree
 
 
 class ReplayDraftEngine(OracleContexts):

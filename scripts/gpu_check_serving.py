@@ -2,7 +2,7 @@
 
 1. A random checkpoint at full width (hidden 7168, 64 heads, q_lora 1536, kv_lora 512, routed experts of
    width 2048 stored INT4 group 32, the first layer dense), fewer layers and experts, written on this
-   machine by scripts/make_kimi_shaped_checkpoint.py, with the demo tokenizer (its vocabulary sets the
+   machine by scripts/data/make_kimi_shaped_checkpoint.py, with the demo tokenizer (its vocabulary sets the
    model's).
 2. The three services as processes (`services/launcher.py start_stack`): gateway, verifier on the device,
    and the replay oracle drafter (scripts/gpu_check_oracle.py: the oracle's noisy trees over the AR
@@ -104,7 +104,7 @@ def make_checkpoint(plan: ServePlan, root: pathlib.Path) -> dict:
             "--hidden", str(plan.hidden), "--vocab", str(vocab), "--heads", str(plan.heads), "--q-lora",
             str(plan.q_lora), "--kv-lora", str(plan.kv_lora), "--moe-width", str(plan.moe_width), "--dense-width",
             str(plan.dense_width), "--group", str(plan.group), "--no-vision"]  # fmt: skip
-    subprocess.run([sys.executable, "-m", "scripts.make_kimi_shaped_checkpoint", *args], check=True, cwd=REPO,
+    subprocess.run([sys.executable, "-m", "scripts.data.make_kimi_shaped_checkpoint", *args], check=True, cwd=REPO,
                    stdout=subprocess.DEVNULL)  # fmt: skip
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(DEMO_TOKENIZER / name, root / name)

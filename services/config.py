@@ -107,7 +107,7 @@ class ServiceConfig(SecurityConfig):
 
 # The drafter's --window auto. On CUDA the window's attention costs little, and real drafters use their
 # context. On the demo CPU, window 2048 -> 512 gave code at 4096 tokens 258 -> 290 DDTree tok/s and chat at
-# 1024 380 -> 426, each with the same tau (scripts.bench_ab --arm-drafter-flags "w512=--window 512").
+# 1024 380 -> 426, each with the same tau (scripts.bench.bench_ab --arm-drafter-flags "w512=--window 512").
 CUDA_WINDOW = 2048
 CPU_WINDOW = 512
 

@@ -1,6 +1,6 @@
 """Reading a training corpus: `{split}_{kind}.txt` files of documents joined by the `[EOS]` text.
 
-`python -m scripts.build_corpus OUT_DIR` writes such a corpus (train and heldout splits of code, prose and
+`python -m scripts.data.build_corpus OUT_DIR` writes such a corpus (train and heldout splits of code, prose and
 chat); `ddtree train target`, the tokenizer trainer and the evaluation scripts read it through here.
 """
 

@@ -16,7 +16,7 @@ each, around 100 matmuls that are themselves small. Compiling the static-shape f
   every call (in an experiment: 8.3 ms against 1.9 ms for one AR row at 1k context).
 
 Measured on the demo target (fp32, 1 thread, a Sapphire Rapids vCPU) by
-`python -m scripts.bench_cpu_compile`: see docs/design.md, "Compiled CPU step". The build reorders
+`python -m scripts.bench.bench_cpu_compile`: see docs/design.md, "Compiled CPU step". The build reorders
 floating-point sums: its logits differ from the eager forward's in the last bits (~1e-5, the same
 argmax), as the eager forward's own rows do between a 1-row and a 17-row batch.
 

@@ -8,10 +8,7 @@ and the forward reads only the buffers: no host synchronisation and no data-depe
 so on CUDA each bucket is a captured graph (`torch.cuda.CUDAGraph`, one memory pool shared by all
 buckets, captured at start-up, largest first) and a step is copy-in + replay. A step that fits no
 bucket runs the eager forward (the same tokens). On the CPU the same buffers and forward run
-directly (`--cuda-graphs on`), which is what the tests check against the eager forward, or compiled
-(`--cpu-compile on`: one AOTInductor build per bucket, made at start-up, cpu_compile.py says why and
-what it gains), with fewer buckets: batch 1, rows 1 and a full tree, keys doubling from 512 (trees up
-to COMPILED_TREE_KEYS).
+directly (`--cuda-graphs on`), which is what the tests check against the eager forward.
 
 `run` returns the final-normed hidden rows and the taps of the real rows in the eager forward's row
 order, so the LM head and the accept walk (target.py, greedy_head.py) do not know which ran.
@@ -25,25 +22,16 @@ import time
 
 import torch
 
-from ddtree.models.aot_compile import compiler_missing
 from ddtree.models.attention import AttentionMetadata
 from ddtree.models.deepseek_v3 import DeepseekV3ForCausalLM
 from ddtree.models.moe import DeepseekV3MoE
 from ddtree.models.static_forward import static_forward
 from ddtree.models.static_shapes import doubling_sizes, powers_of_two_up_to
 from ddtree.telemetry.logging import get_logger
-from ddtree.verifier.cpu_compile import CompiledStaticForward
 
 log = get_logger("ddtree.verifier.static_step")
 CPU_KEY_BLOCK = 128  # on the CPU, keys per sequence are padded to a multiple of this
 DENSE_EXPERTS = 16  # more routed experts per rank than this: eager only (a fused MoE would be the static route)
-COMPILED_KEY_BLOCK = 512  # --cpu-compile: the smallest keys bucket (then doubling), one build per bucket
-# --cpu-compile: trees get builds up to this many keys. A tree's compiled step pays for every padded key
-# (attention over the bucket's keys is most of it), so one just past a bucket edge costs about twice the
-# one at the edge: a 17-row tree, compiled / eager, 3.5 / 6.7 ms at 128 keys, 4.6 / 8.1 at 1k, 8.8 / 12.0
-# at 4k (scripts/bench_cpu_compile.py), so a build for 8k keys (~2 x 8.8) would lose to the eager step at
-# 4k; longer trees run eagerly. An AR row gains at every length (1.5 / 4.1 ms at 128, 2.5 / 5.0 at 4k).
-COMPILED_TREE_KEYS = 4096
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -79,10 +67,8 @@ class StepBuffers:
         # ever holds finite latents (a real row's weight 0 times a NaN there would still be NaN).
         self.key_bias[:, :, 0] = 0.0
         self.rows = torch.arange(T, dtype=torch.int64, device=device)
-        self.key_cols = torch.full((T,), b.batch * b.keys, dtype=torch.int64, device=device)  # spliced mode
         self.out: tuple[torch.Tensor, torch.Tensor | None] | None = None  # graph outputs
         self.graph = None
-        self.compiled: CompiledStaticForward | None = None  # --cpu-compile: this bucket's build
 
     def fill(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Copy one step into the buffers; returns int64 [T_real]: each real row's padded row."""
@@ -91,7 +77,6 @@ class StepBuffers:
         host_ids = torch.zeros(b.batch * Q, dtype=torch.int64)
         host_pos = torch.zeros(b.batch * Q, dtype=torch.int64)
         write = torch.full((b.batch * Q,), self.pad_slot, dtype=torch.int64)
-        cols = torch.full((b.batch * Q,), b.batch * K, dtype=torch.int64)  # pad rows: the spare key row
         keys = torch.full((b.batch, K), self.pad_slot, dtype=torch.int64)
         bias = torch.full((b.batch, Q, K), float("-inf"), dtype=torch.bfloat16)
         bias[:, :, 0] = 0.0  # every row sees one key (padding rows: never read)
@@ -105,7 +90,6 @@ class StepBuffers:
             write[r0 : r0 + n] = s.new_slots.cpu()
             keys[i, :P] = s.prefix_slots.cpu()
             keys[i, P : P + n] = s.new_slots.cpu()
-            cols[r0 : r0 + n] = torch.arange(i * K + P, i * K + P + n)
             bias[i, :n, :P] = 0.0
             bias[i, :n, P : P + n] = torch.where(s.visible_new().cpu(), 0.0, float("-inf"))
             where.append(torch.arange(r0, r0 + n))
@@ -115,23 +99,17 @@ class StepBuffers:
             (self.write_slots, write),
             (self.key_slots, keys),
             (self.key_bias, bias),
-            (self.key_cols, cols),
         ):
             buf.copy_(host, non_blocking=True)
         return torch.cat(where) if where else torch.empty(0, dtype=torch.int64)
 
     def forward(self, model, kv_cache: torch.Tensor, taps: tuple[int, ...]):
         """static_forward in place: (hidden rows, taps), the cache written."""
-        hidden, tap, _ = static_forward(model, *self.step_inputs(kv_cache), taps)
-        return hidden, tap
+        return static_forward(model, *self.step_inputs(kv_cache), taps)
 
     def step_inputs(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """static_forward's tensors, in its order: these buffers and the cache."""
         return self.input_ids, self.positions, self.write_slots, self.key_slots, self.key_bias, kv_cache, self.rows
-
-    def spliced_inputs(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """CompiledStaticForward's inputs: step_inputs, then key_cols (spliced mode)."""
-        return (*self.step_inputs(kv_cache), self.key_cols)
 
 
 class StaticStep:
@@ -143,20 +121,15 @@ class StaticStep:
         buckets: tuple[Bucket, ...],
         tap_layer_ids: tuple[int, ...],
         graphs: bool,
-        compiled: bool = False,
     ):
-        """graphs: capture a CUDA graph per bucket; compiled: an AOTInductor build per bucket (CPU); neither:
-        the buffers run the forward directly."""
+        """graphs: capture a CUDA graph per bucket; else the buffers run the forward directly."""
         if (reason := unsupported_reason(model)) is not None:
             raise ValueError(reason)
-        if graphs and compiled:
-            raise ValueError("a static step is CUDA graphs or CPU builds, not both")
         self.model, self.kv_cache, self.taps = model, kv_cache, tuple(tap_layer_ids)
         self.buckets = tuple(sorted(buckets))
         self._bucket_set = frozenset(self.buckets)
         self._sizes = [sorted({getattr(b, f) for b in self.buckets}) for f in ("batch", "rows", "keys")]
         self.graphs = graphs
-        self.compiled = compiled
         self.pad_slot = pad_slot
         self._buffers: dict[Bucket, StepBuffers] = {}  # made on first use (all of them by capture)
         self.replays = 0
@@ -180,10 +153,8 @@ class StaticStep:
         return b if b in self._bucket_set else None
 
     def capture(self) -> float:
-        """Capture every bucket's graph (CUDA), largest first so that the shared pool is sized once, or make
-        every bucket's CPU build; returns the seconds it took."""
-        if self.compiled:
-            return self._build_all()
+        """Capture every bucket's graph (CUDA), largest first so that the shared pool is sized once; returns
+        the seconds it took."""
         if not self.graphs:
             return 0.0
         t0 = time.perf_counter()
@@ -209,17 +180,6 @@ class StaticStep:
         log.info("cuda_graphs_captured", buckets=len(self.buckets), seconds=round(seconds, 2))
         return seconds
 
-    def _build_all(self) -> float:
-        """One build per bucket, smallest first. The builds run on the buffers as made (pad rows only),
-        which read the cache and write nothing."""
-        t0 = time.perf_counter()
-        for b in self.buckets:
-            buf = self._buffer(b)
-            buf.compiled = CompiledStaticForward(self.model, self.taps, buf.spliced_inputs(self.kv_cache))
-        seconds = time.perf_counter() - t0
-        log.info("cpu_compile_built", buckets=len(self.buckets), seconds=round(seconds, 2))
-        return seconds
-
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, tap_layer_ids: tuple[int, ...]
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -234,9 +194,6 @@ class StaticStep:
         if buf.graph is not None:
             buf.graph.replay()
             hidden, taps = buf.out
-        elif buf.compiled is not None:
-            hidden, taps, new_rows = buf.compiled(*buf.spliced_inputs(self.kv_cache))
-            self.kv_cache.index_copy_(1, buf.write_slots, new_rows)  # [L, S, r+dr] at this step's slots
         else:
             hidden, taps = buf.forward(self.model, self.kv_cache, self.taps)
         self.replays += 1
@@ -250,7 +207,6 @@ class StaticPlan:
 
     buckets: tuple[Bucket, ...]
     graphs: bool  # captured as CUDA graphs (a CUDA device); else the buffers run directly (the CPU)
-    compiled: bool = False  # --cpu-compile on: an AOTInductor build per bucket (the CPU)
 
 
 def unsupported_reason(model: DeepseekV3ForCausalLM) -> str | None:
@@ -273,18 +229,6 @@ def plan_static_step(config, model: DeepseekV3ForCausalLM) -> StaticPlan | None:
     saying why. `on` is strict: ValueError (the CLI's one-line start-up error) when this model cannot run at
     static shapes; at tp > 1 VerifierConfig.validate has refused it already."""
     cuda = torch.device(config.device).type == "cuda"
-    if config.cpu_compile == "on":  # VerifierConfig.validate: CPU, tp 1, static steps not off
-        if (missing := compiler_missing()) is not None:
-            raise ValueError(f"--cpu-compile on: {missing} (install one, or use --cpu-compile off)")
-        if (unsupported := unsupported_reason(model)) is not None:
-            raise ValueError(f"--cpu-compile on: {unsupported} (use --cpu-compile off)")
-        rows = config.default_budget + 1
-        # An AR row's keys (its prefix and itself) never pass max_context; a tree's can by its rows.
-        ar_keys = doubling_sizes(COMPILED_KEY_BLOCK, config.max_context)
-        tree_keys = doubling_sizes(COMPILED_KEY_BLOCK, config.max_context + rows)
-        trees = [k for k in tree_keys if k <= COMPILED_TREE_KEYS] if rows > 1 else []
-        buckets = make_buckets((1,), (1,), ar_keys) + make_buckets((1,), (rows,), trees)
-        return StaticPlan(tuple(sorted(buckets)), graphs=False, compiled=True)
     reason = None
     if config.cuda_graphs == "off":
         reason = "--cuda-graphs off"
@@ -312,9 +256,7 @@ def make_static_step(
     plan: StaticPlan, model: DeepseekV3ForCausalLM, pool, tap_layer_ids: tuple[int, ...]
 ) -> StaticStep:
     """The verifier's StaticStep for a plan, its graphs captured now (on CUDA)."""
-    step = StaticStep(
-        model, pool.cache, pool.pad_slot, plan.buckets, tap_layer_ids, graphs=plan.graphs, compiled=plan.compiled
-    )
+    step = StaticStep(model, pool.cache, pool.pad_slot, plan.buckets, tap_layer_ids, graphs=plan.graphs)
     step.capture()
-    log.info("static_step", buckets=len(plan.buckets), graphs=plan.graphs, compiled=plan.compiled)
+    log.info("static_step", buckets=len(plan.buckets), graphs=plan.graphs)
     return step

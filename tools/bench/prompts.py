@@ -4,7 +4,7 @@
   code     Python source: the standard library's modules, or `heldout_code.txt` of --corpus
   prose    English prose: the standard library's docstrings, or `heldout_prose.txt` of --corpus
 
-With a corpus dir (`python -m scripts.build_corpus` writes `heldout_{kind}.txt`, documents separated by
+With a corpus dir (`python -m scripts.data.build_corpus` writes `heldout_{kind}.txt`, documents separated by
 [EOS]) any kind with such a file can be used (e.g. chat). Text is read in a fixed order, so every run
 and machine builds the same prompts for the same tokenizer; prompt i is tokens [i*C, (i+1)*C) of the
 kind's token stream.

@@ -1,19 +1,19 @@
 """Generate the Python gRPC stubs of proto/ddtree/v1/*.proto into services/protocol/.
 
-Usage: python -m scripts.gen_proto [OUT_DIR]   (default: services/protocol)
+Usage: python -m scripts.data.gen_proto [OUT_DIR]   (default: services/protocol)
 
 The generated modules import each other as `ddtree.v1.x_pb2`; they are rewritten to import
-`ddtree.protocol.ddtree.v1.x_pb2` so the stubs live inside our package. tests/test_proto_stubs.py
+`ddtree.protocol.ddtree.v1.x_pb2` so the stubs live inside our package. tests/deploy/test_proto_stubs.py
 regenerates into a temporary folder and fails when the committed stubs differ.
 """
 
 from __future__ import annotations
 
+import argparse
 import pathlib
 import re
-import sys
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = pathlib.Path(__file__).resolve().parents[2]
 PROTO_ROOT = REPO / "proto"
 DEFAULT_OUT = REPO / "services" / "protocol"
 
@@ -45,7 +45,14 @@ def generate(out_dir: pathlib.Path) -> list[pathlib.Path]:
     return written
 
 
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m scripts.data.gen_proto", description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", nargs="?", type=pathlib.Path, default=DEFAULT_OUT, help="default: services/protocol")
+    out = parser.parse_args(argv).out
+    for path in generate(out):
+        print(path.relative_to(out))
+    return 0
+
+
 if __name__ == "__main__":
-    out = pathlib.Path(sys.argv[1]) if len(sys.argv) > 1 else DEFAULT_OUT
-    for p in generate(out):
-        print(p.relative_to(out))
+    raise SystemExit(main())

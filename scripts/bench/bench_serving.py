@@ -1,6 +1,6 @@
 """Serving properties of the verifier, measured through the real services (issue 9's figures).
 
-    python -m scripts.bench_serving [--model DIR --drafter DIR] [--out runs/bench_serving.json]
+    python -m scripts.bench.bench_serving [--model DIR --drafter DIR] [--out runs/bench_serving.json]
         [--only fragmentation,prefix,batching]
 
 - fragmentation: the late steps of one long generation (page size 1, scattered tree commits) against a

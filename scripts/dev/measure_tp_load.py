@@ -1,13 +1,13 @@
 """Per-rank resident memory of `ddtree verifier --tp N` on a checkpoint, against `ddtree inspect --tp N`, and
 its prefill logits against a reference TP degree (issue 16's "real width on this CPU").
 
-    python -m scripts.measure_tp_load --model DIR [--tp 8] [--ref-tp 1] [--prompt-len 8] [--new-tokens 4]
+    python -m scripts.dev.measure_tp_load --model DIR [--tp 8] [--ref-tp 1] [--prompt-len 8] [--new-tokens 4]
         [--threads 1] [--kv-tokens 1024] [--json OUT] [--skip-logits] [--skip-verifier] [--logits-tp 8 2]
         [--fp32-ref]
 
 Steps (each in its own processes, one after the other, so that at most one model is resident at a time):
 1. `ddtree inspect DIR --tp N --json`: the weight bytes a rank holds (rank 0, the largest share).
-2. The runtime's own size: a tiny checkpoint of the same layout (scripts/make_kimi_shaped_checkpoint.py:
+2. The runtime's own size: a tiny checkpoint of the same layout (scripts/data/make_kimi_shaped_checkpoint.py:
    same layers, kv_lora and INT4 group, every width small) served by `ddtree verifier --tp N` the same way;
    per rank its VmHWM minus inspect's bytes for it (torch, gloo, gRPC, the services, the KV replica).
 3. `ddtree verifier --model DIR --tp N --dtype bfloat16 --port 0` (rank 0 spawns ranks 1..N-1 on this CPU,
@@ -18,7 +18,7 @@ Steps (each in its own processes, one after the other, so that at most one model
 4. Logits (the service does not return them): the same model code in-process, N ranks over gloo
    (`load_tp_model` + `TensorParallelModel`, as the verifier runs them; `gather_logits=True`), against
    --ref-tp ranks (1: `load_target` in one process, as `ddtree verifier --tp 1` loads it): the prefill
-   logits of the prompt compared with tests/compare.py's bf16 rule (|d| <= 8e-3 * max(1, max|ref|) or
+   logits of the prompt compared with tests/support/compare.py's bf16 rule (|d| <= 8e-3 * max(1, max|ref|) or
    |d| <= 2.01/128 * |ref|, cosine difference <= 1e-5), argmax per row, and --new-tokens greedy tokens
    (each step re-runs the whole sequence), also compared with the verifier's tokens. --logits-tp 8 2: more
    TP degrees against the reference; --fp32-ref: the reference also in float32 (INT4 experts stay packed),
@@ -41,9 +41,9 @@ import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 STATUS_FIELDS = ("VmHWM", "VmRSS", "RssAnon", "RssFile")
-BF16_ABS, BF16_REL, BF16_COS = 8e-3, 2.01 / 128, 1e-5  # tests/compare.py's bf16 tolerances
+BF16_ABS, BF16_REL, BF16_COS = 8e-3, 2.01 / 128, 1e-5  # tests/support/compare.py's bf16 tolerances
 
 
 # ---- /proc -----------------------------------------------------------------------------------------------
@@ -121,7 +121,7 @@ def tiny_checkpoint(model: str, root: Path) -> Path:
             "--dense-layers", str(text.get("first_k_dense_replace", 1)), "--experts", "8", "--hidden", "256",
             "--vocab", "1024", "--heads", str(tp_heads), "--q-lora", "64", "--kv-lora", str(text["kv_lora_rank"]),
             "--moe-width", str(8 * group), "--dense-width", "512", "--group", str(group), "--no-vision"]  # fmt: skip
-    subprocess.run([sys.executable, "-m", "scripts.make_kimi_shaped_checkpoint", *args], check=True, cwd=REPO,
+    subprocess.run([sys.executable, "-m", "scripts.data.make_kimi_shaped_checkpoint", *args], check=True, cwd=REPO,
                    stdout=subprocess.DEVNULL)  # fmt: skip
     return root
 
@@ -235,7 +235,7 @@ def run_ranks(model: str, world: int, dtype: str, prompt: list[int], args: argpa
     procs = []
     started = time.perf_counter()
     for rank in range(world):
-        cmd = [sys.executable, "-m", "scripts.measure_tp_load", "--child", model, str(rank), str(world),
+        cmd = [sys.executable, "-m", "scripts.dev.measure_tp_load", "--child", model, str(rank), str(world),
                str(store), str(out), json.dumps(prompt), str(args.new_tokens), str(threads),
                str(args.tp_timeout_s), dtype]  # fmt: skip
         with open(f"{out}.rank{rank}.log", "w") as log:

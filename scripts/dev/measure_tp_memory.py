@@ -1,8 +1,8 @@
 """Peak resident memory of each verifier rank after loading a sharded bf16 checkpoint, at TP=1 and TP=2.
 
-    python -m scripts.measure_tp_memory
+    python -m scripts.dev.measure_tp_memory
 
-Writes the few-hundred-MB sharded checkpoint of tools/measure_load_memory.py, starts `ddtree verifier
+Writes the few-hundred-MB sharded checkpoint of scripts/dev/measure_load_memory.py, starts `ddtree verifier
 --tp N --dtype bfloat16` as it is deployed (rank 0 spawns the other ranks; each reads only its slices),
 waits until it serves, and prints every process's VmHWM; then the same verifier on the 18 MB demo target,
 the runtime's own share (torch, gRPC, the services' imports).
@@ -10,6 +10,7 @@ the runtime's own share (torch, gRPC, the services' imports).
 
 from __future__ import annotations
 
+import argparse
 import pathlib
 import re
 import subprocess
@@ -17,7 +18,7 @@ import sys
 import tempfile
 import time
 
-from scripts.measure_load_memory import write_checkpoint
+from scripts.dev.measure_load_memory import write_checkpoint
 
 
 def _peak_mib(pid: int) -> float:
@@ -65,7 +66,10 @@ def serving_peaks(model: str, tp: int) -> list[float]:
         p.wait(60)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(
+        prog="python -m scripts.dev.measure_tp_memory", description=__doc__.split("\n\n")[0]
+    ).parse_args(argv)
     ckpt = write_checkpoint(pathlib.Path(tempfile.mkdtemp(prefix="tp-memory-")) / "ckpt", 100.0)
     shards = sorted(ckpt.glob("*.safetensors"))
     print(f"checkpoint {sum(f.stat().st_size for f in shards) / 2**20:.0f} MiB bf16 in {len(shards)} shards")

@@ -1,6 +1,6 @@
 """Tensor-parallel verifier step time: the same prompts at --tp 1 and --tp 2 (docs/design.md §7.5).
 
-    python -m scripts.bench_tp [--model DIR --drafter DIR] [--configs 1x1,1x2,2x1] [--prompts 4]
+    python -m scripts.bench.bench_tp [--model DIR --drafter DIR] [--configs 1x1,1x2,2x1] [--prompts 4]
         [--tokens 64] [--budget 16] [--out runs/bench_tp.json]
 
 A config TPxT is `--tp TP` with T torch threads per rank (so TP·T cores for the verifier). Each config gets

@@ -1,9 +1,9 @@
 """Fused MoE kernels (issue 16) on one GPU at Kimi K2.6 / DeepSeek-V3 TP-8 shapes.
 
-    python -m scripts.bench_moe_kernels --moe [--out runs/bench_moe.json]   # a few minutes on one H200
-    python -m scripts.bench_moe_kernels --moe --autotune                      # + sweep tiles, write the table
-    python -m scripts.bench_moe_kernels --moe --dry-run --out /tmp/x.json     # CPU: tiny shapes, interpreted
-    python -m scripts.bench_moe_kernels --moe --compile-only [--arch 90]      # no GPU: build for sm_90, report
+    python -m scripts.bench.bench_moe_kernels --moe [--out runs/bench_moe.json]   # a few minutes on one H200
+    python -m scripts.bench.bench_moe_kernels --moe --autotune                      # + sweep tiles, write the table
+    python -m scripts.bench.bench_moe_kernels --moe --dry-run --out /tmp/x.json     # CPU: tiny shapes, interpreted
+    python -m scripts.bench.bench_moe_kernels --moe --compile-only [--arch 90]      # no GPU: build for sm_90, report
                                                                                # registers / spills / shared memory
 
 Shapes (TP 8 shards the intermediate size, every expert is local): Kimi K2.6 E = 384 experts, top-8,

@@ -1,6 +1,6 @@
 """CPU time of one MoE layer: the old per-expert loop against the grouped path (services/models/moe_grouped.py).
 
-    python -m scripts.bench_moe_cpu [--rows 1 17 136] [--repeats 30] [--threads N]
+    python -m scripts.bench.bench_moe_cpu [--rows 1 17 136] [--repeats 30] [--threads N]
 
 Models: the demo target (checkpoints/demo/target when present, else a random model of its config) and a
 tiny K2-shaped MoE (64 experts, top 8, d 512, expert width 128; Kimi K2 has 384, top 8, 7168, 2048), its
@@ -31,7 +31,7 @@ from ddtree.models.deepseek_v3 import DeepseekV3ForCausalLM
 from ddtree.models.moe import DeepseekV3MoE
 from ddtree.models.random_checkpoint import DEFAULT_TARGET_CONFIG, random_target_state_dict
 
-DEMO_DIR = Path(__file__).resolve().parent.parent / "checkpoints" / "demo" / "target"
+DEMO_DIR = Path(__file__).resolve().parents[2] / "checkpoints" / "demo" / "target"
 K2_TINY = {**DEFAULT_TARGET_CONFIG, "hidden_size": 512, "moe_intermediate_size": 128, "n_routed_experts": 64,
            "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1, "num_hidden_layers": 2, "vocab_size": 256}  # fmt: skip
 

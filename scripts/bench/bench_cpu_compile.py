@@ -5,7 +5,7 @@ forward and the verifier's StaticStep with AOTInductor builds (buffers filled, c
 cache rows written), in blocks of 20 calls in turn in one process, with a bucket of exactly that shape. Prints the medians,
 the builds' seconds, and the largest logit difference; saves JSON.
 
-    python -m scripts.bench_cpu_compile --out runs/bench_cpu_compile.json
+    python -m scripts.bench.bench_cpu_compile --out runs/bench_cpu_compile.json
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from ddtree.models.cpu_weight_layout import use_column_major_weights
 from ddtree.models.loader import load_target
 from ddtree.verifier.static_step import StaticStep, make_buckets
 
-DEMO_TARGET = Path(__file__).resolve().parent.parent / "checkpoints" / "demo" / "target"
+DEMO_TARGET = Path(__file__).resolve().parents[2] / "checkpoints" / "demo" / "target"
 TAPS = (1, 2, 4)  # the demo drafter's tap layers
 PREFILL_CHUNK = 512
 BLOCK = 20  # calls of one path in a row

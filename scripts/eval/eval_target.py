@@ -1,6 +1,6 @@
 """Evaluate a target checkpoint on the held-out splits of a demo corpus.
 
-    python -m scripts.eval_target CKPT --corpus DIR [--out eval.json] [--ctx 1024] [--long 4096]
+    python -m scripts.eval.eval_target CKPT --corpus DIR [--out eval.json] [--ctx 1024] [--long 4096]
 
 Prints and saves (JSON) the perplexity of each held-out kind over non-overlapping windows of --ctx tokens,
 the perplexity over --long-token windows split by position bucket (does quality hold past the training
@@ -27,7 +27,7 @@ from ddtree.models.loader import load_target
 from ddtree.models.training_forward import training_forward
 from ddtree.tokenization.tokenizer import Tokenizer
 from ddtree.training.corpus import KINDS, read_documents
-from scripts.synthetic_chats import _tool_spec
+from scripts.data.synthetic_chats import _tool_spec
 
 EMPTY = torch.empty(0, dtype=torch.int64)
 CODE_PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""'  # no trailing "\n": the BPE merges it with the indent

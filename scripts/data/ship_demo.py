@@ -1,6 +1,6 @@
 """Copy a trained target + drafter pair into checkpoints/demo/, the embedded default.
 
-    python -m scripts.ship_demo --target runs/target/export --drafter runs/drafter/export [--out checkpoints/demo]
+    python -m scripts.data.ship_demo --target runs/target/export --drafter runs/drafter/export [--out checkpoints/demo]
 
 Weights are stored in bf16 to stay within the 30 MB the repository allows (the router's gate weight and
 expert-selection bias stay fp32, as DeepSeek-V3 checkpoints keep them); the services load them in the

@@ -1,6 +1,6 @@
 """Peak resident memory of `load_target`, whole and as tensor-parallel rank 0 of 2.
 
-    python -m scripts.measure_load_memory [--dir DIR] [--shard-mb 100] [--int4]
+    python -m scripts.dev.measure_load_memory [--dir DIR] [--shard-mb 100] [--int4]
 
 Writes a sharded bf16 random checkpoint of a few hundred MB (a DeepSeek-V3-shaped config scaled down;
 --int4: its routed experts INT4 pack-quantized, group 32, as Kimi K2.x ships them), then loads it in a
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     # NOTE: every step runs in its own subprocess of this small parent: Linux carries ru_maxrss across
     # fork + exec, so a child of a process that once held the generated tensors would start at its peak.
-    cwd = Path(__file__).resolve().parent.parent
+    cwd = Path(__file__).resolve().parents[2]
     with tempfile.TemporaryDirectory() as tmp:
         root = args.dir or Path(tmp) / "ckpt"
         if not (root / "model.safetensors.index.json").exists():

@@ -1,7 +1,7 @@
 """Two `ddtree diagnose` runs on the demo deployment, as issue 7 asks for them; prints and saves the reports.
 
-    python -m scripts.diagnose_demo reconcile [--out runs/diagnose_reconcile.json]
-    python -m scripts.diagnose_demo window --window 4 [--out runs/diagnose_window.json]
+    python -m scripts.dev.diagnose_demo reconcile [--out runs/diagnose_reconcile.json]
+    python -m scripts.dev.diagnose_demo window --window 4 [--out runs/diagnose_window.json]
 
 reconcile: the default stack with the verifier writing step records to a file; a real run (a 1000-token
 stretch of standard-library code that the profile does not use, sent as text through the gateway by

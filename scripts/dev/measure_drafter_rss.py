@@ -1,6 +1,6 @@
 """Resident memory of a drafter process over many mixed request lifetimes (issue 20 point 6).
 
-    python -m scripts.measure_drafter_rss [--requests 2000] [--checkpoints 200,1000,2000] [--dtype auto]
+    python -m scripts.dev.measure_drafter_rss [--requests 2000] [--checkpoints 200,1000,2000] [--dtype auto]
         [--seed 0] [--out /tmp/drafter_rss.json] [--drafter-args '--window 512'] [--env LRU_CACHE_CAPACITY=1]
 
 Starts `python -m ddtree.cli drafter --port 0` (the default checkpoint unless --model/--target), reads its

@@ -1,6 +1,6 @@
 """Average accepted length tau of a drafter on held-out prompts, measured through the real pieces.
 
-    python -m scripts.eval_drafter --target DIR --drafter DIR --corpus DIR --kind code,prose \\
+    python -m scripts.eval.eval_drafter --target DIR --drafter DIR --corpus DIR --kind code,prose \\
         --budget 16 --tokens 256 --prompts 8 [--out FILE.json]
 
 In one process: the drafter service (`make_engine` + `serve_engine` on a loopback port), the verifier's
@@ -139,7 +139,7 @@ def measure_tau(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m scripts.eval_drafter", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m scripts.eval.eval_drafter", description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True)
     p.add_argument("--drafter", required=True)
     p.add_argument("--corpus", required=True, help="dir with heldout_{kind}.txt")

@@ -1,7 +1,7 @@
 """A/B of verifier settings on one machine, interleaved prompt by prompt, so that drift in the machine's
 speed falls on every arm alike.
 
-    python -m scripts.bench_ab [--corpus runs/corpus] --kind code --context 4096 --prompts 11 \
+    python -m scripts.bench.bench_ab [--corpus runs/corpus] --kind code --context 4096 --prompts 11 \
         --arm "fixed=--tree-cut fixed" --arm "cost=--tree-cut cost" [--out runs/bench_ab.json]
 
 Each arm is a private drafter + verifier (the demo pair unless --model / --drafter; `--arm-drafter

@@ -1,6 +1,6 @@
 """Make a private CA and one certificate per service for mutual TLS between gateway, verifier and drafter.
 
-    python -m scripts.make_service_certs DIR [--names gateway,verifier,drafter] [--days 365]
+    python -m scripts.data.make_service_certs DIR [--names gateway,verifier,drafter] [--days 365]
 
 Writes DIR/ca.pem (give it to every service as --tls-ca), and DIR/NAME.pem + DIR/NAME.key for each
 name (--tls-cert / --tls-key). Each certificate is valid for server and client use and names

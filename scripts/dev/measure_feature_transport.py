@@ -2,7 +2,7 @@
 layers, small vocab, dense layers, few heads) and a DFlash drafter of the same width (6 x 7168 = 43008
 features per token, 86 KB per token in bf16), a 2048-token prompt.
 
-    python -m scripts.measure_feature_transport [--prompt 2048] [--tokens 32] [--out result.json]
+    python -m scripts.dev.measure_feature_transport [--prompt 2048] [--tokens 32] [--out result.json]
 
 Starts a drafter and a verifier (bf16) on loopback, generates the same prompt with AR and with DDTree,
 and prints: whether the outputs are identical, whether the first step speculated (a tree verified, not

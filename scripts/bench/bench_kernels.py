@@ -1,9 +1,9 @@
 """MLA attention kernels on one GPU at Kimi K2 TP8 shapes, beside torch SDPA (issue 5 item 7).
 
-    python -m scripts.bench_kernels --out runs/bench_kernels.json          # one GPU, under 5 minutes
-    python -m scripts.bench_kernels --out runs/bench_kernels.json --sweep  # + a block / split config sweep
-    python -m scripts.bench_kernels --dry-run --out /tmp/x.json            # CPU: tiny shapes, TRITON_INTERPRET=1
-    python -m scripts.bench_kernels --compile-only [--arch 90]             # no GPU needed: build for sm_90, show
+    python -m scripts.bench.bench_kernels --out runs/bench_kernels.json          # one GPU, under 5 minutes
+    python -m scripts.bench.bench_kernels --out runs/bench_kernels.json --sweep  # + a block / split config sweep
+    python -m scripts.bench.bench_kernels --dry-run --out /tmp/x.json            # CPU: tiny shapes, TRITON_INTERPRET=1
+    python -m scripts.bench.bench_kernels --compile-only [--arch 90]             # no GPU needed: build for sm_90, show
                                                                          # registers / spills / shared memory
 
 Shapes: 8 local heads, latent 512 + rope 64, bf16 (Kimi K2 / DeepSeek-V3 MLA at TP 8, absorbed form);

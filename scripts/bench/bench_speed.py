@@ -1,6 +1,6 @@
 """DDTree vs AR decode speed and acceptance on held-out text, through the real services.
 
-    python -m scripts.bench_speed --corpus DIR [--model DIR --drafter DIR | --verifier HOST:PORT]
+    python -m scripts.bench.bench_speed --corpus DIR [--model DIR --drafter DIR | --verifier HOST:PORT]
         [--kinds code,prose,chat] [--contexts 512,4096] [--prompts 4] [--tokens 256] [--budget 16]
         [--out runs/bench_speed.json]
 

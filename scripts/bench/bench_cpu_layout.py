@@ -1,6 +1,6 @@
 """The target's verify / decode forward on the CPU with row-major against column-major weights.
 
-    python -m scripts.bench_cpu_layout [--contexts 128 1024 4096] [--rows 1 17] [--repeats 60] [--threads 1]
+    python -m scripts.bench.bench_cpu_layout [--contexts 128 1024 4096] [--rows 1 17] [--repeats 60] [--threads 1]
         [--out runs/bench_cpu_layout.json]
 
 The verifier's `--cpu-linear-layout` (services/models/cpu_weight_layout.py) in isolation: two copies of the
@@ -9,7 +9,7 @@ a prefill of `context` random tokens; then a forward of `rows` new tokens (1: an
 budget-16 verify, causal mask) with the drafter's taps, as the step runs it. The two are called in turn,
 `--repeats` times after a warm-up, and the median of each is printed with their ratio: no service, no
 gRPC, no drafter, so the comparison is not drowned by a shared machine's noise the way a whole-service
-A/B (scripts/bench_ab.py) is at a few percent.
+A/B (scripts/bench/bench_ab.py) is at a few percent.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from ddtree.models.attention import AttentionMetadata, SeqAttention
 from ddtree.models.cpu_weight_layout import use_column_major_weights
 from ddtree.models.loader import load_target
 
-DEMO_TARGET = Path(__file__).resolve().parent.parent / "checkpoints" / "demo" / "target"
+DEMO_TARGET = Path(__file__).resolve().parents[2] / "checkpoints" / "demo" / "target"
 TAPS = (1, 2, 4)  # the demo drafter's tap layers
 PREFILL_CHUNK = 512
 

@@ -4,7 +4,7 @@ the standard library's docstrings, then GNU info manuals and English man pages w
 synthetic chats in the Kimi K2 format (reasoning sections, tool declarations, tool calls and results)
 rendered with our chat template from a seeded RNG.
 
-    python -m scripts.build_corpus OUT_DIR [--code-mb 12 --prose-mb 10 --chat-mb 6]
+    python -m scripts.data.build_corpus OUT_DIR [--code-mb 12 --prose-mb 10 --chat-mb 6]
 
 Writes `train_{kind}.txt` and `heldout_{kind}.txt` for kind in code, prose, chat (documents joined by the
 `[EOS]` special-token text, which no source document contains) and `manifest.json` (sizes, document
@@ -27,7 +27,7 @@ import time
 
 from ddtree.tokenization.default_tokenizer import help_topic_texts
 from ddtree.training.corpus import EOS, KINDS
-from scripts import synthetic_chats
+from scripts.data import synthetic_chats
 
 SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__", "lib2to3", "turtledemo"}
 MAX_FILE_BYTES = 150_000

@@ -1,11 +1,11 @@
 """Structured outputs on trees, measured: AR, DDTree with the drafter's tree pruned by the grammar, DDTree with
 the tree built from the drafter's top-K table (verifier setting `grammar_tree`: prune | table).
 
-    python -m scripts.bench_grammar [--budgets 8,32] [--max-new 64] [--out runs/bench_grammar.json]
+    python -m scripts.bench.bench_grammar [--budgets 8,32] [--max-new 64] [--out runs/bench_grammar.json]
 
-On the demo pair (`ddtree.default_checkpoint.default_checkpoint()`), in one process (tests/grammar_runs.py:
+On the demo pair (`ddtree.default_checkpoint.default_checkpoint()`), in one process (tests/support/grammar_runs.py:
 the pair's DFlash drafter served on a loopback port, the verifier's scheduler with the pair's target in
-fp32), the JSON-schema prompts of tests/grammar_runs.py at temperature 0, one request at a time. Per
+fp32), the JSON-schema prompts of tests/support/grammar_runs.py at temperature 0, one request at a time. Per
 setting: tau (tokens committed per verify step, the accept length), tokens/s (generated tokens over the
 requests' wall time, prefill included), tree nodes drafted and kept per step, and the grammar's mask
 time per step (SequenceGrammar.mask_s: every mask the step computed, the build's and prepare's). Fails
@@ -37,7 +37,7 @@ def summary(runs) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m scripts.bench_grammar", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.bench_grammar", description=__doc__.split("\n\n")[0])
     parser.add_argument("--budgets", default="8,32", help="comma-separated tree budgets")
     parser.add_argument("--max-new", type=int, default=64, help="max new tokens per request")
     parser.add_argument("--drafter-dtype", default="float32", help="float32 | bfloat16 (auto: the drafter's default)")
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ddtree.default_checkpoint import default_checkpoint
     from ddtree.telemetry.logging import configure_logging
-    from tests.grammar_runs import REQUESTS, DemoPair, json_grammar
+    from tests.support.grammar_runs import REQUESTS, DemoPair, json_grammar
 
     configure_logging("warning", "console")
     torch.manual_seed(0)

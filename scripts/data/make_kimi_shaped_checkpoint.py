@@ -1,6 +1,6 @@
 """A random Kimi-K2.6-shaped checkpoint (INT4 routed experts), written tensor by tensor.
 
-    python -m scripts.make_kimi_shaped_checkpoint --out DIR [--layers 2] [--experts 384] [--hidden 7168]
+    python -m scripts.data.make_kimi_shaped_checkpoint --out DIR [--layers 2] [--experts 384] [--hidden 7168]
         [--vocab 163840] [--heads 64] [--q-lora 1536] [--kv-lora 512] [--moe-width 2048] [--dense-width 18432]
         [--shard-gb 2] [--seed 0] [--no-vision]
 
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 K26_CONFIG = REPO / "docs" / "kimi_k26_config.json"
 PREFIX = "language_model."
 CHUNK_BYTES = 64 << 20
@@ -89,7 +89,7 @@ def make_config(args: argparse.Namespace) -> dict:
     text["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = args.group
     raw["vision_config"]["text_hidden_size"] = args.hidden
     raw["_note"] = (
-        "random Kimi-K2.6-shaped checkpoint written by scripts/make_kimi_shaped_checkpoint.py "
+        "random Kimi-K2.6-shaped checkpoint written by scripts/data/make_kimi_shaped_checkpoint.py "
         f"(seed {args.seed}): not a trained model"
     )
     return raw

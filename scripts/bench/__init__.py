@@ -1,0 +1,1 @@
+"""Benchmarks: A/B and speed runs on the demo, serving, tensor parallelism, kernels, grammar, CPU paths."""

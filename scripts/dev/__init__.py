@@ -1,0 +1,1 @@
+"""Developer measurements and one-off diagnostics (memory, transport, TP loading, the demo's profile)."""
