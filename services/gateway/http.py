@@ -58,7 +58,14 @@ from ddtree.gateway.choices import Choices, check_size, choice_jobs
 from ddtree.gateway.http_request import ApiError, read_json_body, request_id_of, served_model
 from ddtree.gateway.http_response import GenerationResponse, error_response
 from ddtree.gateway.openai_logprobs import TokenStrings
-from ddtree.gateway.openai_responses import ChatStream, CompletionStream, chat_response, completion_response, field_of
+from ddtree.gateway.openai_responses import (
+    ChatStream,
+    CompletionStream,
+    Echo,
+    chat_response,
+    completion_response,
+    field_of,
+)
 from ddtree.gateway.pipeline import Invalid, Job, Pipeline, validate_template_kwargs
 from ddtree.telemetry.logging import get_logger
 from ddtree.tokenization.chat_template import validate_tools
@@ -122,17 +129,30 @@ class OpenAIApi:
         params = await self._prepare(lambda: parse(body, self.config))
         return policy, params, self._model(params.model), request_id_of(request, params.request_id)
 
-    def _respond(self, job: Job, params, model: str, prefix: str, stream_type, answer) -> Response:
+    def _respond(self, job: Job, params, model: str, prefix: str, stream_type, answer, **shape) -> Response:
         """The response of a chat or completion job (params: its ChatParams / CompletionParams): its n
-        choices streamed as `stream_type`'s chunks, or `answer`'s one JSON body; the id is PREFIX-ID."""
+        choices streamed as `stream_type`'s chunks, or `answer`'s one JSON body; the id is PREFIX-ID.
+        shape: what the completions' builders take besides (echo)."""
         if params.user is not None:
             _log.info("http_request", request_id=job.request.request_id, user=params.user)
         gen, strings = self._choices(job, params.n, params.stream), self._strings(params.options)
+        if strings is not None and getattr(params, "echo", False):  # echo may ask for the prompt's logprobs alone
+            strings = TokenStrings(self.p.tokenizer, strings.cache, strings.output, params.prompt_logprobs_shown)
         rid, created = f"{prefix}-{job.request.request_id}", int(time.time())
         if params.stream:
-            events = stream_type(rid, model, created, params.include_usage, params.n, strings)
+            continuous = len(job.request.input_ids) if params.continuous_usage else None
+            events = stream_type(
+                rid,
+                model,
+                created,
+                params.include_usage,
+                params.n,
+                strings,
+                continuous_prompt_tokens=continuous,
+                **shape,
+            )
             return GenerationResponse(gen, self.limiter, True, events=events)
-        build = functools.partial(answer, rid, model, created, strings=strings)
+        build = functools.partial(answer, rid, model, created, strings=strings, **shape)
         return GenerationResponse(gen, self.limiter, False, build=build)
 
     # -- routes ----------------------------------------------------------------------------------------
@@ -168,7 +188,13 @@ class OpenAIApi:
                 grammar_checked=True,  # request_grammar checked each structured-output field
             )
         )
-        return self._respond(job, params, model, "cmpl", CompletionStream, completion_response)
+        echo = None
+        if params.echo:
+            ids = job.request.input_ids
+            text = params.prompt if isinstance(params.prompt, str) else self.p.tokenizer.decode(list(ids))
+            top = params.options.top_logprobs if params.options.HasField("top_logprobs") else None
+            echo = Echo(text, ids[0], top, output=not params.prompt_only)
+        return self._respond(job, params, model, "cmpl", CompletionStream, completion_response, echo=echo)
 
     async def _model_card(self) -> dict:
         max_context = await anyio.to_thread.run_sync(self.p.max_context, limiter=self.limiter)

@@ -23,6 +23,9 @@ id can appear among the top logprobs) is shown as `<|N|>` (N the id) with empty 
   text they precede (chat: once, a chunk with an empty delta and `prompt_logprobs`; completions: a
   choice with empty text and `prompt_logprobs`, for each choice): vLLM refuses prompt_logprobs > 0 with
   stream. -inf is shown as -9999.0 (vLLM's clamp; JSON has no infinity).
+- echo (completions, vLLM's shape): the prompt's tokens ahead of the output's in `tokens`,
+  `token_logprobs` and `top_logprobs`, the first prompt token's logprob and top_logprobs `null`
+  (`echo_logprobs`, from the same verifier prompt log-probabilities).
 """
 
 from __future__ import annotations
@@ -39,23 +42,23 @@ class TokenStrings:
 
     def __init__(self, tokenizer: Tokenizer, cache: dict | None = None, output: bool = True, prompt: bool = False):
         self._tok = tokenizer
-        self._cache: dict[int, tuple[str, list[int]]] = {} if cache is None else cache
+        self.cache: dict[int, tuple[str, list[int]]] = {} if cache is None else cache
         self.output, self.prompt = output, prompt
 
     def for_request(self, options) -> TokenStrings | None:
         """These strings (the same cache) for a request's GenerationOptions: None when it asks for no
         logprobs; else `output` = top_logprobs set, `prompt` = prompt_logprobs set."""
         output, prompt = options.HasField("top_logprobs"), options.HasField("prompt_logprobs")
-        return TokenStrings(self._tok, self._cache, output, prompt) if output or prompt else None
+        return TokenStrings(self._tok, self.cache, output, prompt) if output or prompt else None
 
     def __call__(self, token_id: int) -> tuple[str, list[int]]:
-        hit = self._cache.get(token_id)
+        hit = self.cache.get(token_id)
         if hit is None and not 0 <= token_id < self._tok.vocab_size:
             return f"<|{token_id}|>", []  # a padding row of the logits: no token, no bytes (not cached)
         if hit is None:
             text = self._tok.decode([token_id])
             raw = self._tok.token_bytes(token_id)
-            hit = self._cache[token_id] = (text, list(raw if raw is not None else text.encode("utf-8")))
+            hit = self.cache[token_id] = (text, list(raw if raw is not None else text.encode("utf-8")))
         return hit
 
 
@@ -123,6 +126,11 @@ class PromptLogprobsStream:
     def take(self, index: int, chunk) -> list | None:
         """The whole prompt_logprobs when `chunk` (a GenerateChunk of choice `index`) is choice 0's first
         after its prompt's entries; else None (held, given before, or another choice's chunk)."""
+        pieces = self.take_pieces(index, chunk)
+        return None if pieces is None else prompt_logprobs_json(self._strings, pieces)
+
+    def take_pieces(self, index: int, chunk) -> list[common_pb2.PromptLogprobs] | None:
+        """As `take`, the verifier's pieces themselves."""
         if index != 0 or self._pieces is None:
             return None
         if chunk.HasField("prompt_logprobs"):
@@ -130,7 +138,32 @@ class PromptLogprobsStream:
         if not (chunk.token_ids or chunk.finish_reason):
             return None
         pieces, self._pieces = self._pieces, None
-        return prompt_logprobs_json(self._strings, pieces)
+        return pieces
+
+
+def echo_logprobs(strings: TokenStrings, first_id: int, pieces: Sequence[common_pb2.PromptLogprobs], top: int) -> dict:
+    """The prompt's entries in the completions shape (echo with logprobs, as vLLM): the first token with
+    `null` logprob and `null` top_logprobs (nothing scores it), then each prompt token's logprob and its
+    `top` most likely tokens plus itself; text_offset from 0."""
+    first = strings(first_id)[0]
+    out: dict = {"tokens": [first], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [0]}
+    offset = len(first)
+    for piece in pieces:
+        for token_id, lp in zip(piece.token_ids, piece.logprobs):
+            text = strings(token_id)[0]
+            tops = {strings(i)[0]: max(v, -9999.0) for i, v in list(zip(lp.top_ids, lp.top_logprobs))[:top]}
+            tops.setdefault(text, max(lp.logprob, -9999.0))
+            out["tokens"].append(text)
+            out["token_logprobs"].append(max(lp.logprob, -9999.0))
+            out["top_logprobs"].append(tops)
+            out["text_offset"].append(offset)
+            offset += len(text)
+    return out
+
+
+def join_logprobs(head: dict, tail: dict) -> dict:
+    """Two completions-shape logprobs one after the other (the echoed prompt's, then the output's)."""
+    return {key: head[key] + tail[key] for key in head}
 
 
 def prompt_logprobs_field(strings: TokenStrings | None, pieces: Sequence[common_pb2.PromptLogprobs]) -> dict:

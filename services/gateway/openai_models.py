@@ -200,7 +200,7 @@ class ChatCompletionRequest(Request):
     chat_template: Any = None
     documents: Any = None
     mm_processor_kwargs: Any = None
-    echo: bool | None = None
+    echo: bool | None = None  # refused unless false (openai_protocol.parse_chat): completions echo
     functions: Any = None
     function_call: Any = None
     store: bool | None = None
@@ -248,9 +248,7 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "kv_transfer_params": (lambda v: False, "not supported (no disaggregated prefill)"),
     "vllm_xargs": (lambda v: False, "not supported"),
     "spaces_between_special_tokens": (lambda v: v is True, "only true (the default)"),
-    "stream_options.continuous_usage_stats": (lambda v: v is False, "not supported (usage comes with the last chunk)"),
     # chat
-    "parallel_tool_calls": (lambda v: v is True, "only true: every call the model writes is returned"),
     "include_reasoning": (
         lambda v: v is True,
         "only true (use separate_reasoning: false to keep reasoning in content)",
@@ -259,7 +257,6 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "chat_template": (lambda v: False, "not supported (only the checkpoint's own chat template is served)"),
     "documents": (lambda v: False, "not supported"),
     "mm_processor_kwargs": (lambda v: False, "not supported (text only)"),
-    "echo": (lambda v: v is False, "not supported"),
     "functions": (lambda v: False, "not supported (deprecated: use tools)"),
     "function_call": (lambda v: False, "not supported (deprecated: use tool_choice)"),
     "store": (lambda v: v is False, "not supported (nothing is stored)"),

@@ -55,6 +55,8 @@ class ChatParams:
     separate_reasoning: bool
     stream: bool
     include_usage: bool
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk (vLLM's)
+    parallel_tool_calls: bool = True  # false: at most one tool call
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     request_id: str | None = None
@@ -69,9 +71,13 @@ class CompletionParams:
     options: gateway_pb2.GenerationOptions
     stream: bool
     include_usage: bool
+    continuous_usage: bool = False
     request_id: str | None = None
     user: str | None = None
     n: int = 1
+    echo: bool = False  # the prompt ahead of each choice's text (and its tokens' logprobs with logprobs)
+    prompt_only: bool = False  # max_tokens 0 with echo: the prompt's logprobs alone, no output
+    prompt_logprobs_shown: bool = False  # the client asked for vLLM's prompt_logprobs (echo may ask alone)
 
 
 def _in(key: str, value: int | None, lo: int, hi: int) -> int | None:
@@ -157,8 +163,10 @@ def _tool_choice(value: Any) -> str:
     return value
 
 
-def _stream(r: Request) -> tuple[bool, bool]:
-    return bool(r.stream), bool(r.stream_options and r.stream_options.include_usage)
+def _stream(r: Request) -> tuple[bool, bool, bool]:
+    """(stream, include_usage, continuous usage): vLLM's continuous_usage_stats counts with include_usage only."""
+    include = bool(r.stream_options and r.stream_options.include_usage)
+    return bool(r.stream), include, include and bool(r.stream_options.continuous_usage_stats)
 
 
 def _chat_logprobs(r: ChatCompletionRequest, o: gateway_pb2.GenerationOptions) -> None:
@@ -174,7 +182,9 @@ def parse_chat(body: dict, config: GatewayConfig) -> ChatParams:
     max_tokens, key = r.max_completion_tokens, "max_completion_tokens"
     if max_tokens is None:
         max_tokens, key = r.max_tokens, "max_tokens"
-    stream, include_usage = _stream(r)
+    if r.echo:
+        raise Invalid("echo: not supported on chat (use /v1/completions, which echoes the prompt)")
+    stream, include_usage, continuous = _stream(r)
     options = _options(r, config, max_tokens, key)
     _chat_logprobs(r, options)
     return ChatParams(
@@ -187,6 +197,8 @@ def parse_chat(body: dict, config: GatewayConfig) -> ChatParams:
         separate_reasoning=r.separate_reasoning is not False,
         stream=stream,
         include_usage=include_usage,
+        continuous_usage=continuous,
+        parallel_tool_calls=r.parallel_tool_calls is not False,
         add_generation_prompt=r.add_generation_prompt is not False,
         continue_final_message=bool(r.continue_final_message),
         request_id=r.request_id,
@@ -215,17 +227,29 @@ def _prompt(prompt: Any) -> str | list[int]:
 
 def parse_completion(body: dict, config: GatewayConfig) -> CompletionParams:
     r = validate(CompletionRequest, body)
-    stream, include_usage = _stream(r)
-    options = _options(r, config, r.max_tokens, "max_tokens")
+    stream, include_usage, continuous = _stream(r)
+    prompt_only = r.max_tokens == 0
+    if prompt_only and not r.echo:
+        raise Invalid("max_tokens: 0 needs echo: true (the prompt's log-probabilities alone), got 0")
+    options = _options(r, config, 1 if prompt_only else r.max_tokens, "max_tokens")
+    shown = options.HasField("prompt_logprobs")
     if r.logprobs is not None:
         options.top_logprobs = _in("logprobs", r.logprobs, 0, MAX_TOP_LOGPROBS)
+        if r.echo:  # the prompt tokens' entries: the verifier's prompt log-probabilities, `logprobs` most likely
+            if shown and options.prompt_logprobs != r.logprobs:
+                raise Invalid(f"prompt_logprobs: must equal logprobs ({r.logprobs}) with echo, got {r.prompt_logprobs}")
+            options.prompt_logprobs = r.logprobs
     return CompletionParams(
         model=r.model,
         prompt=_prompt(r.prompt),
         options=options,
         stream=stream,
         include_usage=include_usage,
+        continuous_usage=continuous,
         request_id=r.request_id,
         user=r.user,
         n=check_n(r.n),
+        echo=bool(r.echo),
+        prompt_only=prompt_only,
+        prompt_logprobs_shown=shown,
     )

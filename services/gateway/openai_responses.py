@@ -2,6 +2,10 @@
 completion request (`chat_response`, `completion_response`), its stream chunks (`ChatStream`,
 `CompletionStream`), usage and error JSON. The requests are openai_protocol.py's.
 
+Streams with `stream_options.continuous_usage_stats` (and include_usage) carry `usage` on every chunk
+(that choice's completion tokens so far, as vLLM). Completions with `echo` start each choice with the
+prompt (`Echo`); with max_tokens 0 that is all, finish_reason "length", 0 completion tokens.
+
 Responses carry the OpenAI fields plus `spec` (speculative statistics of the answer: verify_steps,
 avg_accept_length, accept_histogram[k] = steps that committed k tokens, ttft_ms, decode_ms measured by
 the verifier). Streams send it on the chunk that carries finish_reason. usage has
@@ -11,14 +15,29 @@ it counts the prompt once and sums the completion tokens.
 
 from __future__ import annotations
 
+import dataclasses
+
 from ddtree.gateway.generation import Result
 from ddtree.gateway.openai_logprobs import (
     PromptLogprobsStream,
     chat_logprobs,
     completion_logprobs,
+    echo_logprobs,
+    join_logprobs,
     prompt_logprobs_field,
+    prompt_logprobs_json,
 )
 from ddtree.protocol.ddtree.v1 import common_pb2, gateway_pb2
+
+
+@dataclasses.dataclass(frozen=True)
+class Echo:
+    """What a completion's `echo` puts ahead of each choice's output (vLLM's shapes)."""
+
+    text: str  # the prompt as text
+    first_id: int  # the prompt's first token: no entry scores it
+    top: int | None  # logprobs N: the prompt tokens' entries ahead of the output's; None: no logprobs
+    output: bool = True  # False (max_tokens 0): the prompt alone; the one token generated for it is dropped
 
 
 # -- responses -------------------------------------------------------------------------------------------
@@ -64,7 +83,9 @@ def spec_json(u: common_pb2.Usage) -> dict:
     }
 
 
-def error_json(message: str, status: int, param: str | None = None) -> dict:
+def error_json(message: str, status: int, param: str | None = None, code: str | int | None = None) -> dict:
+    """OpenAI's error shape; `code` defaults to the status (a string such as context_length_exceeded where
+    OpenAI names one)."""
     kinds = {
         400: "invalid_request_error",
         401: "authentication_error",
@@ -75,7 +96,8 @@ def error_json(message: str, status: int, param: str | None = None) -> dict:
         503: "service_unavailable",
         504: "timeout",
     }
-    return {"error": {"message": message, "type": kinds.get(status, "server_error"), "param": param, "code": status}}
+    kind = kinds.get(status, "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": status if code is None else code}}
 
 
 def field_of(message: str) -> str | None:
@@ -90,25 +112,39 @@ class EventStream:
     (include_usage) comes once, after the last choice finished, summed (sum_usage). `strings` (a
     TokenStrings) when the request asked for logprobs."""
 
-    def __init__(self, rid: str, model: str, created: int, include_usage: bool, obj: str, n: int = 1, strings=None):
+    def __init__(
+        self,
+        rid: str,
+        model: str,
+        created: int,
+        include_usage: bool,
+        obj: str,
+        n: int = 1,
+        strings=None,
+        continuous_prompt_tokens: int | None = None,
+    ):
+        """continuous_prompt_tokens: the prompt's tokens when every chunk carries usage (continuous_usage_stats)."""
         self.rid, self.model, self.created, self.include_usage, self.obj = rid, model, created, include_usage, obj
         self.n, self.strings = n, strings
         self._usages: dict[int, common_pb2.Usage] = {}
         self.prompt = PromptLogprobsStream(strings) if strings and strings.prompt else None
+        self.continuous_prompt_tokens = continuous_prompt_tokens
+        self.generated = [0] * n  # completion tokens of each choice so far
 
     def _chunk(self, choices: list, **extra) -> dict:
-        return {
-            "id": self.rid,
-            "object": self.obj,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-            **extra,
-        }
+        chunk = {"id": self.rid, "object": self.obj, "created": self.created, "model": self.model, "choices": choices}
+        prompt = self.continuous_prompt_tokens
+        if prompt is not None and choices and "usage" not in extra:
+            done = sum(self.generated[c["index"]] for c in choices)
+            chunk["usage"] = {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+        return {**chunk, **extra}
 
-    def _final(self, index: int, choice: dict, c: gateway_pb2.GenerateChunk) -> list[dict]:
-        out = [self._chunk([choice], spec=spec_json(c.usage))]
-        self._usages[index] = c.usage
+    def count(self, index: int, c: gateway_pb2.GenerateChunk) -> None:
+        self.generated[index] += len(c.token_ids)
+
+    def _final(self, index: int, choice: dict, usage: common_pb2.Usage) -> list[dict]:
+        out = [self._chunk([choice], spec=spec_json(usage))]
+        self._usages[index] = usage
         if self.include_usage and len(self._usages) == self.n:
             out.append(self._chunk([], usage=usage_json(sum_usage([self._usages[i] for i in range(self.n)]))))
         return out
@@ -119,8 +155,8 @@ class ChatStream(EventStream):
     deltas (with their tokens' logprobs); tool calls (id + name first, then argument fragments);
     finish_reason (+ spec); then usage; (then [DONE])."""
 
-    def __init__(self, rid: str, model: str, created: int, include_usage: bool, n: int = 1, strings=None):
-        super().__init__(rid, model, created, include_usage, "chat.completion.chunk", n, strings)
+    def __init__(self, rid: str, model: str, created: int, include_usage: bool, n: int = 1, strings=None, **usage):
+        super().__init__(rid, model, created, include_usage, "chat.completion.chunk", n, strings, **usage)
 
     def _delta(self, index: int, delta: dict, finish_reason: str | None = None, logprobs=None) -> dict:
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -130,6 +166,7 @@ class ChatStream(EventStream):
 
     def events(self, item: tuple[int, gateway_pb2.GenerateChunk]) -> list[dict]:
         index, c = item
+        self.count(index, c)
         out = []
         prompt = self.prompt.take(index, c) if self.prompt else None
         if prompt is not None:  # choice 0's whole prompt_logprobs, ahead of its text: once (openai_logprobs.py)
@@ -152,21 +189,36 @@ class ChatStream(EventStream):
                 more = {"tool_calls": [{"index": d.index, "function": {"arguments": d.arguments_delta}}]}
                 out.append(self._chunk([self._delta(index, more)]))
         if c.finish_reason:
-            out += self._final(index, self._delta(index, {}, c.finish_reason), c)
+            out += self._final(index, self._delta(index, {}, c.finish_reason), c.usage)
         return out
 
 
 class CompletionStream(EventStream):
-    """text_completion events per choice: (prompt_logprobs); text deltas (with their tokens' logprobs);
-    finish_reason (+ spec); then usage; (then [DONE]). With prompt_logprobs every choice shows choice 0's,
-    ahead of its text: the other choices' chunks that come before choice 0's entries are all in are held
-    until then (usually a few steps' worth, those of one prefill; at most their whole answers, when the
-    verifier admits choice 0 last: choices.check_size counts them)."""
+    """text_completion events per choice: (prompt_logprobs); (echo: the prompt); text deltas (with their
+    tokens' logprobs); finish_reason (+ spec); then usage; (then [DONE]). With prompt_logprobs (or echo with
+    logprobs) every choice shows choice 0's, ahead of its text: the other choices' chunks that come before
+    choice 0's entries are all in are held until then (usually a few steps' worth, those of one prefill; at
+    most their whole answers, when the verifier admits choice 0 last: choices.check_size counts them)."""
 
-    def __init__(self, rid: str, model: str, created: int, include_usage: bool, n: int = 1, strings=None):
-        super().__init__(rid, model, created, include_usage, "text_completion", n, strings)
+    def __init__(
+        self,
+        rid: str,
+        model: str,
+        created: int,
+        include_usage: bool,
+        n: int = 1,
+        strings=None,
+        echo: Echo | None = None,
+        **usage,
+    ):
+        super().__init__(rid, model, created, include_usage, "text_completion", n, strings, **usage)
+        self.echo = echo
         self._offsets = [0] * n  # text_offset of each choice's next token
-        self._held: list[tuple[int, gateway_pb2.GenerateChunk]] = []  # choices 1.. while self.prompt.pending
+        self._held: list[tuple[int, gateway_pb2.GenerateChunk]] = []  # choices 1.. while choice 0's pieces are due
+        self._echoed = [False] * n
+        wants_pieces = self.prompt is not None or (echo is not None and echo.top is not None)
+        self._pieces = PromptLogprobsStream(strings) if wants_pieces else None
+        self._prompt_pieces: list = []  # choice 0's, once in
 
     def _choice(self, index: int, text: str, finish_reason: str | None = None, logprobs=None) -> dict:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -174,32 +226,57 @@ class CompletionStream(EventStream):
     def start(self) -> list[dict]:
         return []
 
+    def _echo(self, index: int) -> dict:
+        echo, logprobs = self.echo, None
+        if echo.top is not None:
+            logprobs = echo_logprobs(self.strings, echo.first_id, self._prompt_pieces, echo.top)
+            self._offsets[index] = sum(len(t) for t in logprobs["tokens"])
+        self._echoed[index] = True
+        return self._chunk([self._choice(index, echo.text, logprobs=logprobs)])
+
     def events(self, item: tuple[int, gateway_pb2.GenerateChunk]) -> list[dict]:
         index, c = item
-        if index and self.prompt and self.prompt.pending:
+        if index and self._pieces and self._pieces.pending:
             self._held.append(item)
             return []
         out = []
-        prompt = self.prompt.take(index, c) if self.prompt else None
-        if prompt is not None:  # choice 0's whole prompt_logprobs on every choice, ahead of its text
-            out += [self._chunk([{**self._choice(i, ""), "prompt_logprobs": prompt}]) for i in range(self.n)]
+        pieces = self._pieces.take_pieces(index, c) if self._pieces else None
+        if pieces is not None:
+            self._prompt_pieces = pieces
+            if self.prompt is not None:  # choice 0's whole prompt_logprobs on every choice, ahead of its text
+                shown = prompt_logprobs_json(self.strings, pieces)
+                out += [self._chunk([{**self._choice(i, ""), "prompt_logprobs": shown}]) for i in range(self.n)]
+        if self.echo and not self._echoed[index] and not (self._pieces and self._pieces.pending):
+            out.append(self._echo(index))
+        output = self.echo is None or self.echo.output
+        if output:
+            self.count(index, c)
         logprobs = None
-        if self.strings and c.logprobs:
+        if output and self.strings and self.strings.output and c.logprobs:
             logprobs = completion_logprobs(self.strings, c.token_ids, c.logprobs, self._offsets[index])
             self._offsets[index] += sum(len(t) for t in logprobs["tokens"])
-        if c.text_delta or logprobs:
+        if output and (c.text_delta or logprobs):
             out.append(self._chunk([self._choice(index, c.text_delta, logprobs=logprobs)]))
         if c.finish_reason:
-            out += self._final(index, self._choice(index, "", c.finish_reason), c)
-        if prompt is not None:
+            reason, usage = (c.finish_reason, c.usage) if output else ("length", _prompt_only(c.usage))
+            out += self._final(index, self._choice(index, "", reason), usage)
+        if pieces is not None:
             held, self._held = self._held, []
             for h in held:
                 out += self.events(h)
         return out
 
 
-def _spec_and_usage(results: list[Result]) -> dict:
-    usage = sum_usage([r.usage for r in results])
+def _prompt_only(u: common_pb2.Usage) -> common_pb2.Usage:
+    """The usage of an echo with max_tokens 0: the token generated for the prompt's log-probs is not counted."""
+    out = common_pb2.Usage()
+    out.CopyFrom(u)
+    out.completion_tokens = 0
+    return out
+
+
+def _spec_and_usage(results: list[Result], prompt_only: bool = False) -> dict:
+    usage = sum_usage([_prompt_only(r.usage) if prompt_only else r.usage for r in results])
     return {"usage": usage_json(usage), "spec": spec_json(usage)}
 
 
@@ -230,23 +307,34 @@ def chat_response(rid: str, model: str, created: int, results: list[Result], str
     }
 
 
-def completion_response(rid: str, model: str, created: int, results: list[Result], strings=None) -> dict:
-    prompt = prompt_logprobs_field(strings, results[0].prompt_logprobs)  # choice 0's (choices.choice_jobs)
-    choices = [
-        {
-            "index": index,
-            "text": r.text,
-            "logprobs": completion_logprobs(strings, r.token_ids, r.logprobs) if strings and strings.output else None,
-            "finish_reason": r.finish_reason,
-            **prompt,  # vLLM's: on each choice
-        }
-        for index, r in enumerate(results)
-    ]
+def completion_response(
+    rid: str, model: str, created: int, results: list[Result], strings=None, echo: Echo | None = None
+) -> dict:
+    pieces = results[0].prompt_logprobs  # choice 0's (choices.choice_jobs)
+    prompt = prompt_logprobs_field(strings, pieces)
+    head = echo_logprobs(strings, echo.first_id, pieces, echo.top) if echo and echo.top is not None else None
+    output = echo is None or echo.output
+    choices = []
+    for index, r in enumerate(results):
+        logprobs = None
+        if strings and strings.output:
+            offset = sum(len(t) for t in head["tokens"]) if head else 0
+            logprobs = completion_logprobs(strings, r.token_ids if output else [], r.logprobs, offset)
+            logprobs = join_logprobs(head, logprobs) if head else logprobs
+        choices.append(
+            {
+                "index": index,
+                "text": (echo.text if echo else "") + (r.text if output else ""),
+                "logprobs": logprobs,
+                "finish_reason": r.finish_reason if output else "length",
+                **prompt,  # vLLM's: on each choice
+            }
+        )
     return {
         "id": rid,
         "object": "text_completion",
         "created": created,
         "model": model,
         "choices": choices,
-        **_spec_and_usage(results),
+        **_spec_and_usage(results, prompt_only=not output),
     }
