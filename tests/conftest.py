@@ -13,7 +13,7 @@ if not pathlib.Path("/dev/nvidia0").exists():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-ORACLE_DRAFTER = "tests.oracle_drafter"  # `python -m` module of the oracle drafter process (test-only engine)
+ORACLE_DRAFTER = "tests.support.oracle_drafter"  # `python -m` module of the oracle drafter process (test-only engine)
 
 
 @pytest.fixture(scope="session")
@@ -88,8 +88,8 @@ def tok(tokenizer_dir):
 
 @pytest.fixture(scope="module")
 def fake():
-    """The fake verifier of the gateway tests (tests/fakes.py), one per test module."""
-    from tests.fakes import start_fake_verifier
+    """The fake verifier of the gateway tests (tests/support/fakes.py), one per test module."""
+    from tests.support.fakes import start_fake_verifier
 
     servicer, running = start_fake_verifier()
     yield servicer
