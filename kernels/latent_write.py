@@ -2,7 +2,7 @@
 
 In mla.py the write is project_latent (split, the kv_a RMSNorm: ~6 elementwise kernels; interleaved YaRN
 RoPE on k_pe: ~12; cat; cast) followed by an index_put at meta.write_slots: about 20 small launches per
-layer, each a few µs on a GPU, against ~10-20 µs for the attention itself at decode / verify sizes. This
+layer, whose launch costs together rival the attention itself at decode / verify sizes. This
 kernel does it in one pass over the [T, r + dr] projection, one program per token, with the same
 rounding as the torch code (HF RMSNorm: normalise in fp32, round to the model dtype, multiply by the
 weight and round again; RoPE in fp32, rounded once). bf16 rounding is done explicitly (round to nearest

@@ -66,8 +66,9 @@ class MLASeq:
 @dataclasses.dataclass(frozen=True)
 class MLAKernelConfig:
     """Block sizes and split policy. The defaults fit Kimi / DeepSeek shapes (512 + 64, bf16) in registers:
-    on sm_90 the split kernel takes 212 registers and no stack at block_m 32 (`python -m scripts.bench_kernels
-    --compile-only`); block_m 64 reaches wgmma but spills ~1 KB. `--sweep` times the alternatives on a GPU."""
+    on sm_90 the split kernel at block_m 32 does not spill; block_m 64 reaches wgmma but spills
+    (`python -m scripts.bench.bench_kernels --compile-only` prints registers and spills; docs/performance.md).
+    `--sweep` times the alternatives on a GPU."""
 
     block_m: int = 32  # rows (token, head) per program; capped at the largest sequence's row count
     block_n: int = 32  # keys per inner step

@@ -1,5 +1,5 @@
 """`ddtree train target`: train the demo target (our DeepseekV3ForCausalLM: MLA + MoE + YaRN) from scratch on
-the CPU, on a corpus written by `python -m scripts.build_corpus`.
+the CPU, on a corpus written by `python -m scripts.data.build_corpus`.
 
     ddtree train target --corpus DIR --out RUN_DIR [--config JSON] [--steps N] [--seq-len L] [--batch B]
                         [--lr LR] [--resume] [--minutes M]
@@ -343,7 +343,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="train the demo target (DeepSeek-V3 architecture) on the CPU",
         description=__doc__.split("\n\n")[0],
     )
-    p.add_argument("--corpus", required=True, help="corpus dir written by `python -m scripts.build_corpus`")
+    p.add_argument("--corpus", required=True, help="corpus dir written by `python -m scripts.data.build_corpus`")
     p.add_argument("--out", required=True, help="run dir: tokenizer, tokens, ckpt.pt, metrics.jsonl, export/")
     p.add_argument("--config", default="", help="model config.json (HF spelling); default: the demo config")
     p.add_argument("--tokenizer", default="", help="tokenizer dir (default: train one on the corpus into OUT)")
@@ -372,7 +372,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--bf16",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="bf16 autocast for the matmuls (about 2.5x faster on AVX512-BF16/AMX CPUs)",
+        help="bf16 autocast for the matmuls (faster on CPUs with AVX512-BF16 or AMX)",
     )
     p.add_argument("--export-dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--no-export", dest="export", action="store_false")

@@ -33,12 +33,12 @@ from ddtree.models.dflash import DFlashDraftModel
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # Most commit rows per context_kv call where matmul kernels are built and kept per row count: bf16 / fp16 on the
 # CPU, where oneDNN caches a primitive per shape (ONEDNN_PRIMITIVE_CACHE_CAPACITY) and ideep one more
-# (LRU_CACHE_CAPACITY), 1024 entries and about 0.3 MB each. Every prompt length would be a new row count, so
+# (LRU_CACHE_CAPACITY), 1024 entries each, and every entry holds a built kernel. Every prompt length would be a new row count, so
 # longer commits run in pieces of at most this many rows: the row counts ever run are 1..KV_ROWS_PER_CALL, all
-# built by warm_up, and the caches stop growing (scripts/measure_drafter_rss.py). context_kv is row-wise; oneDNN's
+# built by warm_up, and the caches stop growing (scripts/dev/measure_drafter_rss.py). context_kv is row-wise; oneDNN's
 # AVX512-BF16 kernels give each row the same bits whatever the row count, so there the pieces change no K/V, while
 # its AMX kernels (Sapphire Rapids and later) do not, and the pieces' K/V differ from one call's by rounding only
-# (tests/test_drafter_memory.py checks whichever holds): the drafter only proposes, so neither changes an output.
+# (tests/drafter/test_drafter_memory.py checks whichever holds): the drafter only proposes, so neither changes an output.
 # fp32 matmuls (MKL) keep nothing per shape, and their bits do depend on it: not split.
 KV_ROWS_PER_CALL = 128
 
@@ -136,8 +136,8 @@ class DraftEngine:
 
     def warm_up(self, max_seqs: int) -> float:
         """Run once every matmul shape that steady-state Draft calls of up to max_seqs sequences use, so
-        that kernels built per shape (oneDNN's bf16 matmuls on the CPU: about 0.3-1 ms each, the first
-        time a row count is seen) are built at start rather than inside the first requests' steps.
+        that kernels built per shape (oneDNN's bf16 matmuls on the CPU, built the first time a row count
+        is seen) are built at start rather than inside the first requests' steps.
         Shapes: commits of 1..max_seqs x block_size rows (every sequence commits 1..B tokens a step), or of
         1..kv_rows_per_call rows where commits run in pieces of that many (any prompt leaves a piece of any size),
         and 1..max_seqs blocks with their LM head and top-K. Returns the seconds it took."""

@@ -51,8 +51,8 @@ def grouped_attention(q: Tensor, keys: Sequence[Tensor], values: Sequence[Tensor
 
     Query head h reads kv head h // (nh / kvh) (as repeat_interleave, or SDPA's enable_gqa). Scores,
     softmax and the weighted sum are fp32 whatever the model dtype (a part already in fp32 is read as is).
-    Bmm over [kvh, B·g, n] rather than SDPA: for a few queries over a long context, CPU SDPA costs about
-    3x more (the block is 8 rows, the context up to the window).
+    Bmm over [kvh, B·g, n] rather than SDPA: for a few queries over a long context, CPU SDPA costs more
+    (the block is 8 rows, the context up to the window; docs/performance.md).
     """
     B, nh, hd = q.shape
     kvh = keys[0].shape[1]

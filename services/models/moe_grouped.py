@@ -13,24 +13,10 @@
 
 The compute dtype is x's (the autocast dtype under CPU autocast); bf16 weights of another dtype are cast.
 Differentiable for bf16 weights (training uses this path). METHOD "bmm" is a padded batched matmul over
-the experts present instead (kept for devices without `_grouped_mm` and for the measurement below).
+the experts present instead (kept for devices without `_grouped_mm` and for the comparison).
 
-Chosen by measurement (`python -m scripts.bench_moe_cpu --threads 1`: torch 2.13 CPU, 1 thread of a
-shared 2-core machine, fp32 activations, best of 40, ms per MoE layer: router + routed + shared experts):
-
-    model, routed weights          rows:    1      17     136
-    demo (4 experts, top 2, d 256)
-      fp32   old per-expert loop          0.33    1.00    2.68
-             grouped_mm                   0.27    0.82    2.70
-             padded bmm                   0.46    0.97    3.29
-    K2-shaped tiny (64 experts, top 8, d 512, width 128)
-      fp32   old loop / grouped_mm / bmm  1.63 / 1.47 / 1.19   8.11 / 6.74 / 12.8   16.5 / 15.7 / 35.9
-      int4   old loop* / grouped_mm       1.28 / 2.21          8.32 / 20.2          15.6 / 31.3
-      fp8    old loop* / grouped_mm       1.24 / 3.54          7.83 / 26.1          15.9 / 40.7
-    (* on the fp32 copy the old loader dequantized at load, 4-8x the packed bytes; the packed path pays
-    the dequantization of the experts present on every call instead.)
-
-`_grouped_mm` is as fast as the loop or faster for plain weights and never slower than the padded bmm
+Chosen by measurement (`python -m scripts.bench.bench_moe_cpu --threads 1`; the table is in docs/performance.md):
+`_grouped_mm` is as fast as the per-expert loop or faster for plain weights and never slower than the padded bmm
 beyond a handful of rows (padding grows with skewed routing), so it is CPU_METHOD.
 """
 

@@ -3,8 +3,7 @@
 `write_default_tokenizer(dir)` trains it with the `tokenizers` library and writes `tokenizer.json` and
 `tokenizer_config.json` (specials, Kimi K2 chat template). Training is deterministic: the corpus is a
 fixed, ordered list of standard-library sources, their docstrings and the `pydoc_data` help topics,
-read in that order, so the same Python version gives the same bytes on every machine. It takes a
-couple of seconds on two cores.
+read in that order, so the same Python version gives the same bytes on every machine.
 
 The special tokens are those of Kimi K2 (docs/design.md §9.1) plus the drafter's `[MASK]`, at fixed ids 0..16.
 """

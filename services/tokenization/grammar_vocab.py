@@ -4,8 +4,8 @@ llguidance (the grammar engine: JSON schema, regex, Lark) computes a token mask 
 every token, so it is built from our `Tokenizer` rather than from a Hugging Face object: one code path
 for both backends (`tokenizer.json` and Kimi's `tiktoken.model`). Ordinary tokens are their bytes
 (`Tokenizer.token_bytes`); special tokens are flagged as such (a grammar names them, `<|tool_call_begin|>`
-or `<[id]>`, and never produces them from text). Building it walks the vocabulary once (about 1 s for
-Kimi's 164k tokens): callers keep one per tokenizer.
+or `<[id]>`, and never produces them from text). Building it walks the vocabulary once, which is slow for
+a vocabulary of Kimi's 164k tokens: callers keep one per tokenizer.
 """
 
 from __future__ import annotations

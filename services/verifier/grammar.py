@@ -53,12 +53,13 @@ DEAD_END = -1  # the choice of a row whose mask allows no token (never a tree to
 
 def grammar_limits():
     """llguidance's parser limits for one matcher, tighter than its defaults so that a hostile grammar
-    cannot hold the scheduler thread: one mask costs about 7 ms at most (lexer fuel ~14k/ms: 100k,
-    default 200k; Earley items ~20k/ms: 20k, default 50k), a grammar row branches at most 1000 ways
-    (default 2000); a step computes one mask per kept tree node plus the root (the table build and
-    `prepare` together: a mask the build computed is not computed again) and consumes one token per kept
-    node (on a copy of the matcher), so a sequence's masks take at most about (budget + 1) x 7 ms a step.
-    The 20 JSON schemas of tests/test_structured_outputs.py run well inside them. A grammar past a limit
+    cannot hold the scheduler thread: lexer fuel 100k a mask (default 200k), Earley items 20k (default
+    50k), a grammar row branches at most 1000 ways (default 2000), which bounds the time of one mask
+    (docs/performance.md has the bound as measured); a step computes one mask per kept tree node plus the root
+    (the table build and `prepare` together: a mask the build computed is not computed again) and consumes one
+    token per kept node (on a copy of the matcher), so a sequence's masks take at most about (budget + 1)
+    such bounds a step.
+    The 20 JSON schemas of tests/verifier/test_structured_outputs.py run well inside them. A grammar past a limit
     puts its matcher in an error state: on a draft path, a row that allows nothing (a dead end only where
     the accept walk reaches it); after the emitted tokens, a dead end of that sequence only. Construction
     limits (initial fuel, lexer states, grammar size) stay llguidance's:

@@ -32,12 +32,11 @@ from ddtree.contract.tree_build import LEAF, MAX_TABLE_WIDTH, TokenTable, build_
 from ddtree.verifier.grammar import BuiltTree, SequenceGrammar
 
 # The table a grammar build asks for: the widest the Draft RPC gives. A grammar often allows a handful of tokens
-# at a position (a quote, a digit, a key) and the drafter ranks those anywhere in its top 256: measured on the
-# demo pair (scripts/bench_grammar.py's prompts, temperature 0), tau at budget 8 is 1.10 / 1.23 / 1.46 / 1.72
-# with K = 8 / 32 / 64 / 256, at budget 32 1.32 / 1.59 / 1.85 with K = 32 / 64 / 256. Its cost: 15 rows x 256 x
-# 8 bytes = 30 KB a sequence on the wire, decoded and checked once where the RPC returns it (about 0.15 ms on a
-# 2-core CPU; the build does not check it again), and a build that pops at most about (budget + 1) x K candidates
-# (0.7 ms at budget 8, 1 ms at budget 32 on a 2-core CPU, masks included).
+# at a position (a quote, a digit, a key) and the drafter ranks those anywhere in its top 256, so tau under a
+# grammar grows with K up to the widest table (docs/performance.md: tau by K on the demo pair,
+# scripts/bench/bench_grammar.py). Its cost: 15 rows x 256 x 8 bytes = 30 KB a sequence on the wire, decoded and
+# checked once where the RPC returns it (the build does not check it again), and a build that pops at most about
+# (budget + 1) x K candidates.
 GRAMMAR_TABLE_WIDTH = MAX_TABLE_WIDTH
 
 

@@ -15,10 +15,10 @@ once.
 
 Why chains and not one row per depth: the LM head [k, d] x [d, V] costs about a fixed weight read
 (d·V floats, the same for 1 row or 8) plus a per-row part. One row per depth pays the fixed part
-tau times per step (tau ~ 5-6 on the demo); a chain pays it about once, for a few rows that may go
+tau times per step (tau = tokens committed a step); a chain pays it about once, for a few rows that may go
 unread. Against the full head over all S·(n + 1) rows it skips the side branches, which are most rows
-of a wide tree. Measured on the demo (CPU, one thread), LM-head time per step: 1 sequence, per depth
-~1.8 ms, chains ~0.6 ms; 8 sequences, per depth (one row of each per round) 3.6 ms, chains 2.7 ms.
+of a wide tree. On the demo's CPU, chains took less LM-head time per step than one row per depth at
+1 and at 8 sequences (docs/performance.md).
 
 The result is what accept() needs: per tree node the argmax where the walk reads it, -1 where it never
 does (computed but unread rows stay -1). accept() then walks the same path (same tree, same choices),

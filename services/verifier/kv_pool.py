@@ -12,8 +12,8 @@ Allocation is lowest-free-page first (a min-heap), so the pages in use stay pack
 pool whatever the history of allocations and frees: a sequence's slots lie close together and close to
 those of the steps before, and gathering a long context touches a compact region of memory. A LIFO free
 list instead hands out whatever was freed last: after many requests a new context is scattered across
-the whole pool, and with page size 1 gathering it measurably slowed late decode steps (5-8% at 1.5k
-context on the demo model; tools/bench_serving.py fragmentation).
+the whole pool, and with page size 1 gathering it measurably slowed late decode steps (docs/performance.md;
+scripts/bench/bench_serving.py fragmentation).
 
 Units: `alloc`/`free` take pages (page ids; page size 1: slot ids); `num_free`/`num_used`/`num_slots`
 count slots (tokens), `num_free_pages`/`num_used_pages`/`num_pages` count pages.
