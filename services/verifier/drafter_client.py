@@ -113,9 +113,6 @@ class DrafterClient:
         remaining = max(deadline - time.perf_counter(), 0.001)
         resp = self.stub.Draft(drafter_pb2.DraftRequest(seqs=msgs), timeout=remaining)
         rpc_ms = (time.perf_counter() - t0) * 1e3
-        for seq, _ in batch:
-            seq.pending_commit = None
-            seq.drafter_seeded = True
         budgets = {seq.draft_id: budget for seq, budget in batch}
         trees = {}
         for tree_msg in resp.trees:

@@ -28,8 +28,9 @@ finished grammar allows nothing else, so the answer stops at the grammar's end. 
 Dead ends: a matcher in an error state (a parser limit hit, `grammar_limits`, or a token it refused)
 allows nothing: its rows' masks are all False (llguidance itself would allow its eos, which would end
 the answer as if the grammar were done). A row that allows nothing (that, or a finished grammar whose
-stop ids min_tokens masks) is a dead end: the commit chooses `DEAD_END` there and the scheduler ends
-that sequence alone ("stop" when the grammar accepts, else an error naming llguidance's reason). A
+stop ids min_tokens masks) is a dead end: the commit marks the outcome (`StepOutcome.dead_end`) where
+the accept walk ends on such a row, and apply.py ends that sequence alone ("stop" when the grammar
+accepts, else an error naming llguidance's reason). A
 parser limit met on a draft path (a node whose token or mask puts the walk's copy, or the build's fork,
 in an error state) costs that node's row only: it allows nothing, and it is a dead end only where the
 accept walk reaches it, exactly where plain constrained AR decoding would meet the same limit (a limit is
@@ -47,8 +48,6 @@ import numpy as np
 import torch
 
 from ddtree.contract.token_tree import EMPTY_TREE, TokenTree
-
-DEAD_END = -1  # the choice of a row whose mask allows no token (never a tree token: ids are >= 0)
 
 
 def grammar_limits():

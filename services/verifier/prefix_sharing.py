@@ -29,11 +29,11 @@ import dataclasses
 import torch
 
 from ddtree.telemetry.logging import get_logger
-from ddtree.verifier.commit import append_pending
 from ddtree.verifier.kv_pool import LatentKVPool
 from ddtree.verifier.page_table import PageTable
 from ddtree.verifier.prefix_cache import PrefixCache
-from ddtree.verifier.sequence import Sequence
+from ddtree.verifier.sequence import Sequence, extend_pending
+from ddtree.verifier.step_outcome import StepOutcome
 
 log = get_logger("ddtree.verifier.prefix_sharing")
 
@@ -92,34 +92,37 @@ class PrefixSharing:
         self._waits_for[seq] = twin
         return True
 
-    def admit(self, seq: Sequence) -> None:
-        """At admission: start from the longest cached prefix; a prefill left to compute is one that
-        requests with the same prompt wait for."""
+    def admit(self, seq: Sequence) -> StepOutcome | None:
+        """At admission: start from the longest cached prefix, returned as the outcome that commits it (the
+        scheduler applies it; None: no hit); a prefill left to compute is one that requests with the same
+        prompt wait for."""
         self._waits_for.pop(seq, None)
         if self.cache is None:
-            return
+            return None
         seq.feature_log = [] if self.keeps_features else None
-        if not seq.reads_whole_prompt:  # Features, prompt_logprobs: every prompt row is computed
-            self._reuse_prefix(seq)
-        if seq.prefill_done < usable_prefix(seq.prompt_len, self.pool.page_size):
+        hit = None if seq.reads_whole_prompt else self._reuse_prefix(seq)  # Features, prompt_logprobs: no reuse
+        if (hit.prefill_end if hit else seq.prefill_done) < usable_prefix(seq.prompt_len, self.pool.page_size):
             self._prefilling.setdefault(seq.prompt_key, []).append(seq)
+        return hit
 
-    def _reuse_prefix(self, seq: Sequence) -> None:
-        """Start from the longest cached prefix (all but the last prompt token). A speculative sequence
-        needs the prefix's features to seed the drafter."""
-        prompt = list(seq.params.input_ids)
-        match = self.cache.match(prompt[:-1])
+    def _reuse_prefix(self, seq: Sequence) -> StepOutcome | None:
+        """The longest cached prefix (all but the last prompt token), pinned and shared in the sequence's
+        page table, as the outcome that commits its tokens. A speculative sequence needs the prefix's
+        features to seed the drafter."""
+        prompt = seq.params.input_ids
+        match = self.cache.match(list(prompt[:-1]))
         if match.length == 0 or (seq.use_spec and match.features is None):
             self.cache.release(match)
-            return
+            return None
         # The pin alone: the features live in the cache (their copy here goes to the drafter, cut to its window).
         seq.prefix_match = dataclasses.replace(match, features=None)
-        seq.prefill_done = seq.cached_tokens = match.length
         seq.table.share(match.slots)
-        seq.committed = prompt[: match.length]
-        if match.features is not None:
-            append_pending(seq, seq.committed, 0, match.features, self.window)
+        tokens = tuple(prompt[: match.length])
+        pending = seq.pending_commit
+        if match.features is not None and seq.use_spec:
+            pending = extend_pending(pending, list(tokens), 0, match.features, self.window)
         log.info("prefix_hit", request_id=seq.request_id, cached_tokens=match.length, prompt_tokens=len(prompt))
+        return StepOutcome(committed=tokens, prefill_end=match.length, cached_tokens=match.length, pending=pending)
 
     def prefilled(self, seq: Sequence) -> None:
         """At the end of its prefill the sequence's prompt (whole pages) enters the prefix cache, and the

@@ -6,9 +6,11 @@ One thread owns the model, the KV pool and every running sequence. RPC threads o
      prompt another sequence is prefilling waits for that prefill and takes the prompt from the cache
      (what the prefix cache does over a sequence's life: prefix_sharing.py);
   2. finish sequences whose client aborted;
-  3. Draft (one RPC for all speculative sequences; step_drafter.py), 4. one target forward over all
-  trees plus at most prefill_chunk prompt tokens (several short prompts may share them), 5. accept +
-  commit per sequence, stream the tokens and the step record (step_records.py).
+  3. the step, a pipeline of values: schedule (the decoding sequences and at most prefill_chunk prompt
+  tokens, several short prompts may share them) -> draft (one RPC for all speculative sequences;
+  step_drafter.py) -> forward (one target forward over every work item; batch.py) -> commit (one
+  StepOutcome per item; work_items.py, commit.py) -> apply (apply.py writes each outcome into its
+  sequence, streams it, and says whether the sequence ends).
 Admission by reservation means a running sequence never runs out of KV mid-generation.
 """
 
@@ -21,23 +23,23 @@ import time
 import grpc
 
 from ddtree.config import VerifierConfig
-from ddtree.contract.step_record import StepRecord
-from ddtree.contract.token_tree import EMPTY_TREE, TokenTree
-from ddtree.models.cpu_threads import claim_for_steps, engine_threads
+from ddtree.contract.token_tree import EMPTY_TREE
+from ddtree.models.runtime.cpu import claim_for_steps, engine_threads
 from ddtree.telemetry.logging import get_logger
 from ddtree.telemetry.step_log import open_step_log
 from ddtree.verifier import metrics
-from ddtree.verifier.batch import PrefillItem, VerifyItem, WorkItem, kv_needed, run_batch
-from ddtree.verifier.commit import commit_prefill, commit_verify
-from ddtree.verifier.grammar import DEAD_END
+from ddtree.verifier.apply import NO_CLOCK, Ending, apply_outcome, begin_prefill, end_sequence
+from ddtree.verifier.batch import kv_needed, run_batch
 from ddtree.verifier.kv_pool import LatentKVPool
 from ddtree.verifier.page_table import PageTable, check_accounting
 from ddtree.verifier.prefix_cache import PrefixCache
 from ddtree.verifier.prefix_sharing import PrefixSharing
-from ddtree.verifier.sequence import Phase, Sequence, StreamEvent
-from ddtree.verifier.step_drafter import StepDrafter
-from ddtree.verifier.step_records import record_step
+from ddtree.verifier.sequence import Phase, Sequence
+from ddtree.verifier.step_drafter import StepDrafter, StepDrafts
+from ddtree.verifier.step_outcome import StepOutcome, failed_outcome
+from ddtree.verifier.step_records import StepClock
 from ddtree.verifier.target import Target
+from ddtree.verifier.work_items import PrefillItem, VerifyItem, WorkItem
 
 log = get_logger("ddtree.verifier.scheduler")
 INTERNAL_ERROR = "verifier: internal error in a step (logged)"  # the client learns that it failed, not how
@@ -163,7 +165,7 @@ class Scheduler:
         self._thread.join(timeout=30)
         with self._cond:
             for seq in list(self._running) + list(self._waiting):
-                self._finish(seq, "abort")
+                self._finish(seq, Ending("abort"))
         metrics.STATE.untrack(self)
 
     # ---- the loop ----
@@ -195,7 +197,7 @@ class Scheduler:
             log.exception("step_failed", error=str(err))
             with self._cond:
                 for seq in decode + [item.seq for item in prefill]:
-                    self._fail(seq, INTERNAL_ERROR)
+                    self._fail(seq)
 
     def check_accounting(self) -> None:
         """free + held by sequences + cached == total in slots and pages, no page held twice (debug
@@ -214,24 +216,23 @@ class Scheduler:
                 return  # FIFO: wait for KV to be released
             self._waiting.remove(seq)
             self._reserved += need
-            seq.phase = Phase.PREFILL
+            begin_prefill(seq)
             self._running.append(seq)
-            self._sharing.admit(seq)
+            hit = self._sharing.admit(seq)
+            if hit is not None:  # the prompt's cached prefix, committed as a step would
+                self._apply(seq, hit)
 
     def _reap_aborts(self) -> None:
         for seq in [s for s in self._waiting if s.abort_requested.is_set()]:
             self._waiting.remove(seq)
-            self._finish(seq, "abort")
+            self._finish(seq, Ending("abort"))
         for seq in [s for s in self._running if s.abort_requested.is_set()]:
-            self._finish(seq, "abort")
+            self._finish(seq, Ending("abort"))
 
-    def _finish(self, seq: Sequence, reason: str | None) -> None:
+    def _finish(self, seq: Sequence, ending: Ending) -> None:
         """Remove a sequence everywhere and release its KV (caller holds the lock)."""
-        if seq.phase is Phase.FINISHED:
+        if not end_sequence(seq, ending):
             return
-        if reason is not None:
-            seq.finish_reason = reason
-            seq.events.put(StreamEvent((), None, reason))
         if seq in self._running:
             self._running.remove(seq)
             self._reserved -= seq.reserved_slots(seq.params.budget)
@@ -239,28 +240,13 @@ class Scheduler:
         metrics.E2E.observe(time.perf_counter() - seq.arrival)
         self._by_id.pop(seq.request_id, None)
         self._sharing.release(seq)
-        seq.phase = Phase.FINISHED
         if self.drafter is not None and seq.drafter_seeded:
             # Release outside the hot path would be nicer; it is one small RPC per finished request.
             threading.Thread(target=self.drafter.release, args=([seq.draft_id],), daemon=True).start()
 
-    def _fail(self, seq: Sequence, message: str, status: grpc.StatusCode = grpc.StatusCode.INTERNAL) -> None:
-        """End one sequence with an error event (caller holds the lock); `status` is what its stream ends with:
-        INTERNAL for a fault of the verifier, INVALID_ARGUMENT for one of the request (its grammar's dead end)."""
-        if seq.phase is not Phase.FINISHED:
-            seq.events.put(StreamEvent((), None, "error", error=message, error_status=status))
-            self._finish(seq, None)
-
-    def _end_dead(self, seq: Sequence) -> None:
-        """A grammar's dead end (no token allowed, grammar.py) ends its sequence: "stop" where the grammar
-        accepts (a finished grammar whose stop ids min_tokens holds back), else an error naming why."""
-        if seq.grammar.matcher.is_accepting() and not seq.grammar.matcher.is_error():
-            self._finish(seq, "stop")
-        else:
-            log.warning("grammar_dead_end", request_id=seq.request_id, reason=seq.grammar.dead_end_reason())
-            # The request's own grammar (or its parser limits, grammar_limits) allows no way on: a client error.
-            message = f"grammar: no token is allowed ({seq.grammar.dead_end_reason()})"
-            self._fail(seq, message, grpc.StatusCode.INVALID_ARGUMENT)
+    def _fail(self, seq: Sequence, message: str = INTERNAL_ERROR) -> None:
+        """End one sequence with an error event (caller holds the lock): a fault of the verifier (INTERNAL)."""
+        self._finish(seq, Ending("error", error=message))
 
     def _prefill_items(self) -> list[PrefillItem]:
         """This step's prefill: up to prefill_chunk prompt tokens, taken from the prefilling sequences in
@@ -276,110 +262,91 @@ class Scheduler:
         return items
 
     def _step(self, decode: list[Sequence], prefill: list[PrefillItem]) -> None:
-        t0 = time.perf_counter()
+        """One step: draft -> work items -> forward -> commit -> apply."""
+        start = time.perf_counter()
+        drafts = self._draft(decode, prefill)
+        items, outcomes = self._work_items(decode, prefill, drafts)
+        forward = time.perf_counter()
+        outcomes += self._forward_and_commit(items)
+        clock = StepClock(start, forward, time.perf_counter())
+        self._observe(items, outcomes, bool(prefill), clock)
+        with self._cond:
+            for seq, outcome in outcomes:
+                self._apply(seq, outcome, clock)
+
+    def _draft(self, decode: list[Sequence], prefill: list[PrefillItem]) -> StepDrafts:
+        """One Draft call for the step's speculative sequences; the others' shapes price the tree cut."""
         spec = [s for s in decode if s.use_spec and self.drafter is not None]
-        spec_ids = {id(s) for s in spec}
-        others = [(1, s.context_len) for s in decode if id(s) not in spec_ids]
-        others += [(p.end - p.start, p.start) for p in prefill]
-        self._draft_step.draft(spec, others, len(decode))
-        items: list[WorkItem] = []
-        failed: list[Sequence] = []  # a grammar failure (prepare, commit) ends its sequence, not the step
-        for item in [VerifyItem(s, s.draft.tree if s.draft else EMPTY_TREE) for s in decode] + prefill:
+        others = [(1, s.context_len) for s in decode if not (s.use_spec and self.drafter is not None)]
+        others += [(p.rows, p.context) for p in prefill]
+        return self._draft_step.draft(spec, others, len(decode))
+
+    def _work_items(
+        self, decode: list[Sequence], prefill: list[PrefillItem], drafts: StepDrafts
+    ) -> tuple[list[WorkItem], list[tuple[Sequence, StepOutcome]]]:
+        """The step's work items, grammar-constrained; a sequence whose grammar preparation fails gets a
+        failed outcome instead (it ends alone)."""
+        verify = [
+            VerifyItem(
+                s,
+                drafts.trees[s.draft_id].tree if s.draft_id in drafts.trees else EMPTY_TREE,
+                drafts.trees.get(s.draft_id),
+                speculating=s.draft_id in drafts.trees,
+                lost=s.draft_id in drafts.lost,
+            )
+            for s in decode
+        ]
+        items, failed = [], []
+        for item in verify + prefill:
             try:
-                if isinstance(item, VerifyItem):
-                    item = VerifyItem(item.seq, _constrained(item.seq, item.tree))
-                elif item.is_last and item.seq.grammar is not None:
-                    item.seq.grammar.prepare()  # the first token's mask
-                items.append(item)
+                items.append(item.with_grammar())
             except Exception as err:
                 log.exception("sequence_step_failed", request_id=item.seq.request_id, error=str(err))
-                failed.append(item.seq)
-        shape = [_item_shape(item) for item in items]  # before the commit moves the contexts on
-        t1 = time.perf_counter()
-        committed = self._verify(items) if items else []
-        t2 = time.perf_counter()
-        self._draft_step.observe(
-            shape,
-            bool(prefill),
-            (t1 - t0) * 1e3,
-            (t2 - t1) * 1e3,
-            [
-                (item.tree, tokens)
-                for item, tokens, _ in committed
-                if isinstance(item, VerifyItem) and id(item.seq) in spec_ids and tokens is not None
-            ],
-        )
-        with self._cond:
-            for seq in failed:
-                self._fail(seq, INTERNAL_ERROR)
-            for item, tokens, accept_length in committed:
-                seq = item.seq
-                if tokens is None:
-                    self._fail(seq, INTERNAL_ERROR)
-                    continue
-                dead = bool(tokens) and tokens[-1] == DEAD_END
-                tokens = tokens[:-1] if dead else tokens
-                if isinstance(item, PrefillItem):
-                    if not tokens and not dead:
-                        continue
-                    seq.phase = Phase.DECODE
-                    self._sharing.prefilled(seq)
-                    metrics.TTFT.observe(time.perf_counter() - seq.arrival)
-                    metrics.GENERATED_TOKENS.inc(len(tokens))
-                    if seq.emit(tokens, None):
-                        self._finish(seq, None)
-                    elif dead:
-                        self._end_dead(seq)
-                    continue
-                record = self._record(seq, item.tree, accept_length, t0, t1, t2)
-                seq.draft = None
-                if seq.last_token_time is not None:
-                    metrics.ITL.observe((time.perf_counter() - seq.last_token_time) / max(len(tokens), 1))
-                metrics.GENERATED_TOKENS.inc(len(tokens))
-                if seq.emit(tokens, record):
-                    self._finish(seq, None)
-                elif dead:
-                    self._end_dead(seq)
+                failed.append((item.seq, failed_outcome(INTERNAL_ERROR)))
+        return items, failed
 
-    def _verify(self, items: list[WorkItem]) -> list[tuple[WorkItem, list[int] | None, int]]:
-        """One target forward over the items, then accept + commit each: (item, tokens, accept length);
-        tokens None: that sequence's commit failed (logged), which ends it alone."""
+    def _forward_and_commit(self, items: list[WorkItem]) -> list[tuple[Sequence, StepOutcome]]:
+        """One target forward over the items, then each item's commit; a commit that fails ends its
+        sequence alone (logged)."""
+        if not items:
+            return []
         with self._cond:
             self._sharing.make_room(kv_needed(items))
         outputs = run_batch(self.target, self.pool, items, self.tap_layer_ids)
-        committed = []
-        for out in outputs:
+        outcomes = []
+        for item, out in zip(items, outputs):
             try:
-                if isinstance(out.item, VerifyItem):
-                    verdict, tokens = commit_verify(out, self.pool, self.window)
-                    accept_length = len(verdict.accepted_nodes)
-                else:
-                    tokens, accept_length = commit_prefill(out, self.pool, self.window), 0
-                if out.item.seq.grammar is not None and tokens:
-                    out.item.seq.grammar.advance([t for t in tokens if t != DEAD_END])
+                outcomes.append((item.seq, item.commit(out, self.window)))
             except Exception as err:
-                log.exception("sequence_commit_failed", request_id=out.item.seq.request_id, error=str(err))
-                committed.append((out.item, None, 0))
-                continue
-            committed.append((out.item, tokens, accept_length))
-        return committed
+                log.exception("sequence_commit_failed", request_id=item.seq.request_id, error=str(err))
+                outcomes.append((item.seq, failed_outcome(INTERNAL_ERROR)))
+        return outcomes
 
-    def _record(
-        self, seq: Sequence, tree: TokenTree, accept_length: int, t0: float, t1: float, t2: float
-    ) -> StepRecord:
-        """The step record of a verified sequence (step_records.py), counted in the totals GetInfo reports."""
-        self.total_steps += 1
-        self.total_tokens += accept_length
-        return record_step(seq, tree, accept_length, t0, t1, t2, self.step_log)
+    def _observe(
+        self, items: list[WorkItem], outcomes: list[tuple[Sequence, StepOutcome]], prefill: bool, clock: StepClock
+    ) -> None:
+        """The tree cut's cost fit and calibration learn from this step (step_drafter.StepDrafter.observe)."""
+        verified = [(o.verified, o.accepted_nodes) for _, o in outcomes if o.drafted is not None and o.failure is None]
+        self._draft_step.observe(
+            [(item.rows, item.context) for item in items],
+            prefill,
+            (clock.forward - clock.start) * 1e3,
+            (clock.committed - clock.forward) * 1e3,
+            verified,
+        )
 
-
-def _item_shape(item: WorkItem) -> tuple[int, int]:
-    """(rows, context tokens before them) of a work item, what the step's cost model reads."""
-    if isinstance(item, VerifyItem):
-        return 1 + item.tree.n, item.seq.context_len
-    return item.end - item.start, item.start
-
-
-def _constrained(seq: Sequence, tree: TokenTree) -> TokenTree:
-    """The tree a grammar-constrained sequence verifies: grammar-invalid nodes pruned, masks set (grammar.py)."""
-    return tree if seq.grammar is None else seq.grammar.prepare(tree)
+    def _apply(self, seq: Sequence, outcome: StepOutcome, clock: StepClock = NO_CLOCK) -> None:
+        """Write one outcome into its sequence (apply.py) and end the sequence when it says so (caller holds
+        the lock)."""
+        try:
+            ending = apply_outcome(seq, outcome, self.pool, clock, self.step_log)
+            if outcome.starts_decode:
+                self._sharing.prefilled(seq)  # the prompt enters the prefix cache
+        except Exception as err:
+            log.exception("sequence_apply_failed", request_id=seq.request_id, error=str(err))
+            ending = Ending("error", error=INTERNAL_ERROR)
+        if outcome.verified is not None and outcome.failure is None:
+            self.total_steps += 1
+            self.total_tokens += outcome.accept_length
+        if ending is not None:
+            self._finish(seq, ending)

@@ -4,8 +4,12 @@ A sequence moves WAITING -> PREFILL -> DECODE -> FINISHED. Between steps it hold
 - `committed`: token ids whose latents are in the KV pool, at positions 0..len-1, addressed by `table`
   (its pages; `slots` = the committed tokens' slots in position order);
 - `root`: the last emitted token (the previous bonus), not yet in the KV cache, at position len(committed);
-- `pending_commit`: what the drafter has not seen yet (tokens, their start position, tapped features);
-- `draft`: the tree drafted from root for this step's verify (set by the Draft call, cleared at commit).
+- `pending_commit`: what the drafter has not seen yet (tokens, their start position, tapped features).
+
+Who writes what: a step's work on a sequence comes back as a value (`step_outcome.StepOutcome`), and
+`apply.py` alone writes decode state (committed, root, generated, pending commit, prefill progress,
+speculation, step counts, token times, phase, finish) and emits its stream events. The KV bookkeeping
+(`table`, `prefix_match`, `feature_log`) belongs to the prefix cache's driver (prefix_sharing.py).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from ddtree.contract.token_tree import TokenTree
 from ddtree.verifier.grammar import SequenceGrammar
 from ddtree.verifier.logprobs import PromptRows
 from ddtree.verifier.page_table import PageTable, pages_for
+from ddtree.verifier.sampling import make_generator
 
 
 class Phase(enum.Enum):
@@ -66,11 +71,28 @@ class StreamEvent:
     prompt_logprobs: PromptRows | None = None  # a prefill chunk's prompt logprobs (before the first token)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class PendingCommit:
     token_ids: list[int]
     start: int
     features: torch.Tensor | None  # [n, num_taps * hidden]
+
+
+def extend_pending(
+    pend: PendingCommit | None, tokens: list[int], start: int, features: torch.Tensor | None, window: int
+) -> PendingCommit:
+    """`pend` followed by newly committed tokens (from `start`), keeping at most `window` of them (0 = all)."""
+    if pend is None:
+        pend = PendingCommit(list(tokens), start, features)
+    else:
+        assert pend.start + len(pend.token_ids) == start, "pending commit must stay contiguous"
+        feats = None if features is None else torch.cat([pend.features, features])
+        pend = PendingCommit(pend.token_ids + list(tokens), pend.start, feats)
+    if window and len(pend.token_ids) > window:
+        cut = len(pend.token_ids) - window
+        feats = None if pend.features is None else pend.features[cut:].clone()
+        pend = PendingCommit(pend.token_ids[cut:], pend.start + cut, feats)
+    return pend
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +127,6 @@ class Sequence:
         # sharing a drafter), never the client's request id, so that a late Release of a finished
         # request cannot drop the context of a new request that reuses its id.
         self.draft_id = uuid.uuid4().hex
-        self.draft: DraftedTree | None = None  # drafted, not yet verified
         self.use_spec = params.use_spec
         self.steps = 0
         self.accept_lengths: list[int] = []  # per step: root + matched nodes
@@ -115,12 +136,16 @@ class Sequence:
         self.stop_token_id: int | None = None  # the stop token that ended it (not emitted)
         self.events: queue.Queue[StreamEvent] = queue.Queue()
         self.abort_requested = threading.Event()
-        # Created on the logits' device at the first sampled choice (see commit.py); None = greedy
-        # or the global RNG when the request set no seed.
-        self.generator: torch.Generator | None = None
-        self.generator_ready = False
         self.grammar: SequenceGrammar | None = None  # params.grammar's state (server.py builds it)
-        self.step_logprobs: list = []  # commit's logprobs of the tokens it hands to emit (top_logprobs set)
+        self._generators: dict[str, torch.Generator | None] = {}
+
+    def generator(self, device: torch.device) -> torch.Generator | None:
+        """The request's sampling generator on `device`, made once (seeded from the request's seed) and
+        reused by every step; None = the global RNG (no seed set)."""
+        key = str(device)
+        if key not in self._generators:
+            self._generators[key] = make_generator(self.params.sampling, device)
+        return self._generators[key]
 
     @property
     def request_id(self) -> str:
@@ -169,31 +194,6 @@ class Sequence:
         """Worst-case KV slots for its whole life: prompt + outputs + one tree in flight, in whole pages."""
         page = self.table.page_size
         return pages_for(self.prompt_len + self.params.max_new_tokens + budget + 1, page) * page
-
-    def emit(self, tokens: list[int], step: StepRecord | None) -> bool:
-        """Append generated tokens, cut at a stop token or the length limit. Returns True when finished.
-        The stop token itself is not emitted."""
-        out: list[int] = []
-        finish = None
-        for tok in tokens:
-            if tok in self.params.stop_token_ids:
-                finish = "stop"
-                self.stop_token_id = tok
-                break
-            out.append(tok)
-            if len(self.generated) + len(out) >= self.params.max_new_tokens:
-                finish = "length"
-                break
-        now = time.perf_counter()
-        if self.first_token_time is None:
-            self.first_token_time = now
-        if out:
-            self.last_token_time = now
-        self.generated.extend(out)
-        self.finish_reason = finish
-        logprobs, self.step_logprobs = tuple(self.step_logprobs[: len(out)]), []
-        self.events.put(StreamEvent(tuple(out), step, finish, logprobs=logprobs))
-        return finish is not None
 
     def iter_events(self, context: grpc.ServicerContext) -> Iterator[StreamEvent]:
         """The stream's events, for the RPC that serves this sequence (Generate, Features). Waits at most

@@ -32,8 +32,6 @@ import math
 
 import torch
 
-from ddtree.contract.token_tree import TokenTree
-
 # Observations before the fit is used (until then trees are cut at random sizes, to see the slope).
 MIN_OBSERVATIONS = 16
 
@@ -166,16 +164,3 @@ class AcceptCalibration:
             prev = min(prev, self.alpha(score) * math.exp(score))
             out.append(prev)
         return out
-
-
-def accepted_nodes(tree: TokenTree, emitted: list[int]) -> set[int]:
-    """The tree's nodes on the accepted path, from the step's emitted tokens (the accepted drafts, then
-    the target's next token): the walk from the root along them."""
-    children = tree.child_maps()
-    cur, nodes = 0, set()
-    for token in emitted[:-1]:
-        cur = children[cur].get(token, -1)
-        if cur < 0:
-            break
-        nodes.add(cur)
-    return nodes

@@ -1,5 +1,5 @@
-"""The Draft stage of a verifier step (scheduler.py, step 3): one Draft call for the step's speculative
-sequences, and each one's tree for the verify, in `Sequence.draft`.
+"""The Draft stage of a verifier step (scheduler.py): one Draft call for the step's speculative
+sequences, returned as each one's tree for the verify (`StepDrafts`).
 
 - A grammar-constrained sequence under `--grammar-tree table` asks the drafter for a top-K table, and its
   tree is built here from it (grammar_tree.py).
@@ -17,6 +17,7 @@ sequences, and each one's tree for the verify, in `Sequence.draft`.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import grpc
@@ -28,7 +29,7 @@ from ddtree.verifier import metrics
 from ddtree.verifier.drafter_client import DraftResult
 from ddtree.verifier.grammar_tree import build_grammar_tree, grammar_table_width
 from ddtree.verifier.sequence import DraftedTree, Sequence
-from ddtree.verifier.step_cost import AcceptCalibration, StepCostModel, StepShape, accepted_nodes
+from ddtree.verifier.step_cost import AcceptCalibration, StepCostModel, StepShape
 from ddtree.verifier.tree_budget import allocate_nodes, cost_cut, tree_budget
 
 # Every this many cut steps verifies the whole trees, so that the cost fit keeps seeing steps of more rows
@@ -44,6 +45,14 @@ CUT_MARGIN = 0.5
 log = get_logger("ddtree.verifier.step_drafter")
 
 
+@dataclasses.dataclass(frozen=True)
+class StepDrafts:
+    """One Draft call's result, by draft id."""
+
+    trees: dict[str, DraftedTree]  # each drafted sequence's tree (EMPTY_TREE when the drafter gave none)
+    lost: frozenset[str] = frozenset()  # the drafter lost these sequences' state: they continue with AR
+
+
 class StepDrafter:
     def __init__(self, drafter, vocab_size: int, config: VerifierConfig):
         """drafter: a DrafterPool (or one DrafterClient), or None for AR only (nothing to draft)."""
@@ -55,13 +64,13 @@ class StepDrafter:
         self._cuts = 0  # steps cut by cost so far (every EXPLORE_EVERY-th is random)
         self._explore = random.Random(0)
 
-    def draft(self, seqs: list[Sequence], others: list[tuple[int, int]] = (), decoding: int = 0) -> None:
-        """One Draft call for seqs (the speculative ones of this step); each gets its tree (EMPTY_TREE if
-        the drafter gave none: an AR step) and what its step record needs, in `Sequence.draft`.
+    def draft(self, seqs: list[Sequence], others: list[tuple[int, int]] = (), decoding: int = 0) -> StepDrafts:
+        """One Draft call for seqs (the speculative ones of this step): each one's tree (EMPTY_TREE if the
+        drafter gave none: an AR step) with what its step record needs.
         others: (rows, context) of the step's other work items (AR decodes, prefill chunks); decoding: the
         step's decoding sequences, speculative or not (a token each at least): for `--tree-cut cost`."""
         if not seqs:
-            return
+            return StepDrafts({})
         # Full budgets: under --max-tree-tokens the trees are cut to fit after drafting (_fit_trees).
         spec = [(s, s.params.budget) for s in seqs]
         table_vocab = self._table_vocab()
@@ -79,22 +88,21 @@ class StepDrafter:
         trees = self._fit_trees(seqs, self._grammar_trees(seqs, result)) if result is not None else {}
         if self.config.tree_cut == "cost" and trees:
             trees = self._cost_cut(seqs, trees, list(others), max(decoding, len(seqs)))
+        drafted = {}
         for seq in seqs:
             if seq.draft_id in failed:
                 # The drafter's state for this sequence is lost or unknown: it finishes with AR
                 # decoding, which yields exactly the same tokens.
                 log.warning("draft_fallback_ar", request_id=seq.request_id)
-                seq.use_spec = False
-                seq.pending_commit = None
-                seq.draft = None
                 continue
             tree = trees.get(seq.draft_id)
-            seq.draft = DraftedTree(
+            drafted[seq.draft_id] = DraftedTree(
                 tree if tree is not None else EMPTY_TREE,
                 result.draft_ms if tree else 0.0,
                 max(result.rpc_ms - result.draft_ms, 0.0),
                 result.feature_bytes.get(seq.draft_id, 0),
             )
+        return StepDrafts(drafted, frozenset(failed))
 
     def _table_vocab(self) -> int:
         """The vocabulary a table width is bounded by: the smaller of the target's and the drafter's
@@ -180,10 +188,11 @@ class StepDrafter:
         prefill: bool,
         draft_ms: float,
         verify_ms: float,
-        verified: list[tuple[TokenTree, list[int]]],
+        verified: list[tuple[TokenTree, tuple[int, ...]]],
     ) -> None:
         """After a step: items (rows, context) of its forward, whether it held prefill chunks, the times of
-        its Draft call and of its verify, and per speculative sequence (tree verified, tokens emitted).
+        its Draft call and of its verify, and per speculative sequence (tree verified, accepted nodes with
+        the root first).
         Only speculative steps without prefill are fitted (step_cost.py says why)."""
         if self.config.tree_cut != "cost":
             return
@@ -193,6 +202,6 @@ class StepDrafter:
             for term, value in (("verify_ms", a), ("row_ms", b), ("row_ms_per_1k_context", c)):
                 metrics.TREE_CUT.labels(term=term).set(value)
             metrics.TREE_CUT.labels(term="draft_ms").set(self.cost.draft_ms)
-        for tree, emitted in verified:
+        for tree, accepted in verified:
             if tree.scores:
-                self.calibration.observe(tree.scores, accepted_nodes(tree, emitted))
+                self.calibration.observe(tree.scores, set(accepted[1:]))

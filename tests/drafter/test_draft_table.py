@@ -27,7 +27,7 @@ from ddtree.verifier.drafter_client import DrafterClient
 from ddtree.verifier.grammar import SequenceGrammar
 from ddtree.verifier.kv_pool import LatentKVPool
 from ddtree.verifier.scheduler import Scheduler
-from ddtree.verifier.sequence import GenerateParams, PendingCommit, Sequence
+from ddtree.verifier.sequence import DraftedTree, GenerateParams, PendingCommit, Sequence
 from ddtree.verifier.step_drafter import StepDrafter
 from ddtree.verifier.target import LocalTarget
 from tests.support.fakes import stub_engine_info
@@ -164,15 +164,16 @@ def test_a_tree_where_a_table_was_asked_is_taken_as_a_tree():
         running.stop(0)
 
 
-def _grammar_step(engine: TableEngine, grammar: SequenceGrammar) -> Sequence:
-    """One StepDrafter Draft call (target vocab 4096) for a grammar-constrained sequence, served by engine."""
+def _grammar_step(engine: TableEngine, grammar: SequenceGrammar) -> DraftedTree | None:
+    """One StepDrafter Draft call (target vocab 4096) for a grammar-constrained sequence, served by engine:
+    its drafted tree (None: the call failed, the sequence falls back to AR)."""
     running = serve_engine(engine, DrafterConfig(port=0, grace_s=0.0))
     client = DrafterClient(f"127.0.0.1:{running.port}", timeout_s=30)
     try:
         seq = _sequence(0)
         seq.grammar = grammar
-        StepDrafter(client, 4096, VerifierConfig()).draft([seq])
-        return seq
+        drafts = StepDrafter(client, 4096, VerifierConfig()).draft([seq])
+        return None if seq.draft_id in drafts.lost else drafts.trees.get(seq.draft_id)
     finally:
         client.close()
         running.stop(0)
@@ -185,9 +186,9 @@ def test_the_width_asked_fits_the_drafters_vocabulary():
     from tests.unit.test_grammar_tree import _grammar
 
     engine = TableEngine(lambda s: _good(width=s.table_width), vocab=100)
-    seq = _grammar_step(engine, _grammar("[k-m]+"))
+    drafted = _grammar_step(engine, _grammar("[k-m]+"))
     assert [s.table_width for s in engine.seen] == [100]
-    assert seq.use_spec and seq.draft is not None, "the Draft call failed: the sequence fell back to AR"
+    assert drafted is not None, "the Draft call failed: the sequence fell back to AR"
 
 
 def test_a_table_is_checked_once(monkeypatch):
@@ -197,8 +198,8 @@ def test_a_table_is_checked_once(monkeypatch):
 
     checks, check = [], tree_build._check_tensors
     monkeypatch.setattr(tree_build, "_check_tensors", lambda lp, ids: checks.append(lp.shape) or check(lp, ids))
-    seq = _grammar_step(TableEngine(lambda s: _good(width=s.table_width)), _grammar("[k-m]+"))
-    assert seq.draft.tree.n == seq.params.budget, "the grammar build did not run"
+    drafted = _grammar_step(TableEngine(lambda s: _good(width=s.table_width)), _grammar("[k-m]+"))
+    assert drafted.tree.n == _sequence(0).params.budget, "the grammar build did not run"
     assert checks == [(4, 256)]
 
 

@@ -22,7 +22,7 @@ from ddtree.contract.token_tree import TokenTree
 from ddtree.contract.tree_build import MAX_TABLE_WIDTH, TokenTable
 from ddtree.verifier.grammar import SequenceGrammar
 from ddtree.verifier.grammar_tree import build_grammar_tree, grammar_table_width
-from tests.unit.test_tree import brute_force, node_paths, random_table
+from tests.support.tree_tables import brute_force, node_paths, random_table
 
 VOCAB = 16  # tokens "a".."p"; "p" (15) is llguidance's eos
 EOS = 15
@@ -174,7 +174,7 @@ def test_a_parser_limit_on_a_draft_path_costs_that_row_only(mode):
 
 @pytest.mark.parametrize("mode", ["table", "prune"])
 def test_the_walk_reaching_a_limit_ends_as_plain_decoding_does(mode):
-    """The accept walk reaching a node whose row allows nothing (its choice is DEAD_END): after its path, the
+    """The accept walk reaching a node whose row allows nothing (a dead end: no choice there): after its path, the
     sequence's matcher is in plain decoding's error state (the dead end reads llguidance's reason)."""
     g, tree, _ = _limited_step(mode)
     dead = next(i for i in range(1, tree.n + 1) if not g.masks[i].any())
@@ -199,7 +199,7 @@ def test_table_width():
 @pytest.fixture(scope="module")
 def demo_pair():
     from ddtree.default_checkpoint import default_checkpoint
-    from tests.support.grammar_runs import DemoPair
+    from scripts.bench.grammar_runs import DemoPair
 
     pair = DemoPair(default_checkpoint())
     yield pair
@@ -207,7 +207,7 @@ def demo_pair():
 
 
 def test_demo_pair_table_build_equals_constrained_ar_and_keeps_more(demo_pair):
-    from tests.support.grammar_runs import REQUESTS, json_grammar
+    from scripts.bench.grammar_runs import REQUESTS, json_grammar
 
     requests = [(prompt, json_grammar(schema)) for prompt, schema in REQUESTS]
     ar = demo_pair.run(requests, 0, "ar")

@@ -195,20 +195,24 @@ def test_paged_prefix_cache_random_traffic_matches_brute_force():
 def _decode(model, page_size: int, prompt: list[int], trees, steps: int):
     """Prefill, then `steps` verifies of trees(seq) (greedy); returns the sequence and its pool."""
     from ddtree.contract.sampling_params import SamplingConfig
-    from ddtree.verifier.batch import PrefillItem, VerifyItem, run_batch
-    from ddtree.verifier.commit import commit_prefill, commit_verify
+    from ddtree.verifier.apply import apply_outcome
+    from ddtree.verifier.batch import run_batch
     from ddtree.verifier.sequence import GenerateParams, Sequence
     from ddtree.verifier.target import LocalTarget
+    from ddtree.verifier.work_items import PrefillItem, VerifyItem
 
     cfg = model.config
     pool = LatentKVPool(cfg.num_hidden_layers, 256, cfg.kv_cache_width, torch.float32, "cpu", page_size=page_size)
     seq = Sequence(GenerateParams("s", tuple(prompt), SamplingConfig(temperature=0.0), 64, frozenset(), True, 16))
     seq.table = PageTable(page_size)
-    commit_prefill(run_batch(LocalTarget(model), pool, [PrefillItem(seq, 0, len(prompt))], ())[0], pool, 0)
+    prefill = PrefillItem(seq, 0, len(prompt))
+    apply_outcome(seq, prefill.commit(run_batch(LocalTarget(model), pool, [prefill], ())[0], 0), pool)
     accepted = []
     for _ in range(steps):
-        verdict, _ = commit_verify(run_batch(LocalTarget(model), pool, [VerifyItem(seq, trees(seq))], ())[0], pool, 0)
-        accepted.append(verdict.accepted_nodes)
+        item = VerifyItem(seq, trees(seq))
+        outcome = item.commit(run_batch(LocalTarget(model), pool, [item], ())[0], 0)
+        apply_outcome(seq, outcome, pool)
+        accepted.append(outcome.accepted_nodes)
         check_accounting(pool, [seq.table])
     return seq, pool, accepted
 
@@ -263,7 +267,7 @@ PAGED = [4, 16]
 def paged_verifiers(default_ckpt, tmp_path_factory):
     """One oracle drafter (the oracle_stack's seed) and a verifier per page size, debug checks on."""
     from ddtree.launcher import start_service
-    from tests.conftest import ORACLE_DRAFTER
+    from tests.support.paths import ORACLE_DRAFTER
 
     log_dir = tmp_path_factory.mktemp("logs-paged")
     procs = [

@@ -24,8 +24,8 @@ from ddtree.contract.token_tree import EMPTY_TREE, TokenTree
 from ddtree.models.attention import AttentionMetadata, SeqAttention
 from ddtree.models.loader import load_target
 from ddtree.models.moe import DeepseekV3MoE
-from ddtree.verifier.batch import PrefillItem, VerifyItem, run_batch
-from ddtree.verifier.commit import commit_prefill, commit_verify
+from ddtree.verifier.apply import apply_outcome
+from ddtree.verifier.batch import run_batch
 from ddtree.verifier.kv_pool import LatentKVPool
 from ddtree.verifier.kv_sizing import static_buffer_bytes, static_forward_peak_bytes
 from ddtree.verifier.page_table import PageTable
@@ -41,6 +41,7 @@ from ddtree.verifier.static_step import (
 )
 from ddtree.verifier.target import LocalTarget
 from ddtree.verifier.tree_mask import tree_mask
+from ddtree.verifier.work_items import PrefillItem, VerifyItem
 
 TAPS = (1, 2)
 BUCKETS = make_buckets((1, 3), (1, 8), (32, 64))
@@ -138,25 +139,58 @@ def test_outside_every_bucket_is_left_to_the_eager_forward(model):
     assert step.fallbacks == 4
 
 
-def _generate(model, static: bool, prompts, steps: int, buckets=BUCKETS, compiled=False) -> list[list[int]]:
+def test_one_cpu_row_runs_its_top_k_experts_with_the_dense_bits(model, monkeypatch):
+    """static_forward's MoE on one row computes only the row's top-k experts (counted), and gives the sum
+    over every expert, written out here (the skipped ones weigh 0), bit for bit."""
+    from torch.nn import functional
+
+    from ddtree.models.static_forward import _dense_moe
+
+    moes = [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, DeepseekV3MoE)]
+    g = torch.Generator().manual_seed(3)
+    with torch.inference_mode():
+        for t in range(40):
+            x = torch.randn(1, model.config.hidden_size, generator=g) * (1 + t % 4)
+            for moe in moes:
+                weights, idx = moe.gate(x)
+                gate, up, down = (p.weight for p in moe.experts.projections())
+                want = torch.zeros(1, down.shape[1])
+                for e in range(gate.shape[0]):  # every expert, ascending; weight 0 off the top-k
+                    w = weights[0][idx[0] == e].sum()
+                    want = want + functional.linear(functional.silu(x @ gate[e].T) * (x @ up[e].T), down[e]) * w
+                assert torch.equal(_dense_moe(moe, x), want + moe.shared_experts(x))
+    moe, real, seen = moes[0], functional.linear, []
+
+    def counting(inp, w, *args):
+        seen.append(w.data_ptr())
+        return real(inp, w, *args)
+
+    monkeypatch.setattr(functional, "linear", counting)
+    gate_weights = {moe.experts.gate_proj.weight[e].data_ptr() for e in range(moe.experts.num_local)}
+    with torch.inference_mode():
+        for rows, experts in ((1, model.config.num_experts_per_tok), (2, moe.experts.num_local)):
+            seen.clear()
+            _dense_moe(moe, torch.randn(rows, model.config.hidden_size, generator=g))
+            assert len(gate_weights & set(seen)) == experts, f"{rows} row(s)"
+
+
+def _generate(model, static: bool, prompts, steps: int, buckets=BUCKETS) -> list[list[int]]:
     c = model.config
     pool = LatentKVPool(c.num_hidden_layers, 2048, c.kv_cache_width, torch.float32, "cpu")
     target = LocalTarget(model)
     if static:
-        target.static = StaticStep(model, pool.cache, pool.pad_slot, buckets, TAPS, graphs=False, compiled=compiled)
-        target.static.capture()  # the CPU builds with compiled; nothing without
+        target.static = StaticStep(model, pool.cache, pool.pad_slot, buckets, TAPS, graphs=False)
     seqs = []
     for i, prompt in enumerate(prompts):
         s = Sequence(GenerateParams(f"r{i}", tuple(prompt), SamplingConfig(), 1000, frozenset(), True, 8))
         s.table, s.phase = PageTable(1), Phase.PREFILL
-        out = run_batch(target, pool, [PrefillItem(s, 0, len(prompt))], TAPS)
-        s.generated = commit_prefill(out[0], pool, 0)
-        s.phase = Phase.DECODE
+        item = PrefillItem(s, 0, len(prompt))
+        apply_outcome(s, item.commit(run_batch(target, pool, [item], TAPS)[0], 0), pool)
         seqs.append(s)
     for k in range(steps):  # AR and tree steps, mixed in one batch; contexts grow past the largest bucket
         items = [VerifyItem(s, EMPTY_TREE if (k + i) % 3 == 0 else _tree(7, k * 10 + i)) for i, s in enumerate(seqs)]
-        for out in run_batch(target, pool, items, TAPS):
-            out.item.seq.generated += commit_verify(out, pool, 0)[1]
+        for item, out in zip(items, run_batch(target, pool, items, TAPS)):
+            apply_outcome(item.seq, item.commit(out, 0), pool)
     if static:
         assert target.static.replays > 0 and target.static.fallbacks > 0
     return [s.generated for s in seqs]

@@ -19,7 +19,6 @@ from ddtree.verifier.step_cost import (
     AcceptCalibration,
     StepCostModel,
     StepShape,
-    accepted_nodes,
 )
 from ddtree.verifier.step_drafter import StepDrafter
 from ddtree.verifier.tree_budget import cost_cut
@@ -192,24 +191,28 @@ def _trained_step_drafter(tree_cut: str, row_ms: float, per_1k_context_ms: float
     return steps
 
 
+def _drafted(steps: StepDrafter, seq: Sequence) -> TokenTree:
+    """The tree one Draft call of `steps` gives `seq` alone."""
+    return steps.draft([seq], [], 1).trees[seq.draft_id].tree
+
+
 def test_step_drafter_cuts_long_contexts_harder_when_rows_cost():
     steps = _trained_step_drafter("cost", row_ms=0.2, per_1k_context_ms=0.4)
     short, long = _seq(0, 64), _seq(1, 4000)
     steps.draft([short], [], 1)
     steps.draft([long], [], 1)
     steps._cuts = 0  # not an exploration step below
-    steps.draft([short], [], 1)
-    steps.draft([long], [], 1)
-    assert 1 <= long.draft.tree.n < short.draft.tree.n <= BUDGET
-    assert short.draft.tree == CHAIN.prefix(short.draft.tree.n) and long.draft.tree == CHAIN.prefix(long.draft.tree.n)
+    short_tree = _drafted(steps, short)
+    long_tree = _drafted(steps, long)
+    assert 1 <= long_tree.n < short_tree.n <= BUDGET
+    assert short_tree == CHAIN.prefix(short_tree.n) and long_tree == CHAIN.prefix(long_tree.n)
 
 
 def test_free_rows_and_fixed_cut_keep_the_whole_tree():
     for steps in (_trained_step_drafter("cost", 0.0, 0.0), _trained_step_drafter("fixed", 0.5, 0.5)):
         seq = _seq(0, 4000)
         steps._cuts = 1
-        steps.draft([seq], [], 1)
-        assert seq.draft.tree == CHAIN
+        assert _drafted(steps, seq) == CHAIN
 
 
 def test_exploration_steps_verify_whole_trees_once_the_fit_is_ready():
@@ -220,9 +223,8 @@ def test_exploration_steps_verify_whole_trees_once_the_fit_is_ready():
     steps = _trained_step_drafter("cost", row_ms=0.2, per_1k_context_ms=0.4)
     sizes = []
     for _ in range(2 * EXPLORE_EVERY):
-        seq = _seq(0, 4000)
-        steps.draft([seq], [], 1)
-        sizes.append((steps._cuts % EXPLORE_EVERY == 0, seq.draft.tree.n))
+        tree = _drafted(steps, _seq(0, 4000))
+        sizes.append((steps._cuts % EXPLORE_EVERY == 0, tree.n))
     explored = [n for whole, n in sizes if whole]
     cut = [n for whole, n in sizes if not whole]
     assert explored == [BUDGET, BUDGET]
@@ -232,8 +234,7 @@ def test_exploration_steps_verify_whole_trees_once_the_fit_is_ready():
     fresh = StepDrafter(_FixedDrafter(), 4096, VerifierConfig(tree_cut="cost"))  # no fit yet: random sizes
     seen = set()
     for _ in range(12):
-        seq = _seq(0, 4000)
-        fresh.draft([seq], [], 1)
-        seen.add(seq.draft.tree.n)
-        assert seq.draft.tree == CHAIN.prefix(seq.draft.tree.n)
+        tree = _drafted(fresh, _seq(0, 4000))
+        seen.add(tree.n)
+        assert tree == CHAIN.prefix(tree.n)
     assert len(seen) > 2
