@@ -28,6 +28,7 @@ from ddtree.gateway import metrics
 from ddtree.gateway.anthropic_protocol import MessagesParams, parse_count_tokens, parse_messages
 from ddtree.gateway.anthropic_stream import MessageStream, error_json, message_response, stop_reason
 from ddtree.gateway.auth import KeyPolicy, Unauthorized
+from ddtree.gateway.context_length import ContextLengthExceeded, from_verifier
 from ddtree.gateway.http_request import ApiError, read_json_body, served_model
 from ddtree.gateway.http_response import SSE_HEADERS, GenerationResponse
 from ddtree.gateway.pipeline import Job
@@ -55,7 +56,8 @@ class _MessagesResponse(GenerationResponse):
     error shape and event stream."""
 
     def error_answer(self, status: int, message: str) -> Response:
-        return error_response(status, message)
+        too_long = from_verifier(message) if status == 400 else None  # the verifier's context check
+        return error_response(status, too_long.anthropic_message() if too_long else message)
 
     def stream_headers(self) -> list[tuple[bytes, bytes]]:
         return SSE_HEADERS
@@ -89,6 +91,8 @@ class AnthropicApi:
         """Run parsing and preparation (template, tokenizer) in a worker thread; every ValueError is a 400."""
         try:
             return await anyio.to_thread.run_sync(fn, limiter=self.api.limiter)
+        except ContextLengthExceeded as e:
+            raise ApiError(400, e.anthropic_message()) from None
         except ValueError as e:
             raise ApiError(400, str(e)) from None
 

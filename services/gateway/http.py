@@ -55,6 +55,8 @@ from ddtree.gateway import tokenize_protocol as tp
 from ddtree.gateway.anthropic_http import anthropic_routes
 from ddtree.gateway.auth import KeyPolicy, Unauthorized
 from ddtree.gateway.choices import Choices, check_size, choice_jobs
+from ddtree.gateway.context_length import CODE as CONTEXT_CODE
+from ddtree.gateway.context_length import ContextLengthExceeded
 from ddtree.gateway.http_request import ApiError, read_json_body, request_id_of, served_model
 from ddtree.gateway.http_response import GenerationResponse, error_response
 from ddtree.gateway.openai_logprobs import TokenStrings
@@ -106,6 +108,8 @@ class OpenAIApi:
         """Run request preparation (template, tokenizer) in a worker thread; map its errors."""
         try:
             return await anyio.to_thread.run_sync(fn, limiter=self.limiter)
+        except ContextLengthExceeded as e:
+            raise ApiError(400, str(e), e.param, CONTEXT_CODE) from None
         except ValueError as e:
             raise ApiError(400, str(e), field_of(str(e))) from None
 
@@ -267,7 +271,7 @@ class OpenAIApi:
 
 
 async def _api_error(request: Request, e: ApiError) -> Response:
-    return error_response(e.status, e.message, e.param)
+    return error_response(e.status, e.message, e.param, code=e.code)
 
 
 async def _http_error(request: Request, e: HTTPException) -> Response:

@@ -24,11 +24,12 @@ DRAIN_BYTES = 64 * 1024 * 1024  # an oversize body is read and dropped up to thi
 
 
 class ApiError(Exception):
-    """A request the API refuses: the HTTP status, the message, and the field it names (OpenAI's param)."""
+    """A request the API refuses: the HTTP status, the message, the field it names (OpenAI's param) and
+    OpenAI's error code where it names one (context_length_exceeded)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
-        self.status, self.message, self.param = status, message, param
+        self.status, self.message, self.param, self.code = status, message, param, code
 
 
 async def read_json_body(request: Request, limit: int) -> dict:

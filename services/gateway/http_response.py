@@ -26,6 +26,8 @@ from starlette.responses import JSONResponse, Response
 
 from ddtree.gateway import metrics
 from ddtree.gateway.choices import Choices
+from ddtree.gateway.context_length import CODE as CONTEXT_CODE
+from ddtree.gateway.context_length import from_verifier
 from ddtree.gateway.generation import Generation, RequestError
 from ddtree.gateway.openai_responses import error_json, field_of
 from ddtree.telemetry.logging import get_logger
@@ -53,13 +55,13 @@ _log = get_logger("gateway.http")
 
 
 def error_response(
-    status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
+    status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None, code: str | None = None
 ) -> JSONResponse:
     """An OpenAI error answer (`{"error": {"message", "type", "param", "code"}}`), counted in the metrics."""
     metrics.HTTP_ERRORS.labels(status=str(status)).inc()
     if status >= 500:
         _log.warning("http_error", status=status, message=message)
-    return JSONResponse(error_json(message, status, param), status_code=status, headers=headers)
+    return JSONResponse(error_json(message, status, param, code), status_code=status, headers=headers)
 
 
 def _sse(event: Any) -> bytes:
@@ -89,6 +91,9 @@ class GenerationResponse(Response):
     # -- the protocol's shapes (OpenAI's; the Anthropic routes override them) ------------------------------
     def error_answer(self, status: int, message: str) -> Response:
         """The answer to a request that failed before anything was sent."""
+        too_long = from_verifier(message) if status == 400 else None
+        if too_long is not None:  # the verifier's own context check, in OpenAI's words
+            return error_response(status, str(too_long), too_long.param, self.id_header, CONTEXT_CODE)
         param = field_of(message) if status == 400 else None
         if param == "grammar":  # the verifier's GenerateRequest.grammar (a grammar dead end), not a field of this
             param = None  # request, whose constraint is response_format, structured_outputs, guided_* or tool_choice

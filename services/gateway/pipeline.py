@@ -5,7 +5,8 @@ ValueError naming the field), render the chat template, tokenize, and build the 
 - Stop tokens: the request's stop_token_ids plus `<|im_end|>`, `[EOS]` and the tokenizer's eos token
   (unless ignore_eos).
 - Limits: max_tokens (max_tokens_limit), prompt characters (max_prompt_chars), prompt tokens
-  (max_prompt_tokens), stop strings and stop ids (counts and lengths below).
+  (max_prompt_tokens), stop strings and stop ids (counts and lengths below), prompt + max_tokens within
+  the verifier's max_context (context_length.py's wording).
 - Chat output goes through the reasoning parser (config.reasoning_parser, unless the request turns
   separate_reasoning off) and, when the request declares tools (and tool_choice is not "none"), the
   tool-call parser (config.tool_call_parser); finish_reason "stop" becomes "tool_calls" when calls
@@ -349,6 +350,12 @@ class Pipeline:
         if o.HasField("seed"):
             sampling.seed = o.seed
         max_new = o.max_tokens or self.default_max_tokens(len(input_ids))
+        if self.router is not None:
+            from ddtree.gateway.context_length import check_context
+
+            self.max_context()  # the verifier's, once one answered (None before: it checks the request itself)
+            param = "messages" if kwargs.get("api") == "chat" else "prompt"
+            check_context(len(input_ids), max_new, self._max_context, param)
         if o.min_tokens > max_new:
             raise Invalid(f"{prefix}min_tokens: must be <= max_tokens ({max_new}, the default), got {o.min_tokens}")
         request = verifier_pb2.GenerateRequest(

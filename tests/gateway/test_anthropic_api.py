@@ -34,6 +34,7 @@ TOOLS = [
 
 @pytest.fixture(scope="module")
 def gw(fake, tokenizer_dir):
+    fake.max_context = 4096  # thinking with a budget needs max_tokens > 1024 (Anthropic's minimum budget)
     yield from serve_gateway(
         fake, tokenizer_dir, max_prompt_chars=10_000, max_prompt_tokens=1500, max_body_bytes=64 * 1024, api_key=KEY
     )

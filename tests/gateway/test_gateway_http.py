@@ -522,7 +522,7 @@ BAD = [
     ),
     ("prompt wrong type", "/v1/completions", {"prompt": 5}, None, 400, "prompt: must be string or array of token ids"),
     ("several prompts", "/v1/completions", {"prompt": ["a", "b"]}, None, 400, "prompt: one prompt per request"),
-    ("echo", "/v1/completions", {"prompt": "a", "echo": True}, None, 400, "echo: not supported"),
+    ("chat echo", CHAT, {"messages": _user(), "echo": True}, None, 400, "echo: not supported on chat"),
     ("oversize body", CHAT, {"messages": _user("x" * 70_000)}, None, 413, "over the limit of 65536 bytes"),
     ("missing API key", CHAT, {"messages": _user()}, {"Authorization": None}, 401, "missing API key"),
     ("wrong API key", CHAT, {"messages": _user()}, {"Authorization": "Bearer nope"}, 401, "invalid API key"),

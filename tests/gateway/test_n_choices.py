@@ -157,6 +157,7 @@ def test_n_takes_worker_threads_or_is_429(fake, tokenizer_dir, tok):
 
 
 def test_a_whole_n_response_is_bounded(fake, tokenizer_dir, tok):
+    fake.max_context = 300_000  # the bound on n, not the context, is what 100_001 tokens meet here
     running = _gateway(fake, tokenizer_dir, max_tokens_limit=200_000)
     try:
         client = _openai(running)
@@ -173,6 +174,7 @@ def test_a_whole_n_response_is_bounded(fake, tokenizer_dir, tok):
         assert {c.choices[0].index for c in chunks if c.choices} == {0, 1}
     finally:
         running.stop(0)
+        fake.max_context = 1234
 
 
 class _Slow:

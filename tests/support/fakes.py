@@ -43,8 +43,9 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
     """Streams the current run's script for every Generate (its prompt_logprobs messages only to a request
     that asks for them, as the verifier); records what it was sent."""
 
-    def __init__(self):
+    def __init__(self, max_context: int = 1234):
         self.run = _Run([])
+        self.max_context = max_context  # GetInfo's; set it before a gateway first asks (the gateway keeps it)
 
     def reset(self, script, error=None, delay_s=0.0):
         self.run = _Run(script, error, delay_s)
@@ -86,7 +87,7 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
         return verifier_pb2.AbortResponse(request_id=request.request_id)
 
     def GetInfo(self, request, context):
-        return verifier_pb2.VerifierInfo(model_id="fake", max_context=1234)
+        return verifier_pb2.VerifierInfo(model_id="fake", max_context=self.max_context)
 
 
 def script_for(ids, sizes=None, finish="length", usage=None, request_id="r"):
