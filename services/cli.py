@@ -7,6 +7,7 @@ ddtree demo       the main job: start the stack, stream one chat answer, print t
 ddtree train target | drafter    train the demo target / a DFlash drafter (tools/train_*.py)
 ddtree bench context | twopoint | compare    measure decode speed (tools/bench/)
 ddtree diagnose   explain a deployment's speed: profile, reconciliation, flags (tools/diagnose.py)
+ddtree selftest gpu   kernels against their references, a Kimi-shaped model served end to end (tools/selftest/)
 """
 
 from __future__ import annotations
@@ -273,6 +274,7 @@ COMMAND_MODULES = (
     ("", "bench", "ddtree.tools.bench"),
     ("", "diagnose", "ddtree.tools.diagnose"),
     ("", "inspect", "ddtree.tools.inspect"),
+    ("", "selftest", "ddtree.tools.selftest"),
 )
 # What the engine install has and the gateway's (docker/requirements-gateway.txt) does not.
 ENGINE_ONLY = frozenset({"torch", "numpy", "safetensors"})

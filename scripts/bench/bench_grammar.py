@@ -3,9 +3,9 @@ the tree built from the drafter's top-K table (verifier setting `grammar_tree`: 
 
     python -m scripts.bench.bench_grammar [--budgets 8,32] [--max-new 64] [--out runs/bench_grammar.json]
 
-On the demo pair (`ddtree.default_checkpoint.default_checkpoint()`), in one process (tests/support/grammar_runs.py:
+On the demo pair (`ddtree.default_checkpoint.default_checkpoint()`), in one process (scripts/bench/grammar_runs.py:
 the pair's DFlash drafter served on a loopback port, the verifier's scheduler with the pair's target in
-fp32), the JSON-schema prompts of tests/support/grammar_runs.py at temperature 0, one request at a time. Per
+fp32), the JSON-schema prompts of scripts/bench/grammar_runs.py at temperature 0, one request at a time. Per
 setting: tau (tokens committed per verify step, the accept length), tokens/s (generated tokens over the
 requests' wall time, prefill included), tree nodes drafted and kept per step, and the grammar's mask
 time per step (SequenceGrammar.mask_s: every mask the step computed, the build's and prepare's). Fails
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ddtree.default_checkpoint import default_checkpoint
     from ddtree.telemetry.logging import configure_logging
-    from tests.support.grammar_runs import REQUESTS, DemoPair, json_grammar
+    from scripts.bench.grammar_runs import REQUESTS, DemoPair, json_grammar
 
     configure_logging("warning", "console")
     torch.manual_seed(0)

@@ -18,7 +18,7 @@ Steps (each in its own processes, one after the other, so that at most one model
 4. Logits (the service does not return them): the same model code in-process, N ranks over gloo
    (`load_tp_model` + `TensorParallelModel`, as the verifier runs them; `gather_logits=True`), against
    --ref-tp ranks (1: `load_target` in one process, as `ddtree verifier --tp 1` loads it): the prefill
-   logits of the prompt compared with tests/support/compare.py's bf16 rule (|d| <= 8e-3 * max(1, max|ref|) or
+   logits of the prompt compared with tools/selftest/compare.py's bf16 rule (|d| <= 8e-3 * max(1, max|ref|) or
    |d| <= 2.01/128 * |ref|, cosine difference <= 1e-5), argmax per row, and --new-tokens greedy tokens
    (each step re-runs the whole sequence), also compared with the verifier's tokens. --logits-tp 8 2: more
    TP degrees against the reference; --fp32-ref: the reference also in float32 (INT4 experts stay packed),
@@ -43,7 +43,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 STATUS_FIELDS = ("VmHWM", "VmRSS", "RssAnon", "RssFile")
-BF16_ABS, BF16_REL, BF16_COS = 8e-3, 2.01 / 128, 1e-5  # tests/support/compare.py's bf16 tolerances
+BF16_ABS, BF16_REL, BF16_COS = 8e-3, 2.01 / 128, 1e-5  # tools/selftest/compare.py's bf16 tolerances
 
 
 # ---- /proc -----------------------------------------------------------------------------------------------

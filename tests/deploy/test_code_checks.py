@@ -115,6 +115,29 @@ def test_the_layer_check_sees_a_back_import(monkeypatch, tmp_path):
     assert any("ddtree.models.rope (ddtree.models) imports ddtree.verifier.scheduler" in p for p in problems), problems
 
 
+def _top_level_imports(path: pathlib.Path) -> set[str]:
+    """The first name of every absolute import in the file (lazy ones too)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_neither_the_package_nor_the_scripts_import_the_tests():
+    """The installed package imports neither `tests` nor `scripts` (a checkout's folders, not installed), and
+    no script imports `tests`: what a script and the tests share lives in the package (ddtree.tools.selftest)
+    or in the scripts."""
+    bad = [f"{path}: imports {name}" for path in _modules().values() for name in ("tests", "scripts")
+           if name in _top_level_imports(path)]  # fmt: skip
+    bad += [
+        f"{path}: imports tests" for path in (env.ROOT / "scripts").rglob("*.py") if "tests" in _top_level_imports(path)
+    ]
+    assert not bad, "\n".join(bad)
+
+
 def _ruff(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "ruff", *args], cwd=env.ROOT, capture_output=True, text=True, timeout=300

@@ -23,7 +23,7 @@ from ddtree.kernels.moe_configs import MoeTileConfig, default_config, smaller_co
 from ddtree.kernels.moe_reference import fused_moe_reference
 from ddtree.kernels.moe_weights import ExpertWeights
 from ddtree.kernels.quant_formats import quantize_int4_group
-from tests.support.compare import assert_close
+from ddtree.tools.selftest.compare import assert_close
 
 OutOfResources = fm.OutOfResources
 CRASH = ("int4", "gate_up", 64, 2048, 7168, 1024, 8)  # kind, op, E, N = I, K = d, M, topk of the H200 crash

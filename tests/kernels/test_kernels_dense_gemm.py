@@ -13,7 +13,7 @@ from tests.support.triton_env import DEVICE, INTERPRET, triton_interpret_env  # 
 from ddtree.kernels import dense_gemm_reference as ref
 from ddtree.kernels import fp8_gemm, int4_gemm
 from ddtree.kernels.quant_formats import FP8_MAX, quantize_fp8_block, quantize_int4_group
-from tests.support.compare import assert_close
+from ddtree.tools.selftest.compare import assert_close
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SHAPES = [(1, 40, 96), (7, 130, 203), (33, 256, 384)]  # (M, N, K): none a multiple of the tiles / of 128

@@ -36,7 +36,7 @@ if INTERPRET and not fm.is_interpreted(fm._moe_gemm_kernel):
 from ddtree.kernels.moe_reference import fused_moe_reference  # noqa: E402
 from ddtree.kernels.moe_weights import ExpertWeights  # noqa: E402
 from ddtree.kernels.quant_formats import quantize_fp8_block, quantize_int4_group  # noqa: E402
-from tests.support.compare import assert_close  # noqa: E402
+from ddtree.tools.selftest.compare import assert_close  # noqa: E402
 
 MoeTileConfig = mc.MoeTileConfig
 

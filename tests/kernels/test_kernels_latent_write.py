@@ -13,7 +13,7 @@ from ddtree.models.config import DeepseekV3Config
 from ddtree.models.mla import DeepseekV3Attention
 from ddtree.models.random_checkpoint import DEFAULT_TARGET_CONFIG
 from ddtree.models.rope import RotaryEmbedding
-from tests.support.compare import assert_close
+from ddtree.tools.selftest.compare import assert_close
 from tests.support.triton_env import DEVICE, triton_interpret_env  # noqa: F401,I001  (before kernels are imported)
 
 

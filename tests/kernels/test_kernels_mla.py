@@ -21,7 +21,7 @@ from ddtree.kernels.mla_merge import mla_merge
 from ddtree.kernels.mla_plan import MLAKernelConfig, MLASeq, pack_mask_bits, plan_mla
 from ddtree.kernels.mla_split import _mla_split_kernel, mla_split_attention
 from ddtree.kernels.reference import mla_attention_ref, mla_split_partials_ref
-from tests.support.compare import assert_close
+from ddtree.tools.selftest.compare import assert_close
 from tests.support.triton_env import DEVICE, triton_interpret_env  # noqa: F401,I001  (before kernels are imported)
 
 SMALL_SPLITS = MLAKernelConfig(block_m=16, min_split=32, target_programs=64)  # many splits at small prefixes

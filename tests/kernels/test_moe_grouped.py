@@ -16,7 +16,7 @@ from ddtree.models import moe_grouped, packed_linear
 from ddtree.models.moe_experts import StackedExperts
 from ddtree.models.moe_grouped import grouped_moe
 from ddtree.models.packed_linear import Fp8Linear, Int4Linear
-from tests.support.compare import assert_close
+from ddtree.tools.selftest.compare import assert_close
 
 METHODS = ["grouped_mm", "bmm"]
 

@@ -17,7 +17,7 @@ fused_moe = pytest.importorskip("ddtree.kernels.fused_moe")
 from ddtree.kernels.quant_formats import quantize_fp8_block, quantize_int4_group  # noqa: E402
 from ddtree.models.moe_experts import StackedExperts, StackedProjection  # noqa: E402
 from ddtree.models.packed_linear import Fp8Linear, Int4Linear, cuda_kernel  # noqa: E402
-from tests.support.compare import assert_close  # noqa: E402
+from ddtree.tools.selftest.compare import assert_close  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="on a GPU the modules call the kernels themselves")
 FP8_TOL = dict(abs_tol=0.15, rel_tol=0.1, cos_tol=2e-3)  # W8A8: x is quantized to e4m3 (3 mantissa bits) too

@@ -21,7 +21,7 @@ from ddtree.models.checkpoint_files import CheckpointFiles
 from ddtree.models.deepseek_v3 import DeepseekV3ForCausalLM
 from ddtree.models.loader import CheckpointError, TensorSlice, load_target, load_tensors
 from ddtree.models.quantization import unpack_int4
-from tests.support.compare import assert_close
+from ddtree.tools.selftest.compare import assert_close
 from tests.support.quantized_checkpoints import (
     FP8_BLOCK,
     FP32_KEPT,

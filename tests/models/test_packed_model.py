@@ -12,8 +12,8 @@ import torch.multiprocessing as tmp
 from ddtree.models.loader import load_target
 from ddtree.models.moe_experts import StackedExperts
 from ddtree.models.packed_linear import Fp8Linear, Int4Linear
+from ddtree.tools.selftest.compare import assert_close
 from tests.models.test_tp_model import NUM_SLOTS, WORLD, _rank_main, scenario
-from tests.support.compare import assert_close
 from tests.support.quantized_checkpoints import TINY, logits, write_variant
 
 # widths that cut on whole FP8 16x32 blocks and INT4 groups of 32 at TP 2

@@ -22,7 +22,7 @@ from ddtree.models.loader import CheckpointError, load_target, load_tensors
 from ddtree.models.mla import naive_mla
 from ddtree.models.random_checkpoint import DEFAULT_TARGET_CONFIG, write_random_target
 from ddtree.models.rope import apply_rope_interleaved, rope_attention_factor, yarn_inv_freq
-from tests.support.compare import assert_close
+from ddtree.tools.selftest.compare import assert_close
 
 transformers = pytest.importorskip("transformers")
 from transformers import DeepseekV3Config as HFConfig  # noqa: E402

@@ -27,9 +27,9 @@ from ddtree.models.parallel.shard_plan import ShardPlan
 from ddtree.models.parallel.step_message import StepInputs, decode, encode, from_runs, runs
 from ddtree.models.parallel.tp_model import TensorParallelModel, build_tp_model, load_tp_model
 from ddtree.models.random_checkpoint import DEFAULT_TARGET_CONFIG, write_random_target
+from ddtree.tools.selftest.compare import assert_close
 from ddtree.verifier.tp_worker import worker_loop
 from ddtree.verifier.tree_mask import tree_input_ids, tree_mask, tree_positions
-from tests.support.compare import assert_close
 
 WORLD = 2
 NUM_SLOTS = 64

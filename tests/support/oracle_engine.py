@@ -30,7 +30,8 @@ from ddtree.contract.token_tree import TokenTree
 from ddtree.contract.tree_build import TokenTable
 from ddtree.drafter.engine import SeqDraftInput
 from ddtree.models.attention import AttentionMetadata, SeqAttention
-from tests.support.oracle_contexts import OracleContexts
+from ddtree.tools.selftest.oracle_contexts import OracleContexts
+from ddtree.tools.selftest.oracle_trees import noisy_tree
 
 
 class OracleDraftEngine(OracleContexts):
@@ -100,42 +101,6 @@ class OracleDraftEngine(OracleContexts):
             pos += n
             ids = torch.tensor([tok])
         return out
-
-
-def noisy_tree(truth: list[int], budget: int, vocab_size: int, rng: random.Random) -> TokenTree:
-    """A chain along `truth` broken at a random depth, plus siblings, within `budget` nodes."""
-    depth = min(len(truth), budget)
-    if depth == 0:
-        return TokenTree((), (), ())
-    brk = rng.randint(1, depth + 1)
-
-    def wrong(d: int, avoid: set[int]) -> int:
-        while True:
-            t = rng.randrange(vocab_size)
-            if t != truth[d - 1] and t not in avoid:
-                return t
-
-    tokens, parents, depths = [], [], []
-    children: dict[int, set[int]] = {}
-    for d in range(1, depth + 1):
-        tok = truth[d - 1] if d != brk else wrong(d, set())
-        tokens.append(tok)
-        parents.append(d - 1)
-        depths.append(d)
-        children.setdefault(d - 1, set()).add(tok)
-    if brk <= depth and len(tokens) < budget and rng.random() < 1 / 3:
-        tokens.append(truth[brk - 1])
-        parents.append(brk - 1)
-        depths.append(brk)
-        children[brk - 1].add(truth[brk - 1])
-    while len(tokens) < budget and len(tokens) < 4 * depth:
-        d = rng.randint(1, depth)
-        tok = wrong(d, children.setdefault(d - 1, set()))
-        tokens.append(tok)
-        parents.append(d - 1)
-        depths.append(d)
-        children[d - 1].add(tok)
-    return TokenTree(tuple(tokens), tuple(parents), tuple(depths))
 
 
 def noisy_table(truth: list[int], width: int, vocab_size: int, rng: random.Random) -> TokenTable:

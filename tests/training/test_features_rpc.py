@@ -27,9 +27,9 @@ from ddtree.models.dflash_checkpoint import load_drafter
 from ddtree.models.loader import load_target
 from ddtree.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from ddtree.protocol.security import TOKEN_METADATA
+from ddtree.tools.selftest.compare import assert_close
 from ddtree.training.drafter_data import TargetRunner
 from ddtree.training.verifier_data import VerifierRunner
-from tests.support.compare import assert_close
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 TOKEN = "features-token-for-tests"

@@ -26,6 +26,7 @@ from ddtree.drafter.factory import make_engine
 from ddtree.models.dflash_checkpoint import load_drafter, write_random_drafter
 from ddtree.models.loader import load_target
 from ddtree.models.random_checkpoint import DEFAULT_TARGET_CONFIG, write_random_target
+from ddtree.tools.selftest.compare import assert_close
 from ddtree.tools.train_drafter import add_arguments
 from ddtree.training.drafter_data import BatchPool, DataSpec, TargetRunner, TokenStream, make_batch, sample_windows
 from ddtree.training.drafter_forward import (
@@ -38,7 +39,6 @@ from ddtree.training.drafter_forward import (
 from ddtree.training.drafter_loss import block_loss, depth_weights
 from ddtree.training.drafter_trainer import DrafterTrainer
 from scripts.eval.eval_drafter import measure_tau
-from tests.support.compare import assert_close
 
 VOCAB = 128
 TINY = {

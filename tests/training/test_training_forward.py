@@ -10,7 +10,7 @@ from ddtree.models.config import DeepseekV3Config
 from ddtree.models.deepseek_v3 import DeepseekV3ForCausalLM
 from ddtree.models.random_checkpoint import DEFAULT_TARGET_CONFIG, random_target_state_dict
 from ddtree.models.training_forward import training_forward, update_expert_bias
-from tests.support.compare import assert_close
+from ddtree.tools.selftest.compare import assert_close
 
 SMALL = {**DEFAULT_TARGET_CONFIG, "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128,
          "moe_intermediate_size": 32, "num_hidden_layers": 3, "q_lora_rank": 32, "kv_lora_rank": 16,

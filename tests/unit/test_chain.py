@@ -7,7 +7,7 @@ import torch
 
 from ddtree.drafter.engine import DraftEngine, SeqDraftInput
 from ddtree.models.dflash_checkpoint import load_drafter, write_random_drafter
-from tests.support.oracle_engine import noisy_tree
+from ddtree.tools.selftest.oracle_trees import noisy_tree
 
 TARGET = {"hidden_size": 32, "num_hidden_layers": 6, "vocab_size": 64, "rope_theta": 10000.0}
 BLOCK = 5

@@ -23,13 +23,13 @@ import torch
 from ddtree.config import VerifierConfig
 from ddtree.contract.sampling_params import SamplingConfig
 from ddtree.models.loader import load_target
+from ddtree.tools.selftest.compare import assert_close
 from ddtree.training.drafter_data import TargetRunner
 from ddtree.verifier import metrics
 from ddtree.verifier.kv_pool import LatentKVPool
 from ddtree.verifier.scheduler import Scheduler
 from ddtree.verifier.sequence import GenerateParams, Phase, Sequence
 from ddtree.verifier.target import LocalTarget
-from tests.support.compare import assert_close
 
 CHUNK = 64  # prefill tokens per step
 

@@ -1,19 +1,20 @@
-"""The one-command GPU check (scripts/gpu_check.py) cannot rot: its --dry-run runs here on the CPU (shapes
+"""The GPU check (`ddtree selftest gpu`, tools/selftest/) cannot rot: its --dry-run runs here on the CPU (shapes
 shrunk, kernels interpreted, the three services as processes) and writes the JSON the GPU run writes, and a
 spoiled reference makes it fail."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from scripts import gpu_check_kernels as gk
-from scripts.gpu_check_oracle import expected_accept_length
-from scripts.gpu_check_serving import first_mismatch
+from ddtree.tools.selftest import kernel_check as gk
+from ddtree.tools.selftest.oracle_trees import expected_accept_length
+from ddtree.tools.selftest.serving_check import first_mismatch
 from tests.support import installed_env as env
 
 KERNELS = {"mla decode", "mla verify", "mla extend", "latent write", "fp8 gemm", "int4 gemm", "fused moe bf16",
@@ -23,8 +24,8 @@ ROW_KEYS = {"mode", "kind", "context", "prompt_tokens", "tokens", "steps", "tau"
 
 
 def _dry_run(tmp_path, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
-    out = tmp_path / "gpu_check.json"
-    cmd = [sys.executable, "-m", "scripts.gpu_check", "--dry-run", "--out", str(out), *extra]
+    out = tmp_path / "selftest_gpu.json"
+    cmd = [sys.executable, "-m", "ddtree.cli", "selftest", "gpu", "--dry-run", "--out", str(out), *extra]
     res = subprocess.run(cmd, cwd=env.ROOT, capture_output=True, text=True, timeout=900)
     assert out.is_file(), res.stdout[-3000:] + res.stderr[-3000:]
     return res, json.loads(out.read_text())
@@ -35,6 +36,9 @@ def test_dry_run_checks_every_kernel_and_serves_ar_and_ddtree(tmp_path):
     res, data = _dry_run(tmp_path)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     assert data["ok"] and data["dry_run"] and data["mismatches"] == 0 and not data["errors"]
+    # where it was measured, so that the JSON can be committed under docs/measurements/
+    assert data["device"] == "cpu (interpreted)" and data["date"].endswith("+00:00")
+    assert re.fullmatch(r"[0-9a-f]{40}|unknown", data["commit"]) and "selftest gpu --dry-run" in data["command"]
     rows = data["kernels"]["rows"]
     assert {r["kernel"] for r in rows} == KERNELS
     assert all(r["ok"] and r["us"] > 0 and r["torch_us"] > 0 and r["bytes"] > 0 for r in rows)

@@ -1,10 +1,10 @@
-"""The GPU check's drafter: the oracle's noisy trees (tests/support/oracle_engine.py) over a *replayed* greedy
+"""`ddtree selftest gpu`'s drafter: the oracle's noisy trees (oracle_trees.py) over a *replayed* greedy
 continuation, so its acceptance is known and its draft costs no target forward.
 
-    python -m scripts.gpu_check_oracle drafter --model DIR --target DIR --port 0 --reference FILE
+    python -m ddtree.tools.selftest.replay_drafter drafter --model DIR --target DIR --port 0 --reference FILE
         [--taps 1,2,3] [--oracle-seed 7] [--window 2048]
 
-tests/support/oracle_drafter.py asks the target itself for the greedy continuation of the whole history at every
+The tests' oracle drafter asks the target itself for the greedy continuation of the whole history at every
 step (window 0, an fp32 forward over the full context per draft): right for the small test models, far too
 slow for a full-width model at 32k tokens. Here the continuation comes from FILE, JSON
 `{"sequences": [[prompt ids + AR output ids], ...]}`, which the check writes after each AR run (re-read
@@ -33,8 +33,8 @@ from ddtree.drafter.server import serve_engine
 from ddtree.models.loader import load_config
 from ddtree.protocol.server import serve_until_stopped
 from ddtree.telemetry.logging import configure_logging
-from tests.support.oracle_contexts import OracleContexts
-from tests.support.oracle_engine import noisy_tree
+from ddtree.tools.selftest.oracle_contexts import OracleContexts
+from ddtree.tools.selftest.oracle_trees import noisy_tree
 
 
 class ReplayDraftEngine(OracleContexts):
@@ -93,26 +93,8 @@ class ReplayDraftEngine(OracleContexts):
         return trees
 
 
-def expected_accept_length(depth: int = 7, budget: int = 16, trials: int = 5000, seed: int = 0) -> float:
-    """Mean accepted drafts + 1 of noisy_tree over a reference that the target follows (Monte Carlo)."""
-    rng = random.Random(seed)
-    truth = list(range(1, depth + 1))
-    total = 0
-    for _ in range(trials):
-        tree = noisy_tree(truth, budget, 1 << 20, rng)
-        node, accepted = 0, 0  # walk from the root: the child holding the next true token
-        while accepted < depth:
-            nxt = next((i + 1 for i, (t, p) in enumerate(zip(tree.token_ids, tree.parents))
-                        if p == node and t == truth[accepted]), None)  # fmt: skip
-            if nxt is None:
-                break
-            node, accepted = nxt, accepted + 1
-        total += accepted + 1
-    return total / trials
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m scripts.gpu_check_oracle")
+    parser = argparse.ArgumentParser(prog="python -m ddtree.tools.selftest.replay_drafter")
     parser.add_argument("command", choices=["drafter"])
     add_config_flags(parser, DrafterConfig)
     parser.add_argument("--reference", required=True, help="JSON file of reference sequences (re-read on change)")

@@ -1,16 +1,16 @@
-"""Part (a) of the GPU check: every Triton kernel against its torch reference, with µs and GB/s.
+"""Part (a) of `ddtree selftest gpu`: every Triton kernel against its torch reference, timed.
 
 - MLA attention (kernels/mla_attention.py): decode (1 query), tree verify (root + 16 / 64 nodes, random
   trees) and extend (a prefill chunk over a cached prefix, causal), against fp32 SDPA over the same
   gathered latents; the torch time is SDPA in the kernel's dtype (KV pre-gathered, so it excludes the
-  gather it would need). Inputs and the SDPA helpers come from scripts/bench/bench_kernels.py.
+  gather it would need). Inputs and the SDPA reference: mla_bench.py.
 - the fused latent write (kernels/latent_write.py) against write_latent_ref (the torch ops it replaces).
 - the dense FP8 block GEMM and INT4 group GEMM (kernels/fp8_gemm.py, kernels/int4_gemm.py) against
   kernels/dense_gemm_reference.py (fp32 on the CPU); the torch time is a bf16 matmul of the dequantized
   weight on the device.
-- the fused MoE, bf16 / INT4 / FP8 weights: scripts/bench/bench_moe_kernels.py's `bench_model` (CUDA-graph
+- the fused MoE, bf16 / INT4 / FP8 weights: moe_bench.py's `bench_model` (CUDA-graph
   timing, cosine difference from the per-expert torch loop), its rows folded into this table.
-- the drafter's block forward as a CUDA graph against the eager one (scripts/gpu_check_draft.py).
+- the drafter's block forward as a CUDA graph against the eager one (draft_graph.py).
 
 Every row: kernel, shape, kernel µs, torch µs, the bytes the call must move / kernel time (GB/s), ok.
 """
@@ -23,9 +23,10 @@ import math
 
 import torch
 
-from scripts.bench import bench_kernels as bk
-from scripts.bench import bench_moe_kernels as bm
-from scripts.gpu_check_draft import draft_graph_cases
+from ddtree.tools.selftest import mla_bench as mla
+from ddtree.tools.selftest import moe_bench as moe
+from ddtree.tools.selftest.compare import assert_close
+from ddtree.tools.selftest.draft_graph import draft_graph_cases
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,19 +48,17 @@ def make_plan(dry_run: bool) -> KernelPlan:
     if dry_run:
         cases = [(k, b, p, q) for p in (16, 64) for k, b, q in (("decode", 1, 1), ("decode", 2, 1), ("verify", 1, 5),
                                                                  ("extend", 1, 8))]  # fmt: skip
-        return KernelPlan(bk.TINY, tuple(cases), dict(block_m=16, block_n=16, min_split=16), (1, 5),
-                          ((64, 64),), (1, 5), (32, 32), 16, bm.TINY, (1, 3), bm.Plan(1, tuple(bm.TILES[:2])))  # fmt: skip
+        return KernelPlan(mla.TINY, tuple(cases), dict(block_m=16, block_n=16, min_split=16), (1, 5),
+                          ((64, 64),), (1, 5), (32, 32), 16, moe.TINY, (1, 3), moe.Plan(1, tuple(moe.TILES[:2])))  # fmt: skip
     cases = [(k, b, p, q) for p in (128, 4096, 32768) for k, b, q in (("decode", 1, 1), ("decode", 8, 1),
              ("verify", 1, 17), ("verify", 1, 65), ("extend", 1, 512))]  # fmt: skip
-    return KernelPlan(bk.KIMI, tuple(cases), {}, (1, 17, 512), ((12288, 1536), (7168, 8192)), (1, 16, 256),
-                      (128, 128), 32, bm.MODELS, (1, 16, 128), bm.Plan(repeats=4))  # fmt: skip
+    return KernelPlan(mla.KIMI, tuple(cases), {}, (1, 17, 512), ((12288, 1536), (7168, 8192)), (1, 16, 256),
+                      (128, 128), 32, moe.MODELS, (1, 16, 128), moe.Plan(repeats=4))  # fmt: skip
 
 
 def compare(name: str, actual: torch.Tensor, expected: torch.Tensor, corrupt: bool = False, **tol) -> tuple[bool, str]:
-    """tests/support/compare.py's assert_close as (ok, detail). corrupt: spoil the expected value first (the check's
-    own test: a wrong result must fail)."""
-    from tests.support.compare import assert_close
-
+    """compare.py's assert_close as (ok, detail). corrupt: spoil the expected value first (the check's own
+    test: a wrong result must fail)."""
     if corrupt:
         expected = expected.clone()
         expected.view(-1)[0] += 1.0 + 2 * expected.float().abs().max().item()
@@ -88,7 +87,7 @@ def mla_case(kind, batch, prefix, q_len, plan: KernelPlan, device, measure, peak
     seqs, masks = [], []
     for b in range(batch):
         own = slots[b * (prefix + q_len) : (b + 1) * (prefix + q_len)]
-        mask = bk.random_tree_mask(q_len - 1, gen) if kind == "verify" else None
+        mask = mla.random_tree_mask(q_len - 1, gen) if kind == "verify" else None
         seqs.append(MLASeq(q_len, prefix, own[:prefix], own[prefix:], mask))
         masks.append(torch.ones(q_len, q_len, dtype=torch.bool).tril() if mask is None else mask)
     kv = torch.randn(S, r + dr, generator=gen).to(device, dtype)
@@ -98,9 +97,9 @@ def mla_case(kind, batch, prefix, q_len, plan: KernelPlan, device, measure, peak
     mla_plan = plan_mla(seqs, H, num_cache_slots=S, device=device, config=MLAKernelConfig(**plan.mla_config))
     out = mla_attention(q_lat, q_pe, kv, mla_plan, scale)
     t = measure(lambda: mla_attention(q_lat, q_pe, kv, mla_plan, scale))
-    qq, k, v, mask = bk.sdpa_inputs(q_lat, q_pe, kv, seqs, masks, r)
-    t_ref = measure(lambda: bk.run_sdpa(qq, k, v, mask, scale))
-    ref = bk.run_sdpa(qq.float(), k.float(), v.float(), mask, scale).transpose(1, 2).reshape(out.shape)
+    qq, k, v, mask = mla.sdpa_inputs(q_lat, q_pe, kv, seqs, masks, r)
+    t_ref = measure(lambda: mla.run_sdpa(qq, k, v, mask, scale))
+    ref = mla.run_sdpa(qq.float(), k.float(), v.float(), mask, scale).transpose(1, 2).reshape(out.shape)
     name = f"mla {kind} B{batch} P{prefix} q{q_len}"
     ok, detail = compare(name, out, ref.to(out.dtype), corrupt)
     elt = kv.element_size()
@@ -173,12 +172,12 @@ def gemm_cases(plan: KernelPlan, device, measure, peak, corrupt) -> list[dict]:
 
 
 def moe_cases(plan: KernelPlan, device, peak) -> list[dict]:
-    """bench_moe_kernels' points, as rows of this table (its own lines print as it goes)."""
+    """moe_bench's points, as rows of this table (its own lines print as it goes)."""
     gen = torch.Generator(device=device).manual_seed(0)
-    measure = bm.timer(device)
+    measure = moe.timer(device)
     rows = []
     for name, dims in plan.moe_models.items():
-        for r in bm.bench_model(name, dims, plan.moe_m, device, measure, peak, gen, plan.moe_plan):
+        for r in moe.bench_model(name, dims, plan.moe_m, device, measure, peak, gen, plan.moe_plan):
             shape = f"{name} E={r['E']} top{r['topk']} d={r['d']} I={r['I']} M={r['M']}"
             rows.append(_row("moe", f"fused moe {r['kind']}", shape, r["fused_us"], r["loop_bf16_us"],
                              r["weight_bytes"], r["ok"], f"cos diff vs loop {r['cos_diff_vs_loop']:.1e}", peak))  # fmt: skip
@@ -196,9 +195,9 @@ def _guarded(fn, kernel: str, shape: str) -> list[dict]:
 
 def run_kernels(dry_run: bool, device: torch.device, corrupt: bool = False, log=print) -> dict:
     plan = make_plan(dry_run)
-    measure = bk.timer(device)
+    measure = mla.timer(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreted)"
-    peak = bm.peak_for(name) or bk.peak_bandwidth_gbs(device) if device.type == "cuda" else None
+    peak = moe.peak_for(name) or mla.peak_bandwidth_gbs(device) if device.type == "cuda" else None
     jobs = [(functools.partial(mla_case, *c, plan, device, measure, peak, corrupt), f"mla {c[0]}", f"{c}")
             for c in plan.mla_cases]  # fmt: skip
     jobs += [(functools.partial(latent_write_case, T, plan, device, measure, peak, corrupt), "latent write", f"T={T}")
@@ -212,7 +211,7 @@ def run_kernels(dry_run: bool, device: torch.device, corrupt: bool = False, log=
     for fn, kernel, shape in jobs:
         for row in _guarded(fn, kernel, shape):
             rows.append(row)
-            log(format_row(row))  # (bench_moe_kernels also prints a line per point as it measures)
+            log(format_row(row))  # (moe_bench also prints a line per point as it measures)
     return dict(device=name, peak_gbs=peak, rows=rows, mismatches=sum(not r["ok"] for r in rows))
 
 

@@ -1,11 +1,11 @@
-"""Part (b) of the GPU check: a reduced-depth Kimi-K2.6-shaped model served end to end on one device.
+"""Part (b) of `ddtree selftest gpu`: a reduced-depth Kimi-K2.6-shaped model served end to end on one device.
 
 1. A random checkpoint at full width (hidden 7168, 64 heads, q_lora 1536, kv_lora 512, routed experts of
    width 2048 stored INT4 group 32, the first layer dense), fewer layers and experts, written on this
-   machine by scripts/data/make_kimi_shaped_checkpoint.py, with the demo tokenizer (its vocabulary sets the
+   machine by kimi_checkpoint.py, with the default checkpoint's tokenizer (its vocabulary sets the
    model's).
 2. The three services as processes (`services/launcher.py start_stack`): gateway, verifier on the device,
-   and the replay oracle drafter (scripts/gpu_check_oracle.py: the oracle's noisy trees over the AR
+   and the replay oracle drafter (replay_drafter.py: the oracle's noisy trees over the AR
    output, so acceptance is known and the draft costs nothing).
 3. Per context: a prompt of that many tokens (code text) through the gateway, AR (no_spec) then DDTree
    (greedy, budget 16), the step records streamed with the tokens giving the draft / verify / transport
@@ -18,7 +18,7 @@ A bf16 difference is reported as a divergence but does not fail the check: docs/
 reduced precision a near-tie can resolve differently when the batch shape changes (a tree row vs an AR
 row); in fp32 any difference is a mismatch and fails it. Each difference is diagnosed (tie_at): the
 target's top-2 log-probabilities at that token and whether DDTree took the second, so that a near-tie can
-be told from a wrong verify path (on the first H200 run, bf16 left AR within 1-43 tokens at every context).
+be told from a wrong verify path.
 """
 
 from __future__ import annotations
@@ -31,9 +31,6 @@ import subprocess
 import sys
 import time
 import traceback
-
-REPO = pathlib.Path(__file__).resolve().parent.parent
-DEMO_TOKENIZER = REPO / "checkpoints" / "demo" / "target"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,18 +93,20 @@ def make_plan(dry_run: bool, layers: int = 0, experts: int = 0, contexts: str = 
 
 
 def make_checkpoint(plan: ServePlan, root: pathlib.Path) -> dict:
+    from ddtree.default_checkpoint import default_checkpoint
     from ddtree.tokenization.tokenizer import Tokenizer
 
     t0 = time.perf_counter()
-    vocab = Tokenizer(DEMO_TOKENIZER).vocab_size
+    tokenizer_dir = default_checkpoint().target
+    vocab = Tokenizer(tokenizer_dir).vocab_size
     args = ["--out", str(root), "--layers", str(plan.layers), "--dense-layers", "1", "--experts", str(plan.experts),
             "--hidden", str(plan.hidden), "--vocab", str(vocab), "--heads", str(plan.heads), "--q-lora",
             str(plan.q_lora), "--kv-lora", str(plan.kv_lora), "--moe-width", str(plan.moe_width), "--dense-width",
             str(plan.dense_width), "--group", str(plan.group), "--no-vision"]  # fmt: skip
-    subprocess.run([sys.executable, "-m", "scripts.data.make_kimi_shaped_checkpoint", *args], check=True, cwd=REPO,
+    subprocess.run([sys.executable, "-m", "ddtree.tools.selftest.kimi_checkpoint", *args], check=True,
                    stdout=subprocess.DEVNULL)  # fmt: skip
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(DEMO_TOKENIZER / name, root / name)
+        shutil.copy(tokenizer_dir / name, root / name)
     nbytes = sum(p.stat().st_size for p in root.glob("*.safetensors"))
     return dict(path=str(root), vocab=vocab, bytes=nbytes, make_s=time.perf_counter() - t0)
 
@@ -143,7 +142,7 @@ def start(plan: ServePlan, run: Pass, model: pathlib.Path, reference: pathlib.Pa
                 str(max_context + 4096), "--max-batch", "1", "--prefill-chunk", str(plan.prefill_chunk), *run.flags]  # fmt: skip
     drafter = ["--reference", str(reference), "--taps", ",".join(map(str, plan.taps)), "--oracle-seed", "7"]
     return start_stack(str(model), str(model), log_dir, verifier_args=tuple(verifier), drafter_args=tuple(drafter),
-                       gateway_args=("--http-port", "-1"), drafter_module="scripts.gpu_check_oracle")  # fmt: skip
+                       gateway_args=("--http-port", "-1"), drafter_module="ddtree.tools.selftest.replay_drafter")  # fmt: skip
 
 
 def first_mismatch(expected: list[int], actual: list[int]) -> int | None:
@@ -230,7 +229,7 @@ def serve_contexts(plan: ServePlan, run_pass: Pass, stack, tok, reference: pathl
 def run_serving(plan: ServePlan, work: pathlib.Path, corrupt: bool = False, deadline: float = float("inf"),
                 log=print) -> dict:  # fmt: skip
     from ddtree.tokenization.tokenizer import Tokenizer
-    from scripts.gpu_check_oracle import expected_accept_length
+    from ddtree.tools.selftest.oracle_trees import expected_accept_length
 
     model = work / "kimi-shaped"
     ckpt = make_checkpoint(plan, model)

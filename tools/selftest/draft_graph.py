@@ -1,10 +1,10 @@
-"""Part (a) of the GPU check, the drafter's row: the DFlash draft block forward replayed as a CUDA graph
+"""Part (a) of `ddtree selftest gpu`, the drafter's row: the DFlash draft block forward replayed as a CUDA graph
 (services/drafter/static_draft.py) against the eager forward_blocks, with µs.
 
 A random drafter of Kimi width (hidden 7168, 6 taps of 7168, block 8, 32 heads / 8 KV heads of 128,
 5 layers, bf16) is made on the device; for S sequences with contexts of C rows, the graph's output
 (copy-in of the contexts included in its time) must match forward_blocks' hidden states within the
-model dtype's tolerances (tests/support/compare.py; bf16 on the GPU, fp32 in the dry run). `us` is the static
+model dtype's tolerances (compare.py; bf16 on the GPU, fp32 in the dry run). `us` is the static
 step (copy-in + replay), `torch us` the eager forward, GB/s the contexts' K/V copied in per µs.
 The dry run uses a tiny drafter on the CPU, where the static buffers run without a graph.
 """

@@ -1,20 +1,20 @@
-"""The one-command GPU check (issue 17 point 3): kernels against their references, then a reduced-depth
-Kimi-K2.6-shaped model served end to end, in one table and one JSON.
+"""`ddtree selftest gpu`: the kernels against their references, then a reduced-depth Kimi-K2.6-shaped
+model served end to end on one GPU, in one table and one JSON.
 
-    python -m scripts.gpu_check --out runs/gpu_check.json       # one CUDA GPU (H200: well under 8 minutes)
-    python -m scripts.gpu_check --dry-run --out /tmp/gc.json    # the same on a CPU: shapes shrunk, kernels
-                                                                # under TRITON_INTERPRET=1 (~1-2 minutes)
+    ddtree selftest gpu --out runs/selftest_gpu.json       # one CUDA GPU
+    ddtree selftest gpu --dry-run --out /tmp/selftest.json  # the same on a CPU: shapes shrunk, kernels
+                                                            # under TRITON_INTERPRET=1
     options: --skip-kernels | --skip-serving, --layers N, --experts N, --contexts 128,1024, --new-tokens N,
              --work-dir DIR (checkpoint and service logs; default a temp dir, removed unless --keep)
 
-(a) scripts/gpu_check_kernels.py: MLA decode / verify / extend, the latent write, the FP8 / INT4 dense
-    GEMMs and the fused MoE (bf16 / INT4 / FP8, through scripts/bench/bench_moe_kernels.py), each against its
-    torch reference, with µs and GB/s.
-(b) scripts/gpu_check_serving.py: a random full-width Kimi-K2.6-shaped checkpoint (4 layers, 64 INT4
-    experts by default) made on this machine, served by gateway + verifier + the replay oracle drafter
-    (scripts/gpu_check_oracle.py) on one GPU; AR and DDTree at contexts 128 / 1k / 4k / 16k / 32k, step
+(a) kernel_check.py: MLA decode / verify / extend, the latent write, the FP8 / INT4 dense GEMMs, the fused
+    MoE (bf16 / INT4 / FP8, moe_bench.py) and the drafter's graph step (draft_graph.py), each against its
+    torch reference, with kernel and torch times and the achieved bandwidth.
+(b) serving_check.py: a random full-width Kimi-K2.6-shaped checkpoint (4 layers, 64 INT4 experts by
+    default; kimi_checkpoint.py) made on this machine, served by gateway + verifier + the replay oracle
+    drafter (replay_drafter.py) on one GPU; AR and DDTree at contexts 128 / 1k / 4k / 16k / 32k, step
     time split into draft / verify / transport, DDTree's tokens equal to AR's. CUDA graphs are measured
-    when the verifier has a --cuda-graphs flag, and the JSON says "not available" when it has not.
+    when the verifier can capture the checkpoint, and the JSON says why not when it cannot.
 
 It exits 1 on any mismatch (a kernel off its reference, DDTree off AR in fp32), on an error, and when a
 DDTree run that matches AR accepts under 2 tokens per step (the oracle's trees not followed); 2 when it
@@ -23,26 +23,36 @@ DDTree is compared with AR in two passes: bf16 (the timing table; a difference t
 divergence, since a near-tie may resolve differently when the batch shape changes, docs/design.md §3.7;
 its row says AR's top-2 gap there and whether DDTree took the second)
 and fp32 (contexts up to 4k; any difference is a mismatch).
-The JSON: {device, dry_run, wall_s, kernels: {rows, mismatches}, serving: {plan, passes, checkpoint,
-cuda_graphs, expected_tau, stacks, rows, mismatches, divergences}, mismatches, ok}.
+The JSON says where it was measured, so that it can be committed under docs/measurements/: {date (UTC),
+device, commit (of the checkout, when git can tell), command, torch, triton, dry_run, wall_s, kernels:
+{rows, mismatches}, serving: {plan, passes, checkpoint, cuda_graphs, expected_tau, stacks, rows,
+mismatches, divergences}, mismatches, ok}.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import pathlib
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
 import traceback
 
+CHECKOUT = pathlib.Path(__file__).resolve().parents[2]  # tools/selftest/ -> the repository
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/gpu_check.json"))
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "gpu",
+        help="kernels against their references, then a Kimi-shaped model served end to end (one GPU)",
+        description=__doc__.split("\n\n")[0],
+    )
+    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/selftest_gpu.json"), help="the JSON")
     p.add_argument("--dry-run", action="store_true", help="shrunk shapes on a CPU, kernels interpreted")
     p.add_argument("--skip-kernels", action="store_true", help="no part (a)")
     p.add_argument("--skip-serving", action="store_true", help="no part (b)")
@@ -55,27 +65,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--deadline-s", type=float, default=450.0,
                    help="serve no new context after this many seconds from the start (the rest: skipped)")  # fmt: skip
     p.add_argument("--corrupt-reference", action="store_true", help=argparse.SUPPRESS)  # tests: must fail
-    return p.parse_args(argv)
+    p.set_defaults(fn=run)
+    return p
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton / the kernels are imported (children inherit it)
-    import torch
-
+    try:
+        import torch
+    except ModuleNotFoundError:
+        print("ddtree selftest gpu: needs torch, which this install does not have", file=sys.stderr)
+        return 2
     if not args.dry_run and not torch.cuda.is_available():
-        print("gpu_check: no CUDA device is visible; on a CPU only --dry-run runs", file=sys.stderr)
+        print("ddtree selftest gpu: no CUDA device is visible; on a CPU only --dry-run runs", file=sys.stderr)
         return 2
     device = torch.device("cpu" if args.dry_run else "cuda")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreted)"
     t0 = time.perf_counter()
-    result = dict(device=name, dry_run=args.dry_run, torch=torch.__version__, triton=_triton_version(),
-                  corrupt_reference=args.corrupt_reference, errors=[])  # fmt: skip
-    print(f"gpu_check on {name}{' (dry run)' if args.dry_run else ''}", flush=True)
+    result = dict(provenance(name, sys.argv), dry_run=args.dry_run, torch=torch.__version__,
+                  triton=_triton_version(), corrupt_reference=args.corrupt_reference, errors=[])  # fmt: skip
+    print(f"selftest gpu on {name}{' (dry run)' if args.dry_run else ''}", flush=True)
     log = lambda line: print(line, flush=True)  # noqa: E731
     if not args.skip_kernels:
-        from scripts import gpu_check_kernels as gk
+        from ddtree.tools.selftest import kernel_check as gk
 
         print("\n(a) kernels against their torch references\n" + gk.HEADER, flush=True)
         try:
@@ -86,12 +99,12 @@ def main(argv=None) -> int:
         result["kernels_s"] = time.perf_counter() - t0
         save(args.out, result)  # something to read if the serving part never returns
     if not args.skip_serving:
-        from scripts import gpu_check_serving as gs
+        from ddtree.tools.selftest import serving_check as gs
 
         plan = gs.make_plan(args.dry_run, args.layers, args.experts, args.contexts, args.new_tokens)
         print(f"\n(b) served end to end: {plan.layers} layers, hidden {plan.hidden}, {plan.experts} INT4 experts, "
               f"contexts {list(plan.contexts)}, {plan.new_tokens} new tokens", flush=True)  # fmt: skip
-        work = pathlib.Path(args.work_dir) if args.work_dir else pathlib.Path(tempfile.mkdtemp(prefix="gpu-check-"))
+        work = pathlib.Path(args.work_dir) if args.work_dir else pathlib.Path(tempfile.mkdtemp(prefix="selftest-gpu-"))
         work.mkdir(parents=True, exist_ok=True)
         t1 = time.perf_counter()
         try:
@@ -111,6 +124,22 @@ def main(argv=None) -> int:
     print(summary(result), flush=True)
     print(f"saved {args.out} ({result['wall_s']:.0f} s)", flush=True)
     return 0 if result["ok"] else 1
+
+
+def provenance(device: str, argv: list[str]) -> dict:
+    """Where and when: the UTC date, the device, the command, and the checkout's commit (`unknown` outside a
+    git checkout; `dirty` when its tracked files differ from that commit)."""
+    commit, dirty = "unknown", None
+    try:
+        git = ["git", "-C", str(CHECKOUT)]
+        commit = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30,
+                                check=True).stdout.strip()  # fmt: skip
+        dirty = bool(subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                    text=True, timeout=30, check=True).stdout.strip())  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        pass
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return dict(date=date, device=device, commit=commit, dirty=dirty, command=" ".join(["ddtree", *argv[1:]]))
 
 
 def save(path: pathlib.Path, result: dict) -> None:
@@ -145,7 +174,3 @@ def _triton_version() -> str:
     except ImportError:
         return "none"
     return triton.__version__
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,25 @@
+"""`ddtree selftest gpu`: checks that this install computes what it should on its hardware.
+
+`gpu.py` is the command; `kernel_check.py` (part a: each Triton kernel against its torch reference, with
+`mla_bench.py`, `moe_bench.py` and `draft_graph.py`) and `serving_check.py` (part b: a Kimi-K2.6-shaped
+checkpoint from `kimi_checkpoint.py`, served by the three services with the replay drafter of
+`replay_drafter.py`, DDTree against AR) are its two parts. `compare.py` (the tensor comparator),
+`oracle_trees.py` and `oracle_contexts.py` (the oracle drafters' trees and bookkeeping) are shared with
+the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register `selftest` and its subcommands."""
+    from ddtree.tools.selftest import gpu
+
+    p = subparsers.add_parser(
+        "selftest", help="check this install on its hardware: gpu", description=__doc__.split("\n\n")[0]
+    )
+    sub = p.add_subparsers(dest="selftest_command", required=True)
+    gpu.add_parser(sub)
+    return p
