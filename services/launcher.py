@@ -114,10 +114,8 @@ def default_engine_threads(service: str) -> int:
     """Torch threads for an engine process on a machine it shares with the other engine: the verifier
     takes every core, the drafter half. The two take turns within a step (draft, then verify), so the
     verifier's tree forwards, the part that grows with context, get the whole machine. The drafter stays
-    at half: with the engines' short OpenMP spin (models/openmp_spin.py), 2 drafter threads measured only
-    1-2.5% faster (code at 128 / 4096 tokens, scripts.bench_ab --arm-drafter-flags), and without it they
-    spun through the verifier's turn. Measured on the demo pair, 2-core VM, code at 4096 (`scripts.bench_ab`, verifier
-    --threads 1 vs 2): DDTree 252 -> 293 tok/s, AR 167 -> 180 tok/s."""
+    at half: a second drafter thread barely pays and, without the engines' short OpenMP spin
+    (models/runtime/cpu), spins through the verifier's turn (docs/performance.md has the measurements)."""
     cores = os.cpu_count() or 2
     if service not in ("verifier", "drafter"):
         raise ValueError(f"service must be 'verifier' or 'drafter', got {service!r}")

@@ -8,8 +8,8 @@ verified, the drafter builds the whole tree) plus the verify, roughly
 where rows is the forward's rows (every sequence's root and tree nodes), row_context is the sum over the
 step's items of rows × context tokens in thousands (each row of a long sequence reads that many more
 keys in attention). One more node in the tree of a sequence with context L costs b + c·L/1000. On a
-GPU b and c stay near zero while the step is memory-bound; on the demo CPU a node costs about 0.2 ms at
-128 tokens of context and 0.5-0.8 ms at 4k, so the tree worth verifying shrinks as the context grows.
+GPU b and c stay near zero while the step is memory-bound; on a CPU a node's cost grows with its context,
+so the tree worth verifying shrinks as the context grows.
 
 `StepCostModel` fits (a, b, c) online by least squares over exponentially forgotten observations (the
 verify time of every speculative decode step; steps with prefill chunks are not used, their rows cost

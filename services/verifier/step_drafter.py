@@ -33,13 +33,11 @@ from ddtree.verifier.step_cost import AcceptCalibration, StepCostModel, StepShap
 from ddtree.verifier.tree_budget import allocate_nodes, cost_cut, tree_budget
 
 # Every this many cut steps verifies the whole trees, so that the cost fit keeps seeing steps of more rows
-# than the cut keeps (rows that never vary cannot be priced). Whole trees give away no acceptance, where the
-# random cut this replaced did: code at 4096 tokens 257 -> 270 DDTree tok/s, tau 3.61 -> 4.02.
+# than the cut keeps (rows that never vary cannot be priced); whole trees give away no acceptance.
 EXPLORE_EVERY = 8
 # A node is cut only when its expected tokens per ms are under CUT_MARGIN x the step's (tree_budget.cost_cut).
-# Both estimates are noisy, and a node cut by mistake costs acceptance where one kept by mistake costs a row:
-# interleaved at 4096 tokens, against the optimum's cut (1.0), code 418 -> 428 DDTree tok/s (tau 5.30 ->
-# 5.59; whole trees 422, 5.69) and padding 248 -> 245 (whole trees 237).
+# Both estimates are noisy, and a node cut by mistake costs acceptance where one kept by mistake costs only a
+# row, so the cut errs on the side of keeping.
 CUT_MARGIN = 0.5
 
 log = get_logger("ddtree.verifier.step_drafter")
