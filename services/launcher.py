@@ -61,13 +61,15 @@ def start_service(
     env: dict[str, str] | None = None,
     timeout: float = 180.0,
     module: str = "ddtree.cli",
+    python: str | None = None,
 ) -> ServiceProcess:
     """`python -m MODULE ARGS` as a child that announces `LISTENING <name> host:port` (module: the
-    `ddtree` command, or a stand-in that speaks the same protocol, such as the tests' oracle drafter)."""
+    `ddtree` command, or a stand-in that speaks the same protocol, such as the tests' oracle drafter;
+    python: the interpreter, this one by default, or another install's to run its code)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     log_file = open(log_path, "ab")
-    cmd = [sys.executable, "-m", module, *args]
+    cmd = [python or sys.executable, "-m", module, *args]
     child_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
     popen = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=log_file, env=child_env, cwd=pathlib.Path(__file__).resolve().parent.parent

@@ -64,6 +64,13 @@ def main(argv=None) -> int:
         default=[],
         help="NAME=VAR=VALUE ...: environment variables of that arm's drafter and verifier (e.g. GOMP_SPINCOUNT=300000)",
     )
+    p.add_argument(
+        "--arm-python",
+        type=_arm,
+        action="append",
+        default=[],
+        help="NAME=PYTHON: the interpreter of that arm's processes, e.g. another checkout's venv (old commit vs new)",
+    )
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/bench_ab.json"))
     args = p.parse_args(argv)
     tok = Tokenizer(args.model)
@@ -71,15 +78,16 @@ def main(argv=None) -> int:
     runs: dict[str, list[dict]] = {name: [] for name, _ in args.arm}
     drafters = {name: " ".join(d) for name, d in args.arm_drafter}
     drafter_flags = dict(args.arm_drafter_flags)
+    pythons = {name: " ".join(py) for name, py in args.arm_python}
     envs = {}
     for name, assignments in args.arm_env:
         pairs = [a.partition("=") for a in assignments]
         if not pairs or any(not var or not sep for var, sep, _ in pairs):
             p.error(f"--arm-env {name}= takes VAR=VALUE pairs, got {' '.join(assignments)!r}")
         envs[name] = {var: value for var, _, value in pairs}
-    unknown = (set(drafters) | set(drafter_flags) | set(envs)) - set(runs)
+    unknown = (set(drafters) | set(drafter_flags) | set(envs) | set(pythons)) - set(runs)
     if unknown:
-        p.error(f"--arm-drafter / --arm-drafter-flags / --arm-env name no arm: {sorted(unknown)}")
+        p.error(f"--arm-drafter / --arm-drafter-flags / --arm-env / --arm-python name no arm: {sorted(unknown)}")
     with contextlib.ExitStack() as stack:
         endpoints = {}
         for name, flags in args.arm:
@@ -94,6 +102,7 @@ def main(argv=None) -> int:
                     drafter_args=drafter_flags.get(name, ()),
                     name=name,
                     env=envs.get(name),
+                    python=pythons.get(name),
                 )
             )
             endpoints[name] = stack.enter_context(contextlib.closing(VerifierEndpoint(address)))
@@ -102,15 +111,19 @@ def main(argv=None) -> int:
                 f"arm {name}: drafter {drafters.get(name, args.drafter)} {' '.join(drafter_flags.get(name, ()))}, "
                 f"verifier {' '.join(flags) or '(defaults)'}; "
                 f"env {' '.join(f'{k}={v}' for k, v in envs.get(name, {}).items()) or '(defaults)'}; "
+                f"python {pythons.get(name, 'this one')}; "
                 f"logs in {log_dir}",
                 flush=True,
             )
+        same_across_arms = 0  # prompts whose output every arm gives alike (expected when only the code differs)
         for i, ids in enumerate(prompts):
+            outputs = set()
             for name, ep in endpoints.items():
                 ar = ep.generate(ids, args.tokens, no_spec=True)
                 dd = ep.generate(ids, args.tokens)
                 if ar.token_ids != dd.token_ids:
                     raise AssertionError(f"arm {name}, prompt {i}: DDTree output differs from AR")
+                outputs.add(tuple(dd.token_ids))
                 runs[name].append(
                     {
                         "ar_tok_s": ar.decode_tok_s,
@@ -120,6 +133,7 @@ def main(argv=None) -> int:
                         "steps": dd.summary.steps,
                     }
                 )
+            same_across_arms += len(outputs) == 1
             print(f"prompt {i + 1}/{len(prompts)} done", flush=True)
     rows = []
     for name, r in runs.items():
@@ -133,8 +147,14 @@ def main(argv=None) -> int:
             f"{name:>10} {args.kind}@{args.context}: DDTree {dd:6.1f} tok/s  AR {ar:6.1f} tok/s  "
             f"{dd / ar:.2f}x  tau {tau:.2f}  step {step:.1f} ms"
         )
+    print(f"outputs equal across arms on {same_across_arms} of {len(prompts)} prompts")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    report = {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows, "runs": runs}
+    report = {
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "rows": rows,
+        "runs": runs,
+        "same_across_arms": same_across_arms,
+    }
     args.out.write_text(json.dumps(report, indent=2))
     print(f"saved {args.out}")
     return 0

@@ -106,7 +106,7 @@ class DraftedTree:
 
 
 class Sequence:
-    def __init__(self, params: GenerateParams, arrival: float | None = None):
+    def __init__(self, params: GenerateParams, arrival: float | None = None, grammar: SequenceGrammar | None = None):
         self.params = params
         self.phase = Phase.WAITING
         self.arrival = time.perf_counter() if arrival is None else arrival
@@ -136,7 +136,7 @@ class Sequence:
         self.stop_token_id: int | None = None  # the stop token that ended it (not emitted)
         self.events: queue.Queue[StreamEvent] = queue.Queue()
         self.abort_requested = threading.Event()
-        self.grammar: SequenceGrammar | None = None  # params.grammar's state (server.py builds it)
+        self.grammar = grammar  # params.grammar's state (server.py builds it)
         self._generators: dict[str, torch.Generator | None] = {}
 
     def generator(self, device: torch.device) -> torch.Generator | None:

@@ -11,7 +11,7 @@ import grpc
 from ddtree.config import VerifierConfig
 from ddtree.contract.sampling_params import MAX_TOP_LOGPROBS, SamplingConfig
 from ddtree.contract.usage import usage_from_steps
-from ddtree.models.cpu_threads import single_threaded
+from ddtree.models.runtime.cpu import single_threaded
 from ddtree.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from ddtree.protocol.security import ServiceSecurity
 from ddtree.protocol.server import RunningServer, start_server
@@ -173,8 +173,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except NoGrammarTokenizer as err:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
-        seq = Sequence(params)
-        seq.grammar = grammar
+        seq = Sequence(params, grammar=grammar)
         try:
             self.scheduler.submit(seq)
         except AdmissionError as err:

@@ -201,9 +201,11 @@ def private_verifier(
     verifier_args: tuple[str, ...] = (),
     name: str = "",
     env: dict[str, str] | None = None,
+    python: str | None = None,
 ):
     """A drafter + verifier pair as child processes on loopback; yields the verifier's address. env: extra
-    environment variables of both processes (over the launcher's engine defaults)."""
+    environment variables of both processes (over the launcher's engine defaults); python: the interpreter
+    of both (another install's, to run another commit's code; this one by default)."""
     from ddtree.launcher import default_engine_threads, start_service
 
     d = start_service(
@@ -222,6 +224,7 @@ def private_verifier(
         ],
         log_dir,
         env=env,
+        python=python,
     )
     try:
         v = start_service(
@@ -244,6 +247,7 @@ def private_verifier(
             ],
             log_dir,
             env=env,
+            python=python,
         )
         try:
             yield v.address
