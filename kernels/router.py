@@ -1,0 +1,169 @@
+"""The DeepSeek-V3 / Kimi router in one launch: scores, sigmoid, correction bias, group-limited top-k,
+top-k, renormalisation and routed scaling (services/models/moe.py DeepseekV3TopkRouter; reference
+layer_reference.route_ref).
+
+    scores = sigmoid(x · Wᵀ)                         fp32 [N, E]  (fp32 accumulate, exact fp32 products)
+    choice = scores + bias                           selection only
+    groups: keep the topk_group of n_group groups by the sum of their top-2 choices (others -inf)
+    ids    = top_k of choice;  w = scores[ids] (/ (Σ w + 1e-20) if renormalize) · scaling
+
+W is read in its stored dtype (fp32 in HF checkpoints, which keep the router in fp32; bf16 works too)
+and widened in registers: no fp32 copy is made. Grid (row blocks, E blocks): every program computes the
+scores of BLOCK_M rows x BLOCK_E experts (so the E x d weight is read by many SMs at once at decode
+sizes) and stores them to an fp32 scratch [N, E]; the program that finishes a row block last (an atomic
+ticket per row block, acquire-release at GPU scope, after a block barrier) reads the block's E scores
+back (L2, .cg) and selects. It resets its ticket for the next launch, so the tickets (a small int32
+buffer per device, zero at start) need no memset per call and the launch can be graph-captured.
+Two launches on one device may not run concurrently on different streams (they share the tickets).
+
+Ties: a larger value first; among equal values the lower expert (group) index. torch.topk leaves the
+order of ties unspecified, so the reference agrees wherever there are no exact ties.
+ids are int64 [N, top_k] in selection order (descending choice); weights fp32 [N, top_k].
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .mla_checks import DTYPES, check_device, is_interpreted
+
+SELECT_ELEMENTS = 16384  # BLOCK_M x padded E held by the selecting program
+BLOCK_E = 32  # experts per program below 64 row blocks (above: one program per row block)
+_TICKETS: dict[torch.device, torch.Tensor] = {}
+
+
+@triton.jit
+def _router_kernel(
+    X, W, BIAS, SCORES, TICKETS, OUT_W, OUT_IDS,
+    M, E, K, stride_xm, stride_we, scaling,
+    TOP_K: tl.constexpr, K_PAD: tl.constexpr, N_GROUP: tl.constexpr, G_PAD: tl.constexpr,
+    TOPK_GROUP: tl.constexpr, RENORMALIZE: tl.constexpr, SPLIT_E: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, E_PAD: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_e = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    r64 = rows.to(tl.int64)
+    offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    e_ok = offs_e < E
+    acc = tl.zeros([BLOCK_M, BLOCK_E], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        x = tl.load(X + r64[:, None] * stride_xm + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(W + offs_e[None, :].to(tl.int64) * stride_we + offs_k[:, None],
+                    mask=k_ok[:, None] & e_ok[None, :], other=0.0)  # fmt: skip
+        acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")  # [BLOCK_M, BLOCK_E]
+    scores = tl.math.div_rn(1.0, 1.0 + tl.exp(-acc))
+    tl.store(SCORES + r64[:, None] * E + offs_e[None, :], scores, mask=row_ok[:, None] & e_ok[None, :])
+    tl.debug_barrier()  # every thread's scores are stored before they are read back or released
+    if SPLIT_E > 1:
+        ticket = tl.atomic_add(TICKETS + pid_m, 1, sem="acq_rel", scope="gpu")
+        if ticket != SPLIT_E - 1:
+            return
+        tl.store(TICKETS + pid_m, 0)  # the last program of this row block: ready for the next launch
+        tl.debug_barrier()
+
+    offs = tl.arange(0, E_PAD)
+    ok = offs < E
+    s = tl.load(SCORES + r64[:, None] * E + offs[None, :], mask=row_ok[:, None] & ok[None, :], other=0.0,
+                cache_modifier=".cg")  # [BLOCK_M, E_PAD]  # fmt: skip
+    bias = tl.load(BIAS + offs, mask=ok, other=0.0).to(tl.float32)
+    choice = tl.where(ok[None, :], s + bias[None, :], float("-inf"))
+    if N_GROUP > 1:
+        group = offs // (E // N_GROUP)  # padding columns fall past the last group
+        g_offs = tl.arange(0, G_PAD)
+        group_score = tl.full([BLOCK_M, G_PAD], float("-inf"), dtype=tl.float32)
+        for g in tl.static_range(N_GROUP):
+            c = tl.where((group == g)[None, :], choice, float("-inf"))
+            top1 = tl.max(c, 1)
+            first = tl.min(tl.where(c == top1[:, None], offs[None, :], E_PAD), 1)
+            top2 = tl.max(tl.where(offs[None, :] == first[:, None], float("-inf"), c), 1)
+            group_score = tl.where(g_offs[None, :] == g, (top1 + top2)[:, None], group_score)
+        keep = tl.zeros([BLOCK_M, E_PAD], dtype=tl.int1)
+        for _ in tl.static_range(TOPK_GROUP):
+            best = tl.max(group_score, 1)
+            g_best = tl.min(tl.where(group_score == best[:, None], g_offs[None, :], G_PAD), 1)
+            keep = keep | (group[None, :] == g_best[:, None])
+            group_score = tl.where(g_offs[None, :] == g_best[:, None], float("-inf"), group_score)
+        choice = tl.where(keep, choice, float("-inf"))
+
+    k_offs = tl.arange(0, K_PAD)
+    weights = tl.zeros([BLOCK_M, K_PAD], dtype=tl.float32)
+    ids = tl.zeros([BLOCK_M, K_PAD], dtype=tl.int64)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(choice, 1)
+        pick = tl.min(tl.where((choice == best[:, None]) & ok[None, :], offs[None, :], E_PAD), 1)  # [BLOCK_M]
+        chosen = offs[None, :] == pick[:, None]
+        w = tl.sum(tl.where(chosen, s, 0.0), 1)  # the unbiased score
+        weights = tl.where(k_offs[None, :] == j, w[:, None], weights)
+        ids = tl.where(k_offs[None, :] == j, pick.to(tl.int64)[:, None], ids)
+        choice = tl.where(chosen, float("-inf"), choice)
+    if RENORMALIZE:
+        weights = weights / (tl.sum(weights, 1)[:, None] + 1e-20)
+    weights = weights * scaling
+    out_ok = row_ok[:, None] & (k_offs < TOP_K)[None, :]
+    tl.store(OUT_W + r64[:, None] * TOP_K + k_offs[None, :], weights, mask=out_ok)
+    tl.store(OUT_IDS + r64[:, None] * TOP_K + k_offs[None, :], ids, mask=out_ok)
+
+
+def _tickets(device: torch.device, n: int) -> torch.Tensor:
+    """The device's zeroed ticket buffer, at least n long (grown, i.e. allocated, only on a larger call)."""
+    t = _TICKETS.get(device)
+    if t is None or t.numel() < n:
+        t = torch.zeros(max(n, 64), dtype=torch.int32, device=device)
+        _TICKETS[device] = t
+    return t
+
+
+def route(
+    x: torch.Tensor,  # [N, d]
+    weight: torch.Tensor,  # [E, d] the router weight as stored (fp32 / bf16 / fp16)
+    bias: torch.Tensor,  # [E] e_score_correction_bias
+    top_k: int,
+    n_group: int = 1,
+    topk_group: int = 1,
+    renormalize: bool = True,
+    scaling: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:  # weights fp32 [N, top_k], ids int64 [N, top_k]
+    N, d = x.shape if x.dim() == 2 else (-1, -1)
+    E = weight.shape[0] if weight.dim() == 2 else -1
+    if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != d or bias.shape != (E,):
+        raise ValueError(f"x {tuple(x.shape)} / weight {tuple(weight.shape)} / bias {tuple(bias.shape)} must be "
+                         "[N, d] / [E, d] / [E]")  # fmt: skip
+    if n_group < 1 or E % n_group or not 1 <= topk_group <= n_group or E // n_group < 2 and n_group > 1:
+        raise ValueError(f"{E} experts in {n_group} groups (keep {topk_group}): groups must split E evenly, "
+                         "at least 2 experts each")  # fmt: skip
+    if not 1 <= top_k <= topk_group * (E // n_group):
+        raise ValueError(f"top_k {top_k} must be in [1, {topk_group * (E // n_group)}] (the kept groups' experts)")
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if t.dtype not in DTYPES:
+            raise ValueError(f"{name} dtype {t.dtype} must be in {DTYPES}")
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device}, x on {x.device}")
+    check_device(x.device, is_interpreted(_router_kernel))
+    if x.numel() and x.stride(1) != 1:
+        x = x.contiguous()
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    out_w = torch.empty(N, top_k, dtype=torch.float32, device=x.device)
+    out_ids = torch.empty(N, top_k, dtype=torch.int64, device=x.device)
+    if N == 0:
+        return out_w, out_ids
+    e_pad = max(16, triton.next_power_of_2(E))
+    block_m = max(16, min(triton.next_power_of_2(N), SELECT_ELEMENTS // e_pad, 64))
+    row_blocks = triton.cdiv(N, block_m)
+    block_e = e_pad if row_blocks >= 64 else min(e_pad, BLOCK_E)  # split E across SMs at decode sizes
+    split = triton.cdiv(E, block_e)
+    scores = torch.empty(N, E, dtype=torch.float32, device=x.device)
+    _router_kernel[(row_blocks, split)](
+        x, weight, bias.contiguous(), scores, _tickets(x.device, row_blocks), out_w, out_ids,
+        N, E, d, x.stride(0), weight.stride(0), float(scaling),
+        TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), N_GROUP=n_group, G_PAD=triton.next_power_of_2(n_group),
+        TOPK_GROUP=topk_group, RENORMALIZE=bool(renormalize), SPLIT_E=split,
+        BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_K=32, E_PAD=e_pad, num_warps=4,
+    )  # fmt: skip
+    return out_w, out_ids
