@@ -56,8 +56,8 @@ def _wait(running) -> None:
 
 def _engine_start(cls, args, logger: str):
     """An engine command's first steps: its config, logging, and the OpenMP spin count, which must be
-    set before anything imports torch (models/openmp_spin.py). Returns the config."""
-    from ddtree.models.openmp_spin import apply_spin_count
+    set before anything imports torch (models/runtime/cpu). Returns the config."""
+    from ddtree.models.runtime.cpu import apply_spin_count
     from ddtree.telemetry.logging import configure_logging, get_logger
 
     cfg = config_from_flags(cls, args)
@@ -72,8 +72,8 @@ def cmd_drafter(args) -> None:
 
     cfg = _engine_start(DrafterConfig, args, "ddtree.drafter")
     engine_thread = None
-    if cfg.device == "cpu":  # one thread runs every forward (models/cpu_threads.py)
-        from ddtree.models.cpu_threads import EngineThread, engine_threads, main_thread_single
+    if cfg.device == "cpu":  # one thread runs every forward (models/runtime/cpu)
+        from ddtree.models.runtime.cpu import EngineThread, engine_threads, main_thread_single
 
         engine_thread = EngineThread(engine_threads(cfg.threads))
         main_thread_single()
@@ -88,7 +88,7 @@ def cmd_drafter(args) -> None:
 
     engine = make_engine(cfg, model, target)
     if cfg.warmup_sequences and hasattr(engine, "warm_up"):
-        from ddtree.models.cpu_threads import run_on
+        from ddtree.models.runtime.cpu import run_on
 
         seconds = run_on(engine_thread)(engine.warm_up, cfg.warmup_sequences)
         get_logger("ddtree.drafter").info("warmed_up", sequences=cfg.warmup_sequences, seconds=round(seconds, 3))
@@ -97,8 +97,8 @@ def cmd_drafter(args) -> None:
 
 def cmd_verifier(args) -> None:
     cfg = _engine_start(VerifierConfig, args, "ddtree.verifier")
-    if cfg.device == "cpu" and cfg.tp == 1:  # only the scheduler thread runs parallel (models/cpu_threads.py)
-        from ddtree.models.cpu_threads import engine_threads, main_thread_single
+    if cfg.device == "cpu" and cfg.tp == 1:  # only the scheduler thread runs parallel (models/runtime/cpu)
+        from ddtree.models.runtime.cpu import engine_threads, main_thread_single
 
         cfg = dataclasses.replace(cfg, threads=engine_threads(cfg.threads))
         main_thread_single()
@@ -325,7 +325,7 @@ def _root_parser() -> tuple[argparse.ArgumentParser, Any]:
 
 def engine_parser(name: str) -> argparse.ArgumentParser:
     """The parser of one engine command alone. build_parser imports the command modules, and they
-    import torch; an engine must set its OpenMP spin count before torch loads (models/openmp_spin.py)."""
+    import torch; an engine must set its OpenMP spin count before torch loads (models/runtime/cpu)."""
     parser, sub = _root_parser()
     _add_service_commands(sub, (name,))
     return parser

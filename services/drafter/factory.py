@@ -40,15 +40,14 @@ def make_engine(cfg: DrafterConfig, model_dir: str, target_dir: str):
 
 
 def make_static_draft(cfg: DrafterConfig, engine):
-    """The engine's static block step as `--cuda-graphs` / `--cpu-compile` ask (None: eager), its graphs
-    captured now on CUDA, or its CPU builds made now."""
+    """The engine's static block step as `--cuda-graphs` asks (None: eager), its graphs captured now on
+    CUDA."""
     from ddtree.drafter.static_draft import StaticDraft, plan_static_draft
 
-    buckets = plan_static_draft(cfg.cuda_graphs, cfg.device, cfg.resolved_window(), cfg.cpu_compile == "on")
+    buckets = plan_static_draft(cfg.cuda_graphs, cfg.device, cfg.resolved_window())
     if buckets is None:
         return None
     graphs = torch.device(cfg.device).type == "cuda"
-    compiled = cfg.cpu_compile == "on"
-    static = StaticDraft(engine.model, buckets, engine.config.block_size, engine.context_dtype, graphs, compiled)
+    static = StaticDraft(engine.model, buckets, engine.config.block_size, engine.context_dtype, graphs)
     static.capture()
     return static

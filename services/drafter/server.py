@@ -18,7 +18,7 @@ from ddtree.config import DrafterConfig
 from ddtree.contract.tree_build import MAX_TABLE_WIDTH, TokenTable
 from ddtree.drafter import metrics
 from ddtree.drafter.engine import SeqDraftInput, check_table_width
-from ddtree.models.cpu_threads import EngineThread, run_on, single_threaded
+from ddtree.models.runtime.cpu import EngineThread, run_on, single_threaded
 from ddtree.protocol.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
 from ddtree.protocol.security import ServiceSecurity
 from ddtree.protocol.server import RunningServer, start_server
@@ -80,7 +80,7 @@ def decode_chunk(i: int, chunk: drafter_pb2.CommitChunk) -> SeqDraftInput:
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def __init__(self, engine, max_sequences: int, engine_thread: EngineThread | None = None):
         self.engine = engine
-        # Draft / Append compute runs there when given (models/cpu_threads.py), else on the handler's thread.
+        # Draft / Append compute runs there when given (models/runtime/cpu), else on the handler's thread.
         self._compute = run_on(engine_thread)
         self.max_sequences = max_sequences  # draft contexts held at once (--max-sequences)
         # What a table_width is checked against (an engine that reports none is bounded by MAX_TABLE_WIDTH alone).

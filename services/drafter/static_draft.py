@@ -10,9 +10,7 @@ largest first) and a Draft's forward is copy-in + replay. A call that fits no bu
 than the largest bucket, or an unlimited window's longer context) runs forward_blocks (the same trees
 up to fp32 rounding). On the CPU the same buffers and forward run directly (`--cuda-graphs on`), which is
 what the tests compare with forward_blocks; `auto` leaves the CPU eager (the copy-in of the contexts
-costs more there than the per-block loop it saves). `--cpu-compile on` instead makes one AOTInductor
-build per context bucket of one sequence at start-up (models/aot_compile.py; a Draft of several
-sequences runs forward_blocks), called on the same views of the buffers.
+costs more there than the per-block loop it saves).
 
 Copy-in per call: every sequence's whole context per layer (C x kvh x hd x 2), a few MB for a
 Kimi-sized drafter at the window; on a GPU that is microseconds, and it keeps DraftContext as it is.
@@ -27,7 +25,6 @@ import time
 import torch
 from torch import Tensor
 
-from ddtree.models.aot_compile import aot_compile, compiler_missing
 from ddtree.models.dflash import DFlashDraftModel
 from ddtree.models.dflash_static import static_forward_blocks
 from ddtree.models.static_shapes import doubling_sizes, powers_of_two_up_to
@@ -103,14 +100,10 @@ class StaticDraft:
         block_size: int,
         context_dtype: torch.dtype,
         graphs: bool,
-        compiled: bool = False,
     ):
-        """graphs: a CUDA graph per bucket; compiled: an AOTInductor build per bucket (CPU); neither: the
-        buffers run the forward directly."""
+        """graphs: a CUDA graph per bucket; else the buffers run the forward directly."""
         if not buckets:
             raise ValueError("StaticDraft needs at least one bucket")
-        if graphs and compiled:
-            raise ValueError("a static draft is CUDA graphs or CPU builds, not both")
         self.model = model
         self.buckets = tuple(sorted(buckets))
         self._bucket_set = frozenset(self.buckets)
@@ -118,9 +111,8 @@ class StaticDraft:
         self.block_size = block_size
         largest = DraftBucket(self._sizes[0][-1], self._sizes[1][-1])
         self.buffers = DraftBuffers(model, largest, block_size, context_dtype)
-        self.graphs, self.compiled = graphs, compiled
+        self.graphs = graphs
         self._graphs: dict[DraftBucket, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
-        self._builds: dict[DraftBucket, object] = {}  # --cpu-compile: bucket -> its loaded build
         self.replays = 0
         self.fallbacks = 0
 
@@ -139,10 +131,7 @@ class StaticDraft:
         return static_forward_blocks(self.model, *self.buffers.views(b))
 
     def capture(self) -> float:
-        """Capture every bucket's graph (CUDA), largest first, one shared pool, or make every bucket's CPU
-        build; returns the seconds taken."""
-        if self.compiled:
-            return self._build_all()
+        """Capture every bucket's graph (CUDA), largest first, one shared pool; returns the seconds taken."""
         if not self.graphs:
             return 0.0
         t0 = time.perf_counter()
@@ -164,16 +153,6 @@ class StaticDraft:
         log.info("draft_cuda_graphs_captured", buckets=len(self.buckets), seconds=round(seconds, 2))
         return seconds
 
-    def _build_all(self) -> float:
-        """One AOTInductor build per bucket, on its views of the shared buffers (their strides are the
-        build's, so every call passes the same views)."""
-        t0 = time.perf_counter()
-        for b in self.buckets:
-            self._builds[b] = aot_compile(_BlockForward(self.model), self.buffers.views(b))
-        seconds = time.perf_counter() - t0
-        log.info("draft_cpu_compile_built", buckets=len(self.buckets), seconds=round(seconds, 2))
-        return seconds
-
     def run(self, embeds: Tensor, positions: Tensor, contexts: list[list[tuple[Tensor, Tensor]]]) -> Tensor | None:
         """hidden [S, B, H] as forward_blocks(embeds [S, B, H], positions [S, B], contexts), or None when
         the call fits no bucket (the caller runs forward_blocks)."""
@@ -189,33 +168,12 @@ class StaticDraft:
             graph, out = self._graphs[b]
             graph.replay()
             return out[:n].clone()  # the graph's output is overwritten by the next replay
-        if b in self._builds:
-            return self._builds[b](*self.buffers.views(b))[:n]
         return self._forward(b)[:n]
 
 
-class _BlockForward(torch.nn.Module):
-    """static_forward_blocks of `model`, as the module torch.export traces."""
-
-    def __init__(self, model: DFlashDraftModel):
-        super().__init__()
-        self.model = model
-
-    def forward(self, embeds, positions, ctx_k, ctx_v, ctx_hidden, inv_freq):
-        return static_forward_blocks(self.model, embeds, positions, ctx_k, ctx_v, ctx_hidden, inv_freq)
-
-
-def plan_static_draft(
-    cuda_graphs: str, device: str, window: int, cpu_compile: bool = False
-) -> tuple[DraftBucket, ...] | None:
-    """The buckets `--cuda-graphs` / `--cpu-compile on` ask for, or None for eager drafts (with one log line
-    saying why). `on` with an unlimited window never gets here: DrafterConfig.validate refuses it.
-    --cpu-compile on: one sequence (a Draft of several runs eagerly), contexts doubling up to the window;
-    without a C++ compiler it is a start-up error."""
-    if cpu_compile:
-        if (missing := compiler_missing()) is not None:
-            raise ValueError(f"--cpu-compile on: {missing}")
-        return draft_buckets(1, window)
+def plan_static_draft(cuda_graphs: str, device: str, window: int) -> tuple[DraftBucket, ...] | None:
+    """The buckets `--cuda-graphs` asks for, or None for eager drafts (with one log line saying why). `on`
+    with an unlimited window never gets here: DrafterConfig.validate refuses it."""
     cuda = torch.device(device).type == "cuda"
     reason = None
     if cuda_graphs == "off":

@@ -10,21 +10,11 @@ as a slot table of K entries:
     key_slots   int64 [B, K]       prefix slots, then the sequence's new slots, then the pad slot
     key_bias    bf16  [B, Q, K]    added to the fp32 scores: 0 where a row sees a key, -inf where it must not
                                    (padding, the tree/causal mask); a pad row sees the pad slot only, so
-                                   no row is all -inf. A float input, not a bool mask: inductor's CPU
-                                   build of a masked_fill from bools ran the softmax several
-                                   times slower (docs/performance.md)
+                                   no row is all -inf
     rows        int64 [R]          the rows whose final-normed hidden state is returned
-    key_cols    int64 [B·Q]        (spliced mode only) each row's own key column in the flattened [B·K]
-                                   keys; pad rows: B·K, one spare row past the end that no row reads
 
-Two ways to put this step's latents where attention reads them, the same numbers either way:
-- in place (key_cols None): every layer writes its rows into kv_cache at write_slots, then gathers the
-  keys; the forward mutates the cache (what a CUDA graph captures);
-- spliced (key_cols given): every layer gathers the keys (the new rows' slots hold stale latents) and
-  puts its fresh rows into that copy at key_cols; the cache is only read, and the rows are returned
-  [L, B·Q, r+dr] for the caller to write at write_slots after the forward. A forward that mutates an
-  input makes torch.compile copy the whole cache back at every call; this one compiles to a pure
-  function (verifier/cpu_compile.py).
+Every layer writes its rows into kv_cache at write_slots, then gathers the keys: the forward mutates the
+cache in place, which is what a CUDA graph captures.
 
 Attention is absorbed MLA as in attention.py, batched over sequences: one gather of every sequence's
 keys, one bmm for the scores of all heads and rows, one masked softmax, one bmm for the values. The
@@ -57,26 +47,21 @@ def static_forward(
     kv_cache: torch.Tensor,  # [num_layers, S, r + dr], written in place
     rows: torch.Tensor,  # int64 [R]
     tap_layer_ids: tuple[int, ...] = (),
-    key_cols: torch.Tensor | None = None,  # int64 [B·Q]: spliced mode (see above); None: in place
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """-> final-normed rows [R, d], taps [B·Q, F] or None, and (spliced mode) the step's cache rows
-    [L, B·Q, r+dr] to write at write_slots (None in place)."""
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """-> final-normed rows [R, d], taps [B·Q, F] or None."""
     rope = PositionRope(model.model.rotary_emb, positions)  # cos/sin once for every layer
     x = model.embed(input_ids)
-    taps, latents = [], []
+    taps = []
     for i, layer in enumerate(model.model.layers):
-        h, latent = _attention(
-            layer.self_attn, layer.input_layernorm(x), rope, write_slots, key_slots, key_bias, kv_cache[i], key_cols
+        x = x + _attention(
+            layer.self_attn, layer.input_layernorm(x), rope, write_slots, key_slots, key_bias, kv_cache[i]
         )
-        latents.append(latent)
-        x = x + h
         h = layer.post_attention_layernorm(x)
         x = x + (_dense_moe(layer.mlp, h) if isinstance(layer.mlp, DeepseekV3MoE) else layer.mlp(h))
         if i in tap_layer_ids:
             taps.append(x)
     tap = torch.cat([taps[tap_layer_ids.index(i)] for i in tap_layer_ids], dim=-1) if tap_layer_ids else None
-    new_rows = torch.stack(latents) if key_cols is not None else None
-    return model.model.norm(x.index_select(0, rows)), tap, new_rows
+    return model.model.norm(x.index_select(0, rows)), tap
 
 
 def _attention(
@@ -86,9 +71,8 @@ def _attention(
     write_slots: torch.Tensor,  # [T]
     key_slots: torch.Tensor,  # [B, K]
     key_bias: torch.Tensor,  # bf16 [B, Q, K]
-    kv_layer: torch.Tensor,  # [S, r + dr]
-    key_cols: torch.Tensor | None,  # [T] spliced mode, or None: written in place
-) -> tuple[torch.Tensor, torch.Tensor]:  # [T, d], this layer's cache rows [T, r + dr] (cache dtype)
+    kv_layer: torch.Tensor,  # [S, r + dr], this step's rows written in place
+) -> torch.Tensor:  # [T, d]
     T, H, r = h.shape[0], attn.num_heads, attn.kv_lora_rank
     B, Q, K = key_bias.shape
     if attn.q_lora_rank is None:
@@ -100,32 +84,25 @@ def _attention(
     q_pe = rope(q_pe, rope.positions)
     latent = attn.kv_a_proj_with_mqa(h)
     row = torch.cat([attn.kv_a_layernorm(latent[:, :r]), rope(latent[:, r:], rope.positions)], dim=-1)
-    row = row.to(kv_layer.dtype)
-    if key_cols is None:
-        kv_layer.index_copy_(0, write_slots, row)
+    kv_layer.index_copy_(0, write_slots, row.to(kv_layer.dtype))
     w_uk, w_uv = attn.w_uk_uv()
     q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, r], as mla.py
     qf = torch.cat([q_lat, q_pe.to(q_lat.dtype)], dim=-1).float() * attn.softmax_scale  # [T, H, r+dr]
-    if key_cols is None:
-        keys = kv_layer.index_select(0, key_slots.flatten()).view(B, K, -1).float()  # [B, K, r+dr]
-    else:  # one spare row past the B·K keys takes the pad rows' latents (key_cols = B·K): nobody reads it
-        flat = kv_layer.index_select(0, torch.cat([key_slots.flatten(), key_slots[0, :1]]))  # [B·K + 1, r+dr]
-        keys = flat.index_put((key_cols,), row)[: B * K].view(B, K, -1).float()
+    keys = kv_layer.index_select(0, key_slots.flatten()).view(B, K, -1).float()  # [B, K, r+dr]
     scores = torch.bmm(qf.view(B, Q * H, -1), keys.transpose(1, 2)).view(B, Q, H, K) + key_bias[:, :, None, :]
     probs = torch.softmax(scores, dim=-1).view(B, Q * H, K)
     o_lat = torch.bmm(probs, keys[:, :, :r]).view(T, H, r).to(q_lat.dtype)
     o = torch.bmm(o_lat.to(w_uv.dtype).transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, dv]
-    return attn.o_proj(o.reshape(T, H * attn.v_head_dim)), row
+    return attn.o_proj(o.reshape(T, H * attn.v_head_dim))
 
 
 def _dense_moe(moe: DeepseekV3MoE, x: torch.Tensor) -> torch.Tensor:  # [M, d] -> [M, d]
     """Every local expert on every row, combined with the router's weights (0 off the top-k); one CPU row
     with every expert local: only its top-k experts (the same bits).
 
-    One linear per expert and projection (E <= static_step.DENSE_EXPERTS), not a bmm over the rows
-    expanded to [E, M, d]: inductor lowered that bmm to its own C++ loop, where a linear stays a BLAS
-    matmul; one row reading only its top-k experts is faster still (docs/performance.md has the timings). The
-    top-k's ids are read on the host (`.item()`), so that path is for the CPU: a CUDA graph cannot."""
+    One linear per expert and projection (E <= static_step.DENSE_EXPERTS), each a BLAS matmul on the
+    expert's own weight. The top-k's ids are read on the host (`.item()`), so that path is for the CPU: a
+    CUDA graph cannot."""
     weights, idx = moe.gate(x)  # fp32 [M, k], int64 [M, k] global ids
     ex = moe.experts
     local = idx - ex.first
@@ -142,8 +119,6 @@ def _dense_moe(moe: DeepseekV3MoE, x: torch.Tensor) -> torch.Tensor:  # [M, d] -
     else:
         experts = range(ex.num_local)
     for e in experts:
-        torch._check(e >= 0)  # torch.export: a host-read id indexes the stacked weights in range
-        torch._check(e < ex.num_local)
         y = F.linear(F.silu(F.linear(xs, gate[e])) * F.linear(xs, up[e]), down[e])  # [M, d]
         out = out + y.float() * combine[:, e, None]
     if moe.shared_experts is not None:

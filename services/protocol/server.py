@@ -93,7 +93,7 @@ def start_server(
     take `StreamSlots` of `stream_threads` keeps `max_workers` threads for unary calls and health.
     `security` adds mutual TLS and the service-token check (protocol/security.py). A request message
     over `max_receive_bytes` is refused by grpcio (RESOURCE_EXHAUSTED) before it is parsed. `handler_init`
-    runs once on each handler thread (an engine's: models/cpu_threads.single_threaded)."""
+    runs once on each handler thread (an engine's: models.runtime.cpu.single_threaded)."""
     threads = max_workers + stream_threads
     security = security or ServiceSecurity()
     server = grpc.server(

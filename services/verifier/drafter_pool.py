@@ -22,7 +22,7 @@ import time
 
 import grpc
 
-from ddtree.models.cpu_threads import single_threaded
+from ddtree.models.runtime.cpu import single_threaded
 from ddtree.protocol.discovery import resolve
 from ddtree.protocol.security import ServiceSecurity
 from ddtree.telemetry.logging import get_logger
@@ -52,7 +52,7 @@ class DrafterPool:
         self._lock = threading.Lock()
         self._clients: dict[str, DrafterClient] = {}
         self._assigned: dict[str, str] = {}  # request id -> replica address
-        # Draft calls serialise features: one thread each (models/cpu_threads.py: no OpenMP pool of their own).
+        # Draft calls serialise features: one thread each (models/runtime/cpu: no OpenMP pool of their own).
         self._executor = cf.ThreadPoolExecutor(
             max_workers=8, thread_name_prefix="draft-rpc", initializer=single_threaded
         )

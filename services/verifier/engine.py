@@ -15,7 +15,6 @@ import torch
 
 from ddtree.config import VerifierConfig
 from ddtree.models.attention import resolve_attention_backend
-from ddtree.models.cpu_weight_layout import resolve_layout, use_column_major_weights
 from ddtree.models.dtypes import TORCH_DTYPES
 from ddtree.models.loader import load_target
 from ddtree.protocol.security import ServiceSecurity
@@ -98,8 +97,6 @@ def _load(config: VerifierConfig, model_dir: str):
         return tp.model, tp
     model = load_target(model_dir, dtype=TORCH_DTYPES[config.dtype], device=config.device, attention_backend=backend)
     model.eval()
-    if resolve_layout(config.cpu_linear_layout, config.device) == "column":
-        log.info("cpu_linear_layout", layout="column", weights=use_column_major_weights(model))
     return model, None
 
 

@@ -16,7 +16,6 @@ from ddtree.config import DrafterConfig
 from ddtree.drafter.engine import DraftEngine, SeqDraftInput
 from ddtree.drafter.factory import make_static_draft
 from ddtree.drafter.static_draft import DraftBucket, StaticDraft, draft_buckets, plan_static_draft
-from ddtree.models.aot_compile import compiler_missing
 from ddtree.models.dflash_checkpoint import load_drafter, write_random_drafter
 from ddtree.models.dflash_static import static_forward_blocks
 
@@ -148,51 +147,6 @@ def test_plan_and_config() -> None:
         DrafterConfig(cuda_graphs="on", window=0).validate()
     with pytest.raises(ValueError, match="cuda_graphs must be auto, on or off, got 'yes'"):
         DrafterConfig(cuda_graphs="yes").validate()
-
-
-needs_compiler = pytest.mark.skipif(compiler_missing() is not None, reason=f"{compiler_missing()}")
-
-
-@needs_compiler
-def test_compiled_static_agrees_with_forward_blocks(model) -> None:
-    """--cpu-compile on: one AOTInductor build per bucket (one sequence); a call through a build agrees with
-    forward_blocks (the build reorders sums: allclose, the same top-K ids), whatever a larger call left in
-    the buffers; a call of two sequences has no build and falls back."""
-    static = StaticDraft(model, draft_buckets(1, WINDOW, context_block=8), BLOCK, torch.float32, False, True)
-    assert static.capture() > 0
-    with torch.inference_mode():
-        static.run(*_call(model, [WINDOW], seed=1))
-        for lengths in ([0], [8], [9], [WINDOW], [3]):
-            embeds, positions, contexts = _call(model, lengths, seed=7 + sum(lengths))
-            got = static.run(embeds, positions, contexts)
-            want = model.forward_blocks(embeds, positions, contexts)
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-            assert torch.equal(got.topk(4, dim=-1).indices, want.topk(4, dim=-1).indices), lengths
-        assert static.run(*_call(model, [3, 4], seed=9)) is None
-    assert static.replays == 6 and static.fallbacks == 1
-
-
-@needs_compiler
-def test_engine_with_compiled_static_drafts_the_same_trees(model) -> None:
-    static = _draft_side_by_side(
-        model, lambda eng: make_static_draft(DrafterConfig(cpu_compile="on", window=WINDOW), eng)
-    )
-    assert static.compiled and {b.seqs for b in static.buckets} == {1}
-    assert static.replays >= 3 and static.replays + static.fallbacks == 8
-
-
-@pytest.mark.parametrize(
-    "flags, message",
-    [
-        ({"cpu_compile": "yes"}, "cpu_compile must be on or off"),
-        ({"cpu_compile": "on", "device": "cuda"}, "--cpu-compile on is for --device cpu"),
-        ({"cpu_compile": "on", "window": 0}, "needs a bounded --window"),
-        ({"cpu_compile": "on", "cuda_graphs": "off"}, "--cuda-graphs off turns off"),
-    ],
-)
-def test_the_drafter_refuses_cpu_compile_where_it_cannot_run(flags, message) -> None:
-    with pytest.raises(ValueError, match=message):
-        DrafterConfig(**flags).validate()
 
 
 def test_the_window_auto_default_by_device():

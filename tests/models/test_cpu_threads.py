@@ -1,4 +1,4 @@
-"""models/cpu_threads.py: the step thread keeps its thread count whatever other threads set later."""
+"""models/runtime/cpu/threads.py: the step thread keeps its thread count whatever other threads set later."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from ddtree.models.cpu_threads import EngineThread, claim_for_steps, engine_threads, single_threaded
+from ddtree.models.runtime.cpu import EngineThread, claim_for_steps, engine_threads, single_threaded
 
 
 def _in_threads(first, second) -> int:

@@ -2,24 +2,19 @@
 
 torch's CPU build runs its parallel ops on libgomp. When a parallel region ends, each worker thread
 busy-waits GOMP_SPINCOUNT rounds of its spin loop before it sleeps. Within a forward, the next region
-comes microseconds later and finds the worker awake. libgomp's default is 300000 rounds. On the 2-core
-demo VM that is about 4 ms of a core burnt after every region: 4.0 ms, against 0.3-0.5 ms at 10000-30000,
-counted from the process's schedstat while its main thread sleeps.
+comes microseconds later and finds the worker awake. libgomp's default (300000 rounds) keeps a core
+busy for milliseconds after every region.
 
-The drafter and the verifier take turns within a step on the same cores. The verifier's forward ends, and
-for the next 4 ms, which is most of the drafter's turn, a verifier worker spins on one of the two cores.
-A drafter on 2 threads does the same through the verifier's turn (verify 11.2 -> 14.2 ms). 30000 rounds still spans the gaps between the
-ops of one forward, and it frees the core soon after the forward ends. Interleaved on the demo VM, code at
-4096 tokens, 4 prompts (`scripts.bench_ab --arm-env NAME=GOMP_SPINCOUNT=N`), DDTree / AR tok/s:
-- 300000 (libgomp's default): 279.5 / 177.6;
-- 30000: 305.4 / 183.0;
-- 10000 with the drafter on 2 threads: 307.3 / 159.1. Too short: AR's ops start to wait for wake-ups.
+The drafter and the verifier take turns within a step on the same cores: with libgomp's default, a
+verifier worker spins through most of the drafter's turn after the verifier's forward ends (and a
+multi-threaded drafter does the same through the verifier's). The default here (config.
+DEFAULT_OMP_SPIN_COUNT) still spans the gaps between the ops of one forward and frees the core soon after
+the forward ends; a much shorter spin makes AR's ops wait for wake-ups.
 
-The default, 30000, is config.DEFAULT_OMP_SPIN_COUNT. libgomp reads its environment once, when it is
-loaded, which happens when torch is imported. So the engine commands call `apply_spin_count` before
-anything imports torch (cli.engine_parser keeps the command modules, which import torch, out of their
-start). A GOMP_SPINCOUNT or OMP_WAIT_POLICY already in the environment is the operator's own choice, and
-it wins.
+libgomp reads its environment once, when it is loaded, which happens when torch is imported. So the
+engine commands call `apply_spin_count` before anything imports torch (cli.engine_parser keeps the
+command modules, which import torch, out of their start). A GOMP_SPINCOUNT or OMP_WAIT_POLICY already in
+the environment is the operator's own choice, and it wins.
 """
 
 from __future__ import annotations

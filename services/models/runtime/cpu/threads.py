@@ -3,10 +3,8 @@
 torch's CPU build parallelises ops with OpenMP (libgomp). Each thread that opens a parallel region gets
 its own pool of worker threads, kept for the process's life. Once the pooled threads outnumber the cores,
 libgomp stops spinning between regions and parks its workers, so every op pays a wake-up. A verifier's
-forward is hundreds of small ops, so that wake-up dominates. It happened when the main thread loaded the
-model with 2 threads and the scheduler thread then ran the steps with 2: a 1-row step of the demo target
-took 16.0 ms instead of 3.1 (3.5 with one thread) on a 2-core VM. With only the step thread parallel,
-2 threads make the 17-row tree step at 4k context 1.3x faster than one (7.95 vs 10.61 ms).
+forward is hundreds of small ops, so that wake-up would dominate it: with a second pool alive (the main
+thread's, from loading), a step on 2 threads ran several times slower than on one.
 
 So an engine process runs:
 - start-up on the main thread with one thread (`main_thread_single`), since loading copies little;
@@ -17,6 +15,8 @@ So an engine process runs:
 
 torch keeps one process-wide thread count that each thread copies on its first parallel op, besides its
 own. So `claim_for_steps` sets n and then runs one parallel op, to take its copy at once.
+
+torch is imported inside the functions: the package must load without it (openmp_spin runs first).
 """
 
 from __future__ import annotations
@@ -24,8 +24,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 from collections.abc import Callable
 from typing import TypeVar
-
-import torch
 
 T = TypeVar("T")
 
@@ -35,6 +33,8 @@ _PARALLEL_OP_NUMEL = 1 << 17
 
 def engine_threads(requested: int) -> int:
     """--threads as the step thread will use it: requested, or torch's default (the cores) for 0."""
+    import torch
+
     if requested < 0:
         raise ValueError(f"threads must be >= 0 (0 = torch's default), got {requested}")
     return requested or torch.get_num_threads()
@@ -42,17 +42,23 @@ def engine_threads(requested: int) -> int:
 
 def main_thread_single() -> None:
     """The calling (main) thread runs its torch ops on one thread: it never opens a pool of workers."""
+    import torch
+
     torch.set_num_threads(1)
 
 
 def single_threaded() -> None:
     """A helper thread's initializer: its torch ops run on itself alone."""
+    import torch
+
     torch.set_num_threads(1)
     torch.zeros(_PARALLEL_OP_NUMEL).add_(1.0)  # take the count now, before another thread changes it
 
 
 def claim_for_steps(threads: int) -> None:
     """The calling thread runs the engine's steps with `threads` threads (its own OpenMP pool)."""
+    import torch
+
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
     torch.set_num_threads(threads)

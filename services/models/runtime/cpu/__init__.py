@@ -1,0 +1,28 @@
+"""The CPU runtime: what an engine process does only when its forwards run on the CPU (the demo).
+
+The engines (the engine commands in cli, the verifier's scheduler and server, the drafter's server)
+call these names only:
+- `apply_spin_count(spins)`: libgomp's busy-wait after a parallel region, set before torch loads
+  (openmp_spin.py);
+- `engine_threads(requested)`, `main_thread_single()`, `claim_for_steps(threads)`: one OpenMP pool per
+  engine, owned by the thread that runs its steps (threads.py);
+- `single_threaded`: the initializer of gRPC handler and helper threads, which then open no pool;
+- `EngineThread`, `run_on`: the drafter's compute calls on its one step thread.
+
+Loading this package imports no torch: the engine commands import it before torch, to set the spin count.
+"""
+
+from __future__ import annotations
+
+from .openmp_spin import apply_spin_count
+from .threads import EngineThread, claim_for_steps, engine_threads, main_thread_single, run_on, single_threaded
+
+__all__ = [
+    "EngineThread",
+    "apply_spin_count",
+    "claim_for_steps",
+    "engine_threads",
+    "main_thread_single",
+    "run_on",
+    "single_threaded",
+]
