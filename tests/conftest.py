@@ -7,13 +7,12 @@ import pathlib
 
 import pytest
 
+from tests.support.paths import ORACLE_DRAFTER
+
 # Triton kernels run under the interpreter on machines without a GPU; the variable must be set before
 # anything (transformers included) imports triton, so it is set here, before test modules load.
 if not pathlib.Path("/dev/nvidia0").exists():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-REPO = pathlib.Path(__file__).resolve().parent.parent
-ORACLE_DRAFTER = "tests.support.oracle_drafter"  # `python -m` module of the oracle drafter process (test-only engine)
 
 
 @pytest.fixture(scope="session")
@@ -94,3 +93,11 @@ def fake():
     servicer, running = start_fake_verifier()
     yield servicer
     running.stop(0)
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    """The sharpened 8-token target of the exact-sampling tests (tests/support/tiny_target.py), one per module."""
+    from tests.support.tiny_target import build_tiny_target
+
+    return build_tiny_target(tmp_path_factory.mktemp("tiny"))

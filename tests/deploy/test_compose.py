@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import os
-import pathlib
 import re
 import socket
 import subprocess
@@ -34,8 +33,8 @@ from ddtree.config import (
     env_var_names,
 )
 from ddtree.protocol.ddtree.v1 import gateway_pb2, gateway_pb2_grpc
+from tests.support.paths import REPO
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
 DOCKER = REPO / "docker"
 CONFIGS = {"drafter": DrafterConfig, "verifier": VerifierConfig, "gateway": GatewayConfig}
 GRPC_SERVICES = {"drafter": "ddtree.v1.Drafter", "verifier": "ddtree.v1.Verifier", "gateway": "ddtree.v1.Gateway"}

@@ -22,7 +22,7 @@ from ddtree.models.checkpoint_files import CheckpointError
 from ddtree.models.dflash import DFlashDraftModel, rope_inv_freq
 from ddtree.models.dflash_checkpoint import load_drafter
 from ddtree.models.dflash_config import DFlashConfig
-from tests.drafter.test_dflash import naive_block
+from tests.support.dflash_reference import naive_block
 
 TAPS = [1, 12, 24, 35, 47, 58]
 VOCAB, MASK, BLOCK, TARGET_LAYERS = 163840, 163838, 8, 61

@@ -25,23 +25,21 @@ from ddtree.protocol.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
 from ddtree.protocol.tensors import tensor_to_proto
 from ddtree.verifier.drafter_client import DrafterClient
 from ddtree.verifier.grammar import SequenceGrammar
-from ddtree.verifier.kv_pool import LatentKVPool
-from ddtree.verifier.scheduler import Scheduler
 from ddtree.verifier.sequence import DraftedTree, GenerateParams, PendingCommit, Sequence
 from ddtree.verifier.step_drafter import StepDrafter
-from ddtree.verifier.target import LocalTarget
+from tests.support.draft_engines import BLOCK, draft_input, random_draft_engine
+from tests.support.engines import engine_with_drafter
 from tests.support.fakes import stub_engine_info
-from tests.unit.test_chain import BLOCK, _engine, _seq
-from tests.verifier import test_min_p_min_tokens as min_tokens_tests
-from tests.verifier.test_sampling_through_ddtree import PROMPT, VOCAB
+from tests.support.letter_vocab import letter_grammar, letter_tokenizer
+from tests.support.tiny_target import ALLOWED, PROMPT, REGEX, VOCAB, regex_masked
 
 
 def test_the_engine_table_is_its_blocks_topk_and_its_trees_table(tmp_path):
     import dataclasses
 
-    eng = _engine(tmp_path)
-    table_seq = dataclasses.replace(_seq("k", 12, False), table_width=40)
-    table, tree = eng.draft([table_seq, _seq("t", 12, False)])
+    eng = random_draft_engine(tmp_path)
+    table_seq = dataclasses.replace(draft_input("k", 12, False), table_width=40)
+    table, tree = eng.draft([table_seq, draft_input("t", 12, False)])
     assert isinstance(table, TokenTable) and (table.depth, table.width) == (BLOCK - 1, 40)
     model, feats = eng.model, table_seq.commit_features
     block = torch.tensor([5] + [model.config.mask_token_id] * (BLOCK - 1))
@@ -86,7 +84,7 @@ class TableEngine:
 
 
 def test_the_server_checks_the_width(tmp_path):
-    for engine, top in ((_engine(tmp_path), 64), (TableEngine(lambda s: TokenTree()), 256)):
+    for engine, top in ((random_draft_engine(tmp_path), 64), (TableEngine(lambda s: TokenTree()), 256)):
         running = serve_engine(engine, DrafterConfig(port=0, grace_s=0.0))
         try:
             for fields in ({"table_width": -1}, {"table_width": top + 1}, {"table_width": 2, "chain": True}):
@@ -183,10 +181,8 @@ def test_the_width_asked_fits_the_drafters_vocabulary():
     """A drafter whose vocabulary is smaller than the target's (and than 256) is asked a table no wider than its
     vocabulary: it answers (a wider one is INVALID_ARGUMENT for the whole call, and every sequence of it
     would fall back to AR)."""
-    from tests.unit.test_grammar_tree import _grammar
-
     engine = TableEngine(lambda s: _good(width=s.table_width), vocab=100)
-    drafted = _grammar_step(engine, _grammar("[k-m]+"))
+    drafted = _grammar_step(engine, letter_grammar(letter_tokenizer(16), "[k-m]+"))
     assert [s.table_width for s in engine.seen] == [100]
     assert drafted is not None, "the Draft call failed: the sequence fell back to AR"
 
@@ -194,50 +190,35 @@ def test_the_width_asked_fits_the_drafters_vocabulary():
 def test_a_table_is_checked_once(monkeypatch):
     """Where the Draft RPC returns it (TokenTable.validate), not again by the grammar build."""
     from ddtree.contract import tree_build
-    from tests.unit.test_grammar_tree import _grammar
 
     checks, check = [], tree_build._check_tensors
     monkeypatch.setattr(tree_build, "_check_tensors", lambda lp, ids: checks.append(lp.shape) or check(lp, ids))
-    drafted = _grammar_step(TableEngine(lambda s: _good(width=s.table_width)), _grammar("[k-m]+"))
+    drafted = _grammar_step(
+        TableEngine(lambda s: _good(width=s.table_width)), letter_grammar(letter_tokenizer(16), "[k-m]+")
+    )
     assert drafted.tree.n == _sequence(0).params.budget, "the grammar build did not run"
     assert checks == [(4, 256)]
-
-
-@pytest.fixture(scope="module")
-def tiny_target(tmp_path_factory):
-    return min_tokens_tests.tiny_target.__wrapped__(tmp_path_factory)
 
 
 def test_bad_tables_give_constrained_ar_steps(tiny_target):
     """A grammar-constrained sequence whose drafter answers every table badly: AR steps (no tree verified),
     and the tokens of constrained AR (the target's masked argmax at each position, by hand)."""
-    from tests.verifier.test_structured_outputs import ALLOWED, REGEX, _masked, _tiny_vocab
-
     bad = iter(list(BAD_TABLES.values()) * 4)
     engine = TableEngine(lambda s: next(bad), hidden=tiny_target.config.hidden_size, vocab=VOCAB)
-    running = serve_engine(engine, DrafterConfig(port=0, grace_s=0.0))
-    client = DrafterClient(f"127.0.0.1:{running.port}", timeout_s=30)
-    lt = _tiny_vocab()
+    lt = letter_tokenizer(VOCAB)
     grammar = llguidance.LLMatcher.grammar_from_regex(REGEX)
     seq = Sequence(GenerateParams("c", PROMPT, SamplingConfig(), 3, frozenset(), True, 4, grammar=grammar))
     seq.grammar = SequenceGrammar(llguidance.LLMatcher(lt, grammar), frozenset(), tuple(lt.eos_tokens))
     vcfg = VerifierConfig(max_batch=4, kv_tokens=256, prefill_chunk=64)
-    cfg = tiny_target.config
-    pool = LatentKVPool(cfg.num_hidden_layers, vcfg.kv_tokens, cfg.kv_cache_width, torch.float32, "cpu")
-    sched = Scheduler(LocalTarget(tiny_target), pool, vcfg, client)
     steps = []
-    try:
-        sched.submit(seq)
-        sched.start()
+    with engine_with_drafter(tiny_target, vcfg, engine) as verifier:
+        verifier.scheduler.submit(seq)
+        verifier.start()
         while not (event := seq.events.get(timeout=120)).finish_reason:
             steps.append(event.step)
-    finally:
-        sched.stop()
-        client.close()
-        running.stop(0)
     ids = list(PROMPT)
     for position in range(len(ALLOWED)):
-        ids.append(int(_masked(tiny_target, ids, SamplingConfig(), position).argmax()))
+        ids.append(int(regex_masked(tiny_target, ids, SamplingConfig(), position).argmax()))
     assert seq.generated == ids[len(PROMPT) :]
     assert engine.seen and all(s.table_width == VOCAB for s in engine.seen)
     assert [s for s in steps if s is not None] and all(s.tree_nodes == 0 for s in steps if s is not None)

@@ -4,14 +4,14 @@ default checkpoint with tiny sizes (the numbers mean nothing here; the plumbing 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
+from tests.support.paths import REPO
+
 pytestmark = pytest.mark.slow
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _ddtree(*args, timeout=120):

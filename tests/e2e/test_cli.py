@@ -14,9 +14,9 @@ import urllib.request
 import pytest
 
 from ddtree.cli import build_parser
+from tests.support.paths import REPO
 
 pytestmark = pytest.mark.slow
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _ddtree(*args, timeout=300, env=None):

@@ -10,7 +10,7 @@ import pytest
 
 from ddtree.launcher import start_service
 from ddtree.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
-from tests.e2e.test_metrics import _metrics_port, _scrape
+from tests.support.stack_calls import metrics_port, scrape_metrics
 
 pytestmark = pytest.mark.slow
 PROMPTS = [[30 + i, 31 + i, 32 + i, 33 + i] for i in range(6)]
@@ -69,7 +69,7 @@ def test_two_replicas_spread_and_survive_a_loss(default_ckpt, tmp_path):
         with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:
             results = list(pool.map(lambda ids: _generate(verifier.address, ids, False), PROMPTS))
         assert [t for t, _ in results] == ar
-        calls = [_scrape(_metrics_port(r.log_path))["ddtree_drafter_calls_total"] for r in replicas]
+        calls = [scrape_metrics(metrics_port(r.log_path))["ddtree_drafter_calls_total"] for r in replicas]
         assert all(c > 0 for c in calls), f"a replica got no sequence: {calls}"
 
         killed = {"done": False}

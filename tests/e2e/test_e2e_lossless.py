@@ -10,52 +10,12 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 
-import grpc
 import pytest
 
-from ddtree.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from ddtree.tokenization.tokenizer import Tokenizer
+from tests.support.stack_calls import MAX_NEW, PROMPTS, generate
 
 pytestmark = pytest.mark.slow
-
-PROMPTS = [
-    "def fibonacci(n):\n    ",
-    "The quick brown fox jumps over the lazy dog. The",
-    "import os\nimport sys\n\nclass Config:\n",
-    "Once upon a time",
-    "x",
-]
-MAX_NEW = 24
-
-
-def _generate(
-    address: str,
-    ids: list[int],
-    *,
-    no_spec: bool,
-    budget: int = 0,
-    max_new: int = MAX_NEW,
-    temperature: float = 0.0,
-    seed: int | None = None,
-):
-    with grpc.insecure_channel(address) as ch:
-        stub = verifier_pb2_grpc.VerifierStub(ch)
-        sampling = common_pb2.SamplingParams(temperature=temperature)
-        if seed is not None:
-            sampling.seed = seed
-        req = verifier_pb2.GenerateRequest(
-            input_ids=ids,
-            max_new_tokens=max_new,
-            ignore_eos=True,
-            sampling=sampling,
-            spec=common_pb2.SpecOptions(no_spec=no_spec, budget=budget),
-        )
-        tokens, steps, last = [], [], None
-        for msg in stub.Generate(req, timeout=300):
-            tokens.extend(msg.token_ids)
-            steps.extend(msg.steps)
-            last = msg
-        return tokens, steps, last
 
 
 @pytest.fixture(scope="module")
@@ -66,12 +26,12 @@ def prompt_ids(default_ckpt):
 
 @pytest.fixture(scope="module")
 def ar_reference(oracle_stack, prompt_ids):
-    return [_generate(oracle_stack.verifier, ids, no_spec=True)[0] for ids in prompt_ids]
+    return [generate(oracle_stack.verifier, ids, no_spec=True)[0] for ids in prompt_ids]
 
 
 def _run_all(address, prompt_ids, budget, concurrency):
     with cf.ThreadPoolExecutor(concurrency) as pool:
-        futs = [pool.submit(_generate, address, ids, no_spec=False, budget=budget) for ids in prompt_ids]
+        futs = [pool.submit(generate, address, ids, no_spec=False, budget=budget) for ids in prompt_ids]
         return [f.result() for f in futs]
 
 
@@ -94,7 +54,7 @@ def test_oracle_accept_histogram_covers_zero_partial_full(oracle_stack, prompt_i
     rejected) .. 8 (all 7 drafted tokens + the root)."""
     lengths = []
     for ids, ref in zip(prompt_ids, ar_reference):
-        tokens, steps, _ = _generate(oracle_stack.verifier, ids, no_spec=False, budget=32, max_new=64)
+        tokens, steps, _ = generate(oracle_stack.verifier, ids, no_spec=False, budget=32, max_new=64)
         assert tokens[:MAX_NEW] == ref
         lengths += [s.accept_length for s in steps]
     assert 1 in lengths, "no step rejected every drafted token"
@@ -114,7 +74,7 @@ def test_dflash_drafter_lossless(dflash_stack, oracle_stack, prompt_ids, ar_refe
 
 
 def test_step_records_are_consistent(oracle_stack, prompt_ids):
-    tokens, steps, last = _generate(oracle_stack.verifier, prompt_ids[0], no_spec=False, budget=8)
+    tokens, steps, last = generate(oracle_stack.verifier, prompt_ids[0], no_spec=False, budget=8)
     ctx = len(prompt_ids[0])
     for i, s in enumerate(steps):
         assert s.step == i

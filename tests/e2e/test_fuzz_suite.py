@@ -4,7 +4,6 @@ every HTTP endpoint and gRPC RPC fuzzed, the faults injected; the suite's own ve
 from __future__ import annotations
 
 import json
-import pathlib
 import subprocess
 import sys
 
@@ -14,9 +13,9 @@ from tests.support.fuzz.common import SMALL
 from tests.support.fuzz.faults import MARGIN_S
 from tests.support.fuzz.grpc_cases import RPCS
 from tests.support.fuzz.http_cases import ENDPOINTS
+from tests.support.paths import REPO
 
 pytestmark = pytest.mark.slow
-REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@ own registry; they move with real traffic; the state gauges read the true state 
 
 from __future__ import annotations
 
-import re
 import time
 import urllib.request
 
@@ -13,6 +12,7 @@ import pytest
 import torch
 
 from ddtree.protocol.ddtree.v1 import common_pb2, drafter_pb2, gateway_pb2, verifier_pb2, verifier_pb2_grpc
+from tests.support.stack_calls import metrics_port, scrape_metrics
 
 DRAFTER_FAMILIES = {
     "ddtree_drafter_calls",
@@ -22,26 +22,6 @@ DRAFTER_FAMILIES = {
     "ddtree_drafter_context_bytes",
 }
 VERIFIER_STATE = ("ddtree_running_sequences", "ddtree_queued_requests", "ddtree_kv_slots_used")
-
-
-def _scrape(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
-
-
-def _metrics_port(log_path) -> int:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        m = re.search(r"LISTENING metrics [\d.]+:(\d+)", log_path.read_text())
-        if m:
-            return int(m.group(1))
-        time.sleep(0.1)
-    raise AssertionError("no metrics endpoint announced")
 
 
 def _families(text: str) -> set[str]:
@@ -160,8 +140,8 @@ def test_verifier_and_drafter_metrics(default_ckpt, tmp_path):
     from ddtree.launcher import start_stack
 
     with start_stack(str(default_ckpt.target), str(default_ckpt.drafter), tmp_path, metrics=True) as stack:
-        vport = _metrics_port(stack.get("verifier").log_path)
-        dport = _metrics_port(stack.get("drafter").log_path)
+        vport = metrics_port(stack.get("verifier").log_path)
+        dport = metrics_port(stack.get("drafter").log_path)
         gport = int(stack.metrics_address("gateway").rsplit(":", 1)[1])
         assert stack.metrics_address("verifier").endswith(f":{vport}")
         req = verifier_pb2.GenerateRequest(
@@ -169,7 +149,7 @@ def test_verifier_and_drafter_metrics(default_ckpt, tmp_path):
         )
         with grpc.insecure_channel(stack.verifier) as ch:
             steps = [s for m in verifier_pb2_grpc.VerifierStub(ch).Generate(req, timeout=60) for s in m.steps]
-        v = _scrape(vport)
+        v = scrape_metrics(vport)
         assert v["ddtree_accept_length_count"] == len(steps)
         assert v["ddtree_accept_length_sum"] == sum(s.accept_length for s in steps)
         for phase in ("draft", "verify", "transport", "total"):
@@ -181,20 +161,20 @@ def test_verifier_and_drafter_metrics(default_ckpt, tmp_path):
         assert v["ddtree_time_to_first_token_seconds_count"] == 1
         assert v["ddtree_request_seconds_count"] == 1
         assert v["ddtree_kv_slots_total"] > 0
-        d = _scrape(dport)
+        d = scrape_metrics(dport)
         assert d["ddtree_drafter_calls_total"] == len(steps)
         assert d["ddtree_drafter_draft_seconds_count"] == len(steps)
         opts = gateway_pb2.GenerationOptions(max_tokens=6, ignore_eos=True, budget=8)
         assert generate(stack.gateway, "hello", chat=False, options=opts).usage["completion_tokens"] == 6
         # Traffic over: every state gauge reads the idle state (the drafter's Release is asynchronous).
         deadline = time.monotonic() + 15
-        while (d := _scrape(dport))["ddtree_drafter_sequences"] and time.monotonic() < deadline:
+        while (d := scrape_metrics(dport))["ddtree_drafter_sequences"] and time.monotonic() < deadline:
             time.sleep(0.1)
         assert d["ddtree_drafter_sequences"] == 0 and d["ddtree_drafter_context_bytes"] == 0
-        v = _scrape(vport)
+        v = scrape_metrics(vport)
         assert all(v[name] == 0 for name in VERIFIER_STATE), {n: v[n] for n in VERIFIER_STATE}
         assert 0 <= v["ddtree_kv_slots_cached"] <= v["ddtree_kv_slots_total"] > 0
-        g = _scrape(gport)
+        g = scrape_metrics(gport)
         assert g["ddtree_gateway_running_requests"] == 0
         assert g['ddtree_gateway_requests_total{api="complete",outcome="length",protocol="grpc"}'] == 1
         assert g[f'ddtree_gateway_verifier_outstanding{{verifier="{stack.verifier}"}}'] == 0

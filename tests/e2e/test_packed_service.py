@@ -13,10 +13,9 @@ import pytest
 
 from ddtree.launcher import start_service
 from ddtree.tokenization.tokenizer import Tokenizer
-from tests.conftest import ORACLE_DRAFTER
-from tests.e2e.test_e2e_lossless import PROMPTS
-from tests.e2e.test_tp_service import MAX_NEW, VERIFIER_ARGS, _run
+from tests.support.paths import ORACLE_DRAFTER
 from tests.support.quantized_checkpoints import quantize_checkpoint
+from tests.support.stack_calls import MAX_NEW, PROMPTS, VERIFIER_ARGS, generate_concurrently
 
 pytestmark = pytest.mark.slow
 LAYOUTS = {"tp1": [], "tp2": ["--tp", "2"], "tp2-ep": ["--tp", "2", "--expert-parallel", "true"]}
@@ -58,11 +57,13 @@ def served(request, default_ckpt, tmp_path_factory):
 def test_packed_ddtree_greedy_equals_ar(served, prompt_ids, layout):
     kind, verifiers = served
     address = verifiers[layout].address
-    ar = _run(address, prompt_ids, no_spec=True)
+    ar = generate_concurrently(address, prompt_ids, no_spec=True)
     steps = []
-    ddtree = _run(address, prompt_ids, steps, no_spec=False, budget=8)
+    ddtree = generate_concurrently(address, prompt_ids, steps, no_spec=False, budget=8)
     assert all(len(t) == MAX_NEW for t in ar)
     assert max(s.accept_length for s in steps) > 1, "the oracle's trees were never accepted past the root"
     assert ddtree == ar, f"{kind} {layout}: DDTree output differs from AR"
     if layout != "tp1":  # the same dequantized values in every layout: the same greedy tokens as TP 1
-        assert ar == _run(verifiers["tp1"].address, prompt_ids, no_spec=True), f"{kind} {layout} vs TP 1"
+        assert ar == generate_concurrently(verifiers["tp1"].address, prompt_ids, no_spec=True), (
+            f"{kind} {layout} vs TP 1"
+        )

@@ -7,10 +7,8 @@ The TP=1 reference is the session's oracle stack (conftest); the TP=2 verifier s
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import json
 import os
-import pathlib
 import signal
 import subprocess
 import sys
@@ -24,23 +22,10 @@ from ddtree.launcher import start_service
 from ddtree.models.parallel.process_group import free_port
 from ddtree.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from ddtree.tokenization.tokenizer import Tokenizer
-from tests.e2e.test_e2e_lossless import PROMPTS, _generate
+from tests.support.paths import REPO
+from tests.support.stack_calls import MAX_NEW, PROMPTS, VERIFIER_ARGS, generate_concurrently
 
 pytestmark = pytest.mark.slow
-REPO = pathlib.Path(__file__).resolve().parents[2]
-MAX_NEW = 24
-VERIFIER_ARGS = [
-    "--max-batch",
-    "8",
-    "--kv-tokens",
-    "32768",
-    "--max-context",
-    "2048",
-    "--prefill-chunk",
-    "64",
-    "--threads",
-    "1",
-]
 
 
 @pytest.fixture(scope="module")
@@ -70,21 +55,11 @@ def tp2_verifier(default_ckpt, oracle_stack, tmp_path_factory):
     assert '"tp_worker_stopped"' in proc.log_path.read_text(), "rank 1 left its loop on STOP"
 
 
-def _run(address, prompt_ids, steps: list | None = None, **kw):
-    with cf.ThreadPoolExecutor(len(prompt_ids)) as pool:  # concurrent: several sequences per forward
-        results = [
-            f.result() for f in [pool.submit(_generate, address, ids, max_new=MAX_NEW, **kw) for ids in prompt_ids]
-        ]
-    if steps is not None:
-        steps += [s for _, st, _ in results for s in st]
-    return [tokens for tokens, _, _ in results]
-
-
 @pytest.mark.parametrize("budget", [8, 32])
 def test_tp2_ddtree_greedy_matches_tp1(tp2_verifier, oracle_stack, prompt_ids, budget):
-    ref = _run(oracle_stack.verifier, prompt_ids, no_spec=True)
+    ref = generate_concurrently(oracle_stack.verifier, prompt_ids, no_spec=True)
     steps = []
-    got = _run(tp2_verifier.address, prompt_ids, steps, no_spec=False, budget=budget)
+    got = generate_concurrently(tp2_verifier.address, prompt_ids, steps, no_spec=False, budget=budget)
     assert all(len(t) == MAX_NEW for t in ref)
     assert max(s.accept_length for s in steps) > 1 and all(s.tree_nodes > 0 for s in steps)
     assert got == ref, "TP=2 DDTree output differs from TP=1 AR"
@@ -93,7 +68,9 @@ def test_tp2_ddtree_greedy_matches_tp1(tp2_verifier, oracle_stack, prompt_ids, b
 def test_tp2_sampling_matches_tp1(tp2_verifier, oracle_stack, prompt_ids):
     """temperature > 0 gathers the full logits on rank 0: same seed, same draws as TP=1."""
     kw = dict(no_spec=False, budget=8, temperature=0.8, seed=11)
-    assert _run(tp2_verifier.address, prompt_ids, **kw) == _run(oracle_stack.verifier, prompt_ids, **kw)
+    assert generate_concurrently(tp2_verifier.address, prompt_ids, **kw) == generate_concurrently(
+        oracle_stack.verifier, prompt_ids, **kw
+    )
 
 
 def test_ranks_launched_by_environment(default_ckpt, oracle_stack, prompt_ids, tmp_path):
@@ -110,8 +87,8 @@ def test_ranks_launched_by_environment(default_ckpt, oracle_stack, prompt_ids, t
         )
     try:
         rank0 = start_service("verifier", args, tmp_path, env={**dist_env, "RANK": "0"})
-        got = _run(rank0.address, prompt_ids, no_spec=True)
-        assert got == _run(oracle_stack.verifier, prompt_ids, no_spec=True)
+        got = generate_concurrently(rank0.address, prompt_ids, no_spec=True)
+        assert got == generate_concurrently(oracle_stack.verifier, prompt_ids, no_spec=True)
         assert '"tp_rank_spawned"' not in rank0.log_path.read_text()
         assert rank0.stop() == 0
         assert rank1.wait(timeout=30) == 0, "rank 1 exits 0 on rank 0's STOP"

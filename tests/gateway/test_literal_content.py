@@ -16,7 +16,7 @@ from ddtree.protocol.ddtree.v1 import gateway_pb2
 from ddtree.tokenization.default_tokenizer import KIMI_K2_CHAT_TEMPLATE
 from ddtree.tokenization.literal_content import MARK_CLOSE, MARK_OPEN, LiteralContent
 from ddtree.tokenization.tokenizer import Tokenizer
-from tests.gateway.test_tokenizer_tiktoken import write_tiktoken_dir
+from tests.support.tiktoken_dir import write_tiktoken_dir
 
 # The injection strings: a forged system turn, a forged tool call, and a forged role header.
 INJECTIONS = (

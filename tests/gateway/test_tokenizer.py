@@ -17,8 +17,7 @@ from ddtree.tokenization.default_tokenizer import (
     SPECIAL_TOKENS,
     VOCAB_SIZE,
 )
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.support.paths import REPO
 
 
 # -- training ---------------------------------------------------------------------------------------

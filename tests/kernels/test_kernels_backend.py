@@ -24,7 +24,7 @@ from ddtree.models.config import DeepseekV3Config
 from ddtree.models.deepseek_v3 import DeepseekV3ForCausalLM
 from ddtree.models.random_checkpoint import DEFAULT_TARGET_CONFIG, random_target_state_dict
 from ddtree.tools.selftest.compare import assert_close
-from tests.conftest import REPO
+from tests.support.paths import REPO
 from tests.support.triton_env import DEVICE, triton_interpret_env  # noqa: F401,I001  (before kernels are imported)
 
 SPLITTY = MLAKernelConfig(block_m=16, block_n=16, min_split=16, target_programs=64)  # splits even at prefix 20

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,9 +20,9 @@ from ddtree.tools.inspect import (
     format_report,
     inspect_checkpoint,
 )  # fmt: skip
+from tests.support.paths import REPO
 from tests.support.quantized_checkpoints import TINY, shrink_to_slices, write_variant
 
-REPO = Path(__file__).resolve().parents[2]
 CONFIGS = {
     "moe": TINY,
     "dense": {**TINY, "first_k_dense_replace": 3},

@@ -13,8 +13,8 @@ from ddtree.models.loader import load_target
 from ddtree.models.moe_experts import StackedExperts
 from ddtree.models.packed_linear import Fp8Linear, Int4Linear
 from ddtree.tools.selftest.compare import assert_close
-from tests.models.test_tp_model import NUM_SLOTS, WORLD, _rank_main, scenario
 from tests.support.quantized_checkpoints import TINY, logits, write_variant
+from tests.support.tp_ranks import NUM_SLOTS, WORLD, rank_main, scenario
 
 # widths that cut on whole FP8 16x32 blocks and INT4 groups of 32 at TP 2
 CFG = {**TINY, "moe_intermediate_size": 64, "intermediate_size": 192}
@@ -50,7 +50,7 @@ def test_packed_logits_equal_the_dequantized_model(ckpt, dtype):
 def tp_results(ckpt, tmp_path_factory):
     kind, root = ckpt
     out = tmp_path_factory.mktemp(f"tp-{kind}") / "tp.pt"
-    tmp.spawn(_rank_main, args=(str(root), str(out)), nprocs=WORLD, join=True)
+    tmp.spawn(rank_main, args=(str(root), str(out)), nprocs=WORLD, join=True)
     model = load_target(root, dtype=torch.float32, dequantize=True)  # the TP 1 reference, dequantized
     kv = model.new_kv_cache(NUM_SLOTS)
     ref = []

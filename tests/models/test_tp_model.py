@@ -8,7 +8,6 @@ shard plan agrees with the shapes of the models built from it.
 
 from __future__ import annotations
 
-import os
 import pathlib
 
 import pytest
@@ -16,23 +15,17 @@ import torch
 import torch.multiprocessing as tmp
 from safetensors.torch import load_file, save_file
 
-from ddtree.contract.token_tree import TokenTree
-from ddtree.models.attention import AttentionMetadata, SeqAttention
 from ddtree.models.config import DeepseekV3Config
 from ddtree.models.deepseek_v3 import DeepseekV3ForCausalLM
 from ddtree.models.loader import load_target
 from ddtree.models.parallel.layers import combine_shard_argmax, shard_argmax
-from ddtree.models.parallel.process_group import destroy_tp, init_tp
 from ddtree.models.parallel.shard_plan import ShardPlan
-from ddtree.models.parallel.step_message import StepInputs, decode, encode, from_runs, runs
-from ddtree.models.parallel.tp_model import TensorParallelModel, build_tp_model, load_tp_model
+from ddtree.models.parallel.step_message import decode, encode, from_runs, runs
+from ddtree.models.parallel.tp_model import build_tp_model
 from ddtree.models.random_checkpoint import DEFAULT_TARGET_CONFIG, write_random_target
 from ddtree.tools.selftest.compare import assert_close
-from ddtree.verifier.tp_worker import worker_loop
-from ddtree.verifier.tree_mask import tree_input_ids, tree_mask, tree_positions
+from tests.support.tp_ranks import NUM_SLOTS, WORLD, rank_main, scenario
 
-WORLD = 2
-NUM_SLOTS = 64
 CONFIGS = {
     # q_a/q_b, one dense layer then MoE with a shared expert
     "qlora": dict(DEFAULT_TARGET_CONFIG),
@@ -40,62 +33,6 @@ CONFIGS = {
     "qproj_bias": {**DEFAULT_TARGET_CONFIG, "q_lora_rank": None, "attention_bias": True, "n_group": 2,
                    "topk_group": 1, "first_k_dense_replace": 0, "vocab_size": 1024},
 }  # fmt: skip
-
-
-def _slots(a: int, b: int) -> torch.Tensor:
-    return torch.arange(a, b, dtype=torch.int64)
-
-
-def scenario(vocab: int) -> list[StepInputs]:
-    """Prefill two sequences, decode both, verify a tree on one while the other decodes, then a
-    prefill chunk that wants only its last row's logits (and no full logits: argmax only)."""
-    g = torch.Generator().manual_seed(1)
-    ids = lambda n: torch.randint(3, vocab, (n,), generator=g)  # noqa: E731
-    empty = _slots(0, 0)
-    taps = (0, 2)
-    a, b = ids(9), ids(6)
-    prefill = StepInputs(
-        torch.cat([a, b]),
-        torch.cat([_slots(0, 9), _slots(0, 6)]),
-        AttentionMetadata((SeqAttention(0, 9, empty, _slots(0, 9)), SeqAttention(9, 6, empty, _slots(20, 26)))),
-        None,
-        taps,
-        True,
-    )
-    decode_ = StepInputs(
-        ids(2),
-        torch.tensor([9, 6]),
-        AttentionMetadata(
-            (SeqAttention(0, 1, _slots(0, 9), _slots(9, 10)), SeqAttention(1, 1, _slots(20, 26), _slots(26, 27)))
-        ),
-        None,
-        taps,
-        True,
-    )
-    tree = TokenTree(token_ids=(11, 12, 13, 14, 15), parents=(0, 0, 1, 1, 3), depths=(1, 1, 2, 2, 3))
-    tree_ids = tree_input_ids(tree, 7)
-    verify = StepInputs(
-        torch.cat([tree_ids, ids(1)]),
-        torch.cat([tree_positions(tree, 10), torch.tensor([7])]),
-        AttentionMetadata(
-            (
-                SeqAttention(0, 6, _slots(0, 10), _slots(30, 36), tree_mask(tree)),
-                SeqAttention(6, 1, _slots(20, 27), _slots(27, 28)),
-            )
-        ),
-        None,
-        taps,
-        True,
-    )
-    chunk = StepInputs(
-        ids(4),
-        _slots(0, 4),
-        AttentionMetadata((SeqAttention(0, 4, empty, _slots(40, 44)),)),
-        torch.tensor([3]),
-        (),
-        False,
-    )
-    return [prefill, decode_, verify, chunk]
 
 
 def write_checkpoint(path: pathlib.Path, cfg: dict) -> pathlib.Path:
@@ -109,37 +46,11 @@ def write_checkpoint(path: pathlib.Path, cfg: dict) -> pathlib.Path:
     return path
 
 
-def _rank_main(rank: int, ckpt: str, out: str) -> None:
-    torch.set_num_threads(1)
-    tp = init_tp(WORLD, rank, torch.device("cpu"), timeout_s=60, init_method=f"file://{out}.store")
-    results = {}
-    for ep in (False, True):
-        model = load_tp_model(ckpt, tp, expert_parallel=ep, dtype=torch.float32)
-        if rank > 0:
-            worker_loop(model, tp)  # until rank 0 closes its handle
-            continue
-        runner = TensorParallelModel(model, tp, ping_interval_s=30)
-        kv = model.new_kv_cache(NUM_SLOTS)
-        runner.replicate_kv(kv)
-        outs = [
-            runner.forward(
-                s.input_ids, s.positions, s.meta, kv, s.logits_rows, s.tap_layer_ids, gather_logits=s.gather_logits
-            )
-            for s in scenario(model.config.vocab_size)
-        ]
-        runner.close()
-        results[ep] = [(o.logits, o.argmax, o.taps) for o in outs]
-    if rank == 0:
-        torch.save(results, out)
-    destroy_tp()
-    os._exit(0)  # skip the interpreter's teardown of gloo's threads, which sometimes aborts (std::terminate)
-
-
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def case(request, tmp_path_factory):
     ckpt = write_checkpoint(tmp_path_factory.mktemp(request.param), CONFIGS[request.param])
     out = ckpt / "tp.pt"
-    tmp.spawn(_rank_main, args=(str(ckpt), str(out)), nprocs=WORLD, join=True)
+    tmp.spawn(rank_main, args=(str(ckpt), str(out)), nprocs=WORLD, join=True)
     model = load_target(ckpt, dtype=torch.float32)
     kv = model.new_kv_cache(NUM_SLOTS)
     ref = []

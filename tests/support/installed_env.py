@@ -17,7 +17,9 @@ import tomllib
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from tests.support.paths import REPO
+
+ROOT = REPO
 
 
 def pyproject() -> dict:

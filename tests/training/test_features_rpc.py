@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import json
-import pathlib
 import subprocess
 import sys
 
@@ -30,8 +29,8 @@ from ddtree.protocol.security import TOKEN_METADATA
 from ddtree.tools.selftest.compare import assert_close
 from ddtree.training.drafter_data import TargetRunner
 from ddtree.training.verifier_data import VerifierRunner
+from tests.support.paths import REPO
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
 TOKEN = "features-token-for-tests"
 TAPS = (2, 0)  # not the default drafter's (0, 3), and out of order: the columns must follow the request
 VERIFIER_ARGS = ["--kv-tokens", "32768", "--max-context", "2048", "--prefill-chunk", "64", "--threads", "1"]

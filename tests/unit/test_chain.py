@@ -5,46 +5,18 @@ from __future__ import annotations
 
 import torch
 
-from ddtree.drafter.engine import DraftEngine, SeqDraftInput
-from ddtree.models.dflash_checkpoint import load_drafter, write_random_drafter
 from ddtree.tools.selftest.oracle_trees import noisy_tree
-
-TARGET = {"hidden_size": 32, "num_hidden_layers": 6, "vocab_size": 64, "rope_theta": 10000.0}
-BLOCK = 5
-
-
-def _engine(tmp_path) -> DraftEngine:
-    ckpt = write_random_drafter(
-        tmp_path, TARGET, seed=3, block_size=BLOCK, num_layers=2, num_attention_heads=4, num_key_value_heads=2
-    )
-    g = torch.Generator().manual_seed(0)
-    return DraftEngine(
-        load_drafter(ckpt), torch.randn(64, 32, generator=g), torch.randn(64, 32, generator=g) / 4, max_budget=64
-    )
-
-
-def _seq(seq_id: str, budget: int, chain: bool) -> SeqDraftInput:
-    feats = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
-    return SeqDraftInput(
-        seq_id=seq_id,
-        commit_token_ids=(1, 2, 3, 4),
-        commit_start=0,
-        commit_features=feats,
-        root_token_id=5,
-        budget=budget,
-        reset=True,
-        chain=chain,
-    )
+from tests.support.draft_engines import BLOCK, draft_input, random_draft_engine
 
 
 def test_chain_is_the_top1_path(tmp_path):
-    eng = _engine(tmp_path)
-    chain, tree, short = eng.draft([_seq("c", 32, True), _seq("t", 32, False), _seq("s", 2, True)])
+    eng = random_draft_engine(tmp_path)
+    chain, tree, short = eng.draft([draft_input("c", 32, True), draft_input("t", 32, False), draft_input("s", 2, True)])
     depth = BLOCK - 1
     assert chain.n == depth and chain.parents == tuple(range(depth)) and chain.depths == tuple(range(1, depth + 1))
     assert tree.n == 32 and tree.max_depth <= depth
     # Top-1 per depth of the drafter's block, computed by hand.
-    model, feats = eng.model, _seq("x", 1, True).commit_features
+    model, feats = eng.model, draft_input("x", 1, True).commit_features
     block = torch.tensor([5] + [model.config.mask_token_id] * depth)
     with torch.inference_mode():
         hidden = model.forward_block(

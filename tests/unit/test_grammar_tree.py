@@ -22,6 +22,7 @@ from ddtree.contract.token_tree import TokenTree
 from ddtree.contract.tree_build import MAX_TABLE_WIDTH, TokenTable
 from ddtree.verifier.grammar import SequenceGrammar
 from ddtree.verifier.grammar_tree import build_grammar_tree, grammar_table_width
+from tests.support.letter_vocab import letter_grammar, letter_tokenizer
 from tests.support.tree_tables import brute_force, node_paths, random_table
 
 VOCAB = 16  # tokens "a".."p"; "p" (15) is llguidance's eos
@@ -29,20 +30,11 @@ EOS = 15
 GRAMMARS = ["([a-c][d-f]|g)+h", "(ab|ac|b[a-d])+e?", "[a-h]{2,5}"]
 
 
-class _Letters:
-    eos_token_id, bos_token_id, special_token_ids = EOS, None, []
-    tokens = [bytes([ord("a") + i]) for i in range(VOCAB)]
-
-    def __call__(self, text):
-        return [ord(ch) - ord("a") for ch in (text.decode() if isinstance(text, bytes) else text)]
-
-
-LT = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Letters()))
+LT = letter_tokenizer(VOCAB)
 
 
 def _grammar(regex: str, matcher=None) -> SequenceGrammar:
-    matcher = matcher or llguidance.LLMatcher(LT, llguidance.LLMatcher.grammar_from_regex(regex), log_level=0)
-    return SequenceGrammar(matcher, frozenset(), tuple(LT.eos_tokens))
+    return letter_grammar(LT, regex, matcher)
 
 
 def _valid(regex: str, path: tuple[int, ...]) -> bool:

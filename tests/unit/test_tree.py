@@ -3,7 +3,6 @@ one copy) and tree mask / positions (services/verifier/tree_mask.py)."""
 
 from __future__ import annotations
 
-import itertools
 import zlib
 from dataclasses import dataclass
 
@@ -13,39 +12,7 @@ import torch
 from ddtree.contract.token_tree import TokenTree
 from ddtree.contract.tree_build import LEAF, TokenTable, build_checked_tree, build_tree, topk_logprobs
 from ddtree.verifier.tree_mask import tree_input_ids, tree_mask, tree_positions
-
-
-def random_table(depth: int, width: int, vocab: int, seed: int, quantize: float | None = None):
-    """A [D, K] table as the drafter would give it: top-K of log_softmax, sorted, distinct ids."""
-    g = torch.Generator().manual_seed(seed)
-    logits = torch.randn(depth, vocab, generator=g) * 2
-    if quantize:  # coarse logits -> many exact score ties
-        logits = (logits / quantize).round() * quantize
-    return topk_logprobs(logits, width)
-
-
-def brute_force(lp: torch.Tensor, ids: torch.Tensor, budget: int):
-    """All rank-tuple prefixes, scored by the left-to-right sum of per-depth log-probs, sorted by
-    (-score, ranks), first `budget`. Returns [(ranks, tokens, score)]."""
-    depth, width = lp.shape
-    table, tok = lp.tolist(), ids.tolist()
-    out = []
-    for d in range(1, depth + 1):
-        for ranks in itertools.product(range(width), repeat=d):
-            score = 0.0
-            for j, r in enumerate(ranks):
-                score += table[j][r]
-            out.append((ranks, tuple(tok[j][r] for j, r in enumerate(ranks)), score))
-    out.sort(key=lambda x: (-x[2], x[0]))
-    return out[:budget]
-
-
-def node_paths(tree: TokenTree) -> list[tuple[int, ...]]:
-    """Token path root..node (excluding root) for nodes 1..n."""
-    paths: list[tuple[int, ...]] = [()]
-    for tok, parent in zip(tree.token_ids, tree.parents):
-        paths.append(paths[parent] + (tok,))
-    return paths[1:]
+from tests.support.tree_tables import brute_force, node_paths, random_table
 
 
 def node_scores(tree: TokenTree, lp: torch.Tensor, ids: torch.Tensor) -> list[float]:

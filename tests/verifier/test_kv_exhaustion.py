@@ -10,15 +10,13 @@ import time
 
 import grpc
 import pytest
-import torch
 
 from ddtree.config import VerifierConfig
 from ddtree.contract.sampling_params import SamplingConfig
 from ddtree.models.loader import load_target
-from ddtree.verifier.kv_pool import LatentKVPool
+from ddtree.verifier.engine import build_engine
 from ddtree.verifier.scheduler import AdmissionError, Scheduler
 from ddtree.verifier.sequence import GenerateParams, Sequence
-from ddtree.verifier.target import LocalTarget
 
 PROMPT, NEW = 100, 40  # each request reserves 100 + 40 + 0 + 1 = 141 slots (AR: budget 0)
 
@@ -43,8 +41,7 @@ def _scheduler(model, kv_tokens: int, max_queue: int, max_batch: int = 8) -> Sch
         debug_checks=True,
         prefix_cache=False,
     )
-    pool = LatentKVPool(model.config.num_hidden_layers, kv_tokens, model.config.kv_cache_width, torch.float32, "cpu")
-    return Scheduler(LocalTarget(model), pool, vcfg, None)
+    return build_engine(vcfg, model=model).scheduler
 
 
 def test_requests_beyond_the_cache_queue_then_complete_and_a_full_queue_refuses(default_ckpt):

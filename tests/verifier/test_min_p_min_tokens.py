@@ -7,8 +7,8 @@
   forwards, and at temperature 1 (with min_p) the first three tokens follow the masked, filtered
   target distribution (chi-square), with the tree walk exercised.
 
-In-process scheduler + the oracle drafter (real gRPC) + the tiny sharpened target of
-tests/verifier/test_sampling_through_ddtree.py.
+In-process verifier engine + the oracle drafter (real gRPC) + the tiny sharpened target of
+tests/support/tiny_target.py.
 """
 
 from __future__ import annotations
@@ -18,27 +18,15 @@ import dataclasses
 import pytest
 import torch
 
-from ddtree.config import DrafterConfig, VerifierConfig
+from ddtree.config import VerifierConfig
 from ddtree.contract.sampling_params import SamplingConfig
-from ddtree.drafter.server import serve_engine
-from ddtree.models.attention import AttentionMetadata, SeqAttention
-from ddtree.verifier.drafter_client import DrafterClient
-from ddtree.verifier.kv_pool import LatentKVPool
 from ddtree.verifier.sampling import mask_stop_tokens, sampling_probs, stop_mask_rows, target_choices
-from ddtree.verifier.scheduler import Scheduler
 from ddtree.verifier.sequence import GenerateParams, Sequence
-from ddtree.verifier.target import LocalTarget
+from tests.support.engines import engine_with_drafter
 from tests.support.oracle_engine import OracleDraftEngine
-from tests.verifier import test_sampling_through_ddtree as through_ddtree
-from tests.verifier.test_sampling_through_ddtree import PROMPT, VOCAB, _chi2_pvalue
+from tests.support.tiny_target import PROMPT, VOCAB, chi2_pvalue, masked_probs
 
 SAMPLES = 1000
-
-
-@pytest.fixture(scope="module")
-def tiny_target(tmp_path_factory):
-    """The sharpened 8-token target of test_sampling_through_ddtree.py (built the same way)."""
-    return through_ddtree.tiny_target.__wrapped__(tmp_path_factory)
 
 
 def test_min_p_matches_brute_force():
@@ -81,42 +69,19 @@ def test_stop_mask_rows_by_depth():
     assert masked[0, 4] == masked[2, 4] == float("-inf") and logits[0, 4] == 5.0  # the input is untouched
 
 
-def _masked_probs(model, ids, cfg: SamplingConfig, stops: frozenset[int], position: int) -> torch.Tensor:
-    """Plain forward over `ids`: the logits (greedy) or the filtered distribution (sampled) of output
-    token `position`, stop ids masked while position < min_tokens (what AR decoding with vLLM's
-    min_tokens uses)."""
-    n = len(ids)
-    cache = model.new_kv_cache(n)
-    meta = AttentionMetadata(seqs=(SeqAttention(0, n, torch.empty(0, dtype=torch.int64), torch.arange(n), None),))
-    with torch.inference_mode():
-        out = model.forward(torch.tensor(ids), torch.arange(n), meta, cache, logits_rows=torch.tensor([n - 1]))
-    logits = mask_stop_tokens(out.logits, [0], stops) if position < cfg.min_tokens else out.logits
-    return logits[0] if cfg.greedy else sampling_probs(logits, cfg)[0].double()
-
-
 def _run(model, configs: list[SamplingConfig], stops: frozenset[int], max_new: int) -> list[Sequence]:
-    engine = OracleDraftEngine(model, depth=4, default_budget=12, max_budget=64, seed=11)
-    drafter = serve_engine(engine, DrafterConfig(port=0, grace_s=0.0))
-    client = DrafterClient(f"127.0.0.1:{drafter.port}", timeout_s=30)
+    oracle = OracleDraftEngine(model, depth=4, default_budget=12, max_budget=64, seed=11)
     vcfg = VerifierConfig(max_batch=64, max_queue=len(configs), kv_tokens=64 * 40, prefill_chunk=64)
-    pool = LatentKVPool(
-        model.config.num_hidden_layers, vcfg.kv_tokens, model.config.kv_cache_width, torch.float32, "cpu"
-    )
-    sched = Scheduler(LocalTarget(model), pool, vcfg, client)
-    sched.start()
-    try:
+    with engine_with_drafter(model, vcfg, oracle) as engine:
+        engine.start()
         seqs = []
         for i, cfg in enumerate(configs):
             seq = Sequence(GenerateParams(f"s{i}", PROMPT, cfg, max_new, stops, True, 12))
-            sched.submit(seq)
+            engine.scheduler.submit(seq)
             seqs.append(seq)
         for seq in seqs:
             while not seq.events.get(timeout=120).finish_reason:
                 pass
-    finally:
-        sched.stop()
-        drafter.stop(0)
-        client.close()
     return seqs
 
 
@@ -126,12 +91,12 @@ def test_min_tokens_greedy_equals_masked_ar(tiny_target):
     # Greedy AR without min_tokens, for the stop id: the token greedy decoding emits second.
     ar = list(PROMPT)
     for _ in range(2):
-        ar.append(int(_masked_probs(model, ar, plain, frozenset(), 0).argmax()))
+        ar.append(int(masked_probs(model, ar, plain, frozenset(), 0).argmax()))
     stop = frozenset({ar[len(PROMPT) + 1]})
     cfg = SamplingConfig(min_tokens=6)
     ref, ids = [], list(PROMPT)
     for position in range(8):  # masked greedy AR: the stop id cannot come before 6 tokens
-        tok = int(_masked_probs(model, ids, cfg, stop, position).argmax())
+        tok = int(masked_probs(model, ids, cfg, stop, position).argmax())
         if tok in stop:
             break
         ref.append(tok)
@@ -145,23 +110,23 @@ def test_min_tokens_greedy_equals_masked_ar(tiny_target):
 def test_min_tokens_and_min_p_sampled_follow_the_masked_distribution(tiny_target):
     model = tiny_target
     cfg = SamplingConfig(temperature=1.0, min_p=0.05, min_tokens=3)
-    p1 = _masked_probs(model, PROMPT, cfg, frozenset(), 0)
+    p1 = masked_probs(model, PROMPT, cfg, frozenset(), 0)
     stop = frozenset({int(p1.argmax())})  # the most likely first token is a stop id
     joint = torch.zeros(VOCAB, VOCAB, VOCAB, dtype=torch.float64)
-    p1 = _masked_probs(model, PROMPT, cfg, stop, 0)
+    p1 = masked_probs(model, PROMPT, cfg, stop, 0)
     for a in range(VOCAB):
         if p1[a] == 0:
             continue
-        p2 = _masked_probs(model, PROMPT + (a,), cfg, stop, 1)
+        p2 = masked_probs(model, PROMPT + (a,), cfg, stop, 1)
         for b in range(VOCAB):
             if p2[b] > 0:
-                joint[a, b] = p1[a] * p2[b] * _masked_probs(model, PROMPT + (a, b), cfg, stop, 2)
+                joint[a, b] = p1[a] * p2[b] * masked_probs(model, PROMPT + (a, b), cfg, stop, 2)
     seqs = _run(model, [dataclasses.replace(cfg, seed=s) for s in range(SAMPLES)], stop, 3)
     counts = torch.zeros(VOCAB, VOCAB, VOCAB, dtype=torch.float64)
     for seq in seqs:
         assert len(seq.generated) == 3 and not stop & set(seq.generated)
         counts[tuple(seq.generated)] += 1
     assert sum(s.accept_lengths[0] >= 2 for s in seqs) > SAMPLES * 0.2  # the walk is exercised
-    p_a = _chi2_pvalue(counts.sum((1, 2)), joint.sum((1, 2)))
-    p_bc = _chi2_pvalue(counts.sum(0).flatten(), joint.sum(0).flatten())
+    p_a = chi2_pvalue(counts.sum((1, 2)), joint.sum((1, 2)))
+    p_bc = chi2_pvalue(counts.sum(0).flatten(), joint.sum(0).flatten())
     assert min(p_a, p_bc) > 1e-3, f"p-values {p_a:.2e} {p_bc:.2e}"

@@ -9,7 +9,6 @@ import time
 
 import grpc
 import pytest
-import torch
 
 from ddtree.config import DrafterConfig, VerifierConfig
 from ddtree.drafter.factory import make_engine
@@ -18,10 +17,8 @@ from ddtree.models.loader import load_target
 from ddtree.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from ddtree.protocol.server import start_server
 from ddtree.verifier.drafter_pool import DrafterPool
-from ddtree.verifier.kv_pool import LatentKVPool
-from ddtree.verifier.scheduler import Scheduler
+from ddtree.verifier.engine import build_engine
 from ddtree.verifier.server import VerifierServicer
-from ddtree.verifier.target import LocalTarget
 
 pytestmark = pytest.mark.slow
 
@@ -34,11 +31,9 @@ def test_pool_returns_to_empty_after_mixed_traffic(default_ckpt):
     vcfg = VerifierConfig(
         kv_tokens=6000, max_batch=12, max_queue=400, prefill_chunk=64, debug_checks=True, max_context=1024
     )
-    pool = LatentKVPool(
-        model.config.num_hidden_layers, vcfg.kv_tokens, model.config.kv_cache_width, torch.float32, "cpu"
-    )
-    sched = Scheduler(LocalTarget(model), pool, vcfg, DrafterPool(f"127.0.0.1:{drafter.port}", 10))
-    sched.start()
+    engine = build_engine(vcfg, model=model, drafter=DrafterPool(f"127.0.0.1:{drafter.port}", 10))
+    sched, pool = engine.scheduler, engine.pool
+    engine.start()
     servicer = VerifierServicer(sched, vcfg, "test", "{}", tuple(model.config.eos_token_ids))
 
     def register(server):

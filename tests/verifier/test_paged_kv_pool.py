@@ -396,9 +396,8 @@ def test_paged_scheduler_returns_the_pool_to_empty(default_ckpt):
     from ddtree.drafter.server import serve_engine
     from ddtree.models.loader import load_target
     from ddtree.verifier.drafter_pool import DrafterPool
-    from ddtree.verifier.scheduler import Scheduler
+    from ddtree.verifier.engine import build_engine
     from ddtree.verifier.sequence import GenerateParams, Sequence
-    from ddtree.verifier.target import LocalTarget
     from tests.support.oracle_engine import OracleDraftEngine
 
     dcfg = DrafterConfig(port=0, grace_s=0.0)
@@ -407,11 +406,9 @@ def test_paged_scheduler_returns_the_pool_to_empty(default_ckpt):
                                max_budget=dcfg.max_budget)  # fmt: skip
     drafter = serve_engine(oracle, dcfg)
     vcfg = VerifierConfig(kv_tokens=2048, page_size=4, max_batch=6, max_queue=100, prefill_chunk=32, debug_checks=True)
-    pool = LatentKVPool(
-        model.config.num_hidden_layers, vcfg.kv_tokens, model.config.kv_cache_width, torch.float32, "cpu", page_size=4
-    )
-    sched = Scheduler(LocalTarget(model), pool, vcfg, DrafterPool(f"127.0.0.1:{drafter.port}", 10))
-    sched.start()
+    engine = build_engine(vcfg, model=model, drafter=DrafterPool(f"127.0.0.1:{drafter.port}", 10))
+    sched, pool = engine.scheduler, engine.pool
+    engine.start()
     rng = random.Random(0)
     base = [(13 * j) % 2000 + 40 for j in range(90)]
     seqs = []

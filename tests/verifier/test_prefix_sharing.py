@@ -26,10 +26,9 @@ from ddtree.models.loader import load_target
 from ddtree.tools.selftest.compare import assert_close
 from ddtree.training.drafter_data import TargetRunner
 from ddtree.verifier import metrics
-from ddtree.verifier.kv_pool import LatentKVPool
+from ddtree.verifier.engine import build_engine
 from ddtree.verifier.scheduler import Scheduler
 from ddtree.verifier.sequence import GenerateParams, Phase, Sequence
-from ddtree.verifier.target import LocalTarget
 
 CHUNK = 64  # prefill tokens per step
 
@@ -69,9 +68,7 @@ def _scheduler(model, page_size=1, kv_tokens=4096, prefix_cache=True) -> Schedul
         prefix_cache=prefix_cache,
         page_size=page_size,
     )
-    c = model.config
-    pool = LatentKVPool(c.num_hidden_layers, kv_tokens, c.kv_cache_width, torch.float32, "cpu", page_size=page_size)
-    return Scheduler(LocalTarget(model), pool, vcfg, None)
+    return build_engine(vcfg, model=model).scheduler
 
 
 def _seq(rid, prompt, max_new, seed=None):
@@ -367,9 +364,7 @@ def test_the_shared_prompt_features_are_held_once_and_lossless(model, page_size)
     prompt = _prompt(L, 8)
     reference = TargetRunner(model, _TapsOnly.tap_layer_ids, torch.float32).generate(torch.tensor([prompt]), MAX_NEW)
     vcfg = VerifierConfig(kv_tokens=4096, max_batch=8, prefill_chunk=CHUNK, debug_checks=True, page_size=page_size)
-    c = model.config
-    pool = LatentKVPool(c.num_hidden_layers, 4096, c.kv_cache_width, torch.float32, "cpu", page_size=page_size)
-    sched = Scheduler(LocalTarget(model), pool, vcfg, _TapsOnly())
+    sched = build_engine(vcfg, model=model, drafter=_TapsOnly()).scheduler
     choices = [
         Sequence(GenerateParams(f"c-{i}", tuple(prompt), SamplingConfig(), MAX_NEW, frozenset(), True, 8))
         for i in range(N)

@@ -11,17 +11,13 @@ request with the same id is admitted, while other sequences keep the scheduler b
 
 from __future__ import annotations
 
-import torch
-
 from ddtree.config import VerifierConfig
 from ddtree.contract.sampling_params import SamplingConfig
 from ddtree.models.loader import load_target
 from ddtree.protocol.ddtree.v1 import verifier_pb2
-from ddtree.verifier.kv_pool import LatentKVPool
-from ddtree.verifier.scheduler import Scheduler
+from ddtree.verifier.engine import build_engine
 from ddtree.verifier.sequence import GenerateParams, Sequence
 from ddtree.verifier.server import VerifierServicer
-from ddtree.verifier.target import LocalTarget
 
 REUSES = 50
 TOKENS = 48
@@ -51,10 +47,7 @@ class _LateContext:
 def test_a_reused_request_id_gets_its_whole_answer_every_time(default_ckpt):
     model = load_target(default_ckpt.target).eval()
     cfg = VerifierConfig(kv_tokens=8192, max_batch=8, prefix_cache=False)
-    pool = LatentKVPool(
-        model.config.num_hidden_layers, cfg.kv_tokens, model.config.kv_cache_width, torch.float32, "cpu"
-    )
-    scheduler = Scheduler(LocalTarget(model), pool, cfg, None)
+    scheduler = build_engine(cfg, model=model).scheduler
     servicer = VerifierServicer(scheduler, cfg, "target", "{}", ())
 
     def load_sequence(k: int) -> Sequence:  # decoding beside the reused id; replaced when it finishes

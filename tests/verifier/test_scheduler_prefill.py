@@ -8,20 +8,16 @@ import torch
 from ddtree.config import VerifierConfig
 from ddtree.contract.sampling_params import SamplingConfig
 from ddtree.models.loader import load_target
-from ddtree.verifier.kv_pool import LatentKVPool
-from ddtree.verifier.scheduler import Scheduler
+from ddtree.verifier.engine import build_engine
 from ddtree.verifier.sequence import GenerateParams, Sequence
-from ddtree.verifier.target import LocalTarget
 
 
 def _run(model, prompts, prefill_chunk, max_new):
     vcfg = VerifierConfig(
         kv_tokens=4096, max_batch=8, prefill_chunk=prefill_chunk, debug_checks=True, prefix_cache=False
     )
-    pool = LatentKVPool(
-        model.config.num_hidden_layers, vcfg.kv_tokens, model.config.kv_cache_width, torch.float32, "cpu"
-    )
-    sched = Scheduler(LocalTarget(model), pool, vcfg, None)
+    engine = build_engine(vcfg, model=model)
+    sched, pool = engine.scheduler, engine.pool
     calls = []
     forward = model.forward
 

@@ -8,7 +8,7 @@
   (`no_spec`) token for token; regex, choice and vLLM's structured_outputs; tool_choice required / a
   named function always gives calls whose arguments validate; bad schemas are 400s naming the field.
 - Temperature 1: the first three tokens through DDTree follow the grammar-masked target distribution
-  (chi-square), on the tiny 8-token target of tests/verifier/test_sampling_through_ddtree.py (trees built from the
+  (chi-square), on the tiny 8-token target of tests/support/tiny_target.py (trees built from the
   drafter's table, `grammar_tree table`, the default); greedy equals constrained AR with either tree.
 - A grammar's dead end is the request's error (INVALID_ARGUMENT, HTTP 400), a fault in a grammar step the
   verifier's (INTERNAL, without the exception's text).
@@ -27,24 +27,19 @@ import openai
 import pytest
 import torch
 
-from ddtree.config import DrafterConfig, VerifierConfig
+from ddtree.config import VerifierConfig
 from ddtree.contract.sampling_params import SamplingConfig
 from ddtree.contract.token_tree import EMPTY_TREE, TokenTree
-from ddtree.drafter.server import serve_engine
 from ddtree.gateway.pipeline import Invalid
 from ddtree.gateway.structured_outputs import after_reasoning, check_grammar
 from ddtree.protocol.ddtree.v1 import verifier_pb2
 from ddtree.tokenization.grammar_vocab import ll_tokenizer
-from ddtree.verifier.drafter_client import DrafterClient
 from ddtree.verifier.grammar import SequenceGrammar
-from ddtree.verifier.kv_pool import LatentKVPool
-from ddtree.verifier.sampling import sampling_probs
-from ddtree.verifier.scheduler import Scheduler
 from ddtree.verifier.sequence import GenerateParams, Sequence
-from ddtree.verifier.target import LocalTarget
+from tests.support.engines import engine_with_drafter
+from tests.support.letter_vocab import letter_tokenizer
 from tests.support.oracle_engine import OracleDraftEngine
-from tests.verifier import test_min_p_min_tokens as min_tokens_tests
-from tests.verifier.test_sampling_through_ddtree import PROMPT, VOCAB, _chi2_pvalue
+from tests.support.tiny_target import ALLOWED, PROMPT, REGEX, VOCAB, chi2_pvalue, regex_masked
 
 SAMPLES = 1000
 
@@ -286,61 +281,32 @@ def test_after_reasoning_names_the_answer_apart_from_the_others(tok):
     }
 
 
-class _ByteVocab:
-    """An 8-token vocabulary "a".."h" for the tiny target (token 7, "h", is also the eos)."""
-
-    eos_token_id, bos_token_id, special_token_ids = 7, None, []
-    tokens = [bytes([ord("a") + i]) for i in range(VOCAB)]
-
-    def __call__(self, text):
-        return [ord(ch) - ord("a") for ch in (text.decode() if isinstance(text, bytes) else text)]
-
-
-REGEX = "[a-e][b-g][a-f]"  # over the tiny vocabulary: three tokens, each from a different allowed set
-ALLOWED = (range(0, 5), range(1, 7), range(0, 6))
-
-
-@pytest.fixture(scope="module")
-def tiny_target(tmp_path_factory):
-    return min_tokens_tests.tiny_target.__wrapped__(tmp_path_factory)
-
-
 def _tiny_vocab():
-    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteVocab()))
+    return letter_tokenizer(VOCAB)
 
 
 def _serve(model, seqs: list[Sequence], grammar_tree: str = "table") -> list:
-    """Run the sequences in one in-process scheduler (the oracle drafter: real trees, or tables), submitted
+    """Run the sequences in one in-process verifier engine (the oracle drafter: real trees, or tables), submitted
     together so that they share steps; returns each one's last event."""
-    engine = OracleDraftEngine(model, depth=4, default_budget=12, max_budget=64, seed=11)
-    drafter = serve_engine(engine, DrafterConfig(port=0, grace_s=0.0))
-    client = DrafterClient(f"127.0.0.1:{drafter.port}", timeout_s=30)
+    oracle = OracleDraftEngine(model, depth=4, default_budget=12, max_budget=64, seed=11)
     vcfg = VerifierConfig(
         max_batch=64, max_queue=len(seqs), kv_tokens=64 * 40, prefill_chunk=64, grammar_tree=grammar_tree
     )
-    pool = LatentKVPool(
-        model.config.num_hidden_layers, vcfg.kv_tokens, model.config.kv_cache_width, torch.float32, "cpu"
-    )
-    sched = Scheduler(LocalTarget(model), pool, vcfg, client)
     last = []
-    try:
+    with engine_with_drafter(model, vcfg, oracle) as engine:
         for seq in seqs:
-            sched.submit(seq)
-        sched.start()
+            engine.scheduler.submit(seq)
+        engine.start()
         for seq in seqs:
             while not (event := seq.events.get(timeout=120)).finish_reason:
                 pass
             last.append(event)
-        sched.check_accounting()
-    finally:
-        sched.stop()
-        drafter.stop(0)
-        client.close()
+        engine.scheduler.check_accounting()
     return last
 
 
 def _run(model, configs: list[SamplingConfig], max_new: int, grammar_tree: str = "table") -> list[Sequence]:
-    """min_tokens_tests._run, each sequence with the regex grammar over the tiny vocabulary."""
+    """Each sequence with the regex grammar over the tiny vocabulary, served together."""
     lt = _tiny_vocab()
     grammar = llguidance.LLMatcher.grammar_from_regex(REGEX)
     seqs = []
@@ -352,19 +318,11 @@ def _run(model, configs: list[SamplingConfig], max_new: int, grammar_tree: str =
     return seqs
 
 
-def _masked(model, ids, cfg: SamplingConfig, position: int) -> torch.Tensor:
-    logits = min_tokens_tests._masked_probs(model, ids, SamplingConfig(), frozenset(), 0).clone()  # raw logits
-    keep = torch.zeros(VOCAB, dtype=torch.bool)
-    keep[list(ALLOWED[position])] = True
-    logits[~keep] = float("-inf")
-    return logits if cfg.greedy else sampling_probs(logits[None], cfg)[0].double()
-
-
 @pytest.mark.parametrize("grammar_tree", ["table", "prune"])
 def test_greedy_tiny_target_equals_constrained_ar(tiny_target, grammar_tree):
     ids = list(PROMPT)
     for position in range(3):
-        ids.append(int(_masked(tiny_target, ids, SamplingConfig(), position).argmax()))
+        ids.append(int(regex_masked(tiny_target, ids, SamplingConfig(), position).argmax()))
     (seq,) = _run(tiny_target, [SamplingConfig()], 3, grammar_tree)
     assert seq.generated == ids[len(PROMPT) :]
     assert seq.grammar.drafted_nodes > 0
@@ -376,11 +334,11 @@ def test_sampled_first_tokens_follow_the_masked_distribution(tiny_target):
     model = tiny_target
     cfg = SamplingConfig(temperature=1.0)
     joint = torch.zeros(VOCAB, VOCAB, VOCAB, dtype=torch.float64)
-    p1 = _masked(model, PROMPT, cfg, 0)
+    p1 = regex_masked(model, PROMPT, cfg, 0)
     for a in ALLOWED[0]:
-        p2 = _masked(model, PROMPT + (a,), cfg, 1)
+        p2 = regex_masked(model, PROMPT + (a,), cfg, 1)
         for b in ALLOWED[1]:
-            joint[a, b] = p1[a] * p2[b] * _masked(model, PROMPT + (a, b), cfg, 2)
+            joint[a, b] = p1[a] * p2[b] * regex_masked(model, PROMPT + (a, b), cfg, 2)
     seqs = _run(model, [dataclasses.replace(cfg, seed=s) for s in range(SAMPLES)], 3)
     counts = torch.zeros(VOCAB, VOCAB, VOCAB, dtype=torch.float64)
     for seq in seqs:
@@ -388,8 +346,8 @@ def test_sampled_first_tokens_follow_the_masked_distribution(tiny_target):
         assert all(t in allowed for t, allowed in zip(seq.generated, ALLOWED))
         counts[tuple(seq.generated)] += 1
     assert sum(s.accept_lengths[0] >= 2 for s in seqs) > SAMPLES * 0.1  # the walk is exercised
-    p_a = _chi2_pvalue(counts.sum((1, 2)), joint.sum((1, 2)))
-    p_bc = _chi2_pvalue(counts.sum(0).flatten(), joint.sum(0).flatten())
+    p_a = chi2_pvalue(counts.sum((1, 2)), joint.sum((1, 2)))
+    p_bc = chi2_pvalue(counts.sum(0).flatten(), joint.sum(0).flatten())
     assert min(p_a, p_bc) > 1e-3, f"p-values {p_a:.2e} {p_bc:.2e}"
 
 

@@ -12,8 +12,8 @@ import random
 import pytest
 
 from ddtree.verifier.tree_budget import allocate_nodes, tree_budget
-from tests.conftest import ORACLE_DRAFTER
-from tests.e2e.test_e2e_lossless import _generate
+from tests.support.paths import ORACLE_DRAFTER
+from tests.support.stack_calls import generate
 
 CAP = 24
 
@@ -85,11 +85,11 @@ def _ar_then_concurrent(ckpt, tmp_path, texts, max_new, drafter_args=(), drafter
         drafter_module=drafter_module,
         verifier_args=("--max-tree-tokens", str(CAP), "--max-batch", "4"),
     ) as stack:
-        ar = [_generate(stack.verifier, ids, no_spec=True, max_new=max_new)[0] for ids in prompts]
+        ar = [generate(stack.verifier, ids, no_spec=True, max_new=max_new)[0] for ids in prompts]
         with cf.ThreadPoolExecutor(4) as pool:
             runs = list(
                 pool.map(
-                    lambda ids: _generate(stack.verifier, ids, no_spec=False, budget=16, max_new=max_new)[:2], prompts
+                    lambda ids: generate(stack.verifier, ids, no_spec=False, budget=16, max_new=max_new)[:2], prompts
                 )
             )
     return ar, runs
