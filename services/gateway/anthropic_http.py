@@ -105,6 +105,7 @@ class AnthropicApi:
             tool_choice=params.tool_choice,
             options_prefix="",
             max_budget=max_budget,
+            parallel_tool_calls=params.parallel_tool_calls,
         )
 
     async def _guarded(self, request: Request, handler) -> Response:

@@ -13,11 +13,12 @@ Every field is implemented or refused with a 400 naming it (`Invalid`), nothing 
   tool_use id of an earlier assistant turn. Refused: images, documents, redacted_thinking, server tools'
   blocks, and a final assistant turn (prefill: the template cannot continue an assistant message).
 - `tools` {name, description, input_schema} become the template's tool declarations; server tools
-  (typed `bash_...`, `web_search_...`) and `strict` are refused. `tool_choice` auto | none (`none`: no
+  (typed `bash_...`, `web_search_...`) are refused. `tool_choice` auto | none (`none`: no
   tools declared, nothing parsed as a call) | any (OpenAI's `required`: 1 to 8 calls of the declared
   tools) | tool {name} (one call of that tool): any and tool are forced by the grammar of the Kimi K2
-  tool-call section (structured_outputs.tool_grammar), each call's input valid for its input_schema.
-  `disable_parallel_tool_use` is refused.
+  tool-call section (structured_outputs.tool_grammar), each call's input valid for its input_schema;
+  under auto a call can only name a declared tool, its input a JSON object (valid for input_schema when
+  the tool is `strict`). `disable_parallel_tool_use`: at most one tool_use.
 - `thinking` {type: enabled, budget_tokens} | {type: adaptive} | {type: disabled} is the Kimi template's
   thinking switch (absent: the template's default, thinking on). `budget_tokens` is checked as Anthropic
   checks it (>= 1024, < max_tokens) but bounds nothing: thinking ends when the model closes it or at
@@ -83,6 +84,7 @@ class MessagesParams:
     options: gateway_pb2.GenerationOptions
     stream: bool = False
     user_id: str | None = None
+    parallel_tool_calls: bool = True  # false: tool_choice.disable_parallel_tool_use (at most one tool_use)
 
 
 def json_type(value: Any) -> str:
@@ -270,15 +272,14 @@ def _tools(body: dict) -> list[dict] | None:
         kind = _typed(t, "type", where + ".", "string")
         if kind not in (None, "custom"):
             raise Invalid(f"{where}.type: server tool {kind!r} is not supported (custom tools only)")
-        if t.get("strict"):
-            raise Invalid(
-                f"{where}.strict: not supported (inputs are constrained to input_schema only under tool_choice any / tool)"
-            )
+        strict = _typed(t, "strict", where + ".", "boolean")
         _only(t, {"type", "name", "description", "input_schema", "strict"}, where + ".", "a tool")
         fn = {"name": _typed(t, "name", where + ".", "string", required=True)}
         if t.get("description") is not None:
             fn["description"] = _typed(t, "description", where + ".", "string")
         fn["parameters"] = _typed(t, "input_schema", where + ".", "object", required=True)
+        if strict:
+            fn["strict"] = True  # the input follows input_schema under tool_choice auto too
         out.append({"type": "function", "function": fn})
     try:
         validate_tools(out)  # names and schemas, here so that errors name the Anthropic fields
@@ -300,8 +301,7 @@ def _tool_choice(body: dict) -> str:
         "tool_choice.",
         "tool_choice",
     )
-    if _typed(choice, "disable_parallel_tool_use", "tool_choice.", "boolean"):
-        raise Invalid("tool_choice.disable_parallel_tool_use: not supported (the model may call several tools)")
+    _typed(choice, "disable_parallel_tool_use", "tool_choice.", "boolean")  # read by _parallel_tool_use
     if kind in ("any", "tool") and not body.get("tools"):
         raise Invalid(f"tool_choice.type: {kind!r} needs tools")
     if kind == "any":
@@ -313,6 +313,11 @@ def _tool_choice(body: dict) -> str:
             raise Invalid(f"tool_choice.name: no declared tool is named {name!r}")
         return f"function:{name}"
     return kind
+
+
+def _parallel_tool_use(body: dict) -> bool:
+    choice = body.get("tool_choice")
+    return not (isinstance(choice, dict) and choice.get("disable_parallel_tool_use") is True)
 
 
 def _thinking(body: dict, max_tokens: int | None) -> dict:
@@ -395,6 +400,7 @@ def parse_messages(body: dict, max_tokens_limit: int) -> MessagesParams:
         options=options,
         stream=bool(_typed(body, "stream", "", "boolean")),
         user_id=user_id,
+        parallel_tool_calls=_parallel_tool_use(body),
     )
 
 

@@ -176,6 +176,7 @@ class OpenAIApi:
                 add_generation_prompt=params.add_generation_prompt,
                 continue_final_message=params.continue_final_message,
                 grammar_checked=True,  # request_grammar checked each structured-output field
+                parallel_tool_calls=params.parallel_tool_calls,
             )
         )
         return self._respond(job, params, model, "chatcmpl", ChatStream, chat_response)

@@ -178,8 +178,10 @@ class Pipeline:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         grammar_checked: bool = False,
+        parallel_tool_calls: bool = True,
     ) -> Job:
         """A chat request as a Job. `messages` are OpenAI-style dicts (chat_template.py).
+        parallel_tool_calls false: at most one tool call (the tool-call grammar's section holds one).
         continue_final_message: the prompt ends inside the last (assistant) message, which the answer
         continues (vLLM's and HF's rule: the rendered text is cut right after that message's content).
         grammar_checked: options.grammar was compiled and checked by the caller (the HTTP API's
@@ -191,7 +193,8 @@ class Pipeline:
                 f"tool_choice: must be one of {', '.join(TOOL_CHOICES)} or function:NAME, got {tool_choice!r}"
             )
         tools = validate_tools(tools)
-        forced = self._forced_tool_grammar(tools, tool_choice, options.grammar)  # checked by tool_grammar
+        forced = self._forced_tool_grammar(tools, tool_choice, options.grammar, parallel_tool_calls)
+        auto = "" if forced else self._auto_tool_grammar(tools, tool_choice, options.grammar, parallel_tool_calls)
         if not grammar_checked:
             self.check_client_grammar(options, options_prefix)
         if tool_choice == "none":
@@ -209,12 +212,13 @@ class Pipeline:
         history_calls = sum(len(m.get("tool_calls") or ()) for m in messages)
         reasoning = self.config.reasoning_parser if separate_reasoning else "none"
         tool_parser = self.config.tool_call_parser if tools else "none"
-        grammar = forced or options.grammar
-        if grammar and starts_in_reasoning(prompt) and reasoning != "none":
+        grammar = forced or auto or options.grammar
+        if grammar and starts_in_reasoning(prompt) and (reasoning != "none" or auto):
             from ddtree.gateway.structured_outputs import after_reasoning
 
-            # the constraint starts after </think>
-            grammar = after_reasoning(grammar, self.tokenizer, "tool_choice" if forced else f"{options_prefix}grammar")
+            # the constraint starts after </think> (always for auto's: </think> is no text the grammar allows)
+            field = "tool_choice" if forced else "tools" if auto else f"{options_prefix}grammar"
+            grammar = after_reasoning(grammar, self.tokenizer, field)
         return self._job(
             options,
             request_id,
@@ -227,9 +231,26 @@ class Pipeline:
             tool_index_offset=history_calls,
             max_budget=max_budget,
             grammar=grammar,
+            open_grammar=bool(auto),
         )
 
-    def _forced_tool_grammar(self, tools, tool_choice: str, grammar: str) -> str:
+    def _auto_tool_grammar(self, tools, tool_choice: str, grammar: str, parallel: bool) -> str:
+        """tool_choice auto with tools: a grammar whose tool-call section names declared tools only
+        (structured_outputs.auto_tool_grammar), or "" (no tools, another constraint, or another parser)."""
+        if tool_choice != "auto" or not tools or grammar:
+            return ""
+        if self.config.tool_call_parser != "kimi_k2":
+            if not parallel:
+                raise Invalid(
+                    "parallel_tool_calls: false needs the kimi_k2 tool-call parser, "
+                    f"not {self.config.tool_call_parser!r}"
+                )
+            return ""
+        from ddtree.gateway.structured_outputs import auto_tool_grammar
+
+        return auto_tool_grammar(tools, self.tokenizer, parallel)
+
+    def _forced_tool_grammar(self, tools, tool_choice: str, grammar: str, parallel: bool = True) -> str:
         """tool_choice required / function:NAME as a grammar of the tool-call section, or ""."""
         if tool_choice in ("auto", "none"):
             return ""
@@ -244,7 +265,7 @@ class Pipeline:
         from ddtree.gateway.structured_outputs import tool_grammar
 
         name = tool_choice.removeprefix("function:") if tool_choice.startswith("function:") else None
-        return tool_grammar(tools, name, self.tokenizer)
+        return tool_grammar(tools, name, self.tokenizer, parallel)
 
     def complete_job(
         self,
@@ -329,8 +350,10 @@ class Pipeline:
         prefix: str,
         max_budget: int | None = None,
         grammar: str | None = None,
+        open_grammar: bool = False,
         **kwargs,
     ) -> Job:
+        """open_grammar: the grammar never ends by itself (auto tool calls), so min_tokens stays possible."""
         validate_options(
             o,
             vocab_size=self.tokenizer.vocab_size,
@@ -372,7 +395,7 @@ class Pipeline:
         if o.HasField("prompt_logprobs"):
             request.prompt_logprobs = o.prompt_logprobs
         request.grammar = o.grammar if grammar is None else grammar  # checked before (check_client_grammar)
-        if request.grammar and o.min_tokens:
+        if request.grammar and o.min_tokens and not open_grammar:
             # A finished grammar allows only the stop ids, which min_tokens masks: no token would be left.
             raise Invalid(
                 f"{prefix}min_tokens: must be 0 with a structured output or a forced tool call, got {o.min_tokens}"

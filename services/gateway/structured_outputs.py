@@ -12,6 +12,9 @@ sent in `GenerateRequest.grammar`; the verifier masks the target's choice at eve
   `guided_choice` / `guided_grammar` (with `guided_decoding_backend` auto / guidance / llguidance).
 - `tool_choice` `required` / a named function: the Kimi K2 tool-call section (the tool parser's syntax,
   parsers/kimi_k2_tools.py), each call's arguments constrained to its `parameters` schema.
+- `tool_choice` `auto` with tools (and no other constraint): text, then optionally that section, whose
+  calls can only name declared tools, with a JSON object as arguments, the declared schema for a tool
+  marked `strict: true` (`auto_tool_grammar`). `parallel_tool_calls: false`: one call at most, any mode.
 
 JSON is compact (`{"a":1,"b":[2,3]}`, llguidance's `whitespace_flexible: false`): vLLM allows any
 whitespace unless `disable_any_whitespace`, which lets a weak model pad with whitespace until max_tokens;
@@ -182,26 +185,34 @@ def check_grammar(grammar: str, field: str) -> None:
         raise Invalid(f"{field}: {error.strip()}")
 
 
-def tool_grammar(tools: list[dict], name: str | None, tokenizer: Tokenizer) -> str:
-    """A forced Kimi K2 tool-call section: one call of `name`, or (name None: tool_choice required) 1 to
-    MAX_FORCED_CALLS calls of any declared tool, each call's arguments valid for its `parameters` schema."""
+_MARKERS = (
+    "<|tool_calls_section_begin|>",
+    "<|tool_calls_section_end|>",
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+)
+
+
+def _marker_ids(tokenizer: Tokenizer) -> dict[str, str]:
     ids = {}
-    for marker in (
-        "<|tool_calls_section_begin|>",
-        "<|tool_calls_section_end|>",
-        "<|tool_call_begin|>",
-        "<|tool_call_argument_begin|>",
-        "<|tool_call_end|>",
-    ):
+    for marker in _MARKERS:
         if marker not in tokenizer.special_tokens:
             raise Invalid(f"tool_choice: the tokenizer has no {marker} token (the Kimi K2 tool-call format)")
         ids[marker] = f"<[{tokenizer.special_tokens[marker]}]>"
+    return ids
+
+
+def _calls(tools: list[dict], name: str | None, ids: dict[str, str], schemas: bool) -> tuple[list[dict], str]:
+    """(argument grammars, the Lark rule `call`) of the declared tools (only `name`'s when given): a call
+    names a declared tool, and its arguments are its `parameters` schema (schemas=True, or the tool's
+    `strict: true`), else any JSON object."""
     grammars, calls = [], []
     for i, tool in enumerate(tools):
         fn = tool.get("function") or {}
         if name is not None and fn.get("name") != name:
             continue
-        params = fn.get("parameters")
+        params = fn.get("parameters") if schemas or fn.get("strict") else None
         schema = _schema(params if params is not None else {"type": "object"}, f"tools[{i}].function.parameters")
         grammars.append({"name": f"args_{i}", **schema})
         head = json.dumps(f"functions.{fn.get('name')}:")
@@ -211,16 +222,48 @@ def tool_grammar(tools: list[dict], name: str | None, tokenizer: Tokenizer) -> s
         )
     if not calls:
         raise Invalid(f"tool_choice.function.name: no declared tool is named {name!r}")
-    repeat = "" if name is not None else f"{{1,{MAX_FORCED_CALLS}}}"
+    return grammars, "call: " + " | ".join(calls)
+
+
+def tool_grammar(tools: list[dict], name: str | None, tokenizer: Tokenizer, parallel: bool = True) -> str:
+    """A forced Kimi K2 tool-call section: one call of `name`, or (name None: tool_choice required) 1 to
+    MAX_FORCED_CALLS calls of any declared tool (1 when not `parallel`), each call's arguments valid for its
+    `parameters` schema."""
+    ids = _marker_ids(tokenizer)
+    grammars, call = _calls(tools, name, ids, schemas=True)
+    repeat = "" if name is not None or not parallel else f"{{1,{MAX_FORCED_CALLS}}}"
     lark = "\n".join(
         [
             f"start: {ids['<|tool_calls_section_begin|>']} call{repeat} {ids['<|tool_calls_section_end|>']}",
-            "call: " + " | ".join(calls),
+            call,
             "INDEX: /[0-9]|[1-9][0-9]/",
         ]
     )
     grammar = _text([{"lark_grammar": lark}, *grammars])
     check_grammar(grammar, "tool_choice")
+    return grammar
+
+
+def auto_tool_grammar(tools: list[dict], tokenizer: Tokenizer, parallel: bool = True) -> str:
+    """tool_choice auto: free text, and at most one Kimi K2 tool-call section whose calls name declared
+    tools only (one call when not `parallel`); a call's arguments are a JSON object, its `parameters` schema
+    when the tool is `strict`. Text may follow the section, so the grammar never ends by itself (min_tokens
+    stays possible). Special tokens are never text: the section's markers appear only as the grammar
+    places them."""
+    ids = _marker_ids(tokenizer)
+    grammars, call = _calls(tools, None, ids, schemas=False)
+    repeat = "+" if parallel else ""
+    lark = "\n".join(
+        [
+            f"start: TEXT? ({ids['<|tool_calls_section_begin|>']} call{repeat} "
+            f"{ids['<|tool_calls_section_end|>']} TEXT?)?",
+            call,
+            "INDEX: /[0-9]|[1-9][0-9]/",
+            "TEXT: /(?s:.+)/",
+        ]
+    )
+    grammar = _text([{"lark_grammar": lark}, *grammars])
+    check_grammar(grammar, "tools")
     return grammar
 
 
