@@ -42,7 +42,9 @@ def write_tokenizer(
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description="train the demo byte-level BPE on a corpus built by scripts.data.build_corpus")
+    ap = argparse.ArgumentParser(
+        description="train the demo byte-level BPE on a corpus built by scripts.data.build_corpus"
+    )
     ap.add_argument("corpus_dir")
     ap.add_argument("out_dir")
     ap.add_argument("--vocab-size", type=int, default=VOCAB_SIZE)
