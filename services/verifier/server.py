@@ -135,8 +135,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         )
 
     def _grammar_tokenizer(self):
-        """The checkpoint's vocabulary for llguidance, built once, on the first constrained request (about
-        1 s for a large vocabulary); NoGrammarTokenizer when it cannot be (that too is decided once)."""
+        """The checkpoint's vocabulary for llguidance, built once, on the first constrained request (a
+        large vocabulary takes a while: not at start-up); NoGrammarTokenizer when it cannot be (that too is decided once)."""
         with self._ll_lock:
             if self._ll_tokenizer is None and self._ll_failure is None:
                 if self.tokenizer_dir is None:
