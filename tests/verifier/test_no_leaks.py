@@ -31,9 +31,9 @@ def test_pool_returns_to_empty_after_mixed_traffic(default_ckpt):
     vcfg = VerifierConfig(
         kv_tokens=6000, max_batch=12, max_queue=400, prefill_chunk=64, debug_checks=True, max_context=1024
     )
-    engine = build_engine(vcfg, model=model, drafter=DrafterPool(f"127.0.0.1:{drafter.port}", 10))
-    sched, pool = engine.scheduler, engine.pool
-    engine.start()
+    verifier = build_engine(vcfg, model=model, drafter=DrafterPool(f"127.0.0.1:{drafter.port}", 10))
+    sched, pool = verifier.scheduler, verifier.pool
+    verifier.start()
     servicer = VerifierServicer(sched, vcfg, "test", "{}", tuple(model.config.eos_token_ids))
 
     def register(server):
