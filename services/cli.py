@@ -147,20 +147,26 @@ def cmd_health(args) -> int:
 
 
 def _start_stack(args, log_dir: pathlib.Path, metrics: bool = False):
-    from ddtree.launcher import start_stack
+    """The three services on the stack flags. The directories are checked and made absolute first (the
+    children run in another working directory): a bad one is a one-line error before anything starts."""
+    from ddtree.launcher import check_checkpoint_dir, check_tokenizer_dir, start_stack
 
     model, drafter = args.model, args.drafter
     if not model or (not drafter and not args.no_drafter):
         d = _default_dirs()
         model = model or str(d.target)
         drafter = drafter or str(d.drafter)
+    model = check_checkpoint_dir(model, "--model")
+    drafter = None if args.no_drafter else check_checkpoint_dir(drafter, "--drafter")
+    tokenizer = check_tokenizer_dir(args.tokenizer or model, "--tokenizer" if args.tokenizer else "--model")
     return start_stack(
         model,
-        None if args.no_drafter else drafter,
+        drafter,
         log_dir,
         host=args.host,
-        verifier_args=tuple(getattr(args, "verifier_args", "").split()),
-        drafter_args=tuple(getattr(args, "drafter_args", "").split()),
+        verifier_args=tuple(args.verifier_args.split()),
+        drafter_args=tuple(args.drafter_args.split()),
+        gateway_args=("--tokenizer", tokenizer, *args.gateway_args.split()),
         metrics=metrics,
     )
 
@@ -249,8 +255,12 @@ def _add_stack_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-drafter", action="store_true", help="start no drafter: AR decoding only")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--log-dir", default="", help="where the services' logs go (default: a temp dir)")
+    p.add_argument("--tokenizer", default="", help="tokenizer dir for the gateway (default: the --model dir)")
     p.add_argument("--verifier-args", default="", help="extra verifier flags, one string (e.g. '--tp 2')")
     p.add_argument("--drafter-args", default="", help="extra drafter flags, one string (e.g. '--window 512')")
+    p.add_argument(
+        "--gateway-args", default="", help="extra gateway flags, one string (e.g. '--http-port 8000 --api-key-file F')"
+    )
 
 
 def _add_client_flags(p: argparse.ArgumentParser) -> None:
@@ -318,8 +328,18 @@ def _add_service_commands(sub, names: tuple[str, ...]) -> None:
             p.set_defaults(fn=fn)
 
 
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("ddtree-serve")
+    except metadata.PackageNotFoundError:  # a checkout run without installing
+        return "unknown"
+
+
 def _root_parser() -> tuple[argparse.ArgumentParser, Any]:
     parser = argparse.ArgumentParser(prog="ddtree", description="DDTree speculative decoding for MLA + MoE models")
+    parser.add_argument("--version", action="version", version=f"ddtree {_version()}")
     return parser, parser.add_subparsers(dest="command", required=True)
 
 
@@ -340,7 +360,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=5.0)
     add_config_flags(p, SecurityConfig)
     p.set_defaults(fn=cmd_health)
-    p = sub.add_parser("serve", help="run drafter, verifier and gateway on loopback")
+    p = sub.add_parser(
+        "serve",
+        help="run drafter, verifier and gateway on loopback",
+        description=(
+            "Run drafter, verifier and gateway. The gateway serves gRPC and the OpenAI-compatible HTTP API "
+            "(/v1/chat/completions, /v1/completions, /v1/models; Anthropic's /v1/messages) on the address it "
+            "prints as 'http'. The HTTP port is any free one unless set: DDTREE_HTTP_PORT=8000, or "
+            "--gateway-args '--http-port 8000'."
+        ),
+    )
     _add_stack_flags(p)
     p.add_argument(
         "--no-metrics", action="store_true", help="no Prometheus port per service (default: each on a free port)"
@@ -369,10 +398,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = engine_parser(argv[0]) if argv and argv[0] in ENGINE_COMMANDS else build_parser()
     args = parser.parse_args(argv)
+    from ddtree.launcher import ServiceStartError
+
     try:
         return args.fn(args) or 0
-    except ValueError as err:  # configuration errors: one clear line, exit 2
-        print(f"ddtree {args.command}: error: {err}", file=sys.stderr)
+    except (ValueError, OSError, ServiceStartError) as err:  # expected failures: one clear line, exit 2
+        # (configuration, a checkpoint or tokenizer that is not there, a gateway that refused, a service
+        # that did not start: its message's first line names its log)
+        line = str(err).splitlines()[0] if str(err) else type(err).__name__
+        print(f"ddtree {args.command}: error: {line}", file=sys.stderr)
         return 2
 
 

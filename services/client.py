@@ -18,6 +18,19 @@ from ddtree.protocol.ddtree.v1 import gateway_pb2, gateway_pb2_grpc
 from ddtree.protocol.server import GRPC_OPTIONS
 
 
+class GatewayError(ValueError):
+    """A request the gateway refused or could not serve, in one line: its address, the gRPC status and the
+    gateway's message (what `ddtree generate` prints, exit status 2)."""
+
+
+def _rpc_failure(gateway: str, err: grpc.RpcError) -> GatewayError:
+    code = err.code().name if err.code() else "UNKNOWN"
+    details = " ".join((err.details() or "").split())  # one line
+    if err.code() == grpc.StatusCode.UNAVAILABLE:
+        return GatewayError(f"gateway at {gateway} is unavailable ({details or code}); is it running?")
+    return GatewayError(f"gateway at {gateway}: {code}: {details}")
+
+
 @dataclasses.dataclass
 class GenerateResult:
     text: str
@@ -86,6 +99,14 @@ def generate(
     timeout_s: float = 600.0,
     chat_template_kwargs_json: str = "",
 ) -> GenerateResult:
+    """One streamed request; GatewayError (a ValueError, one line) when the gateway refuses or is unreachable."""
+    try:
+        return _generate(gateway, prompt, chat, options, on_text, on_reasoning, timeout_s, chat_template_kwargs_json)
+    except grpc.RpcError as err:
+        raise _rpc_failure(gateway, err) from None
+
+
+def _generate(gateway, prompt, chat, options, on_text, on_reasoning, timeout_s, chat_template_kwargs_json):
     options = options or gateway_pb2.GenerationOptions()
     with grpc.insecure_channel(gateway, options=GRPC_OPTIONS) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)

@@ -24,6 +24,30 @@ class ServiceStartError(RuntimeError):
     pass
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tiktoken.model")
+
+
+def check_checkpoint_dir(path: str, flag: str) -> str:
+    """`path` made absolute (the children run in another working directory), once it is a directory with
+    config.json and safetensors weights; else ValueError naming the flag, before any child starts."""
+    root = pathlib.Path(path).expanduser().resolve()
+    if not root.is_dir():
+        raise ValueError(f"{flag} {path}: {'not a directory' if root.exists() else 'no such directory'}")
+    if not (root / "config.json").is_file():
+        raise ValueError(f"{flag} {path}: no config.json (not a checkpoint directory)")
+    if not any(root.glob("*.safetensors")) and not (root / "model.safetensors.index.json").is_file():
+        raise ValueError(f"{flag} {path}: no weights (no *.safetensors file)")
+    return str(root)
+
+
+def check_tokenizer_dir(path: str, flag: str) -> str:
+    """`path` made absolute, once it holds a tokenizer (the gateway's); else ValueError naming the flag."""
+    root = pathlib.Path(path).expanduser().resolve()
+    if not any((root / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(f"{flag} {path}: no tokenizer ({' or '.join(TOKENIZER_FILES)}); pass --tokenizer DIR")
+    return str(root)
+
+
 @dataclasses.dataclass
 class ServiceProcess:
     name: str
@@ -182,6 +206,8 @@ def start_stack(
     """
     procs: list[ServiceProcess] = []
     prom = ["--metrics-port", "0"] if metrics else []
+    model_dir = str(pathlib.Path(model_dir).resolve())  # the children run in the repository's directory
+    drafter_dir = None if drafter_dir is None else str(pathlib.Path(drafter_dir).resolve())
     try:
         verifier_flags = ["--model", model_dir, "--host", host, "--port", str(ports[1])]
         verifier_flags += ["--threads", str(default_engine_threads("verifier")), *prom, *verifier_args]

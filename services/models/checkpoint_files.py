@@ -58,7 +58,7 @@ def checkpoint_weight_map(path: str | Path, *, every_file: bool = False) -> dict
     single = root / SINGLE_FILE
     if single.exists():
         return {name: single for name in read_header(single)}
-    raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {root}")
+    raise CheckpointError(f"{root}: no weights here (no {SINGLE_FILE} or {INDEX_FILE})")
 
 
 def _every_file_weight_map(root: Path) -> dict[str, Path]:

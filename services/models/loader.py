@@ -213,6 +213,8 @@ def _plan(
         local = n[len(prefix) :]
         if _is_mtp(local, config.num_hidden_layers) or skip(_logical(local)):
             continue
+        if 0 in files.shape(n):  # a zero-size tensor holds no weights (transformers saves n_shared_experts 0 so)
+            continue
         unexpected.append(n)
     if missing or unexpected:
         source = _source_file(files)
