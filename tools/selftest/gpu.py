@@ -24,7 +24,7 @@ divergence, since a near-tie may resolve differently when the batch shape change
 its row says AR's top-2 gap there and whether DDTree took the second)
 and fp32 (contexts up to 4k; any difference is a mismatch).
 The JSON says where it was measured, so that it can be committed under docs/measurements/: {date (UTC),
-device, commit (of the checkout, when git can tell), command, torch, triton, dry_run, wall_s, kernels:
+device, commit (of the checkout, when git can tell) and dirty, command, torch, triton, dry_run, wall_s, kernels:
 {rows, mismatches}, serving: {plan, passes, checkpoint, cuda_graphs, expected_tau, stacks, rows,
 mismatches, divergences}, mismatches, ok}.
 """
