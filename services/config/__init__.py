@@ -8,7 +8,7 @@
     verifier.py, drafter.py, gateway.py: the three services' configs
 """
 
-from .cpu_runtime import CPU_LINEAR_LAYOUTS, DEFAULT_OMP_SPIN_COUNT
+from .cpu_runtime import DEFAULT_OMP_SPIN_COUNT
 from .device import DTYPE_NAMES
 from .drafter import CPU_WINDOW, CUDA_WINDOW, DrafterConfig
 from .flags import ENV_PREFIX, AutoOnOff, ConfigBase, add_config_flags, config_from_flags, env_var_name, env_var_names
@@ -18,7 +18,6 @@ from .service import DEFAULT_CHECKPOINT_DIR, SecurityConfig, ServiceConfig
 from .verifier import VerifierConfig
 
 __all__ = [
-    "CPU_LINEAR_LAYOUTS",
     "CPU_WINDOW",
     "CUDA_WINDOW",
     "DEFAULT_CHECKPOINT_DIR",

@@ -1,19 +1,14 @@
-"""How an engine runs on the CPU: its threads, OpenMP's busy-wait, and the target's weight layout
-(`ddtree.models.runtime.cpu` applies them)."""
+"""How an engine runs on the CPU: its threads and OpenMP's busy-wait (`ddtree.models.runtime.cpu` applies
+them)."""
 
 from __future__ import annotations
 
 import dataclasses
-import typing
-from typing import Literal
 
 from .flags import ConfigBase, option
 
 # The engines' OpenMP spin count (ddtree.models.runtime.cpu.openmp_spin sets it, and says why this value).
 DEFAULT_OMP_SPIN_COUNT = 30000
-
-CpuLinearLayout = Literal["auto", "row", "column"]
-CPU_LINEAR_LAYOUTS: tuple[str, ...] = typing.get_args(CpuLinearLayout)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,15 +24,4 @@ class CpuRuntimeFields(ConfigBase):
         "before torch loads; -1 = libgomp's own default, whose wait the other engine's turn loses); a "
         "GOMP_SPINCOUNT or OMP_WAIT_POLICY in the environment wins",
         at_least=-1,
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class TargetCpuRuntimeFields(CpuRuntimeFields):
-    """The verifier's CPU runtime: its threads and its target's weight layout."""
-
-    cpu_linear_layout: CpuLinearLayout = option(
-        "auto",
-        "how the target's linear and bf16 expert weights are stored on the CPU at --tp 1: column-major runs "
-        "the few rows of a step faster there (auto = column on the CPU, as loaded elsewhere)",
     )

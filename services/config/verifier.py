@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from .cpu_runtime import TargetCpuRuntimeFields
+from .cpu_runtime import CpuRuntimeFields
 from .device import Dtype
 from .flags import ConfigBase, option
 from .kv import KvFields
@@ -34,7 +34,7 @@ class TensorParallelFields(ConfigBase):
 
 @dataclasses.dataclass(frozen=True)
 class VerifierConfig(
-    KvFields, SpeculationFields, StaticStepFields, TargetCpuRuntimeFields, TensorParallelFields, ServiceConfig
+    KvFields, SpeculationFields, StaticStepFields, CpuRuntimeFields, TensorParallelFields, ServiceConfig
 ):
     flag_group = "verifier"
 
