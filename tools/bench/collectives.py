@@ -1,0 +1,51 @@
+"""The tensor-parallel collectives of a measured step: counted per kind, and the one-rank group that an
+emulated rank (`--emulate-tp N`) runs them in.
+
+Counts are calls of the group's methods (services/models/parallel/process_group.py `TPGroup`):
+`all_reduce` (after attention, after the MLP, in the vocab-parallel embedding), `all_gather` (the
+sharded argmax, sampled logits) and `broadcast_cpu` (rank 0's step message). In a one-rank group each
+call still runs (gloo on the CPU, NCCL on CUDA), so the step pays its launch, not the wire.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+
+import torch
+
+from ddtree.models.parallel.process_group import TPGroup, destroy_tp, free_port, init_tp
+
+COUNTED = ("all_reduce", "all_gather", "broadcast_cpu")
+
+
+@contextlib.contextmanager
+def count_collectives(counts: collections.Counter):
+    """While active, every TPGroup.all_reduce / all_gather / broadcast_cpu call adds 1 to counts[name]."""
+    originals = {name: getattr(TPGroup, name) for name in COUNTED}
+
+    def wrap(name, original):
+        def counted(self, *args, **kwargs):
+            counts[name] += 1
+            return original(self, *args, **kwargs)
+
+        return counted
+
+    for name, original in originals.items():
+        setattr(TPGroup, name, wrap(name, original))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(TPGroup, name, original)
+
+
+@contextlib.contextmanager
+def one_rank_group(device: torch.device, timeout_s: float = 600.0):
+    """A torch.distributed group of world size 1 on this process (gloo, or NCCL + gloo on CUDA), torn
+    down on exit."""
+    tp = init_tp(1, 0, device, timeout_s, init_method=f"tcp://127.0.0.1:{free_port()}")
+    try:
+        yield tp
+    finally:
+        destroy_tp()

@@ -1,0 +1,139 @@
+"""`ddtree bench step`: what one verify step costs on this device, and why.
+
+    ddtree bench step --model checkpoints/demo/target --rows 17 --context 1024
+    ddtree bench step --config docs/kimi_k26_config.json --random-weights --emulate-tp 8 --layers 4
+    ddtree bench step --model DIR --kernels triton --device cpu     # the device path, interpreted
+
+It runs the verifier's step (services/verifier/batch.py over a tree of --rows rows per sequence, each
+sequence with --context tokens of random latents in the KV cache) and reports step ms (eager, and with
+CUDA graphs when the verifier's static step can take the model), launches per step and per decoder
+layer, host syncs per step (and where they are asked for), Triton launches and the tensor-parallel
+collectives. Launches and syncs are counted with a torch dispatch mode (tools/bench/op_count.py: views
+and other metadata-only ops are not launches; a sync is an op that reads a tensor's value to the host),
+so a CPU counts them too; with --kernels triton on a CPU the kernels run under the Triton interpreter
+and each launch counts once.
+
+--emulate-tp N builds rank 0's shard of a TP-N model (its heads, expert columns or, with
+--expert-parallel, experts, its vocabulary slice) on this one device; its all-reduces run in a
+one-rank group and are counted: the per-rank cost of the real deployment, without its wire time.
+--tp N > 1 (real ranks) is not measured here yet: use --emulate-tp N.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "step",
+        help="one verify step's cost: ms (eager / graphs), launches, host syncs, all-reduces",
+        description=__doc__.split("\n\n")[0],
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="a checkpoint directory")
+    src.add_argument("--config", help="a config.json (HF or Kimi K2.5 layout); needs --random-weights")
+    p.add_argument("--random-weights", action="store_true", help="random weights made on the device (no disk)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (only 1 here; see --emulate-tp)")
+    p.add_argument("--emulate-tp", type=int, default=1, help="measure rank 0's shard of a TP-N model")
+    p.add_argument("--expert-parallel", action="store_true", help="with --emulate-tp: whole experts per rank")
+    p.add_argument("--rows", type=int, default=17, help="tree rows per sequence: root + nodes (1 = AR decode)")
+    p.add_argument("--context", type=int, default=1024, help="tokens already in each sequence's KV cache")
+    p.add_argument("--batch", type=int, default=1, help="sequences in the step")
+    p.add_argument("--layers", type=int, default=0, help="keep the first L decoder layers (0 = all)")
+    p.add_argument("--taps", default="", help="comma-separated layers tapped for the drafter (default none)")
+    p.add_argument("--kernels", choices=("auto", "torch", "triton"), default="auto",
+                   help="auto: the device's choice; triton on a CPU runs the kernels interpreted")  # fmt: skip
+    p.add_argument("--device", default="auto", help="auto = cuda when available, else cpu")
+    p.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: the checkpoint's (random: the config's)")
+    p.add_argument("--repeat", type=int, default=5, help="timed steps (median reported)")
+    p.add_argument("--no-graphs", action="store_true", help="eager only")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--out", type=pathlib.Path, default=None, help="also write the JSON here")
+    p.set_defaults(fn=run)
+    return p
+
+
+def resolve_device(name: str) -> str:
+    if name != "auto":
+        return name
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def check_args(args: argparse.Namespace) -> None:
+    if args.config and not args.random_weights:
+        raise ValueError("--config FILE needs --random-weights (a config has no weights)")
+    if args.tp != 1:
+        raise ValueError(f"--tp {args.tp}: real ranks are not measured by bench step yet; --emulate-tp "
+                         f"{args.tp} measures one rank's shard")  # fmt: skip
+    if args.emulate_tp < 1 or args.rows < 1 or args.context < 0 or args.batch < 1 or args.repeat < 1:
+        raise ValueError("--emulate-tp, --rows, --batch and --repeat must be >= 1, --context >= 0")
+    if args.expert_parallel and args.emulate_tp < 2:
+        raise ValueError("--expert-parallel needs --emulate-tp N >= 2")
+
+
+def spec_and_shape(args: argparse.Namespace):
+    from ddtree.tools.bench.step_batch import StepShape
+    from ddtree.tools.bench.step_model import ModelSpec
+
+    spec = ModelSpec(
+        source=args.model or args.config,
+        random_weights=args.random_weights,
+        device=args.device,
+        dtype=args.dtype,
+        layers=args.layers,
+        emulate_tp=args.emulate_tp,
+        expert_parallel=args.expert_parallel,
+        kernels=args.kernels,
+        seed=args.seed,
+    )
+    taps = tuple(int(t) for t in args.taps.split(",") if t.strip())
+    return spec, StepShape(rows=args.rows, context=args.context, batch=args.batch, taps=taps)
+
+
+def format_report(r: dict) -> str:
+    from ddtree.tools.bench.output import format_table
+
+    c = r["config"]
+    shard = f"rank 0 of TP {r['emulate_tp']} (emulated)" if r["emulate_tp"] > 1 else "TP 1"
+    head = (f"{c['source']}{' (random weights)' if c['random_weights'] else ''} on {r['device']}, {shard}, "
+            f"kernels {r['kernels']}: {r['rows']} rows x {r['batch']} at context {r['context']}, "
+            f"{r['layers']} layers ({r['moe_layers']} MoE)")  # fmt: skip
+    graphs = r["step_ms"]["graphs"]
+    rows = [
+        ["step ms, eager (median)", r["step_ms"]["eager"]],
+        ["step ms, CUDA graphs", graphs if graphs is not None else f"n/a: {r['graphs_unavailable']}"],
+        ["ops per step (forward)", f"{r['ops_per_step']} ({r['forward']['ops']})"],
+        ["ops per MoE layer (max / mean)", f"{r['ops_per_moe_layer']} / {r['ops_per_moe_layer_mean']}"],
+        ["ops per dense layer (max / mean)", f"{r['ops_per_dense_layer']} / {r['ops_per_dense_layer_mean']}"],
+        ["host syncs per step (forward)", f"{r['host_syncs_per_step']} ({r['forward']['host_syncs']})"],
+        ["Triton launches per step", r["triton_launches_per_step"]],
+        ["all-reduces per step", r["all_reduces_per_step"]],
+    ]
+    sites = [f"  {s['count']:>4} x {s['op']} at {s['site']}" for s in r["host_sync_sites"][:8]]
+    return "\n".join([head, format_table(["", "value"], rows), *(["host syncs by site:", *sites] if sites else [])])
+
+
+def run(args: argparse.Namespace) -> int:
+    check_args(args)
+    args.device = resolve_device(args.device)
+    if args.kernels == "triton" and args.device == "cpu":
+        from ddtree.tools.bench.kernel_route import interpret_triton
+
+        interpret_triton()
+    from ddtree.tools.bench.step_measure import measure_step
+
+    spec, shape = spec_and_shape(args)
+    report = measure_step(spec, shape, repeat=args.repeat, graphs=not args.no_graphs)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0
