@@ -2,7 +2,9 @@
 
 A pair p = token · topk + slot routes row `token` to expert topk_ids[token, slot]; its local slot is
 expert_map[id] (the id itself without a map; -1 = an expert of another rank: the pair is dropped here
-and contributes nothing). With count_e pairs on local expert e and padded_e = ceil(count_e / BM) · BM:
+and contributes nothing). The range guard: an id outside [0, E_global) or a map value outside
+[-1, E) drops its pair too, so nothing reads the routing back to the host to validate it.
+With count_e pairs on local expert e and padded_e = ceil(count_e / BM) · BM:
 
     sorted_pair_ids int32 [capacity]       expert e's pairs at [start_e, start_e + count_e) in ascending p
                                            (stable), then padded_e - count_e sentinels (= num_pairs);
@@ -33,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .moe_weights import local_slots
+
 
 @dataclasses.dataclass(frozen=True)
 class MoeAlignment:
@@ -60,7 +64,7 @@ def _sub_chunk(block_e: int) -> int:
 
 @triton.jit
 def _count_kernel(
-    IDS, EXPERT_MAP, LOCAL, COUNTS, num_pairs,
+    IDS, EXPERT_MAP, LOCAL, COUNTS, num_pairs, num_global,
     E: tl.constexpr, HAS_MAP: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, BLOCK_E: tl.constexpr,
 ):  # fmt: skip
     c = tl.program_id(0)
@@ -70,11 +74,12 @@ def _count_kernel(
         p = c * CHUNK + s + tl.arange(0, SUB)
         ok = p < num_pairs
         ids = tl.load(IDS + p, mask=ok, other=0)
+        valid = ok & (ids >= 0) & (ids < num_global)  # the range guard: an id out of range is dropped
         if HAS_MAP:
-            loc = tl.load(EXPERT_MAP + ids, mask=ok, other=-1).to(tl.int32)
+            loc = tl.load(EXPERT_MAP + ids, mask=valid, other=-1).to(tl.int32)
         else:
             loc = ids.to(tl.int32)
-        loc = tl.where(ok, loc, -1)
+        loc = tl.where(valid & (loc >= 0) & (loc < E), loc, -1)
         tl.store(LOCAL + p, loc, mask=ok)
         counts += tl.sum((loc[:, None] == offs_e[None, :]).to(tl.int32), 0)
     tl.store(COUNTS + c * E + offs_e, counts, mask=offs_e < E)
@@ -157,7 +162,7 @@ def _check(topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_map: t
 
 
 def moe_align(
-    topk_ids: torch.Tensor,  # int [M, k]: global expert ids (checked by the caller)
+    topk_ids: torch.Tensor,  # int [M, k]: global expert ids (out of range: dropped)
     num_experts: int,  # E: local experts
     block_m: int,
     expert_map: torch.Tensor | None = None,  # int [E_global]: local slot or -1
@@ -182,8 +187,8 @@ def moe_align(
     ids = topk_ids.reshape(-1)
     emap = ids if expert_map is None else expert_map  # a placeholder pointer when there is no map
     _count_kernel[(num_chunks,)](
-        ids, emap, local, counts, P, E=num_experts, HAS_MAP=expert_map is not None, CHUNK=chunk, SUB=sub,
-        BLOCK_E=block_e,
+        ids, emap, local, counts, P, num_experts if expert_map is None else expert_map.shape[0], E=num_experts,
+        HAS_MAP=expert_map is not None, CHUNK=chunk, SUB=sub, BLOCK_E=block_e,
     )  # fmt: skip
     _offsets_kernel[(1,)](
         counts, base, block_end, num_padded, sorted_ids, num_chunks, P, E=num_experts, BLOCK_M=block_m,
@@ -204,10 +209,9 @@ def moe_align_torch(
     """moe_align in torch ops: the same tensors, element for element."""
     _check(topk_ids, num_experts, block_m, expert_map)
     dev = topk_ids.device
-    ids = topk_ids.reshape(-1).long()
-    P = ids.numel()
+    P = topk_ids.numel()
     cap = capacity(P, num_experts, block_m)
-    local = ids if expert_map is None else expert_map.long()[ids]  # [P]
+    local = local_slots(topk_ids, num_experts, expert_map)  # [P], -1: another rank's or out of range
     key = torch.where(local >= 0, local, num_experts)  # non-local pairs sort last, into a spare bin
     counts = torch.zeros(num_experts + 1, dtype=torch.long, device=dev).scatter_add_(0, key, torch.ones_like(key))
     counts = counts[:num_experts]

@@ -25,7 +25,7 @@ def fused_moe_reference(
     expert_map: torch.Tensor | None = None,  # int32 [E_global]: local slot or -1
 ) -> torch.Tensor:  # [M, d], dtype of x
     num_global = gate.num_experts if expert_map is None else expert_map.shape[0]
-    check_routing(topk_ids, topk_weights, x.shape[0], num_global, expert_map)
+    check_routing(topk_ids, topk_weights, x.shape[0], num_global, expert_map, values=True)
     local = topk_ids.long() if expert_map is None else expert_map.long()[topk_ids.long()]  # [M, k]
     out = torch.zeros(x.shape[0], down.out_features, dtype=torch.float32)
     xf = x.float().cpu()

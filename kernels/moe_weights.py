@@ -18,6 +18,7 @@ Only validation lives here; this module imports no triton.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
@@ -93,20 +94,53 @@ def _expect(t: torch.Tensor, dtypes, shape, what: str) -> None:
         raise ValueError(f"expert weights: {what} must have shape {list(shape)}, got {list(t.shape)}")
 
 
+def routing_value_checks() -> bool:
+    """Whether routing values are checked on the host (a sync per MoE call): off unless the environment
+    sets DDTREE_CHECK_ROUTING=1 (debugging). Off, the kernels guard instead: an id outside
+    [0, E_global) or a map value outside [-1, E_local) routes its pair nowhere (dropped, as another rank's)."""
+    return os.environ.get("DDTREE_CHECK_ROUTING", "") not in ("", "0")
+
+
 def check_routing(
-    topk_ids: torch.Tensor, topk_weights: torch.Tensor, rows: int, num_global_experts: int, expert_map
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    rows: int,
+    num_global_experts: int,
+    expert_map,
+    num_local_experts: int | None = None,
+    values: bool | None = None,
 ) -> None:
-    """The routing inputs of a fused MoE call: ids int [M, k] in [0, E_global), weights float [M, k],
-    expert_map None (all experts local) or int32 [E_global] with values in [-1, E_local)."""
+    """The routing inputs of a fused MoE call: ids int [M, k], weights float [M, k], expert_map None (all
+    experts local) or int [E_global]. Shapes and dtypes always; with `values` (None: routing_value_checks())
+    also ids in [0, E_global) and, given num_local_experts, map values in [-1, E_local): those read the
+    tensors back to the host, so the forward leaves them to the kernels' guard."""
     if topk_ids.dim() != 2 or topk_ids.shape[0] != rows:
         raise ValueError(f"fused moe: topk_ids must be [{rows}, k], got {list(topk_ids.shape)}")
     if topk_weights.shape != topk_ids.shape:
         raise ValueError(f"fused moe: topk_weights {list(topk_weights.shape)} != topk_ids {list(topk_ids.shape)}")
     if topk_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"fused moe: topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if expert_map is not None and (expert_map.dim() != 1 or expert_map.shape[0] != num_global_experts):
+        raise ValueError(f"fused moe: expert_map must be [{num_global_experts}], got {list(expert_map.shape)}")
+    if not (routing_value_checks() if values is None else values):
+        return
     if topk_ids.numel() and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= num_global_experts):
         raise ValueError(
             f"fused moe: expert ids must be in [0, {num_global_experts}), got {int(topk_ids.min())}..{int(topk_ids.max())}"
         )
-    if expert_map is not None and (expert_map.dim() != 1 or expert_map.shape[0] != num_global_experts):
-        raise ValueError(f"fused moe: expert_map must be [{num_global_experts}], got {list(expert_map.shape)}")
+    if expert_map is not None and num_local_experts is not None and expert_map.numel():
+        lo, hi = int(expert_map.min()), int(expert_map.max())
+        if lo < -1 or hi >= num_local_experts:
+            raise ValueError(f"fused moe: expert_map values must be in [-1, {num_local_experts}), got {lo}..{hi}")
+
+
+def local_slots(topk_ids: torch.Tensor, num_local_experts: int, expert_map: torch.Tensor | None) -> torch.Tensor:
+    """int64 [M·k]: the local slot of each (token, slot) pair, -1 where it is another rank's or where the id
+    (or its map value) is out of range: the range guard, on the device, of every MoE path."""
+    ids = topk_ids.reshape(-1).long()
+    if expert_map is None:
+        return torch.where((ids >= 0) & (ids < num_local_experts), ids, -1)
+    E_global = expert_map.shape[0]
+    local = expert_map.long()[ids.clamp(0, E_global - 1)]
+    ok = (ids >= 0) & (ids < E_global) & (local >= 0) & (local < num_local_experts)
+    return torch.where(ok, local, -1)

@@ -28,7 +28,7 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, group_size: int, in_features: int) -> torch.Tensor:
     """int32 [..., N, ceil(K/8)] + scale [..., N, ceil(K/g)] -> fp32 [..., N, K]."""
     q = unpack_int4(packed)[..., :in_features].float()
-    s = scale.float().repeat_interleave(group_size, dim=-1)[..., :in_features]
+    s = scale.float()[..., None].expand(*scale.shape, group_size).flatten(-2)[..., :in_features]  # static shape
     return q.mul_(s)
 
 

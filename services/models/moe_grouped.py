@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ddtree.kernels.moe_weights import ExpertWeights, check_routing
+from ddtree.kernels.moe_weights import ExpertWeights, check_routing, local_slots
 from ddtree.kernels.quant_formats import dequantize_fp8_block, dequantize_int4
 
 DEQUANT_ELEMENTS = 1 << 26  # at most this many dequantized expert weights per projection at once
@@ -44,74 +44,115 @@ def grouped_moe(
     method: str | None = None,  # "grouped_mm" | "bmm"; None = CPU_METHOD on the CPU, "bmm" elsewhere
 ) -> torch.Tensor:  # [M, d], dtype of x
     E = gate.num_experts
-    check_routing(topk_ids, topk_weights, x.shape[0], E if expert_map is None else expert_map.shape[0], expert_map)
+    check_routing(topk_ids, topk_weights, x.shape[0], E if expert_map is None else expert_map.shape[0], expert_map, E)
     method = method or (CPU_METHOD if x.device.type == "cpu" else "bmm")
     if method == "grouped_mm" and not HAS_GROUPED_MM:
         raise ValueError("this torch build has no torch._grouped_mm")
     M, k = topk_ids.shape
-    ids = topk_ids.long()
-    flat = (ids if expert_map is None else expert_map.long()[ids]).flatten()  # [M*k] local slot per assignment
-    order = flat.argsort(stable=True)  # assignments by local slot, ties in token order; slot -1 first
-    if expert_map is not None:
-        order = order[int((flat < 0).sum()) :]
-    slots = flat.index_select(0, order)  # [A] ascending
-    rows = order // k  # [A] token row of each assignment
-    counts = torch.bincount(slots, minlength=E)  # [E]
+    if M * k == 0:
+        return x.new_zeros(M, down.out_features)
+    key = local_slots(topk_ids, E, expert_map)  # [A = M·k] local slot per assignment, -1 = dropped
+    key = torch.where(key >= 0, key, E)  # dropped assignments sort last, past every group
+    order = key.argsort(stable=True)  # assignments by local slot, ties in token order
+    counts = torch.zeros(E + 1, dtype=torch.int64, device=x.device).scatter_add_(0, key, torch.ones_like(key))[:E]
+    # Rows of dropped assignments lie past the last group: never computed, sent to a spare output row M.
+    rows = torch.where(key.index_select(0, order) < E, order // k, M)  # [A]
+    groups = _Groups(counts, min(E, M * k))
     dt = torch.get_autocast_dtype("cpu") if x.device.type == "cpu" and torch.is_autocast_enabled("cpu") else x.dtype
-    xs = x.index_select(0, rows).to(dt)  # [A, d]
+    xs = x.index_select(0, order // k).to(dt)  # [A, d]
     with torch.autocast(x.device.type, enabled=False):
-        h = F.silu(_project(xs, gate, counts, method)) * _project(xs, up, counts, method)  # [A, I]
-        ys = _project(h, down, counts, method).float() * topk_weights.flatten().index_select(0, order)[:, None]
-    out = torch.zeros(M, down.out_features, dtype=torch.float32, device=x.device)
-    return out.index_add_(0, rows, ys.float()).to(x.dtype)
+        h = F.silu(_project(xs, gate, groups, method)) * _project(xs, up, groups, method)  # [A, I]
+        ys = _project(h, down, groups, method).float() * topk_weights.flatten().index_select(0, order)[:, None]
+    out = torch.zeros(M + 1, down.out_features, dtype=torch.float32, device=x.device)
+    return out.index_add_(0, rows, ys.float())[:M].to(x.dtype)
 
 
-def _project(xs: torch.Tensor, w: ExpertWeights, counts: torch.Tensor, method: str) -> torch.Tensor:
-    """xs [A, K] sorted by expert (counts [E] rows each) -> [A, N]: row a times W_{expert(a)}ᵀ."""
-    A, dt = xs.shape[0], xs.dtype
+class _Groups:
+    """The local experts a projection runs, chosen without reading the routing back. `counts` [E]: rows per
+    local expert, all E groups in slot order (bf16 weights under _grouped_mm: empty groups cost nothing and
+    the weights are not copied). `experts` / `sel_counts`: the first `size` = min(E, M·k) experts in the
+    stable order "has rows, then has none" (at most M·k experts can have rows, so every one with rows is
+    among them, in ascending slot order: the order of the sorted rows); only their weights are gathered,
+    dequantized for int4 / fp8. `experts` is None when size == E (all of them, in order)."""
+
+    def __init__(self, counts: torch.Tensor, size: int):
+        self.counts, self.size = counts, size
+        if size >= counts.shape[0]:
+            self.experts, self.sel_counts = None, counts
+        else:
+            self.experts = (counts == 0).to(torch.int8).argsort(stable=True)[:size]
+            self.sel_counts = counts.index_select(0, self.experts)
+
+    def weights(self, w: ExpertWeights, dt: torch.dtype, every: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [G, N, K] in dt, rows per group [G]): all E experts when `every` (bf16 only), else the
+        selected ones (dequantized for int4 / fp8)."""
+        if w.kind == "bf16":
+            if every or self.experts is None:
+                return w.weight.to(dt), self.counts
+            return w.weight.index_select(0, self.experts).to(dt), self.sel_counts
+        return _dequantize(w, self.experts).to(dt), self.sel_counts
+
+
+def _project(xs: torch.Tensor, w: ExpertWeights, groups: _Groups, method: str) -> torch.Tensor:
+    """xs [A, K] sorted by local expert (the rows past the last group are not computed: their output rows are
+    left unset) -> [A, N]: row a times W_{expert(a)}ᵀ."""
+    dt = xs.dtype
     if method == "grouped_mm" and (w.in_features * dt.itemsize % 16 or w.out_features * dt.itemsize % 16):
         method = "bmm"  # _grouped_mm needs rows of whole 16-byte units (true of every real model's widths)
-    if w.kind == "bf16":
-        if method == "grouped_mm":
-            return _grouped(xs, w.weight.to(dt), counts)
-        present = counts.nonzero().flatten()
-        return _padded(xs, w.weight.to(dt).index_select(0, present), counts.index_select(0, present))
-    out = xs.new_empty(A, w.out_features)
-    present = counts.nonzero().flatten().tolist()
+    if w.kind != "bf16" and groups.size * w.out_features * w.in_features > DEQUANT_ELEMENTS:
+        return _project_in_blocks(xs, w, groups, method)
+    weight, counts = groups.weights(w, dt, every=method == "grouped_mm")
+    if method == "grouped_mm":
+        return torch._grouped_mm(xs, weight.transpose(1, 2), offs=counts.cumsum(0).to(torch.int32))
+    return _padded(xs, weight, counts)
+
+
+def _project_in_blocks(xs: torch.Tensor, w: ExpertWeights, groups: _Groups, method: str) -> torch.Tensor:
+    """_project for quantized weights too large to dequantize at once (more than DEQUANT_ELEMENTS): blocks of
+    experts, each over its own rows. Where the rows of a block start is read from the counts (one host sync
+    per projection): only models far larger than the CPU path serves reach it."""
+    out = xs.new_zeros(xs.shape[0], w.out_features)
+    experts = torch.arange(groups.size, device=xs.device) if groups.experts is None else groups.experts
     per_block = max(1, DEQUANT_ELEMENTS // max(1, w.out_features * w.in_features))
-    ends = counts.cumsum(0).tolist()
-    for b in range(0, len(present), per_block):  # one block for every layer that fits DEQUANT_ELEMENTS
-        block = present[b : b + per_block]
-        r0, r1 = ends[block[0]] - int(counts[block[0]]), ends[block[-1]]  # the block's rows are contiguous
-        idx = torch.tensor(block, device=xs.device)
-        wb = _dequantize(w, idx).to(dt)  # [P, N, K]
-        n = counts.index_select(0, idx)
+    ends = [0, *groups.sel_counts.cumsum(0).tolist()]
+    for b in range(0, groups.size, per_block):
+        e = min(groups.size, b + per_block)
+        r0, r1 = ends[b], ends[e]
+        if r1 == r0:
+            continue
+        wb = _dequantize(w, experts[b:e]).to(xs.dtype)  # [P, N, K]
+        n = groups.sel_counts[b:e]
         part = xs[r0:r1]
-        out[r0:r1] = _grouped(part, wb, n) if method == "grouped_mm" else _padded(part, wb, n)
+        if method == "grouped_mm":
+            out[r0:r1] = torch._grouped_mm(part, wb.transpose(1, 2), offs=n.cumsum(0).to(torch.int32))
+        else:
+            out[r0:r1] = _padded(part, wb, n)
     return out
 
 
-def _grouped(xs: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """xs [A, K], weight [G, N, K], counts [G] (sum A) -> [A, N] in one grouped matmul."""
-    offs = counts.cumsum(0).to(torch.int32)
-    return torch._grouped_mm(xs, weight.transpose(1, 2), offs=offs)
-
-
 def _padded(xs: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """The same as a batched matmul over [G, max(counts), K] zero-padded row blocks."""
+    """The same as a batched matmul over [G, A, K] zero-padded row blocks (A rows each: as many as any expert
+    can have, so the shape does not depend on the routing; the rows past the last group go to a spare block)."""
     G, A = weight.shape[0], xs.shape[0]
     if A == 0:
         return xs.new_zeros(0, weight.shape[1])
-    group = torch.repeat_interleave(torch.arange(G, device=xs.device), counts)  # [A]
-    pos = torch.arange(A, device=xs.device) - (counts.cumsum(0) - counts).index_select(0, group)  # [A]
-    padded = xs.new_zeros(G, int(counts.max()), xs.shape[1])
+    ends = counts.cumsum(0)
+    row = torch.arange(A, device=xs.device)
+    group = torch.searchsorted(ends, row, right=True)  # [A]; G past the last group
+    pos = row - (ends - counts).index_select(0, group.clamp(max=G - 1))  # [A] row within its group
+    pos = torch.where(group < G, pos, row)
+    padded = xs.new_zeros(G + 1, A, xs.shape[1])
     padded = padded.index_put((group, pos), xs)
-    return torch.bmm(padded, weight.transpose(1, 2))[group, pos]
+    return torch.bmm(padded[:G], weight.transpose(1, 2))[group.clamp(max=G - 1), pos]
 
 
-def _dequantize(w: ExpertWeights, experts: torch.Tensor) -> torch.Tensor:
-    """fp32 [P, N, K] of local experts `experts` (int64 [P])."""
-    q, s = w.weight.index_select(0, experts), w.scale.index_select(0, experts)
+def _dequantize(w: ExpertWeights, experts: torch.Tensor | None) -> torch.Tensor:
+    """fp32 [P, N, K] of local experts `experts` (int64 [P]; None = all of them)."""
+    q, s = (
+        (w.weight, w.scale)
+        if experts is None
+        else (w.weight.index_select(0, experts), w.scale.index_select(0, experts))
+    )
     if w.kind == "int4":
         return dequantize_int4(q, s, w.group_size, w.in_features)
     return dequantize_fp8_block(q, s, w.block)

@@ -275,7 +275,6 @@ def _bad_inputs():
     fp8_k8 = dataclasses.replace(fp8, scale=torch.ones(4, 2, 5), block=(16, 8))
     ok = dict(x=x, gate=gate, up=up, down=down, topk_weights=weights, topk_ids=ids, expert_map=None)
     emap = torch.tensor([0, 1, 2, 3, -1], dtype=torch.int32)
-    emap_bad = torch.tensor([0, 1, 2, 4, -1], dtype=torch.int32)
     return ok, [
         (dict(x=x[None]), "x must be a bf16 / fp16 / fp32 \\[M, d\\]"),
         (dict(x=x.to(torch.int32)), "x must be a bf16"),
@@ -286,17 +285,55 @@ def _bad_inputs():
         (dict(down=_weights("int4", 4, case.d, 16, torch.Generator(), 16, None)), "down takes 16 features"),
         (dict(down=_weights("int4", 5, case.d, case.inter, torch.Generator(), 16, None)), "expert counts differ"),
         (dict(gate=fp8_k8, up=fp8_k8), "multiple of 16 along K"),
-        (dict(topk_ids=ids.clone().fill_(4)), "expert ids must be in \\[0, 4\\)"),
         (dict(topk_ids=ids[:-1], topk_weights=weights[:-1]), "topk_ids must be \\[3, k\\]"),
         (dict(topk_weights=weights[:, :1]), "topk_weights \\[3, 1\\] != topk_ids"),
         (dict(topk_ids=ids.float()), "int32 or int64"),
         (dict(topk_weights=weights.long()), "topk_weights must be a float"),
         (dict(expert_map=emap[None]), "expert_map must be int32 or int64 \\[E_global\\]"),
         (dict(expert_map=emap.float()), "expert_map must be int32 or int64"),
-        (dict(expert_map=emap_bad, topk_ids=ids % 4), "expert_map values must be in \\[-1, 4\\)"),
         (dict(config="big"), "config must be None, a MoeTileConfig"),
         (dict(config=(MoeTileConfig(16), MoeTileConfig(32))), "share block_m"),
     ]
+
+
+def test_out_of_range_routing_is_dropped_or_rejected_on_request(monkeypatch):
+    """Routing values are not read back in a forward: an id outside [0, E_global) or a map value outside
+    [-1, E_local) drops its pair (it contributes nothing, as another rank's expert would), in the Triton
+    alignment, its torch twin and the CPU grouped path alike; DDTREE_CHECK_ROUTING=1 rejects them instead."""
+    from ddtree.models.moe_grouped import grouped_moe
+
+    case = Case("range", "int4", 4, 2, 3)
+    x, gate, up, down, weights, ids, _ = _inputs(case)
+    bad_ids = ids.clone()
+    bad_ids[0, 0], bad_ids[2, 1] = 4, -3  # two pairs out of range
+    emap = torch.tensor([0, 1, 2, 3, -1], dtype=torch.int32)
+    emap_bad = torch.tensor([0, 1, 2, 4, -7], dtype=torch.int32)  # global 3 -> 4 and 4 -> -7: out of range
+    bad_map_ids = ids % 4
+    bad_map_ids[1, 0] = 3
+    kept_weights = weights.clone()
+    kept_weights[0, 0] = kept_weights[2, 1] = 0.0  # the reference with the dropped pairs weighted 0
+    kept_ids = bad_ids.clamp(0, 3)
+    map_weights = torch.where(bad_map_ids == 3, 0.0, weights)
+    on = [fm.fused_moe, grouped_moe]
+    for fn in on:  # the grouped path in fp32 (its bf16 matmuls round h, which the reference does not)
+        dev, xf = (DEVICE, x) if fn is fm.fused_moe else ("cpu", x.float())
+        args = _on_device(xf, gate, up, down) if dev == DEVICE else [xf, gate, up, down]
+        got = fn(*args, weights.to(dev), bad_ids.to(dev))
+        assert_close(f"{fn.__name__} ids", got.cpu(), fused_moe_reference(xf, gate, up, down, kept_weights, kept_ids))
+        got = fn(*args, weights.to(dev), bad_map_ids.to(dev), emap_bad.to(dev))
+        want = fused_moe_reference(xf, gate, up, down, map_weights, bad_map_ids, emap)
+        assert_close(f"{fn.__name__} map", got.cpu(), want)
+    twin = ma.moe_align_torch(bad_ids, 4, 16)
+    got = ma.moe_align(bad_ids.to(DEVICE), 4, 16)
+    assert twin.local_ids[0] == -1 and twin.local_ids[5] == -1
+    for field in ("sorted_pair_ids", "block_expert", "num_padded", "local_ids"):
+        assert torch.equal(getattr(got, field).cpu(), getattr(twin, field)), field
+    monkeypatch.setenv("DDTREE_CHECK_ROUTING", "1")
+    for fn in on:
+        with pytest.raises(ValueError, match="expert ids must be in \\[0, 4\\)"):
+            fn(x, gate, up, down, weights, bad_ids)
+    with pytest.raises(ValueError, match="expert_map values must be in \\[-1, 4\\)"):
+        fm.fused_moe(x, gate, up, down, weights, bad_map_ids, emap_bad)
 
 
 def test_fused_moe_rejects_bad_inputs():
