@@ -230,7 +230,8 @@ class OpenAIApi:
             if req.messages is not None:
                 tools = validate_tools(req.tools)
                 kwargs = validate_template_kwargs(req.chat_template_kwargs)
-                _, ids = self.p.render(req.messages, tools, req.add_generation_prompt, kwargs)
+                messages = oai.chat_messages(req.messages)  # content parts as chat takes them
+                _, ids = self.p.render(messages, tools, req.add_generation_prompt, kwargs)
             else:
                 self.p.check_prompt_chars(len(req.prompt), "prompt")
                 ids = self.p.tokenizer.encode(req.prompt)

@@ -2,7 +2,8 @@
 the size limit, the request id, the model it names. Every problem is an `ApiError` with its status;
 each route answers it in its protocol's error shape (http.py, anthropic_http.py).
 
-- The body: at most `max_body_bytes` (413 above; an oversize body is still read, up to DRAIN_BYTES, so
+- The body: sent as JSON (a form, multipart or text/plain body, which a web page may send cross-origin
+  without a preflight, is a 415), at most `max_body_bytes` (413 above; an oversize body is still read, up to DRAIN_BYTES, so
   that the client reads the answer instead of a reset connection), strict UTF-8, JSON within
   json_limits (numbers, depth), one object, no unpaired surrogate escape; else 400 saying which.
 - The request id: `X-Request-Id`, else the body's `request_id`, else "" (the pipeline makes one); at most
@@ -32,10 +33,23 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
+# The content types a web page may send cross-origin without a CORS preflight ("simple requests"): refused,
+# so that a page cannot drive a gateway on the visitor's loopback with a form or a text/plain fetch.
+SIMPLE_CONTENT_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data")
+
+
+def check_content_type(request: Request) -> None:
+    """415 for a body sent as one of SIMPLE_CONTENT_TYPES; any other type (or none) is read as JSON."""
+    kind = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if kind in SIMPLE_CONTENT_TYPES:
+        raise ApiError(415, f"Content-Type {kind} is not accepted: send the request body as application/json")
+
+
 async def read_json_body(request: Request, limit: int) -> dict:
     """The JSON object of the body, of at most `limit` bytes. An oversize body is read and dropped (up to
     DRAIN_BYTES) before the 413, so that the client, still sending, reads the answer instead of a reset
-    connection."""
+    connection. A form or text/plain body is a 415 (check_content_type)."""
+    check_content_type(request)
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max(limit, DRAIN_BYTES):
         raise ApiError(413, f"request body of {declared} bytes is over the limit of {limit} bytes")

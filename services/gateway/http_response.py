@@ -3,7 +3,8 @@ and answers with server-sent events or one JSON body, watching the connection me
 cancels the generation, and the verifier frees the request's KV at once).
 
 - A failure before the first tokens is a plain error status (`error_answer`); once the stream started,
-  it is an error event among the stream's last events (`last_events`). So a stream starts with the
+  it is finish_reason "error" on every unfinished choice and an error event, among the stream's last
+  events (`last_events`). So a stream starts with the
   first chunk that carries tokens or a finish_reason: the prompt_logprobs chunks before it are held
   until then (bounded: choices.check_size) and go ahead of it.
 - The verifier's gRPC status keeps its meaning over HTTP (STATUS: 400 bad input, 429 queue full, 503
@@ -107,8 +108,11 @@ class GenerationResponse(Response):
         return _sse(event)
 
     def last_events(self, failure: tuple[int, str] | None) -> list:
-        """The events that end a stream: after a failure (HTTP status, message) its error event first."""
-        return ([error_json(failure[1], failure[0])] if failure else []) + ["[DONE]"]
+        """The events that end a stream: after a failure (HTTP status, message) each unfinished choice's
+        finish_reason "error" and the error event first."""
+        if not failure:
+            return ["[DONE]"]
+        return [*self.events.failed(), error_json(failure[1], failure[0]), "[DONE]"]
 
     # -- running the generation ----------------------------------------------------------------------------
     def _borrow(self) -> list[object] | None:

@@ -149,6 +149,12 @@ def _message(m: ChatMessage, i: int) -> dict:
     return d
 
 
+def chat_messages(messages: Any) -> list[dict]:
+    """A chat's messages as parse_chat reads them (content parts joined), for /tokenize."""
+    r = validate(ChatCompletionRequest, {"messages": messages})
+    return [_message(m, i) for i, m in enumerate(r.messages)]
+
+
 def _tool_choice(value: Any) -> str:
     """auto | none | required, or a named function as "function:NAME" (pipeline.chat_job)."""
     if value is None:

@@ -2,7 +2,8 @@
 completion request (`chat_response`, `completion_response`), its stream chunks (`ChatStream`,
 `CompletionStream`), usage and error JSON. The requests are openai_protocol.py's.
 
-Streams with `stream_options.continuous_usage_stats` (and include_usage) carry `usage` on every chunk
+A stream that fails after it started ends each unfinished choice with finish_reason "error", then the
+error event, then [DONE]. Streams with `stream_options.continuous_usage_stats` (and include_usage) carry `usage` on every chunk
 (that choice's completion tokens so far, as vLLM). Completions with `echo` start each choice with the
 prompt (`Echo`); with max_tokens 0 that is all, finish_reason "length", 0 completion tokens.
 
@@ -91,6 +92,7 @@ def error_json(message: str, status: int, param: str | None = None, code: str | 
         401: "authentication_error",
         404: "not_found_error",
         413: "invalid_request_error",
+        415: "invalid_request_error",
         422: "invalid_request_error",
         429: "rate_limit_error",
         503: "service_unavailable",
@@ -142,6 +144,14 @@ class EventStream:
     def count(self, index: int, c: gateway_pb2.GenerateChunk) -> None:
         self.generated[index] += len(c.token_ids)
 
+    def failed(self) -> list[dict]:
+        """After a failure mid-stream: a last chunk with finish_reason "error" for each choice that had not
+        finished (then the error event and [DONE]), so no choice ends without a finish reason."""
+        return [self._chunk([self._ended(i, "error")]) for i in range(self.n) if i not in self._usages]
+
+    def _ended(self, index: int, finish_reason: str) -> dict:
+        raise NotImplementedError
+
     def _final(self, index: int, choice: dict, usage: common_pb2.Usage) -> list[dict]:
         out = [self._chunk([choice], spec=spec_json(usage))]
         self._usages[index] = usage
@@ -160,6 +170,9 @@ class ChatStream(EventStream):
 
     def _delta(self, index: int, delta: dict, finish_reason: str | None = None, logprobs=None) -> dict:
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def _ended(self, index: int, finish_reason: str) -> dict:
+        return self._delta(index, {}, finish_reason)
 
     def start(self) -> list[dict]:
         return [self._chunk([self._delta(i, {"role": "assistant", "content": ""})]) for i in range(self.n)]
@@ -222,6 +235,9 @@ class CompletionStream(EventStream):
 
     def _choice(self, index: int, text: str, finish_reason: str | None = None, logprobs=None) -> dict:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def _ended(self, index: int, finish_reason: str) -> dict:
+        return self._choice(index, "", finish_reason)
 
     def start(self) -> list[dict]:
         return []

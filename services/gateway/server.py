@@ -288,4 +288,10 @@ def serve(
         tokenizer=str(path),
         vocab_size=tokenizer.vocab_size,
     )
+    if keys.required and not (config.service_token or config.service_token_file or config.tls_ca):
+        get_logger("gateway").warning(
+            "services_unauthenticated",
+            message="API keys guard the gateway, but the verifier and drafter take calls from any process that "
+            "reaches them: give all three services one service token (DDTREE_SERVICE_TOKEN) or mutual TLS",
+        )
     return GatewayServer(running, http, router, pipeline)

@@ -265,7 +265,21 @@ def test_grpc_chunks_carry_the_pieces(gw, fake, tok):
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt_logprobs" in err.value.details()
 
 
-def test_a_response_too_large_is_400(client, fake, tok):
+@pytest.fixture
+def long_context_client(fake, tokenizer_dir):
+    """A gateway of its own over the fake with a context for 16k tokens: the entries bound, not the
+    context, is what the prompts below meet."""
+    fake.max_context = 16_384
+    running = serve_gateway(fake, tokenizer_dir)
+    try:
+        yield openai_client(next(running))
+    finally:
+        next(running, None)
+        fake.max_context = 1234
+
+
+def test_a_response_too_large_is_400(long_context_client, fake, tok):
+    client = long_context_client
     fake.reset(script_for([5]))
     ids = [7] * 6000  # 16 choices * 6000 positions * 21 entries: over the 2M entries one response may hold
     with pytest.raises(openai.BadRequestError) as err:
