@@ -4,6 +4,11 @@
 The forward works on a flattened batch of new tokens from several sequences (see attention.py) and a
 latent KV cache `kv_cache [num_layers, num_slots, kv_lora_rank + qk_rope_head_dim]` in the model dtype:
 for each layer it writes the new tokens' [c_kv ; k_pe] at `meta.write_slots`, then attends.
+
+The residual stream is carried between layers apart from the layer outputs (vLLM / SGLang): a layer takes
+(h, residual) and returns its MLP output and the residual before it, so every norm after the first is a
+fused residual add + RMSNorm (norm.add_rms_norm; one launch with the Triton layer kernels), the final
+norm included. The sums are the same additions in the same order as `x = x + h`, so the numbers are too.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from torch import nn
 
 from .attention import AttentionMetadata, MLAAttentionBackend, make_attention_backend
 from .config import DeepseekV3Config
+from .layer_kernels import TORCH_KERNELS, LayerKernels, make_layer_kernels
 from .mla import DeepseekV3Attention
 from .moe import DeepseekV3MLP, DeepseekV3MoE
 from .norm import RMSNorm
@@ -42,11 +48,22 @@ class DeepseekV3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.tp = None  # a parallel.TPGroup under tensor parallelism: attention and MLP give partial sums
 
-    def forward(self, x, positions, meta, kv_layer, backend, rope) -> torch.Tensor:  # [T, d] -> [T, d]
-        h = self.self_attn(self.input_layernorm(x), positions, meta, kv_layer, backend, rope)
-        x = x + (h if self.tp is None else self.tp.all_reduce(h))
-        h = self.mlp(self.post_attention_layernorm(x))
-        return x + (h if self.tp is None else self.tp.all_reduce(h))
+    def forward(
+        self, h, residual, positions, meta, kv_layer, backend, rope, kernels: LayerKernels = TORCH_KERNELS
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, residual) [T, d] -> (this layer's MLP output, residual before it); the layer's output is their
+        sum. The first layer takes (embeddings, None)."""
+        norm = self.input_layernorm
+        if residual is None:
+            residual, x = h, kernels.rms_norm(h, norm.weight, norm.eps)
+        else:
+            x, residual = kernels.add_rms_norm(h, residual, norm.weight, norm.eps)
+        h = self.self_attn(x, positions, meta, kv_layer, backend, rope, kernels)
+        h = h if self.tp is None else self.tp.all_reduce(h)
+        norm = self.post_attention_layernorm
+        x, residual = kernels.add_rms_norm(h, residual, norm.weight, norm.eps)
+        h = self.mlp(x, kernels)
+        return (h if self.tp is None else self.tp.all_reduce(h)), residual
 
 
 class DeepseekV3Model(nn.Module):
@@ -59,7 +76,15 @@ class DeepseekV3Model(nn.Module):
 
 
 class DeepseekV3ForCausalLM(nn.Module):
-    def __init__(self, config: DeepseekV3Config, attention_backend: str | MLAAttentionBackend = "torch"):
+    def __init__(
+        self,
+        config: DeepseekV3Config,
+        attention_backend: str | MLAAttentionBackend = "torch",
+        kernels: str | None = None,
+    ):
+        """kernels: the decoder layers' small ops, "torch" | "triton" (layer_kernels.py); None = the attention
+        backend's name ("triton" on CUDA, "torch" on the CPU). Chosen here once; `layer_kernels` may be
+        replaced before a forward (e.g. make_layer_kernels("triton") on a CPU under TRITON_INTERPRET=1)."""
         super().__init__()
         self.config = config
         self.model = DeepseekV3Model(config)
@@ -67,6 +92,9 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.attn_backend = (
             make_attention_backend(attention_backend) if isinstance(attention_backend, str) else attention_backend
         )
+        if kernels is None:
+            kernels = "triton" if self.attn_backend.name == "triton" else "torch"
+        self.layer_kernels = make_layer_kernels(kernels)
 
     # ---- helpers shared with the drafter -----------------------------------------------------------
     @property
@@ -117,19 +145,26 @@ class DeepseekV3ForCausalLM(nn.Module):
             if not 0 <= i < c.num_hidden_layers:
                 raise ValueError(f"tap layer id {i} not in [0, {c.num_hidden_layers})")
 
-        x = self.embed(input_ids)  # [T, d]
+        h, residual = self.embed(input_ids), None  # [T, d]
         rope = PositionRope(self.model.rotary_emb, positions)  # cos/sin once for every layer
+        kernels = self.layer_kernels
         taps: dict[int, torch.Tensor] = {}
         wanted = set(tap_layer_ids)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, positions, meta, kv_cache[i], self.attn_backend, rope)
+            h, residual = layer(h, residual, positions, meta, kv_cache[i], self.attn_backend, rope, kernels)
             if i in wanted:
-                taps[i] = x
-        rows = x if logits_rows is None else x[logits_rows]  # [R, d]
+                taps[i] = residual + h  # the layer's output
+        if residual is not None and logits_rows is not None:
+            h, residual = h[logits_rows], residual[logits_rows]  # [R, d]
+        norm = self.model.norm
+        if residual is None:  # no layers
+            hidden = kernels.rms_norm(h if logits_rows is None else h[logits_rows], norm.weight, norm.eps)
+        else:
+            hidden = kernels.add_rms_norm(h, residual, norm.weight, norm.eps)[0]  # [R, d]
         tap = torch.cat([taps[i] for i in tap_layer_ids], dim=-1) if tap_layer_ids else None
         if hidden_only:
-            return ForwardOutput(logits=None, taps=tap, hidden=self.model.norm(rows))
-        return ForwardOutput(logits=self.compute_logits(self.model.norm(rows)), taps=tap)
+            return ForwardOutput(logits=None, taps=tap, hidden=hidden)
+        return ForwardOutput(logits=self.compute_logits(hidden), taps=tap)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final-normed rows [R, d] -> fp32 logits [R, vocab]."""

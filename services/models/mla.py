@@ -5,8 +5,11 @@ r = kv_lora_rank. kv_b_proj.weight [H·(dn+dv), r] viewed as [H, dn+dv, r] gives
 W_UK = [:, :dn, :] and W_UV = [:, dn:, :].
 
 Every forward (prefill, decode, tree verify) uses the absorbed form:
-  1. q = q_b_proj(q_a_layernorm(q_a_proj(h)))  (or q_proj(h)) -> [T, H, dn+dr] = [q_nope ; q_pe]
-  2. [latent ; k_pe] = kv_a_proj_with_mqa(h);  c_kv = kv_a_layernorm(latent)
+  0. [q_a ; latent ; k_pe] = fused_qkv_a_proj_with_mqa(h): q_a_proj and kv_a_proj_with_mqa read the same h,
+     so they are one GEMM [q_lora_rank + r + dr, d] (merged_linear.py; the state dict still shows both, as
+     views; a quantized checkpoint whose blocks do not allow it keeps two GEMMs, see pack_modules)
+  1. q = q_b_proj(q_a_layernorm(q_a))  (or q_proj(h)) -> [T, H, dn+dr] = [q_nope ; q_pe]
+  2. c_kv = kv_a_layernorm(latent)
   3. rotate q_pe and k_pe at the tokens' positions; write [c_kv ; k_pe] into kv_layer[write_slots]
   4. q_lat = W_UKᵀ q_nope  [T, H, r];  o_lat = backend.attend(q_lat, q_pe, kv_layer)  [T, H, r]
   5. o = W_UV o_lat  [T, H, dv] -> o_proj
@@ -22,6 +25,8 @@ from torch import nn
 
 from .attention import AttentionMetadata, MLAAttentionBackend
 from .config import DeepseekV3Config
+from .layer_kernels import TORCH_KERNELS, LayerKernels
+from .merged_linear import is_merged, register_merged
 from .norm import RMSNorm
 from .packed_linear import dense_weight
 from .rope import RotaryEmbedding
@@ -41,32 +46,61 @@ class DeepseekV3Attention(nn.Module):
         self.softmax_scale = config.softmax_scale
         d, qk = config.hidden_size, config.qk_head_dim
         bias = config.attention_bias
+        kv_a = config.kv_lora_rank + config.qk_rope_head_dim
         if config.q_lora_rank is None:
             self.q_proj = nn.Linear(d, H * qk, bias=False)
+            self.kv_a_proj_with_mqa = nn.Linear(d, kv_a, bias=bias)
         else:
-            self.q_a_proj = nn.Linear(d, config.q_lora_rank, bias=bias)
+            self.fused_qkv_a_proj_with_mqa = nn.Linear(d, config.q_lora_rank + kv_a, bias=bias)
             self.q_a_layernorm = RMSNorm(config.q_lora_rank, eps=A_LAYERNORM_EPS)
             self.q_b_proj = nn.Linear(config.q_lora_rank, H * qk, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(d, config.kv_lora_rank + config.qk_rope_head_dim, bias=bias)
+        register_merged(
+            self,
+            {"fused_qkv_a_proj_with_mqa": (("q_a_proj", config.q_lora_rank), ("kv_a_proj_with_mqa", kv_a))}
+            if config.q_lora_rank is not None else {},
+            ("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj",
+             "o_proj"),
+        )  # fmt: skip
         self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, eps=A_LAYERNORM_EPS)
         self.kv_b_proj = nn.Linear(config.kv_lora_rank, H * (config.qk_nope_head_dim + config.v_head_dim), bias=False)
         self.o_proj = nn.Linear(H * config.v_head_dim, d, bias=bias)
 
     # ---- shared projections ----------------------------------------------------------------------
-    def project_q(self, h: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding):
+    def project_a(self, h: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """h [T, d] -> (q_a [T, q_lora_rank], None without q_lora_rank; kv_a output [T, r+dr] = [c_kv ; k_pe],
+        neither normalised nor rotated). One GEMM when merged: both are column views of its output."""
+        if self.q_lora_rank is None:
+            return None, self.kv_a_proj_with_mqa(h)
+        if is_merged(self, "fused_qkv_a_proj_with_mqa"):
+            return self.fused_qkv_a_proj_with_mqa(h).split([self.q_lora_rank, self.kv_cache_width], dim=-1)
+        return self.q_a_proj(h), self.kv_a_proj_with_mqa(h)
+
+    def project_q(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        q_a: torch.Tensor | None = None,  # project_a's, when the caller has it
+        kernels: LayerKernels = TORCH_KERNELS,
+    ):
         """h [T, d] -> q_nope [T, H, dn], rotated q_pe [T, H, dr]."""
         if self.q_lora_rank is None:
             q = self.q_proj(h)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(h)))
+            q_a = self.project_a(h)[0] if q_a is None else q_a
+            q = self.q_b_proj(kernels.rms_norm(q_a, self.q_a_layernorm.weight, self.q_a_layernorm.eps))
         q = q.view(h.shape[0], self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim)
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         return q_nope, rope(q_pe, positions)
 
     def project_latent(self, h: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding):
         """h [T, d] -> cache rows [T, r+dr] = [normalised c_kv ; rotated k_pe]."""
-        latent, k_pe = self.kv_a_proj_with_mqa(h).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        latent, k_pe = self.project_a(h)[1].split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         return torch.cat([self.kv_a_layernorm(latent), rope(k_pe, positions)], dim=-1)
+
+    @property
+    def kv_cache_width(self) -> int:  # r + dr
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
     def w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [H, dn, r], W_UV [H, dv, r] (views of kv_b_proj.weight, or of its dense copy)."""
@@ -102,13 +136,13 @@ class DeepseekV3Attention(nn.Module):
         kv_layer: torch.Tensor,  # [S, r+dr] this layer's cache, written in place at meta.write_slots
         backend: MLAAttentionBackend,
         rope: RotaryEmbedding,
+        kernels: LayerKernels = TORCH_KERNELS,
     ) -> torch.Tensor:  # [T, d]
         T = h.shape[0]
-        q_nope, q_pe = self.project_q(h, positions, rope)  # [T, H, dn], [T, H, dr]
+        q_a, latent = self.project_a(h)  # one GEMM when merged
+        q_nope, q_pe = self.project_q(h, positions, rope, q_a, kernels)  # [T, H, dn], [T, H, dr]
         # [normalised c_kv ; rotated k_pe] into the cache: project_latent + scatter (fused on the triton backend)
-        backend.write_latent(
-            kv_layer, self.kv_a_proj_with_mqa(h), meta.write_slots, positions, self.kv_a_layernorm, rope
-        )
+        backend.write_latent(kv_layer, latent, meta.write_slots, positions, self.kv_a_layernorm, rope)
         w_uk, w_uv = self.w_uk_uv()
         # Both absorptions as one bmm over heads (what einsum "thn,hnr->thr" / "thr,hvr->thv" runs, the same
         # numbers, without its per-call planning ops)

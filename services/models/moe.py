@@ -1,7 +1,10 @@
 """Dense MLP and the DeepSeek-V3 MoE block (docs/design.md §5). State-dict names mirror the checkpoint:
 `mlp.{gate,up,down}_proj` (dense), `mlp.gate.{weight,e_score_correction_bias}`,
 `mlp.experts.{e}.{gate,up,down}_proj.*` (stacked per projection in moe_experts.py),
-`mlp.shared_experts.{gate,up,down}_proj`."""
+`mlp.shared_experts.{gate,up,down}_proj`.
+
+Every forward takes the model's `LayerKernels` (layer_kernels.py; the torch path by default): the router
+then runs as one Triton launch and the MLP's SiLU-and-mul as another."""
 
 from __future__ import annotations
 
@@ -10,20 +13,32 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import DeepseekV3Config
+from .layer_kernels import TORCH_KERNELS, LayerKernels
+from .merged_linear import is_merged, register_merged
 from .moe_experts import StackedExperts
 
 
 class DeepseekV3MLP(nn.Module):
-    """down(silu(gate(x)) * up(x)); the dense layers and the shared experts (routed ones: moe_experts.py)."""
+    """down(silu(gate(x)) * up(x)); the dense layers and the shared experts (routed ones: moe_experts.py).
+
+    gate and up are one GEMM: `gate_up_proj` [2I, d], gate rows first (merged_linear.py; the state dict
+    still shows `gate_proj.weight` / `up_proj.weight`, views of it). A quantized checkpoint whose blocks
+    cannot be concatenated (FP8 with I not a multiple of the block rows) keeps them apart (pack_modules)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        inter = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden_size, bias=False)
+        register_merged(self, {"gate_up_proj": (("gate_proj", inter), ("up_proj", inter))},
+                        ("gate_proj", "up_proj", "down_proj"))  # fmt: skip
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, d] -> [N, d]
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, kernels: LayerKernels = TORCH_KERNELS) -> torch.Tensor:  # [N, d] -> [N, d]
+        if is_merged(self, "gate_up_proj"):
+            gate_up = self.gate_up_proj(x)  # [N, 2I]
+            inter = gate_up.shape[-1] // 2
+            return self.down_proj(kernels.silu_mul(gate_up[..., :inter], gate_up[..., inter:]))
+        return self.down_proj(kernels.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class DeepseekV3TopkRouter(nn.Module):
@@ -43,8 +58,12 @@ class DeepseekV3TopkRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.n_experts, config.hidden_size, dtype=torch.float32))
         self.register_buffer("e_score_correction_bias", torch.zeros(self.n_experts, dtype=torch.float32))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, d] -> (weights fp32 [N, k], expert ids int64 [N, k])."""
+    def forward(self, x: torch.Tensor, kernels: LayerKernels = TORCH_KERNELS) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, d] -> (weights fp32 [N, k], expert ids int64 [N, k]). With Triton kernels one launch
+        (ddtree.kernels.router) reads `weight` as stored; ids are then in descending score order."""
+        if kernels.route is not None:
+            return kernels.route(x, self.weight, self.e_score_correction_bias, self.top_k, self.n_group,
+                                 self.topk_group, self.norm_topk_prob, self.routed_scaling_factor)  # fmt: skip
         N = x.shape[0]
         logits = F.linear(x.float(), self.weight.float())  # [N, E] fp32
         scores = logits.sigmoid()
@@ -87,9 +106,9 @@ class DeepseekV3MoE(nn.Module):
         e = self.experts
         self.experts = StackedExperts(e.hidden_size, e.intermediate_size, e.num_experts, (lo, hi))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, d] -> [N, d]
-        weights, idx = self.gate(x)  # [N, k] fp32, [N, k]
+    def forward(self, x: torch.Tensor, kernels: LayerKernels = TORCH_KERNELS) -> torch.Tensor:  # [N, d] -> [N, d]
+        weights, idx = self.gate(x, kernels)  # [N, k] fp32, [N, k]
         out = self.experts(x, weights, idx)  # one grouped matmul per projection (no loop over experts)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+            out = out + self.shared_experts(x, kernels)
         return out

@@ -75,14 +75,11 @@ def _attention(
 ) -> torch.Tensor:  # [T, d]
     T, H, r = h.shape[0], attn.num_heads, attn.kv_lora_rank
     B, Q, K = key_bias.shape
-    if attn.q_lora_rank is None:
-        q = attn.q_proj(h)
-    else:
-        q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(h)))
+    q_a, latent = attn.project_a(h)  # q_a_proj and kv_a_proj_with_mqa: one GEMM where merged (mla.py)
+    q = attn.q_proj(h) if q_a is None else attn.q_b_proj(attn.q_a_layernorm(q_a))
     q = q.view(T, H, attn.qk_nope_head_dim + attn.qk_rope_head_dim)
     q_nope, q_pe = q.split([attn.qk_nope_head_dim, attn.qk_rope_head_dim], dim=-1)
     q_pe = rope(q_pe, rope.positions)
-    latent = attn.kv_a_proj_with_mqa(h)
     row = torch.cat([attn.kv_a_layernorm(latent[:, :r]), rope(latent[:, r:], rope.positions)], dim=-1)
     kv_layer.index_copy_(0, write_slots, row.to(kv_layer.dtype))
     w_uk, w_uv = attn.w_uk_uv()

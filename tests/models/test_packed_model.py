@@ -10,6 +10,7 @@ import torch
 import torch.multiprocessing as tmp
 
 from ddtree.models.loader import load_target
+from ddtree.models.moe import DeepseekV3MLP
 from ddtree.models.moe_experts import StackedExperts
 from ddtree.models.packed_linear import Fp8Linear, Int4Linear
 from ddtree.tools.selftest.compare import assert_close
@@ -34,7 +35,12 @@ def test_the_model_holds_packed_modules(ckpt):
     assert experts and all(p.kind == kind for e in experts for p in e.projections())
     linears = [m for m in model.modules() if isinstance(m, (Int4Linear, Fp8Linear))]
     if kind == "fp8":  # every projection outside the experts (lm_head and the embedding stay plain)
-        assert len(linears) == 3 * 5 + 3 * 3 and all(isinstance(m, Fp8Linear) for m in linears)
+        # gate + up of the dense and the 2 shared-expert MLPs (I = 192 / 64: whole 16-row blocks) are one merged
+        # Fp8Linear each; q_a (40 rows) cuts a block, so q_a and kv_a stay two
+        assert len(linears) == 3 * 5 + 3 * 3 - 3 and all(isinstance(m, Fp8Linear) for m in linears)
+        mlps = [m for m in model.modules() if isinstance(m, DeepseekV3MLP)]
+        assert len(mlps) == 3 and all(isinstance(m.gate_up_proj, Fp8Linear) for m in mlps)
+        assert all(isinstance(m.self_attn.q_a_proj, Fp8Linear) for m in model.model.layers)
     else:  # Kimi's ignore list: only the routed experts are INT4
         assert linears == []
 

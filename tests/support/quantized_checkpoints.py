@@ -22,6 +22,7 @@ from torch import nn
 from ddtree.models.attention import AttentionMetadata, SeqAttention
 from ddtree.models.deepseek_v3 import DeepseekV3ForCausalLM
 from ddtree.models.loader import TensorSlice
+from ddtree.models.merged_linear import unmerge_all
 from ddtree.models.moe_experts import PROJECTIONS, StackedExperts
 from ddtree.models.packed_linear import Fp8Linear, Int4Linear
 from ddtree.models.quantization import quantize_fp8_block, quantize_int4_group
@@ -163,7 +164,9 @@ def shrink_to_slices(model: nn.Module, slice_of) -> nn.Module:
     """Give each sliced parameter / buffer of a meta model its sliced shape (what a TP rank would hold).
 
     Routed experts are stacked per projection (`mlp.experts.{proj}.weight` [E, N, K]): their per-expert
-    names must all get the same slice, which is applied to the stacked tensor's dims 1..2."""
+    names must all get the same slice, which is applied to the stacked tensor's dims 1..2. Merged linears
+    (gate_up_proj, fused_qkv_a_proj_with_mqa) are split into their parts first: each may be sliced its own way."""
+    unmerge_all(model)
     done = set()
     for name, t in list(model.state_dict().items()):
         sl = slice_of(name)

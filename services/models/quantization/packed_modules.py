@@ -8,6 +8,12 @@ targeted ones, which in the Kimi checkpoints are the routed experts only. Their 
 the stored ones (`X.weight_packed` / `X.weight_scale` / `X.weight_shape`, or fp8 `X.weight` +
 `X.weight_scale_inv`), and the loader fills them with the stored bytes as they are.
 
+A merged linear (merged_linear.py: the MLP's gate_up_proj, MLA's fused_qkv_a_proj_with_mqa) stays one
+GEMM when all its parts are quantized alike and the format lets their rows be stacked: INT4 always (rows
+are independent), FP8 when every part but the last fills whole row blocks; plain parts stay merged too.
+Otherwise (FP8 with ragged part rows, or parts in different formats) it is split back into one module per
+part, each packed or plain as the scheme says.
+
 It returns, per logical weight name (`X.weight`; for experts `...mlp.experts.{g}.{proj}.weight`, g global),
 the `PackedWeight` the model holds, which the loader uses to slice and check what it reads.
 """
@@ -20,6 +26,7 @@ import torch
 from torch import nn
 
 from ..checkpoint_files import SAFETENSORS_DTYPES, CheckpointError, CheckpointFiles
+from ..merged_linear import can_merge_fp8, merged_parts, split_merged
 from ..moe_experts import PROJECTIONS, StackedExperts, StackedProjection
 from ..packed_linear import Fp8Linear, Int4Linear
 from .fp8_block import Fp8BlockScheme
@@ -41,7 +48,12 @@ def pack_modules(
     packed: dict[str, PackedWeight] = {}
     with torch.device("meta"):
         for name, module in list(model.named_modules()):
-            if isinstance(module, nn.Linear):
+            parent_name, _, leaf = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            parts = merged_parts(parent, leaf) if isinstance(module, nn.Linear) else None
+            if parts is not None:
+                _pack_merged(parent, parent_name, leaf, module, parts, scheme, prefix, files, packed)
+            elif isinstance(module, nn.Linear):
                 fmt = _format(scheme, prefix, name, *module.weight.shape, files)  # [N, K] as built (sliced)
                 if fmt is not None:
                     parent, _, leaf = name.rpartition(".")
@@ -65,6 +77,42 @@ def pack_modules(
                     module.set_projection(proj_name, stacked)
                     packed.update((e + ".weight", w) for e in experts)
     return packed
+
+
+def _pack_merged(
+    parent: nn.Module,
+    parent_name: str,
+    leaf: str,
+    merged: nn.Linear,
+    parts: tuple[tuple[str, int], ...],
+    scheme,
+    prefix: str,
+    files: CheckpointFiles,
+    packed: dict[str, PackedWeight],
+) -> None:
+    """Pack a merged linear whole (one GEMM), or split it into its parts when the formats do not allow it."""
+    K = merged.in_features
+    names = [f"{parent_name}.{part}" if parent_name else part for part, _ in parts]
+    fmts = [_format(scheme, prefix, n, rows, K, files) for n, (_, rows) in zip(names, parts, strict=True)]
+    if all(f is None for f in fmts):
+        return
+    kinds = {None if f is None else (f[0].kind, f[0].group_size, f[0].block, f[1]) for f in fmts}
+    first, scale_dtype = fmts[0] if fmts[0] is not None else (None, None)
+    if len(kinds) == 1 and (first.kind != "fp8" or can_merge_fp8(parts, first.block[0])):
+        total = sum(rows for _, rows in parts)
+        new = _linear(merged, PackedWeight(first.kind, total, K, first.group_size, first.block), scale_dtype)
+        if first.kind == "int4":  # not in the checkpoint as one tensor (each part has its own): built here
+            new.weight_shape = torch.tensor([total, K], dtype=torch.int32, device="cpu")
+        setattr(parent, leaf, new)
+    else:
+        by_part = {part: f for (part, _), f in zip(parts, fmts, strict=True)}
+
+        def make_part(part: str, rows: int) -> nn.Module:
+            plain = nn.Linear(K, rows, bias=merged.bias is not None)
+            return plain if by_part[part] is None else _linear(plain, *by_part[part])
+
+        split_merged(parent, leaf, make_part)
+    packed.update((n + ".weight", f[0]) for n, f in zip(names, fmts, strict=True) if f is not None)
 
 
 def _format(
