@@ -22,9 +22,11 @@ def drafter_dtype(cfg: DrafterConfig) -> torch.dtype:
 def make_engine(cfg: DrafterConfig, model_dir: str, target_dir: str):
     dtype = drafter_dtype(cfg)
     from ddtree.drafter.engine import DraftEngine
+    from ddtree.drafter.memory_check import refuse_unless_fits
     from ddtree.models.dflash_checkpoint import load_drafter
     from ddtree.models.loader import load_tensors
 
+    refuse_unless_fits(cfg, model_dir, dtype)  # on CUDA: the memory plan, before any weight is read
     model = load_drafter(model_dir).to(device=cfg.device, dtype=dtype).eval()
     head = load_tensors(target_dir, ["model.embed_tokens.weight", "lm_head.weight"])
     engine = DraftEngine(

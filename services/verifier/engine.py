@@ -22,6 +22,7 @@ from ddtree.telemetry.logging import get_logger
 from ddtree.verifier.drafter_pool import DrafterPool
 from ddtree.verifier.kv_pool import LatentKVPool
 from ddtree.verifier.kv_sizing import graph_reserve_for, kv_size_for
+from ddtree.verifier.memory_check import refuse_unless_fits
 from ddtree.verifier.scheduler import Scheduler
 from ddtree.verifier.static_step import make_static_step, plan_static_step
 from ddtree.verifier.target import LocalTarget, ShardedTarget, Target
@@ -89,6 +90,7 @@ def build_engine(
 
 def _load(config: VerifierConfig, model_dir: str):
     """(model, tensor-parallel group or None) for the config's device, dtype and TP degree."""
+    refuse_unless_fits(config, model_dir)  # on CUDA: the memory plan, before any weight is read
     backend = resolve_attention_backend(config.attention_backend, config.device)
     if config.tp > 1:  # N ranks (tp_worker.py); on ranks > 0 this call does not return
         from ddtree.verifier.tp_worker import start_tensor_parallel

@@ -13,9 +13,9 @@ from ddtree.cli import main
 from ddtree.models.config import DeepseekV3Config
 from ddtree.models.deepseek_v3 import DeepseekV3ForCausalLM
 from ddtree.models.loader import TensorSlice
+from ddtree.models.weight_bytes import config_tensors
 from ddtree.tools.inspect import (
     active_parameters,
-    config_tensors,
     count_parameters,
     format_report,
     inspect_checkpoint,

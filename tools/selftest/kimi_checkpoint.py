@@ -99,7 +99,7 @@ def make_config(args: argparse.Namespace) -> dict:
 def tensor_specs(raw: dict, group: int, vision: bool) -> list[Spec]:
     """Every stored tensor, in checkpoint order (layer by layer; per expert gate, up, down)."""
     from ddtree.models.config import DeepseekV3Config
-    from ddtree.tools.inspect import config_tensors
+    from ddtree.models.weight_bytes import config_tensors
 
     config = DeepseekV3Config.from_dict(copy.deepcopy(raw))
     out: list[Spec] = []

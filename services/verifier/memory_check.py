@@ -1,0 +1,101 @@
+"""The verifier's memory plan per GPU (models/memory_plan.py), from its config and the checkpoint's config.json
+and safetensors headers alone: engine._load checks it before reading any weight, `ddtree inspect` prints it.
+
+Per rank (rank 0's share, the largest; the latent KV pool is the same on every rank):
+  weights      models/weight_bytes.py, the dtypes the loader keeps (the router fp32)
+  KV pool      kv_sizing.size_kv_pool for the config's setting (a fraction: of the memory left after the
+               weights and the graph pools)
+  activations  kv_sizing.static_forward_peak_bytes at the rank's share of heads and widths, for the largest
+               eager forward: a prefill chunk or a full tree step (max_batch x (default_budget + 1) rows);
+               keys = those rows, as the Triton MLA backend reads the pool in place
+  CUDA graphs  kv_sizing.graph_pool_reserve over static_step.default_buckets, where graphs may be captured
+               (CUDA, tp 1, --cuda-graphs not off; counted also for a model that then runs eagerly)
+"""
+
+from __future__ import annotations
+
+import math
+import types
+
+import torch
+
+from ddtree.models.memory_plan import MemoryPlan, check_plan, gpu_plan, verifier_rank_items
+from ddtree.models.parallel.process_group import rank_device
+from ddtree.models.weight_bytes import read_checkpoint_weights
+from ddtree.telemetry.logging import get_logger
+from ddtree.verifier.kv_sizing import (
+    dtype_bytes_of,
+    graph_pool_reserve,
+    kv_bytes_per_token,
+    size_kv_pool,
+    static_forward_peak_bytes,
+)
+from ddtree.verifier.static_step import default_buckets
+
+log = get_logger("ddtree.verifier.memory_check")
+
+
+def _rank_config(mc, tp: int, ep: bool):
+    """The widths one rank computes with: heads and MLP widths split (routed experts whole under EP)."""
+    share = lambda n: math.ceil(n / tp)  # noqa: E731
+    fields = {f: getattr(mc, f) for f in vars(mc) if not f.startswith("_")}
+    fields.update(
+        num_attention_heads=share(mc.num_attention_heads),
+        intermediate_size=share(mc.intermediate_size),
+        moe_intermediate_size=mc.moe_intermediate_size if ep else share(mc.moe_intermediate_size),
+    )
+    return types.SimpleNamespace(**fields)
+
+
+def graphs_possible(config) -> bool:
+    return torch.device(config.device).type == "cuda" and config.tp == 1 and config.cuda_graphs != "off"
+
+
+def verifier_plan(
+    config, model_dir: str, device_bytes: list[int], n_taps: int = 0, label: str = "device", extra=None
+) -> MemoryPlan:
+    """The plan of `config` (a VerifierConfig) over its tp GPUs of `device_bytes` each; `extra` maps a GPU
+    index to more PlanItems on it (the drafter's, for `ddtree inspect`)."""
+    s = dtype_bytes_of(config.dtype)
+    weights = read_checkpoint_weights(model_dir, config.tp, config.expert_parallel, s)
+    mc = weights.config
+    per_token = kv_bytes_per_token(mc.num_hidden_layers, mc.kv_lora_rank, mc.qk_rope_head_dim, s)
+    rows = config.default_budget + 1
+    graphs = 0
+    if graphs_possible(config):
+        if config.cuda_graph_reserve_gb > 0:
+            graphs = int(config.cuda_graph_reserve_gb * (1 << 30))
+        else:
+            graphs = graph_pool_reserve(
+                mc, default_buckets(config.max_batch, rows, config.max_context + rows), n_taps, s
+            )
+    T = max(config.prefill_chunk, config.max_batch * rows)
+    activations = static_forward_peak_bytes(_rank_config(mc, config.tp, config.expert_parallel), 1, T, T, n_taps, s)
+    gpus = []
+    for rank in range(config.tp):
+        index = rank_device(config.device, rank).index or 0
+        free_after_weights = max(device_bytes[rank] - weights.bytes_per_rank - graphs, per_token * config.page_size)
+        kv = size_kv_pool(
+            bytes_per_token=per_token, page_size=config.page_size, kv_tokens=config.kv_tokens,
+            kv_memory_gb=config.kv_memory_gb, kv_memory_fraction=config.kv_memory_fraction,
+            free_bytes=free_after_weights,
+        )  # fmt: skip
+        items = verifier_rank_items(rank, config.tp, weights.bytes_per_rank, kv.bytes, activations, graphs)
+        gpus.append(gpu_plan(index, device_bytes[rank], items, (extra or {}).get(index, ())))
+    return MemoryPlan(tuple(gpus), per_token, kv.tokens, config.page_size, label)
+
+
+def refuse_unless_fits(config, model_dir: str) -> MemoryPlan | None:
+    """On CUDA: the plan against the memory free now on rank 0's GPU (a drafter already there counts) and
+    the total memory of the others' (free memory would need a CUDA context on each of them in this process);
+    MemoryPlanError, the plan in its message, when it does not fit. None elsewhere (CPU)."""
+    if torch.device(config.device).type != "cuda":
+        return None
+    devices = [rank_device(config.device, r) for r in range(config.tp)]
+    free = [torch.cuda.mem_get_info(devices[0])[0]]
+    free += [torch.cuda.get_device_properties(d).total_memory for d in devices[1:]]
+    plan = verifier_plan(config, model_dir, free, label="free (GPU 0) / total")
+    check_plan(plan, "verifier")
+    t = plan.tightest
+    log.info("memory_plan", tightest_gpu=t.index, headroom_bytes=t.headroom, largest_kv_tokens=plan.largest_kv_tokens)
+    return plan
