@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import importlib
 import json
+import os
 import pathlib
 import signal
 import sys
@@ -146,7 +147,7 @@ def cmd_health(args) -> int:
     return 0 if resp.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
-def _start_stack(args, log_dir: pathlib.Path, metrics: bool = False):
+def _start_stack(args, log_dir: pathlib.Path, metrics: bool = False, ports: tuple[int, int, int] = (0, 0, 0)):
     """The three services on the stack flags. The directories are checked and made absolute first (the
     children run in another working directory): a bad one is a one-line error before anything starts."""
     from ddtree.launcher import check_checkpoint_dir, check_tokenizer_dir, start_stack
@@ -168,23 +169,31 @@ def _start_stack(args, log_dir: pathlib.Path, metrics: bool = False):
         drafter_args=tuple(args.drafter_args.split()),
         gateway_args=("--tokenizer", tokenizer, *args.gateway_args.split()),
         metrics=metrics,
+        ports=ports,
     )
 
 
-def cmd_serve(args) -> None:
+def cmd_serve(args) -> int:
+    from ddtree.launcher import free_ports, supervise
+
     log_dir = pathlib.Path(args.log_dir or tempfile.mkdtemp(prefix="ddtree-serve-"))
-    stack = _start_stack(args, log_dir, metrics=not args.no_metrics)
+    # ports fixed up front (gateway, verifier, drafter, HTTP): a restarted child keeps its address
+    *ports, http = free_ports(4, args.host)
+    if "--http-port" not in args.gateway_args and not os.environ.get("DDTREE_HTTP_PORT"):
+        args.gateway_args = f"--http-port {http} {args.gateway_args}"
+    stack = _start_stack(args, log_dir, metrics=not args.no_metrics, ports=tuple(ports))
     for p in stack.processes:
         prom = "" if args.no_metrics else f"   metrics http://{stack.metrics_address(p.name)}/metrics"
-        print(f"{p.name:9s} {p.address}{prom}   log {p.log_path}", flush=True)
+        print(f"{p.name:9s} {p.address}{prom}   pid {p.popen.pid}   log {p.log_path}", flush=True)
     print(f"http      http://{stack.gateway_http}/v1   (OpenAI-compatible)", flush=True)
     print("serving; Ctrl-C stops", flush=True)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     signal.signal(signal.SIGINT, lambda *_: done.set())
-    done.wait()
+    code = supervise(stack, done, restart=not args.no_restart, log=lambda line: print(f"serve: {line}", flush=True))
     codes = stack.stop()
     print("stopped: " + ", ".join(f"{k} exit {v}" for k, v in codes.items()), flush=True)
+    return code
 
 
 def _options(args):
@@ -373,6 +382,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_stack_flags(p)
     p.add_argument(
         "--no-metrics", action="store_true", help="no Prometheus port per service (default: each on a free port)"
+    )
+    p.add_argument(
+        "--no-restart",
+        action="store_true",
+        help="exit non-zero when a service exits (default: restart it on its address, with backoff)",
     )
     p.set_defaults(fn=cmd_serve)
     p = sub.add_parser("generate", help="send one request through the gateway")

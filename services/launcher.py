@@ -14,6 +14,7 @@ import dataclasses
 import os
 import pathlib
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -259,3 +260,60 @@ def start_stack(
             p.stop()
         raise
     return Stack(procs)
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> tuple[int, ...]:
+    """n distinct TCP ports free on `host` now: picked up front, so that a child restarted with the same
+    arguments comes back on the same address and the services that dial it reconnect."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind((host, 0))
+            socks.append(s)
+        return tuple(s.getsockname()[1] for s in socks)
+    finally:
+        for s in socks:
+            s.close()
+
+
+FIRST_RESTART_DELAY_S = 1.0  # doubled after each restart, up to MAX_RESTART_DELAY_S
+MAX_RESTART_DELAY_S = 30.0
+STABLE_AFTER_S = 60.0  # a child that served this long before exiting restarts after the first delay again
+
+
+def restart_service(p: ServiceProcess) -> ServiceProcess:
+    """The same child again: same interpreter, module and arguments (so the same ports), same log."""
+    python, _, module, *args = p.popen.args
+    return start_service(p.name, list(args), p.log_path.parent, module=module, python=python)
+
+
+def supervise(stack: Stack, stop: threading.Event, restart: bool = True, log=print) -> int:
+    """Watch the stack's children until `stop` is set (then 0). A child that exits is reaped, logged and,
+    with `restart`, started again after a backoff (FIRST_RESTART_DELAY_S, doubling to MAX_RESTART_DELAY_S,
+    back to the first once it had served STABLE_AFTER_S); without `restart` the first exit returns 1, for
+    an outer supervisor to act on."""
+    delay = dict.fromkeys((p.name for p in stack.processes), FIRST_RESTART_DELAY_S)
+    since = dict.fromkeys((p.name for p in stack.processes), time.monotonic())
+    while not stop.wait(0.5):
+        for i, p in enumerate(stack.processes):
+            code = p.popen.poll()
+            if code is None:
+                continue
+            log(f"{p.name} exited with code {code}; log {p.log_path}")
+            if not restart:
+                return 1
+            if time.monotonic() - since[p.name] >= STABLE_AFTER_S:
+                delay[p.name] = FIRST_RESTART_DELAY_S
+            log(f"restarting {p.name} in {delay[p.name]:.0f}s on {p.address}")
+            if stop.wait(delay[p.name]):
+                return 0
+            delay[p.name] = min(2 * delay[p.name], MAX_RESTART_DELAY_S)
+            since[p.name] = time.monotonic()
+            try:
+                stack.processes[i] = restart_service(p)
+            except ServiceStartError as err:  # still dead: the next pass tries again, later
+                log(f"{p.name} did not start: {str(err).splitlines()[0]}")
+                continue
+            log(f"{p.name} serving again on {stack.processes[i].address} (pid {stack.processes[i].popen.pid})")
+    return 0
