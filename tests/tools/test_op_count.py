@@ -76,6 +76,14 @@ def test_value_reads_are_host_syncs(read, op):
     assert site.startswith("tests/tools/test_op_count.py:"), site
 
 
+def test_composite_ops_count_what_they_launch_under_inference_mode():
+    x = torch.arange(6.0)
+    with torch.inference_mode():
+        c = count(lambda: (x.to(torch.float32), x.flatten(), x.reshape(2, 3), x.to(torch.float64), x[0].item()))
+    assert dict(c.names) == {"_to_copy": 1, "_local_scalar_dense": 1}
+    assert c.total().host_syncs == 1
+
+
 def test_shapes_given_ahead_are_not_syncs():
     x = torch.tensor([1, 2, 3])
     c = count(lambda: torch.repeat_interleave(x, x, output_size=6))

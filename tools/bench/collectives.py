@@ -13,8 +13,9 @@ import collections
 import contextlib
 
 import torch
+import torch.distributed as dist
 
-from ddtree.models.parallel.process_group import TPGroup, destroy_tp, free_port, init_tp
+from ddtree.models.parallel.process_group import TPGroup, destroy_tp, init_tp
 
 COUNTED = ("all_reduce", "all_gather", "broadcast_cpu")
 
@@ -43,8 +44,8 @@ def count_collectives(counts: collections.Counter):
 @contextlib.contextmanager
 def one_rank_group(device: torch.device, timeout_s: float = 600.0):
     """A torch.distributed group of world size 1 on this process (gloo, or NCCL + gloo on CUDA), torn
-    down on exit."""
-    tp = init_tp(1, 0, device, timeout_s, init_method=f"tcp://127.0.0.1:{free_port()}")
+    down on exit. Its rendezvous is an in-process store: no TCP store and no server thread."""
+    tp = init_tp(1, 0, device, timeout_s, store=dist.HashStore())
     try:
         yield tp
     finally:

@@ -7,8 +7,9 @@ imported: `interpret_triton()`), which is how a CPU counts the launches the devi
 
 The packed linears (services/models/packed_linear.py) and the routed experts (moe_experts.py) choose
 by `x.is_cuda`; `route_kernels` overrides that choice on each instance (their `forward`, or their
-kernel entry returning None) and restores it on exit. The attention backend is chosen when the model is
-built (make_attention_backend), not here.
+kernel entry returning None) and sets the model's `layer_kernels` (models/layer_kernels.py: norms,
+SiLU-and-mul), restoring both on exit. The attention backend is chosen when the model is built
+(make_attention_backend), not here.
 """
 
 from __future__ import annotations
@@ -57,28 +58,43 @@ def _fused_forward(module: StackedExperts):
     return forward
 
 
+_ABSENT = object()
+
+
 def _no_kernel(*args, **kwargs):
     return None
 
 
 @contextlib.contextmanager
 def route_kernels(model, kernels: str):
-    """The packed linears and routed experts of `model` run `kernels` while active."""
-    overridden = []
-    if kernels != "auto":
-        for module in model.modules():
-            if isinstance(module, _PackedLinear):
-                name, value = (
-                    ("forward", _kernel_forward(module)) if kernels == "triton" else ("kernel_gemm", _no_kernel)
-                )
-            elif isinstance(module, StackedExperts):
-                name, value = ("forward", _fused_forward(module)) if kernels == "triton" else ("fused", _no_kernel)
-            else:
-                continue
-            setattr(module, name, value)
-            overridden.append((module, name))
+    """The packed linears, routed experts and layer kernels of `model` run `kernels` while active."""
+    if kernels == "auto":
+        yield
+        return
+    overrides = []
+    if hasattr(model, "layer_kernels"):  # norms, SiLU-and-mul (models/layer_kernels.py)
+        from ddtree.models.layer_kernels import make_layer_kernels
+
+        overrides.append((model, "layer_kernels", make_layer_kernels(kernels)))
+    for module in model.modules():
+        if isinstance(module, _PackedLinear):
+            overrides.append(
+                (module, "forward", _kernel_forward(module))
+                if kernels == "triton"
+                else (module, "kernel_gemm", _no_kernel)
+            )
+        elif isinstance(module, StackedExperts):
+            overrides.append(
+                (module, "forward", _fused_forward(module)) if kernels == "triton" else (module, "fused", _no_kernel)
+            )
+    saved = [(module, name, vars(module).get(name, _ABSENT)) for module, name, _ in overrides]
+    for module, name, value in overrides:
+        setattr(module, name, value)
     try:
         yield
     finally:
-        for module, name in overridden:
-            delattr(module, name)
+        for module, name, previous in saved:
+            if previous is _ABSENT:
+                delattr(module, name)
+            else:
+                setattr(module, name, previous)

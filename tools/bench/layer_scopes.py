@@ -1,10 +1,11 @@
 """Which part of the model an op belongs to, for OpCounter's scopes.
 
 Scope keys: ("forward",) for the model's forward (embedding, final norm, and at TP N the LM head
-shard), ("forward", "layer", i) for decoder layer i outside its submodules (the residual adds and the
-all-reduces), ("forward", "layer", i, child) for its direct submodules (input_layernorm, self_attn,
-post_attention_layernorm, mlp). What the target runs outside the forward (the step message, the LM
-head along the greedy walk, the argmax combine) stays in the caller's scope.
+shard), ("forward", "layer", i) for decoder layer i outside its submodules' calls (the residual adds,
+the all-reduces, norms run as layer kernels on the norm modules' weights), ("forward", "layer", i,
+child) for what runs inside a direct submodule's call (self_attn, mlp, ...). What the target runs
+outside the forward (the step message, the LM head along the greedy walk, the argmax combine) stays in
+the caller's scope.
 Module hooks open and close the layers' scopes; the forward is wrapped on the instance, because the
 targets call `model.forward(...)` directly (no module hooks fire there).
 """

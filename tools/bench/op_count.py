@@ -10,6 +10,9 @@ classified once:
 Only ops on the step's device count (on CUDA, bookkeeping on CPU tensors launches nothing); on the CPU
 every op is on the device, and a sync is any op that reads a tensor's value to the host.
 
+Composite ops (`to`, `flatten`, `linear`, `item`, ... which reach the mode whole under inference mode)
+are decomposed with the mode on, so a `.to()` that changes nothing counts nothing and `item` counts as
+the `_local_scalar_dense` it runs.
 `Tensor.tolist()` and `Tensor.numpy()` read values without reaching the dispatcher on the CPU, so
 `value_reads()` wraps them: each call counts as one sync (and one launch: on CUDA it is a copy).
 A Triton kernel counts through `launch(name)` (tools/bench/triton_launches.py): one launch, and the ops
@@ -197,9 +200,16 @@ class OpCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
         if self._inside_launch:
-            return out
+            return func(*args, **kwargs)
+        if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
+            # Under inference mode composite ops (to, flatten, linear, item, ...) reach the mode whole:
+            # their decomposition is run with the mode on, so that what they launch is what counts.
+            with self:
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        out = func(*args, **kwargs)
         name = op_name(func)
         if name in NOT_LAUNCHED:
             return out

@@ -51,6 +51,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto = cuda when available, else cpu")
     p.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: the checkpoint's (random: the config's)")
     p.add_argument("--repeat", type=int, default=5, help="timed steps (median reported)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: 1 on a CPU, 3 on CUDA)")
     p.add_argument("--no-graphs", action="store_true", help="eager only")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -75,6 +76,8 @@ def check_args(args: argparse.Namespace) -> None:
                          f"{args.tp} measures one rank's shard")  # fmt: skip
     if args.emulate_tp < 1 or args.rows < 1 or args.context < 0 or args.batch < 1 or args.repeat < 1:
         raise ValueError("--emulate-tp, --rows, --batch and --repeat must be >= 1, --context >= 0")
+    if args.warmup is not None and args.warmup < 0:
+        raise ValueError("--warmup must be >= 0")
     if args.expert_parallel and args.emulate_tp < 2:
         raise ValueError("--expert-parallel needs --emulate-tp N >= 2")
 
@@ -131,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     from ddtree.tools.bench.step_measure import measure_step
 
     spec, shape = spec_and_shape(args)
-    report = measure_step(spec, shape, repeat=args.repeat, graphs=not args.no_graphs)
+    report = measure_step(spec, shape, repeat=args.repeat, graphs=not args.no_graphs, warmup=args.warmup)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2))

@@ -33,7 +33,6 @@ from ddtree.tools.bench.step_model import ModelSpec, build_model, describe
 from ddtree.tools.bench.triton_launches import count_triton_launches
 
 WARMUP_STEPS = {"cpu": 1, "cuda": 3}  # CUDA: the fused MoE's autotuning and the allocator settle
-LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 TOP_OPS = 15
 PING_INTERVAL_S = 3600.0  # the emulated rank has no peer to keep alive
 
@@ -95,10 +94,12 @@ def count_step(model, target, work: StepWork, device: torch.device) -> dict:
     dense_ops = [t.launches for i, t in enumerate(layers) if i not in moe]
 
     def parts(ids) -> dict:
-        """Mean launches per submodule over the layers `ids` (`other`: the residual adds, all-reduces)."""
+        """Mean launches per submodule over the layers `ids`; `other`: the layer's own (residual adds,
+        all-reduces, and norms run as layer kernels rather than through their modules)."""
         if not ids:
             return {}
-        out = {p: statistics.mean(counter.tallies[(*layer_key(i), p)].launches for i in ids) for p in LAYER_PARTS}
+        names = [name for name, _ in model.model.layers[ids[0]].named_children()]
+        out = {p: statistics.mean(counter.tallies[(*layer_key(i), p)].launches for i in ids) for p in names}
         out["other"] = statistics.mean(counter.tallies[layer_key(i)].launches for i in ids)
         return {k: round(v, 2) for k, v in out.items()}
 
@@ -176,11 +177,11 @@ class StepBench:
     device: torch.device
     build_s: float
 
-    def measure(self, shape: StepShape, repeat: int = 5, graphs: bool = True) -> dict:
-        """The step's report (the JSON of `ddtree bench step`)."""
+    def measure(self, shape: StepShape, repeat: int = 5, graphs: bool = True, warmup: int | None = None) -> dict:
+        """The step's report (the JSON of `ddtree bench step`); warmup None: WARMUP_STEPS of the device."""
         spec, model, device = self.spec, self.model, self.device
         work = make_step_work(model.config, shape, device, model.dtype, spec.seed)
-        for _ in range(WARMUP_STEPS.get(device.type, 1)):
+        for _ in range(WARMUP_STEPS.get(device.type, 1) if warmup is None else warmup):
             work.run(self.target)
         counts = count_step(model, self.target, work, device)
         eager = time_steps(lambda: work.run(self.target), repeat, device)
@@ -209,6 +210,7 @@ class StepBench:
             "step_ms_best": {"eager": eager["best"], "graphs": graphed["best"] if graphed else None},
             "graphs_unavailable": reason,
             "repeat": repeat,
+            "warmup": WARMUP_STEPS.get(device.type, 1) if warmup is None else warmup,
             "build_s": round(self.build_s, 2),
             **counts,
             "config": describe(model, spec),
@@ -232,7 +234,9 @@ def step_bench(spec: ModelSpec):
         yield StepBench(spec, model, target, device, build_s)
 
 
-def measure_step(spec: ModelSpec, shape: StepShape, repeat: int = 5, graphs: bool = True) -> dict:
+def measure_step(
+    spec: ModelSpec, shape: StepShape, repeat: int = 5, graphs: bool = True, warmup: int | None = None
+) -> dict:
     """One shape's report: build, measure, tear down."""
     with step_bench(spec) as bench:
-        return bench.measure(shape, repeat, graphs)
+        return bench.measure(shape, repeat, graphs, warmup)

@@ -4,7 +4,7 @@ model served end to end on one GPU, in one table and one JSON.
     ddtree selftest gpu --out runs/selftest_gpu.json       # one CUDA GPU
     ddtree selftest gpu --dry-run --out /tmp/selftest.json  # the same on a CPU: shapes shrunk, kernels
                                                             # under TRITON_INTERPRET=1
-    options: --skip-kernels | --skip-serving, --layers N, --experts N, --contexts 128,1024, --new-tokens N,
+    options: --skip-kernels | --skip-serving | --skip-step, --layers N, --experts N, --contexts 128,1024, --new-tokens N,
              --work-dir DIR (checkpoint and service logs; default a temp dir, removed unless --keep)
 
 (a) kernel_check.py: MLA decode / verify / extend, the latent write, the FP8 / INT4 dense GEMMs, the fused
@@ -16,6 +16,10 @@ model served end to end on one GPU, in one table and one JSON.
     time split into draft / verify / transport, DDTree's tokens equal to AR's. CUDA graphs are measured
     when the verifier can capture the checkpoint, and the JSON says why not when it cannot.
 
+(c) step_check.py: the verify step of Kimi K2.6's rank 0 at TP 8 (`ddtree bench step --emulate-tp 8`, full
+    depth, random INT4 weights made on the GPU): AR and trees of 9 / 17 rows at contexts 128 / 1k / 8k / 32k,
+    eager and CUDA graphs, launches, host syncs and all-reduces per step (numbers, not a check).
+
 It exits 1 on any mismatch (a kernel off its reference, DDTree off AR in fp32), on an error, and when a
 DDTree run that matches AR accepts under 2 tokens per step (the oracle's trees not followed); 2 when it
 cannot run at all.
@@ -26,7 +30,7 @@ and fp32 (contexts up to 4k; any difference is a mismatch).
 The JSON says where it was measured, so that it can be committed under docs/measurements/: {date (UTC),
 device, commit (of the checkout, when git can tell) and dirty, command, torch, triton, dry_run, wall_s, kernels:
 {rows, mismatches}, serving: {plan, passes, checkpoint, cuda_graphs, expected_tau, stacks, rows,
-mismatches, divergences}, mismatches, ok}.
+mismatches, divergences}, step: {plan, source, config, model, rows, skipped}, mismatches, ok}.
 """
 
 from __future__ import annotations
@@ -56,6 +60,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="shrunk shapes on a CPU, kernels interpreted")
     p.add_argument("--skip-kernels", action="store_true", help="no part (a)")
     p.add_argument("--skip-serving", action="store_true", help="no part (b)")
+    p.add_argument("--skip-step", action="store_true", help="no part (c)")
+    p.add_argument("--step-deadline-s", type=float, default=300.0,
+                   help="part (c): measure no new step shape after this many seconds from its start")  # fmt: skip
     p.add_argument("--layers", type=int, default=0, help="decoder layers of the served model (default 4; dry 2)")
     p.add_argument("--experts", type=int, default=0, help="routed experts per MoE layer (default 64; dry 4)")
     p.add_argument("--contexts", default="", help="comma-separated prompt lengths (default 128,1024,4096,16384,32768)")
@@ -116,6 +123,22 @@ def run(args: argparse.Namespace) -> int:
         result["serving_s"] = time.perf_counter() - t1
         if not args.work_dir and not args.keep and not result["errors"]:
             shutil.rmtree(work, ignore_errors=True)
+    if not args.skip_step:
+        from ddtree.tools.selftest import step_check
+
+        print("\n(c) the verify step of a Kimi K2.6 rank (TP 8, emulated), as `ddtree bench step` measures it",
+              flush=True)  # fmt: skip
+        t2 = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="selftest-step-") as work:
+            try:
+                result["step"] = step_check.run_step_check(args.dry_run, pathlib.Path(work),
+                                                           t2 + args.step_deadline_s, log)  # fmt: skip
+                result["errors"] += result["step"]["errors"]
+            except Exception:
+                result["errors"].append(dict(part="step", error=traceback.format_exc()[-3000:]))
+                traceback.print_exc()
+        result["step_s"] = time.perf_counter() - t2
+        save(args.out, result)
     result["mismatches"] = sum(result.get(part, {}).get("mismatches", 0) for part in ("kernels", "serving"))
     low = result.get("serving", {}).get("low_acceptance", 0)
     result["ok"] = result["mismatches"] == 0 and not result["errors"] and not low
@@ -162,6 +185,9 @@ def summary(result: dict) -> str:
             lines.append(f"  serving: {s['low_acceptance']} DDTree runs with tau < 2: the oracle's trees not followed")
         if s["skipped"]:
             lines.append(f"  serving: {s['skipped']} contexts skipped, past --deadline-s")
+    if "step" in result:
+        st = result["step"]
+        lines.append(f"  step: {len(st['rows'])} shapes measured, {st['skipped']} skipped past --step-deadline-s")
     for e in result["errors"]:
         lines.append(f"  ERROR in {e['part']}: {e['error'].strip().splitlines()[-1]}")
     lines.append(f"  {'OK' if result['ok'] else 'FAILED'} in {result['wall_s']:.0f} s")

@@ -1,0 +1,32 @@
+"""Part (c) of `ddtree selftest gpu` (tools/selftest/step_check.py), its dry run: the Kimi-shaped TP-8
+rank measured by `ddtree bench step`'s library with the Triton kernels interpreted, into the JSON."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_the_step_part_of_the_selftest_dry_run(tmp_path):
+    out = tmp_path / "selftest.json"
+    res = subprocess.run(
+        [sys.executable, "-m", "ddtree.cli", "selftest", "gpu", "--dry-run", "--skip-kernels", "--skip-serving",
+         "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["ok"] and not result["errors"] and "kernels" not in result and "serving" not in result
+    step = result["step"]
+    assert step["plan"]["emulate_tp"] == 8 and step["skipped"] == 0
+    assert [(r["rows"], r["context"]) for r in step["rows"]] == [(1, 16), (3, 16)]
+    assert step["config"]["local_heads"] * 8 == step["config"]["heads"]
+    for r in step["rows"]:
+        assert r["step_ms"]["eager"] > 0 and r["step_ms"]["graphs"] is None and r["graphs_unavailable"]
+        assert r["all_reduces_per_step"] == 2 * 2 + 1 and r["triton_launches_per_step"] > 0
+        assert r["ops_per_moe_layer"] > 0 and r["host_syncs_per_step"] >= 0
+    assert "step: 2 shapes measured" in res.stdout

@@ -1,0 +1,96 @@
+"""Part (c) of `ddtree selftest gpu`: the verify step of one Kimi K2.6 rank, what `ddtree bench step`
+measures (tools/bench/step_measure.py), over the shapes the deployment runs.
+
+The model is rank 0's shard of Kimi K2.6 at TP 8 (`--emulate-tp 8`: 8 of 64 heads, every routed
+expert's 256 of 2048 columns in INT4 groups of 32, a 20480-row vocabulary slice; all 61 layers),
+random weights made on the GPU from docs/kimi_k26_config.json, its all-reduces in a one-rank group.
+For AR decode (1 row) and trees of 9 and 17 rows, at contexts 128 / 1k / 8k / 32k: step ms eager and
+with CUDA graphs (or why not), launches per step and per MoE layer, host syncs per step, Triton
+launches and all-reduces. Nothing is compared: these are the numbers the step is judged by.
+
+Dry run (a CPU): a narrow Kimi-shaped config (kimi_checkpoint.make_config: 2 layers, hidden 128, 8
+heads, 8 INT4 experts) as the same TP-8 rank, context 16, rows 1 / 3, the Triton kernels interpreted
+(the GPU's path, each launch counted once).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import time
+import traceback
+
+from ddtree.tools.selftest import kimi_checkpoint
+
+REPORTED = ("rows", "context", "step_ms", "step_ms_best", "graphs_unavailable", "ops_per_step", "ops_per_moe_layer",
+            "ops_per_moe_layer_mean", "ops_per_dense_layer", "host_syncs_per_step", "triton_launches_per_step",
+            "all_reduces_per_step", "forward")  # fmt: skip
+DRY_CONFIG = ["--layers", "2", "--experts", "8", "--hidden", "128", "--vocab", "1024", "--heads", "8", "--q-lora", "64",
+              "--kv-lora", "64", "--moe-width", "256", "--dense-width", "256"]  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    emulate_tp: int
+    layers: int  # 0 = the config's
+    rows: tuple[int, ...]
+    contexts: tuple[int, ...]
+    repeat: int
+    device: str
+    kernels: str
+
+
+def make_plan(dry_run: bool) -> StepPlan:
+    if dry_run:
+        return StepPlan(8, 0, (1, 3), (16,), 1, "cpu", "triton")
+    return StepPlan(8, 0, (1, 9, 17), (128, 1024, 8192, 32768), 10, "cuda", "auto")
+
+
+def config_file(dry_run: bool, work: pathlib.Path) -> pathlib.Path:
+    """The Kimi K2.6 config, or (dry run) a narrow config of the same layout written into `work`."""
+    if not dry_run:
+        return kimi_checkpoint.K26_CONFIG
+    raw = kimi_checkpoint.make_config(kimi_checkpoint.parse_args(["--out", str(work), *DRY_CONFIG]))
+    path = work / "step_config.json"
+    path.write_text(json.dumps(raw, indent=1))
+    return path
+
+
+def run_step_check(dry_run: bool, work: pathlib.Path, deadline: float, log) -> dict:
+    """{plan, model, rows, skipped, errors}; a shape after `deadline` (perf_counter) is skipped."""
+    from ddtree.tools.bench.step_batch import StepShape
+    from ddtree.tools.bench.step_measure import step_bench
+    from ddtree.tools.bench.step_model import ModelSpec
+
+    plan = make_plan(dry_run)
+    source = config_file(dry_run, work)
+    spec = ModelSpec(str(source), random_weights=True, device=plan.device, layers=plan.layers,
+                     emulate_tp=plan.emulate_tp, kernels=plan.kernels)  # fmt: skip
+    out = {"plan": dataclasses.asdict(plan), "source": str(source), "rows": [], "skipped": 0, "errors": []}
+    log(f"{'rows':>4} {'context':>7} {'eager ms':>9} {'graphs ms':>9} {'ops':>6} {'ops/MoE':>7} {'syncs':>5} "
+        f"{'triton':>6} {'allred':>6}")  # fmt: skip
+    with step_bench(spec) as bench:
+        out["model"] = {"build_s": round(bench.build_s, 1)}
+        for context in plan.contexts:
+            for rows in plan.rows:
+                if time.perf_counter() > deadline:
+                    out["skipped"] += 1
+                    continue
+                try:
+                    report = bench.measure(StepShape(rows=rows, context=context), repeat=plan.repeat)
+                except Exception:
+                    out["errors"].append(dict(part="step", rows=rows, context=context,
+                                              error=traceback.format_exc()[-3000:]))  # fmt: skip
+                    continue
+                out.setdefault("config", report["config"])
+                out["rows"].append({k: report[k] for k in REPORTED})
+                graphs = report["step_ms"]["graphs"]
+                log(f"{rows:>4} {context:>7} {report['step_ms']['eager']:>9.2f} "
+                    f"{'n/a' if graphs is None else f'{graphs:.2f}':>9} {report['ops_per_step']:>6} "
+                    f"{report['ops_per_moe_layer']!s:>7} {report['host_syncs_per_step']:>5} "
+                    f"{report['triton_launches_per_step']:>6} {report['all_reduces_per_step']:>6}")  # fmt: skip
+    unavailable = {r["graphs_unavailable"] for r in out["rows"] if r["graphs_unavailable"]}
+    if unavailable:
+        log(f"CUDA graphs: {'; '.join(sorted(unavailable))}")
+    return out
