@@ -5,7 +5,7 @@ ddtree drafter | verifier | gateway    one service, as containers run them
 ddtree generate   a client of the gateway (starts a private stack when --gateway is not given)
 ddtree demo       the main job: start the stack, stream one chat answer, print the statistics, stop
 ddtree train target | drafter    train the demo target / a DFlash drafter (tools/train_*.py)
-ddtree bench context | twopoint | compare    measure decode speed (tools/bench/)
+ddtree bench context | twopoint | compare | overhead | step    decode speed; one verify step's cost (tools/bench/)
 ddtree diagnose   explain a deployment's speed: profile, reconciliation, flags (tools/diagnose.py)
 ddtree selftest gpu   kernels against their references, a Kimi-shaped model served end to end (tools/selftest/)
 """
