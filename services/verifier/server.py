@@ -268,7 +268,7 @@ def serve(config: VerifierConfig, model_dir: str) -> RunningServer:
         on_stop,
         stream_threads=servicer.stream_slots.limit,
         security=ServiceSecurity.from_config(config),
-        handler_init=single_threaded,  # only the scheduler thread runs parallel work (models/cpu_threads.py)
+        handler_init=single_threaded,  # only the scheduler thread runs parallel work (models/runtime/cpu)
     )
     if engine.tensor_parallel is not None:
         engine.tensor_parallel.attach(running)
