@@ -55,6 +55,7 @@ def _rms_norm_kernel(
 
 
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+_PROMOTED = {(a, b): torch.promote_types(a, b) for a in DTYPES for b in DTYPES}  # at import: no op per call
 
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
@@ -76,7 +77,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     res = None if residual is None else residual.reshape(-1, d)
     if res is not None and res.numel() and res.stride(1) != 1:
         res = res.contiguous()
-    out_dtype = torch.promote_types(x.dtype, weight.dtype)
+    out_dtype = _PROMOTED[x.dtype, weight.dtype]
     out = torch.empty(rows.shape, dtype=out_dtype, device=x.device)
     res_out = torch.empty_like(rows) if res is not None else out
     if rows.shape[0]:
