@@ -8,7 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddtree.tools.bench.op_count import HOST_SYNC_OPS, NOT_LAUNCHED, OpCounter  # noqa: E402
+from ddtree.tools.bench.op_count import (  # noqa: E402
+    HOST_SYNC_OPS,
+    NOT_LAUNCHED,
+    OpCounter,
+    is_host_sync,
+    is_host_to_device,
+)
 from ddtree.tools.bench.triton_launches import count_triton_launches  # noqa: E402
 from tests.support.triton_env import INTERPRET, triton_interpret_env  # noqa: F401,I001  (before kernels are imported)
 
@@ -95,6 +101,20 @@ def test_a_cuda_step_counts_nothing_on_cpu_tensors():
     x = torch.arange(6.0)
     c = count(lambda: (x * 2).tolist() and x[0].item(), device_type="cuda")
     assert c.total().launches == 0 and c.total().host_syncs == 0
+
+
+def test_copies_between_host_and_device():
+    """A device -> CPU copy is a sync, a CPU -> device copy is not (it is reported apart); the meta device
+    stands in for CUDA (the rules look at devices only)."""
+    aten = torch.ops.aten
+    host, dev = torch.zeros(3), torch.zeros(3, device="meta")
+    assert is_host_sync(aten.copy_.default, (host, dev), {}, host, "meta")
+    assert not is_host_sync(aten.copy_.default, (dev, host), {}, dev, "meta")
+    assert is_host_to_device(aten.copy_.default, (dev, host), dev, "meta")
+    assert is_host_sync(aten._to_copy.default, (dev,), {"device": "cpu"}, host, "meta")
+    assert not is_host_sync(aten._to_copy.default, (host,), {"device": "meta"}, dev, "meta")
+    assert is_host_to_device(aten._to_copy.default, (host,), dev, "meta")
+    assert not is_host_sync(aten.copy_.default, (host, host), {}, host, "cpu")  # on a CPU step: a plain copy
 
 
 def test_scopes_attribute_innermost():

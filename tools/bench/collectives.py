@@ -15,7 +15,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from ddtree.models.parallel.process_group import TPGroup, destroy_tp, init_tp
+from ddtree.models.parallel.process_group import TPGroup, destroy_tp, init_tp, rank_device
 
 COUNTED = ("all_reduce", "all_gather", "broadcast_cpu")
 
@@ -45,7 +45,7 @@ def count_collectives(counts: collections.Counter):
 def one_rank_group(device: torch.device, timeout_s: float = 600.0):
     """A torch.distributed group of world size 1 on this process (gloo, or NCCL + gloo on CUDA), torn
     down on exit. Its rendezvous is an in-process store: no TCP store and no server thread."""
-    tp = init_tp(1, 0, device, timeout_s, store=dist.HashStore())
+    tp = init_tp(1, 0, rank_device(str(device), 0), timeout_s, store=dist.HashStore())  # cuda -> cuda:0
     try:
         yield tp
     finally:

@@ -14,7 +14,9 @@ Composite ops (`to`, `flatten`, `linear`, `item`, ... which reach the mode whole
 are decomposed with the mode on, so a `.to()` that changes nothing counts nothing and `item` counts as
 the `_local_scalar_dense` it runs.
 `Tensor.tolist()` and `Tensor.numpy()` read values without reaching the dispatcher on the CPU, so
-`value_reads()` wraps them: each call counts as one sync (and one launch: on CUDA it is a copy).
+`value_reads()` wraps them: each call counts as one sync (and one launch: on CUDA it is a copy); on
+CUDA it also counts the explicit waits (torch.cuda.synchronize, Event / Stream.synchronize) as syncs.
+A device -> CPU copy counts as a sync even when non_blocking (its reader must wait for it anyway).
 A Triton kernel counts through `launch(name)` (tools/bench/triton_launches.py): one launch, and the ops
 the launch path runs meanwhile (the interpreter's copies on the CPU) are not counted: a kernel counts
 once, and nothing else stands in for it.
@@ -33,6 +35,7 @@ import sys
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 # Ops that launch nothing: views, metadata queries, allocation without a fill. By packet name (aten.X).
 NOT_LAUNCHED = frozenset(
@@ -70,17 +73,8 @@ def op_name(func) -> str:
 
 
 def _tensors(tree) -> list[torch.Tensor]:
-    out = []
-    stack = [tree]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, torch.Tensor):
-            out.append(x)
-        elif isinstance(x, (list, tuple)):
-            stack.extend(x)
-        elif isinstance(x, dict):
-            stack.extend(x.values())
-    return out
+    """The tensors of nested args / outputs, in order."""
+    return [x for x in tree_leaves(tree) if isinstance(x, torch.Tensor)]
 
 
 def is_host_sync(func, args, kwargs, out, device_type: str) -> bool:
@@ -175,9 +169,9 @@ class OpCounter(TorchDispatchMode):
         return out
 
     # ---- counting ----------------------------------------------------------------------------------
-    def _count(self, name: str, sync: bool, triton: bool = False, h2d: bool = False) -> None:
+    def _count(self, name: str, sync: bool, triton: bool = False, h2d: bool = False, launch: bool = True) -> None:
         t = self.tallies[self._scopes[-1]]
-        t.launches += 1
+        t.launches += launch
         t.host_syncs += sync
         t.triton_launches += triton
         t.host_to_device += h2d
@@ -222,23 +216,41 @@ class OpCounter(TorchDispatchMode):
 
     @contextlib.contextmanager
     def value_reads(self):
-        """Count Tensor.tolist() / Tensor.numpy() of device tensors as syncs while active."""
-        originals = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy")}
+        """While active: Tensor.tolist() / Tensor.numpy() of a device tensor count as a sync (and a launch:
+        on CUDA a copy), and on CUDA an explicit wait (torch.cuda.synchronize, Event / Stream.synchronize)
+        as a sync without a launch."""
         counter = self
+        patches = [(torch.Tensor, name) for name in ("tolist", "numpy")]
+        if self.device_type == "cuda":
+            patches += [
+                (torch.cuda, "synchronize"),
+                (torch.cuda.Event, "synchronize"),
+                (torch.cuda.Stream, "synchronize"),
+            ]
+        originals = [(owner, name, getattr(owner, name)) for owner, name in patches]
 
-        def wrap(name, original):
-            def read(tensor, *args, **kwargs):
+        def read(name, original):
+            def counted(tensor, *args, **kwargs):
                 if tensor.device.type != counter.device_type:
                     return original(tensor, *args, **kwargs)
                 with counter.launch(name, sync=True, triton=False):
                     return original(tensor, *args, **kwargs)
 
-            return read
+            return counted
 
-        for name, original in originals.items():
-            setattr(torch.Tensor, name, wrap(name, original))
+        def wait(name, original):
+            def counted(*args, **kwargs):
+                if not counter._inside_launch:
+                    counter._count(name, sync=True, launch=False)
+                return original(*args, **kwargs)
+
+            return counted
+
+        for owner, name, original in originals:
+            wrapped = read(name, original) if owner is torch.Tensor else wait(f"{owner.__name__}.{name}", original)
+            setattr(owner, name, wrapped)
         try:
             yield
         finally:
-            for name, original in originals.items():
-                setattr(torch.Tensor, name, original)
+            for owner, name, original in originals:
+                setattr(owner, name, original)

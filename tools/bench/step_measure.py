@@ -7,7 +7,9 @@ over the rank-0 handle `TensorParallelModel` in a one-rank group (its step messa
 all-reduces and argmax gather all run; the peers it would wait for do not exist). After warm-up steps:
 - one step counted (op_count.py): everything `target.run` does (the step message, the forward, the LM
   head and the greedy accept walk or the argmax combine); the forward's part, per decoder layer and
-  per submodule, apart. Batch building and slot allocation (host bookkeeping) are outside it.
+  per submodule, apart. Batch building and slot allocation (host bookkeeping) are outside it. Work
+  done once per forward and cached (an attention plan, a sequence's key slots) lands in the first
+  layer that asks for it: Kimi's first layer is dense, so its MoE layers show their own cost.
 - `repeat` steps timed eagerly (median and best; the device synchronised around each);
 - the same with CUDA graphs through the verifier's static step (services/verifier/static_step.py) when
   the device is CUDA and the static step takes the model; otherwise `graphs` is None and
@@ -144,7 +146,8 @@ def graphs_unavailable(model, spec: ModelSpec, device: torch.device) -> str | No
 
 
 def graphs_step_ms(model, work: StepWork, shape: StepShape, repeat: int, device: torch.device):
-    """(timing, None) through a captured static step at the bucket that fits this step, or (None, why)."""
+    """(timing, None) through a static step captured at the tightest bucket that fits this step (batch a
+    power of two, keys the step's own when they are not on the 512-doubling ladder), or (None, why)."""
     from ddtree.models.static_shapes import doubling_sizes, powers_of_two_up_to
     from ddtree.verifier.static_step import Bucket, StaticStep
     from ddtree.verifier.target import LocalTarget
