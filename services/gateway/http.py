@@ -1,6 +1,6 @@
 """OpenAI-compatible HTTP API of the gateway (Starlette on uvicorn, in a thread of the gateway process).
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{id}], POST /tokenize,
+Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses (responses_api.py), GET /v1/models[/{id}], POST /tokenize,
 POST /detokenize, GET /version (vLLM's utility routes: tokenize_protocol.py), GET /health (200 while a
 verifier is healthy, else 503), GET /metrics (Prometheus text); Anthropic's POST /v1/messages and
 /v1/messages/count_tokens (anthropic_http.py, its own error shape).
@@ -69,6 +69,8 @@ from ddtree.gateway.openai_responses import (
     field_of,
 )
 from ddtree.gateway.pipeline import Invalid, Job, Pipeline, validate_template_kwargs
+from ddtree.gateway.responses_api import ResponsesStream, parse_responses, responses_answer
+from ddtree.gateway.responses_api import encode as encode_response_event
 from ddtree.telemetry.logging import get_logger
 from ddtree.tokenization.chat_template import validate_tools
 
@@ -201,6 +203,33 @@ class OpenAIApi:
             echo = Echo(text, ids[0], top, output=not params.prompt_only)
         return self._respond(job, params, model, "cmpl", CompletionStream, completion_response, echo=echo)
 
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API (responses_api.py): text and function tools, one choice."""
+        policy = self._authorize(request)
+        body = await self._body(request)
+        params = await self._prepare(lambda: parse_responses(body, self.config.max_tokens_limit))
+        model, rid = self._model(params["model"]), request_id_of(request, None)
+        job = await self._prepare(
+            lambda: self.p.chat_job(
+                params["messages"],
+                params["options"],
+                tools=params["tools"],
+                request_id=rid,
+                tool_choice=params["tool_choice"],
+                options_prefix="",
+                max_budget=policy.max_budget,
+                parallel_tool_calls=params["parallel_tool_calls"],
+            )
+        )
+        if params["user"] is not None:
+            _log.info("http_request", request_id=job.request.request_id, user=params["user"])
+        gen, rid, created = self._choices(job, 1, params["stream"]), job.request.request_id, int(time.time())
+        if params["stream"]:
+            return _ResponsesStreamResponse(gen, self.limiter, True, events=ResponsesStream(rid, model, created))
+        return GenerationResponse(
+            gen, self.limiter, False, build=functools.partial(responses_answer, rid, model, created)
+        )
+
     async def _model_card(self) -> dict:
         max_context = await anyio.to_thread.run_sync(self.p.max_context, limiter=self.limiter)
         return {
@@ -272,6 +301,16 @@ class OpenAIApi:
         )
 
 
+class _ResponsesStreamResponse(GenerationResponse):
+    """The Responses API's stream: `event: TYPE` lines, no [DONE]; a failure is an `error` event."""
+
+    def encode(self, event: Any) -> bytes:
+        return encode_response_event(event)
+
+    def last_events(self, failure: tuple[int, str] | None) -> list:
+        return [self.events.error(*failure)] if failure else []
+
+
 async def _api_error(request: Request, e: ApiError) -> Response:
     return error_response(e.status, e.message, e.param, code=e.code)
 
@@ -292,6 +331,7 @@ def create_app(pipeline: Pipeline, config: GatewayConfig) -> Starlette:
     routes = [
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/v1/responses", api.responses, methods=["POST"]),
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/v1/models/{model:path}", api.model, methods=["GET"]),
         Route("/tokenize", api.tokenize, methods=["POST"]),
