@@ -30,3 +30,30 @@ def test_the_step_part_of_the_selftest_dry_run(tmp_path):
         assert r["all_reduces_per_step"] == 2 * 2 + 1 and r["triton_launches_per_step"] > 0
         assert r["ops_per_moe_layer"] > 0 and r["host_syncs_per_step"] >= 0
     assert "step: 2 shapes measured" in res.stdout
+
+
+def test_a_rank_too_large_for_the_device_is_measured_at_fewer_layers(monkeypatch):
+    """Out of device memory while building: the depth is halved until the rank fits (61 -> 30 -> 15)."""
+    import contextlib
+
+    import torch
+
+    from ddtree.tools.bench import step_measure
+    from ddtree.tools.selftest import step_check
+
+    tried = []
+
+    @contextlib.contextmanager
+    def fake_bench(spec):
+        tried.append(spec.layers)
+        if spec.layers == 0 or spec.layers > 15:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        yield "bench"
+
+    monkeypatch.setattr(step_measure, "step_bench", fake_bench)
+    spec = step_check.ModelSpec(str(step_check.kimi_checkpoint.K26_CONFIG), random_weights=True, device="cpu")
+    lines = []
+    stack, bench = step_check.open_bench(spec, lines.append)
+    with stack:
+        assert bench == "bench"
+    assert tried == [0, 30, 15] and len(lines) == 2

@@ -4,7 +4,8 @@ measures (tools/bench/step_measure.py), over the shapes the deployment runs.
 The model is rank 0's shard of Kimi K2.6 at TP 8 (`--emulate-tp 8`: 8 of 64 heads, every routed
 expert's 256 of 2048 columns in INT4 groups of 32, a 20480-row vocabulary slice; all 61 layers),
 random weights made on the GPU from docs/kimi_k26_config.json, its all-reduces in a one-rank group.
-For AR decode (1 row) and trees of 9 and 17 rows, at contexts 128 / 1k / 8k / 32k: step ms eager and
+On a GPU that cannot hold all 61 layers (about 76 GB of weights) the depth is halved until it fits, and
+the JSON says how many were measured. For AR decode (1 row) and trees of 9 and 17 rows, at contexts 128 / 1k / 8k / 32k: step ms eager and
 with CUDA graphs (or why not), launches per step and per MoE layer, host syncs per step, Triton
 launches and all-reduces. Nothing is compared: these are the numbers the step is judged by.
 
@@ -15,12 +16,15 @@ heads, 8 INT4 experts) as the same TP-8 rank, context 16, rows 1 / 3, the Triton
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import json
 import pathlib
 import time
 import traceback
 
+from ddtree.tools.bench.step_model import ModelSpec
 from ddtree.tools.selftest import kimi_checkpoint
 
 REPORTED = ("rows", "context", "step_ms", "step_ms_best", "graphs_unavailable", "ops_per_step", "ops_per_moe_layer",
@@ -57,11 +61,32 @@ def config_file(dry_run: bool, work: pathlib.Path) -> pathlib.Path:
     return path
 
 
+def open_bench(spec, log):
+    """(ExitStack, StepBench) of `spec`, at fewer layers (halved until it fits, at least 2) when the
+    device's memory cannot hold them all (an 80 GB GPU does not hold the full-depth rank)."""
+    import torch
+
+    from ddtree.tools.bench.step_measure import step_bench
+    from ddtree.tools.bench.step_model import model_config, read_raw_config
+
+    while True:
+        stack = contextlib.ExitStack()
+        try:
+            return stack, stack.enter_context(step_bench(spec))
+        except torch.OutOfMemoryError:
+            stack.close()
+        layers = (spec.layers or model_config(spec, read_raw_config(spec)).num_hidden_layers) // 2
+        if layers < 2:
+            raise RuntimeError("the Kimi K2.6 rank does not fit this device even at 2 layers")
+        log(f"out of device memory at {spec.layers or 'all'} layers: {layers} layers instead")
+        gc.collect()  # outside the except clause: its traceback no longer holds the partial model
+        torch.cuda.empty_cache()
+        spec = dataclasses.replace(spec, layers=layers)
+
+
 def run_step_check(dry_run: bool, work: pathlib.Path, deadline: float, log) -> dict:
     """{plan, model, rows, skipped, errors}; a shape after `deadline` (perf_counter) is skipped."""
     from ddtree.tools.bench.step_batch import StepShape
-    from ddtree.tools.bench.step_measure import step_bench
-    from ddtree.tools.bench.step_model import ModelSpec
 
     plan = make_plan(dry_run)
     source = config_file(dry_run, work)
@@ -70,8 +95,9 @@ def run_step_check(dry_run: bool, work: pathlib.Path, deadline: float, log) -> d
     out = {"plan": dataclasses.asdict(plan), "source": str(source), "rows": [], "skipped": 0, "errors": []}
     log(f"{'rows':>4} {'context':>7} {'eager ms':>9} {'graphs ms':>9} {'ops':>6} {'ops/MoE':>7} {'syncs':>5} "
         f"{'triton':>6} {'allred':>6}")  # fmt: skip
-    with step_bench(spec) as bench:
-        out["model"] = {"build_s": round(bench.build_s, 1)}
+    stack, bench = open_bench(spec, log)
+    with stack:
+        out["model"] = {"build_s": round(bench.build_s, 1), "layers": len(bench.model.model.layers)}
         for context in plan.contexts:
             for rows in plan.rows:
                 if time.perf_counter() > deadline:
