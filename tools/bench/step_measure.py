@@ -117,11 +117,11 @@ def count_step(model, target, work: StepWork, device: torch.device) -> dict:
             "ops": forward.launches,
             "host_syncs": forward.host_syncs,
             "triton_launches": forward.triton_launches,
-        },  # fmt: skip
+        },
         "outside_forward": {
             "ops": step.launches - forward.launches,
             "host_syncs": step.host_syncs - forward.host_syncs,
-        },  # fmt: skip
+        },
         "ops_per_moe_layer": max(moe_ops) if moe_ops else None,
         "ops_per_moe_layer_mean": round(statistics.mean(moe_ops), 2) if moe_ops else None,
         "ops_per_dense_layer": max(dense_ops) if dense_ops else None,
