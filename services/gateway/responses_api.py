@@ -6,9 +6,9 @@ request path as chat (`Pipeline.chat_job`, `Generation`, http_response.py's runn
   `function_call_output` {call_id, output}), `instructions` (a system message first), `tools` (function
   tools {name, description, parameters, strict}), `tool_choice` (auto / none / required / {type:
   function, name}), `parallel_tool_calls`, `max_output_tokens`, `temperature`, `top_p`, `stream`, `user`,
-  `model`, and at their neutral values `store: false`, `text: {format: {type: text}}`, `truncation:
-  disabled`; any other field or item type is a 400 naming it. Nothing is stored: `previous_response_id`
-  is refused.
+  `model`, vLLM's `ignore_eos`, `stop`, `top_k`, `seed`, and at their neutral values `store: false`,
+  `text: {format: {type: text}}`, `truncation: disabled`; any other field or item type is a 400 naming
+  it. Nothing is stored: `previous_response_id` is refused.
 - Answer: a `response` object whose `output` holds the reasoning item (when the model reasoned), the
   message item (output_text) and one `function_call` item per call; status `incomplete` (reason
   max_output_tokens) when the answer hit the limit. Usage as input / output tokens (cached_tokens).
@@ -32,6 +32,7 @@ from ddtree.protocol.ddtree.v1 import common_pb2, gateway_pb2
 FIELDS = {
     "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens",
     "temperature", "top_p", "stream", "user", "store", "text", "truncation", "metadata",
+    "ignore_eos", "stop", "top_k", "seed",  # vLLM's sampling extras (guidellm sends ignore_eos and stop)
 }  # fmt: skip
 NEUTRAL = {"store": (False,), "truncation": ("disabled",)}
 
@@ -143,6 +144,19 @@ def parse_responses(body: dict, max_tokens_limit: int) -> dict:
     if top_p is not None and not 0 < top_p <= 1:
         raise Invalid(f"top_p: must be in (0, 1], got {top_p}")
     options.top_p = 1.0 if top_p is None else top_p
+    options.ignore_eos = bool(_typed(body, "ignore_eos", (bool,), "boolean"))
+    stop = _typed(body, "stop", (str, list), "string or array of strings")
+    stop = [stop] if isinstance(stop, str) else stop or []
+    if not all(isinstance(s, str) for s in stop):
+        raise Invalid("stop: must be string or array of strings")
+    options.stop.extend(stop)
+    top_k = _typed(body, "top_k", (int,), "integer")
+    options.top_k = max(top_k or 0, 0)  # -1 (vLLM's "off") and 0 both disable top-k
+    seed = _typed(body, "seed", (int,), "integer")
+    if seed is not None:
+        if not 0 <= seed < 2**64:
+            raise Invalid(f"seed: must be in [0, 2^64), got {seed}")
+        options.seed = seed
     return {
         "messages": _messages(body),
         "options": options,

@@ -91,6 +91,9 @@ def test_the_limit_and_the_400s(client, fake, tok):
     fake.reset(script_for(tok.encode("abc"), finish="length"))
     r = client.responses.create(model=MODEL, input="x", max_output_tokens=3)
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    fake.reset(script_for(tok.encode("abc"), finish="length"))  # guidellm's body: vLLM's ignore_eos, stop null
+    client.responses.create(model=MODEL, input="x", max_output_tokens=3, extra_body={"ignore_eos": True, "stop": None})
+    assert fake.requests[-1].ignore_eos
     for extra, message in [
         ({"previous_response_id": "resp_1"}, "previous_response_id: not supported"),
         ({"tools": [{"type": "web_search"}]}, "tools[0].type: only function tools"),
