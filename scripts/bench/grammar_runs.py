@@ -118,13 +118,10 @@ class DemoPair:
         from ddtree.config import VerifierConfig
         from ddtree.contract.sampling_params import SamplingConfig
         from ddtree.verifier.drafter_client import DrafterClient
+        from ddtree.verifier.engine import build_engine
         from ddtree.verifier.grammar import SequenceGrammar, new_matcher
-        from ddtree.verifier.kv_pool import LatentKVPool
-        from ddtree.verifier.scheduler import Scheduler
         from ddtree.verifier.sequence import GenerateParams, Sequence
-        from ddtree.verifier.target import LocalTarget
 
-        cfg = self.model.config
         spec = mode != "ar"
         client = DrafterClient(f"127.0.0.1:{self.drafter.port}", timeout_s=120) if spec else None
         vcfg = VerifierConfig(
@@ -134,8 +131,7 @@ class DemoPair:
             grammar_tree="prune" if mode == "prune" else "table",
             prefix_cache=False,
         )
-        pool = LatentKVPool(cfg.num_hidden_layers, vcfg.kv_tokens, cfg.kv_cache_width, torch.float32, "cpu")
-        sched = Scheduler(LocalTarget(self.model), pool, vcfg, client)
+        sched = build_engine(vcfg, model=self.model, drafter=client).scheduler
         sched.start()
         runs = []
         try:

@@ -66,10 +66,8 @@ def measure_tau(
     from ddtree.drafter.server import serve_engine
     from ddtree.models.loader import load_target
     from ddtree.verifier.drafter_client import DrafterClient
-    from ddtree.verifier.kv_pool import LatentKVPool
-    from ddtree.verifier.scheduler import Scheduler
+    from ddtree.verifier.engine import build_engine
     from ddtree.verifier.sequence import GenerateParams, Sequence
-    from ddtree.verifier.target import LocalTarget
 
     model = load_target(target_dir, dtype=torch.float32)
     dcfg = DrafterConfig(
@@ -94,8 +92,7 @@ def measure_tau(
         max_context=longest + tokens + 1,
         tree_cut="fixed",  # tau of the drafter's whole trees: not of cuts that depend on this machine's timing
     )
-    pool = LatentKVPool(model.config.num_hidden_layers, kv_tokens, model.config.kv_cache_width, torch.float32, "cpu")
-    sched = Scheduler(LocalTarget(model), pool, vcfg, client)
+    sched = build_engine(vcfg, model=model, drafter=client).scheduler
     sched.start()
     t0 = time.perf_counter()
     try:
