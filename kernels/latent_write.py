@@ -63,7 +63,7 @@ def _latent_write_kernel(
 def write_latent(
     kv: torch.Tensor,  # [S, r + dr] one layer's cache, written in place
     latent: torch.Tensor,  # [T, r + dr] kv_a_proj_with_mqa output (c_kv not normalised, k_pe not rotated)
-    slots: torch.Tensor,  # int64 [T] on kv's device, distinct, in [0, S)
+    slots: torch.Tensor,  # int64 / int32 [T] on kv's device, distinct, in [0, S)
     positions: torch.Tensor,  # int64 [T]
     norm_weight: torch.Tensor,  # [r] kv_a_layernorm.weight
     eps: float,
@@ -81,9 +81,10 @@ def write_latent(
     if dr % 2 or dr & (dr - 1) or inv_freq.shape != (dr // 2,) or inv_freq.dtype != torch.float32:
         raise ValueError(f"dr = {dr} must be an even power of two and inv_freq fp32 [{dr // 2}], got "
                          f"{inv_freq.dtype} {tuple(inv_freq.shape)}")  # fmt: skip
-    if slots.shape != (T,) or positions.shape != (T,) or slots.dtype != torch.int64 or positions.dtype != torch.int64:
-        raise ValueError(f"slots / positions must be int64 [{T}], got {slots.dtype} {tuple(slots.shape)} / "
-                         f"{positions.dtype} {tuple(positions.shape)}")  # fmt: skip
+    if (slots.shape != (T,) or positions.shape != (T,) or slots.dtype not in (torch.int64, torch.int32)
+            or positions.dtype != torch.int64):  # fmt: skip
+        raise ValueError(f"slots / positions must be int64 [{T}] (slots may be int32), got {slots.dtype} "
+                         f"{tuple(slots.shape)} / {positions.dtype} {tuple(positions.shape)}")  # fmt: skip
     if latent.dtype not in DTYPES or kv.dtype not in DTYPES or norm_weight.dtype not in DTYPES:
         raise ValueError(f"dtypes {latent.dtype} / {kv.dtype} / {norm_weight.dtype} must be in {DTYPES}")
     if latent.dtype != kv.dtype or norm_weight.dtype != kv.dtype:

@@ -1,14 +1,13 @@
 """`TritonMLAAttention`: the "triton" attention backend of services/models/attention.py.
 
 The model calls `write_latent` (the fused latent KV write, latent_write.py) and `attend` once per layer
-with the same AttentionMetadata; the kernel plan (mla_plan.py) is packed on the first call of a forward
-and reused by the others (the backend remembers the last metadata object through a weak reference, so
-nothing is written onto the frozen metadata).
+with the same AttentionMetadata. The kernel plan (mla_plan.py) is built from the metadata's host slot
+tables by `prepare`, before the forward (the verifier's batch does it), and kept in `meta.prepared`
+with its device buffers (one host -> device copy); the latent write takes its slots from the plan too, so
+a forward only reads device buffers. A metadata nobody prepared is planned at its first use.
 """
 
 from __future__ import annotations
-
-import weakref
 
 import torch
 
@@ -22,22 +21,29 @@ class TritonMLAAttention:
 
     def __init__(self, config: MLAKernelConfig | None = None):
         self.config = config or MLAKernelConfig()
-        self._last: tuple[weakref.ref, tuple, MLAPlan] | None = None
+
+    def prepare(self, meta, num_heads: int, kv_cache: torch.Tensor) -> MLAPlan:
+        """The plan of `meta` (AttentionMetadata) for `num_heads` heads over kv_cache ([L, S, W] or [S, W]),
+        built once and kept in meta.prepared; meta.write_slots is then its device copy of the new slots."""
+        key = (num_heads, kv_cache.device, kv_cache.shape[-2], self.config)
+        got = meta.prepared.get(self.name)
+        if got is not None and got[0] == key:
+            return got[1]
+        seqs = [MLASeq(s.q_len, s.prefix_slots.numel(), s.prefix_slots, s.new_slots, s.new_mask) for s in meta.seqs]
+        plan = plan_mla(seqs, num_heads, page_size=1, num_cache_slots=kv_cache.shape[-2], device=kv_cache.device,
+                        config=self.config)  # fmt: skip
+        meta.prepared[self.name] = (key, plan)
+        meta.prepared["write_slots"] = plan.new_slots[: plan.num_tokens]  # int32 [T] on the device
+        return plan
 
     def plan(self, meta, num_heads: int, kv_layer: torch.Tensor) -> MLAPlan:
-        """The plan of `meta` (AttentionMetadata), packed once and reused while meta is the same object."""
-        key = (num_heads, kv_layer.device, kv_layer.shape[0])
-        if self._last is not None and self._last[0]() is meta and self._last[1] == key:
-            return self._last[2]
-        seqs = [MLASeq(s.q_len, s.prefix_slots.numel(), s.prefix_slots, s.new_slots, s.new_mask) for s in meta.seqs]
-        plan = plan_mla(seqs, num_heads, page_size=1, num_cache_slots=kv_layer.shape[0], device=kv_layer.device,
-                        config=self.config)  # fmt: skip
-        self._last = (weakref.ref(meta), key, plan)
-        return plan
+        """The plan of `meta` (prepare's, or made now)."""
+        return self.prepare(meta, num_heads, kv_layer)
 
     def write_latent(self, kv_layer, latent, slots, positions, norm, rope) -> None:
         """kv_layer[slots] = [norm(c_kv) ; rope(k_pe)] in one launch (latent_write.py); slots come from the
-        verifier's page tables, which hand out each slot once, so the device bounds check (a sync) is off."""
+        verifier's page tables, which hand out each slot once (and the plan checked their range), so the
+        device bounds check (a sync) is off."""
         write_latent(
             kv_layer,
             latent.contiguous(),

@@ -15,14 +15,21 @@ plus its own new tokens through `new_mask`:
                     ancestors), positions = start + depth (supplied by the caller to the model).
 
 The torch backend reads a sequence's long runs of consecutive prefix slots (`RUN_MIN`, fp32 cache) in
-place as views of the cache and gathers only the rest, so a step at long context does not copy the
-whole prefix of every layer (`SeqAttention.prefix_runs`).
+place as views of the cache and gathers only the rest, so a step at long context does not
+copy the whole prefix of every layer (`SeqAttention.prefix_runs`).
+
+The forward reads no value back to the host: what a backend needs from the slot tables (the torch
+backend's gather slots, runs and masks; the Triton backend's kernel plan, kernels/mla_plan.py) is built
+from the host tensors by `prepare` (`AttentionMetadata.prepare` / `prepare_attention`) before the
+forward, copied to the device once, and kept in `meta.prepared`; the forward only reads those device
+buffers. A metadata nobody prepared is prepared at its first use inside the forward (the same result,
+with the host work and the copy there).
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -102,6 +109,9 @@ class SeqAttention:
 @dataclass(frozen=True, eq=False)
 class AttentionMetadata:
     seqs: tuple[SeqAttention, ...]
+    # What backends built for the forward (`prepare`): device buffers keyed by the backend's name, and
+    # "write_slots". Filled before the forward, read inside it.
+    prepared: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         row = 0
@@ -117,29 +127,50 @@ class AttentionMetadata:
         return sum(s.q_len for s in self.seqs)
 
     @functools.cached_property
-    def key_slots(self) -> torch.Tensor:
-        """int64 [sum(P + q_len)]: each sequence's key_slots (prefix, then its new tokens), sequences with
-        queries in order; one gather per layer reads every sequence's keys."""
-        parts = [s.key_slots for s in self.seqs if s.q_len > 0]
-        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
-
-    @functools.cached_property
-    def rest_slots(self) -> torch.Tensor:
-        """int64: each sequence's gathered keys (SeqAttention.prefix_runs' rest), sequences with queries
-        in order; equal to key_slots when no prefix has a long run."""
-        parts = [s.prefix_runs[1] for s in self.seqs if s.q_len > 0]
-        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
-
-    @property
-    def write_slots(self) -> torch.Tensor:
-        """int64 [T]: cache slot of each new token, in row order."""
+    def host_write_slots(self) -> torch.Tensor:
+        """int64 [T]: cache slot of each new token, in row order, as the sequences hold them (the host)."""
         if not self.seqs:
             return torch.empty(0, dtype=torch.int64)
         return torch.cat([s.new_slots for s in self.seqs])
 
+    @property
+    def write_slots(self) -> torch.Tensor:
+        """int [T]: cache slot of each new token, in row order: the prepared device copy (int64, or the
+        Triton plan's int32), else host_write_slots."""
+        slots = self.prepared.get("write_slots")
+        return self.host_write_slots if slots is None else slots
+
+    def prepare(self, backend: MLAAttentionBackend, num_heads: int, kv_cache: torch.Tensor) -> AttentionMetadata:
+        """Build `backend`'s device buffers for a forward over `kv_cache` ([L, S, W] or one layer [S, W]) with
+        `num_heads` local heads, from the host slot tables, before the forward. Returns self."""
+        backend.prepare(self, num_heads, kv_cache)
+        return self
+
+
+def prepare_attention(model, meta: AttentionMetadata, kv_cache: torch.Tensor) -> AttentionMetadata:
+    """meta.prepare for `model`'s attention backend and its local head count (a DeepseekV3ForCausalLM, whole
+    or one rank's shard)."""
+    layers = model.model.layers
+    if len(layers):
+        meta.prepare(model.attn_backend, layers[0].self_attn.num_heads, kv_cache)
+    return meta
+
+
+@dataclass(frozen=True, eq=False)
+class TorchAttentionInputs:
+    """The torch backend's per-forward buffers (TorchMLAAttention.prepare), on the cache's device."""
+
+    key: tuple  # (device, in_place): what they were built for
+    write_slots: torch.Tensor  # int64 [T]
+    gathered: torch.Tensor  # int64: per sequence with queries, its gathered keys (rest or all), in order
+    runs: tuple[tuple[tuple[int, int], ...], ...]  # per sequence with queries: its prefix runs read in place
+    hidden_new: tuple[torch.Tensor | None, ...]  # per sequence with queries: SeqAttention.hidden_new
+
 
 class MLAAttentionBackend(Protocol):
     name: str
+
+    def prepare(self, meta: AttentionMetadata, num_heads: int, kv_cache: torch.Tensor) -> object: ...
 
     def write_latent(
         self,
@@ -165,6 +196,30 @@ class TorchMLAAttention:
     """Reference backend: a loop over sequences, fp32 scores and softmax."""
 
     name = "torch"
+
+    def prepare(self, meta: AttentionMetadata, num_heads: int, kv_cache: torch.Tensor) -> TorchAttentionInputs:
+        """The gather slots, prefix runs and masks of `meta` on kv_cache's device: host work and one copy
+        per kind, done once per metadata (see the module docstring)."""
+        device = kv_cache.device
+        key = (device, kv_cache.dtype == torch.float32)
+        got = meta.prepared.get(self.name)
+        if got is not None and got.key == key:
+            return got
+        seqs = [s for s in meta.seqs if s.q_len > 0]
+        runs = [s.prefix_runs if key[1] else ((), s.key_slots) for s in seqs]
+        T = meta.num_tokens
+        ints = torch.cat([meta.host_write_slots, *(rest for _, rest in runs)]).to(device, torch.int64)
+        hidden = [s.hidden_new for s in seqs]
+        masks = [m for m in hidden if m is not None]
+        flat = torch.cat([m.flatten() for m in masks]).to(device) if masks else None
+        views, at = [], 0
+        for m in hidden:
+            views.append(None if m is None else flat[at : at + m.numel()].view(m.shape))
+            at += 0 if m is None else m.numel()
+        state = TorchAttentionInputs(key, ints[:T], ints[T:], tuple(r for r, _ in runs), tuple(views))
+        meta.prepared[self.name] = state
+        meta.prepared["write_slots"] = state.write_slots
+        return state
 
     def write_latent(
         self,
@@ -199,18 +254,16 @@ class TorchMLAAttention:
         # The scale goes into q once (per element, so every row gets the same numbers alone or in a batch).
         q = torch.cat([q_lat, q_pe], dim=-1).float() * scale  # [T, H, r+dr]
         seqs = [s for s in meta.seqs if s.q_len > 0]
+        state = self.prepare(meta, H, kv_layer)
         # Long runs of consecutive prefix slots are read in place (fp32 cache); the rest of every
         # sequence's keys in one gather: [sum(G+q), r+dr], each sequence a contiguous block of rows.
-        in_place = kv_layer.dtype == torch.float32
-        gathered = meta.rest_slots if in_place else meta.key_slots
-        keys_all = kv_layer[gathered.to(kv_layer.device)].float()
+        keys_all = kv_layer[state.gathered].float()
         k0 = 0
-        for s in seqs:
+        for s, runs, hidden in zip(seqs, state.runs, state.hidden_new, strict=True):
             rows = slice(s.q_start, s.q_start + s.q_len)
-            runs, rest = s.prefix_runs if in_place else ((), None)
             if runs:
-                G = rest.numel()
-                _attend_runs(q[rows], kv_layer, runs, keys_all[k0 : k0 + G], s, out[rows], r)
+                G = s.prefix_slots.numel() - sum(length for _, length in runs) + s.q_len
+                _attend_runs(q[rows], kv_layer, runs, keys_all[k0 : k0 + G], hidden, out[rows], r)
                 k0 += G
                 continue
             P, n = s.prefix_slots.numel(), s.q_len
@@ -219,8 +272,8 @@ class TorchMLAAttention:
             # [q·H, r+dr] @ [r+dr, P+q]: every head of every query row in one matmul
             scores = (q[rows].reshape(n * H, r + dr) @ keys.T).view(n, H, P + n)  # [q, H, P+q]
             # The prefix is fully visible; among the new tokens, the causal or tree mask.
-            if s.hidden_new is not None:  # [q, q]
-                scores[:, :, P:].masked_fill_(s.hidden_new.to(scores.device)[:, None, :], float("-inf"))
+            if hidden is not None:  # [q, q]
+                scores[:, :, P:].masked_fill_(hidden[:, None, :], float("-inf"))
             probs = torch.softmax(scores, dim=-1)  # [q, H, P+q] fp32
             o = out[rows].view(n * H, r)  # this sequence's rows of out: a contiguous block
             if o.dtype == torch.float32:
@@ -235,7 +288,7 @@ def _attend_runs(
     kv_layer: torch.Tensor,  # fp32 [S, r+dr]
     runs: tuple[tuple[int, int], ...],  # (first slot, length) of the prefix runs read in place
     rest: torch.Tensor,  # fp32 [G+n, r+dr] the gathered rest of the prefix, then the new tokens' keys
-    s: SeqAttention,
+    hidden: torch.Tensor | None,  # bool [n, n] SeqAttention.hidden_new, on the device
     out: torch.Tensor,  # [n, H, r] this sequence's rows of the output, written
     r: int,
 ) -> None:
@@ -251,10 +304,8 @@ def _attend_runs(
         torch.mm(qf, kv_layer[first : first + length].T, out=scores[:, col : col + length])
         col += length
     torch.mm(qf, rest.T, out=scores[:, col:])
-    if s.hidden_new is not None:  # the causal or tree mask among the new tokens: the last n columns
-        scores.view(n, H, total)[:, :, total - n :].masked_fill_(
-            s.hidden_new.to(scores.device)[:, None, :], float("-inf")
-        )
+    if hidden is not None:  # the causal or tree mask among the new tokens: the last n columns
+        scores.view(n, H, total)[:, :, total - n :].masked_fill_(hidden[:, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)  # [n·H, P+n]
     o = probs[:, col:] @ rest[:, :r]  # [n·H, r]
     col = 0

@@ -4,7 +4,9 @@ Every item becomes one SeqAttention: its new tokens get KV slots from the sequen
 size 1: fresh slots; page size P: the positions after the committed tokens, see page_table.py), its
 queries see the whole committed prefix, and among the new tokens its own mask (tree or causal). What
 each item needs from the LM head (`ItemHead`) goes to the target with the inputs; how it is computed,
-on one device or tensor parallel, is the target's business (target.py).
+on one device or tensor parallel, is the target's business (target.py). The target prepares the
+attention's device buffers (the Triton plan, the write slots, the masks) from the host slot tables
+before its forward (`prepare`), so that the forward reads nothing back to the host.
 The forward taps the drafter's layers plus those of any Features request in the batch (feature_taps.py);
 each item's output holds the drafter's columns (`taps`) and the request's own (`feature_taps`).
 """
@@ -52,17 +54,24 @@ def run_batch(
     device = pool.cache.device
     rows = torch.cat(logit_rows) if logit_rows else torch.empty(0, dtype=torch.int64)
     layers = step_tap_layers(tap_layer_ids, [item.seq.params.feature_taps for item in items])
+    ids_host, pos_host = torch.cat(ids), torch.cat(pos)
+    T = ids_host.shape[0]
+    packed = torch.cat([ids_host, pos_host, rows]).to(device)  # one host -> device copy
     inputs = ForwardInputs(
-        torch.cat(ids).to(device),
-        torch.cat(pos).to(device),
+        packed[:T],
+        packed[T : 2 * T],
         AttentionMetadata(seqs=tuple(seqs)),
         pool.cache,
-        rows.to(device),
+        packed[2 * T :],
         layers,
+        host=(ids_host, pos_host, rows),
     )
     heads = [item.head() for item in items]
     try:
         with torch.inference_mode():
+            prepare = getattr(target, "prepare", None)  # the attention's device buffers, built before the forward
+            if prepare is not None:
+                prepare(inputs)
             taps, per_item = target.run(inputs, heads)
     except Exception:
         for seq in allocated:

@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 
 from ddtree.contract.token_tree import TokenTree
-from ddtree.models.attention import AttentionMetadata
+from ddtree.models.attention import AttentionMetadata, prepare_attention
 from ddtree.models.deepseek_v3 import DeepseekV3ForCausalLM
 from ddtree.models.parallel.tp_model import TensorParallelModel
 from ddtree.verifier.greedy_head import greedy_walk_choices
@@ -37,6 +37,9 @@ class ForwardInputs:
     kv_cache: torch.Tensor  # [num_layers, num_slots, kv_cache_width], written in place
     logits_rows: torch.Tensor  # int64 [R]: the rows the items ask for, in item order
     tap_layer_ids: tuple[int, ...]
+    # (input_ids, positions, logits_rows) on the host, when the caller has them (the tensor-parallel step
+    # message is packed from these: nothing read back from the device)
+    host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def args(self) -> tuple:
         """The positional and keyword arguments of either model's forward."""
@@ -63,6 +66,9 @@ ItemRows = tuple[torch.Tensor | None, torch.Tensor | None]  # (fp32 logits [n, V
 class Target(Protocol):
     config: object
 
+    # Optional: `prepare(inputs)` builds what the forward reads from inputs.meta (its device buffers) before
+    # `run`; batch.py calls it when the target has it.
+
     def run(self, inputs: ForwardInputs, heads: list[ItemHead]) -> tuple[torch.Tensor | None, list[ItemRows]]:
         """(taps [T, F] or None, per item (logits, argmax))."""
         ...
@@ -82,6 +88,11 @@ class LocalTarget:
         self.model = model
         self.config = model.config
         self.static = static
+
+    def prepare(self, inputs: ForwardInputs) -> None:
+        """The attention's device buffers for the eager forward (the static step has its own)."""
+        if self.static is None:
+            prepare_attention(self.model, inputs.meta, inputs.kv_cache)
 
     def run(self, inputs: ForwardInputs, heads: list[ItemHead]) -> tuple[torch.Tensor | None, list[ItemRows]]:
         static = self.static.run(*inputs.static_args()) if self.static is not None else None
@@ -111,7 +122,16 @@ class ShardedTarget:
         self.model = model
         self.config = model.config
 
+    def prepare(self, inputs: ForwardInputs) -> None:
+        """Rank 0's attention buffers and its packed step message, from the host inputs (the other ranks
+        prepare theirs from the message, run_shard)."""
+        if inputs.host is None:
+            prepare_attention(self.model.model, inputs.meta, inputs.kv_cache)
+            return
+        ids, pos, rows = inputs.host
+        self.model.prepare(ids, pos, inputs.meta, inputs.kv_cache, rows, inputs.tap_layer_ids)
+
     def run(self, inputs: ForwardInputs, heads: list[ItemHead]) -> tuple[torch.Tensor | None, list[ItemRows]]:
         args, kwargs = inputs.args()
-        out = self.model.forward(*args, **kwargs, gather_logits=any(h.sampled for h in heads))
+        out = self.model.forward(*args, **kwargs, gather_logits=any(h.sampled for h in heads), host_inputs=inputs.host)
         return out.taps, list(zip(_blocks(out.logits, heads), _blocks(out.argmax, heads)))

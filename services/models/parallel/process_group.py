@@ -63,6 +63,8 @@ class TPGroup:
     world_size: int
     device_group: object  # torch.distributed ProcessGroup for activations
     cpu_group: object  # gloo ProcessGroup for the per-step broadcast
+    # [int64 buffer]: the per-step message buffer (step_message.py), the same capacity on every rank
+    step_buffer: list = dataclasses.field(default_factory=lambda: [None], repr=False)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place; returns x."""

@@ -1,12 +1,20 @@
-"""The per-step broadcast from rank 0: one forward's inputs as two flat CPU tensors.
+"""The per-step broadcast from rank 0: one forward's inputs in one int64 buffer, one broadcast per step.
 
 Rank 0 owns the scheduler and the KV pool's slot allocation; the other ranks only replay forwards.
-Each step rank 0 broadcasts a header int64 [3] = (kind, n_ints, n_mask_bytes), then (FORWARD only)
+Every message is one broadcast of the group's message buffer (`TPGroup.step_buffer`, int64 [capacity],
+the same capacity on every rank): words 0..2 are the header (kind, n_ints, n_mask_bytes), then
+(FORWARD only)
   ints  int64 [n_ints]: T, R (-1 = all rows), n_taps, gather_logits, n_seqs, taps, input_ids [T],
         positions [T], logits_rows [R], then per sequence q_start, q_len, has_mask, prefix_slots and
         new_slots as runs (n, start_0, len_0, ..., start_n-1, len_n-1): a sequence's slots are mostly
         consecutive, so a long context costs a few ints, not one per token
-  masks uint8 [n_mask_bytes]: the tree masks [q_len, q_len] of the sequences that have one, in order.
+  masks uint8 [n_mask_bytes] in the following words: the tree masks [q_len, q_len] of the sequences that
+        have one, in order.
+Rank 0 packs it from host tensors (batch.py keeps the step's inputs on the host beside their device
+copies), so nothing is read back from the device, and before the step's forward
+(tp_model.TensorParallelModel.prepare: `encode` then, the buffer's fill and the broadcast in the forward).
+A message longer than the buffer is preceded by GROW
+(header = (GROW, new capacity, 0)): every rank then allocates the larger buffer, in lockstep.
 CACHE (header = (CACHE, num_slots, 0)) makes the other ranks allocate their latent KV cache replica, once,
 after rank 0 has sized its pool. PING keeps idle peers inside their collective timeout; STOP ends the
 worker loop.
@@ -22,7 +30,9 @@ from ddtree.models.attention import AttentionMetadata, SeqAttention
 
 from .process_group import TPGroup
 
-FORWARD, PING, STOP, CACHE = 1, 2, 3, 4
+FORWARD, PING, STOP, CACHE, GROW = 1, 2, 3, 4, 5
+HEADER = 3  # kind, n_ints (CACHE: num_slots; GROW: capacity), n_mask_bytes
+INITIAL_WORDS = 1024  # the message buffer's first capacity, int64 words
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -33,6 +43,9 @@ class StepInputs:
     logits_rows: torch.Tensor | None  # int64 [R]; None = all T rows
     tap_layer_ids: tuple[int, ...]
     gather_logits: bool  # all-gather the full logits too (sampling at temperature > 0)
+
+
+GATHER_AT = 3  # the index of gather_logits in encode's ints
 
 
 def encode(s: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,31 +113,56 @@ def decode(ints: torch.Tensor, masks: torch.Tensor) -> StepInputs:
     return StepInputs(ids, pos, AttentionMetadata(seqs=tuple(seqs)), rows, taps, bool(gather))
 
 
-def send_step(tp: TPGroup, kind: int, inputs: StepInputs | None = None, num_slots: int = 0) -> None:
-    """Rank 0: broadcast one message (inputs for FORWARD, num_slots for CACHE)."""
-    ints, masks = encode(inputs) if kind == FORWARD else (None, None)
-    header = torch.tensor(
-        [
-            kind,
-            num_slots if kind == CACHE else 0 if ints is None else ints.numel(),
-            0 if masks is None else masks.numel(),
-        ]
-    )
-    tp.broadcast_cpu(header)
-    if kind == FORWARD:
-        tp.broadcast_cpu(ints)
-        if masks.numel():
-            tp.broadcast_cpu(masks)
+def message_buffer(tp: TPGroup, words: int = 0) -> torch.Tensor:
+    """The group's message buffer (int64 [capacity]); `words` > 0: replace it by one of that capacity."""
+    if words or tp.step_buffer[0] is None:
+        tp.step_buffer[0] = torch.zeros(max(words, INITIAL_WORDS), dtype=torch.int64)
+    return tp.step_buffer[0]
+
+
+def send_step(
+    tp: TPGroup,
+    kind: int,
+    inputs: StepInputs | None = None,
+    num_slots: int = 0,
+    encoded: tuple[torch.Tensor, torch.Tensor] | None = None,  # encode(inputs), when packed before the step
+) -> None:
+    """Rank 0: broadcast one message (inputs for FORWARD, num_slots for CACHE): one broadcast (two when
+    the buffer must grow first)."""
+    if kind != FORWARD:
+        ints, masks = torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.uint8)
+    else:
+        ints, masks = encoded if encoded is not None else encode(inputs)
+    mask_words = -(-masks.numel() // 8)
+    need = HEADER + ints.numel() + mask_words
+    buf = message_buffer(tp)
+    if need > buf.numel():
+        words = 1 << (need - 1).bit_length()
+        buf[:HEADER] = torch.tensor([GROW, words, 0])
+        tp.broadcast_cpu(buf)
+        buf = message_buffer(tp, words)
+    head = num_slots if kind == CACHE else ints.numel()
+    buf[:HEADER] = torch.tensor([kind, head, masks.numel()])
+    buf[HEADER : HEADER + ints.numel()] = ints
+    if mask_words:
+        at = HEADER + ints.numel()
+        buf[at : at + mask_words].view(torch.uint8)[: masks.numel()] = masks
+    tp.broadcast_cpu(buf)
 
 
 def recv_step(tp: TPGroup) -> tuple[int, StepInputs | int | None]:
     """Ranks > 0: wait for rank 0's next message: (FORWARD, inputs), (CACHE, num_slots), (PING|STOP, None)."""
-    header = tp.broadcast_cpu(torch.zeros(3, dtype=torch.int64))
-    kind, n_ints, n_masks = header.tolist()
+    while True:
+        buf = tp.broadcast_cpu(message_buffer(tp))
+        kind, n_ints, n_masks = buf[:HEADER].tolist()
+        if kind != GROW:
+            break
+        message_buffer(tp, n_ints)
     if kind == CACHE:
         return kind, n_ints
     if kind != FORWARD:
         return kind, None
-    ints = tp.broadcast_cpu(torch.empty(n_ints, dtype=torch.int64))
-    masks = tp.broadcast_cpu(torch.empty(n_masks, dtype=torch.uint8)) if n_masks else torch.empty(0, dtype=torch.uint8)
+    ints = buf[HEADER : HEADER + n_ints].clone()  # the buffer is reused by the next message
+    at = HEADER + n_ints
+    masks = buf[at : at + -(-n_masks // 8)].view(torch.uint8)[:n_masks].clone()
     return kind, decode(ints, masks)

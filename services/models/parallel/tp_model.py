@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ddtree.models.attention import prepare_attention
 from ddtree.models.config import DeepseekV3Config
 from ddtree.models.deepseek_v3 import DeepseekV3ForCausalLM, ForwardOutput
 from ddtree.models.loader import load_target
@@ -31,7 +32,9 @@ from ddtree.models.moe import DeepseekV3MLP, DeepseekV3MoE
 from .layers import VocabParallelEmbedding, combine_shard_argmax, shard_argmax
 from .process_group import TPGroup
 from .shard_plan import ShardPlan
-from .step_message import CACHE, FORWARD, PING, STOP, StepInputs, send_step
+from .step_message import CACHE, FORWARD, GATHER_AT, PING, STOP, StepInputs, encode, send_step
+
+MESSAGE = "step_message"  # meta.prepared's key of the packed step message (TensorParallelModel.prepare)
 
 
 def local_config(plan: ShardPlan) -> DeepseekV3Config:
@@ -103,10 +106,16 @@ def run_shard(model: DeepseekV3ForCausalLM, tp: TPGroup, s: StepInputs, kv_cache
     Returns the full-vocab argmax per row (all ranks), the taps (replicated) and, when s.gather_logits,
     the full logits fp32 [R, V]."""
     dev = kv_cache.device
-    rows = None if s.logits_rows is None else s.logits_rows.to(dev)
+    ids, pos, rows = s.input_ids, s.positions, s.logits_rows
+    if ids.device != dev:  # the other ranks' inputs come from the step message: one host -> device copy
+        T = ids.shape[0]
+        packed = torch.cat([ids, pos, *([] if rows is None else [rows])]).to(dev)
+        ids, pos, rows = packed[:T], packed[T : 2 * T], None if rows is None else packed[2 * T :]
+    prepare_attention(model, s.meta, kv_cache)  # a no-op where the caller prepared it (rank 0: batch.py)
     out = model.forward(
-        s.input_ids.to(dev), s.positions.to(dev), s.meta, kv_cache, logits_rows=rows, tap_layer_ids=s.tap_layer_ids
-    )
+        ids, pos.to(dev), s.meta, kv_cache, logits_rows=None if rows is None else rows.to(dev),
+        tap_layer_ids=s.tap_layer_ids,
+    )  # fmt: skip
     local = out.logits  # fp32 [R, V/N]
     R = local.shape[0]
     if R == 0:  # every rank knows R: all skip the collectives together
@@ -123,9 +132,10 @@ def run_shard(model: DeepseekV3ForCausalLM, tp: TPGroup, s: StepInputs, kv_cache
 class TensorParallelModel:
     """Rank 0's handle, called like DeepseekV3ForCausalLM.forward (plus `gather_logits`).
 
-    Each forward first broadcasts its inputs to the other ranks (step_message.py), then runs rank 0's
-    shard. Collectives are serialised by a lock; while idle, a ping every `ping_interval_s` keeps the
-    other ranks inside their collective timeout. Any failure after a broadcast leaves the ranks out of
+    Each forward first broadcasts its inputs to the other ranks (step_message.py: one broadcast, packed
+    from the host copies of the inputs when the caller passes them), then runs rank 0's shard.
+    Collectives are serialised by a lock; while idle, a ping every `ping_interval_s` keeps the other
+    ranks inside their collective timeout. Any failure after a broadcast leaves the ranks out of
     step, so it is final: `on_failure(message)` is called (the server then exits) and later forwards
     raise at once.
     """
@@ -159,13 +169,29 @@ class TensorParallelModel:
 
     @torch.no_grad()
     def forward(
-        self, input_ids, positions, meta, kv_cache, logits_rows=None, tap_layer_ids=(), gather_logits: bool = False
+        self,
+        input_ids,
+        positions,
+        meta,
+        kv_cache,
+        logits_rows=None,
+        tap_layer_ids=(),
+        gather_logits: bool = False,
+        host_inputs: tuple | None = None,  # (input_ids, positions, logits_rows) on the host, for the message
     ) -> ForwardOutput:
         inputs = StepInputs(input_ids, positions, meta, logits_rows, tuple(tap_layer_ids), gather_logits)
+        encoded = meta.prepared.pop(MESSAGE, None)
+        if encoded is None:
+            message = inputs
+            if host_inputs is not None:
+                ids, pos, rows = host_inputs
+                message = dataclasses.replace(inputs, input_ids=ids, positions=pos, logits_rows=rows)
+            encoded = encode(message)
+        encoded[0][GATHER_AT] = int(gather_logits)
         with self._lock:
             self._check()
             try:
-                send_step(self.tp, FORWARD, inputs)
+                send_step(self.tp, FORWARD, encoded=encoded)
                 return run_shard(self.model, self.tp, inputs, kv_cache)
             except Exception as err:
                 self._fail(f"tensor-parallel forward failed: {err}")
@@ -174,6 +200,13 @@ class TensorParallelModel:
                 self._last_sent = time.monotonic()
 
     __call__ = forward
+
+    def prepare(self, input_ids, positions, meta, kv_cache, logits_rows=None, tap_layer_ids=()) -> None:
+        """Before the forward (host tensors): rank 0's attention buffers, and the step message packed
+        (meta.prepared[MESSAGE]; the forward sets its gather flag, fills the buffer and broadcasts it)."""
+        prepare_attention(self.model, meta, kv_cache)
+        message = StepInputs(input_ids, positions, meta, logits_rows, tuple(tap_layer_ids), False)
+        meta.prepared[MESSAGE] = encode(message)
 
     def replicate_kv(self, kv_cache: torch.Tensor) -> None:
         """Have every other rank allocate its replica of rank 0's latent cache [L, S, W] (once, at start)."""
