@@ -29,7 +29,7 @@ import triton.language as tl
 
 from .mla_checks import DTYPES, check_device, is_interpreted
 
-SELECT_ELEMENTS = 16384  # BLOCK_M x padded E held by the selecting program
+SELECT_ELEMENTS = 8192  # BLOCK_M x padded E held by the selecting program (registers)
 BLOCK_E = 32  # experts per program below 64 row blocks (above: one program per row block)
 _TICKETS: dict[torch.device, torch.Tensor] = {}
 
@@ -164,6 +164,6 @@ def route(
         N, E, d, x.stride(0), weight.stride(0), float(scaling),
         TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), N_GROUP=n_group, G_PAD=triton.next_power_of_2(n_group),
         TOPK_GROUP=topk_group, RENORMALIZE=bool(renormalize), SPLIT_E=split,
-        BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_K=32, E_PAD=e_pad, num_warps=4,
+        BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_K=32, E_PAD=e_pad, num_warps=8 if e_pad >= 256 else 4,
     )  # fmt: skip
     return out_w, out_ids
