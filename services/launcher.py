@@ -1,8 +1,10 @@
 """Start ddtree services as child processes and find their addresses.
 
 Used by `ddtree serve`, `ddtree generate` (when no gateway is given) and the process-boundary tests.
-Each child is `python -m ddtree.cli <service> --port 0 ...`; it prints `LISTENING <name> host:port`
-on stdout once serving, and logs JSON to stderr, which goes to `<log_dir>/<name>.log`. The first
+Each child is `python -m ddtree.cli <service> --port P ...` (P 0 = any free port; `ddtree serve` picks its
+ports up front with free_ports, so that `supervise` restarts a child on the same address); it prints
+`LISTENING <name> host:port` on stdout once serving, and logs JSON to stderr, which goes to
+`<log_dir>/<name>.log`. The first
 LISTENING line is the service's gRPC address (`ServiceProcess.address`); a process may announce more
 endpoints after it (the gateway's `gateway-http`; `metrics`, each service's Prometheus endpoint when it
 has `--metrics-port`), collected in `ServiceProcess.addresses` by name.
