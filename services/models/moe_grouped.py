@@ -4,16 +4,19 @@
 `ddtree.kernels.fused_moe.fused_moe` (the weights as kernels/moe_weights.py `ExpertWeights`) and equals
 `kernels/moe_reference.py` (the per-expert loop, kept as the test oracle):
 
-1. the M·k (token, choice) assignments are sorted by local expert (another rank's, slot -1, dropped);
-   their rows are gathered once: xs [A, d], assignment a of expert e in rows offs[e-1]..offs[e];
+1. the M·k (token, choice) assignments are sorted by local expert (another rank's, slot -1, or an id
+   out of range: past the last group, never computed, added into a spare row); their rows are gathered
+   once: xs [A, d], assignment a of expert e in rows offs[e-1]..offs[e];
 2. per projection one matmul over all local experts: `torch._grouped_mm(xs, W [E, K, N], offs)` for
-   bf16 weights as they are; int4 / fp8 weights are dequantized (fp32, then the compute dtype) for the
-   experts that got a row, in blocks of at most DEQUANT_ELEMENTS weights, one grouped matmul per block;
+   bf16 weights as they are; int4 / fp8 weights are dequantized (fp32, then the compute dtype) for
+   min(E, M·k) experts chosen on the device (those with rows first: every expert with a row is among
+   them), in blocks of at most DEQUANT_ELEMENTS fp32 weights, then one grouped matmul;
 3. silu(gate) · up, down, times the routing weight (fp32), index_add into the output rows (fp32).
 
 The compute dtype is x's (the autocast dtype under CPU autocast); bf16 weights of another dtype are cast.
 Differentiable for bf16 weights (training uses this path). METHOD "bmm" is a padded batched matmul over
-the experts present instead (kept for devices without `_grouped_mm` and for the comparison).
+the chosen experts instead, M·k rows each (kept for devices without `_grouped_mm` and for the comparison).
+No value is read back to the host: every shape follows from (M, k, E) (issue 40).
 
 Chosen by measurement (`python -m scripts.bench.bench_moe_cpu --threads 1`; the table is in docs/performance.md):
 `_grouped_mm` is as fast as the per-expert loop or faster for plain weights and never slower than the padded bmm
@@ -90,7 +93,7 @@ class _Groups:
             if every or self.experts is None:
                 return w.weight.to(dt), self.counts
             return w.weight.index_select(0, self.experts).to(dt), self.sel_counts
-        return _dequantize(w, self.experts).to(dt), self.sel_counts
+        return _dequantize_blocks(w, self.experts, self.size, dt), self.sel_counts
 
 
 def _project(xs: torch.Tensor, w: ExpertWeights, groups: _Groups, method: str) -> torch.Tensor:
@@ -99,35 +102,10 @@ def _project(xs: torch.Tensor, w: ExpertWeights, groups: _Groups, method: str) -
     dt = xs.dtype
     if method == "grouped_mm" and (w.in_features * dt.itemsize % 16 or w.out_features * dt.itemsize % 16):
         method = "bmm"  # _grouped_mm needs rows of whole 16-byte units (true of every real model's widths)
-    if w.kind != "bf16" and groups.size * w.out_features * w.in_features > DEQUANT_ELEMENTS:
-        return _project_in_blocks(xs, w, groups, method)
     weight, counts = groups.weights(w, dt, every=method == "grouped_mm")
     if method == "grouped_mm":
         return torch._grouped_mm(xs, weight.transpose(1, 2), offs=counts.cumsum(0).to(torch.int32))
     return _padded(xs, weight, counts)
-
-
-def _project_in_blocks(xs: torch.Tensor, w: ExpertWeights, groups: _Groups, method: str) -> torch.Tensor:
-    """_project for quantized weights too large to dequantize at once (more than DEQUANT_ELEMENTS): blocks of
-    experts, each over its own rows. Where the rows of a block start is read from the counts (one host sync
-    per projection): only models far larger than the CPU path serves reach it."""
-    out = xs.new_zeros(xs.shape[0], w.out_features)
-    experts = torch.arange(groups.size, device=xs.device) if groups.experts is None else groups.experts
-    per_block = max(1, DEQUANT_ELEMENTS // max(1, w.out_features * w.in_features))
-    ends = [0, *groups.sel_counts.cumsum(0).tolist()]
-    for b in range(0, groups.size, per_block):
-        e = min(groups.size, b + per_block)
-        r0, r1 = ends[b], ends[e]
-        if r1 == r0:
-            continue
-        wb = _dequantize(w, experts[b:e]).to(xs.dtype)  # [P, N, K]
-        n = groups.sel_counts[b:e]
-        part = xs[r0:r1]
-        if method == "grouped_mm":
-            out[r0:r1] = torch._grouped_mm(part, wb.transpose(1, 2), offs=n.cumsum(0).to(torch.int32))
-        else:
-            out[r0:r1] = _padded(part, wb, n)
-    return out
 
 
 def _padded(xs: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -146,13 +124,26 @@ def _padded(xs: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> tor
     return torch.bmm(padded[:G], weight.transpose(1, 2))[group.clamp(max=G - 1), pos]
 
 
-def _dequantize(w: ExpertWeights, experts: torch.Tensor | None) -> torch.Tensor:
-    """fp32 [P, N, K] of local experts `experts` (int64 [P]; None = all of them)."""
-    q, s = (
-        (w.weight, w.scale)
-        if experts is None
-        else (w.weight.index_select(0, experts), w.scale.index_select(0, experts))
-    )
+def _dequantize_blocks(w: ExpertWeights, experts: torch.Tensor | None, size: int, dt: torch.dtype) -> torch.Tensor:
+    """[size, N, K] in dt: local experts `experts` (int64 [size]; None = all, in order) dequantized in blocks
+    of at most DEQUANT_ELEMENTS fp32 weights, each written into the result (blocks over experts, not rows:
+    nothing depends on the routing's values)."""
+    per_block = max(1, DEQUANT_ELEMENTS // max(1, w.out_features * w.in_features))
+    if size <= per_block:
+        return _dequantize(w, experts, 0, size).to(dt)
+    out = torch.empty(size, w.out_features, w.in_features, dtype=dt, device=w.weight.device)
+    for lo in range(0, size, per_block):
+        hi = min(size, lo + per_block)
+        out[lo:hi] = _dequantize(w, experts, lo, hi)
+    return out
+
+
+def _dequantize(w: ExpertWeights, experts: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor:
+    """fp32 [hi - lo, N, K]: local experts experts[lo:hi] (None: experts lo..hi-1)."""
+    if experts is None:
+        q, s = w.weight[lo:hi], w.scale[lo:hi]
+    else:
+        q, s = w.weight.index_select(0, experts[lo:hi]), w.scale.index_select(0, experts[lo:hi])
     if w.kind == "int4":
         return dequantize_int4(q, s, w.group_size, w.in_features)
     return dequantize_fp8_block(q, s, w.block)
