@@ -29,6 +29,7 @@ import triton.language as tl
 from .latent_write import _round_bf16
 from .mla_checks import DTYPES, check_device, is_interpreted
 from .quant_formats import FP8_MAX
+from .shared_memory import device_smem_budget, dot_smem_bytes, stages_within
 
 FP8_EPS = 1e-10  # the amax floor of a group (an all-zero group gets scale 1e-10 / 448 and q = 0)
 DEFAULT_BLOCK = (128, 128)
@@ -147,6 +148,11 @@ def _gemm_tiles(M: int, N: int) -> tuple[int, int]:
     return block_m, block_n
 
 
+def smem_bytes(block_m: int, block_n: int, block_k: int, num_stages: int) -> int:
+    """shared_memory's estimate: the e4m3 activation and weight tiles per buffer, and the weight's scales."""
+    return dot_smem_bytes(num_stages, block_m, [(block_m, block_k, 1), (block_k, block_n, 1)], [(1, block_n, 4)])
+
+
 def w8a8_block_fp8_matmul(
     q: torch.Tensor,  # float8_e4m3fn [M, K]: activations quantized per token group of block[1]
     q_scale: torch.Tensor,  # fp32 [M, ceil(K/bk)]
@@ -182,11 +188,12 @@ def w8a8_block_fp8_matmul(
         return out
     block_m, block_n = _gemm_tiles(M, N)
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+    stages = stages_within(device_smem_budget(q.device), lambda s: smem_bytes(block_m, block_n, bk, s))
     _fp8_block_gemm_kernel[grid](
         q, q_scale, weight, weight_scale_inv, out, M, N, K,
         q.stride(0), q_scale.stride(0), weight.stride(0), weight_scale_inv.stride(0), out.stride(0),
         SCALE_N=bn, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk,
-        ROUND_BF16=interpreted and out_dtype == torch.bfloat16,
+        ROUND_BF16=interpreted and out_dtype == torch.bfloat16, num_stages=stages,
     )  # fmt: skip
     return out
 

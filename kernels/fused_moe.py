@@ -36,24 +36,20 @@ moe_configs.smaller_configs until one fits, and that one is used for its key fro
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Callable, Hashable
 
 import torch
 import triton
 import triton.language as tl
 
+from . import shared_memory
 from .latent_write import _round_bf16
 from .mla_checks import check_device, is_interpreted
 from .moe_align import moe_align
 from .moe_configs import MoeTileConfig, get_config, smaller_configs
 from .moe_weights import FLOAT_DTYPES, ExpertWeights, check_routing
 from .quant_formats import FP8_MAX
-
-try:
-    from triton.runtime.errors import OutOfResources
-except ImportError:  # where older Triton releases define it
-    from triton.runtime.autotuner import OutOfResources
+from .shared_memory import OutOfResources  # noqa: F401  (what a launch raises: callers catch fused_moe.OutOfResources)
 
 _KIND = {"bf16": 0, "int4": 1, "fp8": 2}
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -280,32 +276,24 @@ def _configs(config, x, gate, down, topk: int, wide: bool) -> tuple[MoeTileConfi
     if config is not None:
         raise ValueError(f"fused moe: config must be None, a MoeTileConfig or a (gate_up, down) pair, got {config!r}")
     name = torch.cuda.get_device_name(x.device) if x.is_cuda else None
+    budget = shared_memory.device_smem_budget(x.device)
     E, M, inter, d = gate.num_experts, x.shape[0], gate.out_features, gate.in_features
     a_bytes = lambda kind: 4 if wide and kind != "fp8" else 2  # noqa: E731  (fp8 dots take e4m3 activations)
-    gu = get_config(gate.kind, "gate_up", E, inter, d, M, topk, name, a_bytes(gate.kind))
-    dn = get_config(down.kind, "down", E, down.out_features, inter, M, topk, name, a_bytes(down.kind))
+    gu = get_config(gate.kind, "gate_up", E, inter, d, M, topk, name, a_bytes(gate.kind), budget)
+    dn = get_config(down.kind, "down", E, down.out_features, inter, M, topk, name, a_bytes(down.kind), budget)
     return gu, MoeTileConfig(gu.block_m, dn.block_n, dn.block_k, dn.num_warps, dn.num_stages)
 
 
 def launch_with_fallback(
     launch: Callable[[MoeTileConfig], None], cfg: MoeTileConfig, cache: dict, key: Hashable
 ) -> MoeTileConfig:
-    """launch(cfg), or while that raises OutOfResources, launch(c) for each c of smaller_configs(cfg) in turn;
-    cache[key] keeps the config that launched, where later calls with the key start. Returns that config;
-    when none fits, raises the last OutOfResources again, naming the configs tried."""
-    start = cache.get(key, cfg)
-    tried = []
-    for c in itertools.chain((start,), smaller_configs(start)):
-        try:
-            launch(c)
-        except OutOfResources as e:
-            tried.append(c)
-            error = e
-            continue
-        cache[key] = c
-        return c
-    names = ", ".join(f"{c.block_m}x{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages}" for c in tried)
-    raise OutOfResources(error.required, error.limit, f"{error.name} (fused moe tried {names})") from error
+    """shared_memory.launch_with_fallback over moe_configs.smaller_configs: launch(cfg), smaller configs while
+    that raises OutOfResources; cache[key] keeps the one that launched."""
+    return shared_memory.launch_with_fallback(launch, cfg, cache, key, smaller_configs, _describe, "fused moe")
+
+
+def _describe(c: MoeTileConfig) -> str:
+    return f"{c.block_m}x{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages}"
 
 
 def _gemm(a, a_scale, w1: ExpertWeights, w2, out, align, cfg, row_div, topk_w, dot, precision, fallback) -> None:

@@ -30,6 +30,7 @@ import triton.language as tl
 from .latent_write import _round_bf16
 from .mla_checks import DTYPES, check_device, is_interpreted
 from .quant_formats import PACK
+from .shared_memory import device_smem_budget, dot_smem_bytes, stages_within
 
 
 @triton.jit
@@ -84,6 +85,22 @@ def _tiles(M: int, N: int, group: int, per_channel: bool) -> tuple[int, int, int
     return block_m, block_n, 64, False
 
 
+def smem_bytes(block_m: int, block_n: int, block_k: int, x_bytes: int, num_stages: int) -> int:
+    """shared_memory's estimate: the x tile and the weight words per buffer (loaded [BLOCK_K, BLOCK_N], a word
+    per element: w_ptrs), the weight dequantized to x's width."""
+    return dot_smem_bytes(num_stages, block_m, [(block_m, block_k, x_bytes), (block_k, block_n, 4)],
+                          [(block_k, block_n, x_bytes)])  # fmt: skip
+
+
+def launch_tiles(M: int, N: int, group: int, per_channel: bool, x_bytes: int, budget: int | None):
+    """(BLOCK_M, BLOCK_N, BLOCK_K, scale after the dot, num_stages) within `budget` bytes of shared memory
+    (None: no limit): _tiles', block_n halved while one stage does not fit (wide fp32 tiles on sm_120)."""
+    bm, bn, bk, after = _tiles(M, N, group, per_channel)
+    while budget is not None and bn > 16 and smem_bytes(bm, bn, bk, x_bytes, 1) > budget:
+        bn //= 2
+    return bm, bn, bk, after, stages_within(budget, lambda s: smem_bytes(bm, bn, bk, x_bytes, s))
+
+
 def int4_gemm(
     x: torch.Tensor,  # [M, K] bf16 / fp16 / fp32
     weight_packed: torch.Tensor,  # int32 [N, ceil(K/8)]
@@ -124,7 +141,8 @@ def int4_gemm(
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return out
-    block_m, block_n, block_k, after = _tiles(M, N, group_size, groups == 1)
+    budget = device_smem_budget(x.device)
+    block_m, block_n, block_k, after, stages = launch_tiles(M, N, group_size, groups == 1, x.element_size(), budget)
     via_fp32 = interpreted and x.dtype == torch.bfloat16
     # fp32 inputs: exact fp32 products (no TF32), so fp32 results match the fp32 reference
     precision = "ieee" if x.dtype == torch.float32 or via_fp32 else "tf32"
@@ -133,7 +151,7 @@ def int4_gemm(
         x, weight_packed, weight_scale, out, M, N, K,
         x.stride(0), weight_packed.stride(0), weight_scale.stride(0), out.stride(0),
         GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        SCALE_AFTER_DOT=after, DOT_PRECISION=precision, VIA_FP32=via_fp32, ROUND_BF16=via_fp32,
+        SCALE_AFTER_DOT=after, DOT_PRECISION=precision, VIA_FP32=via_fp32, ROUND_BF16=via_fp32, num_stages=stages,
     )  # fmt: skip
     return out
 

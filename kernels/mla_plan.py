@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -68,7 +69,8 @@ class MLAKernelConfig:
     """Block sizes and split policy. The defaults fit Kimi / DeepSeek shapes (512 + 64, bf16) in registers:
     on sm_90 the split kernel at block_m 32 does not spill; block_m 64 reaches wgmma but spills
     (`python -m scripts.bench.bench_kernels --compile-only` prints registers and spills; docs/performance.md).
-    `--sweep` times the alternatives on a GPU."""
+    `--sweep` times the alternatives on a GPU. mla_split launches it fitted to the device's shared memory
+    (smaller_mla_configs, kernels/shared_memory.py), and smaller on OutOfResources; block_m is the plan's."""
 
     block_m: int = 32  # rows (token, head) per program; capped at the largest sequence's row count
     block_n: int = 32  # keys per inner step
@@ -84,6 +86,29 @@ class MLAKernelConfig:
                 raise ValueError(f"{name} must be a power of two >= 16, got {v}")
         if self.min_split < 1 or self.target_programs < 0 or self.num_warps < 1 or self.num_stages < 1:
             raise ValueError(f"bad kernel config {self}")
+
+
+def smaller_mla_configs(cfg: MLAKernelConfig) -> Iterator[MLAKernelConfig]:
+    """Ever smaller split-kernel configs, to retry a launch that ran out of shared memory: block_n halved down
+    to 16, then num_stages down by one to 1 (last: one stage keeps a second copy of c_kv, mla_smem_bytes).
+    block_m never changes (the plan's tiles are cut by it); a halved block_n still divides split_len (a
+    multiple of the original)."""
+    while cfg.block_n > 16:
+        cfg = dataclasses.replace(cfg, block_n=cfg.block_n // 2)
+        yield cfg
+    for stages in range(cfg.num_stages - 1, 0, -1):
+        cfg = dataclasses.replace(cfg, num_stages=stages)
+        yield cfg
+
+
+def mla_smem_bytes(cfg: MLAKernelConfig, block_m: int, block_r: int, block_dr: int, kv_bytes: int) -> int:
+    """Shared memory of the split kernel as Triton 3.9 allocates it (kernels/shared_memory.py; fitted to its
+    compiled kernels for sm_90 / sm_120 with 16-byte aligned pointers, a bound from above): the tile's q_lat
+    and q_pe rows; fp32 scores and their cast p [BLOCK_M, BLOCK_N]; per key row c_kv and k_pe once when
+    pipelined (num_stages >= 2, a few bytes more per stage above 2), c_kv twice at one stage."""
+    s, w = kv_bytes, block_r + block_dr
+    key_row = w * s + 8 * max(0, cfg.num_stages - 2) if cfg.num_stages >= 2 else 2 * block_r * s
+    return block_m * w * s + block_m * cfg.block_n * (4 + s) + cfg.block_n * key_row
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

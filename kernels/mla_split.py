@@ -24,7 +24,10 @@ import triton
 import triton.language as tl
 
 from .mla_checks import LOG2E, KernelDims, check_inputs, is_interpreted, kernel_dims
-from .mla_plan import MLAPlan
+from .mla_plan import MLAKernelConfig, MLAPlan, mla_smem_bytes, smaller_mla_configs
+from .shared_memory import device_smem_budget, fit_config, launch_with_fallback
+
+_FITTED: dict[tuple, MLAKernelConfig] = {}  # launch key -> the config that launched (launch_with_fallback)
 
 
 @triton.jit
@@ -170,15 +173,26 @@ def mla_split_attention(
     part_lse = torch.empty(n_parts, d.block_m, dtype=torch.float32, device=plan.device)
     if plan.num_items == 0:
         return part_o, part_lse
-    cfg = plan.config
-    _mla_split_kernel[(plan.num_items,)](
-        q_lat, q_pe, kv, plan.seqs, plan.tiles, plan.items, plan.table, plan.new_slots, plan.mask_bits,
-        part_o, part_lse, out,
-        q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0), out.stride(0), out.stride(1),
-        scale * LOG2E,
-        NUM_HEADS=d.num_heads, R=d.r, DR=d.dr, BLOCK_R=d.block_r, BLOCK_DR=d.block_dr,
-        BLOCK_M=d.block_m, BLOCK_N=cfg.block_n, PAGE_SIZE=plan.page_size,
-        DOT_PRECISION=d.dot_precision, BF16_VIA_FP32=d.bf16_via_fp32,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
+
+    def launch(c: MLAKernelConfig) -> None:
+        _mla_split_kernel[(plan.num_items,)](
+            q_lat, q_pe, kv, plan.seqs, plan.tiles, plan.items, plan.table, plan.new_slots, plan.mask_bits,
+            part_o, part_lse, out,
+            q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0), out.stride(0),
+            out.stride(1), scale * LOG2E,
+            NUM_HEADS=d.num_heads, R=d.r, DR=d.dr, BLOCK_R=d.block_r, BLOCK_DR=d.block_dr,
+            BLOCK_M=d.block_m, BLOCK_N=c.block_n, PAGE_SIZE=plan.page_size,
+            DOT_PRECISION=d.dot_precision, BF16_VIA_FP32=d.bf16_via_fp32,
+            num_warps=c.num_warps, num_stages=c.num_stages,
+        )  # fmt: skip
+
+    # The plan's config shrunk to the device's shared memory estimate, then on OutOfResources at launch.
+    smem = lambda c: mla_smem_bytes(c, d.block_m, d.block_r, d.block_dr, kv.element_size())  # noqa: E731
+    cfg = fit_config(plan.config, smaller_mla_configs, smem, device_smem_budget(plan.device))
+    key = (cfg, d.block_m, d.block_r, d.block_dr, d.dot_precision, kv.dtype, q_lat.dtype, plan.page_size, plan.device)
+    launch_with_fallback(launch, cfg, _FITTED, key, smaller_mla_configs, _describe, "mla split")
     return part_o, part_lse
+
+
+def _describe(c: MLAKernelConfig) -> str:
+    return f"block_n {c.block_n} w{c.num_warps} s{c.num_stages}"

@@ -24,6 +24,8 @@ import pathlib
 import re
 from collections.abc import Iterator
 
+from .shared_memory import dot_smem_bytes, fit_config
+
 OPS = ("gate_up", "down")
 KINDS = ("bf16", "int4", "fp8")
 M_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 2048, 4096)
@@ -91,9 +93,28 @@ def m_bucket(M: int) -> int:
     return min(M_BUCKETS, key=lambda b: (abs(math.log2(b) - math.log2(m)), -b))
 
 
-def default_config(kind: str, op: str, E: int, N: int, K: int, M: int, topk: int, a_bytes: int = 2) -> MoeTileConfig:
+WEIGHT_BYTES = {"bf16": 2, "fp8": 1, "int4": 0.5}  # an element of a weight tile as loaded (INT4: packed words)
+
+
+def smem_bytes(cfg: MoeTileConfig, kind: str, op: str, a_bytes: int = 2) -> int:
+    """shared_memory.dot_smem_bytes of the grouped GEMM: the activation tile and the weight tiles (gate_up:
+    gate and up) as loaded; INT4 weights dequantized to the dot's width once more. (fp8 takes e4m3
+    activations: one byte.)"""
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    weights = 2 if op == "gate_up" else 1
+    a = 1 if kind == "fp8" else a_bytes
+    loop = [(bm, bk, a)] + [(bk, bn, WEIGHT_BYTES[kind])] * weights
+    converted = [(bk, bn, a)] * weights if kind == "int4" else []
+    return dot_smem_bytes(cfg.num_stages, bm, loop, converted)
+
+
+def default_config(
+    kind: str, op: str, E: int, N: int, K: int, M: int, topk: int, a_bytes: int = 2, smem_budget: int | None = None
+) -> MoeTileConfig:
     """A heuristic for shapes without a table entry; a_bytes: the size of an activation element in the dot
-    (4: fp32 dots, whose tiles take twice the shared memory of bf16's).
+    (4: fp32 dots, whose tiles take twice the shared memory of bf16's); smem_budget: the device's shared
+    memory per block (shared_memory.device_smem_budget), which the config's estimate is shrunk to fit
+    (smaller_configs' order; None: no cap).
 
     block_m follows the pairs per expert (M·topk/E, the rows an M-block can fill): decode and tree verify
     (a few pairs per expert) use 16, the tl.dot minimum, so padding wastes little compute. With few active
@@ -114,7 +135,8 @@ def default_config(kind: str, op: str, E: int, N: int, K: int, M: int, topk: int
         # per-block (opt-in) limit. Only an estimate: fused_moe's launch fallback is what guarantees a fit.
         per_stage = (block_m * block_k + block_k * block_n) * a_bytes
         num_stages = max(1, min(num_stages, _WIDE_SMEM_BUDGET // per_stage))
-    return MoeTileConfig(block_m, block_n, block_k, num_warps, num_stages)
+    cfg = MoeTileConfig(block_m, block_n, block_k, num_warps, num_stages)
+    return fit_config(cfg, smaller_configs, lambda c: smem_bytes(c, kind, op, a_bytes), smem_budget)
 
 
 def device_table_path(device_name: str) -> pathlib.Path:
@@ -155,13 +177,23 @@ def save_table(path: pathlib.Path, configs: dict[str, dict[int, MoeTileConfig]],
 
 
 def get_config(
-    kind: str, op: str, E: int, N: int, K: int, M: int, topk: int, device_name: str | None = None, a_bytes: int = 2
+    kind: str,
+    op: str,
+    E: int,
+    N: int,
+    K: int,
+    M: int,
+    topk: int,
+    device_name: str | None = None,
+    a_bytes: int = 2,
+    smem_budget: int | None = None,
 ) -> MoeTileConfig:
-    """The table's config for the nearest M bucket (device_name None: no table), else default_config (with
-    a_bytes, the activation element size in the dot)."""
+    """The table's config for the nearest M bucket (device_name None: no table; a table was tuned on its
+    device, so it fits there), else default_config (with a_bytes, the activation element size in the dot,
+    and the device's smem_budget)."""
     if device_name:
         by_m = load_table(device_table_path(device_name)).get(table_key(kind, op, E, N, K))
         if by_m:
             m = max(1, M)
             return by_m[min(by_m, key=lambda b: (abs(math.log2(b) - math.log2(m)), -b))]
-    return default_config(kind, op, E, N, K, M, topk, a_bytes)
+    return default_config(kind, op, E, N, K, M, topk, a_bytes, smem_budget)

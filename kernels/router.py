@@ -28,9 +28,27 @@ import triton
 import triton.language as tl
 
 from .mla_checks import DTYPES, check_device, is_interpreted
+from .shared_memory import device_smem_budget, dot_smem_bytes, stages_within
 
 SELECT_ELEMENTS = 8192  # BLOCK_M x padded E held by the selecting program (registers)
 BLOCK_E = 32  # experts per program below 64 row blocks (above: one program per row block)
+ROUTER_BLOCK_K = 32  # hidden columns per step of the logits' K loop
+
+
+def router_tiles(N: int, E: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_E) of a launch over N rows and E experts."""
+    e_pad = max(16, triton.next_power_of_2(E))
+    block_m = max(16, min(triton.next_power_of_2(N), SELECT_ELEMENTS // e_pad, 64))
+    return block_m, e_pad if triton.cdiv(N, block_m) >= 64 else min(e_pad, BLOCK_E)
+
+
+def smem_bytes(block_m: int, block_e: int, x_bytes: int, w_bytes: int, num_stages: int) -> int:
+    """shared_memory's estimate: the x and weight tiles per buffer as loaded, and their fp32 copies for the dot."""
+    k = ROUTER_BLOCK_K
+    return dot_smem_bytes(num_stages, block_m, [(block_m, k, x_bytes), (k, block_e, w_bytes)],
+                          [(block_m, k, 4 * (x_bytes < 4)), (k, block_e, 4 * (w_bytes < 4))])  # fmt: skip
+
+
 _TICKETS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -154,16 +172,18 @@ def route(
     if N == 0:
         return out_w, out_ids
     e_pad = max(16, triton.next_power_of_2(E))
-    block_m = max(16, min(triton.next_power_of_2(N), SELECT_ELEMENTS // e_pad, 64))
+    block_m, block_e = router_tiles(N, E)  # E split across SMs at decode sizes
     row_blocks = triton.cdiv(N, block_m)
-    block_e = e_pad if row_blocks >= 64 else min(e_pad, BLOCK_E)  # split E across SMs at decode sizes
     split = triton.cdiv(E, block_e)
     scores = torch.empty(N, E, dtype=torch.float32, device=x.device)
+    smem = lambda s: smem_bytes(block_m, block_e, x.element_size(), weight.element_size(), s)  # noqa: E731
+    stages = stages_within(device_smem_budget(x.device), smem)
     _router_kernel[(row_blocks, split)](
         x, weight, bias.contiguous(), scores, _tickets(x.device, row_blocks), out_w, out_ids,
         N, E, d, x.stride(0), weight.stride(0), float(scaling),
         TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), N_GROUP=n_group, G_PAD=triton.next_power_of_2(n_group),
         TOPK_GROUP=topk_group, RENORMALIZE=bool(renormalize), SPLIT_E=split,
-        BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_K=32, E_PAD=e_pad, num_warps=8 if e_pad >= 256 else 4,
+        BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_K=ROUTER_BLOCK_K, E_PAD=e_pad, num_warps=8 if e_pad >= 256 else 4,
+        num_stages=stages,
     )  # fmt: skip
     return out_w, out_ids
