@@ -31,7 +31,7 @@ def count(fn, device_type: str = "cpu") -> OpCounter:
 
 def test_the_metadata_list_is_explicit():
     views = {"view", "_unsafe_view", "as_strided", "expand", "t", "transpose", "permute", "squeeze", "unsqueeze",
-             "slice", "select", "alias", "detach", "size", "stride", "sym_size", "sym_stride", "split", "unbind",
+             "slice", "select", "alias", "detach", "detach_", "size", "stride", "sym_size", "sym_stride", "split", "unbind",
              "empty", "empty_like", "empty_strided", "lift_fresh"}  # fmt: skip
     assert views <= NOT_LAUNCHED
     assert {"_local_scalar_dense", "item", "nonzero", "equal", "is_nonzero", "unique", "masked_select"} <= HOST_SYNC_OPS

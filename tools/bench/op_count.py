@@ -42,7 +42,7 @@ NOT_LAUNCHED = frozenset(
     {
         # views
         "view", "_unsafe_view", "_reshape_alias", "as_strided", "expand", "expand_as", "t", "transpose",
-        "permute", "squeeze", "unsqueeze", "slice", "select", "alias", "detach", "split", "split_with_sizes",
+        "permute", "squeeze", "unsqueeze", "slice", "select", "alias", "detach", "detach_", "split", "split_with_sizes",
         "unbind", "chunk", "narrow", "diagonal", "unfold", "movedim", "view_as", "view_as_real",
         "view_as_complex", "_conj", "_neg_view", "resolve_conj", "resolve_neg", "numpy_T", "lift_fresh",
         # size / stride / layout queries

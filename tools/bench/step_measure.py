@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import gc
 import statistics
 import time
 
@@ -75,6 +76,15 @@ def _make_target(model, tp):
         return LocalTarget(model), None
     handle = TensorParallelModel(model, tp, ping_interval_s=PING_INTERVAL_S)
     return ShardedTarget(handle), handle
+
+
+def _close_handle(handle) -> None:
+    """Stop the rank-0 handle and wait for its ping thread: a thread still running when the interpreter
+    exits may hold the last reference to the model, and freeing it there aborts the process."""
+    handle.close()
+    pinger = getattr(handle, "_pinger", None)
+    if pinger is not None:
+        pinger.join()
 
 
 def count_step(model, target, work: StepWork, device: torch.device) -> dict:
@@ -223,18 +233,29 @@ class StepBench:
 @contextlib.contextmanager
 def step_bench(spec: ModelSpec):
     """The model of `spec` built on its device with its target (an emulated rank: in a one-rank group),
-    kernels routed as spec.kernels says; torn down on exit."""
+    kernels routed as spec.kernels says; torn down on exit: the handle's thread joined, the model and its
+    target released (and collected) before the group is destroyed."""
     device = torch.device(spec.device)
-    with contextlib.ExitStack() as stack:
-        tp = stack.enter_context(one_rank_group(device)) if spec.emulate_tp > 1 else None
-        t0 = time.perf_counter()
-        model = build_model(spec, tp)
-        build_s = time.perf_counter() - t0
-        target, handle = _make_target(model, tp)
-        if handle is not None:
-            stack.callback(handle.close)
-        stack.enter_context(route_kernels(model, spec.kernels))
-        yield StepBench(spec, model, target, device, build_s)
+    with contextlib.ExitStack() as group:
+        tp = group.enter_context(one_rank_group(device)) if spec.emulate_tp > 1 else None
+        bench = None
+        try:
+            with contextlib.ExitStack() as stack:
+                t0 = time.perf_counter()
+                model = build_model(spec, tp)
+                build_s = time.perf_counter() - t0
+                target, handle = _make_target(model, tp)
+                if handle is not None:
+                    stack.callback(_close_handle, handle)
+                stack.enter_context(route_kernels(model, spec.kernels))
+                bench = StepBench(spec, model, target, device, build_s)
+                del model, target, handle
+                yield bench
+        finally:
+            if bench is not None:
+                bench.model = bench.target = None
+            del bench
+            gc.collect()
 
 
 def measure_step(
