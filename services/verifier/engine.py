@@ -10,22 +10,28 @@ The server builds one engine and serves it; tests build theirs with `build_engin
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import torch
 
 from ddtree.config import VerifierConfig
+from ddtree.contract.sampling_params import SamplingConfig
 from ddtree.models.attention import resolve_attention_backend
 from ddtree.models.dtypes import TORCH_DTYPES
 from ddtree.models.loader import load_target
 from ddtree.protocol.security import ServiceSecurity
 from ddtree.telemetry.logging import get_logger
+from ddtree.verifier.batch import run_batch
 from ddtree.verifier.drafter_pool import DrafterPool
 from ddtree.verifier.kv_pool import LatentKVPool
 from ddtree.verifier.kv_sizing import graph_reserve_for, kv_size_for
 from ddtree.verifier.memory_check import refuse_unless_fits
+from ddtree.verifier.page_table import PageTable
 from ddtree.verifier.scheduler import Scheduler
+from ddtree.verifier.sequence import GenerateParams, Sequence
 from ddtree.verifier.static_step import make_static_step, plan_static_step
 from ddtree.verifier.target import LocalTarget, ShardedTarget, Target
+from ddtree.verifier.work_items import PrefillItem
 
 log = get_logger("ddtree.verifier.engine")
 
@@ -43,6 +49,23 @@ class VerifierEngine:
 
     def start(self) -> None:
         self.scheduler.start()
+
+    def warm_up(self) -> float:
+        """Run the forward once at each row count serving starts with (an AR row, a tree of the default
+        budget, a prompt chunk), before the server reports SERVING, so that the first requests do not pay
+        kernel compilation; the KV it wrote is freed and no sequence state is kept. Returns its seconds."""
+        t0 = time.perf_counter()
+        rows = sorted({1, self.config.default_budget + 1, min(self.config.prefill_chunk, 64)})
+        vocab = self.target.config.vocab_size
+        for n in rows:
+            ids = tuple(i % vocab for i in range(n))
+            seq = Sequence(GenerateParams("warm-up", ids, SamplingConfig(), 1, frozenset(), False, 0))
+            seq.table = PageTable(self.pool.page_size)
+            try:
+                run_batch(self.target, self.pool, [PrefillItem(seq, 0, n)], self.scheduler.tap_layer_ids)
+            finally:
+                seq.table.trim(self.pool)
+        return time.perf_counter() - t0
 
     def stop(self) -> None:
         """Stop the scheduler (every sequence aborted), then the TP workers and the drafter channels."""

@@ -30,6 +30,8 @@ from ddtree.verifier.sequence import GenerateParams, Sequence
 
 log = get_logger("ddtree.verifier")
 MAX_REQUEST_ID_CHARS = 256
+MAX_BAD_WORDS = 128  # bad_words: words per request, and tokens per word (each word is matched on every row)
+MAX_BAD_WORD_TOKENS = 64
 
 
 def usage_of(seq: Sequence) -> common_pb2.Usage:
@@ -93,8 +95,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         if bad_stop:
             raise ValueError(f"stop_token_ids has an id outside [0, {self.vocab_size}): {bad_stop[0]}")
         s = req.sampling
-        if math.isnan(s.temperature) or math.isnan(s.top_p) or math.isnan(s.min_p):
-            raise ValueError("temperature, top_p and min_p must be numbers, got NaN")
+        if any(math.isnan(v) for v in (s.temperature, s.top_p, s.min_p, s.presence_penalty, s.frequency_penalty)):
+            raise ValueError(
+                "temperature, top_p, min_p, presence_penalty and frequency_penalty must be numbers, got NaN"
+            )
+        self._check_token_ids(s)
         if s.min_tokens > req.max_new_tokens:
             raise ValueError(f"sampling.min_tokens {s.min_tokens} is above max_new_tokens {req.max_new_tokens}")
         sampling = SamplingConfig(
@@ -104,6 +109,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             seed=s.seed if s.HasField("seed") else None,
             min_p=s.min_p,
             min_tokens=s.min_tokens,
+            repetition_penalty=s.repetition_penalty if s.repetition_penalty != 0 else 1.0,
+            presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty,
+            logit_bias=tuple(sorted(s.logit_bias.items())),
+            allowed_token_ids=tuple(sorted(set(s.allowed_token_ids))),
+            bad_words=tuple(tuple(w.ids) for w in s.bad_words),
         )
         sampling.validate()
         budget = req.spec.budget if req.spec.budget else cfg.default_budget
@@ -133,6 +144,22 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             prompt_logprobs=prompt_top,
             grammar=req.grammar,
         )
+
+    def _check_token_ids(self, s) -> None:
+        """logit_bias, allowed_token_ids and bad_words name tokens of the vocabulary, in bounded numbers."""
+        vocab = self.vocab_size
+        if len(s.logit_bias) > vocab or len(s.allowed_token_ids) > vocab:
+            raise ValueError(f"logit_bias and allowed_token_ids hold at most {vocab} ids (the vocabulary)")
+        if len(s.bad_words) > MAX_BAD_WORDS or any(len(w.ids) > MAX_BAD_WORD_TOKENS for w in s.bad_words):
+            raise ValueError(f"bad_words: at most {MAX_BAD_WORDS} words of at most {MAX_BAD_WORD_TOKENS} tokens")
+        for name, ids in (
+            ("logit_bias", s.logit_bias.keys()),
+            ("allowed_token_ids", s.allowed_token_ids),
+            ("bad_words", [t for w in s.bad_words for t in w.ids]),
+        ):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{name} has a token id outside [0, {vocab}): {bad[0]}")
 
     def _grammar_tokenizer(self):
         """The checkpoint's vocabulary for llguidance, built once, on the first constrained request (a
@@ -243,6 +270,7 @@ def serve(config: VerifierConfig, model_dir: str) -> RunningServer:
     import pathlib
 
     engine = build_engine(config, model_dir)
+    log.info("verifier_warm_up", seconds=round(engine.warm_up(), 3))  # before the server reports SERVING
     scheduler = engine.scheduler
     mcfg = engine.target.config
     scheduler.start()
