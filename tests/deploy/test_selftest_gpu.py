@@ -25,7 +25,19 @@ ROW_KEYS = {"mode", "kind", "context", "prompt_tokens", "tokens", "steps", "tau"
 
 def _dry_run(tmp_path, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / "selftest_gpu.json"
-    cmd = [sys.executable, "-m", "ddtree.cli", "selftest", "gpu", "--dry-run", "--out", str(out), *extra]
+    # part (d), the deployment check, has its own dry-run test (test_selftest_deploy.py)
+    cmd = [
+        sys.executable,
+        "-m",
+        "ddtree.cli",
+        "selftest",
+        "gpu",
+        "--dry-run",
+        "--skip-deploy",
+        "--out",
+        str(out),
+        *extra,
+    ]
     res = subprocess.run(cmd, cwd=env.ROOT, capture_output=True, text=True, timeout=900)
     assert out.is_file(), res.stdout[-3000:] + res.stderr[-3000:]
     return res, json.loads(out.read_text())

@@ -20,6 +20,9 @@ model served end to end on one GPU, in one table and one JSON.
     depth, random INT4 weights made on the GPU): AR and trees of 9 / 17 rows at contexts 128 / 1k / 8k / 32k,
     eager and CUDA graphs, launches, host syncs and all-reduces per step (numbers, not a check).
 
+(d) deploy_check.py: a verifier's warm start (start to SERVING), its first request against a warm one, and the
+    largest KV the memory plan admits against what the device reports free.
+
 It exits 1 on any mismatch (a kernel off its reference, DDTree off AR in fp32), on an error, and when a
 DDTree run that matches AR accepts under 2 tokens per step (the oracle's trees not followed); 2 when it
 cannot run at all.
@@ -61,6 +64,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--skip-kernels", action="store_true", help="no part (a)")
     p.add_argument("--skip-serving", action="store_true", help="no part (b)")
     p.add_argument("--skip-step", action="store_true", help="no part (c)")
+    p.add_argument("--skip-deploy", action="store_true", help="no part (d)")
     p.add_argument("--step-deadline-s", type=float, default=300.0,
                    help="part (c): measure no new step shape after this many seconds from its start")  # fmt: skip
     p.add_argument("--layers", type=int, default=0, help="decoder layers of the served model (default 4; dry 2)")
@@ -138,6 +142,20 @@ def run(args: argparse.Namespace) -> int:
                 result["errors"].append(dict(part="step", error=traceback.format_exc()[-3000:]))
                 traceback.print_exc()
         result["step_s"] = time.perf_counter() - t2
+        save(args.out, result)
+    if not args.skip_deploy:
+        from ddtree.tools.selftest import deploy_check
+
+        print("\n(d) deployment: warm start, first vs warm request, the memory plan against the device", flush=True)
+        t3 = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="selftest-deploy-") as work:
+            try:
+                result["deploy"] = deploy_check.run_deploy_check(args.dry_run, pathlib.Path(work), log)
+                result["errors"] += result["deploy"]["errors"]
+            except Exception:
+                result["errors"].append(dict(part="deploy", error=traceback.format_exc()[-3000:]))
+                traceback.print_exc()
+        result["deploy_s"] = time.perf_counter() - t3
         save(args.out, result)
     result["mismatches"] = sum(result.get(part, {}).get("mismatches", 0) for part in ("kernels", "serving"))
     low = result.get("serving", {}).get("low_acceptance", 0)
