@@ -25,7 +25,7 @@ from ddtree.verifier.step_outcome import StepOutcome
 from ddtree.verifier.step_records import StepClock, publish_record, step_record
 
 log = get_logger("ddtree.verifier.apply")
-NO_CLOCK = StepClock(0.0, 0.0, 0.0)  # a step whose times are not measured (its record reports 0 ms)
+NO_CLOCK = StepClock(0.0, 0.0, 0.0)  # a step whose times are not measured (its record reports zero times)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,14 +117,21 @@ def _emit(seq: Sequence, tokens: list[int], step: StepRecord | None, logprobs: t
     if out:
         seq.last_token_time = now
     seq.generated.extend(out)
+    if seq.penalty_counts is not None:
+        seq.penalty_counts.add(out)  # penalties count exactly the tokens of `generated`
     seq.finish_reason = finish
     seq.events.put(StreamEvent(tuple(out), step, finish, logprobs=tuple(logprobs[: len(out)])))
     return finish
 
 
 def _dead_end(seq: Sequence) -> Ending:
-    """A grammar's dead end (no token allowed, grammar.py) ends its sequence: "stop" where the grammar
-    accepts (a finished grammar whose stop ids min_tokens holds back), else an error naming why."""
+    """A dead end (no token allowed) ends its sequence. A grammar's (grammar.py): "stop" where the grammar
+    accepts (a finished grammar whose stop ids min_tokens holds back), else an error naming why. Without a
+    grammar the request's own masks (allowed_token_ids, bad_words, min_tokens' stop ids) excluded every token."""
+    if seq.grammar is None:
+        error = "no token is allowed: allowed_token_ids, bad_words and min_tokens' stop ids exclude every token"
+        log.warning("logit_mask_dead_end", request_id=seq.request_id)
+        return Ending("error", error=error, status=grpc.StatusCode.INVALID_ARGUMENT)
     matcher = seq.grammar.matcher
     if matcher.is_accepting() and not matcher.is_error():
         return Ending("stop")
