@@ -78,7 +78,7 @@ def test_write_latent_matches_the_model(dtype):
     got = expected.clone().to(DEVICE)
     with torch.no_grad():
         expected[slots] = attn.project_latent(h, positions, rope).to(dtype)
-        latent = attn.kv_a_proj_with_mqa(h)
+        latent = attn.project_a(h)[1].contiguous()  # the kv_a output (one GEMM with q_a when merged)
     norm = attn.kv_a_layernorm
     write_latent(got, latent.to(DEVICE), slots.to(DEVICE), positions.to(DEVICE), norm.weight.detach().to(DEVICE),
                  norm.eps, rope.inv_freq.to(DEVICE), rope.attention_factor)  # fmt: skip

@@ -45,6 +45,7 @@ class _CountedTarget:
 
     def __init__(self, target, counting):
         self.target, self.counting, self.config = target, counting, target.config
+        self.prepare = getattr(target, "prepare", None)  # run_batch prepares the step before the counted run
 
     def run(self, inputs, heads):
         with self.counting():
