@@ -10,9 +10,13 @@ read from the row it was chosen at (the accepted node before it; logprobs.py). W
 prefill chunk's rows (all of them computed, work_items.PrefillItem.head) score the prompt tokens after
 them; the last row alone then picks the first token.
 
-Grammar dead ends (grammar.py): a row whose mask allows no token has no choice. Its tree children were
-pruned (a node stays only where its parent's mask allows it), so the accept walk cannot go past it; when
-the walk ends on such a row the outcome is a dead end and its bonus is not emitted.
+Penalties and logit masks (penalties.py): each row's logits get the request's masks, bias and penalties
+from the output's counts plus the tokens of the row's own path, so every row's choice is penalised AR's.
+
+Dead ends: a row whose masks allow no token (a grammar's, grammar.py; allowed_token_ids, bad_words and
+min_tokens' stop ids) has no choice: it chooses -1, no child's token (a grammar also pruned its children),
+so the accept walk cannot go past it; when the walk ends on such a row the outcome is a dead end and its
+bonus is not emitted.
 
 Nothing here writes to the sequence: it is read, and the result returned (apply.py writes it).
 """
@@ -26,11 +30,13 @@ import torch
 
 from ddtree.verifier.accept import accept
 from ddtree.verifier.logprobs import prompt_logprobs, token_logprobs
+from ddtree.verifier.penalties import adjust_logits
 from ddtree.verifier.sampling import mask_stop_tokens, stop_mask_rows, target_choices
 from ddtree.verifier.sequence import Sequence, extend_pending
 from ddtree.verifier.step_outcome import StepOutcome
 
 if TYPE_CHECKING:
+    from ddtree.contract.token_tree import TokenTree
     from ddtree.verifier.work_items import PrefillItem, VerifyItem
 
 
@@ -47,30 +53,39 @@ class ItemOutput:
 
 @dataclasses.dataclass(frozen=True)
 class Choices:
-    tokens: list[int]  # the target's choice per row (any value on a dead row)
+    tokens: list[int]  # the target's choice per row (-1 on a dead row)
     dead: frozenset[int]  # rows whose grammar mask allows no token
 
 
-def _choices(seq: Sequence, out: ItemOutput, depths: tuple[int, ...]) -> Choices:
+def _choices(seq: Sequence, out: ItemOutput, tree: TokenTree | None) -> Choices:
     """The target's choice per row: argmax, or one sample per row from the request's generator.
-    depths[r]: row r's depth (its choice is output token len(generated) + depth), for min_tokens."""
+    tree: the verified tree (row 0 its root, row i node i), or None for a first token's single row. Row r
+    chooses output token len(generated) + depth(r) (min_tokens) after its path's tokens (penalties.py)."""
     cfg = seq.params.sampling
+    depths = (0,) if tree is None else (0, *tree.depths)
     masked = seq.masks_stops
-    if cfg.greedy and out.argmax is not None and (not masked and seq.grammar is None or out.logits is None):
+    adjusted = seq.penalty_counts is not None
+    needs_logits = masked or adjusted or seq.grammar is not None
+    if cfg.greedy and out.argmax is not None and (not needs_logits or out.logits is None):
         return Choices(out.argmax.tolist(), frozenset())  # tensor parallel: from the vocab shards, no gather
     logits = out.logits
     if masked:
         rows = stop_mask_rows(cfg.min_tokens, len(seq.generated), depths)
         logits = mask_stop_tokens(logits, rows, seq.params.stop_token_ids)
+    if adjusted:  # each row with the counts of the output plus its own path
+        logits = adjust_logits(logits, cfg, seq.penalty_counts, seq.generated, tree)
     generator = None if cfg.greedy else seq.generator(logits.device)
-    if seq.grammar is None:
-        return Choices(target_choices(logits, cfg, generator).tolist(), frozenset())
-    logits = seq.grammar.mask_logits(logits)  # each row's grammar mask, from the path to its node (grammar.py)
+    if seq.grammar is not None:
+        logits = seq.grammar.mask_logits(logits)  # each row's grammar mask, from the path to its node (grammar.py)
+    elif not (masked or cfg.allowed_token_ids or cfg.bad_words):
+        return Choices(target_choices(logits, cfg, generator).tolist(), frozenset())  # no row can be all -inf
     dead = torch.isneginf(logits).all(dim=-1)
     if not bool(dead.any()):
         return Choices(target_choices(logits, cfg, generator).tolist(), frozenset())
-    live = logits.masked_fill(dead[:, None], 0.0)  # any finite row: a dead row's choice is never used
-    return Choices(target_choices(live, cfg, generator).tolist(), frozenset(dead.nonzero().flatten().tolist()))
+    live = logits.masked_fill(dead[:, None], 0.0)  # any finite row, for the sampler's shapes
+    # A dead row chooses -1, no child's token: the walk stops there (a grammar also pruned its children).
+    tokens = target_choices(live, cfg, generator).masked_fill(dead, -1)
+    return Choices(tokens.tolist(), frozenset(dead.nonzero().flatten().tolist()))
 
 
 def _logprobs(seq: Sequence, out: ItemOutput, rows: list[int], tokens: list[int]) -> tuple:
@@ -105,7 +120,7 @@ def commit_prefill(item: PrefillItem, out: ItemOutput, window: int) -> StepOutco
     )
     if not item.is_last:
         return StepOutcome(**common)
-    choices = _choices(seq, out, (0,))
+    choices = _choices(seq, out, None)
     if 0 in choices.dead:
         return StepOutcome(**common, starts_decode=True, dead_end=True)
     first = choices.tokens[0]
@@ -116,7 +131,7 @@ def commit_prefill(item: PrefillItem, out: ItemOutput, window: int) -> StepOutco
 def commit_verify(item: VerifyItem, out: ItemOutput, window: int) -> StepOutcome:
     """The accepted path enters the cache; the matched node tokens, then the bonus, are emitted."""
     seq, tree = item.seq, item.tree
-    choices = _choices(seq, out, (0, *tree.depths))
+    choices = _choices(seq, out, tree)
     verdict = accept(tree, seq.root, choices.tokens)
     nodes, tokens = verdict.accepted_nodes, verdict.accepted_tokens
     dead_end = nodes[-1] in choices.dead

@@ -51,7 +51,7 @@ def sampling_probs(logits: Tensor, cfg: SamplingConfig) -> Tensor:
     kept). top_p keeps the smallest set of highest-probability tokens whose mass >= top_p: a token is
     kept iff the mass of the tokens sorted strictly before it is < top_p.
     """
-    cfg.validate()
+    cfg.validate_sampler()
     if cfg.greedy:
         raise ValueError("sampling_probs needs temperature > 0 (temperature 0 is argmax)")
     if logits.dim() != 2:
@@ -84,7 +84,7 @@ def target_choices(logits: Tensor, cfg: SamplingConfig, generator: torch.Generat
     E_i ~ Exp(1) i.i.d. picks i with probability p_i (it is Gumbel-max in disguise) and needs no host
     sync. Deterministic given the generator's state.
     """
-    cfg.validate()
+    cfg.validate_sampler()
     if logits.dim() != 2:
         raise ValueError(f"logits must be [N, V], got shape {tuple(logits.shape)}")
     if cfg.greedy:

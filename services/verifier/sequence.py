@@ -31,6 +31,7 @@ from ddtree.contract.token_tree import TokenTree
 from ddtree.verifier.grammar import SequenceGrammar
 from ddtree.verifier.logprobs import PromptRows
 from ddtree.verifier.page_table import PageTable, pages_for
+from ddtree.verifier.penalties import PenaltyCounts
 from ddtree.verifier.sampling import make_generator
 
 
@@ -121,6 +122,10 @@ class Sequence:
         self.prompt_key = hash(params.input_ids)  # equal prompts, equal keys: finds a twin prefill (prefix_sharing.py)
         self.root: int | None = None
         self.generated: list[int] = []
+        # The output's token counts for penalties and the request's logit masks (penalties.py); apply.py
+        # counts every token appended to `generated`. None: the request adjusts no logits.
+        sampling = params.sampling
+        self.penalty_counts = PenaltyCounts(sampling, params.input_ids) if sampling.adjusts_logits else None
         self.pending_commit: PendingCommit | None = None
         self.drafter_seeded = False  # the drafter holds this sequence's context
         # The drafter's key for this sequence's context: unique per Sequence (and across verifiers
@@ -176,10 +181,11 @@ class Sequence:
 
     @property
     def wants_logits(self) -> bool:
-        """Full logits for every row: a sampled request, stop ids masked (min_tokens), logprobs, or a
-        grammar (its masks apply before the choice; the greedy walk shortcut reads unmasked argmaxes)."""
+        """Full logits for every row: a sampled request, stop ids masked (min_tokens), logprobs, a grammar,
+        or penalties / logit masks (they apply before the choice; the greedy walk shortcut reads raw argmaxes)."""
         return (
             not self.params.sampling.greedy
+            or self.params.sampling.adjusts_logits
             or self.masks_stops
             or self.params.top_logprobs is not None
             or self.grammar is not None

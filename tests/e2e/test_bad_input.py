@@ -47,6 +47,19 @@ VERIFIER_CASES = [
     ("token id above vocab", _gen(input_ids=[5, 999999]), "outside [0, 4096)"),
     ("negative token id", _gen(input_ids=[-1, 5]), "outside [0, 4096)"),
     ("negative budget", _gen(spec=common_pb2.SpecOptions(budget=-2)), "budget"),
+    (
+        "repetition_penalty negative",
+        _gen(sampling=common_pb2.SamplingParams(repetition_penalty=-1)),
+        "repetition_penalty",
+    ),
+    ("presence_penalty above 2", _gen(sampling=common_pb2.SamplingParams(presence_penalty=2.5)), "presence_penalty"),
+    (
+        "logit_bias id above vocab",
+        _gen(sampling=common_pb2.SamplingParams(logit_bias={4096: 1.0})),
+        "outside [0, 4096)",
+    ),
+    ("logit_bias above 100", _gen(sampling=common_pb2.SamplingParams(logit_bias={5: 101.0})), "logit_bias values"),
+    ("bad word empty", _gen(sampling=common_pb2.SamplingParams(bad_words=[common_pb2.TokenIds()])), "bad_words"),
 ]
 
 
