@@ -5,7 +5,7 @@ client may send is either implemented or refused with a 400 that names it (READM
   400s naming the field ("max_tokens: must be integer, got number"), as OpenAI and vLLM answer them.
   An integer is a valid number.
 - Refused fields (`REFUSED`): accepted only at their neutral value (absent, null, or what changes
-  nothing, e.g. n = 1, presence_penalty = 0); anything else is a 400 saying why.
+  nothing, e.g. n = 1, best_of = 1); anything else is a 400 saying why.
 - Unknown fields are ignored with a warning log naming them, as vLLM does (clients send fields a
   server may not know; refusing them would break the official clients' newer fields).
 
@@ -153,14 +153,17 @@ class Request(_Model):
     no_spec: bool | None = None  # ddtree: plain autoregressive decoding
     n: int | None = None  # choices.py: n sequences, seed + i each
     prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs, 0..20 top tokens (openai_logprobs.py)
+    # Penalties and logit masks (the verifier applies them per tree node, losslessly; openai_protocol._penalties)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     # Refused unless neutral (REFUSED says why).
     best_of: int | None = None
     use_beam_search: bool | None = None
     length_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict | None = None
     response_format: ResponseFormat | None = None  # structured outputs (structured_outputs.py) ...
     guided_json: Any = None
     guided_regex: Any = None
@@ -170,8 +173,6 @@ class Request(_Model):
     guided_whitespace_pattern: Any = None
     structural_tag: Any = None
     structured_outputs: Any = None
-    allowed_token_ids: Any = None
-    bad_words: Any = None
     logits_processors: Any = None
     truncate_prompt_tokens: Any = None
     priority: int | None = None
@@ -219,25 +220,15 @@ class CompletionRequest(Request):
     prompt_embeds: Any = None
 
 
-_PENALTY = (
-    "not supported (only {neutral}): a penalty changes the target distribution along each tree path, "
-    "and ddtree refuses it rather than sample off the exact tree verification"
-)
 # field -> (is the value neutral?, why it is refused otherwise). {neutral} / {value} are filled in.
 REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "best_of": (lambda v: v == 1, "only 1 is supported, got {value}"),
     "use_beam_search": (lambda v: v is False, "beam search is not supported"),
     "length_penalty": (lambda v: v == 1, "only 1 (it applies to beam search, which is not supported)"),
-    "presence_penalty": (lambda v: v == 0, _PENALTY.format(neutral="0")),
-    "frequency_penalty": (lambda v: v == 0, _PENALTY.format(neutral="0")),
-    "repetition_penalty": (lambda v: v == 1, _PENALTY.format(neutral="1")),
-    "logit_bias": (lambda v: not v, "not supported"),
     # response_format, structured_outputs and guided_json / _regex / _choice / _grammar /
     # _decoding_backend: structured_outputs.py
     "guided_whitespace_pattern": (lambda v: False, "not supported (use structured_outputs.disable_any_whitespace)"),
     "structural_tag": (lambda v: False, "not supported (structured outputs: json, regex, choice, grammar)"),
-    "allowed_token_ids": (lambda v: False, "not supported"),
-    "bad_words": (lambda v: not v, "not supported"),
     "logits_processors": (lambda v: not v, "not supported (custom logits processors)"),
     "truncate_prompt_tokens": (lambda v: False, "not supported (prompts are never truncated; send a shorter one)"),
     "priority": (lambda v: v == 0, "not supported (requests are served first come, first served)"),

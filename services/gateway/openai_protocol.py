@@ -4,6 +4,8 @@ Parsing validates a JSON body against its request model (openai_models.py: pydan
 field) and turns it into the pipeline's inputs; every bad, refused or wrongly typed field raises
 `Invalid` (HTTP 400) naming the field.
 
+Penalties and logit masks (presence_penalty, frequency_penalty, logit_bias; vLLM's repetition_penalty,
+allowed_token_ids, bad_words) go to the verifier, which applies them to every tree node losslessly.
 Supported beyond the OpenAI basics: vLLM's top_k, min_p, min_tokens, stop_token_ids, ignore_eos,
 include_stop_str_in_output, skip_special_tokens, add_generation_prompt, continue_final_message,
 chat_template_kwargs (e.g. {"thinking": false}), request_id, SGLang's separate_reasoning, and the
@@ -21,10 +23,11 @@ errors) are openai_responses.py's.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from ddtree.config import GatewayConfig
-from ddtree.contract.sampling_params import MAX_TOP_LOGPROBS
+from ddtree.contract.sampling_params import MAX_LOGIT_BIAS, MAX_PENALTY, MAX_TOP_LOGPROBS
 from ddtree.gateway.choices import check_n
 from ddtree.gateway.openai_models import (
     ChatCompletionRequest,
@@ -115,7 +118,44 @@ def _options(r: Request, config: GatewayConfig, max_tokens: int | None, key: str
     o.grammar = request_grammar(r)  # response_format, structured_outputs, guided_*: "" when none
     if r.prompt_logprobs is not None:  # vLLM's, chat and completions alike
         o.prompt_logprobs = _in("prompt_logprobs", r.prompt_logprobs, 0, MAX_TOP_LOGPROBS)
+    _penalties(r, o)
     return o
+
+
+def _penalties(r: Request, o: gateway_pb2.GenerationOptions) -> None:
+    """Penalties and logit masks, with OpenAI's / vLLM's ranges; token ids are checked against the
+    vocabulary and bad_words tokenized by the pipeline (validate_options, Pipeline._job)."""
+    for key in ("presence_penalty", "frequency_penalty"):
+        value = getattr(r, key)
+        if value is not None and not -MAX_PENALTY <= value <= MAX_PENALTY:
+            raise Invalid(f"{key}: must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
+    o.presence_penalty = r.presence_penalty or 0.0
+    o.frequency_penalty = r.frequency_penalty or 0.0
+    if r.repetition_penalty is not None:
+        if not 0 < r.repetition_penalty < math.inf:
+            raise Invalid(f"repetition_penalty: must be > 0 (1 = off), got {r.repetition_penalty}")
+        o.repetition_penalty = r.repetition_penalty
+    for key, bias in (r.logit_bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise Invalid(f"logit_bias.{key}: keys must be token ids (integers as strings), got {key!r}") from None
+        if not 0 <= token <= INT32_MAX:
+            raise Invalid(f"logit_bias.{key}: token id {token} is outside the vocabulary")
+        if not math.isfinite(bias):
+            raise Invalid(f"logit_bias.{key}: must be a finite number, got {bias}")
+        o.logit_bias[token] = min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, bias))  # vLLM clamps to [-100, 100]
+    if r.allowed_token_ids is not None:
+        if not r.allowed_token_ids:
+            raise Invalid("allowed_token_ids: must not be empty (omit it to allow every token)")
+        for i, t in enumerate(r.allowed_token_ids):
+            if not 0 <= t <= INT32_MAX:
+                raise Invalid(f"allowed_token_ids[{i}]: token id {t} is outside the vocabulary")
+        o.allowed_token_ids.extend(r.allowed_token_ids)
+    for i, word in enumerate(r.bad_words or []):
+        if not word.strip():
+            raise Invalid(f"bad_words[{i}]: must not be empty or only whitespace")
+    o.bad_words.extend(r.bad_words or [])
 
 
 def _content(value: Any, where: str) -> str | None:

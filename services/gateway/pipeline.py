@@ -12,7 +12,9 @@ ValueError naming the field), render the chat template, tokenize, and build the 
   tool-call parser (config.tool_call_parser); finish_reason "stop" becomes "tool_calls" when calls
   were parsed. Completions return raw text.
 - Text: special tokens are skipped (unless skip_special_tokens is false) but for the parsers' markers;
-  min_p and min_tokens go to the verifier's sampler (SamplingParams), which applies them per tree node.
+  min_p and min_tokens go to the verifier's sampler (SamplingParams), which applies them per tree node,
+  and so do the penalties and logit masks (bad_words tokenized here, bad_words.py), per tree node with the
+  node's own path counted, losslessly.
 - continue_final_message: the prompt is cut right after the final assistant message's content.
 - Structured outputs: options.grammar (an llguidance grammar; the HTTP API compiles response_format and
   the guided fields into it, structured_outputs.py) or tool_choice required / function:NAME (a forced
@@ -32,8 +34,9 @@ import uuid
 import grpc
 
 from ddtree.config import GatewayConfig
-from ddtree.contract.sampling_params import MAX_TOP_LOGPROBS
+from ddtree.contract.sampling_params import MAX_LOGIT_BIAS, MAX_PENALTY, MAX_TOP_LOGPROBS
 from ddtree.gateway.auth import ApiKeys
+from ddtree.gateway.bad_words import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, bad_word_ids
 from ddtree.gateway.generation import Generation, RequestError, Result, StopMatcher
 from ddtree.gateway.parsers.kimi_k2_reasoning import starts_in_reasoning
 from ddtree.gateway.parsers.registry import check_names
@@ -129,6 +132,32 @@ def validate_options(
     for i, t in enumerate(o.stop_token_ids):
         if not 0 <= t < vocab_size:
             raise Invalid(f"{prefix}stop_token_ids[{i}]: token id {t} is outside the vocabulary (size {vocab_size})")
+    _validate_penalties(o, vocab_size, prefix)
+
+
+def _validate_penalties(o: gateway_pb2.GenerationOptions, vocab_size: int, prefix: str) -> None:
+    """Penalties and logit masks: OpenAI's / vLLM's ranges, token ids in the vocabulary."""
+    for key in ("presence_penalty", "frequency_penalty"):
+        value = getattr(o, key)
+        if not -MAX_PENALTY <= value <= MAX_PENALTY:  # NaN fails too
+            raise Invalid(f"{prefix}{key}: must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
+    if not (o.repetition_penalty == 0 or 0 < o.repetition_penalty < math.inf):
+        raise Invalid(f"{prefix}repetition_penalty: must be > 0 (0 = unset, 1 = off), got {o.repetition_penalty}")
+    for token, bias in o.logit_bias.items():
+        if not 0 <= token < vocab_size:
+            raise Invalid(f"{prefix}logit_bias: token id {token} is outside the vocabulary (size {vocab_size})")
+        if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise Invalid(f"{prefix}logit_bias.{token}: must be in [-100, 100], got {bias}")
+    for i, t in enumerate(o.allowed_token_ids):
+        if not 0 <= t < vocab_size:
+            raise Invalid(f"{prefix}allowed_token_ids[{i}]: token id {t} is outside the vocabulary (size {vocab_size})")
+    if len(o.bad_words) > MAX_BAD_WORDS:
+        raise Invalid(f"{prefix}bad_words: at most {MAX_BAD_WORDS} words, got {len(o.bad_words)}")
+    for i, word in enumerate(o.bad_words):
+        if not word.strip():
+            raise Invalid(f"{prefix}bad_words[{i}]: must not be empty or only whitespace")
+        if len(word) > MAX_STOP_CHARS:
+            raise Invalid(f"{prefix}bad_words[{i}]: {len(word)} characters, over the limit of {MAX_STOP_CHARS}")
 
 
 def validate_template_kwargs(kwargs) -> dict:
@@ -368,8 +397,20 @@ class Pipeline:
             raise Invalid(f"prompt: {len(input_ids)} tokens, over the limit of {limit}")
         stop_ids = list(dict.fromkeys([*o.stop_token_ids, *(() if o.ignore_eos else self._eos_ids)]))
         sampling = common_pb2.SamplingParams(
-            temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, min_p=o.min_p, min_tokens=o.min_tokens
+            temperature=o.temperature,
+            top_p=o.top_p,
+            top_k=o.top_k,
+            min_p=o.min_p,
+            min_tokens=o.min_tokens,
+            repetition_penalty=o.repetition_penalty,
+            presence_penalty=o.presence_penalty,
+            frequency_penalty=o.frequency_penalty,
+            logit_bias=dict(o.logit_bias),
+            allowed_token_ids=o.allowed_token_ids,
+            bad_words=bad_word_ids(self.tokenizer, o.bad_words),
         )
+        if any(len(w.ids) > MAX_BAD_WORD_TOKENS for w in sampling.bad_words):
+            raise Invalid(f"{prefix}bad_words: a word is over {MAX_BAD_WORD_TOKENS} tokens long")
         if o.HasField("seed"):
             sampling.seed = o.seed
         max_new = o.max_tokens or self.default_max_tokens(len(input_ids))

@@ -38,14 +38,8 @@ NOT_NEUTRAL = {
     "best_of": 2,
     "use_beam_search": True,
     "length_penalty": 0.5,
-    "presence_penalty": 0.5,
-    "frequency_penalty": -0.2,
-    "repetition_penalty": 1.1,
-    "logit_bias": {"5": 10},
     "guided_whitespace_pattern": " ",  # structured outputs themselves: tests/verifier/test_structured_outputs.py
     "structural_tag": "{}",
-    "allowed_token_ids": [1, 2],
-    "bad_words": ["x"],
     "logits_processors": ["m.f"],
     "truncate_prompt_tokens": 5,
     "priority": 1,
@@ -159,6 +153,19 @@ def test_neutral_values_are_accepted(client, fake, tok):
         ({"stop": [1]}, "stop[0]: must be string, got integer"),
         ({"stream_options": {"include_usage": 1}}, "stream_options.include_usage: must be boolean, got integer"),
         ({"continue_final_message": True}, "continue_final_message: cannot be true while add_generation_prompt"),
+        ({"presence_penalty": 2.5}, "presence_penalty: must be in [-2, 2], got 2.5"),
+        ({"frequency_penalty": -3}, "frequency_penalty: must be in [-2, 2], got -3"),
+        ({"repetition_penalty": 0}, "repetition_penalty: must be > 0 (1 = off), got 0"),
+        ({"repetition_penalty": "x"}, "repetition_penalty: must be number, got string"),
+        ({"logit_bias": {"a": 1}}, "logit_bias.a: keys must be token ids (integers as strings), got 'a'"),
+        ({"logit_bias": {"5": "x"}}, "logit_bias.5: must be number, got string"),
+        ({"logit_bias": {"9999999": 1}}, "logit_bias: token id 9999999 is outside the vocabulary (size "),
+        ({"logit_bias": [5]}, "logit_bias: must be object, got array"),
+        ({"allowed_token_ids": []}, "allowed_token_ids: must not be empty (omit it to allow every token)"),
+        ({"allowed_token_ids": [3, 9999999]}, "allowed_token_ids[1]: token id 9999999 is outside the vocabulary"),
+        ({"allowed_token_ids": ["3"]}, "allowed_token_ids[0]: must be integer, got string"),
+        ({"bad_words": [" "]}, "bad_words[0]: must not be empty or only whitespace"),
+        ({"bad_words": "x"}, "bad_words: must be array, got string"),
     ],
 )
 def test_type_and_range_errors_are_400(client, fake, extra, message):
@@ -176,6 +183,39 @@ def test_sampling_fields_reach_the_verifier(client, fake, tok):
     )
     s = fake.requests[-1].sampling
     assert (round(s.min_p, 6), s.min_tokens, s.top_k, fake.requests[-1].max_new_tokens) == (0.25, 3, 0, 7)
+
+
+def test_penalties_and_logit_masks_reach_the_verifier(client, fake, tok):
+    """Chat and completions alike: the penalties as sent, logit_bias clamped to [-100, 100] (vLLM's rule),
+    bad_words tokenized without and with a leading space (bad_words.py); the verifier applies them."""
+    extra = {
+        "presence_penalty": 0.8,
+        "frequency_penalty": -0.5,
+        "repetition_penalty": 1.3,
+        "logit_bias": {"5": 150, "6": -3},
+        "allowed_token_ids": [5, 6, 7],
+        "bad_words": ["hello", " world"],
+    }
+    words = [tok.encode("hello"), tok.encode(" hello"), tok.encode("world"), tok.encode(" world")]
+    for api in ("chat", "completions"):
+        fake.reset(script_for(tok.encode("ok"), finish="length"))
+        if api == "chat":
+            client.chat.completions.create(model=MODEL, messages=USER, extra_body=extra)
+        else:
+            client.completions.create(model=MODEL, prompt="a", extra_body=extra)
+        s = fake.requests[-1].sampling
+        assert [round(v, 6) for v in (s.presence_penalty, s.frequency_penalty, s.repetition_penalty)] == [
+            0.8,
+            -0.5,
+            1.3,
+        ]
+        assert dict(s.logit_bias) == {5: 100.0, 6: -3.0} and list(s.allowed_token_ids) == [5, 6, 7]
+        got = [list(w.ids) for w in s.bad_words]
+        assert got[0] == words[0] and got[-1] == words[3] and all(w in words for w in got), got
+    fake.reset(script_for(tok.encode("ok"), finish="length"))
+    client.completions.create(model=MODEL, prompt="a")
+    s = fake.requests[-1].sampling
+    assert (s.repetition_penalty, s.presence_penalty, len(s.logit_bias), len(s.bad_words)) == (0, 0, 0, 0)
 
 
 def test_include_stop_str_in_output_and_min_tokens(client, fake, tok):
