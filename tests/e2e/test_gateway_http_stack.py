@@ -188,6 +188,39 @@ def test_vllm_params_on_the_real_stack(oracle_stack, client):
     )
 
 
+def test_penalties_on_the_real_stack(oracle_stack, client):
+    """Penalties and logit masks through the gateway and the real verifier (tests/verifier/test_penalties_lossless.py
+    proves them exact): DDTree answers what AR answers, token for token, in chat and completions."""
+    extra = {
+        "repetition_penalty": 1.3,
+        "presence_penalty": 0.5,
+        "frequency_penalty": 0.3,
+        "logit_bias": {"5": 3},
+        "bad_words": ["self", " ("],
+        "ignore_eos": True,
+    }
+    prompt = "class Stack:\n    def push(self, item):"
+    texts = {}
+    for mode in ({"budget": 8}, {"no_spec": True}):
+        r = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=16, temperature=0, extra_body={**extra, **mode}
+        )
+        c = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=16,
+            temperature=0,
+            extra_body={**extra, **mode, "chat_template_kwargs": {"thinking": False}},
+        )
+        texts[str(mode)] = (r.choices[0].text, r.usage.completion_tokens, c.choices[0].message.content)
+    spec, ar = texts.values()
+    assert spec == ar and spec[1] == 16
+    plain = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert plain.choices[0].text != spec[0]  # the adjustments changed the answer
+
+
 def _tokenize(address: str, body: dict) -> dict:
     request = urllib.request.Request(
         f"http://{address}/tokenize", json.dumps(body).encode(), {"Content-Type": "application/json"}

@@ -24,6 +24,7 @@ import math
 import random
 import types
 
+import grpc
 import pytest
 import torch
 
@@ -155,7 +156,8 @@ class PenalisedOracle(OracleDraftEngine):
         return out
 
 
-def _run(model, cfg: SamplingConfig, params: list[GenerateParams]) -> list[Sequence]:
+def _run(model, cfg: SamplingConfig, params: list[GenerateParams], last_events: list | None = None) -> list[Sequence]:
+    """The sequences run to their end (each one's last event appended to last_events when given)."""
     oracle = PenalisedOracle(model, cfg, depth=4, default_budget=12, max_budget=64, seed=11)
     vcfg = VerifierConfig(max_batch=64, max_queue=len(params), kv_tokens=64 * 40, prefill_chunk=64)
     with engine_with_drafter(model, vcfg, oracle) as engine:
@@ -164,8 +166,10 @@ def _run(model, cfg: SamplingConfig, params: list[GenerateParams]) -> list[Seque
         for seq in seqs:
             engine.scheduler.submit(seq)
         for seq in seqs:
-            while not seq.events.get(timeout=300).finish_reason:
+            while not (event := seq.events.get(timeout=300)).finish_reason:
                 pass
+            if last_events is not None:
+                last_events.append(event)
     return seqs
 
 
@@ -279,3 +283,17 @@ def test_the_verifier_reads_penalties():
     assert cfg.bad_words == ((2, 5), (7,)) and cfg.adjusts_logits
     plain = _servicer(VOCAB)._params(verifier_pb2.GenerateRequest(input_ids=[1], max_new_tokens=4)).sampling
     assert plain.repetition_penalty == 1.0 and not plain.adjusts_logits  # 0 = unset = off
+
+
+def test_a_row_every_mask_excludes_ends_the_request_with_an_error(tiny_target):
+    """allowed_token_ids {3} and the bad word (3, 3): after the first 3 no token is left. Through DDTree and
+    AR alike the request ends there with an INVALID_ARGUMENT error, its one token emitted."""
+    cfg = SamplingConfig(allowed_token_ids=(3,), bad_words=((3, 3),))
+    params = [
+        GenerateParams("tree", PROMPTS[0], cfg, MAX_NEW, frozenset(), True, 12),
+        GenerateParams("ar", PROMPTS[0], cfg, MAX_NEW, frozenset(), False, 0),
+    ]
+    last: list = []
+    for seq, event in zip(_run(tiny_target, cfg, params, last), last, strict=True):
+        assert seq.generated == [3] and event.finish_reason == "error"
+        assert "no token is allowed" in event.error and event.error_status == grpc.StatusCode.INVALID_ARGUMENT
