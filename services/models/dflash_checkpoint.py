@@ -4,7 +4,7 @@ weight, ...; no embedding, no LM head).
 
 This is the layout z-lab publishes its drafters in (e.g. z-lab/Kimi-K2.5-DFlash, z-lab/Qwen3-8B-DFlash-b16):
 unprefixed names, no `embed_tokens` / `lm_head` (the drafter uses the target's), taps, block size and mask id
-in config.json (tests/test_dflash_published.py loads a reduced-width checkpoint of the Kimi shape).
+in config.json (tests/drafter/test_dflash_published.py loads a reduced-width checkpoint of the Kimi shape).
 
 `load_drafter` reads every `*.safetensors` file of the directory (whatever their names: z-lab checkpoints
 are one file, sharded ones need no index) through the shared `CheckpointFiles` reader, and is strict:

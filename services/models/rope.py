@@ -160,7 +160,7 @@ class PositionRope:
         T, half = self.cos.shape
         assert x.shape[0] == T and x.shape[-1] == 2 * half, f"x {tuple(x.shape)} vs {T} positions of {2 * half} dims"
         # The pair (2i, 2i+1) times cos_i + i·sin_i as one complex multiply: (a·c - b·s, b·c + a·s), the
-        # products and sums apply_rope forms, in fp32 (tests/test_static_step.py checks the bits).
+        # products and sums apply_rope forms, in fp32 (tests/verifier/test_static_step.py checks the bits).
         pairs = x.to(torch.float32).unflatten(-1, (half, 2))
         try:
             z = torch.view_as_complex(pairs)

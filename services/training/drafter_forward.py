@@ -12,7 +12,7 @@ and a block-sparse mask gives every query of block j exactly what serving would 
 p with a_j - W <= p < a_j (W = window, 0 = unlimited) and the B keys of block j, nothing else. The
 context K/V are computed once per sequence and shared by all its blocks, as serving caches them once.
 Masked keys get exactly zero weight, so each block's hidden states equal the serving computation (the
-train/serve test in tests/test_train_drafter.py checks this against DraftEngine.draft).
+train/serve test in tests/training/test_train_drafter.py checks this against DraftEngine.draft).
 
 The math per layer is DFlashAttention's, written for a leading batch dimension; the weights are the
 DFlashDraftModel's own modules, so training updates exactly what load_drafter loads.

@@ -128,7 +128,7 @@ def kv_size_for(config, model_config, reserve_bytes: int = 0) -> KVSize:
 # the end of its capture and reused by the next, so the pool peaks at the largest bucket's activations.
 # While a bucket is warmed up (outside the pool, then handed back: StaticStep.capture) a second copy of
 # about that peak is in use, hence WARMUP_COPIES. static_forward_peak_bytes counts, per phase, every
-# intermediate the forward makes as if all were live at once (an upper bound: tests/test_static_step.py
+# intermediate the forward makes as if all were live at once (an upper bound: tests/verifier/test_static_step.py
 # measures the real forward's live peak against it). GRAPH_POOL_SAFETY covers the CUDA caching allocator:
 # requests rounded up to 512 B, large ones carved from 2 MiB-rounded segments of which a private pool frees
 # none, so different sizes per bucket leave split remainders (a quarter of the total bounds that for the
