@@ -14,9 +14,8 @@ Penalties and logit masks (penalties.py): each row's logits get the request's ma
 from the output's counts plus the tokens of the row's own path, so every row's choice is penalised AR's.
 
 Dead ends: a row whose masks allow no token (a grammar's, grammar.py; allowed_token_ids, bad_words and
-min_tokens' stop ids) has no choice: it chooses -1, no child's token (a grammar also pruned its children),
-so the accept walk cannot go past it; when the walk ends on such a row the outcome is a dead end and its
-bonus is not emitted.
+min_tokens' stop ids) has no choice (`Choices.dead`): the accepted path is cut at the first dead row it
+reaches, the outcome is a dead end there and no bonus is emitted.
 
 Nothing here writes to the sequence: it is read, and the result returned (apply.py writes it).
 """
@@ -53,8 +52,8 @@ class ItemOutput:
 
 @dataclasses.dataclass(frozen=True)
 class Choices:
-    tokens: list[int]  # the target's choice per row (-1 on a dead row)
-    dead: frozenset[int]  # rows whose grammar mask allows no token
+    tokens: list[int]  # the target's choice per row (on a dead row any token: never used, see commit_verify)
+    dead: frozenset[int]  # rows whose masks (grammar, allowed ids, bad words, stop ids) allow no token
 
 
 def _choices(seq: Sequence, out: ItemOutput, tree: TokenTree | None) -> Choices:
@@ -83,9 +82,7 @@ def _choices(seq: Sequence, out: ItemOutput, tree: TokenTree | None) -> Choices:
     if not bool(dead.any()):
         return Choices(target_choices(logits, cfg, generator).tolist(), frozenset())
     live = logits.masked_fill(dead[:, None], 0.0)  # any finite row, for the sampler's shapes
-    # A dead row chooses -1, no child's token: the walk stops there (a grammar also pruned its children).
-    tokens = target_choices(live, cfg, generator).masked_fill(dead, -1)
-    return Choices(tokens.tolist(), frozenset(dead.nonzero().flatten().tolist()))
+    return Choices(target_choices(live, cfg, generator).tolist(), frozenset(dead.nonzero().flatten().tolist()))
 
 
 def _logprobs(seq: Sequence, out: ItemOutput, rows: list[int], tokens: list[int]) -> tuple:
@@ -134,7 +131,12 @@ def commit_verify(item: VerifyItem, out: ItemOutput, window: int) -> StepOutcome
     choices = _choices(seq, out, tree)
     verdict = accept(tree, seq.root, choices.tokens)
     nodes, tokens = verdict.accepted_nodes, verdict.accepted_tokens
-    dead_end = nodes[-1] in choices.dead
+    # The walk ends at the first dead row it reaches: that row has no choice, so nothing after it is accepted
+    # (a grammar pruned its children already; masks of allowed ids or bad words did not).
+    cut = next((k for k, node in enumerate(nodes) if node in choices.dead), None)
+    dead_end = cut is not None
+    if dead_end:
+        nodes, tokens = nodes[: cut + 1], tokens[: cut + 1]
     emitted = tokens[1:] if dead_end else (*tokens[1:], verdict.next_root)
     acc = torch.tensor(nodes, dtype=torch.int64)
     taps = out.taps.index_select(0, acc.to(out.taps.device)).cpu() if out.taps is not None else None
