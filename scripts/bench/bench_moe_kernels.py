@@ -161,7 +161,8 @@ def compile_report(models: dict, ms, arch: int) -> list[dict]:
                     build(name, fm._moe_gemm_kernel, sig, consts, cfg.num_warps, cfg.num_stages)
         be = triton.next_power_of_2(E)
         build(f"align count E{E}", ma._count_kernel, dict(IDS="*i32", EXPERT_MAP="*i32", LOCAL="*i32", COUNTS="*i32",
-              num_pairs=i32), dict(E=E, HAS_MAP=True, CHUNK=256, SUB=ma._sub_chunk(be), BLOCK_E=be))  # fmt: skip
+              num_pairs=i32, num_global=i32), dict(E=E, HAS_MAP=True, CHUNK=256, SUB=ma._sub_chunk(be),
+              BLOCK_E=be))  # fmt: skip
         build(f"align offsets E{E}", ma._offsets_kernel, dict(COUNTS="*i32", BASE="*i32", BLOCK_END="*i32",
               NUM_PADDED="*i32", SORTED="*i32", num_chunks=i32, num_pairs=i32), dict(E=E, BLOCK_M=16, BLOCK_E=be,
               BLOCK_C=max(1, min(16, 4096 // be)), PAD_TILE=min(16, max(1, 4096 // be))), warps=8)  # fmt: skip

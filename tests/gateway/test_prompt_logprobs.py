@@ -370,7 +370,10 @@ def test_k0_streamed_and_chat_on_the_stack(oracle_stack, stack_client, stack_tok
 
     messages = [{"role": "user", "content": "Write a loop."}]
     tokenize = urllib.request.Request(
-        f"http://{oracle_stack.gateway_http}/tokenize", json.dumps({"messages": messages}).encode(), method="POST"
+        f"http://{oracle_stack.gateway_http}/tokenize",
+        json.dumps({"messages": messages}).encode(),
+        headers={"Content-Type": "application/json"},  # a form body is 415
+        method="POST",
     )
     with urllib.request.urlopen(tokenize, timeout=60) as answer:  # the ids the chat request sends
         chat_ids = json.loads(answer.read())["tokens"]

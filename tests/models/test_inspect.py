@@ -148,7 +148,8 @@ def test_kimi_k26_config_report(capsys):
     assert r.max_context_tokens == int(free // 70272) > 0
     assert main(["inspect", str(path), "--tp", "8", "--device-memory-gb", "96"]) == 0
     out = capsys.readouterr().out
-    assert out.strip() == format_report(r).strip()
+    report, plan = out.split("memory plan", 1)  # the report, then (with --device-memory-gb) the plan per GPU
+    assert report.strip() == format_report(r).strip() and "per GPU" in plan
     assert "70,272 B per token" in out and f"{r.max_context_tokens:,} tokens" in out
     assert main(["inspect", str(path), "--json", "--ep", "--tp", "8"]) == 0
     assert json.loads(capsys.readouterr().out)["ep"] is True
