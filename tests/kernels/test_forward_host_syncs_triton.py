@@ -13,20 +13,15 @@ import pytest
 
 from ddtree.models.loader import load_target
 from ddtree.tools.bench.kernel_route import route_kernels
-from ddtree.tools.selftest import kimi_checkpoint
-from tests.support.forward_syncs import sync_report, verifier_step_counts
+from tests.support.forward_syncs import sync_report, verifier_step_counts, write_kimi_int4
 
 
 @pytest.fixture(scope="module")
 def kimi_int4_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("kimi_int4_small")
-    args = kimi_checkpoint.parse_args(
-        ["--out", str(out), "--layers", "2", "--dense-layers", "1", "--experts", "16", "--hidden", "128",
-         "--vocab", "512", "--heads", "2", "--q-lora", "64", "--kv-lora", "64", "--moe-width", "64",
-         "--dense-width", "128", "--no-vision"]
-    )  # fmt: skip
-    kimi_checkpoint.write_checkpoint(args)
-    return out
+    return write_kimi_int4(
+        out, layers=2, experts=16, hidden=128, vocab=512, heads=2, lora=64, width=64, dense_width=128
+    )
 
 
 @pytest.mark.parametrize("rows, context", [(9, 40), (1, 40)], ids=["verify9", "decode"])

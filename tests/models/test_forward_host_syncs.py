@@ -20,9 +20,8 @@ from ddtree.models.random_checkpoint import DEFAULT_TARGET_CONFIG, write_random_
 from ddtree.tools.bench.collectives import count_collectives
 from ddtree.tools.bench.step_measure import step_bench
 from ddtree.tools.bench.step_model import ModelSpec
-from ddtree.tools.selftest import kimi_checkpoint
 from ddtree.verifier.target import ShardedTarget
-from tests.support.forward_syncs import sync_report, verifier_step_counts
+from tests.support.forward_syncs import sync_report, verifier_step_counts, write_kimi_int4
 from tests.support.quantized_checkpoints import quantize_checkpoint
 
 STEPS = [(17, 1024), (1, 1024)]  # (rows, context): a tree verify and an AR decode
@@ -37,13 +36,9 @@ def demo_target(tmp_path_factory):
 @pytest.fixture(scope="module")
 def kimi_int4_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("kimi_int4")
-    args = kimi_checkpoint.parse_args(
-        ["--out", str(out), "--layers", "3", "--dense-layers", "1", "--experts", "64", "--hidden", "256",
-         "--vocab", "1024", "--heads", "4", "--q-lora", "128", "--kv-lora", "128", "--moe-width", "128",
-         "--dense-width", "512", "--no-vision"]
-    )  # fmt: skip
-    kimi_checkpoint.write_checkpoint(args)
-    return out
+    return write_kimi_int4(
+        out, layers=3, experts=64, hidden=256, vocab=1024, heads=4, lora=128, width=128, dense_width=512
+    )
 
 
 @pytest.fixture(scope="module")

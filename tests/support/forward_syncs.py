@@ -46,3 +46,19 @@ def verifier_step_counts(model, rows: int, context: int, target=None, counted=No
 
 def sync_report(counter: OpCounter) -> str:
     return ", ".join(f"{n} x {op} at {site}" for (site, op), n in counter.sync_sites.most_common()) or "none"
+
+
+def write_kimi_int4(
+    out, layers: int, experts: int, hidden: int, vocab: int, heads: int, lora: int, width: int, dense_width: int
+):
+    """A Kimi-shaped INT4 checkpoint in `out` (first layer dense), small enough for the CPU: q and kv LoRA
+    ranks `lora`, routed experts of width `width`, the dense MLP of `dense_width`."""
+    from ddtree.tools.selftest import kimi_checkpoint
+
+    args = kimi_checkpoint.parse_args(
+        ["--out", str(out), "--layers", str(layers), "--dense-layers", "1", "--experts", str(experts),
+         "--hidden", str(hidden), "--vocab", str(vocab), "--heads", str(heads), "--q-lora", str(lora),
+         "--kv-lora", str(lora), "--moe-width", str(width), "--dense-width", str(dense_width), "--no-vision"]
+    )  # fmt: skip
+    kimi_checkpoint.write_checkpoint(args)
+    return out
