@@ -19,6 +19,7 @@ from ddtree.contract.sampling_params import SamplingConfig
 from ddtree.models.attention import resolve_attention_backend
 from ddtree.models.dtypes import TORCH_DTYPES
 from ddtree.models.loader import load_target
+from ddtree.models.runtime.cpu import use_column_major_weights
 from ddtree.protocol.security import ServiceSecurity
 from ddtree.telemetry.logging import get_logger
 from ddtree.verifier.batch import run_batch
@@ -122,6 +123,8 @@ def _load(config: VerifierConfig, model_dir: str):
         return tp.model, tp
     model = load_target(model_dir, dtype=TORCH_DTYPES[config.dtype], device=config.device, attention_backend=backend)
     model.eval()
+    if model.device.type == "cpu":  # the layout the CPU's BLAS runs fastest at a step's few rows
+        log.info("cpu_weight_layout", column_major_weights=use_column_major_weights(model))
     return model, None
 
 

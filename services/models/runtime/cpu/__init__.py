@@ -7,7 +7,9 @@ call these names only:
 - `engine_threads(requested)`, `main_thread_single()`, `claim_for_steps(threads)`: one OpenMP pool per
   engine, owned by the thread that runs its steps (threads.py);
 - `single_threaded`: the initializer of gRPC handler and helper threads, which then open no pool;
-- `EngineThread`, `run_on`: the drafter's compute calls on its one step thread.
+- `EngineThread`, `run_on`: the drafter's compute calls on its one step thread;
+- `use_column_major_weights(model)`: the verifier's target weights in the layout the CPU's BLAS runs
+  fastest at a step's few rows (weight_layout.py).
 
 Loading this package imports no torch: the engine commands import it before torch, to set the spin count.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 from .openmp_spin import apply_spin_count
 from .threads import EngineThread, claim_for_steps, engine_threads, main_thread_single, run_on, single_threaded
+from .weight_layout import use_column_major_weights
 
 __all__ = [
     "EngineThread",
@@ -25,4 +28,5 @@ __all__ = [
     "main_thread_single",
     "run_on",
     "single_threaded",
+    "use_column_major_weights",
 ]
