@@ -14,6 +14,7 @@ import torch
 from .latent_write import write_latent
 from .mla_attention import mla_attention
 from .mla_plan import MLAKernelConfig, MLAPlan, MLASeq, plan_mla
+from .mla_static_plan import MLAStaticLayout
 
 
 class TritonMLAAttention:
@@ -21,6 +22,10 @@ class TritonMLAAttention:
 
     def __init__(self, config: MLAKernelConfig | None = None):
         self.config = config or MLAKernelConfig()
+
+    def static_layout(self, bucket, num_heads: int, cache_slots: int, device: torch.device) -> MLAStaticLayout:
+        """Its part of a static batch (models/static_batch.py): the plan of a bucket in fixed buffers."""
+        return MLAStaticLayout(bucket, num_heads, cache_slots, device, self.config)
 
     def prepare(self, meta, num_heads: int, kv_cache: torch.Tensor) -> MLAPlan:
         """The plan of `meta` (AttentionMetadata) for `num_heads` heads over kv_cache ([L, S, W] or [S, W]),

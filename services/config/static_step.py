@@ -19,10 +19,9 @@ class StaticStepFields(ConfigBase):
     cuda_graphs: AutoOnOff = option(
         "auto",
         "verify / decode steps at static shapes (batch x rows x keys buckets), captured as CUDA graphs at "
-        "start-up on CUDA; a step outside every bucket runs eagerly. auto = on for CUDA at --tp 1 when the "
-        "model allows, else eager (the log says why); on = required: needs tp 1 and unquantized routed "
-        "experts, at most 16 per rank, or the verifier refuses to start (on the CPU the static buffers run "
-        "without graphs)",
+        "start-up on CUDA, through the same forward and kernels as an eager step; a step outside every bucket "
+        "runs eagerly; at --tp N every rank captures and replays the same buckets. auto = on for CUDA, off "
+        "elsewhere (the log says why); on = also on the CPU, where the static buffers run without graphs",
     )
     cuda_graph_reserve_gb: float = option(
         0.0,

@@ -58,11 +58,6 @@ class VerifierConfig(
 
     def validate(self) -> None:
         super().validate()
-        if self.cuda_graphs == "on" and self.tp > 1:
-            raise ValueError(
-                f"--cuda-graphs on: not supported with --tp {self.tp} yet: the sharded target has no static "
-                "step (use auto or off)"
-            )
         if self.tp > 1 and self.page_size > 1:
             raise ValueError(
                 "page_size > 1 is not supported with tp > 1: the KV copies at commit would reach rank 0's cache only"

@@ -5,12 +5,12 @@ and C >= its longest context (the window bounds every context, so the largest bu
 Its inputs are copied into views of one set of buffers sized for the largest bucket
 (models/dflash_static.py has the layout): the blocks' embeddings and positions, each sequence's context
 K/V per layer in rows [0, n_s) and the mask of the padding after them. The forward reads only those
-views, so on CUDA each bucket is a captured graph (one memory pool for all, captured at start-up,
-largest first) and a Draft's forward is copy-in + replay. A call that fits no bucket (more sequences
-than the largest bucket, or an unlimited window's longer context) runs forward_blocks (the same trees
-up to fp32 rounding). On the CPU the same buffers and forward run directly (`--cuda-graphs on`), which is
-what the tests compare with forward_blocks; `auto` leaves the CPU eager (the copy-in of the contexts
-costs more there than the per-block loop it saves).
+views, so on CUDA each bucket is a captured graph (models/runtime/cuda_graphs.py, the verifier's capture
+code too: one memory pool for all, captured at start-up) and a Draft's forward is copy-in + replay.
+A call that fits no bucket (more sequences than the largest bucket, or an unlimited window's longer
+context) runs forward_blocks (the same trees up to fp32 rounding). On the CPU the same buffers and
+forward run directly (`--cuda-graphs on`), which is what the tests compare with forward_blocks; `auto`
+leaves the CPU eager (the copy-in of the contexts costs more there than the per-block loop it saves).
 
 Copy-in per call: every sequence's whole context per layer (C x kvh x hd x 2), a few MB for a
 Kimi-sized drafter at the window; on a GPU that is microseconds, and it keeps DraftContext as it is.
@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import time
 
 import torch
 from torch import Tensor
 
 from ddtree.models.dflash import DFlashDraftModel
 from ddtree.models.dflash_static import static_forward_blocks
+from ddtree.models.runtime.cuda_graphs import GraphRunner
 from ddtree.models.static_shapes import doubling_sizes, powers_of_two_up_to
 from ddtree.telemetry.logging import get_logger
 
@@ -112,7 +112,7 @@ class StaticDraft:
         largest = DraftBucket(self._sizes[0][-1], self._sizes[1][-1])
         self.buffers = DraftBuffers(model, largest, block_size, context_dtype)
         self.graphs = graphs
-        self._graphs: dict[DraftBucket, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self._runner = GraphRunner("draft", self._forward)
         self.replays = 0
         self.fallbacks = 0
 
@@ -131,27 +131,8 @@ class StaticDraft:
         return static_forward_blocks(self.model, *self.buffers.views(b))
 
     def capture(self) -> float:
-        """Capture every bucket's graph (CUDA), largest first, one shared pool; returns the seconds taken."""
-        if not self.graphs:
-            return 0.0
-        t0 = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
-        for b in sorted(self.buckets, reverse=True):
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream), torch.inference_mode():
-                for _ in range(2):  # warm-up outside the capture: allocator and kernel caches
-                    self._forward(b)
-            torch.cuda.current_stream().wait_stream(stream)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
-                out = self._forward(b)
-            self._graphs[b] = (graph, out)
-        torch.cuda.synchronize()
-        seconds = time.perf_counter() - t0
-        log.info("draft_cuda_graphs_captured", buckets=len(self.buckets), seconds=round(seconds, 2))
-        return seconds
+        """Capture every bucket's graph (CUDA); returns the seconds taken, 0 without graphs."""
+        return self._runner.capture(self.buckets) if self.graphs else 0.0
 
     def run(self, embeds: Tensor, positions: Tensor, contexts: list[list[tuple[Tensor, Tensor]]]) -> Tensor | None:
         """hidden [S, B, H] as forward_blocks(embeds [S, B, H], positions [S, B], contexts), or None when
@@ -164,11 +145,8 @@ class StaticDraft:
         self.buffers.fill(b, embeds, positions, contexts)
         self.replays += 1
         n = embeds.shape[0]
-        if b in self._graphs:
-            graph, out = self._graphs[b]
-            graph.replay()
-            return out[:n].clone()  # the graph's output is overwritten by the next replay
-        return self._forward(b)[:n]
+        out = self._runner.run(b)
+        return out[:n].clone() if self._runner.captured else out[:n]  # a graph's output: the next replay's too
 
 
 def plan_static_draft(cuda_graphs: str, device: str, window: int) -> tuple[DraftBucket, ...] | None:

@@ -35,6 +35,7 @@ from typing import Protocol
 import torch
 
 from ddtree.models.norm import RMSNorm
+from ddtree.models.padded_attention import PaddedKeys, PaddedKeysLayout, attend_padded
 from ddtree.models.rope import RotaryEmbedding
 
 RUN_MIN = 128  # consecutive prefix slots read in place instead of gathered (TorchMLAAttention, fp32 cache)
@@ -172,6 +173,10 @@ class MLAAttentionBackend(Protocol):
 
     def prepare(self, meta: AttentionMetadata, num_heads: int, kv_cache: torch.Tensor) -> object: ...
 
+    def static_layout(self, bucket, num_heads: int, cache_slots: int, device: torch.device) -> object:
+        """Its part of a static batch (models/static_batch.py): `int_words`, `bind`, `pack`, `upload`."""
+        ...
+
     def write_latent(
         self,
         kv_layer: torch.Tensor,
@@ -196,6 +201,9 @@ class TorchMLAAttention:
     """Reference backend: a loop over sequences, fp32 scores and softmax."""
 
     name = "torch"
+
+    def static_layout(self, bucket, num_heads: int, cache_slots: int, device: torch.device) -> PaddedKeysLayout:
+        return PaddedKeysLayout(bucket, device)
 
     def prepare(self, meta: AttentionMetadata, num_heads: int, kv_cache: torch.Tensor) -> TorchAttentionInputs:
         """The gather slots, prefix runs and masks of `meta` on kv_cache's device: host work and one copy
@@ -250,6 +258,9 @@ class TorchMLAAttention:
             f"kv_layer {tuple(kv_layer.shape)} must be [S, {r + dr}]"
         )
         assert meta.num_tokens == T, f"metadata covers {meta.num_tokens} rows, q has {T}"
+        padded = meta.prepared.get(self.name)
+        if isinstance(padded, PaddedKeys):  # a static batch (models/static_batch.py)
+            return attend_padded(q_lat, q_pe, kv_layer, padded, scale)
         out = torch.empty(T, H, r, dtype=q_lat.dtype, device=q_lat.device)  # contiguous, whatever q_lat's strides
         # The scale goes into q once (per element, so every row gets the same numbers alone or in a batch).
         q = torch.cat([q_lat, q_pe], dim=-1).float() * scale  # [T, H, r+dr]

@@ -1,5 +1,5 @@
 """The drafter's block forward at a static shape: what a CUDA graph captures (the drafter's half of the
-static step; the target's is static_forward.py).
+static step; the target's is its own forward over a static_batch.py).
 
 `DFlashDraftModel.forward_blocks` takes each sequence's context as a list of tensors of its own length, and
 its attention runs per block. Here every input is a fixed-size tensor, so the forward has no Python

@@ -1,4 +1,4 @@
-"""Bucket sizes of the static-shape forwards (static_forward.py, dflash_static.py): the ladders from which
+"""Bucket sizes of the static-shape forwards (static_batch.py, dflash_static.py): the ladders from which
 the verifier's step buckets (verifier/static_step.py) and the drafter's block buckets
 (drafter/static_draft.py) are made, one CUDA graph per combination."""
 

@@ -2,8 +2,9 @@
 
 Order, each piece built once and handed to the next (nothing patched afterwards):
   model (TP 1 loaded here, TP N started by tp_worker) -> static-step plan -> drafter pool ->
-  KV sizing (the graph pools reserved first) -> KV pool -> static step (needs the pool and the taps) ->
-  target (TP 1: LocalTarget with its static step; TP N: ShardedTarget) -> scheduler.
+  KV sizing (the graph pools reserved first) -> KV pool -> static step (needs the pool and the taps; at
+  TP N every rank builds its own, in lockstep) -> target (TP 1: LocalTarget with its static step; TP N:
+  ShardedTarget) -> scheduler.
 The server builds one engine and serves it; tests build theirs with `build_engine(cfg, model=...)`.
 """
 
@@ -104,9 +105,18 @@ def build_engine(
     pool = _kv_pool(config, model.config, static_plan, len(tap_layer_ids))
     if tp is not None:
         tp.model.replicate_kv(pool.cache)  # every rank holds a full copy of the latent cache
+        if static_plan is not None:  # every rank builds its own over its replica, in lockstep
+            shard = tp.model.model
+            tp.model.start_static(
+                pool.pad_slot,
+                tap_layer_ids,
+                lambda: make_static_step(static_plan, shard, pool.cache, pool.pad_slot, tap_layer_ids),
+            )
         target: Target = ShardedTarget(tp.model)
     else:
-        static = make_static_step(static_plan, model, pool, tap_layer_ids) if static_plan is not None else None
+        static = None
+        if static_plan is not None:
+            static = make_static_step(static_plan, model, pool.cache, pool.pad_slot, tap_layer_ids)
         target = LocalTarget(model, static=static)
     scheduler = Scheduler(target, pool, config, drafter)
     return VerifierEngine(config, target, pool, drafter, scheduler, tp)

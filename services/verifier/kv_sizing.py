@@ -127,7 +127,7 @@ def kv_size_for(config, model_config, reserve_bytes: int = 0) -> KVSize:
 # (b) one pool shared by all buckets, captured largest first: the intermediates of one forward are freed at
 # the end of its capture and reused by the next, so the pool peaks at the largest bucket's activations.
 # While a bucket is warmed up (outside the pool, then handed back: StaticStep.capture) a second copy of
-# about that peak is in use, hence WARMUP_COPIES. static_forward_peak_bytes counts, per phase, every
+# about that peak is in use, hence WARMUP_COPIES. forward_peak_bytes counts, per phase, every
 # intermediate the forward makes as if all were live at once (an upper bound: tests/verifier/test_static_step.py
 # measures the real forward's live peak against it). GRAPH_POOL_SAFETY covers the CUDA caching allocator:
 # requests rounded up to 512 B, large ones carved from 2 MiB-rounded segments of which a private pool frees
@@ -142,18 +142,21 @@ I64 = 8
 
 
 def static_buffer_bytes(batch: int, rows: int, keys: int, hidden: int, n_taps: int, dtype_bytes: int) -> int:
-    """One bucket's StepBuffers (models/static_forward.py's layout) and its captured outputs."""
+    """One bucket's StaticBatch (models/static_batch.py) with the torch backend's layout, and its captured
+    outputs. The Triton backend's plan tables are smaller from 64 keys on (no [B, Q, K] bias): a bound."""
     T = batch * rows
-    # ids, positions, writes, rows; key_slots; key_bias (bf16)
-    inputs = 4 * T * I64 + batch * keys * I64 + batch * rows * keys * 2
+    tables = T + batch * keys  # int32: write slots, key slots
+    packed = (2 * T + (tables + 1) // 2) * I64  # ids, positions, then the tables as int32
+    inputs = packed + batch * rows * keys * 2 + T * I64  # the bf16 key bias; the all-rows index
     outputs = T * hidden * dtype_bytes * (1 + n_taps)  # final-normed rows [T, d], taps [T, n_taps·d]
     return inputs + outputs
 
 
-def static_forward_peak_bytes(mc, batch: int, rows: int, keys: int, n_taps: int, s: int) -> int:
-    """Upper bound of the memory live at once in static_forward at bucket (batch, rows, keys): a model config
-    `mc` (models/config.py: hidden, heads, q/kv projections, MLA latent widths, expert intermediate) at
-    TP 1, weights and KV in dtype_bytes `s`. Shapes as in static_forward.py; each phase's intermediates
+def forward_peak_bytes(mc, batch: int, rows: int, keys: int, n_taps: int, s: int) -> int:
+    """Upper bound of the memory live at once in the model's forward over a static batch at bucket (batch,
+    rows, keys) with the torch attention backend (the Triton one makes less): a model config `mc`
+    (models/config.py: hidden, heads, q/kv projections, MLA latent widths, expert intermediate) at TP 1,
+    weights and KV in dtype_bytes `s`. Shapes as in models/padded_attention.py and mla.py; each phase's intermediates
     summed as if all were live at once, the phases (attention, MLP; in the MoE the expert matmuls and
     their combine) apart, as their intermediates are freed in between."""
     T, B, Q, K = batch * rows, batch, rows, keys
@@ -187,14 +190,18 @@ def static_forward_peak_bytes(mc, batch: int, rows: int, keys: int, n_taps: int,
     if mc.num_hidden_layers > mc.first_k_dense_replace:
         E, k, inter = mc.n_routed_experts, mc.num_experts_per_tok, mc.moe_intermediate_size
         shared = mc.n_shared_experts * inter
+        A = T * k  # (row, choice) assignments of grouped_moe (models/moe_grouped.py)
         routing = T * d * up + 3 * T * E * F32 + T * k * (F32 + 2 * I64)  # router: x in fp32, logits, scores, choice
-        routing += 4 * T * k * I64 + T * (E + 1) * F32  # local ids, keep, the combine weights
-        # One expert at a time (static_forward._dense_moe); the running sum [T, d] fp32 is held throughout.
-        experts = T * d * F32 + max(
-            3 * T * inter * s,  # silu(gate), up, their product
-            T * inter * s + T * d * (s + up + F32) + T * d * F32,  # the product, down, in fp32, × combine, the new sum
+        # Sorted by expert: slots, keys, order, rows, counts and offsets, the weights in that order.
+        routing += 5 * A * I64 + 2 * (E + 1) * I64 + A * F32
+        # The gathered rows [A, d]; then gate, up, their product [A, I]; then down [A, d] in fp32, weighted,
+        # and the output [T + 1, d] fp32 with its cast. Packed experts' dequantized copies (the torch path's)
+        # are not counted: the fused MoE kernel the GPU runs makes none.
+        experts = A * d * s + max(
+            3 * A * inter * s,
+            A * inter * s + A * d * (s + up + F32) + (T + 1) * d * F32 + T * d * s,
         )
-        combine = T * d * F32 + 3 * T * shared * s + T * d * (s + up + F32)  # the sum; the shared experts, added
+        combine = T * d * s + 3 * T * shared * s + T * d * (s + s)  # the experts' sum; the shared experts, added
         moe = routing + experts + combine
     return held + residual_add + max(attention, T * d * norm + max(dense, moe))
 
@@ -204,7 +211,7 @@ def graph_pool_reserve(mc, buckets, n_taps: int, dtype_bytes: int) -> int:
     if not buckets:
         return 0
     buffers = sum(static_buffer_bytes(b.batch, b.rows, b.keys, mc.hidden_size, n_taps, dtype_bytes) for b in buckets)
-    peak = max(static_forward_peak_bytes(mc, b.batch, b.rows, b.keys, n_taps, dtype_bytes) for b in buckets)
+    peak = max(forward_peak_bytes(mc, b.batch, b.rows, b.keys, n_taps, dtype_bytes) for b in buckets)
     return int(GRAPH_POOL_SAFETY * (buffers + WARMUP_COPIES * peak)) + GRAPH_POOL_SLACK
 
 

@@ -5,7 +5,7 @@ Per rank (rank 0's share, the largest; the latent KV pool is the same on every r
   weights      models/weight_bytes.py, the dtypes the loader keeps (the router fp32)
   KV pool      kv_sizing.size_kv_pool for the config's setting (a fraction: of the memory left after the
                weights and the graph pools)
-  activations  kv_sizing.static_forward_peak_bytes at the rank's share of heads and widths, for the largest
+  activations  kv_sizing.forward_peak_bytes at the rank's share of heads and widths, for the largest
                eager forward: a prefill chunk or a full tree step (max_batch x (default_budget + 1) rows);
                keys = those rows, as the Triton MLA backend reads the pool in place
   CUDA graphs  kv_sizing.graph_pool_reserve over static_step.default_buckets, where graphs may be captured
@@ -25,10 +25,10 @@ from ddtree.models.weight_bytes import read_checkpoint_weights
 from ddtree.telemetry.logging import get_logger
 from ddtree.verifier.kv_sizing import (
     dtype_bytes_of,
+    forward_peak_bytes,
     graph_pool_reserve,
     kv_bytes_per_token,
     size_kv_pool,
-    static_forward_peak_bytes,
 )
 from ddtree.verifier.static_step import default_buckets
 
@@ -70,7 +70,7 @@ def verifier_plan(
                 mc, default_buckets(config.max_batch, rows, config.max_context + rows), n_taps, s
             )
     T = max(config.prefill_chunk, config.max_batch * rows)
-    activations = static_forward_peak_bytes(_rank_config(mc, config.tp, config.expert_parallel), 1, T, T, n_taps, s)
+    activations = forward_peak_bytes(_rank_config(mc, config.tp, config.expert_parallel), 1, T, T, n_taps, s)
     gpus = []
     for rank in range(config.tp):
         index = rank_device(config.device, rank).index or 0

@@ -49,8 +49,10 @@ class ForwardInputs:
         }
 
     def static_args(self) -> tuple:
-        """The arguments of StaticStep.run (the kv cache is the step's own)."""
-        return self.input_ids, self.positions, self.meta, self.tap_layer_ids
+        """The arguments of StaticStep.run (the kv cache is the step's own): ids and positions from the
+        host when the caller has them (the static batch packs them there)."""
+        ids, pos = self.host[:2] if self.host is not None else (self.input_ids, self.positions)
+        return ids, pos, self.meta, self.tap_layer_ids
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,16 +35,20 @@ from ddtree.models.parallel.process_group import (
     rank_device,
     rendezvous_store,
 )
-from ddtree.models.parallel.step_message import CACHE, FORWARD, STOP, recv_step
+from ddtree.models.parallel.step_message import CACHE, FORWARD, STATIC, STOP, recv_step
 from ddtree.models.parallel.tp_model import TensorParallelModel, load_tp_model, run_shard
 from ddtree.telemetry.logging import get_logger
+from ddtree.verifier.static_step import make_static_step, plan_static_step
 
 log = get_logger("ddtree.verifier.tp")
 
 
-def worker_loop(model, tp: TPGroup, kv_cache: torch.Tensor | None = None) -> None:
+def worker_loop(model, tp: TPGroup, kv_cache: torch.Tensor | None = None, static_plan=None) -> None:
     """Ranks > 0: replay rank 0's forwards until it sends STOP (a broken peer raises out of here).
-    The KV replica is allocated when rank 0 says how large its pool is (CACHE)."""
+    The KV replica is allocated when rank 0 says how large its pool is (CACHE); the static step over it
+    (`static_plan`, the plan every rank derives from the same config) when rank 0 says which layers it taps
+    (STATIC)."""
+    static = None
     with torch.inference_mode():
         while True:
             kind, payload = recv_step(tp)
@@ -53,10 +57,15 @@ def worker_loop(model, tp: TPGroup, kv_cache: torch.Tensor | None = None) -> Non
             if kind == CACHE:
                 kv_cache = model.new_kv_cache(payload)
                 log.info("tp_kv_replica", rank=tp.rank, slots=payload)
+            elif kind == STATIC:
+                if kv_cache is None or static_plan is None:
+                    raise RuntimeError("STATIC before CACHE, or on a rank without a static-step plan")
+                pad_slot, *taps = payload.tolist()
+                static = make_static_step(static_plan, model, kv_cache, pad_slot, tuple(taps))
             elif kind == FORWARD:
                 if kv_cache is None:
                     raise RuntimeError("FORWARD before CACHE: rank 0 never sized the KV cache")
-                run_shard(model, tp, payload, kv_cache)
+                run_shard(model, tp, payload, kv_cache, static)
 
 
 def _load(config: VerifierConfig, model_dir: str, tp: TPGroup, device: torch.device, backend: str):
@@ -76,7 +85,7 @@ def run_worker(config: VerifierConfig, model_dir: str, env: LaunchEnv, backend: 
     )
     model = _load(config, model_dir, tp, device, backend)
     log.info("tp_worker_ready", rank=env.rank, world_size=env.world_size, device=str(device))
-    worker_loop(model, tp)
+    worker_loop(model, tp, static_plan=plan_static_step(config, model))
     log.info("tp_worker_stopped", rank=env.rank)
     destroy_tp()
     # Nothing of a worker rank outlives its loop. Exit at once: letting the interpreter tear down torch's

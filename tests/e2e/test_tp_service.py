@@ -65,6 +65,22 @@ def test_tp2_ddtree_greedy_matches_tp1(tp2_verifier, oracle_stack, prompt_ids, b
     assert got == ref, "TP=2 DDTree output differs from TP=1 AR"
 
 
+def test_tp2_static_steps_match_tp1(default_ckpt, oracle_stack, prompt_ids, tmp_path):
+    """--cuda-graphs on at --tp 2 on the CPU: every rank builds its static step over its KV replica (no graphs
+    here) and runs the steps that fit its buckets through it, in lockstep; DDTree tokens equal TP=1 AR."""
+    args = ["verifier", "--model", str(default_ckpt.target), "--tp", "2", "--cuda-graphs", "on"]
+    proc = start_service(
+        "verifier", [*args, "--drafter", oracle_stack.get("drafter").address, *VERIFIER_ARGS], tmp_path
+    )
+    try:
+        ref = generate_concurrently(oracle_stack.verifier, prompt_ids, no_spec=True)
+        assert generate_concurrently(proc.address, prompt_ids, no_spec=False, budget=8) == ref
+    finally:
+        assert proc.stop() == 0
+    log = proc.log_path.read_text()
+    assert log.count('"event": "static_step"') == 2, "rank 0 and rank 1 each built a static step"
+
+
 def test_tp2_sampling_matches_tp1(tp2_verifier, oracle_stack, prompt_ids):
     """temperature > 0 gathers the full logits on rank 0: same seed, same draws as TP=1."""
     kw = dict(no_spec=False, budget=8, temperature=0.8, seed=11)

@@ -110,3 +110,26 @@ def test_no_host_sync_inside_the_tensor_parallel_forward(kimi_int4_dir, expert_p
     assert calls["broadcast_cpu"] == 1, "the step's inputs go to the other ranks in one broadcast"
     assert counter.total().launches > 0
     assert counter.total().host_syncs == 0, sync_report(counter)
+
+
+@pytest.mark.parametrize("rows", [17, 1])
+def test_no_host_sync_inside_the_static_step_forward(kimi_int4_target, rows):
+    """The verifier's static step (verifier/static_step.py) runs the same forward over its bucket's buffers:
+    0 host syncs inside it too, INT4 experts included (what a CUDA graph of it needs)."""
+    from ddtree.tools.bench.op_count import OpCounter
+    from ddtree.tools.bench.step_batch import StepShape, make_step_work
+    from ddtree.verifier.static_step import StaticStep, make_buckets
+    from ddtree.verifier.target import LocalTarget
+    from tests.support.forward_syncs import counting_forward
+
+    model = kimi_int4_target
+    work = make_step_work(model.config, StepShape(rows=rows, context=1024), model.device, model.dtype)
+    step = StaticStep(
+        model, work.pool.cache, work.pool.pad_slot, make_buckets((1,), (rows,), (1088,)), work.taps, False
+    )
+    counter = OpCounter(model.device.type)
+    with counting_forward(model, counter):
+        work.run(LocalTarget(model, static=step))
+    assert step.replays == 1 and step.fallbacks == 0
+    assert counter.total().launches > 0, "the forward was not counted"
+    assert counter.total().host_syncs == 0, sync_report(counter)

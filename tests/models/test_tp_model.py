@@ -2,8 +2,9 @@
 
 TP=2 and expert-parallel logits, argmax and taps match TP=1 (fp32) for prefill, decode, a tree verify and
 a chunk with a subset of logits rows, through the real rank-0 handle (broadcast of the step) and the
-real worker loop. The per-shard argmax combine equals torch.argmax of full logits, ties included; the
-shard plan agrees with the shapes of the models built from it.
+real worker loop, eagerly and through every rank's static step (the same buckets, in lockstep). The
+per-shard argmax combine equals torch.argmax of full logits, ties included; the shard plan agrees with the
+shapes of the models built from it.
 """
 
 from __future__ import annotations
@@ -60,11 +61,14 @@ def case(request, tmp_path_factory):
     return ref, torch.load(out)
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
 @pytest.mark.parametrize("ep", [False, True], ids=["tensor", "expert"])
-def test_tp2_matches_tp1(case, ep):
+def test_tp2_matches_tp1(case, ep, static):
     ref, results = case
+    if static:  # prefill, decode and verify through every rank's static step; the chunk (other taps) eagerly
+        assert results[("replays", ep)] == (3, 1)
     names = ["prefill", "decode", "tree verify", "chunk"]
-    for name, (logits, taps), (tp_logits, tp_argmax, tp_taps) in zip(names, ref, results[ep]):
+    for name, (logits, taps), (tp_logits, tp_argmax, tp_taps) in zip(names, ref, results[(ep, static)]):
         if tp_logits is not None:
             assert_close(f"{name} logits", tp_logits, logits, abs_tol=1e-4)
         else:
@@ -78,7 +82,7 @@ def test_tp2_matches_tp1(case, ep):
 
 def test_expert_parallel_matches_tensor_parallel(case):
     _, results = case
-    for (tp_logits, tp_argmax, _), (ep_logits, ep_argmax, _) in zip(results[False], results[True]):
+    for (tp_logits, tp_argmax, _), (ep_logits, ep_argmax, _) in zip(results[(False, False)], results[(True, False)]):
         assert torch.equal(tp_argmax, ep_argmax)
         if tp_logits is not None:
             assert_close("EP vs TP logits", ep_logits, tp_logits, abs_tol=1e-4)

@@ -1,7 +1,9 @@
-"""Two CPU ranks over gloo running a fixed step scenario through the real rank-0 handle and worker loop (TP model tests)."""
+"""Two CPU ranks over gloo running a fixed step scenario through the real rank-0 handle and worker loop (TP model
+tests), eagerly and through each rank's static step."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -11,6 +13,7 @@ from ddtree.models.attention import AttentionMetadata, SeqAttention
 from ddtree.models.parallel.process_group import destroy_tp, init_tp
 from ddtree.models.parallel.step_message import StepInputs
 from ddtree.models.parallel.tp_model import TensorParallelModel, load_tp_model
+from ddtree.verifier.static_step import StaticPlan, make_buckets, make_static_step
 from ddtree.verifier.tp_worker import worker_loop
 from ddtree.verifier.tree_mask import tree_input_ids, tree_mask, tree_positions
 
@@ -76,26 +79,48 @@ def scenario(vocab: int) -> list[StepInputs]:
     return [prefill, decode_, verify, chunk]
 
 
+# The static step of the static runs: buckets that hold the prefill, decode and verify steps (the chunk
+# taps no layer, so it runs eagerly on every rank); no graphs on the CPU.
+STATIC_PLAN = StaticPlan(make_buckets((1, 2), (1, 9), (16, 32)), graphs=False)
+STATIC_TAPS = (0, 2)
+
+
 def rank_main(rank: int, ckpt: str, out: str) -> None:
+    """Each of (expert parallel, static step) in turn; rank 0 saves {(ep, static): [(logits, argmax, taps)]}
+    and {("replays", ep): static steps run}."""
     torch.set_num_threads(1)
     tp = init_tp(WORLD, rank, torch.device("cpu"), timeout_s=60, init_method=f"file://{out}.store")
     results = {}
     for ep in (False, True):
-        model = load_tp_model(ckpt, tp, expert_parallel=ep, dtype=torch.float32)
-        if rank > 0:
-            worker_loop(model, tp)  # until rank 0 closes its handle
-            continue
-        runner = TensorParallelModel(model, tp, ping_interval_s=30)
-        kv = model.new_kv_cache(NUM_SLOTS)
-        runner.replicate_kv(kv)
-        outs = [
-            runner.forward(
-                s.input_ids, s.positions, s.meta, kv, s.logits_rows, s.tap_layer_ids, gather_logits=s.gather_logits
-            )
-            for s in scenario(model.config.vocab_size)
-        ]
-        runner.close()
-        results[ep] = [(o.logits, o.argmax, o.taps) for o in outs]
+        for static in (False, True):
+            model = load_tp_model(ckpt, tp, expert_parallel=ep, dtype=torch.float32)
+            if rank > 0:
+                worker_loop(model, tp, static_plan=STATIC_PLAN if static else None)  # until rank 0 closes
+                continue
+            runner = TensorParallelModel(model, tp, ping_interval_s=30)
+            kv = model.new_kv_cache(NUM_SLOTS)
+            runner.replicate_kv(kv)
+            if static:
+                pad = NUM_SLOTS - 1  # no step of the scenario uses it
+                runner.start_static(
+                    pad, STATIC_TAPS, functools.partial(make_static_step, STATIC_PLAN, model, kv, pad, STATIC_TAPS)
+                )
+            outs = [
+                runner.forward(
+                    s.input_ids,
+                    s.positions,
+                    s.meta,
+                    kv,
+                    s.logits_rows,
+                    s.tap_layer_ids,
+                    gather_logits=s.gather_logits,
+                )  # fmt: skip
+                for s in scenario(model.config.vocab_size)
+            ]
+            if static:
+                results[("replays", ep)] = (runner.static.replays, runner.static.fallbacks)
+            runner.close()
+            results[(ep, static)] = [(o.logits, o.argmax, o.taps) for o in outs]
     if rank == 0:
         torch.save(results, out)
     destroy_tp()

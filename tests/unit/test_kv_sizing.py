@@ -14,6 +14,7 @@ from ddtree.verifier.kv_sizing import (
     GRAPH_POOL_SLACK,
     WARMUP_COPIES,
     KVSize,
+    forward_peak_bytes,
     free_device_memory,
     graph_pool_reserve,
     graph_reserve_for,
@@ -21,7 +22,6 @@ from ddtree.verifier.kv_sizing import (
     kv_size_for,
     size_kv_pool,
     static_buffer_bytes,
-    static_forward_peak_bytes,
 )
 from ddtree.verifier.static_step import Bucket, make_buckets
 
@@ -121,15 +121,18 @@ def test_graph_pool_reserve_is_every_buffer_and_two_largest_forwards_with_the_ma
     total_buffers, peak, largest = 0, 0, None
     for b in buckets:
         total_buffers += static_buffer_bytes(b.batch, b.rows, b.keys, SMALL.hidden_size, 2, 2)
-        p = static_forward_peak_bytes(SMALL, b.batch, b.rows, b.keys, 2, 2)
+        p = forward_peak_bytes(SMALL, b.batch, b.rows, b.keys, 2, 2)
         if p > peak:
             peak, largest = p, b
     assert largest == Bucket(4, 9, 128)
     want = int(GRAPH_POOL_SAFETY * (total_buffers + WARMUP_COPIES * peak)) + GRAPH_POOL_SLACK
     assert graph_pool_reserve(SMALL, buckets, 2, 2) == want
-    # Each bucket's buffers, tensor by tensor (models/static_forward.py's layout: bf16 key bias and outputs).
+    # Each bucket's buffers, tensor by tensor (models/static_batch.py with the torch backend's layout): ids and
+    # positions int64, then the int32 write and key slots in the same buffer; the bf16 key bias; the all-rows
+    # index; the outputs.
     T = 4 * 9
-    assert static_buffer_bytes(4, 9, 128, 64, 2, 2) == 4 * T * 8 + 4 * 128 * 8 + 4 * 9 * 128 * 2 + T * 64 * 2 * 3
+    packed = 2 * T * 8 + (T + 4 * 128) * 4
+    assert static_buffer_bytes(4, 9, 128, 64, 2, 2) == packed + 4 * 9 * 128 * 2 + T * 8 + T * 64 * 2 * 3
 
 
 def test_graph_reserve_for_a_config():

@@ -12,7 +12,8 @@ all-reduces and argmax gather all run; the peers it would wait for do not exist)
   layer that asks for it: Kimi's first layer is dense, so its MoE layers show their own cost.
 - `repeat` steps timed eagerly (median and best; the device synchronised around each);
 - the same with CUDA graphs through the verifier's static step (services/verifier/static_step.py) when
-  the device is CUDA and the static step takes the model; otherwise `graphs` is None and
+  the device is CUDA (an emulated rank's shard too: its forward, all-reduces included, is replayed, then
+  its own vocabulary slice's head; the step message is not sent); otherwise `graphs` is None and
   `graphs_unavailable` says why.
 """
 
@@ -149,11 +150,7 @@ def count_step(model, target, work: StepWork, device: torch.device) -> dict:
 def graphs_unavailable(model, spec: ModelSpec, device: torch.device) -> str | None:
     if device.type != "cuda":
         return f"CUDA graphs need a CUDA device (this is {device.type})"
-    if spec.emulate_tp > 1:
-        return "the sharded target has no static step (services/verifier/static_step.py)"
-    from ddtree.verifier.static_step import unsupported_reason
-
-    return unsupported_reason(model)
+    return None  # any model, an emulated shard too (its forward's all-reduces run in its one-rank group)
 
 
 def graphs_step_ms(model, work: StepWork, shape: StepShape, repeat: int, device: torch.device):

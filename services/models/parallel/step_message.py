@@ -16,8 +16,11 @@ copies), so nothing is read back from the device, and before the step's forward
 A message longer than the buffer is preceded by GROW
 (header = (GROW, new capacity, 0)): every rank then allocates the larger buffer, in lockstep.
 CACHE (header = (CACHE, num_slots, 0)) makes the other ranks allocate their latent KV cache replica, once,
-after rank 0 has sized its pool. PING keeps idle peers inside their collective timeout; STOP ends the
-worker loop.
+after rank 0 has sized its pool. STATIC (ints: pad slot, then the tap layers) makes every rank build its
+static step over its replica and capture its graphs, in lockstep with rank 0 (their forwards hold
+collectives); from then on each rank runs a FORWARD that fits a bucket through it (the same decision on
+every rank: it depends on the message alone). PING keeps idle peers inside their collective timeout;
+STOP ends the worker loop.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from ddtree.models.attention import AttentionMetadata, SeqAttention
 
 from .process_group import TPGroup
 
-FORWARD, PING, STOP, CACHE, GROW = 1, 2, 3, 4, 5
+FORWARD, PING, STOP, CACHE, GROW, STATIC = 1, 2, 3, 4, 5, 6
 HEADER = 3  # kind, n_ints (CACHE: num_slots; GROW: capacity), n_mask_bytes
 INITIAL_WORDS = 1024  # the message buffer's first capacity, int64 words
 
@@ -126,13 +129,15 @@ def send_step(
     inputs: StepInputs | None = None,
     num_slots: int = 0,
     encoded: tuple[torch.Tensor, torch.Tensor] | None = None,  # encode(inputs), when packed before the step
+    ints: torch.Tensor | None = None,  # STATIC: int64 [pad slot, *tap layers]
 ) -> None:
-    """Rank 0: broadcast one message (inputs for FORWARD, num_slots for CACHE): one broadcast (two when
-    the buffer must grow first)."""
-    if kind != FORWARD:
-        ints, masks = torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.uint8)
-    else:
+    """Rank 0: broadcast one message (inputs for FORWARD, num_slots for CACHE, ints for STATIC): one
+    broadcast (two when the buffer must grow first)."""
+    masks = torch.empty(0, dtype=torch.uint8)
+    if kind == FORWARD:
         ints, masks = encoded if encoded is not None else encode(inputs)
+    elif kind != STATIC or ints is None:
+        ints = torch.empty(0, dtype=torch.int64)
     mask_words = -(-masks.numel() // 8)
     need = HEADER + ints.numel() + mask_words
     buf = message_buffer(tp)
@@ -150,8 +155,9 @@ def send_step(
     tp.broadcast_cpu(buf)
 
 
-def recv_step(tp: TPGroup) -> tuple[int, StepInputs | int | None]:
-    """Ranks > 0: wait for rank 0's next message: (FORWARD, inputs), (CACHE, num_slots), (PING|STOP, None)."""
+def recv_step(tp: TPGroup) -> tuple[int, StepInputs | torch.Tensor | int | None]:
+    """Ranks > 0: wait for rank 0's next message: (FORWARD, inputs), (CACHE, num_slots), (STATIC, ints),
+    (PING|STOP, None)."""
     while True:
         buf = tp.broadcast_cpu(message_buffer(tp))
         kind, n_ints, n_masks = buf[:HEADER].tolist()
@@ -160,6 +166,8 @@ def recv_step(tp: TPGroup) -> tuple[int, StepInputs | int | None]:
         message_buffer(tp, n_ints)
     if kind == CACHE:
         return kind, n_ints
+    if kind == STATIC:
+        return kind, buf[HEADER : HEADER + n_ints].clone()
     if kind != FORWARD:
         return kind, None
     ints = buf[HEADER : HEADER + n_ints].clone()  # the buffer is reused by the next message

@@ -32,7 +32,7 @@ from ddtree.models.moe import DeepseekV3MLP, DeepseekV3MoE
 from .layers import VocabParallelEmbedding, combine_shard_argmax, shard_argmax
 from .process_group import TPGroup
 from .shard_plan import ShardPlan
-from .step_message import CACHE, FORWARD, GATHER_AT, PING, STOP, StepInputs, encode, send_step
+from .step_message import CACHE, FORWARD, GATHER_AT, PING, STATIC, STOP, StepInputs, encode, send_step
 
 MESSAGE = "step_message"  # meta.prepared's key of the packed step message (TensorParallelModel.prepare)
 
@@ -100,22 +100,40 @@ def load_tp_model(
     return model
 
 
-def run_shard(model: DeepseekV3ForCausalLM, tp: TPGroup, s: StepInputs, kv_cache: torch.Tensor) -> ForwardOutput:
+def run_shard(
+    model: DeepseekV3ForCausalLM,
+    tp: TPGroup,
+    s: StepInputs,
+    kv_cache: torch.Tensor,
+    static=None,  # this rank's static step (verifier/static_step.py), or None: eager only
+    host: tuple[torch.Tensor, torch.Tensor]
+    | None = None,  # (input_ids, positions) on the host, when on the device in s
+) -> ForwardOutput:
     """One forward on this rank's shard; every rank calls it with the same inputs (collectives inside).
+    A step that fits the static step's buckets runs through it on every rank (the choice depends on the
+    inputs alone), the rest eagerly.
 
     Returns the full-vocab argmax per row (all ranks), the taps (replicated) and, when s.gather_logits,
     the full logits fp32 [R, V]."""
     dev = kv_cache.device
     ids, pos, rows = s.input_ids, s.positions, s.logits_rows
-    if ids.device != dev:  # the other ranks' inputs come from the step message: one host -> device copy
-        T = ids.shape[0]
-        packed = torch.cat([ids, pos, *([] if rows is None else [rows])]).to(dev)
-        ids, pos, rows = packed[:T], packed[T : 2 * T], None if rows is None else packed[2 * T :]
-    prepare_attention(model, s.meta, kv_cache)  # a no-op where the caller prepared it (rank 0: batch.py)
-    out = model.forward(
-        ids, pos.to(dev), s.meta, kv_cache, logits_rows=None if rows is None else rows.to(dev),
-        tap_layer_ids=s.tap_layer_ids,
-    )  # fmt: skip
+    host_ids, host_pos = host if host is not None else (ids, pos)
+    fitted = static.run(host_ids, host_pos, s.meta, s.tap_layer_ids) if static is not None else None
+    if fitted is not None:  # every real row, final-normed; the rows asked for picked here
+        hidden, taps = fitted
+        if rows is not None:
+            hidden = hidden.index_select(0, rows.to(dev))
+        out = ForwardOutput(logits=model.compute_logits(hidden), taps=taps)
+    else:
+        if ids.device != dev:  # the other ranks' inputs come from the step message: one host -> device copy
+            T = ids.shape[0]
+            packed = torch.cat([ids, pos, *([] if rows is None else [rows])]).to(dev)
+            ids, pos, rows = packed[:T], packed[T : 2 * T], None if rows is None else packed[2 * T :]
+        prepare_attention(model, s.meta, kv_cache)  # a no-op where the caller prepared it (rank 0: batch.py)
+        out = model.forward(
+            ids, pos.to(dev), s.meta, kv_cache, logits_rows=None if rows is None else rows.to(dev),
+            tap_layer_ids=s.tap_layer_ids,
+        )  # fmt: skip
     local = out.logits  # fp32 [R, V/N]
     R = local.shape[0]
     if R == 0:  # every rank knows R: all skip the collectives together
@@ -158,6 +176,7 @@ class TensorParallelModel:
         self._closed = threading.Event()
         self._pinger = threading.Thread(target=self._ping_loop, name="tp-ping", daemon=True)
         self._pinger.start()
+        self.static = None  # rank 0's static step, once start_static made it
 
     @property
     def dtype(self) -> torch.dtype:
@@ -192,7 +211,8 @@ class TensorParallelModel:
             self._check()
             try:
                 send_step(self.tp, FORWARD, encoded=encoded)
-                return run_shard(self.model, self.tp, inputs, kv_cache)
+                host = host_inputs[:2] if host_inputs is not None else None
+                return run_shard(self.model, self.tp, inputs, kv_cache, self.static, host)
             except Exception as err:
                 self._fail(f"tensor-parallel forward failed: {err}")
                 raise
@@ -207,6 +227,21 @@ class TensorParallelModel:
         prepare_attention(self.model, meta, kv_cache)
         message = StepInputs(input_ids, positions, meta, logits_rows, tuple(tap_layer_ids), False)
         meta.prepared[MESSAGE] = encode(message)
+
+    def start_static(self, pad_slot: int, tap_layer_ids: tuple[int, ...], make: Callable[[], object]) -> None:
+        """Have every other rank build its static step over its replica (STATIC), then build rank 0's with
+        `make()`; each captures its graphs now, in lockstep (the warm-up and captured forwards hold
+        collectives)."""
+        with self._lock:
+            self._check()
+            try:
+                send_step(self.tp, STATIC, ints=torch.tensor([pad_slot, *tap_layer_ids], dtype=torch.int64))
+                self.static = make()
+            except Exception as err:
+                self._fail(f"tensor-parallel static step failed: {err}")
+                raise
+            finally:
+                self._last_sent = time.monotonic()
 
     def replicate_kv(self, kv_cache: torch.Tensor) -> None:
         """Have every other rank allocate its replica of rank 0's latent cache [L, S, W] (once, at start)."""
