@@ -37,6 +37,12 @@ class DrafterConfig(DraftStaticFields, CpuRuntimeFields, ServiceConfig):
         "sends a replica at its cap no new sequences (they decode autoregressively)",
         at_least=1,
     )
+    context_lease_s: float = option(
+        120.0,
+        "seconds a draft context is kept with no call touching it (a crashed verifier's sequences); a verifier "
+        "that restarts under the same --instance-name has its former contexts released at once",
+        above=0,
+    )
     device: str = option("cpu", "torch device (cpu, cuda, cuda:N)")
     dtype: AutoDtype = option(
         "auto",

@@ -35,7 +35,25 @@ class SpeculationFields(ConfigBase):
         "the tree of a request with a grammar. table = built here from the drafter's top-K table, of "
         "grammar-valid prefixes only; prune = the drafter's own tree, its grammar-invalid nodes pruned",
     )
-    draft_timeout_s: float = option(10.0, "deadline in seconds of one step's drafter calls (Append chunks + Draft)")
+    draft_timeout_s: float = option(
+        10.0,
+        "longest deadline in seconds of one step's drafter calls (Append chunks + Draft): what a call gets "
+        "until the replica's speed is known, and a call carrying a long commit",
+        above=0,
+    )
+    draft_deadline_multiple: float = option(
+        3.0,
+        "a Draft call's deadline is this multiple of the replica's recent p99 call time (at least "
+        "--draft-deadline-floor-s, at most --draft-timeout-s); a replica past it is set aside",
+        above=0,
+    )
+    draft_deadline_floor_s: float = option(0.75, "shortest deadline in seconds of a Draft call", above=0)
+    instance_name: str = option(
+        "",
+        "this verifier's name to its drafters, which lease its draft contexts to it: a restart under the same "
+        "name releases its former contexts at once ('' = hostname:port when --port is set, else anonymous: "
+        "its contexts only expire)",
+    )
     feature_chunk_bytes: int = option(
         4 * 1024 * 1024,
         "largest message of a commit's features to the drafter: a commit with more is sent in chunks",

@@ -58,6 +58,11 @@ class VerifierConfig(
 
     def validate(self) -> None:
         super().validate()
+        if self.draft_deadline_floor_s > self.draft_timeout_s:
+            raise ValueError(
+                f"--draft-deadline-floor-s ({self.draft_deadline_floor_s}) exceeds --draft-timeout-s "
+                f"({self.draft_timeout_s})"
+            )
         if self.tp > 1 and self.page_size > 1:
             raise ValueError(
                 "page_size > 1 is not supported with tp > 1: the KV copies at commit would reach rank 0's cache only"

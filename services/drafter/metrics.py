@@ -19,6 +19,12 @@ DRAFT_SECONDS = Histogram(
 DRAFT_APPEND_CHUNKS = Counter(
     "ddtree_drafter_append_chunks", "Commit chunks appended through Append calls", registry=REGISTRY
 )
+CONTEXTS_RELEASED = Counter(
+    "ddtree_drafter_contexts_released",
+    "Draft contexts the drafter released itself (reason: orphaned by a restarted verifier, expired lease)",
+    ["reason"],
+    registry=REGISTRY,
+)
 
 # State, read at scrape time (keys of DrafterServicer.metric_state).
 STATE = StateGauges(

@@ -4,7 +4,8 @@ The engine is anything with `draft(list[SeqDraftInput]) -> list[TokenTree | Toke
 sequence with table_width > 0), `release(ids) -> int` and `info() -> dict` of DrafterInfo fields: the DFlash
 engine (the tests serve an oracle engine through the same server). A malformed call is answered
 INVALID_ARGUMENT as a whole and changes no sequence's state (the engine validates every sequence before
-touching any).
+touching any). Every context is leased to the verifier whose call made it (leases.py): released when
+idle past --context-lease-s, or at once when that verifier restarts under the same instance name.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from ddtree.config import DrafterConfig
 from ddtree.contract.tree_build import MAX_TABLE_WIDTH, TokenTable
 from ddtree.drafter import metrics
 from ddtree.drafter.engine import SeqDraftInput, check_table_width
+from ddtree.drafter.leases import Caller, Leases
 from ddtree.models.runtime.cpu import EngineThread, run_on, single_threaded
 from ddtree.protocol.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
 from ddtree.protocol.security import ServiceSecurity
@@ -77,9 +79,22 @@ def decode_chunk(i: int, chunk: drafter_pb2.CommitChunk) -> SeqDraftInput:
     )
 
 
+def decode_caller(msg: drafter_pb2.Caller) -> Caller:
+    if len(msg.name) > MAX_SEQ_ID_CHARS or len(msg.incarnation) > MAX_SEQ_ID_CHARS:
+        raise ValueError(f"caller name and incarnation must be at most {MAX_SEQ_ID_CHARS} characters")
+    return Caller(msg.name, msg.incarnation)
+
+
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
-    def __init__(self, engine, max_sequences: int, engine_thread: EngineThread | None = None):
+    def __init__(
+        self,
+        engine,
+        max_sequences: int,
+        engine_thread: EngineThread | None = None,
+        lease_s: float = DrafterConfig.context_lease_s,
+    ):
         self.engine = engine
+        self._leases = Leases(lease_s)  # which caller holds each context (leases.py)
         # Draft / Append compute runs there when given (models/runtime/cpu), else on the handler's thread.
         self._compute = run_on(engine_thread)
         self.max_sequences = max_sequences  # draft contexts held at once (--max-sequences)
@@ -96,6 +111,16 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def metric_state(self) -> dict[str, int]:
         return self._state
 
+    def _settle(self, caller: Caller) -> None:
+        """Release the contexts a call from `caller` finds orphaned (a former incarnation of its name) or
+        expired (caller holds the lock)."""
+        orphaned, expired = self._leases.arrive(caller), self._leases.expired()
+        if orphaned or expired:
+            self.engine.release(orphaned + expired)
+            log.info("draft_contexts_released", orphaned=len(orphaned), expired=len(expired), caller=caller.name)
+            metrics.CONTEXTS_RELEASED.labels(reason="orphaned").inc(len(orphaned))
+            metrics.CONTEXTS_RELEASED.labels(reason="expired").inc(len(expired))
+
     def _note_state(self) -> None:
         """Record the engine's contexts for the state gauges (caller holds the lock)."""
         self._state = {
@@ -106,10 +131,12 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def Draft(self, request, context):
         try:
             seqs = decode_request(request, self.vocab_size)
+            caller = decode_caller(request.caller)
         except ValueError as err:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         t0 = time.perf_counter()
         with self._lock:
+            self._settle(caller)
             new = sum(not self.engine.knows(s.seq_id) for s in seqs)
             held = self.engine.info()["active_sequences"]
             if new and held + new > self.max_sequences:
@@ -125,6 +152,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
             finally:
                 self._note_state()
+            self._leases.touch((s.seq_id for s in seqs), caller)
             draft_ms = (time.perf_counter() - t0) * 1e3
         metrics.DRAFT_CALLS.inc()
         metrics.DRAFT_SECONDS.observe(draft_ms / 1e3)
@@ -164,9 +192,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                     )
                 try:
                     seq = decode_chunk(chunks, chunk)
+                    caller = decode_caller(chunk.caller)
                 except ValueError as err:
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
                 with self._lock:
+                    self._settle(caller)
                     new = not self.engine.knows(seq.seq_id)
                     held = self.engine.info()["active_sequences"]
                     if new and held + 1 > self.max_sequences:
@@ -180,6 +210,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                     except ValueError as err:
                         context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"chunk {chunks}: {err}")
                     compute_s += time.perf_counter() - t0
+                    self._leases.touch((seq.seq_id,), caller)
                 chunks += 1
                 nbytes += len(chunk.commit_features.data)
         finally:  # the contexts the chunks made or grew, for the state gauges (once per call)
@@ -189,13 +220,25 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         return drafter_pb2.AppendResponse(chunks=chunks, feature_bytes=nbytes, append_ms=compute_s * 1e3)
 
     def Release(self, request, context):
+        try:
+            caller = decode_caller(request.caller)
+        except ValueError as err:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         with self._lock:
+            self._settle(caller)
             released = self.engine.release(list(request.seq_ids))
+            self._leases.forget(request.seq_ids)
             self._note_state()
         return drafter_pb2.ReleaseResponse(released=released)
 
     def GetInfo(self, request, context):
+        try:
+            caller = decode_caller(request.caller)
+        except ValueError as err:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         with self._lock:
+            self._settle(caller)
+            self._note_state()
             return drafter_pb2.DrafterInfo(**self.engine.info(), max_sequences=self.max_sequences)
 
 
@@ -206,7 +249,7 @@ def _on_stop(servicer: DrafterServicer, engine_thread: EngineThread | None) -> N
 
 
 def serve_engine(engine, config: DrafterConfig, engine_thread: EngineThread | None = None) -> RunningServer:
-    servicer = DrafterServicer(engine, config.max_sequences, engine_thread)
+    servicer = DrafterServicer(engine, config.max_sequences, engine_thread, config.context_lease_s)
 
     def register(server):
         drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)

@@ -24,6 +24,7 @@ from ddtree.protocol.server import GRPC_OPTIONS
 from ddtree.protocol.tensors import tensor_to_proto
 from ddtree.telemetry.logging import get_logger
 from ddtree.verifier import metrics
+from ddtree.verifier.draft_deadline import DraftDeadline
 from ddtree.verifier.feature_chunks import DEFAULT_CHUNK_BYTES, split_commit
 from ddtree.verifier.sequence import Sequence
 
@@ -48,13 +49,21 @@ class DrafterClient:
         connect_timeout_s: float = 60.0,
         security: ServiceSecurity | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        caller: drafter_pb2.Caller | None = None,
+        deadline: DraftDeadline | None = None,
     ):
+        """caller: this verifier, named in every call (the drafter leases its contexts to it); deadline: of
+        each Draft call (draft_deadline.py; None = timeout_s always)."""
         self.address = address
         self.timeout_s = timeout_s
         self.chunk_bytes = chunk_bytes
+        self.caller = caller or drafter_pb2.Caller()
+        self.deadline = deadline or DraftDeadline(timeout_s, floor_s=timeout_s)
         self.channel = (security or ServiceSecurity()).channel(address, GRPC_OPTIONS)
         self.stub = drafter_pb2_grpc.DrafterStub(self.channel)
-        self.info = self.stub.GetInfo(drafter_pb2.DrafterInfoRequest(), timeout=connect_timeout_s, wait_for_ready=True)
+        self.info = self.stub.GetInfo(
+            drafter_pb2.DrafterInfoRequest(caller=self.caller), timeout=connect_timeout_s, wait_for_ready=True
+        )
 
     @property
     def window(self) -> int:
@@ -90,7 +99,11 @@ class DrafterClient:
                 *ahead, last = split_commit(pend.token_ids, pend.start, pend.features, self.chunk_bytes)
                 for piece in ahead:
                     chunk = drafter_pb2.CommitChunk(
-                        seq_id=seq.draft_id, commit_token_ids=piece.token_ids, commit_start=piece.start, reset=reset
+                        seq_id=seq.draft_id,
+                        commit_token_ids=piece.token_ids,
+                        commit_start=piece.start,
+                        reset=reset,
+                        caller=self.caller,
                     )
                     chunk.commit_features.CopyFrom(tensor_to_proto(piece.features))
                     chunks.append(chunk)
@@ -104,15 +117,18 @@ class DrafterClient:
             msg.reset = reset
             msgs.append(msg)
         t0 = time.perf_counter()
-        deadline = t0 + self.timeout_s
+        self.last_deadline_s = self.deadline.seconds(long_commit=bool(chunks))
+        deadline = t0 + self.last_deadline_s
         append_ms = 0.0
         if chunks:
-            append_ms = self.stub.Append(iter(chunks), timeout=self.timeout_s).append_ms
+            append_ms = self.stub.Append(iter(chunks), timeout=self.last_deadline_s).append_ms
             metrics.FEATURE_CHUNKS.inc(len(chunks))
             metrics.FEATURE_APPEND_SECONDS.observe(time.perf_counter() - t0)
         remaining = max(deadline - time.perf_counter(), 0.001)
-        resp = self.stub.Draft(drafter_pb2.DraftRequest(seqs=msgs), timeout=remaining)
+        resp = self.stub.Draft(drafter_pb2.DraftRequest(seqs=msgs, caller=self.caller), timeout=remaining)
         rpc_ms = (time.perf_counter() - t0) * 1e3
+        if not chunks:
+            self.deadline.observe(rpc_ms / 1e3)
         budgets = {seq.draft_id: budget for seq, budget in batch}
         trees = {}
         for tree_msg in resp.trees:
@@ -150,7 +166,7 @@ class DrafterClient:
         if not draft_ids:
             return
         try:
-            self.stub.Release(drafter_pb2.ReleaseRequest(seq_ids=draft_ids), timeout=self.timeout_s)
+            self.stub.Release(drafter_pb2.ReleaseRequest(seq_ids=draft_ids, caller=self.caller), timeout=self.timeout_s)
         except grpc.RpcError as err:
             log.warning("drafter_release_failed", code=str(err.code()), count=len(draft_ids))
 

@@ -9,7 +9,8 @@ sends one Draft RPC per replica, in parallel. When a replica fails, it leaves th
 sequences continue with AR decoding, which yields exactly the same tokens; later sequences go to the
 replicas that remain. A replica whose Draft call times out is set aside the same way (a circuit
 breaker: `drafter_replica_set_aside` in the log, `ddtree_drafter_replicas_set_aside{reason}` in the
-metrics), so a hung drafter costs one draft timeout, not one per step or per new sequence; the
+metrics), so a hung drafter costs one draft deadline (a few times its own p99 call time:
+draft_deadline.py), not one per step or per new sequence; the
 background resolver probes it (GetInfo) and takes it back when it answers. Release calls never run on
 the scheduler's thread.
 """
@@ -19,14 +20,17 @@ from __future__ import annotations
 import concurrent.futures as cf
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 
 from ddtree.models.runtime.cpu import single_threaded
+from ddtree.protocol.ddtree.v1 import drafter_pb2
 from ddtree.protocol.discovery import resolve
 from ddtree.protocol.security import ServiceSecurity
 from ddtree.telemetry.logging import get_logger
 from ddtree.verifier import metrics
+from ddtree.verifier.draft_deadline import DraftDeadline
 from ddtree.verifier.drafter_client import DrafterClient, DraftResult
 from ddtree.verifier.feature_chunks import DEFAULT_CHUNK_BYTES
 from ddtree.verifier.sequence import Sequence
@@ -43,8 +47,14 @@ class DrafterPool:
         resolve_interval_s: float = 10.0,
         security: ServiceSecurity | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        caller: drafter_pb2.Caller | None = None,
+        deadline: Callable[[], DraftDeadline] | None = None,
     ):
+        """caller: this verifier as every call names it (the drafters lease its contexts to it); deadline:
+        makes each replica's Draft deadline (draft_deadline.py; None: timeout_s always)."""
         self.spec = spec
+        self.caller = caller
+        self._make_deadline = deadline
         self.security = security or ServiceSecurity()
         self.chunk_bytes = chunk_bytes
         self.timeout_s = timeout_s
@@ -114,6 +124,8 @@ class DrafterPool:
                     connect_timeout_s=connect_timeout_s,
                     security=self.security,
                     chunk_bytes=self.chunk_bytes,
+                    caller=self.caller,
+                    deadline=self._make_deadline() if self._make_deadline is not None else None,
                 )
             except grpc.RpcError as err:
                 log.warning("drafter_replica_unreachable", address=addr, code=str(err.code()))
@@ -203,7 +215,8 @@ class DrafterPool:
                 elif err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                     # Hung (stopped, overloaded): set aside until a probe answers, so neither the next
                     # step nor a new sequence waits for it again.
-                    self._drop(addr, f"Draft took over {self.timeout_s} s", event="drafter_replica_set_aside")
+                    waited = getattr(clients[addr], "last_deadline_s", self.timeout_s)
+                    self._drop(addr, f"Draft took over {waited:.3g} s", event="drafter_replica_set_aside")
                 else:
                     # The replica answers but this call failed (internal error, over its capacity): these
                     # sequences continue with AR and their contexts there are released, off this thread.

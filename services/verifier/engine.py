@@ -11,7 +11,9 @@ The server builds one engine and serves it; tests build theirs with `build_engin
 from __future__ import annotations
 
 import dataclasses
+import socket
 import time
+import uuid
 
 import torch
 
@@ -21,9 +23,11 @@ from ddtree.models.attention import resolve_attention_backend
 from ddtree.models.dtypes import TORCH_DTYPES
 from ddtree.models.loader import load_target
 from ddtree.models.runtime.cpu import use_column_major_weights
+from ddtree.protocol.ddtree.v1 import drafter_pb2
 from ddtree.protocol.security import ServiceSecurity
 from ddtree.telemetry.logging import get_logger
 from ddtree.verifier.batch import run_batch
+from ddtree.verifier.draft_deadline import DraftDeadline
 from ddtree.verifier.drafter_pool import DrafterPool
 from ddtree.verifier.kv_pool import LatentKVPool
 from ddtree.verifier.kv_sizing import graph_reserve_for, kv_size_for
@@ -100,6 +104,10 @@ def build_engine(
             config.draft_timeout_s,
             security=ServiceSecurity.from_config(config),
             chunk_bytes=config.feature_chunk_bytes,
+            caller=drafter_caller(config),
+            deadline=lambda: DraftDeadline(
+                config.draft_timeout_s, config.draft_deadline_multiple, config.draft_deadline_floor_s
+            ),
         )
     tap_layer_ids = tuple(drafter.tap_layer_ids) if drafter is not None else ()
     pool = _kv_pool(config, model.config, static_plan, len(tap_layer_ids))
@@ -120,6 +128,14 @@ def build_engine(
         target = LocalTarget(model, static=static)
     scheduler = Scheduler(target, pool, config, drafter)
     return VerifierEngine(config, target, pool, drafter, scheduler, tp)
+
+
+def drafter_caller(config: VerifierConfig) -> drafter_pb2.Caller:
+    """This verifier as its Draft calls name it: --instance-name (or hostname:port when it has a fixed port;
+    anonymous otherwise) and an id new at every start (a restart under the same name orphans the contexts
+    of its former self, which the drafter then releases)."""
+    name = config.instance_name or (f"{socket.gethostname()}:{config.port}" if config.port else "")
+    return drafter_pb2.Caller(name=name, incarnation=uuid.uuid4().hex)
 
 
 def _load(config: VerifierConfig, model_dir: str):

@@ -1,0 +1,112 @@
+"""The drafter's leases on its draft contexts (drafter/leases.py): pure bookkeeping against a fake clock,
+then through the real Drafter server: a restarted verifier (same name, new incarnation) has its former
+contexts released at its first call, an idle context is released after the lease, anonymous callers and
+other names are never orphaned, and a caller field over its limit is INVALID_ARGUMENT."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+import torch
+
+from ddtree.config import DrafterConfig
+from ddtree.contract.token_tree import TokenTree
+from ddtree.drafter.leases import Caller, Leases
+from ddtree.drafter.server import serve_engine
+from ddtree.protocol.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
+from ddtree.protocol.tensors import tensor_to_proto
+from tests.support.fakes import stub_engine_info
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_expiry_orphaning_and_release_by_the_book():
+    clock = Clock()
+    leases = Leases(10.0, clock)
+    a1, a2, b, anon = Caller("a", "1"), Caller("a", "2"), Caller("b", "1"), Caller()
+    assert leases.arrive(a1) == [] and leases.arrive(b) == [] and leases.arrive(anon) == []
+    leases.touch(["x", "y"], a1)
+    leases.touch(["z"], b)
+    leases.touch(["w"], anon)
+    clock.now += 6
+    leases.touch(["y"], a1)  # y is used again: its lease restarts
+    clock.now += 5
+    assert leases.expired() == ["x", "z", "w"]  # untouched for 11 s
+    assert leases.expired() == []  # dropped from the book once reported
+    leases.touch(["p", "q"], a1)
+    leases.touch(["r"], b)
+    assert leases.arrive(a1) == []  # the same incarnation again: nothing orphaned
+    assert sorted(leases.arrive(a2)) == ["p", "q", "y"]  # "a" restarted: every context of a1
+    assert leases.arrive(a1) == []  # a1 holds nothing any more (a late call of the old self orphans nothing)
+    leases.forget(["r"])
+    clock.now += 100
+    assert leases.expired() == []  # r was released by its caller, the rest by orphaning
+    with pytest.raises(ValueError, match="lease_s"):
+        Leases(0)
+
+
+class ContextEngine:
+    """Holds a context per sequence it drafted, as the DFlash engine does; one-node trees."""
+
+    def __init__(self):
+        self.held: set[str] = set()
+
+    def info(self):
+        return {**stub_engine_info("contexts", 16), "active_sequences": len(self.held)}
+
+    def knows(self, seq_id):
+        return seq_id in self.held
+
+    def draft(self, seqs):
+        self.held.update(s.seq_id for s in seqs)
+        return [TokenTree((5,), (0,), (1,)) for _ in seqs]
+
+    def release(self, ids):
+        ids = set(ids) & self.held
+        self.held -= ids
+        return len(ids)
+
+
+def _draft(stub, ids, caller):
+    seqs = [drafter_pb2.SeqDraft(seq_id=i, commit_start=0, root_token_id=3, reset=True) for i in ids]
+    for s in seqs:
+        s.commit_features.CopyFrom(tensor_to_proto(torch.zeros(0, 16)))
+    stub.Draft(drafter_pb2.DraftRequest(seqs=seqs, caller=caller), timeout=30)
+
+
+def _active(stub, caller=None) -> int:
+    return stub.GetInfo(drafter_pb2.DrafterInfoRequest(caller=caller), timeout=30).active_sequences
+
+
+def test_a_restarted_verifier_and_an_idle_context_are_released_by_the_server():
+    engine = ContextEngine()
+    server = serve_engine(engine, DrafterConfig(port=0, grace_s=0.0, context_lease_s=1.0))
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+            stub = drafter_pb2_grpc.DrafterStub(ch)
+            old, other = drafter_pb2.Caller(name="v", incarnation="1"), drafter_pb2.Caller(name="w", incarnation="1")
+            _draft(stub, ["a", "b", "c", "d", "e"], old)
+            _draft(stub, ["f"], other)
+            _draft(stub, ["g"], drafter_pb2.Caller())  # anonymous
+            assert _active(stub) == 7
+            # "v" comes back with a new incarnation: its GetInfo at connection releases a..e, nothing else
+            assert _active(stub, drafter_pb2.Caller(name="v", incarnation="2")) == 2
+            assert engine.held == {"f", "g"}
+            time.sleep(0.6)
+            _draft(stub, ["f"], other)  # f is used again; g stays idle
+            time.sleep(0.6)
+            assert _active(stub) == 1 and engine.held == {"f"}  # g's lease ran out, f's did not
+            with pytest.raises(grpc.RpcError) as err:
+                _draft(stub, ["h"], drafter_pb2.Caller(name="x" * 300, incarnation="1"))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "caller name and incarnation" in err.value.details()
+    finally:
+        server.stop(0)
