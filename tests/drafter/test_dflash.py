@@ -437,10 +437,13 @@ def test_engine_construction_errors(model: DFlashDraftModel) -> None:
 
 def test_batched_draft_equals_one_sequence_at_a_time(ckpt: Path) -> None:
     """One Draft call for several sequences (one forward over all blocks) gives each the tree it gets alone:
-    contexts of different lengths, windowed and not, a reset among continuations, a chain request."""
+    contexts of different lengths, windowed and not, a reset among continuations, a chain request; the
+    batched call builds its trees with tensor ops (device_tree.py, forced on the CPU) or by the heap, the
+    single calls by the heap."""
     emb, head = target_weights()
-    for window in (0, 5):
+    for window, tree_on_device in ((0, False), (5, False), (0, True), (5, True)):
         together = DraftEngine(load_drafter(ckpt), emb, head, window=window)
+        together.tree_on_device = tree_on_device
         alone = DraftEngine(load_drafter(ckpt), emb, head, window=window)
         rounds = [
             [
@@ -461,7 +464,7 @@ def test_batched_draft_equals_one_sequence_at_a_time(ckpt: Path) -> None:
         for batch in rounds:
             got = together.draft(batch)
             want = [alone.draft([s])[0] for s in batch]
-            assert got == want, (window, [s.seq_id for s in batch])
+            assert got == want, (window, tree_on_device, [s.seq_id for s in batch])
         assert together.context_bytes == alone.context_bytes
 
 
