@@ -4,6 +4,7 @@ inheritance (static draft blocks, CPU runtime, service)."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 from .cpu_runtime import CpuRuntimeFields
 from .device import AutoDtype, on_cpu
@@ -15,6 +16,7 @@ from .static_step import DraftStaticFields
 # window pays there; on CUDA it costs little, and drafters use their context.
 CUDA_WINDOW = 2048
 CPU_WINDOW = 512
+LocalChannel = Literal["auto", "off"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +44,11 @@ class DrafterConfig(DraftStaticFields, CpuRuntimeFields, ServiceConfig):
         "seconds a draft context is kept with no call touching it (a crashed verifier's sequences); a verifier "
         "that restarts under the same --instance-name has its former contexts released at once",
         above=0,
+    )
+    local_channel: LocalChannel = option(
+        "auto",
+        "auto = also serve Draft calls on a Unix socket, for a verifier on this host, features through its "
+        "shared-memory ring (not with a service token or TLS: those calls go through gRPC); off = gRPC only",
     )
     device: str = option("cpu", "torch device (cpu, cuda, cuda:N)")
     dtype: AutoDtype = option(

@@ -48,6 +48,14 @@ class SpeculationFields(ConfigBase):
         above=0,
     )
     draft_deadline_floor_s: float = option(0.75, "shortest deadline in seconds of a Draft call", above=0)
+    drafter_local: Literal["auto", "off"] = option(
+        "auto",
+        "auto = send Draft calls to a drafter on this host over its Unix socket, features through a "
+        "shared-memory ring (gRPC when that fails, for long commits and for remote drafters); off = gRPC only",
+    )
+    feature_ring_bytes: int = option(
+        64 * 1024 * 1024, "size of the shared-memory feature ring of the co-located drafter channel", at_least=4096
+    )
     instance_name: str = option(
         "",
         "this verifier's name to its drafters, which lease its draft contexts to it: a restart under the same "

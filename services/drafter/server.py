@@ -18,10 +18,13 @@ import grpc
 from ddtree.config import DrafterConfig
 from ddtree.contract.tree_build import MAX_TABLE_WIDTH, TokenTable
 from ddtree.drafter import metrics
+from ddtree.drafter.call_error import DraftCallError
 from ddtree.drafter.engine import SeqDraftInput, check_table_width
 from ddtree.drafter.leases import Caller, Leases
+from ddtree.drafter.local_server import LocalDraftServer
 from ddtree.models.runtime.cpu import EngineThread, run_on, single_threaded
-from ddtree.protocol.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
+from ddtree.protocol.ddtree.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
+from ddtree.protocol.local_channel import FeatureRing, host_id
 from ddtree.protocol.security import ServiceSecurity
 from ddtree.protocol.server import RunningServer, start_server
 from ddtree.protocol.tensors import tensor_from_proto
@@ -79,6 +82,30 @@ def decode_chunk(i: int, chunk: drafter_pb2.CommitChunk) -> SeqDraftInput:
     )
 
 
+def _resolve_refs(request: drafter_pb2.DraftRequest, ring: FeatureRing) -> list[str]:
+    """Replace each sequence's FeatureRef by the features it names (copied out of the ring); the sequences
+    whose reference is bad or stale are taken out of the request, and their ids returned."""
+    failed, keep = [], []
+    for s in request.seqs:
+        if s.HasField("commit_features_ref"):
+            ref = s.commit_features_ref
+            try:
+                data = ring.read(ref.offset, ref.nbytes, ref.generation)
+            except ValueError as err:
+                log.warning("feature_ref_rejected", seq_id=s.seq_id[:MAX_SEQ_ID_CHARS], reason=str(err))
+                failed.append(s.seq_id)
+                continue
+            s.commit_features.CopyFrom(common_pb2.Tensor(data=data, shape=ref.shape, dtype=ref.dtype))
+            s.ClearField("commit_features_ref")
+        keep.append(s)
+    if failed:
+        kept = [s.SerializeToString() for s in keep]
+        del request.seqs[:]
+        for raw in kept:
+            request.seqs.add().ParseFromString(raw)
+    return failed
+
+
 def decode_caller(msg: drafter_pb2.Caller) -> Caller:
     if len(msg.name) > MAX_SEQ_ID_CHARS or len(msg.incarnation) > MAX_SEQ_ID_CHARS:
         raise ValueError(f"caller name and incarnation must be at most {MAX_SEQ_ID_CHARS} characters")
@@ -95,6 +122,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     ):
         self.engine = engine
         self._leases = Leases(lease_s)  # which caller holds each context (leases.py)
+        self.local_address = ""  # the co-located channel's socket (local_server.py), once serve_engine opens it
         # Draft / Append compute runs there when given (models/runtime/cpu), else on the handler's thread.
         self._compute = run_on(engine_thread)
         self.max_sequences = max_sequences  # draft contexts held at once (--max-sequences)
@@ -130,18 +158,33 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     def Draft(self, request, context):
         try:
+            return self.serve_draft(request)
+        except DraftCallError as err:
+            context.abort(err.code, err.details)
+
+    def serve_draft(
+        self, request: drafter_pb2.DraftRequest, ring: FeatureRing | None = None
+    ) -> drafter_pb2.DraftResponse:
+        """A Draft call from gRPC or the co-located channel (local_server.py, whose `ring` holds the features
+        its FeatureRefs name); DraftCallError for a call that fails as a whole. A sequence whose reference
+        cannot be read fails alone: no draft, its context released, listed in failed_seq_ids."""
+        failed = _resolve_refs(request, ring) if ring is not None else []
+        try:
             seqs = decode_request(request, self.vocab_size)
             caller = decode_caller(request.caller)
         except ValueError as err:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            raise DraftCallError(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
         t0 = time.perf_counter()
         with self._lock:
             self._settle(caller)
+            if failed:  # their commit never reached the drafter: their contexts are out of step
+                self.engine.release(failed)
+                self._leases.forget(failed)
             new = sum(not self.engine.knows(s.seq_id) for s in seqs)
             held = self.engine.info()["active_sequences"]
             if new and held + new > self.max_sequences:
                 # Nothing is drafted: the caller decodes these sequences without a drafter (AR, same tokens).
-                context.abort(
+                raise DraftCallError(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"drafter holds {held} draft contexts and the call starts {new} more; "
                     f"max_sequences is {self.max_sequences}",
@@ -149,14 +192,14 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             try:
                 drafts = self._compute(self.engine.draft, seqs)
             except ValueError as err:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+                raise DraftCallError(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
             finally:
                 self._note_state()
             self._leases.touch((s.seq_id for s in seqs), caller)
             draft_ms = (time.perf_counter() - t0) * 1e3
         metrics.DRAFT_CALLS.inc()
         metrics.DRAFT_SECONDS.observe(draft_ms / 1e3)
-        resp = drafter_pb2.DraftResponse(draft_ms=draft_ms)
+        resp = drafter_pb2.DraftResponse(draft_ms=draft_ms, failed_seq_ids=failed)
         for s, draft in zip(seqs, drafts):
             if isinstance(draft, TokenTable):
                 resp.tables.add(
@@ -239,17 +282,29 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         with self._lock:
             self._settle(caller)
             self._note_state()
-            return drafter_pb2.DrafterInfo(**self.engine.info(), max_sequences=self.max_sequences)
+            return drafter_pb2.DrafterInfo(
+                **self.engine.info(),
+                max_sequences=self.max_sequences,
+                local_address=self.local_address,
+                host_id=host_id() if self.local_address else "",
+            )
 
 
-def _on_stop(servicer: DrafterServicer, engine_thread: EngineThread | None) -> None:
+def _on_stop(servicer: DrafterServicer, engine_thread: EngineThread | None, local: LocalDraftServer | None) -> None:
     metrics.STATE.untrack(servicer)  # a stopped drafter's contexts stop counting
+    if local is not None:
+        local.close()
     if engine_thread is not None:
         engine_thread.close()
 
 
 def serve_engine(engine, config: DrafterConfig, engine_thread: EngineThread | None = None) -> RunningServer:
     servicer = DrafterServicer(engine, config.max_sequences, engine_thread, config.context_lease_s)
+    security = ServiceSecurity.from_config(config)
+    local = None
+    if config.local_channel == "auto" and not security.token and not security.tls:
+        local = LocalDraftServer(servicer, thread_init=single_threaded if engine_thread is not None else None)
+        servicer.local_address = local.path
 
     def register(server):
         drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
@@ -262,8 +317,8 @@ def serve_engine(engine, config: DrafterConfig, engine_thread: EngineThread | No
         config.port,
         config.max_workers,
         config.grace_s,
-        lambda: _on_stop(servicer, engine_thread),
-        security=ServiceSecurity.from_config(config),
+        lambda: _on_stop(servicer, engine_thread, local),
+        security=security,
         handler_init=single_threaded if engine_thread is not None else None,
     )
     serve_metrics(config.metrics_port, config.host, metrics.REGISTRY)

@@ -26,6 +26,7 @@ from ddtree.telemetry.logging import get_logger
 from ddtree.verifier import metrics
 from ddtree.verifier.draft_deadline import DraftDeadline
 from ddtree.verifier.feature_chunks import DEFAULT_CHUNK_BYTES, split_commit
+from ddtree.verifier.local_drafter import ChannelBroken, LocalDrafterChannel
 from ddtree.verifier.sequence import Sequence
 
 log = get_logger("ddtree.verifier.drafter_client")
@@ -51,9 +52,11 @@ class DrafterClient:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         caller: drafter_pb2.Caller | None = None,
         deadline: DraftDeadline | None = None,
+        local_ring_bytes: int = 0,
     ):
         """caller: this verifier, named in every call (the drafter leases its contexts to it); deadline: of
-        each Draft call (draft_deadline.py; None = timeout_s always)."""
+        each Draft call (draft_deadline.py; None = timeout_s always); local_ring_bytes > 0: use the drafter's
+        co-located channel when it offers one on this host (local_drafter.py), with a ring that large."""
         self.address = address
         self.timeout_s = timeout_s
         self.chunk_bytes = chunk_bytes
@@ -64,6 +67,7 @@ class DrafterClient:
         self.info = self.stub.GetInfo(
             drafter_pb2.DrafterInfoRequest(caller=self.caller), timeout=connect_timeout_s, wait_for_ready=True
         )
+        self.local = LocalDrafterChannel.open(self.info, local_ring_bytes) if local_ring_bytes > 0 else None
 
     @property
     def window(self) -> int:
@@ -81,7 +85,7 @@ class DrafterClient:
         fails as a whole. A commit over `chunk_bytes` of features goes ahead in chunks (one Append stream
         for the batch, in the same deadline), its last piece in the Draft."""
         widths = table_widths or {}
-        msgs, sent, chunks = [], {}, []
+        msgs, sent, chunks, features = [], {}, [], {}
         for seq, budget in batch:
             pend = seq.pending_commit
             reset = not seq.drafter_seeded
@@ -109,11 +113,10 @@ class DrafterClient:
                     chunks.append(chunk)
                     sent[seq.draft_id] += len(chunk.commit_features.data)
                     reset = False
-                feats = tensor_to_proto(last.features)
                 msg.commit_token_ids.extend(last.token_ids)
                 msg.commit_start = last.start
-                msg.commit_features.CopyFrom(feats)
-                sent[seq.draft_id] += len(feats.data)
+                features[seq.draft_id] = last.features
+                sent[seq.draft_id] += last.features.numel() * last.features.element_size()
             msg.reset = reset
             msgs.append(msg)
         t0 = time.perf_counter()
@@ -125,7 +128,7 @@ class DrafterClient:
             metrics.FEATURE_CHUNKS.inc(len(chunks))
             metrics.FEATURE_APPEND_SECONDS.observe(time.perf_counter() - t0)
         remaining = max(deadline - time.perf_counter(), 0.001)
-        resp = self.stub.Draft(drafter_pb2.DraftRequest(seqs=msgs, caller=self.caller), timeout=remaining)
+        resp = self._draft_call(msgs, features, remaining, local=not chunks)
         rpc_ms = (time.perf_counter() - t0) * 1e3
         if not chunks:
             self.deadline.observe(rpc_ms / 1e3)
@@ -160,7 +163,30 @@ class DrafterClient:
             except ValueError as err:
                 log.error("drafter_bad_table", draft_id=rid, reason=str(err))
         # Drafter compute = the Draft's and the chunks' context K/V; transport is the rest of the wall time.
-        return DraftResult(trees, resp.draft_ms + append_ms, rpc_ms, sent, tables=tables)
+        failed = frozenset(resp.failed_seq_ids) & budgets.keys()  # their features did not reach the drafter
+        return DraftResult(trees, resp.draft_ms + append_ms, rpc_ms, sent, failed, tables=tables)
+
+    def _draft_call(
+        self, msgs: list, features: dict[str, torch.Tensor], timeout_s: float, local: bool
+    ) -> drafter_pb2.DraftResponse:
+        """The Draft call: over the co-located channel when there is one (features through its ring), else
+        (or when that channel breaks: closed, then this call again) over gRPC with the features as bytes."""
+        if local and self.local is not None:
+            refs = {rid: self.local.put(f) for rid, f in features.items()}
+            if all(r is not None for r in refs.values()):
+                request = drafter_pb2.DraftRequest(seqs=msgs, caller=self.caller)
+                for msg in request.seqs:
+                    if msg.seq_id in refs:
+                        msg.commit_features_ref.CopyFrom(refs[msg.seq_id])
+                try:
+                    return self.local.draft(request, timeout_s)
+                except ChannelBroken as err:
+                    log.warning("drafter_local_channel_lost", address=self.address, reason=str(err)[:200])
+                    self.local = None
+        for msg in msgs:
+            if msg.seq_id in features:
+                msg.commit_features.CopyFrom(tensor_to_proto(features[msg.seq_id]))
+        return self.stub.Draft(drafter_pb2.DraftRequest(seqs=msgs, caller=self.caller), timeout=timeout_s)
 
     def release(self, draft_ids: list[str]) -> None:
         if not draft_ids:
@@ -171,6 +197,8 @@ class DrafterClient:
             log.warning("drafter_release_failed", code=str(err.code()), count=len(draft_ids))
 
     def close(self) -> None:
+        if self.local is not None:
+            self.local.close()
         self.channel.close()
 
 

@@ -49,12 +49,14 @@ class DrafterPool:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         caller: drafter_pb2.Caller | None = None,
         deadline: Callable[[], DraftDeadline] | None = None,
+        local_ring_bytes: int = 0,
     ):
         """caller: this verifier as every call names it (the drafters lease its contexts to it); deadline:
         makes each replica's Draft deadline (draft_deadline.py; None: timeout_s always)."""
         self.spec = spec
         self.caller = caller
         self._make_deadline = deadline
+        self.local_ring_bytes = local_ring_bytes  # > 0: co-located replicas are called over their local channel
         self.security = security or ServiceSecurity()
         self.chunk_bytes = chunk_bytes
         self.timeout_s = timeout_s
@@ -126,6 +128,7 @@ class DrafterPool:
                     chunk_bytes=self.chunk_bytes,
                     caller=self.caller,
                     deadline=self._make_deadline() if self._make_deadline is not None else None,
+                    local_ring_bytes=self.local_ring_bytes,
                 )
             except grpc.RpcError as err:
                 log.warning("drafter_replica_unreachable", address=addr, code=str(err.code()))
@@ -223,6 +226,7 @@ class DrafterPool:
                     log.error("draft_call_failed", address=addr, code=str(err.code()), details=err.details())
                     self._releases.submit(self.release, ids)
                 continue
+            failed.update(res.failed)
             trees.update(res.trees)
             tables.update(res.tables)
             fbytes.update(res.feature_bytes)

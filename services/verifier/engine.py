@@ -108,6 +108,7 @@ def build_engine(
             deadline=lambda: DraftDeadline(
                 config.draft_timeout_s, config.draft_deadline_multiple, config.draft_deadline_floor_s
             ),
+            local_ring_bytes=config.feature_ring_bytes if config.drafter_local == "auto" else 0,
         )
     tap_layer_ids = tuple(drafter.tap_layer_ids) if drafter is not None else ()
     pool = _kv_pool(config, model.config, static_plan, len(tap_layer_ids))

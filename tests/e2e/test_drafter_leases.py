@@ -2,9 +2,10 @@
 demo checkpoints:
 - a verifier SIGKILLed with 5 streams in flight leaves 5 draft contexts on the drafter; restarted under the
   same --instance-name, its first call (GetInfo at connection) has them released: active_sequences 0;
-- a SIGSTOPped drafter during 8 streams stalls them once, for at most max(3 x the drafter's p99 call
-  time before the stop, 1 s) (the deadline follows the drafter's speed, draft_deadline.py), then they
-  decode with AR: every stream's tokens equal AR decoding.
+- a SIGSTOPped drafter during 8 streams (called over the co-located channel, the default on one host)
+  stalls them once, for at most max(3 x the drafter's p99 call time before the stop, 1 s) (the deadline
+  follows the drafter's speed, draft_deadline.py), then they decode with AR: every stream's tokens equal
+  AR decoding.
 """
 
 from __future__ import annotations
@@ -119,6 +120,7 @@ def test_a_stopped_drafter_stalls_the_streams_once_for_a_few_of_its_own_call_tim
         bound = max(3 * p99_s, 1.0)
         assert max(gaps) <= bound, f"longest stall {max(gaps):.3f} s > {bound:.3f} s (p99 {p99_s * 1e3:.1f} ms)"
         assert any(st.tree_nodes == 0 for s in streams for st in s.steps[-3:]), "the streams kept drafting"
+        assert '"drafter_local_channel"' in verifier.log_path.read_text(), "the co-located channel was not used"
     finally:
         verifier.stop()
         drafter.stop()

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from ddtree.protocol.ddtree.v1 import common_pb2 as ddtree_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x64\x64tree/v1/drafter.proto\x12\tddtree.v1\x1a\x16\x64\x64tree/v1/common.proto\"+\n\x06\x43\x61ller\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\"\xd0\x01\n\x08SeqDraft\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x18\n\x10\x63ommit_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0c\x63ommit_start\x18\x03 \x01(\x03\x12*\n\x0f\x63ommit_features\x18\x04 \x01(\x0b\x32\x11.ddtree.v1.Tensor\x12\x15\n\rroot_token_id\x18\x05 \x01(\x05\x12\x0e\n\x06\x62udget\x18\x06 \x01(\x05\x12\r\n\x05reset\x18\x07 \x01(\x08\x12\r\n\x05\x63hain\x18\x08 \x01(\x08\x12\x13\n\x0btable_width\x18\t \x01(\x05\"\xab\x01\n\x0b\x43ommitChunk\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x18\n\x10\x63ommit_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0c\x63ommit_start\x18\x03 \x01(\x03\x12*\n\x0f\x63ommit_features\x18\x04 \x01(\x0b\x32\x11.ddtree.v1.Tensor\x12\r\n\x05reset\x18\x05 \x01(\x08\x12!\n\x06\x63\x61ller\x18\x06 \x01(\x0b\x32\x11.ddtree.v1.Caller\"J\n\x0e\x41ppendResponse\x12\x0e\n\x06\x63hunks\x18\x01 \x01(\x05\x12\x15\n\rfeature_bytes\x18\x02 \x01(\x03\x12\x11\n\tappend_ms\x18\x03 \x01(\x02\"T\n\x0c\x44raftRequest\x12!\n\x04seqs\x18\x01 \x03(\x0b\x32\x13.ddtree.v1.SeqDraft\x12!\n\x06\x63\x61ller\x18\x02 \x01(\x0b\x32\x11.ddtree.v1.Caller\"_\n\tTokenTree\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0f\n\x07parents\x18\x03 \x03(\x05\x12\x0e\n\x06\x64\x65pths\x18\x04 \x03(\x05\x12\x0e\n\x06scores\x18\x05 \x03(\x02\"_\n\nTokenTable\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\r\n\x05\x64\x65pth\x18\x02 \x01(\x05\x12\r\n\x05width\x18\x03 \x01(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x11\n\ttoken_ids\x18\x05 \x03(\x05\"m\n\rDraftResponse\x12#\n\x05trees\x18\x01 \x03(\x0b\x32\x14.ddtree.v1.TokenTree\x12\x10\n\x08\x64raft_ms\x18\x02 \x01(\x02\x12%\n\x06tables\x18\x03 \x03(\x0b\x32\x15.ddtree.v1.TokenTable\"D\n\x0eReleaseRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\t\x12!\n\x06\x63\x61ller\x18\x02 \x01(\x0b\x32\x11.ddtree.v1.Caller\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x05\"7\n\x12\x44rafterInfoRequest\x12!\n\x06\x63\x61ller\x18\x01 \x01(\x0b\x32\x11.ddtree.v1.Caller\"\xfa\x01\n\x0b\x44rafterInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\x05\x12\x15\n\rmask_token_id\x18\x03 \x01(\x05\x12\x18\n\x10target_layer_ids\x18\x04 \x03(\x05\x12\x0e\n\x06window\x18\x05 \x01(\x05\x12\x16\n\x0e\x64\x65\x66\x61ult_budget\x18\x06 \x01(\x05\x12\x12\n\nmax_budget\x18\x07 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x08 \x01(\x05\x12\x12\n\nvocab_size\x18\t \x01(\x05\x12\x18\n\x10\x61\x63tive_sequences\x18\n \x01(\x05\x12\x15\n\rmax_sequences\x18\x0b \x01(\x05\x32\x88\x02\n\x07\x44rafter\x12:\n\x05\x44raft\x12\x17.ddtree.v1.DraftRequest\x1a\x18.ddtree.v1.DraftResponse\x12=\n\x06\x41ppend\x12\x16.ddtree.v1.CommitChunk\x1a\x19.ddtree.v1.AppendResponse(\x01\x12@\n\x07Release\x12\x19.ddtree.v1.ReleaseRequest\x1a\x1a.ddtree.v1.ReleaseResponse\x12@\n\x07GetInfo\x12\x1d.ddtree.v1.DrafterInfoRequest\x1a\x16.ddtree.v1.DrafterInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x64\x64tree/v1/drafter.proto\x12\tddtree.v1\x1a\x16\x64\x64tree/v1/common.proto\"+\n\x06\x43\x61ller\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\"\x84\x02\n\x08SeqDraft\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x18\n\x10\x63ommit_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0c\x63ommit_start\x18\x03 \x01(\x03\x12*\n\x0f\x63ommit_features\x18\x04 \x01(\x0b\x32\x11.ddtree.v1.Tensor\x12\x15\n\rroot_token_id\x18\x05 \x01(\x05\x12\x0e\n\x06\x62udget\x18\x06 \x01(\x05\x12\r\n\x05reset\x18\x07 \x01(\x08\x12\r\n\x05\x63hain\x18\x08 \x01(\x08\x12\x13\n\x0btable_width\x18\t \x01(\x05\x12\x32\n\x13\x63ommit_features_ref\x18\n \x01(\x0b\x32\x15.ddtree.v1.FeatureRef\"p\n\nFeatureRef\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0e\n\x06nbytes\x18\x02 \x01(\x04\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\r\n\x05shape\x18\x04 \x03(\x03\x12\x1f\n\x05\x64type\x18\x05 \x01(\x0e\x32\x10.ddtree.v1.DType\"\xab\x01\n\x0b\x43ommitChunk\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x18\n\x10\x63ommit_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0c\x63ommit_start\x18\x03 \x01(\x03\x12*\n\x0f\x63ommit_features\x18\x04 \x01(\x0b\x32\x11.ddtree.v1.Tensor\x12\r\n\x05reset\x18\x05 \x01(\x08\x12!\n\x06\x63\x61ller\x18\x06 \x01(\x0b\x32\x11.ddtree.v1.Caller\"J\n\x0e\x41ppendResponse\x12\x0e\n\x06\x63hunks\x18\x01 \x01(\x05\x12\x15\n\rfeature_bytes\x18\x02 \x01(\x03\x12\x11\n\tappend_ms\x18\x03 \x01(\x02\"T\n\x0c\x44raftRequest\x12!\n\x04seqs\x18\x01 \x03(\x0b\x32\x13.ddtree.v1.SeqDraft\x12!\n\x06\x63\x61ller\x18\x02 \x01(\x0b\x32\x11.ddtree.v1.Caller\"_\n\tTokenTree\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0f\n\x07parents\x18\x03 \x03(\x05\x12\x0e\n\x06\x64\x65pths\x18\x04 \x03(\x05\x12\x0e\n\x06scores\x18\x05 \x03(\x02\"_\n\nTokenTable\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\r\n\x05\x64\x65pth\x18\x02 \x01(\x05\x12\r\n\x05width\x18\x03 \x01(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x11\n\ttoken_ids\x18\x05 \x03(\x05\"\x85\x01\n\rDraftResponse\x12#\n\x05trees\x18\x01 \x03(\x0b\x32\x14.ddtree.v1.TokenTree\x12\x10\n\x08\x64raft_ms\x18\x02 \x01(\x02\x12%\n\x06tables\x18\x03 \x03(\x0b\x32\x15.ddtree.v1.TokenTable\x12\x16\n\x0e\x66\x61iled_seq_ids\x18\x04 \x03(\t\"D\n\x0eReleaseRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\t\x12!\n\x06\x63\x61ller\x18\x02 \x01(\x0b\x32\x11.ddtree.v1.Caller\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x05\"7\n\x12\x44rafterInfoRequest\x12!\n\x06\x63\x61ller\x18\x01 \x01(\x0b\x32\x11.ddtree.v1.Caller\"\xa2\x02\n\x0b\x44rafterInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\x05\x12\x15\n\rmask_token_id\x18\x03 \x01(\x05\x12\x18\n\x10target_layer_ids\x18\x04 \x03(\x05\x12\x0e\n\x06window\x18\x05 \x01(\x05\x12\x16\n\x0e\x64\x65\x66\x61ult_budget\x18\x06 \x01(\x05\x12\x12\n\nmax_budget\x18\x07 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x08 \x01(\x05\x12\x12\n\nvocab_size\x18\t \x01(\x05\x12\x18\n\x10\x61\x63tive_sequences\x18\n \x01(\x05\x12\x15\n\rmax_sequences\x18\x0b \x01(\x05\x12\x15\n\rlocal_address\x18\x0c \x01(\t\x12\x0f\n\x07host_id\x18\r \x01(\t2\x88\x02\n\x07\x44rafter\x12:\n\x05\x44raft\x12\x17.ddtree.v1.DraftRequest\x1a\x18.ddtree.v1.DraftResponse\x12=\n\x06\x41ppend\x12\x16.ddtree.v1.CommitChunk\x1a\x19.ddtree.v1.AppendResponse(\x01\x12@\n\x07Release\x12\x19.ddtree.v1.ReleaseRequest\x1a\x1a.ddtree.v1.ReleaseResponse\x12@\n\x07GetInfo\x12\x1d.ddtree.v1.DrafterInfoRequest\x1a\x16.ddtree.v1.DrafterInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,27 +35,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CALLER']._serialized_start=62
   _globals['_CALLER']._serialized_end=105
   _globals['_SEQDRAFT']._serialized_start=108
-  _globals['_SEQDRAFT']._serialized_end=316
-  _globals['_COMMITCHUNK']._serialized_start=319
-  _globals['_COMMITCHUNK']._serialized_end=490
-  _globals['_APPENDRESPONSE']._serialized_start=492
-  _globals['_APPENDRESPONSE']._serialized_end=566
-  _globals['_DRAFTREQUEST']._serialized_start=568
-  _globals['_DRAFTREQUEST']._serialized_end=652
-  _globals['_TOKENTREE']._serialized_start=654
-  _globals['_TOKENTREE']._serialized_end=749
-  _globals['_TOKENTABLE']._serialized_start=751
-  _globals['_TOKENTABLE']._serialized_end=846
-  _globals['_DRAFTRESPONSE']._serialized_start=848
-  _globals['_DRAFTRESPONSE']._serialized_end=957
-  _globals['_RELEASEREQUEST']._serialized_start=959
-  _globals['_RELEASEREQUEST']._serialized_end=1027
-  _globals['_RELEASERESPONSE']._serialized_start=1029
-  _globals['_RELEASERESPONSE']._serialized_end=1064
-  _globals['_DRAFTERINFOREQUEST']._serialized_start=1066
-  _globals['_DRAFTERINFOREQUEST']._serialized_end=1121
-  _globals['_DRAFTERINFO']._serialized_start=1124
-  _globals['_DRAFTERINFO']._serialized_end=1374
-  _globals['_DRAFTER']._serialized_start=1377
-  _globals['_DRAFTER']._serialized_end=1641
+  _globals['_SEQDRAFT']._serialized_end=368
+  _globals['_FEATUREREF']._serialized_start=370
+  _globals['_FEATUREREF']._serialized_end=482
+  _globals['_COMMITCHUNK']._serialized_start=485
+  _globals['_COMMITCHUNK']._serialized_end=656
+  _globals['_APPENDRESPONSE']._serialized_start=658
+  _globals['_APPENDRESPONSE']._serialized_end=732
+  _globals['_DRAFTREQUEST']._serialized_start=734
+  _globals['_DRAFTREQUEST']._serialized_end=818
+  _globals['_TOKENTREE']._serialized_start=820
+  _globals['_TOKENTREE']._serialized_end=915
+  _globals['_TOKENTABLE']._serialized_start=917
+  _globals['_TOKENTABLE']._serialized_end=1012
+  _globals['_DRAFTRESPONSE']._serialized_start=1015
+  _globals['_DRAFTRESPONSE']._serialized_end=1148
+  _globals['_RELEASEREQUEST']._serialized_start=1150
+  _globals['_RELEASEREQUEST']._serialized_end=1218
+  _globals['_RELEASERESPONSE']._serialized_start=1220
+  _globals['_RELEASERESPONSE']._serialized_end=1255
+  _globals['_DRAFTERINFOREQUEST']._serialized_start=1257
+  _globals['_DRAFTERINFOREQUEST']._serialized_end=1312
+  _globals['_DRAFTERINFO']._serialized_start=1315
+  _globals['_DRAFTERINFO']._serialized_end=1605
+  _globals['_DRAFTER']._serialized_start=1608
+  _globals['_DRAFTER']._serialized_end=1872
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,117 @@
+"""The verifier's end of the co-located drafter channel (protocol/local_channel.py).
+
+`LocalDrafterChannel.open(info, ring_bytes)` connects when the drafter's GetInfo offers a socket and names
+this host, makes this verifier's feature ring and says HELLO; None when any of it fails (the client keeps
+to gRPC). A call's features go into the ring (`put`: a FeatureRef, or None for a record too large for
+it), the request and the reply as one frame each. Failures are gRPC errors (`LocalRpcError`), so the
+drafter pool treats them as it treats gRPC's: a reply not in time is DEADLINE_EXCEEDED; a broken channel
+is `ChannelBroken`, after which the client closes it and sends that call and the rest over gRPC.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import grpc
+import torch
+
+from ddtree.protocol.ddtree.v1 import drafter_pb2
+from ddtree.protocol.local_channel import (
+    DRAFT,
+    ERROR,
+    HELLO,
+    REPLY,
+    FeatureRing,
+    host_id,
+    recv_frame,
+    send_frame,
+)
+from ddtree.protocol.tensors import tensor_to_proto
+from ddtree.telemetry.logging import get_logger
+
+log = get_logger("ddtree.verifier.local_drafter")
+
+
+class LocalRpcError(grpc.RpcError):
+    """A failed call of the local channel, as gRPC reports one (code(), details())."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+class ChannelBroken(ConnectionError):
+    """The local channel cannot carry calls any more (the drafter closed it, a malformed frame)."""
+
+
+class LocalDrafterChannel:
+    def __init__(self, sock: socket.socket, ring: FeatureRing):
+        self._sock, self.ring = sock, ring
+
+    @classmethod
+    def open(cls, info: drafter_pb2.DrafterInfo, ring_bytes: int) -> LocalDrafterChannel | None:
+        if not info.local_address or info.host_id != host_id():
+            return None
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        ring = None
+        try:
+            sock.settimeout(10.0)
+            sock.connect(info.local_address)
+            ring = FeatureRing.create(ring_bytes)
+            send_frame(sock, HELLO, ring.path.encode())
+            if recv_frame(sock)[0] != REPLY:
+                raise ConnectionError("the drafter refused the feature ring")
+        except (OSError, ConnectionError) as err:
+            log.info("drafter_local_channel_unused", address=info.local_address, reason=str(err)[:200])
+            sock.close()
+            if ring is not None:
+                ring.close(unlink=True)
+            return None
+        log.info("drafter_local_channel", address=info.local_address, ring_bytes=ring_bytes)
+        return cls(sock, ring)
+
+    def put(self, features: torch.Tensor) -> drafter_pb2.FeatureRef | None:
+        """Write one commit's features into the ring; their reference, or None when too large for it."""
+        msg = tensor_to_proto(features)  # the wire's raw bytes, shape and dtype
+        if not self.ring.fits(len(msg.data)):
+            return None
+        offset, nbytes, generation = self.ring.write(msg.data)
+        return drafter_pb2.FeatureRef(
+            offset=offset, nbytes=nbytes, generation=generation, shape=msg.shape, dtype=msg.dtype
+        )
+
+    def draft(self, request: drafter_pb2.DraftRequest, timeout_s: float) -> drafter_pb2.DraftResponse:
+        try:
+            self._sock.settimeout(timeout_s)
+            send_frame(self._sock, DRAFT, request.SerializeToString())
+            kind, payload = recv_frame(self._sock)
+        except TimeoutError:
+            # the reply may still come: this channel is out of step for good
+            self.close()
+            raise LocalRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no reply within {timeout_s:.3g} s") from None
+        except (OSError, ConnectionError) as err:
+            self.close()
+            raise ChannelBroken(str(err)) from None
+        if kind == ERROR:
+            code_name, _, details = payload.decode(errors="replace").partition(": ")
+            code = getattr(grpc.StatusCode, code_name, grpc.StatusCode.UNKNOWN)
+            raise LocalRpcError(code, details)
+        if kind != REPLY:
+            self.close()
+            raise ChannelBroken(f"reply frame of kind {kind}")
+        try:
+            return drafter_pb2.DraftResponse.FromString(payload)
+        except Exception as err:  # a malformed reply: the channel is not to be trusted any more
+            self.close()
+            raise ChannelBroken(f"malformed reply: {err}") from None
+
+    def close(self) -> None:
+        if self._sock.fileno() >= 0:
+            self._sock.close()
+            self.ring.close(unlink=True)

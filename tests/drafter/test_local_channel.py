@@ -1,0 +1,118 @@
+"""The co-located drafter channel (protocol/local_channel.py, drafter/local_server.py,
+verifier/local_drafter.py): the feature ring's records and its checks; the same trees through the channel
+as through gRPC (two drafters from one checkpoint); a bad, stale or overwritten feature reference costs
+only its own sequence's draft (failed_seq_ids, its context released); a drafter that goes away sends the
+client back to gRPC."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddtree.config import DrafterConfig
+from ddtree.contract.sampling_params import SamplingConfig
+from ddtree.drafter.server import serve_engine
+from ddtree.protocol.ddtree.v1 import drafter_pb2
+from ddtree.protocol.local_channel import FeatureRing
+from ddtree.verifier.drafter_client import DrafterClient
+from ddtree.verifier.sequence import GenerateParams, PendingCommit, Sequence
+from tests.support.draft_engines import random_draft_engine
+
+F = 64  # the random drafter's feature width (2 taps x 32)
+
+
+def test_ring_records_wrap_and_bad_references_are_refused(tmp_path):
+    ring = FeatureRing.create(4096, str(tmp_path))
+    reader = FeatureRing.attach(ring.path)
+    refs = [ring.write(bytes([i]) * (300 + i)) for i in range(20)]  # ~6 KB in all: it wraps
+    assert min(off for off, _, _ in refs[5:]) == 0, "the ring never wrapped"
+    last = refs[-1]
+    assert reader.read(*last) == bytes([19]) * 319
+    for bad in [(last[0], last[1], last[2] - 1), (last[0], last[1] + 1, last[2]), (4096, 10, 1), (last[0] + 8, 10, 1)]:
+        with pytest.raises(ValueError, match="stale|outside the ring"):
+            reader.read(*bad)
+    stale = refs[0]  # overwritten since
+    with pytest.raises(ValueError, match="stale"):
+        reader.read(*stale)
+    with pytest.raises(ValueError, match="do not fit"):
+        ring.write(bytes(3000))
+    reader.close()
+    ring.close(unlink=True)
+
+
+def _sequence(i: int, seed: int) -> Sequence:
+    seq = Sequence(GenerateParams(f"r{i}", (1, 2, 3), SamplingConfig(), 64, frozenset(), True, 8))
+    g = torch.Generator().manual_seed(seed)
+    seq.root = 5 + i
+    seq.pending_commit = PendingCommit([1, 2, 3, 4 + i], 0, torch.randn(4, F, generator=g))
+    return seq
+
+
+def _advance(seq: Sequence, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    start = seq.pending_commit.start + len(seq.pending_commit.token_ids)
+    seq.drafter_seeded = True
+    seq.pending_commit = PendingCommit([seq.root, 9], start, torch.randn(2, F, generator=g))
+    seq.root = 11
+
+
+@pytest.fixture
+def two_drafters(tmp_path):
+    servers = [
+        serve_engine(random_draft_engine(tmp_path / f"d{i}"), DrafterConfig(port=0, grace_s=0.0)) for i in range(2)
+    ]
+    yield [f"127.0.0.1:{s.port}" for s in servers]
+    for s in servers:
+        s.stop(0)
+
+
+def test_the_same_trees_as_grpc(two_drafters):
+    local = DrafterClient(two_drafters[0], timeout_s=30, local_ring_bytes=1 << 20)
+    remote = DrafterClient(two_drafters[1], timeout_s=30)
+    assert local.local is not None and remote.local is None
+    pairs = [(_sequence(i, seed=i), _sequence(i, seed=i)) for i in range(3)]
+    for step in range(3):
+        got = local.draft([(a, 6) for a, _ in pairs], vocab_size=64)
+        want = remote.draft([(b, 6) for _, b in pairs], vocab_size=64)
+        assert len(got.trees) == len(pairs) and not got.failed
+        assert [got.trees[a.draft_id] for a, _ in pairs] == [want.trees[b.draft_id] for _, b in pairs]
+        assert [got.feature_bytes[a.draft_id] for a, _ in pairs] == [want.feature_bytes[b.draft_id] for _, b in pairs]
+        for i, (a, b) in enumerate(pairs):
+            _advance(a, seed=100 * step + i)
+            _advance(b, seed=100 * step + i)
+    local.close()
+    remote.close()
+
+
+def test_a_bad_or_overwritten_reference_costs_only_its_sequence(two_drafters):
+    client = DrafterClient(two_drafters[0], timeout_s=30, local_ring_bytes=8192)
+    channel = client.local
+    seqs = [drafter_pb2.SeqDraft(seq_id=s, commit_token_ids=[1, 2, 3, 4], commit_start=0, root_token_id=5, reset=True)
+            for s in ("good", "forged", "overwritten")]  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    old = channel.put(torch.randn(4, F, generator=g))
+    for _ in range(8):  # the ring (8 KB, records of 1 KB) wraps over `old`
+        channel.put(torch.randn(4, F, generator=g))
+    good = channel.put(torch.randn(4, F, generator=g))
+    forged = drafter_pb2.FeatureRef()
+    forged.CopyFrom(good)
+    forged.generation += 7
+    for msg, ref in zip(seqs, (good, forged, old)):
+        msg.commit_features_ref.CopyFrom(ref)
+    reply = channel.draft(drafter_pb2.DraftRequest(seqs=seqs), timeout_s=30)
+    assert sorted(reply.failed_seq_ids) == ["forged", "overwritten"]
+    assert [t.seq_id for t in reply.trees] == ["good"]
+    client.close()
+
+
+def test_a_drafter_gone_sends_the_client_back_to_grpc(tmp_path):
+    server = serve_engine(random_draft_engine(tmp_path / "d"), DrafterConfig(port=0, grace_s=0.0))
+    client = DrafterClient(f"127.0.0.1:{server.port}", timeout_s=5, local_ring_bytes=1 << 20)
+    seq = _sequence(0, seed=0)
+    assert client.draft([(seq, 4)], vocab_size=64).trees
+    server.stop(0)  # the socket and the gRPC port close
+    with pytest.raises(Exception) as err:
+        _advance(seq, seed=1)
+        client.draft([(seq, 4)], vocab_size=64)
+    assert client.local is None, "the broken local channel was kept"
+    assert "UNAVAILABLE" in str(err.value) or "unavailable" in str(err.value).lower()
