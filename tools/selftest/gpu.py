@@ -4,7 +4,8 @@ model served end to end on one GPU, in one table and one JSON.
     ddtree selftest gpu --out runs/selftest_gpu.json       # one CUDA GPU
     ddtree selftest gpu --dry-run --out /tmp/selftest.json  # the same on a CPU: shapes shrunk, kernels
                                                             # under TRITON_INTERPRET=1
-    options: --skip-kernels | --skip-serving | --skip-step, --layers N, --experts N, --contexts 128,1024, --new-tokens N,
+    options: --skip-kernels | --skip-serving | --skip-step | --skip-deploy | --skip-drafter,
+             --layers N, --experts N, --contexts 128,1024, --new-tokens N,
              --work-dir DIR (checkpoint and service logs; default a temp dir, removed unless --keep)
 
 (a) kernel_check.py: MLA decode / verify / extend, the latent write, the FP8 / INT4 dense GEMMs, the fused
@@ -22,6 +23,9 @@ model served end to end on one GPU, in one table and one JSON.
 
 (d) deploy_check.py: a verifier's warm start (start to SERVING), its first request against a warm one, and the
     largest KV the memory plan admits against what the device reports free.
+
+(e) drafter_check.py: the drafter's transport per Draft call at Kimi width (the co-located channel against
+    gRPC, commits of 1 / 8 / 2048 tokens) and its tree build on the device against the host's heap (equal).
 
 It exits 1 on any mismatch (a kernel off its reference, DDTree off AR in fp32), on an error, and when a
 DDTree run that matches AR accepts under 2 tokens per step (the oracle's trees not followed); 2 when it
@@ -65,6 +69,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--skip-serving", action="store_true", help="no part (b)")
     p.add_argument("--skip-step", action="store_true", help="no part (c)")
     p.add_argument("--skip-deploy", action="store_true", help="no part (d)")
+    p.add_argument("--skip-drafter", action="store_true", help="no part (e)")
     p.add_argument("--step-deadline-s", type=float, default=300.0,
                    help="part (c): measure no new step shape after this many seconds from its start")  # fmt: skip
     p.add_argument("--layers", type=int, default=0, help="decoder layers of the served model (default 4; dry 2)")
@@ -157,7 +162,21 @@ def run(args: argparse.Namespace) -> int:
                 traceback.print_exc()
         result["deploy_s"] = time.perf_counter() - t3
         save(args.out, result)
-    result["mismatches"] = sum(result.get(part, {}).get("mismatches", 0) for part in ("kernels", "serving"))
+    if not args.skip_drafter:
+        from ddtree.tools.selftest import drafter_check
+
+        print("\n(e) the drafter: transport per Draft call at Kimi width, the tree built on the device", flush=True)
+        t4 = time.perf_counter()
+        try:
+            result["drafter"] = drafter_check.run_drafter_check(args.dry_run, device, log)
+            result["errors"] += result["drafter"]["errors"]
+        except Exception:
+            result["errors"].append(dict(part="drafter", error=traceback.format_exc()[-3000:]))
+            traceback.print_exc()
+        result["drafter_s"] = time.perf_counter() - t4
+        save(args.out, result)
+    parts = ("kernels", "serving", "drafter")
+    result["mismatches"] = sum(result.get(part, {}).get("mismatches", 0) for part in parts)
     low = result.get("serving", {}).get("low_acceptance", 0)
     result["ok"] = result["mismatches"] == 0 and not result["errors"] and not low
     result["wall_s"] = time.perf_counter() - t0

@@ -1,0 +1,139 @@
+"""The drafter's device path (issue 38) in numbers: part (e) of `ddtree selftest gpu`.
+
+1. Transport per Draft call at Kimi K2.6's feature width (6 taps x 7168, bf16) for commits of 1, 8 and 2048
+   tokens: the co-located channel (features through the verifier's shared-memory ring, protocol/
+   local_channel.py) against gRPC bytes. The drafter is served in this process with an engine that drafts
+   a one-node tree and keeps nothing, so a call's time is its transport and the server's own work (client
+   and server share this process: an upper bound). A commit over the gRPC chunk size goes ahead in Append
+   chunks on either client (the ring takes none), which the row says.
+2. The tree build of one Draft call (8 sequences, 15 depths, Kimi's vocabulary of 163,840): top-K and the
+   tensor build on the device (drafter/device_tree.py) against top-K, the copy to the host and the heap of
+   contract/tree_build.py; the trees must be equal (a mismatch otherwise).
+The dry run shrinks the width to 2 x 64 and the vocabulary to 4,096.
+
+`run_drafter_check(dry_run, device, log)` returns {transport: rows, tree: rows, mismatches, errors}.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import traceback
+
+import torch
+
+from ddtree.contract.token_tree import TokenTree
+
+KIMI = dict(taps=6, hidden=7168, vocab=163840)
+DRY = dict(taps=2, hidden=64, vocab=4096)
+COMMITS = (1, 8, 2048)
+CALLS = 30
+TREE_SEQS, TREE_DEPTH, TREE_BUDGETS = 8, 15, (16, 64)
+
+
+class NullEngine:
+    """Drafts a one-node tree per sequence and keeps no context: the call is all transport."""
+
+    def __init__(self, taps: int, hidden: int, vocab: int):
+        self.taps, self.hidden, self.vocab = taps, hidden, vocab
+
+    def info(self) -> dict:
+        return dict(model_id="null", block_size=16, mask_token_id=0, target_layer_ids=list(range(self.taps)),
+                    window=0, default_budget=16, max_budget=64, hidden_size=self.hidden, vocab_size=self.vocab,
+                    active_sequences=0)  # fmt: skip
+
+    def knows(self, seq_id: str) -> bool:
+        return False
+
+    def draft(self, seqs):
+        return [TokenTree((1,), (0,), (1,)) for _ in seqs]
+
+    def append(self, seqs) -> None:
+        pass
+
+    def release(self, ids) -> int:
+        return 0
+
+
+def run_drafter_check(dry_run: bool, device: torch.device, log) -> dict:
+    shape = DRY if dry_run else KIMI
+    out = dict(transport=[], tree=[], mismatches=0, errors=[])
+    try:
+        out["transport"] = _transport(shape, log)
+    except Exception:
+        out["errors"].append(dict(part="drafter transport", error=traceback.format_exc()[-3000:]))
+    try:
+        out["tree"], out["mismatches"] = _trees(shape["vocab"], device, log)
+    except Exception:
+        out["errors"].append(dict(part="drafter tree", error=traceback.format_exc()[-3000:]))
+    return out
+
+
+def _transport(shape: dict, log) -> list[dict]:
+    from ddtree.config import DrafterConfig
+    from ddtree.contract.sampling_params import SamplingConfig
+    from ddtree.drafter.server import serve_engine
+    from ddtree.verifier.drafter_client import DrafterClient
+    from ddtree.verifier.sequence import GenerateParams, PendingCommit, Sequence
+
+    width = shape["taps"] * shape["hidden"]
+    server = serve_engine(NullEngine(**shape), DrafterConfig(port=0, grace_s=0.0))
+    rows = []
+    log(f"{'commit':>7} {'path':>6} {'transport ms':>12} {'feature MB':>10}")
+    try:
+        for local in (True, False):
+            client = DrafterClient(f"127.0.0.1:{server.port}", 60, local_ring_bytes=(256 << 20) if local else 0)
+            for n in COMMITS:
+                times = []
+                for i in range(CALLS if n < 1000 else 3):
+                    seq = Sequence(GenerateParams(f"t{n}-{i}", (1,), SamplingConfig(), 8, frozenset(), True, 1))
+                    seq.root = 1
+                    seq.pending_commit = PendingCommit([1] * n, 0, torch.zeros(n, width, dtype=torch.bfloat16))
+                    t0 = time.perf_counter()
+                    client.draft([(seq, 1)], vocab_size=shape["vocab"])
+                    times.append((time.perf_counter() - t0) * 1e3)
+                chunked = n * width * 2 > client.chunk_bytes
+                path = "grpc" if chunked or client.local is None else "local"
+                row = dict(commit=n, path=path, asked="local" if local else "grpc", transport_ms=statistics.median(times),
+                           feature_bytes=n * width * 2)  # fmt: skip
+                rows.append(row)
+                log(f"{n:>7} {path:>6} {row['transport_ms']:>12.3f} {row['feature_bytes'] / 1e6:>10.2f}")
+            client.close()
+    finally:
+        server.stop(0)
+    return rows
+
+
+def _trees(vocab: int, device: torch.device, log) -> tuple[list[dict], int]:
+    from ddtree.contract.tree_build import build_tree, topk_logprobs
+    from ddtree.drafter.device_tree import build_trees
+
+    g = torch.Generator(device=device).manual_seed(0)
+    logits = torch.randn(TREE_SEQS * TREE_DEPTH, vocab, generator=g, device=device) * 4
+    rows, mismatches = [], 0
+    log(f"{'budget':>6} {'device ms':>9} {'host ms':>8} {'equal':>5}")
+    for budget in TREE_BUDGETS:
+        timed = {}
+        for where in ("device", "host"):
+            for _ in range(3):  # the last of three: caches warm
+                _sync(device)
+                t0 = time.perf_counter()
+                lp, ids = topk_logprobs(logits, budget)
+                lp, ids = lp.view(TREE_SEQS, TREE_DEPTH, -1), ids.view(TREE_SEQS, TREE_DEPTH, -1)
+                if where == "device":
+                    trees = build_trees(lp, ids, [budget] * TREE_SEQS)
+                else:
+                    lp, ids = lp.cpu(), ids.cpu()
+                    trees = [build_tree(lp[s], ids[s], budget) for s in range(TREE_SEQS)]
+                _sync(device)
+                timed[where] = ((time.perf_counter() - t0) * 1e3, trees)
+        equal = timed["device"][1] == timed["host"][1]
+        mismatches += not equal
+        rows.append(dict(budget=budget, device_ms=timed["device"][0], host_ms=timed["host"][0], equal=equal))
+        log(f"{budget:>6} {timed['device'][0]:>9.3f} {timed['host'][0]:>8.3f} {str(equal):>5}")
+    return rows, mismatches
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
