@@ -72,6 +72,11 @@ class StaticBatch:
         self._copied = None  # CUDA: the event after the last upload (the host buffer is in flight until then)
         self.fill_empty()
 
+    def step_tensors(self) -> list[torch.Tensor]:
+        """The device tensors a step changes (the packed buffer, the layout's own), in a fixed order: what a
+        tensor-parallel rank 0 broadcasts into the other ranks' batches of the same bucket."""
+        return [self._device, *self.layout.device_tensors()]
+
     def device_tensors(self) -> list[torch.Tensor]:
         """Every device tensor the batch owns (what a graph's pool does not hold): the packed buffer, the
         layout's own, the all-rows index."""
@@ -84,10 +89,10 @@ class StaticBatch:
 
     def fill(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Copy one step (rows in the eager order of `meta`) into the buffers; returns int64 [T_real] on the
-        device: each real row's row in the bucket."""
+        host: each real row's row in the bucket."""
         where = self._fill_host(ids.cpu(), positions.cpu(), meta.seqs)
         self._upload()
-        return where.to(self._device.device, non_blocking=True)
+        return where
 
     def _fill_host(self, ids: torch.Tensor, positions: torch.Tensor, seqs) -> torch.Tensor:
         b = self.bucket

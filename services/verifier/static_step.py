@@ -102,14 +102,26 @@ class StaticStep:
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """(final-normed hidden [T, d], taps [T, F] or None) in the eager row order, or None when the step
         fits no bucket or taps other layers than the captured ones (the caller runs it eagerly)."""
+        b = self.plan(meta, tap_layer_ids)
+        if b is None:
+            return None
+        where = self.batch(b).fill(input_ids, positions, meta).to(self.kv_cache.device, non_blocking=True)
+        hidden, taps = self.replay(b)
+        return hidden.index_select(0, where), None if taps is None else taps.index_select(0, where)
+
+    def plan(self, meta: AttentionMetadata, tap_layer_ids: tuple[int, ...]) -> Bucket | None:
+        """The bucket this step runs in, or None (counted as a fallback: the caller runs it eagerly)."""
         b = self.bucket_for(meta)
         if b is None or tuple(tap_layer_ids) != self.taps:
             self.fallbacks += 1
             return None
-        where = self.batch(b).fill(input_ids, positions, meta)
-        hidden, taps = self._runner.run(b)
+        return b
+
+    def replay(self, b: Bucket) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The forward over bucket b's buffers as they are (filled by `batch(b).fill`, or received from rank 0):
+        every row of the bucket, final-normed, and its taps; a graph's outputs, overwritten by its next replay."""
         self.replays += 1
-        return hidden.index_select(0, where), None if taps is None else taps.index_select(0, where)
+        return self._runner.run(b)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -77,6 +77,11 @@ class TPGroup:
         dist.all_gather(parts, x.contiguous(), group=self.device_group)
         return torch.stack(parts)
 
+    def broadcast_device(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's device tensor x into every rank's x of the same shape (NCCL on CUDA, gloo on the CPU)."""
+        dist.broadcast(x, src=0, group=self.device_group)
+        return x
+
     def broadcast_cpu(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's CPU tensor x to every rank (x is filled in place on the others)."""
         dist.broadcast(x, src=0, group=self.cpu_group)

@@ -19,7 +19,9 @@ CACHE (header = (CACHE, num_slots, 0)) makes the other ranks allocate their late
 after rank 0 has sized its pool. STATIC (ints: pad slot, then the tap layers) makes every rank build its
 static step over its replica and capture its graphs, in lockstep with rank 0 (their forwards hold
 collectives); from then on each rank runs a FORWARD that fits a bucket through it (the same decision on
-every rank: it depends on the message alone). PING keeps idle peers inside their collective timeout;
+every rank). STATIC_STEP (ints: bucket index, gather_logits, the real rows' rows in the bucket, the rows
+asked for or -1) announces a step of rank 0's static step: its buffers follow as device broadcasts
+(tp_model.run_static_shard), nothing to decode. PING keeps idle peers inside their collective timeout;
 STOP ends the worker loop.
 """
 
@@ -33,7 +35,7 @@ from ddtree.models.attention import AttentionMetadata, SeqAttention
 
 from .process_group import TPGroup
 
-FORWARD, PING, STOP, CACHE, GROW, STATIC = 1, 2, 3, 4, 5, 6
+FORWARD, PING, STOP, CACHE, GROW, STATIC, STATIC_STEP = 1, 2, 3, 4, 5, 6, 7
 HEADER = 3  # kind, n_ints (CACHE: num_slots; GROW: capacity), n_mask_bytes
 INITIAL_WORDS = 1024  # the message buffer's first capacity, int64 words
 
@@ -49,6 +51,29 @@ class StepInputs:
 
 
 GATHER_AT = 3  # the index of gather_logits in encode's ints
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StaticStepMessage:
+    """A step of the static step (verifier/static_step.py): its bucket, where its real rows sit in it (int64
+    [T_real], host), the rows asked for among them (int64 [R], host; None = all) and gather_logits."""
+
+    bucket: object
+    where: torch.Tensor
+    rows: torch.Tensor | None
+    gather_logits: bool
+
+    def encode(self, static) -> torch.Tensor:
+        rows = [-1] if self.rows is None else [self.rows.numel(), *self.rows.tolist()]
+        head = [static.buckets.index(self.bucket), int(self.gather_logits), self.where.numel()]
+        return torch.tensor([*head, *self.where.tolist(), *rows], dtype=torch.int64)
+
+    @classmethod
+    def decode(cls, ints: torch.Tensor, static) -> StaticStepMessage:
+        index, gather, n = ints[:3].tolist()
+        where = ints[3 : 3 + n].clone()
+        rows = None if int(ints[3 + n]) < 0 else ints[4 + n :].clone()
+        return cls(static.buckets[index], where, rows, bool(gather))
 
 
 def encode(s: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,14 +154,14 @@ def send_step(
     inputs: StepInputs | None = None,
     num_slots: int = 0,
     encoded: tuple[torch.Tensor, torch.Tensor] | None = None,  # encode(inputs), when packed before the step
-    ints: torch.Tensor | None = None,  # STATIC: int64 [pad slot, *tap layers]
+    ints: torch.Tensor | None = None,  # STATIC / STATIC_STEP: their int64 payload
 ) -> None:
     """Rank 0: broadcast one message (inputs for FORWARD, num_slots for CACHE, ints for STATIC): one
     broadcast (two when the buffer must grow first)."""
     masks = torch.empty(0, dtype=torch.uint8)
     if kind == FORWARD:
         ints, masks = encoded if encoded is not None else encode(inputs)
-    elif kind != STATIC or ints is None:
+    elif kind not in (STATIC, STATIC_STEP) or ints is None:
         ints = torch.empty(0, dtype=torch.int64)
     mask_words = -(-masks.numel() // 8)
     need = HEADER + ints.numel() + mask_words
@@ -166,7 +191,7 @@ def recv_step(tp: TPGroup) -> tuple[int, StepInputs | torch.Tensor | int | None]
         message_buffer(tp, n_ints)
     if kind == CACHE:
         return kind, n_ints
-    if kind == STATIC:
+    if kind in (STATIC, STATIC_STEP):
         return kind, buf[HEADER : HEADER + n_ints].clone()
     if kind != FORWARD:
         return kind, None

@@ -10,7 +10,10 @@ every down_proj H/N or I/N input columns, and parameter names stay the checkpoin
 The latent KV cache has one head: every rank holds a full replica, written by the same forward.
 
 Per forward (`run_shard`, on every rank): the model forward, one all-gather of [R, 2] (max, global id)
-for the argmax, and only when a row is sampled at temperature > 0 an all-gather of the full logits.
+for the argmax, and only when a row is sampled at temperature > 0 an all-gather of the full logits. A
+step that fits the static step's buckets (`run_static_shard`): rank 0 fills its bucket's buffers, says
+which bucket (STATIC_STEP), and broadcasts the buffers over the device group into the other ranks'
+batches of that bucket; every rank replays it.
 """
 
 from __future__ import annotations
@@ -32,7 +35,19 @@ from ddtree.models.moe import DeepseekV3MLP, DeepseekV3MoE
 from .layers import VocabParallelEmbedding, combine_shard_argmax, shard_argmax
 from .process_group import TPGroup
 from .shard_plan import ShardPlan
-from .step_message import CACHE, FORWARD, GATHER_AT, PING, STATIC, STOP, StepInputs, encode, send_step
+from .step_message import (
+    CACHE,
+    FORWARD,
+    GATHER_AT,
+    PING,
+    STATIC,
+    STATIC_STEP,
+    STOP,
+    StaticStepMessage,
+    StepInputs,
+    encode,
+    send_step,
+)
 
 MESSAGE = "step_message"  # meta.prepared's key of the packed step message (TensorParallelModel.prepare)
 
@@ -100,51 +115,53 @@ def load_tp_model(
     return model
 
 
-def run_shard(
-    model: DeepseekV3ForCausalLM,
-    tp: TPGroup,
-    s: StepInputs,
-    kv_cache: torch.Tensor,
-    static=None,  # this rank's static step (verifier/static_step.py), or None: eager only
-    host: tuple[torch.Tensor, torch.Tensor]
-    | None = None,  # (input_ids, positions) on the host, when on the device in s
-) -> ForwardOutput:
-    """One forward on this rank's shard; every rank calls it with the same inputs (collectives inside).
-    A step that fits the static step's buckets runs through it on every rank (the choice depends on the
-    inputs alone), the rest eagerly.
+def run_shard(model: DeepseekV3ForCausalLM, tp: TPGroup, s: StepInputs, kv_cache: torch.Tensor) -> ForwardOutput:
+    """One eager forward on this rank's shard; every rank calls it with the same inputs (collectives inside).
 
     Returns the full-vocab argmax per row (all ranks), the taps (replicated) and, when s.gather_logits,
     the full logits fp32 [R, V]."""
     dev = kv_cache.device
     ids, pos, rows = s.input_ids, s.positions, s.logits_rows
-    host_ids, host_pos = host if host is not None else (ids, pos)
-    fitted = static.run(host_ids, host_pos, s.meta, s.tap_layer_ids) if static is not None else None
-    if fitted is not None:  # every real row, final-normed; the rows asked for picked here
-        hidden, taps = fitted
-        if rows is not None:
-            hidden = hidden.index_select(0, rows.to(dev))
-        out = ForwardOutput(logits=model.compute_logits(hidden), taps=taps)
-    else:
-        if ids.device != dev:  # the other ranks' inputs come from the step message: one host -> device copy
-            T = ids.shape[0]
-            packed = torch.cat([ids, pos, *([] if rows is None else [rows])]).to(dev)
-            ids, pos, rows = packed[:T], packed[T : 2 * T], None if rows is None else packed[2 * T :]
-        prepare_attention(model, s.meta, kv_cache)  # a no-op where the caller prepared it (rank 0: batch.py)
-        out = model.forward(
-            ids, pos.to(dev), s.meta, kv_cache, logits_rows=None if rows is None else rows.to(dev),
-            tap_layer_ids=s.tap_layer_ids,
-        )  # fmt: skip
-    local = out.logits  # fp32 [R, V/N]
+    if ids.device != dev:  # the other ranks' inputs come from the step message: one host -> device copy
+        T = ids.shape[0]
+        packed = torch.cat([ids, pos, *([] if rows is None else [rows])]).to(dev)
+        ids, pos, rows = packed[:T], packed[T : 2 * T], None if rows is None else packed[2 * T :]
+    prepare_attention(model, s.meta, kv_cache)  # a no-op where the caller prepared it (rank 0: batch.py)
+    out = model.forward(
+        ids, pos.to(dev), s.meta, kv_cache, logits_rows=None if rows is None else rows.to(dev),
+        tap_layer_ids=s.tap_layer_ids,
+    )  # fmt: skip
+    return _head(model, tp, out.logits, out.taps, s.gather_logits)
+
+
+def run_static_shard(model: DeepseekV3ForCausalLM, tp: TPGroup, static, step: StaticStepMessage) -> ForwardOutput:
+    """One static step on this rank's shard, every rank in lockstep: the bucket's step tensors broadcast from
+    rank 0's batch into this rank's (rank 0 filled its own; one device broadcast for the Triton layout), the
+    replay, then the rows asked for and the head as run_shard's."""
+    batch = static.batch(step.bucket)
+    for t in batch.step_tensors():
+        tp.broadcast_device(t.view(torch.uint8) if t.dtype == torch.bfloat16 else t)
+    hidden, taps = static.replay(step.bucket)
+    dev = hidden.device
+    where = step.where.to(dev, non_blocking=True)
+    rows = where if step.rows is None else where.index_select(0, step.rows.to(dev, non_blocking=True))
+    taps = None if taps is None else taps.index_select(0, where)
+    return _head(model, tp, model.compute_logits(hidden.index_select(0, rows)), taps, step.gather_logits)
+
+
+def _head(model: DeepseekV3ForCausalLM, tp: TPGroup, local: torch.Tensor, taps, gather_logits: bool) -> ForwardOutput:
+    """The full-vocab argmax of this rank's logits slice fp32 [R, V/N] (and the full logits when asked)."""
+    dev = local.device
     R = local.shape[0]
     if R == 0:  # every rank knows R: all skip the collectives together
         return ForwardOutput(
-            logits=local.new_empty(0, model.config.vocab_size) if s.gather_logits else None,
-            taps=out.taps,
+            logits=local.new_empty(0, model.config.vocab_size) if gather_logits else None,
+            taps=taps,
             argmax=torch.empty(0, dtype=torch.int64, device=dev),
         )
     argmax = combine_shard_argmax(tp.all_gather(shard_argmax(local, model.vocab_start)))  # [R]
-    logits = tp.all_gather(local).permute(1, 0, 2).reshape(R, -1) if s.gather_logits else None  # [R, V]
-    return ForwardOutput(logits=logits, taps=out.taps, argmax=argmax)
+    logits = tp.all_gather(local).permute(1, 0, 2).reshape(R, -1) if gather_logits else None  # [R, V]
+    return ForwardOutput(logits=logits, taps=taps, argmax=argmax)
 
 
 class TensorParallelModel:
@@ -210,9 +227,12 @@ class TensorParallelModel:
         with self._lock:
             self._check()
             try:
+                static = self._static_step(inputs, host_inputs)
+                if static is not None:
+                    send_step(self.tp, STATIC_STEP, ints=static.encode(self.static))
+                    return run_static_shard(self.model, self.tp, self.static, static)
                 send_step(self.tp, FORWARD, encoded=encoded)
-                host = host_inputs[:2] if host_inputs is not None else None
-                return run_shard(self.model, self.tp, inputs, kv_cache, self.static, host)
+                return run_shard(self.model, self.tp, inputs, kv_cache)
             except Exception as err:
                 self._fail(f"tensor-parallel forward failed: {err}")
                 raise
@@ -220,6 +240,17 @@ class TensorParallelModel:
                 self._last_sent = time.monotonic()
 
     __call__ = forward
+
+    def _static_step(self, s: StepInputs, host_inputs) -> StaticStepMessage | None:
+        """Rank 0's static step for these inputs (its batch filled), or None: the step runs eagerly."""
+        if self.static is None:
+            return None
+        bucket = self.static.plan(s.meta, s.tap_layer_ids)
+        if bucket is None:
+            return None
+        ids, pos, rows = host_inputs if host_inputs is not None else (s.input_ids, s.positions, s.logits_rows)
+        where = self.static.batch(bucket).fill(ids, pos, s.meta)
+        return StaticStepMessage(bucket, where, None if rows is None else rows.cpu(), s.gather_logits)
 
     def prepare(self, input_ids, positions, meta, kv_cache, logits_rows=None, tap_layer_ids=()) -> None:
         """Before the forward (host tensors): rank 0's attention buffers, and the step message packed
