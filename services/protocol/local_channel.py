@@ -28,6 +28,7 @@ HELLO, DRAFT, REPLY, ERROR = 1, 2, 3, 4
 MAX_FRAME = 64 << 20  # bytes: a Draft call's message without its features is far smaller
 _HEADER = struct.Struct("<QQ")  # generation, nbytes
 _ALIGN = 64
+RING_PREFIX = "ddtree-features-"
 
 
 def send_frame(sock: socket.socket, kind: int, payload: bytes) -> None:
@@ -85,7 +86,7 @@ class FeatureRing:
     def create(cls, size: int, directory: str | None = None) -> FeatureRing:
         if size < 4 * _ALIGN:
             raise ValueError(f"a feature ring needs at least {4 * _ALIGN} bytes, got {size}")
-        path = os.path.join(directory or shared_dir(), f"ddtree-features-{os.getpid()}-{os.urandom(6).hex()}")
+        path = os.path.join(directory or shared_dir(), f"{RING_PREFIX}{os.getpid()}-{os.urandom(6).hex()}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, size)
@@ -95,6 +96,9 @@ class FeatureRing:
 
     @classmethod
     def attach(cls, path: str) -> FeatureRing:
+        """Map a verifier's ring read-only: a regular file named as `create` names them, nothing else."""
+        if not os.path.basename(path).startswith(RING_PREFIX) or not os.path.isfile(path):
+            raise ValueError(f"not a feature ring: {path[:200]!r}")
         return cls(path, os.path.getsize(path), writable=False)
 
     def fits(self, nbytes: int) -> bool:

@@ -38,6 +38,8 @@ def test_ring_records_wrap_and_bad_references_are_refused(tmp_path):
         ring.write(bytes(3000))
     reader.close()
     ring.close(unlink=True)
+    with pytest.raises(ValueError, match="not a feature ring"):
+        FeatureRing.attach("/etc/hostname")  # a HELLO naming another file is refused
 
 
 def _sequence(i: int, seed: int) -> Sequence:
