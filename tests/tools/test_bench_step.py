@@ -1,8 +1,8 @@
 """`ddtree bench step` end to end on the CPU, as a command (each run its own process: an emulated rank
 joins a one-rank torch.distributed group, and --kernels triton must set TRITON_INTERPRET before triton
 loads): the Kimi K2.6 rank shard of TP 8 at reduced depth from its config, the demo target at TP 1 and
-as a TP-2 shard, a Kimi-shaped INT4 checkpoint at TP 1 (tree and AR), as an expert-parallel shard and
-with the Triton kernels interpreted. The reports are checked for their keys and for what the model's
+as a TP-2 shard, a Kimi-shaped INT4 checkpoint at TP 1 (tree and AR), as an expert-parallel shard, at
+real TP 2 (two processes over gloo) and with the Triton kernels interpreted. The reports are checked for their keys and for what the model's
 shape fixes (layers, shard sizes, all-reduces per step); the counts themselves are the subject of
 tests/tools/test_op_count.py."""
 
@@ -101,6 +101,21 @@ def test_a_kimi_shaped_int4_checkpoint_tree_ar_and_expert_parallel(tmp_path, kim
     assert ep["all_reduces_per_step"] == 2 * ep["layers"] + 1
 
 
+@pytest.mark.parametrize("ep", [False, True], ids=["tensor", "expert"])
+def test_real_tp_2_ranks_count_what_the_emulated_rank_counts(tmp_path, kimi_int4, ep):
+    """--tp 2 spawns rank 1 (gloo) and measures rank 0: the same shard, so the same ops per layer and 0 host
+    syncs inside the forward as --emulate-tp 2, and the same collectives (now with a peer)."""
+    extra = ["--expert-parallel"] if ep else []
+    args = ["--model", str(kimi_int4), "--rows", "17", "--context", "32", "--warmup", "0", *extra]
+    real = bench_step(tmp_path, *args, "--tp", "2")
+    emulated = bench_step(tmp_path, *args, "--emulate-tp", "2")
+    assert (real["tp"], real["emulate_tp"]) == (2, 1) and real["config"]["local_heads"] * 2 == real["config"]["heads"]
+    assert real["forward"]["host_syncs"] == 0 == emulated["forward"]["host_syncs"]
+    for key in ("ops_per_moe_layer", "ops_per_dense_layer", "all_reduces_per_step", "all_gathers_per_step"):
+        assert real[key] == emulated[key], key
+    assert real["forward"]["ops"] == emulated["forward"]["ops"]
+
+
 def test_the_triton_kernels_interpreted_count_once_each(tmp_path, kimi_int4):
     pytest.importorskip("triton")
     r = bench_step(tmp_path, "--model", str(kimi_int4), "--rows", "3", "--context", "8", "--layers", "2",
@@ -114,7 +129,7 @@ def test_the_triton_kernels_interpreted_count_once_each(tmp_path, kimi_int4):
 def test_refusals_are_one_line_errors(capsys):
     for args, words in (
         (["--config", str(KIMI_CONFIG)], "--random-weights"),
-        (["--model", str(DEMO_TARGET), "--tp", "2"], "--emulate-tp"),
+        (["--model", str(DEMO_TARGET), "--tp", "2", "--emulate-tp", "2"], "exclude each other"),
         (["--model", str(DEMO_TARGET), "--expert-parallel"], "--emulate-tp"),
     ):
         assert main(["bench", "step", *args]) == 2

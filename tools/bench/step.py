@@ -16,7 +16,8 @@ and each launch counts once.
 --emulate-tp N builds rank 0's shard of a TP-N model (its heads, expert columns or, with
 --expert-parallel, experts, its vocabulary slice) on this one device; its all-reduces run in a
 one-rank group and are counted: the per-rank cost of the real deployment, without its wire time.
---tp N > 1 (real ranks) is not measured here yet: use --emulate-tp N.
+--tp N runs N real ranks (this process rank 0, the others spawned: gloo on the CPU, one GPU each on
+CUDA) and reports rank 0's step with the collectives' wire time (eagerly).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     src.add_argument("--model", help="a checkpoint directory")
     src.add_argument("--config", help="a config.json (HF or Kimi K2.5 layout); needs --random-weights")
     p.add_argument("--random-weights", action="store_true", help="random weights made on the device (no disk)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (only 1 here; see --emulate-tp)")
+    p.add_argument("--tp", type=int, default=1, help="real tensor-parallel ranks, spawned here (rank 0 is measured)")
     p.add_argument("--emulate-tp", type=int, default=1, help="measure rank 0's shard of a TP-N model")
     p.add_argument("--expert-parallel", action="store_true", help="with --emulate-tp: whole experts per rank")
     p.add_argument("--rows", type=int, default=17, help="tree rows per sequence: root + nodes (1 = AR decode)")
@@ -71,15 +72,14 @@ def resolve_device(name: str) -> str:
 def check_args(args: argparse.Namespace) -> None:
     if args.config and not args.random_weights:
         raise ValueError("--config FILE needs --random-weights (a config has no weights)")
-    if args.tp != 1:
-        raise ValueError(f"--tp {args.tp}: real ranks are not measured by bench step yet; --emulate-tp "
-                         f"{args.tp} measures one rank's shard")  # fmt: skip
+    if args.tp < 1 or (args.tp > 1 and args.emulate_tp > 1):
+        raise ValueError("--tp N (real ranks) and --emulate-tp N (one rank's shard here) exclude each other; N >= 1")
     if args.emulate_tp < 1 or args.rows < 1 or args.context < 0 or args.batch < 1 or args.repeat < 1:
         raise ValueError("--emulate-tp, --rows, --batch and --repeat must be >= 1, --context >= 0")
     if args.warmup is not None and args.warmup < 0:
         raise ValueError("--warmup must be >= 0")
-    if args.expert_parallel and args.emulate_tp < 2:
-        raise ValueError("--expert-parallel needs --emulate-tp N >= 2")
+    if args.expert_parallel and max(args.emulate_tp, args.tp) < 2:
+        raise ValueError("--expert-parallel needs --tp N or --emulate-tp N, N >= 2")
 
 
 def spec_and_shape(args: argparse.Namespace):
@@ -93,6 +93,7 @@ def spec_and_shape(args: argparse.Namespace):
         dtype=args.dtype,
         layers=args.layers,
         emulate_tp=args.emulate_tp,
+        tp=args.tp,
         expert_parallel=args.expert_parallel,
         kernels=args.kernels,
         seed=args.seed,
@@ -105,7 +106,11 @@ def format_report(r: dict) -> str:
     from ddtree.tools.bench.output import format_table
 
     c = r["config"]
-    shard = f"rank 0 of TP {r['emulate_tp']} (emulated)" if r["emulate_tp"] > 1 else "TP 1"
+    shard = "TP 1"
+    if r["emulate_tp"] > 1:
+        shard = f"rank 0 of TP {r['emulate_tp']} (emulated)"
+    elif r["tp"] > 1:
+        shard = f"rank 0 of TP {r['tp']}"
     head = (f"{c['source']}{' (random weights)' if c['random_weights'] else ''} on {r['device']}, {shard}, "
             f"kernels {r['kernels']}: {r['rows']} rows x {r['batch']} at context {r['context']}, "
             f"{r['layers']} layers ({r['moe_layers']} MoE)")  # fmt: skip

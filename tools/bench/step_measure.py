@@ -34,6 +34,7 @@ from ddtree.tools.bench.layer_scopes import FORWARD, layer_key, layer_scopes, mo
 from ddtree.tools.bench.op_count import OpCounter
 from ddtree.tools.bench.step_batch import StepShape, StepWork, make_step_work
 from ddtree.tools.bench.step_model import ModelSpec, build_model, describe
+from ddtree.tools.bench.step_ranks import rank_group
 from ddtree.tools.bench.triton_launches import count_triton_launches
 
 WARMUP_STEPS = {"cpu": 1, "cuda": 3}  # CUDA: the fused MoE's autotuning and the allocator settle
@@ -150,6 +151,8 @@ def count_step(model, target, work: StepWork, device: torch.device) -> dict:
 def graphs_unavailable(model, spec: ModelSpec, device: torch.device) -> str | None:
     if device.type != "cuda":
         return f"CUDA graphs need a CUDA device (this is {device.type})"
+    if spec.tp > 1:
+        return "real ranks are measured eagerly here (--emulate-tp N measures a rank's graphs)"
     return None  # any model, an emulated shard too (its forward's all-reduces run in its one-rank group)
 
 
@@ -192,6 +195,8 @@ class StepBench:
         """The step's report (the JSON of `ddtree bench step`); warmup None: WARMUP_STEPS of the device."""
         spec, model, device = self.spec, self.model, self.device
         work = make_step_work(model.config, shape, device, model.dtype, spec.seed)
+        if spec.tp > 1:  # the other ranks' replicas of this step's cache
+            self.target.model.replicate_kv(work.pool.cache)
         for _ in range(WARMUP_STEPS.get(device.type, 1) if warmup is None else warmup):
             work.run(self.target)
         counts = count_step(model, self.target, work, device)
@@ -210,7 +215,7 @@ class StepBench:
             "context": shape.context,
             "batch": shape.batch,
             "taps": list(shape.taps),
-            "tp": 1,
+            "tp": spec.tp,
             "emulate_tp": spec.emulate_tp,
             "expert_parallel": spec.expert_parallel,
             "kernels": spec.kernels,
@@ -235,7 +240,10 @@ def step_bench(spec: ModelSpec):
     target released (and collected) before the group is destroyed."""
     device = torch.device(spec.device)
     with contextlib.ExitStack() as group:
-        tp = group.enter_context(one_rank_group(device)) if spec.emulate_tp > 1 else None
+        if spec.tp > 1:
+            tp = group.enter_context(rank_group(spec))
+        else:
+            tp = group.enter_context(one_rank_group(device)) if spec.emulate_tp > 1 else None
         bench = None
         try:
             with contextlib.ExitStack() as stack:

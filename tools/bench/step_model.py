@@ -52,6 +52,8 @@ class ModelSpec:
     dtype: str = "auto"  # auto: the checkpoint's stored dtype; random weights: the config's, else bf16
     layers: int = 0  # 0 = the config's num_hidden_layers
     emulate_tp: int = 1  # > 1: rank 0's shard of a TP-N model
+    tp: int = 1  # > 1: real ranks (step_ranks.py); this process builds `rank`'s shard
+    rank: int = 0
     expert_parallel: bool = False
     kernels: str = "auto"  # the attention backend follows it (tools/bench/kernel_route.py)
     seed: int = 0
@@ -93,16 +95,17 @@ def _builder(spec: ModelSpec, tp: TPGroup | None, backend: str):
 
     def build(config: DeepseekV3Config) -> nn.Module:
         config = dataclasses.replace(config, num_hidden_layers=spec.layers or config.num_hidden_layers)
-        if spec.emulate_tp <= 1:
+        world = max(spec.tp, spec.emulate_tp)
+        if world <= 1:
             return DeepseekV3ForCausalLM(config, attention_backend=backend)
-        plans.append(ShardPlan(config, 0, spec.emulate_tp, spec.expert_parallel))
+        plans.append(ShardPlan(config, spec.rank, world, spec.expert_parallel))
         return build_tp_model(plans[-1], tp, backend)
 
     return build, plans
 
 
 def build_model(spec: ModelSpec, tp: TPGroup | None) -> DeepseekV3ForCausalLM:
-    """The measured model, eval mode, on spec.device; `tp` is the (one-rank) group of an emulated shard."""
+    """The measured model, eval mode, on spec.device; `tp` is the group of a shard (one rank when emulated)."""
     raw = read_raw_config(spec)
     config = model_config(spec, raw)
     backend = resolve_attention_backend("auto" if spec.kernels == "auto" else spec.kernels, spec.device)
