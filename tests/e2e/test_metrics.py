@@ -20,6 +20,7 @@ DRAFTER_FAMILIES = {
     "ddtree_drafter_append_chunks",
     "ddtree_drafter_sequences",
     "ddtree_drafter_context_bytes",
+    "ddtree_drafter_contexts_released",
 }
 VERIFIER_STATE = ("ddtree_running_sequences", "ddtree_queued_requests", "ddtree_kv_slots_used")
 

@@ -1,7 +1,8 @@
 """Tiny INT4 and FP8 checkpoints served with packed weights: the logits equal those of the same checkpoint
 loaded with dequantized weights (dequantize=True) within dtype tolerance, at TP 1 (fp32 and bf16) and,
 over 2 gloo ranks (tests/models/test_tp_model.py's worker, the real rank-0 handle and worker loop), at TP 2 and
-TP 2 with expert parallelism: prefill, decode, a tree verify and a logits-row subset."""
+TP 2 with expert parallelism, eagerly and through every rank's static step: prefill, decode, a tree verify and
+a logits-row subset."""
 
 from __future__ import annotations
 
@@ -66,11 +67,14 @@ def tp_results(ckpt, tmp_path_factory):
     return ref, torch.load(out)
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
 @pytest.mark.parametrize("ep", [False, True], ids=["tensor", "expert"])
-def test_tp2_packed_matches_tp1_dequantized(tp_results, ep):
+def test_tp2_packed_matches_tp1_dequantized(tp_results, ep, static):
     ref, results = tp_results
+    if static:  # packed experts through every rank's static step: prefill, decode, verify; the chunk eagerly
+        assert results[("replays", ep)] == (3, 1)
     names = ["prefill", "decode", "tree verify", "chunk"]
-    for name, (want, taps), (got, argmax, got_taps) in zip(names, ref, results[ep], strict=True):
+    for name, (want, taps), (got, argmax, got_taps) in zip(names, ref, results[(ep, static)], strict=True):
         if got is not None:
             assert_close(f"{name} logits", got, want, abs_tol=1e-4)
         assert torch.equal(argmax, want.argmax(dim=-1)), name
