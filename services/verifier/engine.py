@@ -29,8 +29,9 @@ from ddtree.telemetry.logging import get_logger
 from ddtree.verifier.batch import run_batch
 from ddtree.verifier.draft_deadline import DraftDeadline
 from ddtree.verifier.drafter_pool import DrafterPool
+from ddtree.verifier.graph_pool import graph_reserve_for
 from ddtree.verifier.kv_pool import LatentKVPool
-from ddtree.verifier.kv_sizing import graph_reserve_for, kv_size_for
+from ddtree.verifier.kv_sizing import kv_size_for
 from ddtree.verifier.memory_check import refuse_unless_fits
 from ddtree.verifier.page_table import PageTable
 from ddtree.verifier.scheduler import Scheduler
@@ -111,7 +112,8 @@ def build_engine(
             local_ring_bytes=config.feature_ring_bytes if config.drafter_local == "auto" else 0,
         )
     tap_layer_ids = tuple(drafter.tap_layer_ids) if drafter is not None else ()
-    pool = _kv_pool(config, model.config, static_plan, len(tap_layer_ids))
+    backend = (tp.model.model if tp is not None else model).attn_backend.name
+    pool = _kv_pool(config, model.config, static_plan, len(tap_layer_ids), backend)
     if tp is not None:
         tp.model.replicate_kv(pool.cache)  # every rank holds a full copy of the latent cache
         if static_plan is not None:  # every rank builds its own over its replica, in lockstep
@@ -155,9 +157,9 @@ def _load(config: VerifierConfig, model_dir: str):
     return model, None
 
 
-def _kv_pool(config: VerifierConfig, model_config, static_plan, n_taps: int) -> LatentKVPool:
+def _kv_pool(config: VerifierConfig, model_config, static_plan, n_taps: int, backend: str) -> LatentKVPool:
     """The latent KV pool, sized by kv_sizing after the static step's graph pools are reserved."""
-    reserve, reserve_source = graph_reserve_for(config, model_config, static_plan, n_taps)
+    reserve, reserve_source = graph_reserve_for(config, model_config, static_plan, n_taps, backend)
     kv = kv_size_for(config, model_config, reserve_bytes=reserve)
     log.info(
         "kv_pool",

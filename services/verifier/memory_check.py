@@ -5,50 +5,31 @@ Per rank (rank 0's share, the largest; the latent KV pool is the same on every r
   weights      models/weight_bytes.py, the dtypes the loader keeps (the router fp32)
   KV pool      kv_sizing.size_kv_pool for the config's setting (a fraction: of the memory left after the
                weights and the graph pools)
-  activations  kv_sizing.forward_peak_bytes at the rank's share of heads and widths, for the largest
+  activations  graph_pool.forward_peak_bytes at the rank's share of heads and widths, for the largest
                eager forward: a prefill chunk or a full tree step (max_batch x (default_budget + 1) rows);
                keys = those rows, as the Triton MLA backend reads the pool in place
-  CUDA graphs  kv_sizing.graph_pool_reserve over static_step.default_buckets, where graphs may be captured
-               (CUDA, tp 1, --cuda-graphs not off; counted also for a model that then runs eagerly)
+  CUDA graphs  graph_pool.graph_pool_reserve over static_step.default_buckets at the rank's widths, where
+               graphs may be captured (CUDA, --cuda-graphs not off), for the attention backend it resolves
 """
 
 from __future__ import annotations
 
-import math
-import types
-
 import torch
 
+from ddtree.models.attention import resolve_attention_backend
 from ddtree.models.memory_plan import MemoryPlan, check_plan, gpu_plan, verifier_rank_items
 from ddtree.models.parallel.process_group import rank_device
 from ddtree.models.weight_bytes import read_checkpoint_weights
 from ddtree.telemetry.logging import get_logger
-from ddtree.verifier.kv_sizing import (
-    dtype_bytes_of,
-    forward_peak_bytes,
-    graph_pool_reserve,
-    kv_bytes_per_token,
-    size_kv_pool,
-)
+from ddtree.verifier.graph_pool import forward_peak_bytes, graph_pool_reserve, rank_config
+from ddtree.verifier.kv_sizing import dtype_bytes_of, kv_bytes_per_token, size_kv_pool
 from ddtree.verifier.static_step import default_buckets
 
 log = get_logger("ddtree.verifier.memory_check")
 
 
-def _rank_config(mc, tp: int, ep: bool):
-    """The widths one rank computes with: heads and MLP widths split (routed experts whole under EP)."""
-    share = lambda n: math.ceil(n / tp)  # noqa: E731
-    fields = {f: getattr(mc, f) for f in vars(mc) if not f.startswith("_")}
-    fields.update(
-        num_attention_heads=share(mc.num_attention_heads),
-        intermediate_size=share(mc.intermediate_size),
-        moe_intermediate_size=mc.moe_intermediate_size if ep else share(mc.moe_intermediate_size),
-    )
-    return types.SimpleNamespace(**fields)
-
-
 def graphs_possible(config) -> bool:
-    return torch.device(config.device).type == "cuda" and config.tp == 1 and config.cuda_graphs != "off"
+    return torch.device(config.device).type == "cuda" and config.cuda_graphs != "off"
 
 
 def verifier_plan(
@@ -61,16 +42,17 @@ def verifier_plan(
     mc = weights.config
     per_token = kv_bytes_per_token(mc.num_hidden_layers, mc.kv_lora_rank, mc.qk_rope_head_dim, s)
     rows = config.default_budget + 1
+    rank_mc = rank_config(mc, config.tp, config.expert_parallel)
+    backend = resolve_attention_backend(config.attention_backend, config.device)
     graphs = 0
     if graphs_possible(config):
         if config.cuda_graph_reserve_gb > 0:
             graphs = int(config.cuda_graph_reserve_gb * (1 << 30))
         else:
-            graphs = graph_pool_reserve(
-                mc, default_buckets(config.max_batch, rows, config.max_context + rows), n_taps, s
-            )
+            buckets = default_buckets(config.max_batch, rows, config.max_context + rows)
+            graphs = graph_pool_reserve(rank_mc, buckets, n_taps, s, backend)
     T = max(config.prefill_chunk, config.max_batch * rows)
-    activations = forward_peak_bytes(_rank_config(mc, config.tp, config.expert_parallel), 1, T, T, n_taps, s)
+    activations = forward_peak_bytes(rank_mc, 1, T, T, n_taps, s, backend)
     gpus = []
     for rank in range(config.tp):
         index = rank_device(config.device, rank).index or 0

@@ -112,3 +112,19 @@ def test_the_model_forward_over_a_static_batch_equals_the_eager_forward_on_the_t
     assert_close("hidden", hidden[where], out.hidden)
     assert_close("taps", taps[where], out.taps)
     assert_close("cache", kv_static[:, : S - 1], kv_eager[:, : S - 1])
+
+
+@pytest.mark.parametrize("bucket", [Bucket(1, 1, 64), Bucket(3, 6, 66), Bucket(4, 17, 2048), Bucket(16, 17, 32768)])
+def test_the_graph_pool_bounds_hold_for_the_triton_layout(bucket):
+    """verifier/graph_pool.py counts the Triton plan at the most SMs a device has: the real batch's buffers
+    (this device's SM count) and its split kernel's partials are never more."""
+    from ddtree.verifier.graph_pool import _triton_plan, static_buffer_bytes
+
+    heads, hidden = 8, 64
+    batch = StaticBatch(bucket, S - 1, TritonMLAAttention(), heads, 1 << 20, DEVICE)
+    real = sum(t.nbytes for t in batch.device_tensors())
+    bound = static_buffer_bytes(bucket.batch, bucket.rows, bucket.keys, hidden, 0, 2, "triton", heads)
+    assert real <= bound - bucket.tokens * hidden * 2  # the bound adds the [T, d] output
+    plan = batch.meta.prepared["triton"][1]
+    _, items, merged, block_m = _triton_plan(bucket.batch, bucket.rows, bucket.keys, heads)
+    assert plan.num_items <= items and plan.num_merge_tiles <= merged and plan.block_m == block_m

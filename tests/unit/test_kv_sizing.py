@@ -7,21 +7,23 @@ import types
 import pytest
 
 from ddtree.config import VerifierConfig, config_from_flags, kv_setting
-from ddtree.verifier.kv_sizing import (
-    DEFAULT_KV_TOKENS,
-    GIB,
+from ddtree.verifier.graph_pool import (
     GRAPH_POOL_SAFETY,
     GRAPH_POOL_SLACK,
     WARMUP_COPIES,
-    KVSize,
     forward_peak_bytes,
-    free_device_memory,
     graph_pool_reserve,
     graph_reserve_for,
+    static_buffer_bytes,
+)
+from ddtree.verifier.kv_sizing import (
+    DEFAULT_KV_TOKENS,
+    GIB,
+    KVSize,
+    free_device_memory,
     kv_bytes_per_token,
     kv_size_for,
     size_kv_pool,
-    static_buffer_bytes,
 )
 from ddtree.verifier.static_step import Bucket, make_buckets
 

@@ -26,8 +26,8 @@ from ddtree.models.loader import load_target
 from ddtree.models.static_batch import StaticBatch
 from ddtree.verifier.apply import apply_outcome
 from ddtree.verifier.batch import run_batch
+from ddtree.verifier.graph_pool import forward_peak_bytes, static_buffer_bytes
 from ddtree.verifier.kv_pool import LatentKVPool
-from ddtree.verifier.kv_sizing import forward_peak_bytes, static_buffer_bytes
 from ddtree.verifier.page_table import PageTable
 from ddtree.verifier.sequence import GenerateParams, Phase, Sequence
 from ddtree.verifier.static_step import Bucket, StaticStep, make_buckets, make_static_step, plan_static_step
