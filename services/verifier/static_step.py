@@ -127,7 +127,7 @@ class StaticStep:
 @dataclasses.dataclass(frozen=True)
 class StaticPlan:
     """What `--cuda-graphs` decided at start-up, before the KV pool is sized (the graphs' pool is reserved
-    out of the memory the pool may take: kv_sizing.graph_pool_reserve)."""
+    out of the memory the pool may take: graph_pool.graph_pool_reserve)."""
 
     buckets: tuple[Bucket, ...]
     graphs: bool  # captured as CUDA graphs (a CUDA device); else the buffers run directly (the CPU)
