@@ -4,9 +4,10 @@
 the attention backend's name: "triton" on CUDA, "torch" on the CPU), and the model's forward passes it
 down to every layer: nothing is decided per call. "torch" is the CPU path with HF's numerics (norm.py,
 the router and MLP code of moe.py); "triton" runs ddtree.kernels.rmsnorm (RMSNorm, fused residual add +
-RMSNorm), ddtree.kernels.router (the router in one launch) and ddtree.kernels.activation (SiLU-and-mul
-after the fused gate/up GEMM). On a CPU, "triton" runs them under the Triton interpreter and needs
-TRITON_INTERPRET=1 set before triton is first imported.
+RMSNorm), ddtree.kernels.router (the router in one launch), ddtree.kernels.activation (SiLU-and-mul
+after the fused gate/up GEMM) and ddtree.kernels.rope (the queries' rotary embedding). On a CPU,
+"triton" runs them under the Triton interpreter and needs TRITON_INTERPRET=1 set before triton is first
+imported.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ class LayerKernels:
     # (x [N, d], weight [E, d], bias [E], top_k, n_group, topk_group, renormalize, scaling)
     #   -> (weights fp32 [N, k], ids int64 [N, k]); None: the router module's own torch code
     route: Callable | None = None
+    # (q_pe [T, H, dr], cos fp32 [T, dr/2], sin fp32 [T, dr/2]) -> rotated [T, H, dr], the forward's
+    # PositionRope tables; None: PositionRope's own torch code
+    rope_q: Callable | None = None
 
 
 TORCH_KERNELS = LayerKernels("torch", rms_norm, add_rms_norm, silu_mul)
@@ -47,7 +51,8 @@ def make_layer_kernels(name: str) -> LayerKernels:
         from ddtree.kernels.activation import silu_mul as triton_silu_mul  # imports triton: only when chosen
         from ddtree.kernels.rmsnorm import add_rms_norm as triton_add_rms_norm
         from ddtree.kernels.rmsnorm import rms_norm as triton_rms_norm
+        from ddtree.kernels.rope import rope_q
         from ddtree.kernels.router import route
 
-        return LayerKernels("triton", triton_rms_norm, triton_add_rms_norm, triton_silu_mul, route)
+        return LayerKernels("triton", triton_rms_norm, triton_add_rms_norm, triton_silu_mul, route, rope_q)
     raise ValueError(f"unknown layer kernels {name!r}; choices: {list(KERNEL_CHOICES)}")

@@ -91,6 +91,8 @@ class DeepseekV3Attention(nn.Module):
             q = self.q_b_proj(kernels.rms_norm(q_a, self.q_a_layernorm.weight, self.q_a_layernorm.eps))
         q = q.view(h.shape[0], self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim)
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        if kernels.rope_q is not None and getattr(rope, "positions", None) is positions:  # the forward's tables
+            return q_nope, kernels.rope_q(q_pe, rope.cos, rope.sin)
         return q_nope, rope(q_pe, positions)
 
     def project_latent(self, h: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding):

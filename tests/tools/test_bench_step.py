@@ -126,6 +126,51 @@ def test_the_triton_kernels_interpreted_count_once_each(tmp_path, kimi_int4):
     assert r["forward"]["triton_launches"] == r["triton_launches_per_step"]
 
 
+@pytest.fixture(scope="module")
+def kimi_int4_64(tmp_path_factory) -> pathlib.Path:
+    """The issue's Kimi-shaped INT4 checkpoint: 3 layers (one dense), 64 routed experts, top 8."""
+    out = tmp_path_factory.mktemp("kimi-int4-64")
+    kimi_checkpoint.main(["--out", str(out), "--layers", "3", "--experts", "64", "--hidden", "256", "--vocab", "1024",
+                          "--heads", "4", "--q-lora", "64", "--kv-lora", "64", "--moe-width", "64",
+                          "--dense-width", "256", "--no-vision"])  # fmt: skip
+    return out
+
+
+@pytest.fixture(scope="module")
+def fp8_target(tmp_path_factory) -> pathlib.Path:
+    from ddtree.models.random_checkpoint import DEFAULT_TARGET_CONFIG, write_random_target
+    from tests.support.quantized_checkpoints import quantize_checkpoint
+
+    src = write_random_target(tmp_path_factory.mktemp("fp32"), DEFAULT_TARGET_CONFIG, seed=0)
+    return quantize_checkpoint(src, tmp_path_factory.mktemp("fp8"), "fp8")
+
+
+@pytest.mark.parametrize("rows", [17, 1], ids=["verify17", "decode"])
+@pytest.mark.parametrize("shard", ["tp1", "tp2", "ep2"])
+def test_the_device_path_launches_at_most_30_ops_per_moe_layer_and_never_syncs(tmp_path, kimi_int4_64, rows, shard):
+    """The device path counted (Triton kernels interpreted, each launch once): at most 30 ops per MoE layer
+    and 0 host syncs inside the forward, at TP 1, as a rank of TP 2 over gloo, and expert parallel."""
+    pytest.importorskip("triton")
+    extra = {"tp1": [], "tp2": ["--emulate-tp", "2"], "ep2": ["--emulate-tp", "2", "--expert-parallel"]}[shard]
+    r = bench_step(tmp_path, "--model", str(kimi_int4_64), "--rows", str(rows), "--context", "1024",
+                   "--kernels", "triton", "--warmup", "0", *extra)  # fmt: skip
+    assert r["config"]["expert_kind"] == "int4" and r["config"]["routed_experts"] == 64 and r["moe_layers"] == 2
+    assert r["ops_per_moe_layer"] <= 30, r["moe_layer_parts"]
+    assert r["forward"]["host_syncs"] == 0 and r["triton_launches_per_step"] > 0
+
+
+def test_the_fp8_device_path_never_syncs_and_launches_two_kernels_per_fp8_linear(tmp_path, fp8_target):
+    """FP8 block checkpoints: 0 host syncs inside the forward; each FP8 linear is an activation quantization
+    and a block GEMM (two launches; the issue's 30 ops per MoE layer hold for INT4 experts, not here)."""
+    pytest.importorskip("triton")
+    r = bench_step(tmp_path, "--model", str(fp8_target), "--rows", "17", "--context", "1024", "--kernels", "triton",
+                   "--warmup", "0")  # fmt: skip
+    assert r["config"]["expert_kind"] == "fp8" and r["moe_layers"] > 0
+    assert r["forward"]["host_syncs"] == 0
+    ops = {t["op"]: t["count"] for t in r["top_ops"]}
+    assert ops["_group_quant_kernel"] == ops["_fp8_block_gemm_kernel"] > 0
+
+
 def test_refusals_are_one_line_errors(capsys):
     for args, words in (
         (["--config", str(KIMI_CONFIG)], "--random-weights"),
