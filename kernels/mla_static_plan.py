@@ -16,6 +16,7 @@ mask_bits [B·Q·W] (W = ceil(Q / 32); sequence i's rows at i·Q·W). Field mean
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -23,32 +24,73 @@ import torch
 from .mla_plan import ITEM_FIELDS, SEQ_FIELDS, TILE_FIELDS, MLAKernelConfig, MLAPlan, num_sms, pack_mask_bits
 
 
+@dataclasses.dataclass(frozen=True)
+class StaticPlanShape:
+    """The counts a bucket's static plan launches with, all fixed by the bucket and the device's programs."""
+
+    batch: int
+    rows: int
+    keys: int
+    block_m: int  # rows (token, head) per tile
+    tiles_per_seq: int
+    split_len: int  # prefix keys per split
+    splits: int  # splits per tile (empty ones past a sequence's prefix)
+
+    @property
+    def tiles(self) -> int:
+        return self.batch * self.tiles_per_seq
+
+    @property
+    def items(self) -> int:
+        return self.tiles * self.splits
+
+    @property
+    def merge_tiles(self) -> int:
+        return self.tiles if self.splits > 1 else 0
+
+    @property
+    def words_per_row(self) -> int:
+        return -(-self.rows // 32)
+
+    def table_sizes(self) -> dict[str, int]:
+        """int32 entries of each table, in the packed order (the module docstring's layout)."""
+        B, Q = self.batch, self.rows
+        return {
+            "seqs": B * SEQ_FIELDS,
+            "tiles": self.tiles * TILE_FIELDS,
+            "items": self.items * ITEM_FIELDS,
+            "merge_tiles": max(self.merge_tiles, 1),
+            "table": B * self.keys,
+            "new_slots": B * Q,
+            "mask_bits": B * Q * self.words_per_row,
+        }
+
+
+def static_plan_shape(batch: int, rows: int, keys: int, heads: int, programs: int, config: MLAKernelConfig):
+    """The StaticPlanShape of a bucket on a device that runs `programs` prefix programs at once (its SMs):
+    split_len as plan_mla chooses it for a full bucket; a prefix is at most keys - 1 long."""
+    block_m = min(config.block_m, max(16, 1 << (rows * heads - 1).bit_length()))
+    per_seq = -(-rows * heads // block_m)
+    work = batch * keys * per_seq  # a full bucket's prefix work, as plan_mla counts it
+    bn = config.block_n
+    split_len = max(config.min_split, -(-math.ceil(work / max(1, programs)) // bn) * bn)
+    return StaticPlanShape(batch, rows, keys, block_m, per_seq, split_len, max(1, -(-(keys - 1) // split_len)))
+
+
 class MLAStaticLayout:
     """The Triton backend's part of a static batch (models/static_batch.py)."""
 
     def __init__(self, bucket, num_heads: int, cache_slots: int, device: torch.device, config: MLAKernelConfig):
-        B, Q, K, H = bucket.batch, bucket.rows, bucket.keys, num_heads
-        self.bucket, self.num_heads, self.cache_slots, self.device, self.config = bucket, H, cache_slots, device, config
-        self.block_m = min(config.block_m, max(16, 1 << (Q * H - 1).bit_length()))
-        self.tiles_per_seq = -(-Q * H // self.block_m)
-        work = B * K * self.tiles_per_seq  # a full bucket's prefix work, as plan_mla counts it
-        target = config.target_programs or num_sms(device)
-        bn = config.block_n
-        self.split_len = max(config.min_split, -(-math.ceil(work / max(1, target)) // bn) * bn)
-        self.splits = max(1, -(-(K - 1) // self.split_len))  # a prefix is at most K - 1 keys
-        NT = B * self.tiles_per_seq
-        NI = NT * self.splits
-        self.num_merge_tiles = NT if self.splits > 1 else 0
-        self.words_per_row = -(-Q // 32)
-        sizes = {
-            "seqs": B * SEQ_FIELDS,
-            "tiles": NT * TILE_FIELDS,
-            "items": NI * ITEM_FIELDS,
-            "merge_tiles": max(self.num_merge_tiles, 1),
-            "table": B * K,
-            "new_slots": B * Q,
-            "mask_bits": B * Q * self.words_per_row,
-        }
+        self.bucket, self.num_heads, self.cache_slots, self.device, self.config = (
+            bucket, num_heads, cache_slots, device, config
+        )  # fmt: skip
+        programs = config.target_programs or num_sms(device)
+        shape = static_plan_shape(bucket.batch, bucket.rows, bucket.keys, num_heads, programs, config)
+        self.block_m, self.tiles_per_seq = shape.block_m, shape.tiles_per_seq
+        self.split_len, self.splits = shape.split_len, shape.splits
+        self.num_merge_tiles, self.words_per_row = shape.merge_tiles, shape.words_per_row
+        NT = shape.tiles
+        sizes = shape.table_sizes()
         self._offsets, at = {}, 0
         for name, n in sizes.items():
             self._offsets[name] = (at, at + n)

@@ -29,6 +29,7 @@ class Leases:
             raise ValueError(f"lease_s must be > 0, got {lease_s}")
         self.lease_s, self._clock = lease_s, clock
         self._held: dict[str, tuple[Caller, float]] = {}  # seq id -> (holder, last touched)
+        self._next_sweep = float("-inf")  # expired() scans the book at most every lease_s / 4
         self._incarnations: dict[str, str] = {}  # caller name -> its latest incarnation
 
     def arrive(self, caller: Caller) -> list[str]:
@@ -48,8 +49,13 @@ class Leases:
             self._held[s] = (caller, now)
 
     def expired(self) -> list[str]:
-        """The ids untouched for longer than the lease (dropped from the book: release them now)."""
-        cutoff = self._clock() - self.lease_s
+        """The ids untouched for longer than the lease (dropped from the book: release them now). The scan
+        runs at most every lease_s / 4 (every call asks): a context goes at most a quarter lease late."""
+        now = self._clock()
+        if now < self._next_sweep:
+            return []
+        self._next_sweep = now + self.lease_s / 4
+        cutoff = now - self.lease_s
         stale = [s for s, (_, at) in self._held.items() if at < cutoff]
         for s in stale:
             del self._held[s]

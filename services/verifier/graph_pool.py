@@ -23,6 +23,8 @@ from __future__ import annotations
 import math
 import types
 
+from ddtree.kernels.mla_plan import MLAKernelConfig
+from ddtree.kernels.mla_static_plan import StaticPlanShape, static_plan_shape
 from ddtree.verifier.kv_sizing import GIB, dtype_bytes_of
 
 WARMUP_COPIES = 2
@@ -32,7 +34,6 @@ F32 = 4  # bytes: scores, softmax, router, RoPE's cos/sin and the expert combine
 I64 = 8
 I32 = 4
 MAX_SMS = 160  # more than any device's SM count (B200: 148): the Triton plan's splits are bounded with it
-MIN_SPLIT, BLOCK_N, MAX_BLOCK_M = 256, 32, 32  # kernels/mla_plan.MLAKernelConfig's defaults
 
 
 def rank_config(mc, tp: int, expert_parallel: bool):
@@ -49,16 +50,9 @@ def rank_config(mc, tp: int, expert_parallel: bool):
     return types.SimpleNamespace(**fields)
 
 
-def _triton_plan(batch: int, rows: int, keys: int, heads: int) -> tuple[int, int, int, int]:
-    """(row tiles, items, merged tiles, block_m) of a bucket's static MLA plan, at most (MAX_SMS)."""
-    row_count = rows * heads
-    block_m = min(MAX_BLOCK_M, max(16, 1 << (row_count - 1).bit_length()))
-    per_seq = -(-row_count // block_m)
-    work = batch * keys * per_seq
-    split_len = max(MIN_SPLIT, -(-math.ceil(work / MAX_SMS) // BLOCK_N) * BLOCK_N)
-    splits = max(1, -(-(keys - 1) // split_len))
-    tiles = batch * per_seq
-    return tiles, tiles * splits, tiles if splits > 1 else 0, block_m
+def _triton_plan(batch: int, rows: int, keys: int, heads: int) -> StaticPlanShape:
+    """A bucket's static MLA plan counts at the most SMs a device has (the most splits: an upper bound)."""
+    return static_plan_shape(batch, rows, keys, heads, MAX_SMS, MLAKernelConfig())
 
 
 def static_buffer_bytes(
@@ -68,9 +62,7 @@ def static_buffer_bytes(
     exactly; the Triton one's at most (its plan's counts at MAX_SMS; `heads`: the rank's)."""
     T = batch * rows
     if backend == "triton":
-        tiles, items, merged, _ = _triton_plan(batch, rows, keys, heads)
-        words = -(-rows // 32)
-        tables = batch * 8 + tiles * 4 + items * 4 + max(merged, 1) + batch * keys + T + T * words
+        tables = sum(_triton_plan(batch, rows, keys, heads).table_sizes().values())
         extra = 0
     else:
         tables = T + batch * keys  # int32: write slots, key slots
@@ -136,8 +128,8 @@ def _attend_bytes(B: int, Q: int, K: int, H: int, r: int, dr: int, s: int, up: i
     """The attention proper of one layer, after q_lat: its intermediates and output o_lat."""
     T = B * Q
     if backend == "triton":  # q_lat / q_pe read in place; fp32 partials of every split; o_lat, transposed
-        _, items, _, block_m = _triton_plan(B, Q, K, H)
-        return items * block_m * ((1 << (r - 1).bit_length()) + 1) * F32 + 2 * T * H * r * s
+        plan = _triton_plan(B, Q, K, H)
+        return plan.items * plan.block_m * ((1 << (r - 1).bit_length()) + 1) * F32 + 2 * T * H * r * s
     return (
         T * H * (r + dr) * (s + up + F32)  # cat, .float(), × softmax_scale
         + B * K * (r + dr) * (s + up)  # the gathered keys, in fp32

@@ -126,5 +126,6 @@ def test_the_graph_pool_bounds_hold_for_the_triton_layout(bucket):
     bound = static_buffer_bytes(bucket.batch, bucket.rows, bucket.keys, hidden, 0, 2, "triton", heads)
     assert real <= bound - bucket.tokens * hidden * 2  # the bound adds the [T, d] output
     plan = batch.meta.prepared["triton"][1]
-    _, items, merged, block_m = _triton_plan(bucket.batch, bucket.rows, bucket.keys, heads)
-    assert plan.num_items <= items and plan.num_merge_tiles <= merged and plan.block_m == block_m
+    bound_plan = _triton_plan(bucket.batch, bucket.rows, bucket.keys, heads)
+    assert plan.num_items <= bound_plan.items and plan.num_merge_tiles <= bound_plan.merge_tiles
+    assert plan.block_m == bound_plan.block_m

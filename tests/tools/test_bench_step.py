@@ -51,14 +51,18 @@ def bench_step(tmp_path, *args: str, timeout: float = 600) -> dict:
     return report
 
 
-@pytest.fixture(scope="module")
-def kimi_int4(tmp_path_factory) -> pathlib.Path:
-    """A Kimi-shaped INT4 checkpoint (kimi_k25 layout, compressed-tensors experts): 3 layers, 8 experts."""
-    out = tmp_path_factory.mktemp("kimi-int4")
-    kimi_checkpoint.main(["--out", str(out), "--layers", "3", "--experts", "8", "--hidden", "256", "--vocab", "1024",
-                          "--heads", "4", "--q-lora", "64", "--kv-lora", "64", "--moe-width", "64",
+def _kimi_int4(tmp_path_factory, experts: int) -> pathlib.Path:
+    """A Kimi-shaped INT4 checkpoint (kimi_k25 layout, compressed-tensors experts): 3 layers (one dense)."""
+    out = tmp_path_factory.mktemp(f"kimi-int4-{experts}")
+    kimi_checkpoint.main(["--out", str(out), "--layers", "3", "--experts", str(experts), "--hidden", "256",
+                          "--vocab", "1024", "--heads", "4", "--q-lora", "64", "--kv-lora", "64", "--moe-width", "64",
                           "--dense-width", "256", "--no-vision"])  # fmt: skip
     return out
+
+
+@pytest.fixture(scope="module")
+def kimi_int4(tmp_path_factory) -> pathlib.Path:
+    return _kimi_int4(tmp_path_factory, 8)
 
 
 def test_the_kimi_k26_rank_shard_of_tp8_at_reduced_depth(tmp_path):
@@ -128,12 +132,8 @@ def test_the_triton_kernels_interpreted_count_once_each(tmp_path, kimi_int4):
 
 @pytest.fixture(scope="module")
 def kimi_int4_64(tmp_path_factory) -> pathlib.Path:
-    """The issue's Kimi-shaped INT4 checkpoint: 3 layers (one dense), 64 routed experts, top 8."""
-    out = tmp_path_factory.mktemp("kimi-int4-64")
-    kimi_checkpoint.main(["--out", str(out), "--layers", "3", "--experts", "64", "--hidden", "256", "--vocab", "1024",
-                          "--heads", "4", "--q-lora", "64", "--kv-lora", "64", "--moe-width", "64",
-                          "--dense-width", "256", "--no-vision"])  # fmt: skip
-    return out
+    """The issue's Kimi-shaped INT4 checkpoint: 64 routed experts, top 8."""
+    return _kimi_int4(tmp_path_factory, 64)
 
 
 @pytest.fixture(scope="module")

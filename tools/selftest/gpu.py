@@ -135,46 +135,27 @@ def run(args: argparse.Namespace) -> int:
     if not args.skip_step:
         from ddtree.tools.selftest import step_check
 
-        print("\n(c) the verify step of a Kimi K2.6 rank (TP 8, emulated), as `ddtree bench step` measures it",
-              flush=True)  # fmt: skip
-        t2 = time.perf_counter()
-        with tempfile.TemporaryDirectory(prefix="selftest-step-") as work:
-            try:
-                result["step"] = step_check.run_step_check(args.dry_run, pathlib.Path(work),
-                                                           t2 + args.step_deadline_s, log)  # fmt: skip
-                result["errors"] += result["step"]["errors"]
-            except Exception:
-                result["errors"].append(dict(part="step", error=traceback.format_exc()[-3000:]))
-                traceback.print_exc()
-        result["step_s"] = time.perf_counter() - t2
-        save(args.out, result)
+        def step() -> dict:
+            with tempfile.TemporaryDirectory(prefix="selftest-step-") as work:
+                deadline = time.perf_counter() + args.step_deadline_s
+                return step_check.run_step_check(args.dry_run, pathlib.Path(work), deadline, log)
+
+        _run_part(result, args.out, "step", "(c) the verify step of a Kimi K2.6 rank (TP 8, emulated), as "
+                  "`ddtree bench step` measures it", step)  # fmt: skip
     if not args.skip_deploy:
         from ddtree.tools.selftest import deploy_check
 
-        print("\n(d) deployment: warm start, first vs warm request, the memory plan against the device", flush=True)
-        t3 = time.perf_counter()
-        with tempfile.TemporaryDirectory(prefix="selftest-deploy-") as work:
-            try:
-                result["deploy"] = deploy_check.run_deploy_check(args.dry_run, pathlib.Path(work), log)
-                result["errors"] += result["deploy"]["errors"]
-            except Exception:
-                result["errors"].append(dict(part="deploy", error=traceback.format_exc()[-3000:]))
-                traceback.print_exc()
-        result["deploy_s"] = time.perf_counter() - t3
-        save(args.out, result)
+        def deploy() -> dict:
+            with tempfile.TemporaryDirectory(prefix="selftest-deploy-") as work:
+                return deploy_check.run_deploy_check(args.dry_run, pathlib.Path(work), log)
+
+        _run_part(result, args.out, "deploy", "(d) deployment: warm start, first vs warm request, the memory plan "
+                  "against the device", deploy)  # fmt: skip
     if not args.skip_drafter:
         from ddtree.tools.selftest import drafter_check
 
-        print("\n(e) the drafter: transport per Draft call at Kimi width, the tree built on the device", flush=True)
-        t4 = time.perf_counter()
-        try:
-            result["drafter"] = drafter_check.run_drafter_check(args.dry_run, device, log)
-            result["errors"] += result["drafter"]["errors"]
-        except Exception:
-            result["errors"].append(dict(part="drafter", error=traceback.format_exc()[-3000:]))
-            traceback.print_exc()
-        result["drafter_s"] = time.perf_counter() - t4
-        save(args.out, result)
+        _run_part(result, args.out, "drafter", "(e) the drafter: transport per Draft call at Kimi width, the tree "
+                  "built on the device", lambda: drafter_check.run_drafter_check(args.dry_run, device, log))  # fmt: skip
     parts = ("kernels", "serving", "drafter")
     result["mismatches"] = sum(result.get(part, {}).get("mismatches", 0) for part in parts)
     low = result.get("serving", {}).get("low_acceptance", 0)
@@ -184,6 +165,21 @@ def run(args: argparse.Namespace) -> int:
     print(summary(result), flush=True)
     print(f"saved {args.out} ({result['wall_s']:.0f} s)", flush=True)
     return 0 if result["ok"] else 1
+
+
+def _run_part(result: dict, out: pathlib.Path, name: str, title: str, part) -> None:
+    """One part after (b): its title, then `part()` (a dict with its own "errors") into result[name], an
+    exception into result["errors"], its seconds into result[name + "_s"]; the JSON saved after it."""
+    print(f"\n{title}", flush=True)
+    t0 = time.perf_counter()
+    try:
+        result[name] = part()
+        result["errors"] += result[name]["errors"]
+    except Exception:
+        result["errors"].append(dict(part=name, error=traceback.format_exc()[-3000:]))
+        traceback.print_exc()
+    result[f"{name}_s"] = time.perf_counter() - t0
+    save(out, result)
 
 
 def provenance(device: str, argv: list[str]) -> dict:
