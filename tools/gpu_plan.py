@@ -49,7 +49,8 @@ def deployment_plan(
     dcfg = read_drafter_config(drafter_dir)
     items = drafter_plan_items(drafter, dcfg, drafter_dtype(drafter).itemsize, verifier.max_batch)
     index = torch.device(drafter.device).index or 0
-    plan = verifier_plan(verifier, checkpoint, [device] * verifier.tp, len(dcfg.target_layer_ids), extra={index: items})
+    taps = len(dcfg.target_layer_ids)
+    plan = verifier_plan(verifier, checkpoint, [device] * verifier.tp, taps, extra={index: items}, with_drafter=True)
     if all(g.index != index for g in plan.gpus):  # a GPU of its own
         plan = dataclasses.replace(plan, gpus=(*plan.gpus, gpu_plan(index, device, items)))
     return plan

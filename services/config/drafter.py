@@ -48,7 +48,8 @@ class DrafterConfig(DraftStaticFields, CpuRuntimeFields, ServiceConfig):
     local_channel: LocalChannel = option(
         "auto",
         "auto = also serve Draft calls on a Unix socket, for a verifier on this host, features through its "
-        "shared-memory ring (not with a service token or TLS: those calls go through gRPC); off = gRPC only",
+        "ring (its GPU buffer, mapped over CUDA IPC, when both run on GPUs; else shared memory; not with a "
+        "service token or TLS: those calls go through gRPC); off = gRPC only",
     )
     device: str = option("cpu", "torch device (cpu, cuda, cuda:N)")
     dtype: AutoDtype = option(

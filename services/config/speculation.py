@@ -50,11 +50,15 @@ class SpeculationFields(ConfigBase):
     draft_deadline_floor_s: float = option(0.75, "shortest deadline in seconds of a Draft call", above=0)
     drafter_local: Literal["auto", "off"] = option(
         "auto",
-        "auto = send Draft calls to a drafter on this host over its Unix socket, features through a "
-        "shared-memory ring (gRPC when that fails, for long commits and for remote drafters); off = gRPC only",
+        "auto = send Draft calls to a drafter on this host over its Unix socket, features through the "
+        "verifier's ring: GPU memory the drafter maps when both run on GPUs, else shared memory (gRPC when "
+        "that fails, for long commits and for remote drafters); off = gRPC only",
     )
     feature_ring_bytes: int = option(
-        64 * 1024 * 1024, "size of the shared-memory feature ring of the co-located drafter channel", at_least=4096
+        64 * 1024 * 1024,
+        "size of the co-located drafter channel's feature ring (on a GPU verifier it is GPU memory of rank 0, "
+        "counted in the memory plan); one call's features take at most half of it",
+        at_least=4096,
     )
     instance_name: str = option(
         "",

@@ -1,11 +1,15 @@
 """The drafter's end of the co-located channel (protocol/local_channel.py): a Unix socket beside its gRPC
 port, one thread per connected verifier.
 
-A connection starts with HELLO (the verifier's feature ring path): the ring is mapped read-only and
-answered with an empty REPLY, or the connection is closed (a ring it cannot open: the verifier then keeps
-to gRPC). Then each DRAFT frame is served by the same code as the gRPC Draft (`serve_draft`, the
-FeatureRefs read from the ring) and answered with REPLY, or ERROR "CODE: details" for a call that fails as
-a whole. A malformed frame closes that connection only.
+A connection starts with HELLO (the verifier's feature ring, feature_ring.py): the ring is mapped
+read-only, its GPU buffer too when one is offered and this drafter runs on a GPU (`map_device`), and
+answered REPLY b"device" or b"host" (where this drafter will read the features), or the connection is
+closed (a ring it cannot open: the verifier then keeps to gRPC). A device buffer it cannot map (no GPU
+of that UUID here, IPC refused) is not an error: the features then come through shared memory.
+
+Then each DRAFT frame is served by the same code as the gRPC Draft (`serve_draft`, the FeatureRefs read
+from the ring) and answered with REPLY, or ERROR "CODE: details" for a call that fails as a whole. A
+malformed frame closes that connection only.
 """
 
 from __future__ import annotations
@@ -19,17 +23,20 @@ from google.protobuf.message import DecodeError
 
 from ddtree.drafter.call_error import DraftCallError
 from ddtree.protocol.ddtree.v1 import drafter_pb2
-from ddtree.protocol.local_channel import DRAFT, ERROR, HELLO, REPLY, FeatureRing, recv_frame, send_frame
+from ddtree.protocol.feature_ring import FeatureRing
+from ddtree.protocol.local_channel import DRAFT, ERROR, HELLO, REPLY, recv_frame, send_frame
 from ddtree.telemetry.logging import get_logger
 
 log = get_logger("ddtree.drafter.local")
 
 
 class LocalDraftServer:
-    def __init__(self, servicer, directory: str = "", thread_init=None):
+    def __init__(self, servicer, directory: str = "", thread_init=None, map_device: bool = False):
         """Listen on a new socket in `directory` ('' = the system temp dir), serving `servicer.serve_draft`;
-        thread_init: run first on each connection's thread (models/runtime/cpu: no OpenMP pool of its own)."""
+        thread_init: run first on each connection's thread (models/runtime/cpu: no OpenMP pool of its own);
+        map_device: map a ring's GPU buffer when a verifier offers one."""
         self.servicer = servicer
+        self._map_device = map_device
         self._thread_init = thread_init
         self._dir = tempfile.mkdtemp(prefix="ddtree-drafter-", dir=directory or None)
         self.path = os.path.join(self._dir, "draft.sock")
@@ -60,8 +67,10 @@ class LocalDraftServer:
             kind, payload = recv_frame(conn)
             if kind != HELLO:
                 raise ConnectionError(f"first frame of kind {kind}, expected HELLO")
-            ring = FeatureRing.attach(payload.decode())
-            send_frame(conn, REPLY, b"")
+            ring = FeatureRing.from_hello(payload, self._map_device)
+            if ring.device_refused:
+                log.info("draft_local_device_plane_unused", reason=ring.device_refused[:200])
+            send_frame(conn, REPLY, b"host" if ring.device is None else b"device")
             while True:
                 kind, payload = recv_frame(conn)
                 if kind != DRAFT:

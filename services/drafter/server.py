@@ -14,6 +14,7 @@ import threading
 import time
 
 import grpc
+import torch
 
 from ddtree.config import DrafterConfig
 from ddtree.contract.tree_build import MAX_TABLE_WIDTH, TokenTable
@@ -23,11 +24,12 @@ from ddtree.drafter.engine import SeqDraftInput, check_table_width
 from ddtree.drafter.leases import Caller, Leases
 from ddtree.drafter.local_server import LocalDraftServer
 from ddtree.models.runtime.cpu import EngineThread, run_on, single_threaded
-from ddtree.protocol.ddtree.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
-from ddtree.protocol.local_channel import FeatureRing, host_id
+from ddtree.protocol.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
+from ddtree.protocol.feature_ring import FeatureRing
+from ddtree.protocol.local_channel import host_id
 from ddtree.protocol.security import ServiceSecurity
 from ddtree.protocol.server import RunningServer, start_server
-from ddtree.protocol.tensors import tensor_from_proto
+from ddtree.protocol.tensors import tensor_from_bytes, tensor_from_proto
 from ddtree.telemetry.logging import get_logger
 from ddtree.telemetry.metrics import serve_metrics
 
@@ -37,7 +39,10 @@ MAX_SEQ_ID_CHARS = 256
 MAX_CHUNKS_PER_APPEND = 65536  # 64 MiB messages: far beyond any window's worth of features
 
 
-def decode_request(req: drafter_pb2.DraftRequest, vocab_size: int) -> list[SeqDraftInput]:
+def decode_request(
+    req: drafter_pb2.DraftRequest, vocab_size: int, ring_features: dict[str, torch.Tensor] | None = None
+) -> list[SeqDraftInput]:
+    """ring_features: the features of the sequences whose commit came through the co-located ring."""
     if len(req.seqs) > MAX_SEQS_PER_CALL:
         raise ValueError(f"{len(req.seqs)} sequences in one Draft call; the limit is {MAX_SEQS_PER_CALL}")
     out = []
@@ -48,7 +53,9 @@ def decode_request(req: drafter_pb2.DraftRequest, vocab_size: int) -> list[SeqDr
             check_table_width(s.table_width, s.chain, vocab_size)
         except ValueError as err:
             raise ValueError(f"seqs[{i}] (seq_id={s.seq_id!r}): {err}") from None
-        feats = tensor_from_proto(s.commit_features, what=f"seqs[{i}] ({s.seq_id}) commit_features")
+        feats = (ring_features or {}).get(s.seq_id)
+        if feats is None:
+            feats = tensor_from_proto(s.commit_features, what=f"seqs[{i}] ({s.seq_id}) commit_features")
         out.append(
             SeqDraftInput(
                 seq_id=s.seq_id,
@@ -82,28 +89,29 @@ def decode_chunk(i: int, chunk: drafter_pb2.CommitChunk) -> SeqDraftInput:
     )
 
 
-def _resolve_refs(request: drafter_pb2.DraftRequest, ring: FeatureRing) -> list[str]:
-    """Replace each sequence's FeatureRef by the features it names (copied out of the ring); the sequences
-    whose reference is bad or stale are taken out of the request, and their ids returned."""
-    failed, keep = [], []
-    for s in request.seqs:
+def _resolve_refs(request: drafter_pb2.DraftRequest, ring: FeatureRing) -> tuple[list[str], dict[str, torch.Tensor]]:
+    """(the ids of sequences whose reference is bad or stale, taken out of the request; the features each
+    other FeatureRef names, copied out of the ring: on its device plane's GPU, or the CPU)."""
+    failed, keep, features = [], [], {}
+    for i, s in enumerate(request.seqs):
         if s.HasField("commit_features_ref"):
             ref = s.commit_features_ref
             try:
-                data = ring.read(ref.offset, ref.nbytes, ref.generation)
+                raw = ring.read(ref.offset, ref.nbytes, ref.generation)
+                features[s.seq_id] = tensor_from_bytes(
+                    raw, ref.shape, ref.dtype, what=f"seqs[{i}] ({s.seq_id}) features"
+                )
             except ValueError as err:
                 log.warning("feature_ref_rejected", seq_id=s.seq_id[:MAX_SEQ_ID_CHARS], reason=str(err))
                 failed.append(s.seq_id)
                 continue
-            s.commit_features.CopyFrom(common_pb2.Tensor(data=data, shape=ref.shape, dtype=ref.dtype))
-            s.ClearField("commit_features_ref")
         keep.append(s)
     if failed:
         kept = [s.SerializeToString() for s in keep]
         del request.seqs[:]
         for raw in kept:
             request.seqs.add().ParseFromString(raw)
-    return failed
+    return failed, features
 
 
 def decode_caller(msg: drafter_pb2.Caller) -> Caller:
@@ -168,9 +176,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         """A Draft call from gRPC or the co-located channel (local_server.py, whose `ring` holds the features
         its FeatureRefs name); DraftCallError for a call that fails as a whole. A sequence whose reference
         cannot be read fails alone: no draft, its context released, listed in failed_seq_ids."""
-        failed = _resolve_refs(request, ring) if ring is not None else []
+        failed, ring_features = _resolve_refs(request, ring) if ring is not None else ([], {})
         try:
-            seqs = decode_request(request, self.vocab_size)
+            seqs = decode_request(request, self.vocab_size, ring_features)
             caller = decode_caller(request.caller)
         except ValueError as err:
             raise DraftCallError(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
@@ -303,7 +311,11 @@ def serve_engine(engine, config: DrafterConfig, engine_thread: EngineThread | No
     security = ServiceSecurity.from_config(config)
     local = None
     if config.local_channel == "auto" and not security.token and not security.tls:
-        local = LocalDraftServer(servicer, thread_init=single_threaded if engine_thread is not None else None)
+        local = LocalDraftServer(
+            servicer,
+            thread_init=single_threaded if engine_thread is not None else None,
+            map_device=bool(getattr(engine, "tree_on_device", False)) and torch.cuda.is_available(),
+        )
         servicer.local_address = local.path
 
     def register(server):

@@ -89,8 +89,16 @@ def gpu_plan(index: int, device_bytes: int, *groups: tuple[PlanItem, ...]) -> Gp
 
 
 def verifier_rank_items(
-    rank: int, tp: int, weights: int, kv: int, activations: int, graphs: int, runtime: int = RUNTIME_RESERVE_BYTES
+    rank: int,
+    tp: int,
+    weights: int,
+    kv: int,
+    activations: int,
+    graphs: int,
+    runtime: int = RUNTIME_RESERVE_BYTES,
+    feature_ring: int = 0,
 ) -> tuple[PlanItem, ...]:
+    """feature_ring: the co-located drafter channel's ring on the GPU (rank 0's; protocol/feature_ring.py)."""
     owner = f"verifier rank {rank}" if tp > 1 else "verifier"
     items = [
         PlanItem(owner, "weights", weights),
@@ -99,6 +107,8 @@ def verifier_rank_items(
         PlanItem(owner, "CUDA graph pools", graphs),
         PlanItem(owner, "runtime reserve", runtime),
     ]
+    if rank == 0 and feature_ring:
+        items.append(PlanItem(owner, "drafter feature ring", feature_ring))
     if tp > 1:
         items.append(PlanItem(owner, "NCCL reserve", NCCL_RESERVE_BYTES))
     return tuple(items)

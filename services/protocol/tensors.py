@@ -27,35 +27,53 @@ MAX_STRIDE_PRODUCT = 2**62
 assert sys.byteorder == "little", "the wire format is little-endian; big-endian hosts are not supported"
 
 
+def proto_dtype(dtype: torch.dtype) -> int:
+    """The wire's DType of a torch dtype (ValueError for one that cannot be sent)."""
+    if dtype not in _TO_PROTO:
+        raise ValueError(f"dtype {dtype} cannot be sent; supported: {sorted(str(d) for d in _TO_PROTO)}")
+    return _TO_PROTO[dtype]
+
+
 def tensor_to_proto(t: torch.Tensor) -> common_pb2.Tensor:
-    if t.dtype not in _TO_PROTO:
-        raise ValueError(f"dtype {t.dtype} cannot be sent; supported: {sorted(str(d) for d in _TO_PROTO)}")
+    dtype = proto_dtype(t.dtype)
     flat = t.detach().to("cpu").contiguous()
     raw = flat.view(_BUFFER_DTYPE.get(t.dtype, t.dtype)).numpy().tobytes()
-    return common_pb2.Tensor(data=raw, shape=list(t.shape), dtype=_TO_PROTO[t.dtype])
+    return common_pb2.Tensor(data=raw, shape=list(t.shape), dtype=dtype)
+
+
+def checked_layout(shape, dtype: int, nbytes: int, what: str) -> torch.dtype:
+    """The torch dtype of `nbytes` of raw data said to hold `shape` of wire `dtype`; ValueError naming
+    `what` when they are inconsistent."""
+    if dtype not in _FROM_PROTO:
+        raise ValueError(
+            f"{what}: unsupported dtype {common_pb2.DType.Name(dtype) if dtype in common_pb2.DType.values() else dtype}"
+        )
+    if len(shape) > MAX_DIMS:
+        raise ValueError(f"{what}: {len(shape)} dimensions, at most {MAX_DIMS}")
+    if any(d < 0 for d in shape):
+        raise ValueError(f"{what}: negative dimension in shape {list(shape)}")
+    if math.prod(max(d, 1) for d in shape) > MAX_STRIDE_PRODUCT:
+        raise ValueError(f"{what}: shape {list(shape)} is too large")
+    torch_dtype = _FROM_PROTO[dtype]
+    need = math.prod(shape) * torch.empty((), dtype=torch_dtype).element_size()
+    if nbytes != need:
+        raise ValueError(
+            f"{what}: shape {list(shape)} of {common_pb2.DType.Name(dtype)} needs {need} bytes, got {nbytes}"
+        )
+    return torch_dtype
 
 
 def tensor_from_proto(msg: common_pb2.Tensor, *, what: str = "tensor") -> torch.Tensor:
     """Decode a Tensor message; raise ValueError naming `what` when it is inconsistent."""
-    if msg.dtype not in _FROM_PROTO:
-        raise ValueError(
-            f"{what}: unsupported dtype {common_pb2.DType.Name(msg.dtype) if msg.dtype in common_pb2.DType.values() else msg.dtype}"
-        )
-    if len(msg.shape) > MAX_DIMS:
-        raise ValueError(f"{what}: {len(msg.shape)} dimensions, at most {MAX_DIMS}")
-    if any(d < 0 for d in msg.shape):
-        raise ValueError(f"{what}: negative dimension in shape {list(msg.shape)}")
-    if math.prod(max(d, 1) for d in msg.shape) > MAX_STRIDE_PRODUCT:
-        raise ValueError(f"{what}: shape {list(msg.shape)} is too large")
-    dtype = _FROM_PROTO[msg.dtype]
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    count = math.prod(msg.shape)
-    if len(msg.data) != count * itemsize:
-        raise ValueError(
-            f"{what}: shape {list(msg.shape)} of {common_pb2.DType.Name(msg.dtype)} needs "
-            f"{count * itemsize} bytes, got {len(msg.data)}"
-        )
-    if count == 0:
+    dtype = checked_layout(msg.shape, msg.dtype, len(msg.data), what)
+    if not msg.data:
         return torch.empty(tuple(msg.shape), dtype=dtype)
     buf = torch.frombuffer(bytearray(msg.data), dtype=_BUFFER_DTYPE.get(dtype, dtype))
     return buf.view(dtype).reshape(tuple(msg.shape))
+
+
+def tensor_from_bytes(raw: torch.Tensor, shape, dtype: int, *, what: str = "tensor") -> torch.Tensor:
+    """raw: uint8 [n] (any device), read as `shape` of wire `dtype` (the tensor shares raw's memory);
+    ValueError naming `what` when they are inconsistent."""
+    torch_dtype = checked_layout(shape, dtype, raw.numel(), what)
+    return raw.view(torch_dtype).reshape(tuple(shape))

@@ -67,7 +67,7 @@ def apply_outcome(
     if outcome.stops_speculating:
         seq.use_spec = False
     if outcome.taps is not None and seq.feature_log is not None:
-        seq.feature_log.append(outcome.taps)
+        seq.feature_log.append(outcome.taps.cpu())  # the prefix cache keeps its features on the host
     if seq.grammar is not None and outcome.emitted:
         seq.grammar.advance(list(outcome.emitted))  # the grammar's state moves with every emitted token
     if outcome.feature_rows is not None:

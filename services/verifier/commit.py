@@ -139,7 +139,9 @@ def commit_verify(item: VerifyItem, out: ItemOutput, window: int) -> StepOutcome
         nodes, tokens = nodes[: cut + 1], tokens[: cut + 1]
     emitted = tokens[1:] if dead_end else (*tokens[1:], verdict.next_root)
     acc = torch.tensor(nodes, dtype=torch.int64)
-    taps = out.taps.index_select(0, acc.to(out.taps.device)).cpu() if out.taps is not None else None
+    # The accepted rows' taps stay where the forward left them: the drafter's next call copies them (a GPU
+    # ring: device to device; gRPC or shared memory: to the host then).
+    taps = out.taps.index_select(0, acc.to(out.taps.device)) if out.taps is not None else None
     feature_rows = None
     if out.feature_taps is not None:
         feature_rows = out.feature_taps.index_select(0, acc.to(out.feature_taps.device)).cpu()

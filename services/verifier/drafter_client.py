@@ -53,10 +53,12 @@ class DrafterClient:
         caller: drafter_pb2.Caller | None = None,
         deadline: DraftDeadline | None = None,
         local_ring_bytes: int = 0,
+        ring_device: torch.device | None = None,
     ):
         """caller: this verifier, named in every call (the drafter leases its contexts to it); deadline: of
         each Draft call (draft_deadline.py; None = timeout_s always); local_ring_bytes > 0: use the drafter's
-        co-located channel when it offers one on this host (local_drafter.py), with a ring that large."""
+        co-located channel when it offers one on this host (local_drafter.py), with a ring that large, its
+        data on ring_device when that is a GPU the drafter can map (the verifier's: features stay there)."""
         self.address = address
         self.timeout_s = timeout_s
         self.chunk_bytes = chunk_bytes
@@ -67,7 +69,9 @@ class DrafterClient:
         self.info = self.stub.GetInfo(
             drafter_pb2.DrafterInfoRequest(caller=self.caller), timeout=connect_timeout_s, wait_for_ready=True
         )
-        self.local = LocalDrafterChannel.open(self.info, local_ring_bytes) if local_ring_bytes > 0 else None
+        self.local = None
+        if local_ring_bytes > 0:
+            self.local = LocalDrafterChannel.open(self.info, local_ring_bytes, ring_device)
 
     @property
     def window(self) -> int:
@@ -172,8 +176,8 @@ class DrafterClient:
         """The Draft call: over the co-located channel when there is one (features through its ring), else
         (or when that channel breaks: closed, then this call again) over gRPC with the features as bytes."""
         if local and self.local is not None:
-            refs = {rid: self.local.put(f) for rid, f in features.items()}
-            if all(r is not None for r in refs.values()):
+            refs = self.local.put_all(features)
+            if refs is not None:
                 request = drafter_pb2.DraftRequest(seqs=msgs, caller=self.caller)
                 for msg in request.seqs:
                     if msg.seq_id in refs:

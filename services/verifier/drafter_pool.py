@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 
 import grpc
+import torch
 
 from ddtree.models.runtime.cpu import single_threaded
 from ddtree.protocol.ddtree.v1 import drafter_pb2
@@ -50,6 +51,7 @@ class DrafterPool:
         caller: drafter_pb2.Caller | None = None,
         deadline: Callable[[], DraftDeadline] | None = None,
         local_ring_bytes: int = 0,
+        ring_device: torch.device | None = None,
     ):
         """caller: this verifier as every call names it (the drafters lease its contexts to it); deadline:
         makes each replica's Draft deadline (draft_deadline.py; None: timeout_s always)."""
@@ -57,6 +59,7 @@ class DrafterPool:
         self.caller = caller
         self._make_deadline = deadline
         self.local_ring_bytes = local_ring_bytes  # > 0: co-located replicas are called over their local channel
+        self.ring_device = ring_device  # the verifier's device: a GPU keeps the ring's features on it
         self.security = security or ServiceSecurity()
         self.chunk_bytes = chunk_bytes
         self.timeout_s = timeout_s
@@ -129,6 +132,7 @@ class DrafterPool:
                     caller=self.caller,
                     deadline=self._make_deadline() if self._make_deadline is not None else None,
                     local_ring_bytes=self.local_ring_bytes,
+                    ring_device=self.ring_device,
                 )
             except grpc.RpcError as err:
                 log.warning("drafter_replica_unreachable", address=addr, code=str(err.code()))

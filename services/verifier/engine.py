@@ -110,6 +110,7 @@ def build_engine(
                 config.draft_timeout_s, config.draft_deadline_multiple, config.draft_deadline_floor_s
             ),
             local_ring_bytes=config.feature_ring_bytes if config.drafter_local == "auto" else 0,
+            ring_device=model.device,
         )
     tap_layer_ids = tuple(drafter.tap_layer_ids) if drafter is not None else ()
     backend = (tp.model.model if tp is not None else model).attn_backend.name

@@ -1,9 +1,10 @@
 """The verifier's end of the co-located drafter channel (protocol/local_channel.py).
 
-`LocalDrafterChannel.open(info, ring_bytes)` connects when the drafter's GetInfo offers a socket and names
-this host, makes this verifier's feature ring and says HELLO; None when any of it fails (the client keeps
-to gRPC). A call's features go into the ring (`put`: a FeatureRef, or None for a record too large for
-it), the request and the reply as one frame each. Failures are gRPC errors (`LocalRpcError`), so the
+`LocalDrafterChannel.open(info, ring_bytes, device)` connects when the drafter's GetInfo offers a socket
+and names this host, makes this verifier's feature ring (its data on `device` when that is a GPU and the
+drafter maps it, else in shared memory) and says HELLO; None when any of it fails (the client keeps to
+gRPC). A call's features go into the ring (`put`: a FeatureRef, or None for a record too large for it),
+the request and the reply as one frame each. Failures are gRPC errors (`LocalRpcError`), so the
 drafter pool treats them as it treats gRPC's: a reply not in time is DEADLINE_EXCEEDED; a broken channel
 is `ChannelBroken`, after which the client closes it and sends that call and the rest over gRPC.
 """
@@ -16,17 +17,9 @@ import grpc
 import torch
 
 from ddtree.protocol.ddtree.v1 import drafter_pb2
-from ddtree.protocol.local_channel import (
-    DRAFT,
-    ERROR,
-    HELLO,
-    REPLY,
-    FeatureRing,
-    host_id,
-    recv_frame,
-    send_frame,
-)
-from ddtree.protocol.tensors import tensor_to_proto
+from ddtree.protocol.feature_ring import FeatureRing
+from ddtree.protocol.local_channel import DRAFT, ERROR, HELLO, REPLY, host_id, recv_frame, send_frame
+from ddtree.protocol.tensors import proto_dtype
 from ddtree.telemetry.logging import get_logger
 
 log = get_logger("ddtree.verifier.local_drafter")
@@ -55,7 +48,9 @@ class LocalDrafterChannel:
         self._sock, self.ring = sock, ring
 
     @classmethod
-    def open(cls, info: drafter_pb2.DrafterInfo, ring_bytes: int) -> LocalDrafterChannel | None:
+    def open(
+        cls, info: drafter_pb2.DrafterInfo, ring_bytes: int, device: torch.device | None = None
+    ) -> LocalDrafterChannel | None:
         if not info.local_address or info.host_id != host_id():
             return None
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -63,28 +58,38 @@ class LocalDrafterChannel:
         try:
             sock.settimeout(10.0)
             sock.connect(info.local_address)
-            ring = FeatureRing.create(ring_bytes)
-            send_frame(sock, HELLO, ring.path.encode())
-            if recv_frame(sock)[0] != REPLY:
+            ring = FeatureRing.create(ring_bytes, device=device)
+            send_frame(sock, HELLO, ring.hello())
+            kind, plane = recv_frame(sock)
+            if kind != REPLY or plane not in (b"device", b"host"):
                 raise ConnectionError("the drafter refused the feature ring")
-        except (OSError, ConnectionError) as err:
+            if plane == b"host":
+                ring.use_host()
+        except (OSError, ConnectionError, RuntimeError) as err:
             log.info("drafter_local_channel_unused", address=info.local_address, reason=str(err)[:200])
             sock.close()
             if ring is not None:
                 ring.close(unlink=True)
             return None
-        log.info("drafter_local_channel", address=info.local_address, ring_bytes=ring_bytes)
+        log.info("drafter_local_channel", address=info.local_address, ring_bytes=ring_bytes,
+                 features="device" if ring.device is not None else "shared memory")  # fmt: skip
         return cls(sock, ring)
 
-    def put(self, features: torch.Tensor) -> drafter_pb2.FeatureRef | None:
-        """Write one commit's features into the ring; their reference, or None when too large for it."""
-        msg = tensor_to_proto(features)  # the wire's raw bytes, shape and dtype
-        if not self.ring.fits(len(msg.data)):
+    def put_all(self, features: dict[str, torch.Tensor]) -> dict[str, drafter_pb2.FeatureRef] | None:
+        """Write one call's commit features into the ring; their references, or None when a record is too
+        large for it or all of them together would wrap onto each other (the call then goes over gRPC)."""
+        sizes = {rid: f.numel() * f.element_size() for rid, f in features.items()}
+        if not all(self.ring.fits(n) for n in sizes.values()):
             return None
-        offset, nbytes, generation = self.ring.write(msg.data)
-        return drafter_pb2.FeatureRef(
-            offset=offset, nbytes=nbytes, generation=generation, shape=msg.shape, dtype=msg.dtype
-        )
+        if sum(self.ring.record_bytes(n) for n in sizes.values()) > self.ring.size // 2:
+            return None
+        refs = {}
+        for rid, f in features.items():
+            offset, nbytes, generation = self.ring.write(f)
+            refs[rid] = drafter_pb2.FeatureRef(
+                offset=offset, nbytes=nbytes, generation=generation, shape=list(f.shape), dtype=proto_dtype(f.dtype)
+            )
+        return refs
 
     def draft(self, request: drafter_pb2.DraftRequest, timeout_s: float) -> drafter_pb2.DraftResponse:
         try:

@@ -10,6 +10,8 @@ Per rank (rank 0's share, the largest; the latent KV pool is the same on every r
                keys = those rows, as the Triton MLA backend reads the pool in place
   CUDA graphs  graph_pool.graph_pool_reserve over static_step.default_buckets at the rank's widths, where
                graphs may be captured (CUDA, --cuda-graphs not off), for the attention backend it resolves
+  feature ring rank 0, on CUDA with a drafter and --drafter-local auto: --feature-ring-bytes of GPU memory
+               a co-located drafter reads the features from (protocol/feature_ring.py)
 """
 
 from __future__ import annotations
@@ -32,11 +34,25 @@ def graphs_possible(config) -> bool:
     return torch.device(config.device).type == "cuda" and config.cuda_graphs != "off"
 
 
+def feature_ring_bytes(config, with_drafter: bool) -> int:
+    """The co-located drafter channel's ring, on rank 0's GPU when the verifier may use one."""
+    on_gpu = torch.device(config.device).type == "cuda"
+    return config.feature_ring_bytes if on_gpu and with_drafter and config.drafter_local == "auto" else 0
+
+
 def verifier_plan(
-    config, model_dir: str, device_bytes: list[int], n_taps: int = 0, label: str = "device", extra=None
+    config,
+    model_dir: str,
+    device_bytes: list[int],
+    n_taps: int = 0,
+    label: str = "device",
+    extra=None,
+    with_drafter: bool | None = None,
 ) -> MemoryPlan:
     """The plan of `config` (a VerifierConfig) over its tp GPUs of `device_bytes` each; `extra` maps a GPU
-    index to more PlanItems on it (the drafter's, for `ddtree inspect`)."""
+    index to more PlanItems on it (the drafter's, for `ddtree inspect`); with_drafter: the verifier calls a
+    drafter (None: when its config names one)."""
+    ring_bytes = feature_ring_bytes(config, bool(config.drafter) if with_drafter is None else with_drafter)
     s = dtype_bytes_of(config.dtype)
     weights = read_checkpoint_weights(model_dir, config.tp, config.expert_parallel, s)
     mc = weights.config
@@ -56,13 +72,17 @@ def verifier_plan(
     gpus = []
     for rank in range(config.tp):
         index = rank_device(config.device, rank).index or 0
-        free_after_weights = max(device_bytes[rank] - weights.bytes_per_rank - graphs, per_token * config.page_size)
+        ring = ring_bytes if rank == 0 else 0
+        taken = weights.bytes_per_rank + graphs + ring
+        free_after_weights = max(device_bytes[rank] - taken, per_token * config.page_size)
         kv = size_kv_pool(
             bytes_per_token=per_token, page_size=config.page_size, kv_tokens=config.kv_tokens,
             kv_memory_gb=config.kv_memory_gb, kv_memory_fraction=config.kv_memory_fraction,
             free_bytes=free_after_weights,
         )  # fmt: skip
-        items = verifier_rank_items(rank, config.tp, weights.bytes_per_rank, kv.bytes, activations, graphs)
+        items = verifier_rank_items(
+            rank, config.tp, weights.bytes_per_rank, kv.bytes, activations, graphs, feature_ring=ring
+        )
         gpus.append(gpu_plan(index, device_bytes[rank], items, (extra or {}).get(index, ())))
     return MemoryPlan(tuple(gpus), per_token, kv.tokens, config.page_size, label)
 

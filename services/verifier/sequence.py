@@ -87,7 +87,7 @@ def extend_pending(
         pend = PendingCommit(list(tokens), start, features)
     else:
         assert pend.start + len(pend.token_ids) == start, "pending commit must stay contiguous"
-        feats = None if features is None else torch.cat([pend.features, features])
+        feats = None if features is None else torch.cat([pend.features, features.to(pend.features.device)])
         pend = PendingCommit(pend.token_ids + list(tokens), pend.start, feats)
     if window and len(pend.token_ids) > window:
         cut = len(pend.token_ids) - window

@@ -6,6 +6,8 @@ client back to gRPC."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -13,7 +15,8 @@ from ddtree.config import DrafterConfig
 from ddtree.contract.sampling_params import SamplingConfig
 from ddtree.drafter.server import serve_engine
 from ddtree.protocol.ddtree.v1 import drafter_pb2
-from ddtree.protocol.local_channel import FeatureRing
+from ddtree.protocol.device_plane import DevicePlaneHandle
+from ddtree.protocol.feature_ring import FeatureRing
 from ddtree.verifier.drafter_client import DrafterClient
 from ddtree.verifier.sequence import GenerateParams, PendingCommit, Sequence
 from tests.support.draft_engines import random_draft_engine
@@ -21,13 +24,17 @@ from tests.support.draft_engines import random_draft_engine
 F = 64  # the random drafter's feature width (2 taps x 32)
 
 
+def _u8(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
 def test_ring_records_wrap_and_bad_references_are_refused(tmp_path):
     ring = FeatureRing.create(4096, str(tmp_path))
     reader = FeatureRing.attach(ring.path)
-    refs = [ring.write(bytes([i]) * (300 + i)) for i in range(20)]  # ~6 KB in all: it wraps
+    refs = [ring.write(_u8(bytes([i]) * (300 + i))) for i in range(20)]  # ~6 KB in all: it wraps
     assert min(off for off, _, _ in refs[5:]) == 0, "the ring never wrapped"
     last = refs[-1]
-    assert reader.read(*last) == bytes([19]) * 319
+    assert bytes(reader.read(*last).tolist()) == bytes([19]) * 319
     for bad in [(last[0], last[1], last[2] - 1), (last[0], last[1] + 1, last[2]), (4096, 10, 1), (last[0] + 8, 10, 1)]:
         with pytest.raises(ValueError, match="stale|outside the ring"):
             reader.read(*bad)
@@ -35,11 +42,48 @@ def test_ring_records_wrap_and_bad_references_are_refused(tmp_path):
     with pytest.raises(ValueError, match="stale"):
         reader.read(*stale)
     with pytest.raises(ValueError, match="do not fit"):
-        ring.write(bytes(3000))
+        ring.write(torch.zeros(3000, dtype=torch.uint8))
     reader.close()
     ring.close(unlink=True)
     with pytest.raises(ValueError, match="not a feature ring"):
         FeatureRing.attach("/etc/hostname")  # a HELLO naming another file is refused
+
+
+def test_records_keep_any_dtype_bit_for_bit(tmp_path):
+    ring = FeatureRing.create(1 << 16, str(tmp_path))
+    reader = FeatureRing.attach(ring.path)
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x = torch.randn(3, 40, generator=g).to(dtype)
+        raw = reader.read(*ring.write(x))
+        assert raw.dtype == torch.uint8 and torch.equal(raw.view(dtype).view(3, 40), x)
+    reader.close()
+    ring.close(unlink=True)
+
+
+def test_a_hello_is_checked_and_a_device_plane_that_cannot_be_mapped_leaves_the_features_in_shared_memory(tmp_path):
+    ring = FeatureRing.create(4096, str(tmp_path))
+    for bad, words in ((b"not json", "not JSON"), (b'{"path": 1}', "path, device_plane"),
+                       (json.dumps({"path": "/etc/hostname", "device_plane": None}).encode(), "not a feature ring"),
+                       (b"{" * 70000, "at most")):  # fmt: skip
+        with pytest.raises(ValueError, match=words):
+            FeatureRing.from_hello(bad, use_device=True)
+    assert json.loads(ring.hello()) == {"path": ring.path, "device_plane": None}  # a CPU verifier offers none
+    fields = dict(device_uuid="GPU-0", storage_handle="00", storage_size=4096, storage_offset=0,
+                  ref_counter_handle="00", ref_counter_offset=0, event_handle="00", event_sync_required=False,
+                  written_event="00", consumed_event="00", size=4096)  # fmt: skip
+    handle = DevicePlaneHandle.from_json(json.loads(json.dumps(fields)))  # what crosses the socket, both ways
+    assert handle.storage_handle == b"\x00" and json.loads(json.dumps(handle.to_json())) == fields
+    for plane, why in ((fields, "no local CUDA device"), ({**fields, "size": -1}, "non-negative"),
+                       ({**fields, "storage_handle": "zz"}, "hex"), ({"x": 1}, "exactly the fields")):  # fmt: skip
+        hello = json.dumps({"path": ring.path, "device_plane": plane}).encode()
+        offered = FeatureRing.from_hello(hello, use_device=True)
+        assert offered.device is None and why in offered.device_refused
+        offered.close()
+        unused = FeatureRing.from_hello(hello, use_device=False)  # a drafter on the CPU does not try
+        assert unused.device is None and not unused.device_refused
+        unused.close()
+    ring.close(unlink=True)
 
 
 def _sequence(i: int, seed: int) -> Sequence:
@@ -92,10 +136,14 @@ def test_a_bad_or_overwritten_reference_costs_only_its_sequence(two_drafters):
     seqs = [drafter_pb2.SeqDraft(seq_id=s, commit_token_ids=[1, 2, 3, 4], commit_start=0, root_token_id=5, reset=True)
             for s in ("good", "forged", "overwritten")]  # fmt: skip
     g = torch.Generator().manual_seed(0)
-    old = channel.put(torch.randn(4, F, generator=g))
+
+    def put(features: torch.Tensor) -> drafter_pb2.FeatureRef:
+        return channel.put_all({"x": features})["x"]
+
+    old = put(torch.randn(4, F, generator=g))
     for _ in range(8):  # the ring (8 KB, records of 1 KB) wraps over `old`
-        channel.put(torch.randn(4, F, generator=g))
-    good = channel.put(torch.randn(4, F, generator=g))
+        put(torch.randn(4, F, generator=g))
+    good = put(torch.randn(4, F, generator=g))
     forged = drafter_pb2.FeatureRef()
     forged.CopyFrom(good)
     forged.generation += 7
@@ -105,6 +153,23 @@ def test_a_bad_or_overwritten_reference_costs_only_its_sequence(two_drafters):
     assert sorted(reply.failed_seq_ids) == ["forged", "overwritten"]
     assert [t.seq_id for t in reply.trees] == ["good"]
     client.close()
+
+
+def test_a_call_whose_records_would_wrap_onto_each_other_goes_over_grpc(two_drafters):
+    """Five records of 1 KB (and their headers) exceed half of an 8 KB ring: the call goes over gRPC, with the
+    same trees; three fit."""
+    client = DrafterClient(two_drafters[0], timeout_s=30, local_ring_bytes=8192)
+    remote = DrafterClient(two_drafters[1], timeout_s=30)
+    g = torch.Generator().manual_seed(0)
+    assert client.local.put_all({str(i): torch.randn(4, F, generator=g) for i in range(5)}) is None
+    assert client.local.put_all({str(i): torch.randn(4, F, generator=g) for i in range(3)}) is not None
+    pairs = [(_sequence(i, seed=i), _sequence(i, seed=i)) for i in range(5)]
+    got = client.draft([(a, 6) for a, _ in pairs], vocab_size=64)
+    want = remote.draft([(b, 6) for _, b in pairs], vocab_size=64)
+    assert client.local is not None and not got.failed
+    assert [got.trees[a.draft_id] for a, _ in pairs] == [want.trees[b.draft_id] for _, b in pairs]
+    client.close()
+    remote.close()
 
 
 def test_a_drafter_gone_sends_the_client_back_to_grpc(tmp_path):

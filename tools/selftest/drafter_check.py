@@ -1,11 +1,15 @@
 """The drafter's device path (issue 38) in numbers: part (e) of `ddtree selftest gpu`.
 
 1. Transport per Draft call at Kimi K2.6's feature width (6 taps x 7168, bf16) for commits of 1, 8 and 2048
-   tokens: the co-located channel (features through the verifier's shared-memory ring, protocol/
-   local_channel.py) against gRPC bytes. The drafter is served in this process with an engine that drafts
-   a one-node tree and keeps nothing, so a call's time is its transport and the server's own work (client
-   and server share this process: an upper bound). A commit over the gRPC chunk size goes ahead in Append
-   chunks on either client (the ring takes none), which the row says.
+   tokens, the features where the verifier's forward leaves them (the GPU; the CPU in the dry run):
+   - "device": the co-located channel with the ring's data on the GPU (CUDA IPC, device to device;
+     protocol/device_plane.py), only where there is a GPU;
+   - "shared": the co-located channel with the ring in shared memory (the features go to the host);
+   - "grpc": gRPC bytes.
+   The drafter runs in its own process (CUDA IPC maps memory of another process only) with an engine that
+   drafts a one-node tree, keeps nothing and waits for its device, so a call's time is its transport and
+   the server's own work. A commit over the gRPC chunk size goes ahead in Append chunks on any path (the
+   ring takes none), which the row's `path` says.
 2. The tree build of one Draft call (8 sequences, 15 depths, Kimi's vocabulary of 163,840): top-K and the
    tensor build on the device (drafter/device_tree.py) against top-K, the copy to the host and the heap of
    contract/tree_build.py; the trees must be equal (a mismatch otherwise).
@@ -36,6 +40,7 @@ class NullEngine:
 
     def __init__(self, taps: int, hidden: int, vocab: int):
         self.taps, self.hidden, self.vocab = taps, hidden, vocab
+        self.tree_on_device = torch.cuda.is_available()  # serve_engine maps a ring's GPU buffer for such an engine
 
     def info(self) -> dict:
         return dict(model_id="null", block_size=16, mask_token_id=0, target_layer_ids=list(range(self.taps)),
@@ -46,6 +51,9 @@ class NullEngine:
         return False
 
     def draft(self, seqs):
+        for seq in seqs:  # the features have arrived when their copy has run (a real draft's forward waits so)
+            if seq.commit_features.is_cuda:
+                torch.cuda.synchronize(seq.commit_features.device)
         return [TokenTree((1,), (0,), (1,)) for _ in seqs]
 
     def append(self, seqs) -> None:
@@ -55,11 +63,22 @@ class NullEngine:
         return 0
 
 
+def _serve_null_drafter(shape: dict, ports, stop) -> None:
+    """The drafter process: serve a NullEngine until `stop` is set; its port goes to `ports`."""
+    from ddtree.config import DrafterConfig
+    from ddtree.drafter.server import serve_engine
+
+    server = serve_engine(NullEngine(**shape), DrafterConfig(port=0, grace_s=0.0))
+    ports.put(server.port)
+    stop.wait()
+    server.stop(0)
+
+
 def run_drafter_check(dry_run: bool, device: torch.device, log) -> dict:
     shape = DRY if dry_run else KIMI
     out = dict(transport=[], tree=[], mismatches=0, errors=[])
     try:
-        out["transport"] = _transport(shape, log)
+        out["transport"] = _transport(shape, device, log)
     except Exception:
         out["errors"].append(dict(part="drafter transport", error=traceback.format_exc()[-3000:]))
     try:
@@ -69,38 +88,48 @@ def run_drafter_check(dry_run: bool, device: torch.device, log) -> dict:
     return out
 
 
-def _transport(shape: dict, log) -> list[dict]:
-    from ddtree.config import DrafterConfig
+def _transport(shape: dict, device: torch.device, log) -> list[dict]:
+    import multiprocessing
+
     from ddtree.contract.sampling_params import SamplingConfig
-    from ddtree.drafter.server import serve_engine
     from ddtree.verifier.drafter_client import DrafterClient
     from ddtree.verifier.sequence import GenerateParams, PendingCommit, Sequence
 
     width = shape["taps"] * shape["hidden"]
-    server = serve_engine(NullEngine(**shape), DrafterConfig(port=0, grace_s=0.0))
+    ctx = multiprocessing.get_context("spawn")
+    ports, stop = ctx.Queue(), ctx.Event()
+    drafter = ctx.Process(target=_serve_null_drafter, args=(shape, ports, stop), daemon=True)
+    drafter.start()
+    address = f"127.0.0.1:{ports.get(timeout=120)}"
+    asked = (["device"] if device.type == "cuda" else []) + ["shared", "grpc"]
     rows = []
     log(f"{'commit':>7} {'path':>6} {'transport ms':>12} {'feature MB':>10}")
     try:
-        for local in (True, False):
-            client = DrafterClient(f"127.0.0.1:{server.port}", 60, local_ring_bytes=(256 << 20) if local else 0)
+        for ask in asked:
+            ring = dict(device=(256 << 20, device), shared=(256 << 20, None), grpc=(0, None))[ask]
+            client = DrafterClient(address, 60, local_ring_bytes=ring[0], ring_device=ring[1])
+            on_device = client.local is not None and client.local.ring.device is not None
             for n in COMMITS:
                 times = []
                 for i in range(CALLS if n < 1000 else 3):
                     seq = Sequence(GenerateParams(f"t{n}-{i}", (1,), SamplingConfig(), 8, frozenset(), True, 1))
                     seq.root = 1
-                    seq.pending_commit = PendingCommit([1] * n, 0, torch.zeros(n, width, dtype=torch.bfloat16))
+                    feats = torch.zeros(n, width, dtype=torch.bfloat16, device=device)
+                    seq.pending_commit = PendingCommit([1] * n, 0, feats)
+                    _sync(device)
                     t0 = time.perf_counter()
                     client.draft([(seq, 1)], vocab_size=shape["vocab"])
                     times.append((time.perf_counter() - t0) * 1e3)
                 chunked = n * width * 2 > client.chunk_bytes
-                path = "grpc" if chunked or client.local is None else "local"
-                row = dict(commit=n, path=path, asked="local" if local else "grpc", transport_ms=statistics.median(times),
+                path = "grpc" if chunked or client.local is None else ("device" if on_device else "shared")
+                row = dict(commit=n, path=path, asked=ask, transport_ms=statistics.median(times),
                            feature_bytes=n * width * 2)  # fmt: skip
                 rows.append(row)
                 log(f"{n:>7} {path:>6} {row['transport_ms']:>12.3f} {row['feature_bytes'] / 1e6:>10.2f}")
             client.close()
     finally:
-        server.stop(0)
+        stop.set()
+        drafter.join(timeout=30)
     return rows
 
 
