@@ -1,10 +1,11 @@
 """Torch references of the dense quantized GEMMs (fp8_gemm.py, int4_gemm.py): test oracles in fp32 math on
 weights dequantized with quant_formats.py. Each mirrors one kernel wrapper's arguments.
 
-The FP8 references quantize the activations exactly as the kernel does (`per_token_group_quant_fp8_reference`
-is the torch twin of the Triton quantizer: same amax floor, IEEE division, clamp and round-to-nearest-even
-cast), so comparing `fp8_block_gemm` with `fp8_block_gemm_reference` isolates the GEMM. `fp8_block_linear_reference`
-is what an unquantized-activation model computes (x · dequantized Wᵀ), to bound the activation quantization error.
+The FP8 references quantize the activations exactly as the kernel does inside its K loop
+(`per_token_group_quant_fp8_reference` is the torch twin of that quantization: same amax floor, IEEE division,
+clamp and round-to-nearest-even cast), so `fp8_block_gemm` and `fp8_block_gemm_reference` differ only by the
+GEMM's summation order. `fp8_block_linear_reference` is what an unquantized-activation model computes
+(x · dequantized Wᵀ), to bound the activation quantization error.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Fused MoE: out = Σ_j w[t, j] · down_e(silu(gate_e(x_t)) · up_e(x_t)), e = the local expert of slot j,
 as moe_reference.fused_moe_reference, with the weights in their packed format (moe_weights.py).
 
-One call is 6 launches (8 for fp8, which also quantizes x and h):
+One call is 6 launches, whatever the weight format (fp8 quantizes x and h inside the GEMMs):
   1. moe_align (3 small kernels): pairs p = token·k + slot grouped by local expert, padded to BLOCK_M;
   2. gate/up: a grouped GEMM, one program per (M-block, N-tile of I). The program reads its block's
      expert (-1: a block past the padded length, it returns at once), gathers the x rows of its pairs
@@ -20,10 +20,15 @@ Weights are dequantized in the K loop:
         of 8, so the 8 nibbles of a word share a scale; any K: the tail nibbles are masked);
   fp8:  e4m3 weights and activations in an fp8 dot (sm_89+: Triton has no e4m3 before), every K tile
         scaled by the activation scale of its rows [BLOCK_M] and the weight block scale of its columns
-        [BLOCK_N]; BLOCK_K divides the weight's K block (128), so a tile has one scale per row / column.
-        Activations (x, then h) are quantized per row and K block to e4m3 with scale amax / 448
-        (_quant_fp8_kernel, or its twin quantize_fp8_torch), as FP8 block checkpoints are served, so
-        the result differs from the fp32 reference by that rounding (up to 2^-4 relative per activation).
+        [BLOCK_N]; BLOCK_K divides the weight's K block (SCALE_BK, 128), so a tile has one scale per row /
+        column. The activations (x in its dtype for gate/up, h fp32 for down) are quantized per row and
+        K block in the K loop: scale = max(amax / 448, 1e-12), q = e4m3(clamp(x / scale, ±448)) (IEEE
+        division, nearest even), bit for bit quantize_fp8_torch's, as FP8 block checkpoints are served,
+        so the result differs from the fp32 reference by that rounding (up to 2^-4 relative per
+        activation). A tile as wide as the block gets its amax from itself; a narrower one (BLOCK_K is
+        cut to the largest power of two dividing the block, and smaller_configs halves it) reads the
+        whole block's amax at the block's first tile and keeps the scale for the tiles after it. Each
+        program of an M-block quantizes the same rows again (per N tile): the cost of no extra launch.
 Numerics: fp32 accumulation; x bf16 / fp16 run the dots in x's dtype (weights dequantized to it, h
 rounded to it); x fp32 runs exact fp32 dots. Under the Triton interpreter (TRITON_INTERPRET=1) every
 dot is fp32 (its bf16 dot is wrong, see mla_checks.kernel_dims), h stays fp32 and the bf16 output is
@@ -69,23 +74,23 @@ def _round_e4m3(x):
 
 
 @triton.jit
-def _quant_fp8_kernel(X, Q, S, ROW_LOCAL, R, K, stride_xm, stride_sm, GROUP: tl.constexpr, BLOCK: tl.constexpr,
-                      BLOCK_R: tl.constexpr, SKIP_ROWS: tl.constexpr):  # fmt: skip
-    """BLOCK_R rows x one K group: scale = amax / 448 per row, q = e4m3(x / scale). SKIP_ROWS: rows whose
-    ROW_LOCAL is -1 (h of pairs on other ranks: never written, never read) are left alone."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    g = tl.program_id(1)
-    offs = g * GROUP + tl.arange(0, BLOCK)
-    row_ok = rows < R
-    if SKIP_ROWS:
-        row_ok = row_ok & (tl.load(ROW_LOCAL + rows, mask=row_ok, other=-1) >= 0)
-    ok = row_ok[:, None] & ((tl.arange(0, BLOCK) < GROUP) & (offs < K))[None, :]
-    r64 = rows.to(tl.int64)[:, None]
-    x = tl.load(X + r64 * stride_xm + offs[None, :], mask=ok, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 1), 448.0), 1e-12)  # [BLOCK_R]
-    q = _round_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -448.0), 448.0))
-    tl.store(Q + r64 * K + offs[None, :], q.to(Q.dtype.element_ty), mask=ok)
-    tl.store(S + rows * stride_sm + g, scale, mask=row_ok)
+def _fp8_scale(amax):
+    """The activation scale of a row group from its amax: max(amax / 448, 1e-12) (quantize_fp8_torch's)."""
+    return tl.maximum(tl.math.div_rn(amax, 448.0), 1e-12)  # IEEE division, as torch's (a bare / may not be)
+
+
+@triton.jit
+def _group_amax(A, row, row_ok, k0, K, stride_am, SCALE_BK: tl.constexpr, BLOCK_K: tl.constexpr,
+                BLOCK_M: tl.constexpr):  # fmt: skip
+    """max |A[row, k0 : k0 + SCALE_BK]| per row [BLOCK_M] (zero past K and for rows not ok), read in the
+    SCALE_BK / BLOCK_K tiles of BLOCK_K columns the K loop is about to read again (a cache hit)."""
+    amax = tl.zeros([BLOCK_M], tl.float32)
+    for j in tl.static_range(SCALE_BK // BLOCK_K):
+        offs_k = k0 + j * BLOCK_K + tl.arange(0, BLOCK_K)
+        t = tl.load(A + row[:, None] * stride_am + offs_k[None, :], mask=row_ok[:, None] & (offs_k < K)[None, :],
+                    other=0.0)  # fmt: skip
+        amax = tl.maximum(amax, tl.max(tl.abs(t.to(tl.float32)), 1))
+    return amax
 
 
 @triton.jit
@@ -117,15 +122,16 @@ def _weight_tile(
 
 @triton.jit
 def _moe_gemm_kernel(
-    A, A_SCALE, W1, S1, W2, S2, OUT, SORTED, BLOCK_EXPERT, TOPK_W,
+    A, W1, S1, W2, S2, OUT, SORTED, BLOCK_EXPERT, TOPK_W,
     num_pairs, N, K,
-    stride_am, stride_asm, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_om,
+    stride_am, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_om,
     ROW_DIV: tl.constexpr, GATE_UP: tl.constexpr, KIND: tl.constexpr, GROUP: tl.constexpr,
     SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, DOT: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """OUT[p, n] for the pairs p of one M-block: GATE_UP silu(A W1ᵀ) · (A W2ᵀ) with A rows p // ROW_DIV
-    (the tokens), else (A W1ᵀ) · TOPK_W[p] with A rows p (h)."""
+    (the tokens), else (A W1ᵀ) · TOPK_W[p] with A rows p (h). KIND 2 (fp8) quantizes A per row and K group
+    of SCALE_BK columns as it goes (BLOCK_K divides SCALE_BK, so a K tile lies in one group)."""
     pid_m = tl.program_id(0)
     e = tl.load(BLOCK_EXPERT + pid_m)
     if e < 0:
@@ -138,19 +144,28 @@ def _moe_gemm_kernel(
     n_ok = offs_n < N
     acc1 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    a_s = tl.zeros([BLOCK_M], tl.float32)  # fp8: the activation scale of the K group being read, per row
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(A + row[:, None] * stride_am + offs_k[None, :], mask=row_ok[:, None] & (offs_k < K)[None, :],
                     other=0.0)  # fmt: skip
-        if KIND != 2:
+        if KIND == 2:  # e4m3(clamp(a / scale, ±448)) as quantize_fp8_torch; padding rows: scale 1e-12, q = 0
+            a = a.to(tl.float32)
+            if BLOCK_K == SCALE_BK:  # the tile is its group
+                a_s = _fp8_scale(tl.max(tl.abs(a), 1))
+            elif k0 % SCALE_BK == 0:  # the first tile of a group: its amax over all of the group's tiles
+                a_s = _fp8_scale(_group_amax(A, row, row_ok, k0, K, stride_am, SCALE_BK, BLOCK_K, BLOCK_M))
+            q = tl.minimum(tl.maximum(tl.math.div_rn(a, a_s[:, None]), -448.0), 448.0)
+            a = _round_e4m3(q).to(W1.dtype.element_ty)  # exact: _round_e4m3 already rounded (the interpreter's
+            # own fp32 -> e4m3 cast does not carry into the exponent; on a GPU the hardware's gives the same)
+        else:
             a = a.to(DOT)
         w1 = _weight_tile(W1, S1, e, k0, offs_n, n_ok, K, stride_we, stride_wn, stride_wk, stride_se, stride_sn,
                           stride_sk, KIND, GROUP, BLOCK_K, BLOCK_N, DOT)  # fmt: skip
         if GATE_UP:
             w2 = _weight_tile(W2, S2, e, k0, offs_n, n_ok, K, stride_we, stride_wn, stride_wk, stride_se, stride_sn,
                               stride_sk, KIND, GROUP, BLOCK_K, BLOCK_N, DOT)  # fmt: skip
-        if KIND == 2:  # one activation scale per row, one weight scale per column in this K tile
-            a_s = tl.load(A_SCALE + row * stride_asm + k0 // SCALE_BK, mask=row_ok, other=0.0)
+        if KIND == 2:  # one activation scale per row (a_s), one weight scale per column in this K tile
             s_off = e * stride_se + (offs_n // SCALE_BN) * stride_sn + (k0 // SCALE_BK) * stride_sk
             s1 = tl.load(S1 + s_off, mask=n_ok, other=0.0)
             acc1 += tl.dot(a, w1, input_precision=PRECISION) * (a_s[:, None] * s1[None, :])
@@ -200,25 +215,6 @@ def quantize_fp8_torch(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch
     scale = (g.abs().amax(dim=2) / FP8_MAX).clamp(min=_SCALE_MIN)
     q = (g / scale[:, :, None]).clamp(-FP8_MAX, FP8_MAX).view(R, -1)[:, :K]
     return q.to(torch.float8_e4m3fn).contiguous(), scale
-
-
-def quantize_fp8(
-    x: torch.Tensor, group: int, row_local: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_fp8_torch in one Triton launch (equal bit for bit); x [R, K] with unit last stride.
-    row_local int32 [R]: rows where it is -1 are skipped (their q and scale are left unset)."""
-    R, K = x.shape
-    G = triton.cdiv(K, group)
-    q = torch.empty(R, K, dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty(R, G, dtype=torch.float32, device=x.device)
-    if R and K:
-        block = triton.next_power_of_2(group)
-        block_r = max(1, min(triton.next_power_of_2(R), 4096 // block))
-        _quant_fp8_kernel[(triton.cdiv(R, block_r), G)](
-            x, q, s, x if row_local is None else row_local, R, K, x.stride(0), s.stride(0), GROUP=group,
-            BLOCK=block, BLOCK_R=block_r, SKIP_ROWS=row_local is not None,
-        )  # fmt: skip
-    return q, s
 
 
 def _format(w: ExpertWeights) -> tuple:
@@ -278,9 +274,10 @@ def _configs(config, x, gate, down, topk: int, wide: bool) -> tuple[MoeTileConfi
     name = torch.cuda.get_device_name(x.device) if x.is_cuda else None
     budget = shared_memory.device_smem_budget(x.device)
     E, M, inter, d = gate.num_experts, x.shape[0], gate.out_features, gate.in_features
-    a_bytes = lambda kind: 4 if wide and kind != "fp8" else 2  # noqa: E731  (fp8 dots take e4m3 activations)
-    gu = get_config(gate.kind, "gate_up", E, inter, d, M, topk, name, a_bytes(gate.kind), budget)
-    dn = get_config(down.kind, "down", E, down.out_features, inter, M, topk, name, a_bytes(down.kind), budget)
+    # an activation element as the tiles hold it: the dot's width, or for fp8 as loaded (x; h is fp32)
+    a_bytes = lambda kind, loaded: loaded if kind == "fp8" else 4 if wide else 2  # noqa: E731
+    gu = get_config(gate.kind, "gate_up", E, inter, d, M, topk, name, a_bytes(gate.kind, x.element_size()), budget)
+    dn = get_config(down.kind, "down", E, down.out_features, inter, M, topk, name, a_bytes(down.kind, 4), budget)
     return gu, MoeTileConfig(gu.block_m, dn.block_n, dn.block_k, dn.num_warps, dn.num_stages)
 
 
@@ -296,7 +293,7 @@ def _describe(c: MoeTileConfig) -> str:
     return f"{c.block_m}x{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages}"
 
 
-def _gemm(a, a_scale, w1: ExpertWeights, w2, out, align, cfg, row_div, topk_w, dot, precision, fallback) -> None:
+def _gemm(a, w1: ExpertWeights, w2, out, align, cfg, row_div, topk_w, dot, precision, fallback) -> None:
     """One grouped GEMM; fallback: a config that does not fit the device shrinks (launch_with_fallback), else
     OutOfResources propagates (an explicit config is launched as given: the autotuner rejects tiles by it)."""
     N, K = w1.out_features, w1.in_features
@@ -309,10 +306,10 @@ def _gemm(a, a_scale, w1: ExpertWeights, w2, out, align, cfg, row_div, topk_w, d
 
     def launch(c: MoeTileConfig) -> None:
         _moe_gemm_kernel[(align.num_blocks, triton.cdiv(N, c.block_n))](
-            a, a if a_scale is None else a_scale, w1.weight, w1.weight if w1.scale is None else w1.scale,
+            a, w1.weight, w1.weight if w1.scale is None else w1.scale,
             w_up.weight, w_up.weight if w_up.scale is None else w_up.scale, out,
             align.sorted_pair_ids, align.block_expert, topk_w, align.num_pairs, N, K,
-            a.stride(0), 0 if a_scale is None else a_scale.stride(0), *ws, *ss, out.stride(0),
+            a.stride(0), *ws, *ss, out.stride(0),
             ROW_DIV=row_div, GATE_UP=w2 is not None, KIND=_KIND[w1.kind], GROUP=max(w1.group_size, 8),
             SCALE_BN=w1.block[0], SCALE_BK=w1.block[1], DOT=dot, PRECISION=precision, BLOCK_M=c.block_m,
             BLOCK_N=c.block_n, BLOCK_K=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages,
@@ -358,14 +355,13 @@ def fused_moe(
     precision = "ieee" if wide else "tf32"  # fp32 dots are exact fp32 (no TF32); ignored for 16-bit inputs
     topk_w = topk_weights.reshape(-1).float().contiguous()
 
-    a, a_scale = (x, None) if gate.kind != "fp8" else quantize_fp8(x, gate.block[1])
+    # fp8 experts quantize x, then h, per row and K block inside the GEMMs (quantize_fp8_torch's values)
     h_dtype = torch.float32 if wide or down.kind == "fp8" else x.dtype
     h = torch.empty(P, inter, dtype=h_dtype, device=x.device)
-    _gemm(a, a_scale, gate, up, h, align, cfg_gu, k, topk_w, dot, precision, config is None)
+    _gemm(x, gate, up, h, align, cfg_gu, k, topk_w, dot, precision, config is None)
 
-    a, a_scale = (h, None) if down.kind != "fp8" else quantize_fp8(h, down.block[1], align.local_ids)
     y = torch.empty(P, D, dtype=torch.float32, device=x.device)
-    _gemm(a, a_scale, down, None, y, align, cfg_dn, 1, topk_w, dot, precision, config is None)
+    _gemm(h, down, None, y, align, cfg_dn, 1, topk_w, dot, precision, config is None)
 
     block_n = min(256, triton.next_power_of_2(D))
     block_t = max(1, min(triton.next_power_of_2(M), 4096 // block_n))

@@ -98,13 +98,15 @@ WEIGHT_BYTES = {"bf16": 2, "fp8": 1, "int4": 0.5}  # an element of a weight tile
 
 def smem_bytes(cfg: MoeTileConfig, kind: str, op: str, a_bytes: int = 2) -> int:
     """shared_memory.dot_smem_bytes of the grouped GEMM: the activation tile and the weight tiles (gate_up:
-    gate and up) as loaded; INT4 weights dequantized to the dot's width once more. (fp8 takes e4m3
-    activations: one byte.)"""
+    gate and up) as loaded; INT4 weights dequantized to the dot's width once more. fp8 loads its activations
+    as stored (gate_up: x, a_bytes wide; down: h, fp32 whenever down is fp8) and quantizes them to e4m3 in
+    registers: one more activation tile, the dot's operand, which Triton 3.9 stages at two bytes an element
+    for sm_90's mma.sync (one on sm_120)."""
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     weights = 2 if op == "gate_up" else 1
-    a = 1 if kind == "fp8" else a_bytes
+    a = 4 if kind == "fp8" and op == "down" else a_bytes
     loop = [(bm, bk, a)] + [(bk, bn, WEIGHT_BYTES[kind])] * weights
-    converted = [(bk, bn, a)] * weights if kind == "int4" else []
+    converted = [(bk, bn, a)] * weights if kind == "int4" else [(bm, bk, 2)] if kind == "fp8" else []
     return dot_smem_bytes(cfg.num_stages, bm, loop, converted)
 
 
@@ -112,9 +114,9 @@ def default_config(
     kind: str, op: str, E: int, N: int, K: int, M: int, topk: int, a_bytes: int = 2, smem_budget: int | None = None
 ) -> MoeTileConfig:
     """A heuristic for shapes without a table entry; a_bytes: the size of an activation element in the dot
-    (4: fp32 dots, whose tiles take twice the shared memory of bf16's); smem_budget: the device's shared
-    memory per block (shared_memory.device_smem_budget), which the config's estimate is shrunk to fit
-    (smaller_configs' order; None: no cap).
+    (4: fp32 dots, whose tiles take twice the shared memory of bf16's; fp8: as loaded, see smem_bytes);
+    smem_budget: the device's shared memory per block (shared_memory.device_smem_budget), which the config's
+    estimate is shrunk to fit (smaller_configs' order; None: no cap).
 
     block_m follows the pairs per expert (M·topk/E, the rows an M-block can fill): decode and tree verify
     (a few pairs per expert) use 16, the tl.dot minimum, so padding wastes little compute. With few active

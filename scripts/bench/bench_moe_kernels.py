@@ -138,7 +138,7 @@ def compile_report(models: dict, ms, arch: int) -> list[dict]:
     ptr = {
         "bf16": ("*bf16", "*bf16", "*bf16"),
         "int4": ("*bf16", "*i32", "*bf16"),
-        "fp8": ("*fp8e4nv",) * 2 + ("*fp32",),
+        "fp8": ("*bf16", "*fp8e4nv", "*fp32"),  # x as stored: the GEMMs quantize it (and h, fp32) to e4m3
     }
     for dims in models.values():
         E, k, d, inter = dims["E"], dims["topk"], dims["d"], dims["I"]
@@ -148,11 +148,11 @@ def compile_report(models: dict, ms, arch: int) -> list[dict]:
                 for M in ms:
                     cfg = default_config(kind, op, E, N, K, M, k)
                     bk = min(cfg.block_k, dims["block"][1]) if kind == "fp8" else cfg.block_k
-                    sig = dict(A=a if op == "gate_up" or kind == "fp8" else "*bf16", A_SCALE="*fp32", W1=w, S1=sc,
-                               W2=w, S2=sc, OUT="*bf16" if op == "gate_up" else "*fp32", SORTED="*i32",
+                    sig = dict(A="*fp32" if kind == "fp8" and op == "down" else a, W1=w, S1=sc, W2=w, S2=sc,
+                               OUT="*bf16" if op == "gate_up" and kind != "fp8" else "*fp32", SORTED="*i32",
                                BLOCK_EXPERT="*i32", TOPK_W="*fp32", num_pairs=i32, N=i32, K=i32, stride_am=i32,
-                               stride_asm=i32, stride_we=i32, stride_wn=i32, stride_se=i32, stride_sn=i32,
-                               stride_sk=i32, stride_om=i32)  # fmt: skip
+                               stride_we=i32, stride_wn=i32, stride_se=i32, stride_sn=i32, stride_sk=i32,
+                               stride_om=i32)  # fmt: skip
                     consts = dict(stride_wk=1, ROW_DIV=k if op == "gate_up" else 1, GATE_UP=op == "gate_up",
                                   KIND=fm._KIND[kind], GROUP=dims["group"], SCALE_BN=dims["block"][0],
                                   SCALE_BK=dims["block"][1], DOT=tl.bfloat16, PRECISION="tf32", BLOCK_M=cfg.block_m,
@@ -169,8 +169,6 @@ def compile_report(models: dict, ms, arch: int) -> list[dict]:
         build(f"align scatter E{E}", ma._scatter_kernel, dict(LOCAL="*i32", BASE="*i32", BLOCK_END="*i32",
               SORTED="*i32", BLOCK_EXPERT="*i32", num_pairs=i32, num_chunks=i32, num_blocks=i32),
               dict(E=E, BLOCK_M=16, CHUNK=256, SUB=ma._sub_chunk(be), BLOCK_E=be, BLOCK_B=max(1, 4096 // be)))  # fmt: skip
-    build("fp8 activation quant", fm._quant_fp8_kernel, dict(X="*bf16", Q="*fp8e4nv", S="*fp32", ROW_LOCAL="*i32",
-          R=i32, K=i32, stride_xm=i32, stride_sm=i32), dict(GROUP=128, BLOCK=128, BLOCK_R=32, SKIP_ROWS=True))  # fmt: skip
     build("top-k sum", fm._moe_sum_kernel, dict(Y="*fp32", LOCAL="*i32", OUT="*bf16", M=i32, N=i32, stride_om=i32),
           dict(TOPK=8, BLOCK_T=16, BLOCK_N=256, ROUND_BF16=True))  # fmt: skip
     return rows

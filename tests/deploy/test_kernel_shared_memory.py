@@ -116,8 +116,9 @@ def test_dense_gemm_and_router_launch_configs_fit(arch):
                     bm, bn, bk, _, s = int4_gemm.launch_tiles(M, N, group, per_channel, x_bytes, budget)
                     assert int4_gemm.smem_bytes(bm, bn, bk, x_bytes, s) <= budget, (arch, M, N, group, x_bytes)
             bm, bn = fp8_gemm._gemm_tiles(M, N)
-            smem = functools.partial(fp8_gemm.smem_bytes, bm, bn, 128)
-            assert smem(stages_within(budget, smem)) <= budget, (arch, M, N)
+            for x_bytes in (2, 4):  # the activation tile as loaded (bf16 / fp16, fp32), quantized in the kernel
+                smem = functools.partial(fp8_gemm.smem_bytes, bm, bn, 128, x_bytes)
+                assert smem(stages_within(budget, smem)) <= budget, (arch, M, N, x_bytes)
         for E in (16, 64, 256, 384):
             smem = functools.partial(router.smem_bytes, *router.router_tiles(M * 64, E), 2, 4)
             assert smem(stages_within(budget, smem)) <= budget, (arch, M, E)

@@ -42,29 +42,37 @@ def _int4_weight(N: int, K: int, group: int, scale_dtype=torch.bfloat16, seed: i
     return packed.to(DEVICE), scale.to(scale_dtype).to(DEVICE)
 
 
-# --- activation quantization -------------------------------------------------------------------------------
+# --- activation quantization (inside the FP8 GEMM) ---------------------------------------------------------
+
+
+def _quantized_by_the_gemm(x: torch.Tensor, group: int) -> torch.Tensor:
+    """What the FP8 GEMM's activation quantization gives, read through an identity weight with unit scales:
+    y[:, j] = q[:, j] · s[:, j // group] (the other K groups add exact zeros), in x's dtype."""
+    K = x.shape[1]
+    eye = torch.eye(K).to(torch.float8_e4m3fn).to(DEVICE)
+    ones = torch.ones(-(-K // 128), -(-K // group), device=DEVICE)
+    return fp8_gemm.fp8_block_gemm(x, eye, ones, (128, group))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("M,K,group", [(1, 96, 128), (7, 203, 128), (33, 384, 128), (5, 200, 64)])
 def test_group_quant_matches_its_torch_twin(M, K, group, dtype):
     x = _x(M, K, dtype, strided=M == 7)
-    q, s = fp8_gemm.per_token_group_quant_fp8(x, group)
+    y = _quantized_by_the_gemm(x, group)
     q_ref, s_ref = ref.per_token_group_quant_fp8_reference(x, group)
-    assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32
-    assert q.shape == (M, K) and s.shape == (M, -(-K // group))
     assert ref.FP8_EPS == fp8_gemm.FP8_EPS
-    assert torch.equal(s, s_ref), (s - s_ref).abs().max()
-    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), "fp8 bits differ"
+    assert y.dtype == dtype and y.shape == (M, K)
+    want = ref.dequantize_activations_fp8(q_ref, s_ref, group)  # fp32 q · s, rounded to x's dtype as y is
+    assert torch.equal(y, want.to(dtype)), (y.float() - want).abs().max()
     # and the quantization itself is right: x ≈ q · s within half an e4m3 step (2^-4 relative)
-    deq = ref.dequantize_activations_fp8(q, s, group)
-    assert_close("dequantized", deq, x.float(), abs_tol=s.max().item() * 2**-9 * 1.01, rel_tol=2**-4, cos_tol=2e-3)
+    assert_close("dequantized", want, x.float(), abs_tol=s_ref.max().item() * 2**-9 * 1.01, rel_tol=2**-4,
+                 cos_tol=2e-3)  # fmt: skip
 
 
 def test_group_quant_rounds_every_e4m3_tie_to_even():
-    """Scale 1 (each group holds a 448), so q = e4m3(x): every value halfway between two e4m3 numbers, its
-    neighbours one fp32 ulp away, all e4m3 values and signed zeros (the interpreter's own cast gets carries
-    wrong; the kernel rounds itself there)."""
+    """Scale 1 (each group holds a 448), so the identity GEMM gives q = e4m3(x) itself: every value halfway
+    between two e4m3 numbers, its neighbours one fp32 ulp away, all e4m3 values and zeros (the interpreter's
+    own cast gets carries wrong; the kernel rounds itself there). A -0 comes out +0 (0 + -0 in the sum)."""
     finite = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
     finite = finite[finite.isfinite()].unique()  # sorted, -448 .. 448 (-0.0 folds into 0.0)
     mids = (finite[1:] + finite[:-1]) / 2  # exact in fp32
@@ -75,11 +83,11 @@ def test_group_quant_rounds_every_e4m3_tie_to_even():
     x = torch.full((rows, group - 1), 0.0)
     x.view(-1)[: vals.numel()] = vals
     x = torch.cat([torch.full((rows, 1), FP8_MAX), x], dim=1).to(DEVICE)  # [rows, 128]
-    q, s = fp8_gemm.per_token_group_quant_fp8(x, group)
-    q_ref, _ = ref.per_token_group_quant_fp8_reference(x, group)
-    assert torch.equal(s, torch.ones_like(s))
-    bad = (q.view(torch.uint8) != q_ref.view(torch.uint8)).nonzero()
-    assert bad.numel() == 0, [(x[i, j].item(), q[i, j].float().item(), q_ref[i, j].float().item()) for i, j in bad[:5]]
+    y = _quantized_by_the_gemm(x, group)
+    q_ref, s_ref = ref.per_token_group_quant_fp8_reference(x, group)
+    assert torch.equal(s_ref, torch.ones_like(s_ref))
+    bad = (y != q_ref.float()).nonzero()
+    assert bad.numel() == 0, [(x[i, j].item(), y[i, j].item(), q_ref[i, j].float().item()) for i, j in bad[:5]]
 
 
 # --- FP8 block GEMM ----------------------------------------------------------------------------------------
@@ -105,17 +113,17 @@ def test_fp8_block_gemm_other_block_sizes(block):
     assert_close(f"fp8 gemm block {block}", y, ref.fp8_block_gemm_reference(x, w, ws, block))
 
 
-def test_fp8_matmul_on_quantized_inputs_and_quantization_error():
-    """The GEMM alone on the twin's quantized activations; and against the unquantized-activation linear,
-    the error of per-token-group quantization stays small (e4m3: 3 mantissa bits)."""
+def test_fp8_gemm_in_fp32_and_quantization_error():
+    """fp32 x (fp32 out: no output rounding hides a difference) against the reference; and against the
+    unquantized-activation linear, the error of per-token-group quantization stays small (e4m3: 3 mantissa
+    bits)."""
     M, N, K = 17, 130, 384
-    x = _x(M, K, torch.bfloat16)
+    x = _x(M, K, torch.bfloat16).float()
     w, ws = _fp8_weight(N, K)
-    q, s = ref.per_token_group_quant_fp8_reference(x)
-    y = fp8_gemm.w8a8_block_fp8_matmul(q, s, w, ws, out_dtype=torch.float32)
+    y = fp8_gemm.fp8_block_gemm(x, w, ws)
     assert y.dtype == torch.float32
-    assert_close("w8a8 matmul", y, ref.w8a8_block_fp8_matmul_reference(q, s, w, ws, out_dtype=torch.float32))
-    linear = ref.fp8_block_linear_reference(x.float(), w, ws)
+    assert_close("fp8 gemm fp32", y, ref.fp8_block_gemm_reference(x, w, ws))
+    linear = ref.fp8_block_linear_reference(x, w, ws)
     assert_close("vs unquantized activations", y, linear, abs_tol=0.05 * linear.abs().max().item(), rel_tol=0.1,
                  cos_tol=1e-3)  # fmt: skip
 
@@ -156,7 +164,7 @@ def test_int4_gemm_other_groups(group, scale_dtype):
 
 def test_no_silent_fallback_to_a_reference(monkeypatch):
     """With every reference and torch's matmuls raising, the wrappers still give the reference's answer, and
-    each GEMM is exactly one launch of its kernel (plus one quantizer launch for FP8)."""
+    each GEMM is exactly one launch of its kernel (FP8's activation quantization inside it)."""
     M, N, K = 7, 130, 203
     x = _x(M, K, torch.bfloat16)
     w, ws = _fp8_weight(N, K)
@@ -178,8 +186,7 @@ def test_no_silent_fallback_to_a_reference(monkeypatch):
         monkeypatch.setattr(torch, name, boom)
     monkeypatch.setattr(torch.nn.functional, "linear", boom)
     monkeypatch.setattr(torch.Tensor, "__matmul__", boom)
-    kernels = {"quant": fp8_gemm._group_quant_kernel, "fp8": fp8_gemm._fp8_block_gemm_kernel,
-               "int4": int4_gemm._int4_gemm_kernel}  # fmt: skip
+    kernels = {"fp8": fp8_gemm._fp8_gemm_kernel, "int4": int4_gemm._int4_gemm_kernel}
     launched = []  # every `kernel[grid](...)` of any Triton kernel (the class is shared; JITFunction on a GPU)
     for cls in {type(k) for k in kernels.values()}:
         real = cls.__getitem__
@@ -189,7 +196,7 @@ def test_no_silent_fallback_to_a_reference(monkeypatch):
     y_int4 = int4_gemm.int4_gemm(x, packed, scale, 32)
     monkeypatch.undo()
 
-    assert [next(n for n, k in kernels.items() if k is kernel) for kernel in launched] == ["quant", "fp8", "int4"]
+    assert [next(n for n, k in kernels.items() if k is kernel) for kernel in launched] == ["fp8", "int4"]
     assert_close("fp8 (kernel path)", y_fp8, expected_fp8)
     assert_close("int4 (kernel path)", y_int4, expected_int4)
 
@@ -198,7 +205,7 @@ def test_the_kernels_run_interpreted_here():
     """On a machine without CUDA the kernels must be the interpreter's (not a CPU torch path)."""
     from ddtree.kernels.mla_checks import is_interpreted
 
-    for kernel in (fp8_gemm._group_quant_kernel, fp8_gemm._fp8_block_gemm_kernel, int4_gemm._int4_gemm_kernel):
+    for kernel in (fp8_gemm._fp8_gemm_kernel, int4_gemm._int4_gemm_kernel):
         assert is_interpreted(kernel) == INTERPRET
 
 
@@ -224,13 +231,6 @@ def test_fp8_wrappers_reject_bad_inputs():
     for change, match in bad:
         with pytest.raises(ValueError, match=match):
             fp8_gemm.fp8_block_gemm(**{**ok, **change})
-    q, s = ref.per_token_group_quant_fp8_reference(x)
-    with pytest.raises(ValueError, match="q_scale must be \\[M, ceil\\(K/128\\)\\] = \\[3, 2\\]"):
-        fp8_gemm.w8a8_block_fp8_matmul(q, s[:, :1], w, ws)
-    with pytest.raises(ValueError, match="out_dtype"):
-        fp8_gemm.w8a8_block_fp8_matmul(q, s, w, ws, out_dtype=torch.int8)
-    with pytest.raises(ValueError, match="group_size must be a positive int"):
-        fp8_gemm.per_token_group_quant_fp8(x, 0)
 
 
 def test_int4_wrapper_rejects_bad_inputs():

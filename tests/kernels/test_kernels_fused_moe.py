@@ -33,6 +33,8 @@ if INTERPRET and not fm.is_interpreted(fm._moe_gemm_kernel):
     raise RuntimeError("ddtree.kernels.fused_moe was imported before TRITON_INTERPRET=1 was set: add it to the "
                        "imports of tests/support/triton_env.py")  # fmt: skip
 
+import triton.language as tl  # noqa: E402
+
 from ddtree.kernels.moe_reference import fused_moe_reference  # noqa: E402
 from ddtree.kernels.moe_weights import ExpertWeights  # noqa: E402
 from ddtree.kernels.quant_formats import quantize_fp8_block, quantize_int4_group  # noqa: E402
@@ -76,6 +78,8 @@ CASES = [
     Case("fp8_e64_k1_m1_fp32", "fp8", 64, 1, 1, d=40, inter=24, dtype=torch.float32, block=(128, 128)),
     Case("fp8_e16_k8_m17_sparse_128", "fp8", 16, 8, 17, d=72, inter=48, routing="sparse", block=(128, 128)),
     Case("fp8_e4_k1_m136_skewed_fp16", "fp8", 4, 1, 136, d=40, inter=32, dtype=torch.float16, routing="skewed"),
+    # K tiles of 16 in scale blocks of 64: a group's amax is read at its first tile; ragged last groups
+    Case("fp8_e8_k2_m17_narrow_k_tiles", "fp8", 8, 2, 17, d=200, inter=72, block=(16, 64), config=SMALL),
 ]
 
 
@@ -184,13 +188,16 @@ def test_fused_moe_edge_cases():
     assert torch.equal(strided, first)
 
 
-def test_fused_moe_runs_the_kernels(monkeypatch):
-    """The kernels do the work: the reference is never called, and each GEMM launches once."""
+@pytest.mark.parametrize("case_name", ["int4_e16_k8_m17_tiles", "fp8_e4_k2_m17_blocks"])
+def test_fused_moe_runs_the_kernels(monkeypatch, case_name):
+    """The kernels do the work: the reference is never called, and each GEMM launches once (fp8 too: its
+    activations are quantized inside the GEMMs, no launch of their own)."""
     import ddtree.kernels.moe_reference as ref_module
 
-    case = next(c for c in CASES if c.name == "int4_e16_k8_m17_tiles")
+    case = next(c for c in CASES if c.name == case_name)
     x, gate, up, down, weights, ids, emap = _inputs(case)
-    expected = fused_moe_reference(x, gate, up, down, weights, ids, emap)
+    oracle = _fp8_oracle if case.kind == "fp8" else fused_moe_reference  # fp8: the activations quantized too
+    expected = oracle(x, gate, up, down, weights, ids, emap)
     launches = []
     for name in ("_moe_gemm_kernel", "_moe_sum_kernel"):
         kernel = getattr(fm, name)
@@ -201,8 +208,15 @@ def test_fused_moe_runs_the_kernels(monkeypatch):
         raise AssertionError("fused_moe fell back to the reference")
 
     monkeypatch.setattr(ref_module, "fused_moe_reference", boom)
+    launched = []  # every `kernel[grid](...)` of any Triton kernel: nothing but the align, GEMM and sum kernels
+    cls = type(fm._moe_gemm_kernel)
+    real_getitem = cls.__getitem__
+    monkeypatch.setattr(
+        cls, "__getitem__", lambda self, grid: launched.append(self.__name__) or real_getitem(self, grid)
+    )
     got = fm.fused_moe(*_on_device(x, gate, up, down, weights, ids, emap), config=case.config).cpu()
     assert launches == ["_moe_gemm_kernel", "_moe_gemm_kernel", "_moe_sum_kernel"], launches
+    assert len(launched) == 6 and not [n for n in launched if "quant" in n], launched
     assert_close("launches", got, expected)
 
 
@@ -251,20 +265,35 @@ def test_moe_align_matches_brute_force(M, k, E, block_m, G, routing):
     assert (got.sorted_pair_ids[n:] == M * k).all() and (got.block_expert[n // block_m :] == -1).all()
 
 
-def test_fp8_activation_quantization_is_bit_exact():
-    """The Triton quantizer equals the torch twin bit for bit, ties and e4m3 subnormals included."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("group,block_k", [(128, 128), (128, 32), (32, 32), (48, 16)], ids=lambda v: str(v))
+def test_fp8_activation_quantization_is_bit_exact(group, block_k, dtype):
+    """The GEMM's in-kernel quantizer equals the torch twin bit for bit, ties and e4m3 subnormals included,
+    for K tiles as wide as the group and narrower (the group's amax read at its first tile), a group that
+    is no power of two, and a ragged last group. Read through one grouped GEMM (down's: A rows = pairs, the
+    routing weight 1) with an identity expert of unit scales: y[:, j] = q[:, j] · s[:, j // group] in fp32,
+    the other K groups adding exact zeros."""
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(37, 300, generator=gen) * torch.logspace(-4, 3, 300)[None, :]
+    R, K = 37, 300
+    x = torch.randn(R, K, generator=gen) * torch.logspace(-4, 3, K)[None, :]
     x[3] = 0.0  # an all-zero row: scale 1e-12, q = 0
     grid = torch.tensor([0.0, 2**-9, 2**-8, 3 * 2**-9, 2**-6, 1.0, 1.125, 240.0, 256.0, 416.0, 448.0])
     ties = torch.cat([grid, (grid[1:] + grid[:-1]) / 2, grid * 0.999, -grid * 1.001])  # midpoints round to even
     x[5, : ties.numel()] = ties
-    x[5, 127] = 448.0  # the row group's amax: scale exactly 1
-    for group in (128, 32):
-        q, s = fm.quantize_fp8(x.to(DEVICE), group)
-        q_ref, s_ref = fm.quantize_fp8_torch(x, group)
-        assert torch.equal(s.cpu(), s_ref)
-        assert torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8))
+    x[5, 31] = 448.0  # the row group's amax: scale exactly 1 (31 < every group size here)
+    x = x.to(dtype)
+    eye = ExpertWeights("fp8", torch.eye(K).to(torch.float8_e4m3fn)[None], K, K,
+                        torch.ones(1, -(-K // 128), -(-K // group)), block=(128, group))  # fmt: skip
+    ids = torch.zeros(R, 1, dtype=torch.int32)  # every row a pair of expert 0, in row order
+    cfg = MoeTileConfig(16, 64, block_k, 4, 1)
+    align = ma.moe_align(ids.to(DEVICE), 1, cfg.block_m)
+    y = torch.empty(R, K, device=DEVICE)
+    ones = torch.ones(R, device=DEVICE)
+    fm._gemm(x.to(DEVICE), _to(eye, DEVICE), None, y, align, cfg, 1, ones, tl.float32, "ieee", False)
+    q_ref, s_ref = fm.quantize_fp8_torch(x, group)
+    want = q_ref.float() * s_ref.repeat_interleave(group, dim=1)[:, :K]
+    bad = (y.cpu() != want).nonzero()
+    assert bad.numel() == 0, [(x[i, j].item(), y[i, j].item(), want[i, j].item()) for i, j in bad[:5].tolist()]
 
 
 def _bad_inputs():

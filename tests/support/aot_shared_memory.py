@@ -58,14 +58,15 @@ def rows(arch: int) -> list[dict]:
         row(f"mla split block_m {block_m} block_n {c.block_n} s{c.num_stages}", shared, size(c))
     # fused MoE at Kimi's TP-8 shapes (E 384, d 7168, I 256): decode, verify and prefill sizes
     E, d, inter, topk = 384, 7168, 256, 8
-    ptr = {"bf16": (BF16,) * 3, "int4": (BF16, "*i32", BF16), "fp8": ("*fp8e4nv", "*fp8e4nv", "*fp32")}
+    ptr = {"bf16": (BF16,) * 3, "int4": (BF16, "*i32", BF16), "fp8": (BF16, "*fp8e4nv", "*fp32")}
     for kind in KINDS:
         a, w, sc = ptr[kind]
         for op, N, K in (("gate_up", inter, d), ("down", d, inter)):
             for M in (1, 256, 4096):
                 c = default_config(kind, op, E, N, K, M, topk, smem_budget=budget)
-                pointers = dict(A=a if op == "gate_up" or kind == "fp8" else BF16, A_SCALE="*fp32", W1=w, S1=sc, W2=w,
-                                S2=sc, OUT=BF16, SORTED="*i32", BLOCK_EXPERT="*i32", TOPK_W="*fp32")  # fmt: skip
+                h = "*fp32" if kind == "fp8" else BF16  # fp8: h is fp32 (down's A, gate_up's OUT)
+                pointers = dict(A=a if op == "gate_up" else h, W1=w, S1=sc, W2=w, S2=sc, OUT=h if op == "gate_up"
+                                else "*fp32", SORTED="*i32", BLOCK_EXPERT="*i32", TOPK_W="*fp32")  # fmt: skip
                 consts = dict(stride_wk=1, ROW_DIV=topk if op == "gate_up" else 1, GATE_UP=op == "gate_up",
                               KIND=fm._KIND[kind], GROUP=32, SCALE_BN=128, SCALE_BK=128, DOT=tl.bfloat16,
                               PRECISION="tf32", BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k)  # fmt: skip
@@ -81,11 +82,11 @@ def rows(arch: int) -> list[dict]:
                                (), 4, s)  # fmt: skip
         row(f"int4 gemm M{M} N{N} s{s}", shared, int4_gemm.smem_bytes(bm, bn, bk, 2, s))
         bm, bn = fp8_gemm._gemm_tiles(M, N)
-        s = stages_within(budget, functools.partial(fp8_gemm.smem_bytes, bm, bn, 128))
-        pointers = dict(A="*fp8e4nv", AS="*fp32", B="*fp8e4nv", BS="*fp32", C=BF16)
-        consts = dict(SCALE_N=128, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, ROUND_BF16=False)
-        shared = compiled_smem(fp8_gemm._fp8_block_gemm_kernel, arch, pointers, consts, (), 4, s)
-        row(f"fp8 gemm M{M} N{N} s{s}", shared, fp8_gemm.smem_bytes(bm, bn, 128, s))
+        s = stages_within(budget, functools.partial(fp8_gemm.smem_bytes, bm, bn, 128, 2))
+        pointers = dict(X=BF16, B="*fp8e4nv", BS="*fp32", C=BF16)  # x bf16: quantized in the kernel
+        consts = dict(SCALE_N=128, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, ROUND_E4M3=False, ROUND_BF16=False)
+        shared = compiled_smem(fp8_gemm._fp8_gemm_kernel, arch, pointers, consts, ("eps",), 4, s)
+        row(f"fp8 gemm M{M} N{N} s{s}", shared, fp8_gemm.smem_bytes(bm, bn, 128, 2, s))
     for n_rows in (1, 4096):
         bm, be = router.router_tiles(n_rows, 384)
         smem = functools.partial(router.smem_bytes, bm, be, 2, 4)
