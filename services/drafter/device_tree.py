@@ -87,15 +87,18 @@ def _pick(beams, token_ids: Tensor, budgets: list[int]) -> list[TokenTree]:
         1, order, torch.arange(n, device=dev).expand(S, n)
     )
     offsets = torch.tensor([0, *sizes[:-1]], device=dev).cumsum(0)  # first entry of each beam
-    depth_of = torch.repeat_interleave(torch.arange(D, device=dev), torch.tensor(sizes, device=dev))  # [N]
+    depth_of = torch.repeat_interleave(torch.arange(D, device=dev), torch.tensor(sizes, device=dev), output_size=N)
     depth = depth_of[order]  # [S, n] 0-based
     parent_entry = torch.cat([b[2] for b in beams], 1).gather(1, order)  # index in the previous beam
     parent_global = torch.where(depth > 0, offsets[(depth - 1).clamp(min=0)] + parent_entry, 0)
     parent = torch.where(depth > 0, place.gather(1, parent_global) + 1, 0)
     own_rank = _last_digit(digits, order, depth)  # [S, n]
     tokens = token_ids[torch.arange(S, device=dev)[:, None], depth, own_rank]
-    packed = torch.stack([tokens, parent, depth + 1], 0).cpu().tolist()  # the one host read
-    scores = score.gather(1, order).cpu().tolist()
+    chosen = score.gather(1, order)  # [S, n] float64
+    # The one host read: the scores travel as their float64 bit patterns beside the int64 ids.
+    host = torch.stack([tokens, parent, depth + 1, chosen.view(torch.int64)], 0).cpu()
+    packed = host[:3].tolist()
+    scores = host[3].view(torch.float64).tolist()
     trees = []
     for s, b in enumerate(budgets):
         k = min(b, n)

@@ -172,10 +172,7 @@ class DraftEngine:
     def draft(self, seqs: Sequence[SeqDraftInput]) -> list[TokenTree | TokenTable]:
         """Validate every sequence first (no state changes on error), then draft each in order: a tree, or
         the sequence's top-K table where it asks for one (table_width > 0)."""
-        seen: set[str] = set()
-        for i, seq in enumerate(seqs):
-            self._validate(i, seq, seen)
-            seen.add(seq.seq_id)
+        self._validate_all(seqs)
         with torch.inference_mode():
             return self._draft_all(seqs)
 
@@ -183,12 +180,24 @@ class DraftEngine:
         """Append commits to their contexts without drafting (a long commit's earlier chunks: the Append
         RPC). Validated like a Draft's commits first, so an inconsistent chunk changes nothing; the root,
         budget and chain fields are not read."""
+        self._validate_all(seqs)
+        with torch.inference_mode():
+            self._extend_contexts(seqs)
+
+    def _validate_all(self, seqs: Sequence[SeqDraftInput]) -> None:
+        """ValueError naming the first bad sequence. The features' values are checked for all sequences
+        at once: one read of the device (one flag per sequence), not one per sequence."""
         seen: set[str] = set()
         for i, seq in enumerate(seqs):
             self._validate(i, seq, seen)
             seen.add(seq.seq_id)
-        with torch.inference_mode():
-            self._extend_contexts(seqs)
+        if seqs:
+            feats = [seq.commit_features for seq in seqs]
+            where = next((f.device for f in feats if f.device.type != "cpu"), feats[0].device)  # one read, there
+            finite = torch.stack([torch.isfinite(f).all().to(where) for f in feats])
+            for i, ok in enumerate(finite.tolist()):
+                if not ok:
+                    raise ValueError(f"seqs[{i}] (seq_id={seqs[i].seq_id!r}): commit_features has non-finite values")
 
     def _validate(self, i: int, seq: SeqDraftInput, seen: set[str]) -> None:
         def fail(msg: str) -> None:
@@ -233,8 +242,6 @@ class DraftEngine:
             )
         if feats.dtype not in _FLOAT_DTYPES:
             fail(f"commit_features dtype {feats.dtype} is not a float dtype")
-        if not bool(torch.isfinite(feats).all()):
-            fail("commit_features has non-finite values")
 
     def _extend_contexts(self, seqs: Sequence[SeqDraftInput]) -> list[DraftContext]:
         """Append each commit's features to its sequence's context (a fresh one when the commit does not
@@ -260,7 +267,7 @@ class DraftEngine:
             split = [(k.split(counts), v.split(counts)) for k, v in kv]
             for i, (ctx, pos) in enumerate(zip(contexts, positions)):
                 if counts[i]:
-                    ctx.append([(k[i], v[i]) for k, v in split], pos.to(device))
+                    ctx.append([(k[i], v[i]) for k, v in split], pos)  # positions on the host: checked there
         return contexts
 
     def _context_kv(self, features: Tensor, positions: Tensor) -> list[tuple[Tensor, Tensor]]:
