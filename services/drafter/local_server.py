@@ -24,7 +24,7 @@ from google.protobuf.message import DecodeError
 from ddtree.drafter.call_error import DraftCallError
 from ddtree.protocol.ddtree.v1 import drafter_pb2
 from ddtree.protocol.feature_ring import FeatureRing
-from ddtree.protocol.local_channel import DRAFT, ERROR, HELLO, REPLY, recv_frame, send_frame
+from ddtree.protocol.local_channel import DRAFT, ERROR, HELLO, REPLY, recv_frame, send_frame, shared_dir
 from ddtree.telemetry.logging import get_logger
 
 log = get_logger("ddtree.drafter.local")
@@ -32,13 +32,14 @@ log = get_logger("ddtree.drafter.local")
 
 class LocalDraftServer:
     def __init__(self, servicer, directory: str = "", thread_init=None, map_device: bool = False):
-        """Listen on a new socket in `directory` ('' = the system temp dir), serving `servicer.serve_draft`;
+        """Listen on a new socket in `directory` ('' = local_channel.shared_dir(), which co-located containers
+        can share with the verifier's), serving `servicer.serve_draft`;
         thread_init: run first on each connection's thread (models/runtime/cpu: no OpenMP pool of its own);
         map_device: map a ring's GPU buffer when a verifier offers one."""
         self.servicer = servicer
         self._map_device = map_device
         self._thread_init = thread_init
-        self._dir = tempfile.mkdtemp(prefix="ddtree-drafter-", dir=directory or None)
+        self._dir = tempfile.mkdtemp(prefix="ddtree-drafter-", dir=directory or shared_dir())
         self.path = os.path.join(self._dir, "draft.sock")
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.bind(self.path)

@@ -4,8 +4,8 @@ A file of `size` bytes in shared memory that both processes map. A record is a 1
 (generation, nbytes: two little-endian u64) at a 64-byte boundary, then its data; records follow each
 other and wrap to offset 0 when the next does not fit. The data is in the file itself (the host plane), or,
 when the verifier runs on a GPU and the drafter could map it, at the same offsets of a device buffer
-shared through CUDA IPC (device_plane.py): then the file holds only the headers (tmpfs gives pages on
-first touch, so the unused data range costs nothing).
+shared through CUDA IPC (device_plane.py): then the file holds only the headers. The file's pages are
+allocated when it is made (so a full /dev/shm refuses the ring rather than failing a write later).
 
 Invariants:
 - the verifier writes only between calls, and one call's records never overwrite each other (`fits`
@@ -56,7 +56,12 @@ class FeatureRing:
         path = os.path.join(directory or shared_dir(), f"{RING_PREFIX}{os.getpid()}-{os.urandom(6).hex()}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, size)
+            # The pages now, all of them: a write into a full tmpfs through the mapping would be a SIGBUS; here
+            # it is an OSError (ENOSPC) and the verifier keeps to gRPC.
+            os.posix_fallocate(fd, 0, size)
+        except OSError:
+            os.unlink(path)
+            raise
         finally:
             os.close(fd)
         ring = cls(path, size, writable=True)

@@ -47,15 +47,19 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 
 
 def host_id() -> str:
-    """This host's identity for the co-location check: its name and boot id (containers of one host that
-    share neither /dev/shm nor the socket still fail the connection, and fall back to gRPC)."""
+    """This host's identity for the co-location check: its boot id, which every container of one host
+    shares and no other host has (as NCCL identifies hosts); the hostname where /proc does not say.
+    Containers of one host that share neither the socket's nor the ring's directory (/dev/shm: compose's
+    `ipc`) pass the check, then fail to connect or to open the ring, and keep to gRPC."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
     except OSError:
         boot = ""
-    return f"{socket.gethostname()}/{boot}"
+    return f"boot:{boot}" if boot else f"host:{socket.gethostname()}"
 
 
 def shared_dir() -> str:
+    """Where the channel's socket and the feature ring live: /dev/shm, which containers can share (compose's
+    `ipc: host` or `ipc: service:...`), else the temp directory."""
     return "/dev/shm" if os.path.isdir("/dev/shm") else os.environ.get("TMPDIR", "/tmp")
