@@ -151,6 +151,14 @@ class FeatureRing:
             raise ValueError(f"feature record {generation} at {offset} was overwritten while read")
         return out
 
+    def unlink(self) -> None:
+        """Remove the file's name once both processes have it mapped: its memory then goes with the last
+        mapping, so a verifier killed outright leaves nothing behind in /dev/shm."""
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
     def use_host(self) -> None:
         """Keep the data in the file from now on (the drafter did not map the device plane)."""
         self.device = None
@@ -160,7 +168,4 @@ class FeatureRing:
         self.device = None
         self._map.close()
         if unlink:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+            self.unlink()

@@ -63,6 +63,7 @@ class LocalDrafterChannel:
             kind, plane = recv_frame(sock)
             if kind != REPLY or plane not in (b"device", b"host"):
                 raise ConnectionError("the drafter refused the feature ring")
+            ring.unlink()  # the drafter has it mapped now
             if plane == b"host":
                 ring.use_host()
         except (OSError, ConnectionError, RuntimeError) as err:

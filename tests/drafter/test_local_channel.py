@@ -7,6 +7,7 @@ client back to gRPC."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -116,6 +117,9 @@ def test_the_same_trees_as_grpc(two_drafters):
     local = DrafterClient(two_drafters[0], timeout_s=30, local_ring_bytes=1 << 20)
     remote = DrafterClient(two_drafters[1], timeout_s=30)
     assert local.local is not None and remote.local is None
+    assert not os.path.exists(local.local.ring.path), (
+        "the ring's name outlives the handshake (a killed verifier leaks it)"
+    )
     pairs = [(_sequence(i, seed=i), _sequence(i, seed=i)) for i in range(3)]
     for step in range(3):
         got = local.draft([(a, 6) for a, _ in pairs], vocab_size=64)
