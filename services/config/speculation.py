@@ -52,7 +52,7 @@ class SpeculationFields(ConfigBase):
         "auto",
         "auto = send Draft calls to a drafter on this host over its Unix socket, features through the "
         "verifier's ring: GPU memory the drafter maps when both run on GPUs, else shared memory (gRPC when "
-        "that fails, for long commits and for remote drafters); off = gRPC only",
+        "that fails and for remote drafters); off = gRPC only",
     )
     feature_ring_bytes: int = option(
         64 * 1024 * 1024,

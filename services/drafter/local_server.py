@@ -7,9 +7,10 @@ answered REPLY b"device" or b"host" (where this drafter will read the features),
 closed (a ring it cannot open: the verifier then keeps to gRPC). A device buffer it cannot map (no GPU
 of that UUID here, IPC refused) is not an error: the features then come through shared memory.
 
-Then each DRAFT frame is served by the same code as the gRPC Draft (`serve_draft`, the FeatureRefs read
-from the ring) and answered with REPLY, or ERROR "CODE: details" for a call that fails as a whole. A
-malformed frame closes that connection only.
+Then each DRAFT frame is served by the same code as the gRPC Draft (`serve_draft`), each APPEND frame (one
+chunk of a long commit) by the gRPC Append's (`serve_chunk`), the FeatureRefs read from the ring, and
+answered with REPLY, or ERROR "CODE: details" for a call that fails as a whole. A malformed frame closes
+that connection only.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from google.protobuf.message import DecodeError
 from ddtree.drafter.call_error import DraftCallError
 from ddtree.protocol.ddtree.v1 import drafter_pb2
 from ddtree.protocol.feature_ring import FeatureRing
-from ddtree.protocol.local_channel import DRAFT, ERROR, HELLO, REPLY, recv_frame, send_frame, shared_dir
+from ddtree.protocol.local_channel import APPEND, DRAFT, ERROR, HELLO, REPLY, recv_frame, send_frame, shared_dir
 from ddtree.telemetry.logging import get_logger
 
 log = get_logger("ddtree.drafter.local")
@@ -74,11 +75,16 @@ class LocalDraftServer:
             send_frame(conn, REPLY, b"host" if ring.device is None else b"device")
             while True:
                 kind, payload = recv_frame(conn)
-                if kind != DRAFT:
-                    raise ConnectionError(f"frame of kind {kind}, expected DRAFT")
-                request = drafter_pb2.DraftRequest.FromString(payload)
                 try:
-                    reply = self.servicer.serve_draft(request, ring)
+                    if kind == DRAFT:
+                        reply = self.servicer.serve_draft(drafter_pb2.DraftRequest.FromString(payload), ring)
+                    elif kind == APPEND:
+                        nbytes, compute_s = self.servicer.serve_chunk(
+                            0, drafter_pb2.CommitChunk.FromString(payload), ring
+                        )
+                        reply = drafter_pb2.AppendResponse(chunks=1, feature_bytes=nbytes, append_ms=compute_s * 1e3)
+                    else:
+                        raise ConnectionError(f"frame of kind {kind}, expected DRAFT or APPEND")
                 except DraftCallError as err:
                     send_frame(conn, ERROR, f"{err.code.name}: {err.details}".encode())
                     continue

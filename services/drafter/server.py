@@ -72,11 +72,14 @@ def decode_request(
     return out
 
 
-def decode_chunk(i: int, chunk: drafter_pb2.CommitChunk) -> SeqDraftInput:
-    """An Append chunk as the engine's input (no root, budget or chain: nothing is drafted)."""
+def decode_chunk(i: int, chunk: drafter_pb2.CommitChunk, ring_features: torch.Tensor | None = None) -> SeqDraftInput:
+    """An Append chunk as the engine's input (no root, budget or chain: nothing is drafted); ring_features:
+    its features when they came through the co-located ring."""
     if not chunk.seq_id or len(chunk.seq_id) > MAX_SEQ_ID_CHARS:
         raise ValueError(f"chunk {i}: seq_id must be 1..{MAX_SEQ_ID_CHARS} characters")
-    feats = tensor_from_proto(chunk.commit_features, what=f"chunk {i} ({chunk.seq_id}) commit_features")
+    feats = ring_features
+    if feats is None:
+        feats = tensor_from_proto(chunk.commit_features, what=f"chunk {i} ({chunk.seq_id}) commit_features")
     return SeqDraftInput(
         seq_id=chunk.seq_id,
         commit_token_ids=tuple(chunk.commit_token_ids),
@@ -231,8 +234,6 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         """Chunks of long commits, appended in order; the first inconsistent chunk (a gap, a wrong
         width, an unknown sequence without reset) ends the call with INVALID_ARGUMENT, and the caller
         decodes that call's sequences with AR."""
-        if not hasattr(self.engine, "append"):
-            context.abort(grpc.StatusCode.UNIMPLEMENTED, "this drafter's engine takes commits in Draft only")
         chunks = nbytes = 0
         compute_s = 0.0
         try:
@@ -242,33 +243,57 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                         grpc.StatusCode.INVALID_ARGUMENT, f"more than {MAX_CHUNKS_PER_APPEND} chunks in one call"
                     )
                 try:
-                    seq = decode_chunk(chunks, chunk)
-                    caller = decode_caller(chunk.caller)
-                except ValueError as err:
-                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-                with self._lock:
-                    self._settle(caller)
-                    new = not self.engine.knows(seq.seq_id)
-                    held = self.engine.info()["active_sequences"]
-                    if new and held + 1 > self.max_sequences:
-                        context.abort(
-                            grpc.StatusCode.RESOURCE_EXHAUSTED,
-                            f"drafter holds {held} draft contexts; max_sequences is {self.max_sequences}",
-                        )
-                    t0 = time.perf_counter()
-                    try:
-                        self._compute(self.engine.append, [seq])
-                    except ValueError as err:
-                        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"chunk {chunks}: {err}")
-                    compute_s += time.perf_counter() - t0
-                    self._leases.touch((seq.seq_id,), caller)
+                    n, s = self.serve_chunk(chunks, chunk)
+                except DraftCallError as err:
+                    context.abort(err.code, err.details)
                 chunks += 1
-                nbytes += len(chunk.commit_features.data)
+                nbytes += n
+                compute_s += s
         finally:  # the contexts the chunks made or grew, for the state gauges (once per call)
             with self._lock:
                 self._note_state()
-        metrics.DRAFT_APPEND_CHUNKS.inc(chunks)
         return drafter_pb2.AppendResponse(chunks=chunks, feature_bytes=nbytes, append_ms=compute_s * 1e3)
+
+    def serve_chunk(
+        self, index: int, chunk: drafter_pb2.CommitChunk, ring: FeatureRing | None = None
+    ) -> tuple[int, float]:
+        """Append one chunk (chunk `index` of its call) from gRPC or the co-located channel (whose `ring`
+        holds the features a FeatureRef names); (feature bytes, compute seconds). DraftCallError when it
+        cannot be appended: the caller's call fails as a whole (its sequences decode with AR)."""
+        if not hasattr(self.engine, "append"):
+            raise DraftCallError(grpc.StatusCode.UNIMPLEMENTED, "this drafter's engine takes commits in Draft only")
+        try:
+            features = None
+            if chunk.HasField("commit_features_ref"):
+                if ring is None:
+                    raise ValueError(f"chunk {index}: a feature reference outside the co-located channel")
+                ref = chunk.commit_features_ref
+                raw = ring.read(ref.offset, ref.nbytes, ref.generation)
+                features = tensor_from_bytes(raw, ref.shape, ref.dtype, what=f"chunk {index} ({chunk.seq_id}) features")
+            seq = decode_chunk(index, chunk, features)
+            caller = decode_caller(chunk.caller)
+        except ValueError as err:
+            raise DraftCallError(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
+        with self._lock:
+            self._settle(caller)
+            new = not self.engine.knows(seq.seq_id)
+            held = self.engine.info()["active_sequences"]
+            if new and held + 1 > self.max_sequences:
+                raise DraftCallError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"drafter holds {held} draft contexts; max_sequences is {self.max_sequences}",
+                )
+            t0 = time.perf_counter()
+            try:
+                self._compute(self.engine.append, [seq])
+            except ValueError as err:
+                raise DraftCallError(grpc.StatusCode.INVALID_ARGUMENT, f"chunk {index}: {err}") from None
+            compute_s = time.perf_counter() - t0
+            self._leases.touch((seq.seq_id,), caller)
+            metrics.DRAFT_APPEND_CHUNKS.inc()
+            if ring is not None:  # one chunk per call: the state gauges now
+                self._note_state()
+        return seq.commit_features.numel() * seq.commit_features.element_size(), compute_s
 
     def Release(self, request, context):
         try:

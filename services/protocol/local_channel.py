@@ -4,13 +4,15 @@ When a verifier and its drafter run on one host, a Draft call skips gRPC: the ve
 sequence's commit features into its feature ring (feature_ring.py: shared memory, or a GPU buffer shared
 through CUDA IPC) and sends the DraftRequest, with `FeatureRef`s in place of the bytes, as one frame over
 the drafter's Unix socket; the drafter answers with one frame. gRPC stays the path for remote drafters,
-long commits (Append chunks) and any failure of this one.
+and any failure of this one.
 
 Frame: 4-byte big-endian length of what follows, 1 kind byte, the payload. Kinds:
 - HELLO, verifier -> drafter: the ring (`FeatureRing.hello`'s JSON); answered REPLY b"device" when the
   drafter mapped the ring's GPU buffer, b"host" when it reads the ring's shared memory;
 - DRAFT: a serialized DraftRequest; answered REPLY (a DraftResponse) or ERROR (UTF-8 "CODE: details",
-  for a call that failed as a whole, as gRPC would have aborted it).
+  for a call that failed as a whole, as gRPC would have aborted it);
+- APPEND: one serialized CommitChunk of a long commit, its features in the ring; answered REPLY (an
+  AppendResponse for that chunk) or ERROR, as the gRPC Append stream would end.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import os
 import socket
 import struct
 
-HELLO, DRAFT, REPLY, ERROR = 1, 2, 3, 4
+HELLO, DRAFT, REPLY, ERROR, APPEND = 1, 2, 3, 4, 5
 MAX_FRAME = 64 << 20  # bytes: a Draft call's message without its features is far smaller
 
 

@@ -86,8 +86,8 @@ class DrafterClient:
     ) -> DraftResult:
         """batch: (sequence, budget); table_widths: draft id -> K for the sequences that ask for a top-K
         table instead of a tree (SeqDraft.table_width; not with chain). Raises grpc.RpcError when the call
-        fails as a whole. A commit over `chunk_bytes` of features goes ahead in chunks (one Append stream
-        for the batch, in the same deadline), its last piece in the Draft."""
+        fails as a whole. A commit over `chunk_bytes` of features goes ahead in chunks (`_append`, in the same
+        deadline), its last piece in the Draft."""
         widths = table_widths or {}
         msgs, sent, chunks, features = [], {}, [], {}
         for seq, budget in batch:
@@ -113,9 +113,8 @@ class DrafterClient:
                         reset=reset,
                         caller=self.caller,
                     )
-                    chunk.commit_features.CopyFrom(tensor_to_proto(piece.features))
-                    chunks.append(chunk)
-                    sent[seq.draft_id] += len(chunk.commit_features.data)
+                    chunks.append((chunk, piece.features))
+                    sent[seq.draft_id] += piece.features.numel() * piece.features.element_size()
                     reset = False
                 msg.commit_token_ids.extend(last.token_ids)
                 msg.commit_start = last.start
@@ -128,11 +127,11 @@ class DrafterClient:
         deadline = t0 + self.last_deadline_s
         append_ms = 0.0
         if chunks:
-            append_ms = self.stub.Append(iter(chunks), timeout=self.last_deadline_s).append_ms
+            append_ms = self._append(chunks, deadline)
             metrics.FEATURE_CHUNKS.inc(len(chunks))
             metrics.FEATURE_APPEND_SECONDS.observe(time.perf_counter() - t0)
         remaining = max(deadline - time.perf_counter(), 0.001)
-        resp = self._draft_call(msgs, features, remaining, local=not chunks)
+        resp = self._draft_call(msgs, features, remaining)
         rpc_ms = (time.perf_counter() - t0) * 1e3
         if not chunks:
             self.deadline.observe(rpc_ms / 1e3)
@@ -170,12 +169,35 @@ class DrafterClient:
         failed = frozenset(resp.failed_seq_ids) & budgets.keys()  # their features did not reach the drafter
         return DraftResult(trees, resp.draft_ms + append_ms, rpc_ms, sent, failed, tables=tables)
 
-    def _draft_call(
-        self, msgs: list, features: dict[str, torch.Tensor], timeout_s: float, local: bool
-    ) -> drafter_pb2.DraftResponse:
+    def _append(self, chunks: list[tuple[drafter_pb2.CommitChunk, torch.Tensor]], deadline: float) -> float:
+        """A long commit's earlier chunks, in order, before `deadline`; the drafter's compute ms for them.
+        Over the co-located channel, one frame each (features through its ring), while there is one and
+        they fit it; the rest in one gRPC Append stream, the features as bytes."""
+        append_ms, rest = 0.0, list(chunks)
+        while rest and self.local is not None:
+            chunk, feats = rest[0]
+            try:
+                reply = self.local.append(chunk, feats, max(deadline - time.perf_counter(), 0.001))
+            except ChannelBroken as err:
+                log.warning("drafter_local_channel_lost", address=self.address, reason=str(err)[:200])
+                self.local = None
+                break
+            if reply is None:  # too large for the ring
+                chunk.ClearField("commit_features_ref")
+                break
+            append_ms += reply.append_ms
+            rest.pop(0)
+        if rest:
+            for chunk, feats in rest:
+                chunk.commit_features.CopyFrom(tensor_to_proto(feats))
+            remaining = max(deadline - time.perf_counter(), 0.001)
+            append_ms += self.stub.Append(iter(chunk for chunk, _ in rest), timeout=remaining).append_ms
+        return append_ms
+
+    def _draft_call(self, msgs: list, features: dict[str, torch.Tensor], timeout_s: float) -> drafter_pb2.DraftResponse:
         """The Draft call: over the co-located channel when there is one (features through its ring), else
         (or when that channel breaks: closed, then this call again) over gRPC with the features as bytes."""
-        if local and self.local is not None:
+        if self.local is not None:
             refs = self.local.put_all(features)
             if refs is not None:
                 request = drafter_pb2.DraftRequest(seqs=msgs, caller=self.caller)

@@ -3,9 +3,10 @@
 The first commit of a long prompt at full width is large: the Kimi-K2.5 DFlash drafter taps 6 layers
 of 7168, 86 KB per token in bf16, so a 2048-token window is 176 MB, while a message may carry 64 MB.
 `split_commit` cuts a commit into consecutive pieces of at most `chunk_bytes` of features (whole
-token rows; at least one row each). All but the last travel ahead of the Draft call in one Append
-stream, the first carrying the sequence's reset; the last goes in the Draft with the root. Pieces are
-contiguous: piece i + 1 starts where piece i ends, which the drafter checks.
+token rows; at least one row each). All but the last travel ahead of the Draft call (one Append
+stream, or one frame each over the co-located channel), the first carrying the sequence's reset; the
+last goes in the Draft with the root. Pieces are contiguous: piece i + 1 starts where piece i ends, which
+the drafter checks.
 """
 
 from __future__ import annotations

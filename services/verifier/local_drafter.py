@@ -3,8 +3,9 @@
 `LocalDrafterChannel.open(info, ring_bytes, device)` connects when the drafter's GetInfo offers a socket
 and names this host, makes this verifier's feature ring (its data on `device` when that is a GPU and the
 drafter maps it, else in shared memory) and says HELLO; None when any of it fails (the client keeps to
-gRPC). A call's features go into the ring (`put`: a FeatureRef, or None for a record too large for it),
-the request and the reply as one frame each. Failures are gRPC errors (`LocalRpcError`), so the
+gRPC). A Draft call's features go into the ring (`put_all`: their FeatureRefs, or None when they do not
+fit it), the request and the reply as one frame each; a long commit's earlier chunks go one APPEND frame
+each (`append`), their features through the ring too. Failures are gRPC errors (`LocalRpcError`), so the
 drafter pool treats them as it treats gRPC's: a reply not in time is DEADLINE_EXCEEDED; a broken channel
 is `ChannelBroken`, after which the client closes it and sends that call and the rest over gRPC.
 """
@@ -18,7 +19,7 @@ import torch
 
 from ddtree.protocol.ddtree.v1 import drafter_pb2
 from ddtree.protocol.feature_ring import FeatureRing
-from ddtree.protocol.local_channel import DRAFT, ERROR, HELLO, REPLY, host_id, recv_frame, send_frame
+from ddtree.protocol.local_channel import APPEND, DRAFT, ERROR, HELLO, REPLY, host_id, recv_frame, send_frame
 from ddtree.protocol.tensors import proto_dtype
 from ddtree.telemetry.logging import get_logger
 
@@ -93,10 +94,24 @@ class LocalDrafterChannel:
         return refs
 
     def draft(self, request: drafter_pb2.DraftRequest, timeout_s: float) -> drafter_pb2.DraftResponse:
+        return self._call(DRAFT, request, drafter_pb2.DraftResponse, timeout_s)
+
+    def append(
+        self, chunk: drafter_pb2.CommitChunk, features: torch.Tensor, timeout_s: float
+    ) -> drafter_pb2.AppendResponse | None:
+        """One chunk of a long commit, its features through the ring; None when they do not fit it."""
+        refs = self.put_all({chunk.seq_id: features})
+        if refs is None:
+            return None
+        chunk.commit_features_ref.CopyFrom(refs[chunk.seq_id])
+        return self._call(APPEND, chunk, drafter_pb2.AppendResponse, timeout_s)
+
+    def _call(self, kind: int, message, reply_type, timeout_s: float):
+        """One frame and its reply; the errors of gRPC's (LocalRpcError), or ChannelBroken."""
         try:
             self._sock.settimeout(timeout_s)
-            send_frame(self._sock, DRAFT, request.SerializeToString())
-            kind, payload = recv_frame(self._sock)
+            send_frame(self._sock, kind, message.SerializeToString())
+            reply_kind, payload = recv_frame(self._sock)
         except TimeoutError:
             # the reply may still come: this channel is out of step for good
             self.close()
@@ -104,15 +119,15 @@ class LocalDrafterChannel:
         except (OSError, ConnectionError) as err:
             self.close()
             raise ChannelBroken(str(err)) from None
-        if kind == ERROR:
+        if reply_kind == ERROR:
             code_name, _, details = payload.decode(errors="replace").partition(": ")
             code = getattr(grpc.StatusCode, code_name, grpc.StatusCode.UNKNOWN)
             raise LocalRpcError(code, details)
-        if kind != REPLY:
+        if reply_kind != REPLY:
             self.close()
-            raise ChannelBroken(f"reply frame of kind {kind}")
+            raise ChannelBroken(f"reply frame of kind {reply_kind}")
         try:
-            return drafter_pb2.DraftResponse.FromString(payload)
+            return reply_type.FromString(payload)
         except Exception as err:  # a malformed reply: the channel is not to be trusted any more
             self.close()
             raise ChannelBroken(f"malformed reply: {err}") from None

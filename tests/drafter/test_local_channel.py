@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 
+import grpc
 import pytest
 import torch
 
@@ -18,7 +19,9 @@ from ddtree.drafter.server import serve_engine
 from ddtree.protocol.ddtree.v1 import drafter_pb2
 from ddtree.protocol.device_plane import DevicePlaneHandle
 from ddtree.protocol.feature_ring import FeatureRing
+from ddtree.protocol.local_channel import APPEND
 from ddtree.verifier.drafter_client import DrafterClient
+from ddtree.verifier.local_drafter import LocalRpcError
 from ddtree.verifier.sequence import GenerateParams, PendingCommit, Sequence
 from tests.support.draft_engines import random_draft_engine
 
@@ -187,3 +190,45 @@ def test_a_drafter_gone_sends_the_client_back_to_grpc(tmp_path):
         client.draft([(seq, 4)], vocab_size=64)
     assert client.local is None, "the broken local channel was kept"
     assert "UNAVAILABLE" in str(err.value) or "unavailable" in str(err.value).lower()
+
+
+def test_long_commits_go_ahead_in_ring_chunks_with_the_same_trees(two_drafters):
+    """A commit over chunk_bytes: its earlier pieces go one APPEND frame each through the ring (gRPC's
+    Append is never called), and the trees equal those of a drafter fed the same chunks over gRPC."""
+    local = DrafterClient(two_drafters[0], timeout_s=30, local_ring_bytes=1 << 20, chunk_bytes=300)
+    remote = DrafterClient(two_drafters[1], timeout_s=30, chunk_bytes=300)
+
+    def no_grpc_append(*args, **kwargs):
+        raise AssertionError("a chunk went over gRPC")
+
+    local.stub.Append = no_grpc_append
+    pairs = []
+    for i in range(2):
+        a, b = _sequence(i, seed=i), _sequence(i, seed=i)
+        g = torch.Generator().manual_seed(50 + i)
+        feats = torch.randn(9, F, generator=g)  # 9 rows of 256 bytes: 8 chunks ahead, the last in the Draft
+        for seq in (a, b):
+            seq.pending_commit = PendingCommit(list(range(1, 10)), 0, feats.clone())
+        pairs.append((a, b))
+    got = local.draft([(a, 6) for a, _ in pairs], vocab_size=64)
+    want = remote.draft([(b, 6) for _, b in pairs], vocab_size=64)
+    assert local.local is not None and not got.failed and len(got.trees) == 2
+    assert [got.trees[a.draft_id] for a, _ in pairs] == [want.trees[b.draft_id] for _, b in pairs]
+    local.close()
+    remote.close()
+
+
+def test_a_bad_chunk_reference_fails_the_call_as_grpc_append_would(two_drafters):
+    client = DrafterClient(two_drafters[0], timeout_s=30, local_ring_bytes=8192)
+    chunk = drafter_pb2.CommitChunk(seq_id="c", commit_token_ids=[1, 2], commit_start=0, reset=True)
+    ref = client.local.put_all({"c": torch.randn(2, F)})["c"]
+    ref.generation += 3  # stale
+    chunk.commit_features_ref.CopyFrom(ref)
+    with pytest.raises(LocalRpcError) as err:
+        client.local._call(APPEND, chunk, drafter_pb2.AppendResponse, 30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "stale" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:  # a reference means nothing over gRPC
+        client.stub.Append(iter([chunk]), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "co-located" in err.value.details()
+    assert client.local is not None  # the channel itself is fine
+    client.close()

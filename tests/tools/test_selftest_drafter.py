@@ -13,8 +13,9 @@ def test_the_drafter_part_of_the_selftest_dry_run():
     out = run_drafter_check(True, torch.device("cpu"), lines.append)
     assert not out["errors"] and out["mismatches"] == 0
     paths = {(r["asked"], r["commit"]): r["path"] for r in out["transport"]}
-    # the dry run's commits are all under the gRPC chunk size (2048 x 128 x 2 bytes = 512 KB): no Append
     assert paths == {("shared", n): "shared" for n in COMMITS} | {("grpc", n): "grpc" for n in COMMITS}
+    # the dry run's commits are all under the chunk size (2048 x 128 x 2 bytes = 512 KB): nothing goes ahead
+    assert all(r["chunks_ahead"] == 0 for r in out["transport"])
     assert all(r["transport_ms"] > 0 for r in out["transport"])
     assert [r["budget"] for r in out["tree"]] == list(TREE_BUDGETS) and all(r["equal"] for r in out["tree"])
     assert len(lines) == 2 + 2 * len(COMMITS) + len(TREE_BUDGETS)

@@ -8,8 +8,8 @@
    - "grpc": gRPC bytes.
    The drafter runs in its own process (CUDA IPC maps memory of another process only) with an engine that
    drafts a one-node tree, keeps nothing and waits for its device, so a call's time is its transport and
-   the server's own work. A commit over the gRPC chunk size goes ahead in Append chunks on any path (the
-   ring takes none), which the row's `path` says.
+   the server's own work. A commit over the chunk size goes ahead in chunks (`chunks_ahead`): one frame
+   each through the ring on the co-located paths, one Append stream over gRPC.
 2. The tree build of one Draft call (8 sequences, 15 depths, Kimi's vocabulary of 163,840): top-K and the
    tensor build on the device (drafter/device_tree.py) against top-K, the copy to the host and the heap of
    contract/tree_build.py; the trees must be equal (a mismatch otherwise).
@@ -120,10 +120,10 @@ def _transport(shape: dict, device: torch.device, log) -> list[dict]:
                     t0 = time.perf_counter()
                     client.draft([(seq, 1)], vocab_size=shape["vocab"])
                     times.append((time.perf_counter() - t0) * 1e3)
-                chunked = n * width * 2 > client.chunk_bytes
-                path = "grpc" if chunked or client.local is None else ("device" if on_device else "shared")
+                chunks = -(-n * width * 2 // client.chunk_bytes) - 1  # pieces ahead of the Draft
+                path = "grpc" if client.local is None else ("device" if on_device else "shared")
                 row = dict(commit=n, path=path, asked=ask, transport_ms=statistics.median(times),
-                           feature_bytes=n * width * 2)  # fmt: skip
+                           feature_bytes=n * width * 2, chunks_ahead=chunks)  # fmt: skip
                 rows.append(row)
                 log(f"{n:>7} {path:>6} {row['transport_ms']:>12.3f} {row['feature_bytes'] / 1e6:>10.2f}")
             client.close()
