@@ -182,8 +182,7 @@ class DrafterClient:
                 log.warning("drafter_local_channel_lost", address=self.address, reason=str(err)[:200])
                 self.local = None
                 break
-            if reply is None:  # too large for the ring
-                chunk.ClearField("commit_features_ref")
+            if reply is None:  # too large for the ring: this chunk and the rest go over gRPC
                 break
             append_ms += reply.append_ms
             rest.pop(0)
