@@ -6,6 +6,8 @@
      protocol/device_plane.py), only where there is a GPU;
    - "shared": the co-located channel with the ring in shared memory (the features go to the host);
    - "grpc": gRPC bytes.
+   Each back to back, and the 1-token commit once more after 10 ms asleep before each call (`gap_ms`), as
+   a Draft call follows a verify in serving: what the machine's wake-up adds to the same call.
    The drafter runs in its own process (CUDA IPC maps memory of another process only) with an engine that
    drafts a one-node tree, keeps nothing and waits for its device, so a call's time is its transport and
    the server's own work. A commit over the chunk size goes ahead in chunks (`chunks_ahead`): one frame
@@ -31,6 +33,9 @@ from ddtree.contract.token_tree import TokenTree
 KIMI = dict(taps=6, hidden=7168, vocab=163840)
 DRY = dict(taps=2, hidden=64, vocab=4096)
 COMMITS = (1, 8, 2048)
+# (commit tokens, idle ms before each call): back to back, and a 1-token commit after the drafter slept
+# as long as a verify step, as in serving.
+CASES = tuple((n, 0) for n in COMMITS) + ((1, 10),)
 CALLS = 30
 TREE_SEQS, TREE_DEPTH, TREE_BUDGETS = 8, 15, (16, 64)
 
@@ -103,13 +108,13 @@ def _transport(shape: dict, device: torch.device, log) -> list[dict]:
     address = f"127.0.0.1:{ports.get(timeout=120)}"
     asked = (["device"] if device.type == "cuda" else []) + ["shared", "grpc"]
     rows = []
-    log(f"{'commit':>7} {'path':>6} {'transport ms':>12} {'feature MB':>10}")
+    log(f"{'commit':>7} {'gap ms':>6} {'path':>6} {'transport ms':>12} {'feature MB':>10}")
     try:
         for ask in asked:
             ring = dict(device=(256 << 20, device), shared=(256 << 20, None), grpc=(0, None))[ask]
             client = DrafterClient(address, 60, local_ring_bytes=ring[0], ring_device=ring[1])
             on_device = client.local is not None and client.local.ring.device is not None
-            for n in COMMITS:
+            for n, gap_ms in CASES:
                 times = []
                 for i in range(CALLS if n < 1000 else 3):
                     seq = Sequence(GenerateParams(f"t{n}-{i}", (1,), SamplingConfig(), 8, frozenset(), True, 1))
@@ -117,15 +122,16 @@ def _transport(shape: dict, device: torch.device, log) -> list[dict]:
                     feats = torch.zeros(n, width, dtype=torch.bfloat16, device=device)
                     seq.pending_commit = PendingCommit([1] * n, 0, feats)
                     _sync(device)
+                    time.sleep(gap_ms / 1e3)
                     t0 = time.perf_counter()
                     client.draft([(seq, 1)], vocab_size=shape["vocab"])
                     times.append((time.perf_counter() - t0) * 1e3)
                 chunks = -(-n * width * 2 // client.chunk_bytes) - 1  # pieces ahead of the Draft
                 path = "grpc" if client.local is None else ("device" if on_device else "shared")
-                row = dict(commit=n, path=path, asked=ask, transport_ms=statistics.median(times),
+                row = dict(commit=n, gap_ms=gap_ms, path=path, asked=ask, transport_ms=statistics.median(times),
                            feature_bytes=n * width * 2, chunks_ahead=chunks)  # fmt: skip
                 rows.append(row)
-                log(f"{n:>7} {path:>6} {row['transport_ms']:>12.3f} {row['feature_bytes'] / 1e6:>10.2f}")
+                log(f"{n:>7} {gap_ms:>6} {path:>6} {row['transport_ms']:>12.3f} {row['feature_bytes'] / 1e6:>10.2f}")
             client.close()
     finally:
         stop.set()

@@ -25,8 +25,8 @@ model served end to end on one GPU, in one table and one JSON.
     largest KV the memory plan admits against what the device reports free.
 
 (e) drafter_check.py: the drafter's transport per Draft call at Kimi width (the co-located channel with the
-    ring on the GPU over CUDA IPC, and in shared memory, against gRPC; commits of 1 / 8 / 2048 tokens) and
-    its tree build on the device against the host's heap (equal).
+    ring on the GPU over CUDA IPC, and in shared memory, against gRPC; commits of 1 / 8 / 2048 tokens, and
+    of 1 after 10 ms idle) and its tree build on the device against the host's heap (equal).
 
 It exits 1 on any mismatch (a kernel off its reference, DDTree off AR in fp32), on an error, and when a
 DDTree run that matches AR accepts under 2 tokens per step (the oracle's trees not followed); 2 when it
