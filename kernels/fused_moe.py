@@ -57,6 +57,7 @@ from .quant_formats import FP8_MAX
 from .shared_memory import OutOfResources  # noqa: F401  (what a launch raises: callers catch fused_moe.OutOfResources)
 
 _KIND = {"bf16": 0, "int4": 1, "fp8": 2}
+FP8_MIN_BLOCK_K = 32  # an 8-bit tl.dot's K on NVIDIA GPUs
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 _SCALE_MIN = 1e-12  # the activation scale of an all-zero group
 _FITTED: dict[tuple, MoeTileConfig] = {}  # _gemm's launch key -> the config that launched (launch_with_fallback)
@@ -245,8 +246,9 @@ def _check_inputs(x, gate, up, down, topk_weights, topk_ids, expert_map) -> None
         raise ValueError(f"fused moe: expert counts differ: gate {gate.num_experts}, up {up.num_experts}, "
                          f"down {down.num_experts}")  # fmt: skip
     for name, w in (("gate / up", gate), ("down", down)):
-        if w.kind == "fp8" and w.block[1] % 16:
-            raise ValueError(f"fused moe: {name} fp8 scale blocks must be a multiple of 16 along K, got {w.block}")
+        if w.kind == "fp8" and (w.block[1] & -w.block[1]) < FP8_MIN_BLOCK_K:
+            raise ValueError(f"fused moe: {name} fp8 scale blocks must be a multiple of {FP8_MIN_BLOCK_K} along K "
+                             f"(a K tile lies in one, and an 8-bit dot needs K >= 32), got {w.block}")  # fmt: skip
     num_global = gate.num_experts if expert_map is None else expert_map.shape[0]
     if topk_weights.dtype not in FLOAT_DTYPES:
         raise ValueError(f"fused moe: topk_weights must be a float tensor, got {topk_weights.dtype}")
@@ -297,8 +299,11 @@ def _gemm(a, w1: ExpertWeights, w2, out, align, cfg, row_div, topk_w, dot, preci
     """One grouped GEMM; fallback: a config that does not fit the device shrinks (launch_with_fallback), else
     OutOfResources propagates (an explicit config is launched as given: the autotuner rejects tiles by it)."""
     N, K = w1.out_features, w1.in_features
-    if w1.kind == "fp8":  # a K tile must lie in one scale block (smaller_configs' halving keeps that)
-        cfg = dataclasses.replace(cfg, block_k=min(cfg.block_k, w1.block[1] & -w1.block[1]))  # largest 2^n dividing it
+    if w1.kind == "fp8":
+        # a K tile lies in one scale block (the largest 2^n dividing it; smaller_configs' halving keeps that)
+        # and is at least 32 wide: an 8-bit tl.dot needs K >= 32 on NVIDIA GPUs (the interpreter takes any)
+        block_k = max(FP8_MIN_BLOCK_K, min(cfg.block_k, w1.block[1] & -w1.block[1]))
+        cfg = dataclasses.replace(cfg, block_k=block_k)
         precision = "tf32"
     ws = w1.weight.stride()
     ss = (0, 0, 0) if w1.scale is None else w1.scale.stride()

@@ -49,7 +49,10 @@ def smem_bytes(block_m: int, block_e: int, x_bytes: int, w_bytes: int, num_stage
                           [(block_m, k, 4 * (x_bytes < 4)), (k, block_e, 4 * (w_bytes < 4))])  # fmt: skip
 
 
-_TICKETS: dict[torch.device, torch.Tensor] = {}
+# Per device, every ticket buffer ever made, the newest last. A CUDA graph captured with a buffer keeps its
+# address, so a buffer is never freed: a larger call adds one (16 KB covers 65,536 rows at block_m 16).
+_TICKETS: dict[torch.device, list[torch.Tensor]] = {}
+_MIN_TICKETS = 4096
 
 
 @triton.jit
@@ -129,12 +132,12 @@ def _router_kernel(
 
 
 def _tickets(device: torch.device, n: int) -> torch.Tensor:
-    """The device's zeroed ticket buffer, at least n long (grown, i.e. allocated, only on a larger call)."""
-    t = _TICKETS.get(device)
-    if t is None or t.numel() < n:
-        t = torch.zeros(max(n, 64), dtype=torch.int32, device=device)
-        _TICKETS[device] = t
-    return t
+    """The device's zeroed ticket buffer, at least n long (the kernel leaves it zeroed). A larger call than
+    any before gets a new buffer; the old ones stay alive for the graphs that hold their addresses."""
+    buffers = _TICKETS.setdefault(device, [])
+    if not buffers or buffers[-1].numel() < n:
+        buffers.append(torch.zeros(max(n, _MIN_TICKETS), dtype=torch.int32, device=device))
+    return buffers[-1]
 
 
 def route(

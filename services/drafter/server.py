@@ -134,6 +134,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self.engine = engine
         self._leases = Leases(lease_s)  # which caller holds each context (leases.py)
         self.local_address = ""  # the co-located channel's socket (local_server.py), once serve_engine opens it
+        self.maps_device_features = False  # that channel maps a ring's GPU buffer
         # Draft / Append compute runs there when given (models/runtime/cpu), else on the handler's thread.
         self._compute = run_on(engine_thread)
         self.max_sequences = max_sequences  # draft contexts held at once (--max-sequences)
@@ -320,6 +321,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 max_sequences=self.max_sequences,
                 local_address=self.local_address,
                 host_id=host_id() if self.local_address else "",
+                maps_device_features=self.maps_device_features,
             )
 
 
@@ -336,12 +338,11 @@ def serve_engine(engine, config: DrafterConfig, engine_thread: EngineThread | No
     security = ServiceSecurity.from_config(config)
     local = None
     if config.local_channel == "auto" and not security.token and not security.tls:
+        map_device = bool(getattr(engine, "tree_on_device", False)) and torch.cuda.is_available()
         local = LocalDraftServer(
-            servicer,
-            thread_init=single_threaded if engine_thread is not None else None,
-            map_device=bool(getattr(engine, "tree_on_device", False)) and torch.cuda.is_available(),
+            servicer, thread_init=single_threaded if engine_thread is not None else None, map_device=map_device
         )
-        servicer.local_address = local.path
+        servicer.local_address, servicer.maps_device_features = local.path, map_device
 
     def register(server):
         drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)

@@ -59,7 +59,8 @@ class LocalDrafterChannel:
         try:
             sock.settimeout(10.0)
             sock.connect(info.local_address)
-            ring = FeatureRing.create(ring_bytes, device=device)
+            # a GPU buffer only for a drafter that maps one: one it never maps stays allocated (CUDA IPC)
+            ring = FeatureRing.create(ring_bytes, device=device if info.maps_device_features else None)
             send_frame(sock, HELLO, ring.hello())
             kind, plane = recv_frame(sock)
             if kind != REPLY or plane not in (b"device", b"host"):

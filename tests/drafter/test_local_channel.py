@@ -232,3 +232,28 @@ def test_a_bad_chunk_reference_fails_the_call_as_grpc_append_would(two_drafters)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "co-located" in err.value.details()
     assert client.local is not None  # the channel itself is fine
     client.close()
+
+
+def test_a_gpu_buffer_is_offered_only_to_a_drafter_that_maps_one(two_drafters, monkeypatch):
+    """A verifier on a GPU makes the ring's device buffer only when the drafter's GetInfo says it maps one: a
+    buffer shared through CUDA IPC and never mapped stays allocated for the verifier's life."""
+    from ddtree.verifier import local_drafter
+
+    asked = []
+    create = FeatureRing.create
+
+    def recording_create(size, directory=None, device=None):
+        asked.append(device)
+        return create(size, directory)  # this CPU has no GPU to put it on
+
+    monkeypatch.setattr(local_drafter.FeatureRing, "create", staticmethod(recording_create))
+    gpu = torch.device("cuda", 0)
+    client = DrafterClient(two_drafters[0], timeout_s=30, local_ring_bytes=1 << 20, ring_device=gpu)
+    assert not client.info.maps_device_features and asked == [None] and client.local is not None
+    info = drafter_pb2.DrafterInfo()
+    info.CopyFrom(client.info)
+    info.maps_device_features = True
+    channel = local_drafter.LocalDrafterChannel.open(info, 1 << 20, gpu)
+    assert asked == [None, gpu] and channel is not None
+    channel.close()
+    client.close()

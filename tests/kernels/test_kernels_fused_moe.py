@@ -56,7 +56,7 @@ class Case:
     routing: str = "random"  # random (distinct experts per token) | skewed (all on one) | sparse (2 experts)
     ep: bool = False  # expert_map over 2E global experts, E of them local
     group: int = 16  # int4 group size
-    block: tuple[int, int] = (16, 16)  # fp8 scale block
+    block: tuple[int, int] = (16, 32)  # fp8 scale block (K: a multiple of 32, an 8-bit dot's least K)
     config: MoeTileConfig | None = None  # None: moe_configs' default
 
     def __str__(self) -> str:
@@ -73,12 +73,13 @@ CASES = [
     Case("int4_e16_k8_m17_tiles", "int4", 16, 8, 17, d=44, inter=20, config=SMALL),  # K % 8 != 0: padding nibbles
     Case("int4_e64_k1_m136_fp16_ep", "int4", 64, 1, 136, d=48, inter=32, dtype=torch.float16, ep=True, group=8),
     Case("int4_e16_k2_m1_fp32_sparse", "int4", 16, 2, 1, d=80, inter=40, dtype=torch.float32, group=24),
-    Case("fp8_e4_k2_m17_blocks", "fp8", 4, 2, 17, d=48, inter=40, block=(16, 16), config=SMALL),
+    Case("fp8_e4_k2_m17_blocks", "fp8", 4, 2, 17, d=48, inter=40, block=(16, 32), config=SMALL),
     Case("fp8_e16_k8_m136_ep", "fp8", 16, 8, 136, d=64, inter=32, ep=True, block=(32, 32)),
     Case("fp8_e64_k1_m1_fp32", "fp8", 64, 1, 1, d=40, inter=24, dtype=torch.float32, block=(128, 128)),
     Case("fp8_e16_k8_m17_sparse_128", "fp8", 16, 8, 17, d=72, inter=48, routing="sparse", block=(128, 128)),
     Case("fp8_e4_k1_m136_skewed_fp16", "fp8", 4, 1, 136, d=40, inter=32, dtype=torch.float16, routing="skewed"),
-    # K tiles of 16 in scale blocks of 64: a group's amax is read at its first tile; ragged last groups
+    # K tiles of 32 (SMALL's 16 raised to an 8-bit dot's least) in scale blocks of 64: a group's amax is read at
+    # its first tile; ragged last groups
     Case("fp8_e8_k2_m17_narrow_k_tiles", "fp8", 8, 2, 17, d=200, inter=72, block=(16, 64), config=SMALL),
 ]
 
@@ -266,7 +267,7 @@ def test_moe_align_matches_brute_force(M, k, E, block_m, G, routing):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("group,block_k", [(128, 128), (128, 32), (32, 32), (48, 16)], ids=lambda v: str(v))
+@pytest.mark.parametrize("group,block_k", [(128, 128), (128, 32), (32, 32), (96, 32)], ids=lambda v: str(v))
 def test_fp8_activation_quantization_is_bit_exact(group, block_k, dtype):
     """The GEMM's in-kernel quantizer equals the torch twin bit for bit, ties and e4m3 subnormals included,
     for K tiles as wide as the group and narrower (the group's amax read at its first tile), a group that
@@ -313,7 +314,7 @@ def _bad_inputs():
         (dict(x=x[:, :-8]), "gate / up take 40 features, x has 32"),
         (dict(down=_weights("int4", 4, case.d, 16, torch.Generator(), 16, None)), "down takes 16 features"),
         (dict(down=_weights("int4", 5, case.d, case.inter, torch.Generator(), 16, None)), "expert counts differ"),
-        (dict(gate=fp8_k8, up=fp8_k8), "multiple of 16 along K"),
+        (dict(gate=fp8_k8, up=fp8_k8), "multiple of 32 along K"),
         (dict(topk_ids=ids[:-1], topk_weights=weights[:-1]), "topk_ids must be \\[3, k\\]"),
         (dict(topk_weights=weights[:, :1]), "topk_weights \\[3, 1\\] != topk_ids"),
         (dict(topk_ids=ids.float()), "int32 or int64"),

@@ -96,7 +96,20 @@ def test_tickets_are_left_at_zero_for_the_next_launch():
         x, w, bias = _inputs(case, seed)
         args = (case.top_k, case.n_group, case.topk_group, case.renormalize, case.scaling)
         _check(f"launch {seed}", route(x, w, bias, *args), route_ref(x, w, bias, *args))
-    assert not router_module._TICKETS[x.device].any()
+    assert not any(t.any() for t in router_module._TICKETS[x.device])
+
+
+def test_a_larger_call_keeps_the_earlier_ticket_buffer_alive(monkeypatch):
+    """A CUDA graph keeps the address of the ticket buffer it was captured with: a larger call must add a
+    buffer, not free the one in use (the caching allocator would hand its memory to another tensor)."""
+    monkeypatch.setattr(router_module, "_TICKETS", {})
+    first = router_module._tickets(torch.device(DEVICE), 10)
+    address = first.data_ptr()
+    assert router_module._tickets(torch.device(DEVICE), 10) is first
+    larger = router_module._tickets(torch.device(DEVICE), first.numel() + 1)
+    assert larger is not first and larger.numel() > first.numel() and not larger.any()
+    assert [id(t) for t in router_module._TICKETS[torch.device(DEVICE)]] == [id(first), id(larger)]
+    assert first.data_ptr() == address
 
 
 def test_ties_go_to_the_lower_expert():

@@ -4,7 +4,8 @@ On the Kimi-K2.6-shaped checkpoint of the serving part (serving_check.make_plan 
 verifier (AR only) and the gateway as processes on the device:
 
 1. the memory plan (verifier/memory_check.py) of the verifier with the largest KV pool it admits on this
-   device (its total memory; the dry run: DRY_RUN_DEVICE_BYTES), and what the device reports free once
+   device (the memory free now less PLAN_MARGIN_BYTES, as the verifier checks its plan against the memory
+   free at its start; the dry run: DRY_RUN_DEVICE_BYTES), and what the device reports free once
    that verifier serves (torch.cuda.mem_get_info from this process, whose own CUDA context is counted
    too; the dry run: MemAvailable);
 2. warm start: seconds from starting the verifier to its health saying SERVING (its LISTENING line), and
@@ -21,6 +22,7 @@ import time
 import traceback
 
 DRY_RUN_DEVICE_BYTES = 3 * 10**9
+PLAN_MARGIN_BYTES = 1 << 30  # on CUDA: what may move between this plan and the verifier's own check
 REQUEST_TOKENS = 16
 
 
@@ -70,13 +72,18 @@ def run_deploy_check(dry_run: bool, work: pathlib.Path, log=print) -> dict:
         if not (model / "config.json").exists():
             model.mkdir(parents=True, exist_ok=True)
             gs.make_checkpoint(plan, model)
-        total, _ = device_bytes(plan.device)
+        total, free = device_bytes(plan.device)
+        # The verifier checks its plan against the memory free when it starts, which this process's CUDA
+        # context (and anything a part before held) already takes: plan against that, less a margin.
+        room = total if not plan.device.startswith("cuda") else free - PLAN_MARGIN_BYTES
         flags = ["--dtype", "bfloat16", "--max-batch", "4", "--prefill-chunk", str(plan.prefill_chunk)]
-        config, mem = admitted_plan(model, plan.device, total, flags)
+        config, mem = admitted_plan(model, plan.device, room, flags)
         gpu = mem.gpus[0]
         out["plan"] = dict(device_bytes=gpu.device_bytes, used_bytes=gpu.used, headroom_bytes=gpu.headroom,
-                           kv_tokens=mem.kv_tokens, items={i.what: i.bytes for i in gpu.items})  # fmt: skip
-        log(f"memory plan on {total / 1e9:.1f} GB: KV {mem.kv_tokens:,} tokens, {gpu.used / 1e9:.2f} GB planned")
+                           kv_tokens=mem.kv_tokens, items={i.what: i.bytes for i in gpu.items},
+                           total_bytes=total, free_bytes=free)  # fmt: skip
+        log(f"memory plan on {room / 1e9:.1f} GB ({total / 1e9:.1f} GB total, {free / 1e9:.1f} GB free): "
+            f"KV {mem.kv_tokens:,} tokens, {gpu.used / 1e9:.2f} GB planned")  # fmt: skip
         args = ["verifier", "--model", str(model), "--port", "0", "--device", plan.device, *flags]
         args += ["--kv-tokens", str(mem.kv_tokens), "--max-context", str(min(mem.kv_tokens, 4096))]
         t0 = time.perf_counter()

@@ -55,7 +55,9 @@ class GraphRunner(Generic[BucketT, OutputT]):
             torch.cuda.synchronize()
             torch.cuda.empty_cache()  # the warm-up's blocks: start-up holds the pool plus one warm-up at a time
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
+            # thread_local: the process's other threads (the drafter pool's resolver opening a replica, its
+            # feature ring's device buffer and events) may call CUDA meanwhile without spoiling this capture.
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"), torch.inference_mode():
                 out = self.forward(b)
             self._graphs[b] = (graph, out)
         torch.cuda.synchronize()
