@@ -18,7 +18,7 @@ from ddtree.tools.selftest.serving_check import first_mismatch
 from tests.support import installed_env as env
 
 KERNELS = {"mla decode", "mla verify", "mla extend", "latent write", "fp8 gemm", "int4 gemm", "fused moe bf16",
-           "fused moe int4", "fused moe fp8", "draft graph"}  # fmt: skip
+           "fused moe int4", "fused moe fp8", "router", "add rms norm", "silu and mul", "rope q", "draft graph"}  # fmt: skip
 ROW_KEYS = {"mode", "kind", "context", "prompt_tokens", "tokens", "steps", "tau", "draft_ms", "verify_ms",
             "transport_ms", "step_ms", "decode_tok_s", "ttft_ms", "identical"}  # fmt: skip
 

@@ -48,6 +48,7 @@ import datetime
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -81,6 +82,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--keep", action="store_true", help="keep the temp work dir")
     p.add_argument("--deadline-s", type=float, default=450.0,
                    help="serve no new context after this many seconds from the start (the rest: skipped)")  # fmt: skip
+    p.add_argument("--commit", default="", type=_commit_hash,
+                   help="the commit of a copied tree that git cannot tell (the device runner passes it)")  # fmt: skip
     p.add_argument("--corrupt-reference", action="store_true", help=argparse.SUPPRESS)  # tests: must fail
     p.set_defaults(fn=run)
     return p
@@ -100,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device("cpu" if args.dry_run else "cuda")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreted)"
     t0 = time.perf_counter()
-    result = dict(provenance(name, sys.argv), dry_run=args.dry_run, torch=torch.__version__,
+    result = dict(provenance(name, sys.argv, args.commit), dry_run=args.dry_run, torch=torch.__version__,
                   triton=_triton_version(), corrupt_reference=args.corrupt_reference, errors=[])  # fmt: skip
     print(f"selftest gpu on {name}{' (dry run)' if args.dry_run else ''}", flush=True)
     log = lambda line: print(line, flush=True)  # noqa: E731
@@ -114,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
             result["errors"].append(dict(part="kernels", error=traceback.format_exc()[-3000:]))
             traceback.print_exc()
         result["kernels_s"] = time.perf_counter() - t0
+        release_device_memory()
         save(args.out, result)  # something to read if the serving part never returns
     if not args.skip_serving:
         from ddtree.tools.selftest import serving_check as gs
@@ -180,13 +184,27 @@ def _run_part(result: dict, out: pathlib.Path, name: str, title: str, part) -> N
         result["errors"].append(dict(part=name, error=traceback.format_exc()[-3000:]))
         traceback.print_exc()
     result[f"{name}_s"] = time.perf_counter() - t0
+    release_device_memory()
     save(out, result)
 
 
-def provenance(device: str, argv: list[str]) -> dict:
+def release_device_memory() -> None:
+    """Give what a part left in this process's CUDA cache back to the device: the parts after it start
+    services that plan against the memory free (deploy_check), and the next part's model needs it."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def provenance(device: str, argv: list[str], given_commit: str = "") -> dict:
     """Where and when: the UTC date, the device, the command, and the checkout's commit (`unknown` outside a
-    git checkout; `dirty` when its tracked files differ from that commit)."""
-    commit, dirty = "unknown", None
+    git checkout; `dirty` when its tracked files differ from that commit). given_commit: a copied tree's
+    commit, said by whoever copied it; used when git cannot tell, and recorded as given."""
+    commit, dirty = (f"{given_commit} (given)" if given_commit else "unknown"), None
     try:
         git = ["git", "-C", str(CHECKOUT)]
         commit = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30,
@@ -197,6 +215,12 @@ def provenance(device: str, argv: list[str]) -> dict:
         pass
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return dict(date=date, device=device, commit=commit, dirty=dirty, command=" ".join(["ddtree", *argv[1:]]))
+
+
+def _commit_hash(text: str) -> str:
+    if text and not re.fullmatch(r"[0-9a-f]{7,40}", text):
+        raise argparse.ArgumentTypeError(f"not a commit hash (7 to 40 lowercase hex digits): {text[:60]!r}")
+    return text
 
 
 def save(path: pathlib.Path, result: dict) -> None:

@@ -10,6 +10,8 @@
   weight on the device.
 - the fused MoE, bf16 / INT4 / FP8 weights: moe_bench.py's `bench_model` (CUDA-graph
   timing, cosine difference from the per-expert torch loop), its rows folded into this table.
+- the router, fused residual add + RMSNorm, SiLU-and-mul and the queries' RoPE against their references
+  (layer_kernel_check.py).
 - the drafter's block forward as a CUDA graph against the eager one (draft_graph.py).
 
 Every row: kernel, shape, kernel µs, torch µs, the bytes the call must move / kernel time (GB/s), ok.
@@ -27,6 +29,7 @@ from ddtree.tools.selftest import mla_bench as mla
 from ddtree.tools.selftest import moe_bench as moe
 from ddtree.tools.selftest.compare import assert_close
 from ddtree.tools.selftest.draft_graph import draft_graph_cases
+from ddtree.tools.selftest.layer_kernel_check import layer_kernel_cases
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,8 +207,10 @@ def run_kernels(dry_run: bool, device: torch.device, corrupt: bool = False, log=
              for T in plan.latent_tokens]  # fmt: skip
     jobs.append((functools.partial(gemm_cases, plan, device, measure, peak, corrupt), "dense gemm", "all"))
     jobs.append((functools.partial(moe_cases, plan, device, peak), "fused moe", "all"))
-    draft_row, draft_compare = functools.partial(_row, peak=peak), functools.partial(compare, corrupt=corrupt)
-    draft = functools.partial(draft_graph_cases, dry_run, device, measure, draft_compare, draft_row)
+    part_row, part_compare = functools.partial(_row, peak=peak), functools.partial(compare, corrupt=corrupt)
+    layer = functools.partial(layer_kernel_cases, dry_run, device, measure, part_row, part_compare)
+    jobs.append((layer, "layer kernels", "all"))
+    draft = functools.partial(draft_graph_cases, dry_run, device, measure, part_compare, part_row)
     jobs.append((draft, "draft graph", "all"))
     rows = []
     for fn, kernel, shape in jobs:
