@@ -199,21 +199,12 @@ def sweep(dims, device, measure, peak_gbs, prefixes) -> list[dict]:
 def compile_report(arch: int) -> list[dict]:
     """AOT-compile the kernels at the Kimi shapes for CUDA `arch` (no GPU needed): compile errors surface
     here, and cuobjdump gives registers, stack bytes (spills) and shared memory per kernel variant."""
-    import re
-    import subprocess
-    import tempfile
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile
-
     from ddtree.kernels.latent_write import _latent_write_kernel
     from ddtree.kernels.mla_merge import CHUNK, MERGE_V, _mla_merge_kernel
     from ddtree.kernels.mla_plan import MLAKernelConfig
     from ddtree.kernels.mla_split import _mla_split_kernel
+    from scripts.bench.compile_launches import build
 
-    cuobjdump = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    target = GPUTarget("cuda", arch, 32)
     cfg = MLAKernelConfig()
     H, r, dr = KIMI["heads"], KIMI["r"], KIMI["dr"]
     i32, ptr = "i32", "*bf16"
@@ -251,16 +242,10 @@ def compile_report(arch: int) -> list[dict]:
     )
     rows = []
     for name, fn, sig, consts, warps, stages in variants:
-        src = ASTSource(fn, {**sig, **{k: "constexpr" for k in consts}}, consts)
-        k = compile(src, target=target, options=dict(num_warps=warps, num_stages=stages))
-        with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as f:
-            f.write(k.asm["cubin"])
-            f.flush()
-            usage = subprocess.run([str(cuobjdump), "-res-usage", f.name], capture_output=True, text=True).stdout
-        regs, stack = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "STACK"))
-        rows.append(dict(kernel=name, arch=arch, num_warps=warps, registers=regs, stack_bytes=stack,
-                         shared_bytes=k.metadata.shared))  # fmt: skip
-        print(f"sm_{arch} {name:>24}: {regs} registers, {stack} stack bytes, {k.metadata.shared} shared", flush=True)
+        usage = build(fn, {**sig, **{k: "constexpr" for k in consts}}, consts, arch, warps, stages)
+        rows.append(dict(kernel=name, arch=arch, num_warps=warps, **usage))
+        print(f"sm_{arch} {name:>24}: {usage['registers']} registers, {usage['stack_bytes']} stack bytes, "
+              f"{usage['shared_bytes']} shared", flush=True)  # fmt: skip
     return rows
 
 
