@@ -11,6 +11,8 @@ refuses (a tl.dot under 16 wide, an oversized tile) and says nothing of register
    choosing as on that GPU (`as_on_gpu`).
    The forward reads no value back to the host (`host_syncs_per_step` is 0), so kernels that do not run
    change nothing of what is launched; only the numbers are garbage;
+   The step's counts (ops per MoE layer, host syncs, Triton launches) are printed per shape: what that GPU
+   launches, where the suite's interpreted counts see the interpreter's exact-fp32 stand-ins;
 2. compile (here, not interpreted): each distinct launch for sm_ARCH as the GPU would build it, with
    ptxas; a row per launch: registers, stack bytes (spills), shared memory against the arch's limit, or
    the compile error.
@@ -138,20 +140,28 @@ def as_on_gpu(arch: int):
             setattr(module, name, original)
 
 
-def record(step_args: list[str], arch: int) -> list[dict]:
-    """The distinct launches of `ddtree bench step step_args` as on a GPU of `arch` (this process must
-    interpret Triton)."""
+STEP_KEYS = ("rows", "context", "ops_per_step", "ops_per_moe_layer", "ops_per_moe_layer_mean", "host_syncs_per_step",
+             "triton_launches_per_step", "all_reduces_per_step")  # fmt: skip
+
+
+def record(step_args: list[str], arch: int) -> dict:
+    """{launches: the distinct launches of `ddtree bench step step_args` as on a GPU of `arch`, step: its
+    report's counts (one warm-up step first, as a served step is never a model's first), as that GPU would
+    launch them}. This process must interpret Triton."""
     from ddtree.tools.bench import step
 
     parser = argparse.ArgumentParser()
     step.add_parser(parser.add_subparsers())
-    args = parser.parse_args(["step", *step_args, "--kernels", "triton", "--no-graphs", "--warmup", "0",
-                              "--repeat", "1", "--device", "cpu"])  # fmt: skip
-    launches: list[dict] = []
-    with as_on_gpu(arch), recording(launches), contextlib.redirect_stdout(sys.stderr):
-        step.run(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        report = pathlib.Path(tmp) / "step.json"
+        args = parser.parse_args(["step", *step_args, "--kernels", "triton", "--no-graphs", "--warmup", "1",
+                                  "--repeat", "1", "--device", "cpu", "--out", str(report)])  # fmt: skip
+        launches: list[dict] = []
+        with as_on_gpu(arch), recording(launches), contextlib.redirect_stdout(sys.stderr):
+            step.run(args)
+        counts = json.loads(report.read_text())
     distinct = {json.dumps(x, sort_keys=True): x for x in launches}
-    return list(distinct.values())
+    return dict(launches=list(distinct.values()), step={k: counts[k] for k in STEP_KEYS})
 
 
 def build(kernel, signature: dict, constexprs: dict, arch: int, num_warps: int, num_stages: int, attrs=None) -> dict:
@@ -204,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("compile_launches compiles: run it without TRITON_INTERPRET=1")
     launches: dict[str, dict] = {}
+    steps = []
     for shape in args.shapes.split(","):
         rows, context = shape.split(":")
         child = subprocess.run(
@@ -213,8 +224,14 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
         if child.returncode != 0:
             raise SystemExit(f"recording the launches of shape {shape} failed:\n{child.stderr[-3000:]}")
-        for launch in json.loads(child.stdout):
+        recorded = json.loads(child.stdout)
+        for launch in recorded["launches"]:
             launches[json.dumps(launch, sort_keys=True)] = launch
+        st = recorded["step"]
+        steps.append(st)
+        print(f"{st['rows']} rows at {st['context']}: {st['ops_per_moe_layer']} ops per MoE layer (mean "
+              f"{st['ops_per_moe_layer_mean']}), {st['host_syncs_per_step']} host syncs, "
+              f"{st['triton_launches_per_step']} Triton launches per step, as sm_{args.arch} would launch them")  # fmt: skip
     import triton
 
     out, failed = [], 0
@@ -229,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(out)} distinct launches, {failed} failed, triton {triton.__version__}")
     if args.out is not None:
         args.out.write_text(
-            json.dumps(dict(arch=args.arch, triton=triton.__version__, rows=out), indent=1, default=str)
+            json.dumps(dict(arch=args.arch, triton=triton.__version__, steps=steps, rows=out), indent=1, default=str)
         )
     return 1 if failed else 0
 

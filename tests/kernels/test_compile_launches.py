@@ -1,7 +1,8 @@
 """Every Triton kernel the deployments' verify step launches compiles for sm_90 (H100 / H200) as launched:
 scripts/bench/compile_launches.py records the launches of `ddtree bench step` on the CPU with the wrappers
 choosing as on the GPU, then builds each with Triton's own compiler and ptxas (no GPU needed). The
-interpreted tests cannot see what only the GPU compiler refuses, nor shared memory past the device's."""
+interpreted tests cannot see what only the GPU compiler refuses, nor shared memory past the device's. The
+same recording counts the step's ops and host syncs as the GPU launches them."""
 
 from __future__ import annotations
 
@@ -30,8 +31,13 @@ def _compile(tmp_path, config) -> list[dict]:
         cwd=env.ROOT, env=no_interpreter, capture_output=True, text=True, timeout=1200,
     )  # fmt: skip
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
+    result = json.loads(out.read_text())
+    rows = result["rows"]
     assert all(r["fits"] and "error" not in r for r in rows), [r for r in rows if not r["fits"]]
+    # issue 40's budget, counted as the GPU launches (not the interpreter's exact-fp32 stand-ins)
+    steps = result["steps"]
+    assert [(st["rows"], st["context"]) for st in steps] == [(1, 1024), (17, 1024), (256, 1024)]
+    assert all(st["host_syncs_per_step"] == 0 and st["ops_per_moe_layer"] <= 30 for st in steps), steps
     return rows
 
 
