@@ -164,15 +164,22 @@ def record(step_args: list[str], arch: int) -> dict:
     return dict(launches=list(distinct.values()), step={k: counts[k] for k in STEP_KEYS})
 
 
-def build(kernel, signature: dict, constexprs: dict, arch: int, num_warps: int, num_stages: int, attrs=None) -> dict:
-    """A JITFunction compiled for sm_arch (signature: every parameter's type, "constexpr" for those in
-    constexprs): its registers, stack bytes (spills) and shared memory, as ptxas and cuobjdump say."""
-    import triton
+def compile_for(kernel, signature: dict, constexprs: dict, arch: int, num_warps: int, num_stages: int, attrs=None):
+    """A JITFunction compiled ahead of time for sm_arch (signature: every parameter's type, "constexpr" for
+    those in constexprs; attrs: the JIT's specialisations, {(index,): [["tt.divisibility", 16]]})."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
     src = ASTSource(kernel, signature, constexprs, attrs or {})
-    built = compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
+    return compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def build(kernel, signature: dict, constexprs: dict, arch: int, num_warps: int, num_stages: int, attrs=None) -> dict:
+    """`compile_for`'s kernel: its registers, stack bytes (spills) and shared memory, as ptxas and cuobjdump
+    say."""
+    import triton
+
+    built = compile_for(kernel, signature, constexprs, arch, num_warps, num_stages, attrs)
     cuobjdump = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as f:
         f.write(built.asm["cubin"])

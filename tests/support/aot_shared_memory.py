@@ -14,8 +14,6 @@ import json
 import sys
 
 import triton.language as tl
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource, compile
 
 from ddtree.kernels import fp8_gemm, int4_gemm, router
 from ddtree.kernels import fused_moe as fm
@@ -23,6 +21,7 @@ from ddtree.kernels.mla_plan import MLAKernelConfig, mla_smem_bytes, smaller_mla
 from ddtree.kernels.mla_split import _mla_split_kernel
 from ddtree.kernels.moe_configs import KINDS, default_config, smem_bytes
 from ddtree.kernels.shared_memory import SMEM_PER_BLOCK, fit_config, stages_within
+from scripts.bench.compile_launches import compile_for
 
 BF16 = "*bf16"
 
@@ -34,9 +33,7 @@ def compiled_smem(kernel, arch: int, pointers: dict, consts: dict, floats=(), nu
     sig = {p.name: "constexpr" if p.name in consts else pointers.get(p.name) or ("fp32" if p.name in floats else "i32")
            for p in kernel.params}  # fmt: skip
     attrs = {(i,): [["tt.divisibility", 16]] for i, (n, t) in enumerate(sig.items()) if t[0] == "*" or t == "i32"}
-    opts = dict(num_warps=num_warps, num_stages=num_stages)
-    src = ASTSource(kernel, sig, consts, attrs)
-    return compile(src, target=GPUTarget("cuda", arch, 32), options=opts).metadata.shared
+    return compile_for(kernel, sig, consts, arch, num_warps, num_stages, attrs).metadata.shared
 
 
 def rows(arch: int) -> list[dict]:
