@@ -34,6 +34,8 @@ import subprocess
 import sys
 import tempfile
 
+from ddtree.tools.bench.triton_launches import kernel_function
+
 # What Triton takes as launch options beside the kernel's own parameters.
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion", "launch_cooperative_grid")
 SHARED_LIMIT = {90: 232448, 89: 101376, 80: 166912}  # bytes of shared memory one block may take (opt-in max)
@@ -71,9 +73,7 @@ def _constexpr_value(value):
 def describe_launch(kernel, args: tuple, kwargs: dict) -> dict:
     """A launch as the compiler needs it: the kernel's module and name, each parameter's type ('*bf16',
     'i32', ...) or constexpr value, and the launch options."""
-    fn = kernel
-    while hasattr(fn, "fn"):  # Autotuner / JITFunction / InterpretedFunction -> the Python function
-        fn = fn.fn
+    fn = kernel_function(kernel)
     options = {k: kwargs.pop(k) for k in LAUNCH_OPTIONS if k in kwargs}
     bound = inspect.signature(fn).bind(*args, **kwargs)
     bound.apply_defaults()
@@ -119,20 +119,19 @@ def as_on_gpu(arch: int):
     and an H100/H200's 132 SMs for the tile and split choices, the arch as the device's capability."""
     import pkgutil
 
+    import torch
+
     import ddtree.kernels
 
     stand_ins = dict(is_interpreted=lambda kernel: False, check_device=lambda device, interpreted: None,
-                     device_smem_budget=lambda device: SHARED_LIMIT[arch], num_sms=lambda device: 132)  # fmt: skip
+                     device_smem_budget=lambda device: SHARED_LIMIT[arch], num_sms=lambda device: 132,
+                     get_device_capability=lambda device=None: divmod(arch, 10))  # fmt: skip
     modules = [
         importlib.import_module(f"ddtree.kernels.{m.name}") for m in pkgutil.iter_modules(ddtree.kernels.__path__)
     ]
-    saved = [(m, name, getattr(m, name)) for m in modules for name in stand_ins if hasattr(m, name)]
-    import torch
-
-    saved.append((torch.cuda, "get_device_capability", torch.cuda.get_device_capability))
-    for module, name, _ in saved[:-1]:
+    saved = [(m, name, getattr(m, name)) for m in (*modules, torch.cuda) for name in stand_ins if hasattr(m, name)]
+    for module, name, _ in saved:
         setattr(module, name, stand_ins[name])
-    torch.cuda.get_device_capability = lambda device=None: divmod(arch, 10)
     try:
         yield
     finally:

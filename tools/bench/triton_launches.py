@@ -11,11 +11,16 @@ import contextlib
 import sys
 
 
-def kernel_name(kernel) -> str:
-    fn = getattr(kernel, "fn", kernel)
-    while hasattr(fn, "fn"):  # Autotuner -> JITFunction -> the Python function
+def kernel_function(kernel):
+    """The Python function under a kernel object (Autotuner -> JITFunction / InterpretedFunction -> it)."""
+    fn = kernel
+    while hasattr(fn, "fn"):
         fn = fn.fn
-    return getattr(fn, "__name__", type(kernel).__name__)
+    return fn
+
+
+def kernel_name(kernel) -> str:
+    return getattr(kernel_function(kernel), "__name__", type(kernel).__name__)
 
 
 @contextlib.contextmanager
