@@ -1,11 +1,15 @@
 """Who holds each draft context, and when it was last used: the drafter's leases on its contexts.
 
 Every call from a verifier names its caller (`Caller`: the verifier's instance name, stable across its
-restarts, and an incarnation id made at its start). A draft context belongs to the caller whose call made
-it, and is released by the drafter itself
+restarts, and an incarnation id made at its start: 128 random bits, which no other process learns). A draft
+context belongs to the caller (name and incarnation) whose call made it: only that caller may release it or
+send its commits (`owned_by_others`), so a process that names a live verifier's name with another
+incarnation can neither release nor overwrite its contexts. The drafter itself releases a context
 - when no call has touched it for `lease_s` seconds (a verifier that died, a sequence never released), or
-- at once when a caller of the same name shows up with another incarnation: that verifier restarted, so
-  every context of its former self is orphaned.
+- when a caller of the same name shows up with another incarnation and the former incarnation has made
+  no call for `replace_idle_s`: that verifier restarted (a restart takes longer than that), so every
+  context of its former self is orphaned. A former incarnation that still calls is alive (a forged
+  incarnation, or two verifiers under one name): its contexts stay; they go once it falls silent.
 A call that names no caller (a tool, an older verifier) holds its contexts under the empty name, and they
 only expire. All of it is pure bookkeeping: the servicer asks which ids to release and releases them.
 """
@@ -23,24 +27,43 @@ class Caller:
     incarnation: str = ""  # made at the verifier's start
 
 
+# A former incarnation silent this long is taken for dead when another incarnation of its name calls: a
+# live verifier with contexts calls every step (far more often), a restarted one was down longer (its
+# process start and model load alone take more).
+REPLACE_IDLE_S = 3.0
+
+
 class Leases:
-    def __init__(self, lease_s: float, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, lease_s: float, clock: Callable[[], float] = time.monotonic, replace_idle_s: float = REPLACE_IDLE_S
+    ):
         if lease_s <= 0:
             raise ValueError(f"lease_s must be > 0, got {lease_s}")
-        self.lease_s, self._clock = lease_s, clock
+        self.lease_s, self._clock, self.replace_idle_s = lease_s, clock, min(replace_idle_s, lease_s)
         self._held: dict[str, tuple[Caller, float]] = {}  # seq id -> (holder, last touched)
         self._next_sweep = float("-inf")  # expired() scans the book at most every lease_s / 4
-        self._incarnations: dict[str, str] = {}  # caller name -> its latest incarnation
+        # caller name -> {incarnation: its last call}; an entry leaves with its last context (or at the sweep)
+        self._seen: dict[str, dict[str, float]] = {}
 
     def arrive(self, caller: Caller) -> list[str]:
-        """A call from `caller` starts: the ids orphaned by an earlier incarnation of its name (to release
-        now). Anonymous callers orphan nothing."""
+        """A call from `caller` starts: the ids orphaned by former incarnations of its name that have been
+        silent for replace_idle_s (to release now). Anonymous callers orphan nothing."""
         if not caller.name:
             return []
-        if self._incarnations.setdefault(caller.name, caller.incarnation) == caller.incarnation:
+        now = self._clock()
+        seen = self._seen.setdefault(caller.name, {})
+        seen[caller.incarnation] = now
+        gone = {inc for inc, at in seen.items() if inc != caller.incarnation and now - at >= self.replace_idle_s}
+        if not gone:
             return []
-        self._incarnations[caller.name] = caller.incarnation
-        return self._drop(lambda holder: holder.name == caller.name and holder.incarnation != caller.incarnation)
+        for inc in gone:
+            del seen[inc]
+        return self._drop(lambda holder: holder.name == caller.name and holder.incarnation in gone)
+
+    def owned_by_others(self, seq_ids: Iterable[str], caller: Caller) -> list[str]:
+        """The ids among seq_ids whose context another caller (name or incarnation) holds: `caller` may
+        neither release them nor commit to them."""
+        return [s for s in seq_ids if s in self._held and self._held[s][0] != caller]
 
     def touch(self, seq_ids: Iterable[str], caller: Caller) -> None:
         """These contexts were used (or made) by `caller` now."""
@@ -59,6 +82,14 @@ class Leases:
         stale = [s for s, (_, at) in self._held.items() if at < cutoff]
         for s in stale:
             del self._held[s]
+        # the incarnations seen: only those still holding a context, or heard from within the lease
+        holding = {(c.name, c.incarnation) for c, _ in self._held.values()}
+        for name, seen in list(self._seen.items()):
+            for inc, at in list(seen.items()):
+                if at < cutoff and (name, inc) not in holding:
+                    del seen[inc]
+            if not seen:
+                del self._seen[name]
         return stale
 
     def forget(self, seq_ids: Iterable[str]) -> None:

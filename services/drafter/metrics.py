@@ -25,6 +25,17 @@ CONTEXTS_RELEASED = Counter(
     ["reason"],
     registry=REGISTRY,
 )
+CONTEXTS_UNKNOWN = Counter(
+    "ddtree_drafter_contexts_unknown",
+    "Sequences committed without reset whose context this drafter did not hold (answered in unknown_seq_ids)",
+    registry=REGISTRY,
+)
+CALLS_REFUSED = Counter(
+    "ddtree_drafter_calls_refused",
+    "Calls refused (reason: not_owner = they named draft contexts another caller holds)",
+    ["reason"],
+    registry=REGISTRY,
+)
 
 # State, read at scrape time (keys of DrafterServicer.metric_state).
 STATE = StateGauges(

@@ -4,8 +4,12 @@ The engine is anything with `draft(list[SeqDraftInput]) -> list[TokenTree | Toke
 sequence with table_width > 0), `release(ids) -> int` and `info() -> dict` of DrafterInfo fields: the DFlash
 engine (the tests serve an oracle engine through the same server). A malformed call is answered
 INVALID_ARGUMENT as a whole and changes no sequence's state (the engine validates every sequence before
-touching any). Every context is leased to the verifier whose call made it (leases.py): released when
-idle past --context-lease-s, or at once when that verifier restarts under the same instance name.
+touching any). A sequence sent without reset whose context is gone (released, expired, this drafter
+restarted) is left out of the call and named in `unknown_seq_ids`: its caller sends the context again.
+Every context is leased to the caller (verifier name and incarnation) whose call made it (leases.py):
+released when idle past --context-lease-s, or once that verifier restarts under the same instance name;
+a call that names another caller's context (Draft, Append, Release) is PERMISSION_DENIED and changes
+nothing.
 """
 
 from __future__ import annotations
@@ -161,6 +165,23 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             metrics.CONTEXTS_RELEASED.labels(reason="orphaned").inc(len(orphaned))
             metrics.CONTEXTS_RELEASED.labels(reason="expired").inc(len(expired))
 
+    def _check_owner(self, seq_ids, caller: Caller) -> None:
+        """DraftCallError PERMISSION_DENIED when another caller holds one of these contexts (caller holds the
+        lock): only the verifier incarnation that made a context may commit to it or release it."""
+        taken = self._leases.owned_by_others(seq_ids, caller)
+        if taken:
+            metrics.CALLS_REFUSED.labels(reason="not_owner").inc()
+            log.warning("draft_context_not_owner", caller=caller.name, seq_ids=len(taken))
+            raise DraftCallError(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{len(taken)} of these draft contexts belong to another caller (verifier name and incarnation)",
+            )
+
+    def _unknown(self, seqs: list[SeqDraftInput]) -> list[SeqDraftInput]:
+        """The sequences committed without reset whose context this drafter does not hold (caller holds the
+        lock): their caller resends the context with reset=True."""
+        return [s for s in seqs if not s.reset and not self.engine.knows(s.seq_id)]
+
     def _note_state(self) -> None:
         """Record the engine's contexts for the state gauges (caller holds the lock)."""
         self._state = {
@@ -189,9 +210,15 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         t0 = time.perf_counter()
         with self._lock:
             self._settle(caller)
+            self._check_owner([s.seq_id for s in seqs] + failed, caller)
             if failed:  # their commit never reached the drafter: their contexts are out of step
                 self.engine.release(failed)
                 self._leases.forget(failed)
+            unknown = self._unknown(seqs)
+            if unknown:
+                gone = {s.seq_id for s in unknown}
+                seqs = [s for s in seqs if s.seq_id not in gone]
+                metrics.CONTEXTS_UNKNOWN.inc(len(gone))
             new = sum(not self.engine.knows(s.seq_id) for s in seqs)
             held = self.engine.info()["active_sequences"]
             if new and held + new > self.max_sequences:
@@ -202,7 +229,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                     f"max_sequences is {self.max_sequences}",
                 )
             try:
-                drafts = self._compute(self.engine.draft, seqs)
+                drafts = self._compute(self.engine.draft, seqs) if seqs else []
             except ValueError as err:
                 raise DraftCallError(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
             finally:
@@ -211,7 +238,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             draft_ms = (time.perf_counter() - t0) * 1e3
         metrics.DRAFT_CALLS.inc()
         metrics.DRAFT_SECONDS.observe(draft_ms / 1e3)
-        resp = drafter_pb2.DraftResponse(draft_ms=draft_ms, failed_seq_ids=failed)
+        resp = drafter_pb2.DraftResponse(
+            draft_ms=draft_ms, failed_seq_ids=failed, unknown_seq_ids=[s.seq_id for s in unknown]
+        )
         for s, draft in zip(seqs, drafts):
             if isinstance(draft, TokenTable):
                 resp.tables.add(
@@ -277,6 +306,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             raise DraftCallError(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
         with self._lock:
             self._settle(caller)
+            self._check_owner([seq.seq_id], caller)
             new = not self.engine.knows(seq.seq_id)
             held = self.engine.info()["active_sequences"]
             if new and held + 1 > self.max_sequences:
@@ -303,6 +333,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         with self._lock:
             self._settle(caller)
+            try:
+                self._check_owner(request.seq_ids, caller)
+            except DraftCallError as err:
+                context.abort(err.code, err.details)
             released = self.engine.release(list(request.seq_ids))
             self._leases.forget(request.seq_ids)
             self._note_state()

@@ -1,7 +1,10 @@
 """The drafter's leases on its draft contexts (drafter/leases.py): pure bookkeeping against a fake clock,
-then through the real Drafter server: a restarted verifier (same name, new incarnation) has its former
-contexts released at its first call, an idle context is released after the lease, anonymous callers and
-other names are never orphaned, and a caller field over its limit is INVALID_ARGUMENT."""
+then through the real Drafter server: a restarted verifier (same name, new incarnation, the former one
+silent) has its former contexts released at its first call, an idle context is released after the lease,
+anonymous callers and other names are never orphaned, and a caller field over its limit is
+INVALID_ARGUMENT. A forged incarnation of a live verifier's name (issue 47) orphans nothing, and its
+Release or Draft of that verifier's contexts is PERMISSION_DENIED; a sequence whose context is gone comes
+back in unknown_seq_ids while the rest of the call is drafted."""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import torch
 
 from ddtree.config import DrafterConfig
 from ddtree.contract.token_tree import TokenTree
-from ddtree.drafter.leases import Caller, Leases
+from ddtree.drafter.leases import REPLACE_IDLE_S, Caller, Leases
 from ddtree.drafter.server import serve_engine
 from ddtree.protocol.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
 from ddtree.protocol.tensors import tensor_to_proto
@@ -44,7 +47,11 @@ def test_expiry_orphaning_and_release_by_the_book():
     leases.touch(["p", "q"], a1)
     leases.touch(["r"], b)
     assert leases.arrive(a1) == []  # the same incarnation again: nothing orphaned
-    assert sorted(leases.arrive(a2)) == ["p", "q", "y"]  # "a" restarted: every context of a1
+    assert leases.arrive(a2) == []  # a1 called just now: alive (a forged or duplicate incarnation), kept
+    assert leases.owned_by_others(["p", "r", "new"], a2) == ["p", "r"]  # a2 may not touch a1's or b's
+    assert leases.owned_by_others(["p", "q"], a1) == []
+    clock.now += REPLACE_IDLE_S  # a1 silent since: it restarted as a2
+    assert sorted(leases.arrive(a2)) == ["p", "q", "y"]  # every context of a1
     assert leases.arrive(a1) == []  # a1 holds nothing any more (a late call of the old self orphans nothing)
     leases.forget(["r"])
     clock.now += 100
@@ -88,21 +95,42 @@ def _active(stub, caller=None) -> int:
 
 def test_a_restarted_verifier_and_an_idle_context_are_released_by_the_server():
     engine = ContextEngine()
-    server = serve_engine(engine, DrafterConfig(port=0, grace_s=0.0, context_lease_s=1.0))
+    server = serve_engine(engine, DrafterConfig(port=0, grace_s=0.0, context_lease_s=REPLACE_IDLE_S + 1.0))
     try:
         with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
             stub = drafter_pb2_grpc.DrafterStub(ch)
             old, other = drafter_pb2.Caller(name="v", incarnation="1"), drafter_pb2.Caller(name="w", incarnation="1")
+            forged = drafter_pb2.Caller(name="v", incarnation="evil")
             _draft(stub, ["a", "b", "c", "d", "e"], old)
             _draft(stub, ["f"], other)
             _draft(stub, ["g"], drafter_pb2.Caller())  # anonymous
             assert _active(stub) == 7
+            # "v" is alive (it just called): another incarnation of its name releases nothing, and may not
+            # release or overwrite its contexts
+            assert _active(stub, forged) == 7
+            for call in (
+                lambda: stub.Release(drafter_pb2.ReleaseRequest(seq_ids=["a"], caller=forged), timeout=30),
+                lambda: _draft(stub, ["b"], forged),
+                lambda: stub.Release(drafter_pb2.ReleaseRequest(seq_ids=["f"], caller=old), timeout=30),
+            ):
+                with pytest.raises(grpc.RpcError) as err:
+                    call()
+                assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert engine.held == {"a", "b", "c", "d", "e", "f", "g"}
+            # a commit without reset for a context the drafter lost: named back, the others still drafted
+            seqs = [drafter_pb2.SeqDraft(seq_id=i, commit_start=0, root_token_id=3) for i in ("a", "gone")]
+            for s in seqs:
+                s.commit_features.CopyFrom(tensor_to_proto(torch.zeros(0, 16)))
+            resp = stub.Draft(drafter_pb2.DraftRequest(seqs=seqs, caller=old), timeout=30)
+            assert list(resp.unknown_seq_ids) == ["gone"] and [t.seq_id for t in resp.trees] == ["a"]
+            _draft(stub, ["f"], other)
+            _draft(stub, ["g"], drafter_pb2.Caller())
+            time.sleep(REPLACE_IDLE_S + 0.1)  # "v" silent since: restarted
             # "v" comes back with a new incarnation: its GetInfo at connection releases a..e, nothing else
             assert _active(stub, drafter_pb2.Caller(name="v", incarnation="2")) == 2
             assert engine.held == {"f", "g"}
-            time.sleep(0.6)
             _draft(stub, ["f"], other)  # f is used again; g stays idle
-            time.sleep(0.6)
+            time.sleep(1.0)
             assert _active(stub) == 1 and engine.held == {"f"}  # g's lease ran out, f's did not
             with pytest.raises(grpc.RpcError) as err:
                 _draft(stub, ["h"], drafter_pb2.Caller(name="x" * 300, incarnation="1"))
