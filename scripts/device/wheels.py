@@ -7,8 +7,8 @@ there. `IMAGE_HAS` names the runtime dependencies (pyproject.toml) that image ho
 serve (its torch and Triton are what the GPU is measured with); `CARRY` pins the rest, for CPython 3.12 on
 x86-64 Linux, at the versions the suite runs here. protobuf and grpcio are carried although the image has
 them: the generated stubs (services/protocol/ddtree/v1) need protobuf >= 7.35 and grpcio >= 1.85.1, newer
-than an image's, and setuptools, which installs ddtree there. scripts/device/selftest_gpu.sh installs
-`.whl/*.whl` ahead of the image's packages.
+than an image's, typing-extensions (pydantic-core needs >= 4.16) and setuptools, which installs ddtree
+there. scripts/device/selftest_gpu.sh installs `.whl/*.whl` ahead of the image's packages.
 tests/deploy/test_device_runner.py keeps both lists covering pyproject's dependencies.
 """
 
@@ -20,7 +20,7 @@ import sys
 
 IMAGE_HAS = frozenset(
     {"torch", "numpy", "safetensors", "tokenizers", "jinja2", "prometheus-client", "anyio", "tiktoken",
-     "click", "h11", "typing-extensions"}
+     "click", "h11"}
 )  # fmt: skip
 CARRY = {
     "grpcio": "1.85.3",
@@ -35,6 +35,7 @@ CARRY = {
     "annotated-types": "0.8.0",
     "typing-inspection": "0.4.5",
     "llguidance": "1.9.1",
+    "typing-extensions": "4.16.0",  # pydantic-core needs >= 4.16, newer than an image's may be
     "setuptools": "84.2.1",  # builds ddtree's editable install there (bdist_wheel built in), whatever the image's
 }
 # the image has glibc 2.39: any of these tags installs there

@@ -73,3 +73,31 @@ def test_the_selftest_records_a_given_commit_only_when_git_cannot_tell(tmp_path,
     monkeypatch.setattr(gpu, "CHECKOUT", tmp_path)  # a copied tree: no git
     assert gpu.provenance("cpu", ["ddtree"], "a5df73f")["commit"] == "a5df73f (given)"
     assert gpu.provenance("cpu", ["ddtree"])["commit"] == "unknown"
+
+
+def test_carried_wheels_meet_each_others_requirements():
+    """A carried wheel's own requirements (its metadata, read from this install where it is installed at the
+    carried version) are carried at versions they accept, or on the image: pydantic-core needs
+    typing-extensions >= 4.16, newer than the image may hold, so it is carried."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    checked = 0
+    for name, pin in wheels.CARRY.items():
+        try:
+            if metadata.version(name) != pin:
+                continue
+            requires = metadata.requires(name) or []
+        except metadata.PackageNotFoundError:
+            continue
+        for text in requires:
+            req = Requirement(text)
+            if req.marker and not req.marker.evaluate({"extra": "", "python_version": "3.12"}):
+                continue
+            dep = _name(req.name)
+            assert dep in wheels.CARRY or dep in wheels.IMAGE_HAS, (name, text)
+            if dep in wheels.CARRY:
+                assert req.specifier.contains(wheels.CARRY[dep], prereleases=True), (name, text, wheels.CARRY[dep])
+            checked += 1
+    assert checked and _version(wheels.CARRY["typing-extensions"]) >= (4, 16)

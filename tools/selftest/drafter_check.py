@@ -79,21 +79,24 @@ def _serve_null_drafter(shape: dict, ports, stop) -> None:
     server.stop(0)
 
 
-def run_drafter_check(dry_run: bool, device: torch.device, log) -> dict:
+def run_drafter_check(dry_run: bool, device: torch.device, log, deadline: float = float("inf"),
+                      on_row=lambda out: None) -> dict:  # fmt: skip
+    """{transport, tree, mismatches, skipped, errors}: a case not started past `deadline` (perf_counter) is
+    counted in skipped; on_row(out) after every row (the JSON saved)."""
     shape = DRY if dry_run else KIMI
-    out = dict(transport=[], tree=[], mismatches=0, errors=[])
+    out = dict(transport=[], tree=[], mismatches=0, skipped=0, errors=[])
     try:
-        out["transport"] = _transport(shape, device, log)
+        _transport(shape, device, log, out, deadline, on_row)
     except Exception:
         out["errors"].append(dict(part="drafter transport", error=traceback.format_exc()[-3000:]))
     try:
-        out["tree"], out["mismatches"] = _trees(shape["vocab"], device, log)
+        _trees(shape["vocab"], device, log, out, deadline, on_row)
     except Exception:
         out["errors"].append(dict(part="drafter tree", error=traceback.format_exc()[-3000:]))
     return out
 
 
-def _transport(shape: dict, device: torch.device, log) -> list[dict]:
+def _transport(shape: dict, device: torch.device, log, out: dict, deadline: float, on_row) -> None:
     import multiprocessing
 
     from ddtree.contract.sampling_params import SamplingConfig
@@ -107,7 +110,7 @@ def _transport(shape: dict, device: torch.device, log) -> list[dict]:
     drafter.start()
     address = f"127.0.0.1:{ports.get(timeout=120)}"
     asked = (["device"] if device.type == "cuda" else []) + ["shared", "grpc"]
-    rows = []
+    rows = out["transport"]
     log(f"{'commit':>7} {'gap ms':>6} {'path':>6} {'transport ms':>12} {'feature MB':>10}")
     try:
         for ask in asked:
@@ -115,6 +118,9 @@ def _transport(shape: dict, device: torch.device, log) -> list[dict]:
             client = DrafterClient(address, 60, local_ring_bytes=ring[0], ring_device=ring[1])
             on_device = client.local is not None and client.local.ring.device is not None
             for n, gap_ms in CASES:
+                if time.perf_counter() > deadline:
+                    out["skipped"] += 1
+                    continue
                 times = []
                 for i in range(CALLS if n < 1000 else 3):
                     seq = Sequence(GenerateParams(f"t{n}-{i}", (1,), SamplingConfig(), 8, frozenset(), True, 1))
@@ -131,23 +137,26 @@ def _transport(shape: dict, device: torch.device, log) -> list[dict]:
                 row = dict(commit=n, gap_ms=gap_ms, path=path, asked=ask, transport_ms=statistics.median(times),
                            feature_bytes=n * width * 2, chunks_ahead=chunks)  # fmt: skip
                 rows.append(row)
+                on_row(out)
                 log(f"{n:>7} {gap_ms:>6} {path:>6} {row['transport_ms']:>12.3f} {row['feature_bytes'] / 1e6:>10.2f}")
             client.close()
     finally:
         stop.set()
         drafter.join(timeout=30)
-    return rows
 
 
-def _trees(vocab: int, device: torch.device, log) -> tuple[list[dict], int]:
+def _trees(vocab: int, device: torch.device, log, out: dict, deadline: float, on_row) -> None:
     from ddtree.contract.tree_build import build_tree, topk_logprobs
     from ddtree.drafter.device_tree import build_trees
 
     g = torch.Generator(device=device).manual_seed(0)
     logits = torch.randn(TREE_SEQS * TREE_DEPTH, vocab, generator=g, device=device) * 4
-    rows, mismatches = [], 0
+    rows = out["tree"]
     log(f"{'budget':>6} {'device ms':>9} {'host ms':>8} {'equal':>5}")
     for budget in TREE_BUDGETS:
+        if time.perf_counter() > deadline:
+            out["skipped"] += 1
+            continue
         timed = {}
         for where in ("device", "host"):
             for _ in range(3):  # the last of three: caches warm
@@ -163,10 +172,10 @@ def _trees(vocab: int, device: torch.device, log) -> tuple[list[dict], int]:
                 _sync(device)
                 timed[where] = ((time.perf_counter() - t0) * 1e3, trees)
         equal = timed["device"][1] == timed["host"][1]
-        mismatches += not equal
+        out["mismatches"] += not equal
         rows.append(dict(budget=budget, device_ms=timed["device"][0], host_ms=timed["host"][0], equal=equal))
+        on_row(out)
         log(f"{budget:>6} {timed['device'][0]:>9.3f} {timed['host'][0]:>8.3f} {str(equal):>5}")
-    return rows, mismatches
 
 
 def _sync(device: torch.device) -> None:

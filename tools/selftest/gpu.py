@@ -8,6 +8,12 @@ model served end to end on one GPU, in one table and one JSON.
              --layers N, --experts N, --contexts 128,1024, --new-tokens N,
              --work-dir DIR (checkpoint and service logs; default a temp dir, removed unless --keep)
 
+The parts run in the order of parts.py, by value: (c), (e), (a), row invariance (when installed), (d), (b).
+The JSON is saved (atomically: record.py) after every row of every part, and no part starts a new shape,
+context or stack past --deadline-s (part (c) also past --step-deadline-s, part (b) past --serving-budget-s
+from its start), so a run killed at any point keeps every row it finished; "parts" says which ran to the
+end ("done"), which were cut ("running"), skipped or failed.
+
 (a) kernel_check.py: MLA decode / verify / extend, the latent write, the FP8 / INT4 dense GEMMs, the fused
     MoE (bf16 / INT4 / FP8, moe_bench.py) and the drafter's graph step (draft_graph.py), each against its
     torch reference, with kernel and torch times and the achieved bandwidth.
@@ -37,7 +43,7 @@ its row says AR's top-2 gap there and whether DDTree took the second)
 and fp32 (contexts up to 4k; any difference is a mismatch).
 The JSON says where it was measured, so that it can be committed under docs/measurements/: {date (UTC),
 device, commit (of the checkout, when git can tell) and dirty, command, torch, triton, dry_run, wall_s, kernels:
-{rows, mismatches}, serving: {plan, passes, checkpoint, cuda_graphs, expected_tau, stacks, rows,
+{rows, mismatches, skipped}, parts: {name: state}, serving: {plan, passes, checkpoint, cuda_graphs, expected_tau, stacks, rows,
 mismatches, divergences}, step: {plan, source, config, model, rows, skipped}, mismatches, ok}.
 """
 
@@ -45,16 +51,16 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import pathlib
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
+
+from ddtree.tools.selftest.parts import PARTS
+from ddtree.tools.selftest.record import Deadline, Record, save_json
 
 CHECKOUT = pathlib.Path(__file__).resolve().parents[2]  # tools/selftest/ -> the repository
 
@@ -72,6 +78,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--skip-step", action="store_true", help="no part (c)")
     p.add_argument("--skip-deploy", action="store_true", help="no part (d)")
     p.add_argument("--skip-drafter", action="store_true", help="no part (e)")
+    p.add_argument("--skip-invariance", action="store_true", help="no row-invariance part (when installed)")
     p.add_argument("--step-deadline-s", type=float, default=300.0,
                    help="part (c): measure no new step shape after this many seconds from its start")  # fmt: skip
     p.add_argument("--layers", type=int, default=0, help="decoder layers of the served model (default 4; dry 2)")
@@ -81,7 +88,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--work-dir", default="", help="checkpoint + logs (default: a temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the temp work dir")
     p.add_argument("--deadline-s", type=float, default=450.0,
-                   help="serve no new context after this many seconds from the start (the rest: skipped)")  # fmt: skip
+                   help="start no new part, shape or context after this many seconds from the start")  # fmt: skip
+    p.add_argument("--serving-budget-s", type=float, default=240.0,
+                   help="part (b): start no new stack or context after this many seconds from its start")  # fmt: skip
     p.add_argument("--commit", default="", type=_commit_hash,
                    help="the commit of a copied tree that git cannot tell (the device runner passes it)")  # fmt: skip
     p.add_argument("--corrupt-reference", action="store_true", help=argparse.SUPPRESS)  # tests: must fail
@@ -107,85 +116,36 @@ def run(args: argparse.Namespace) -> int:
                   triton=_triton_version(), corrupt_reference=args.corrupt_reference, errors=[])  # fmt: skip
     print(f"selftest gpu on {name}{' (dry run)' if args.dry_run else ''}", flush=True)
     log = lambda line: print(line, flush=True)  # noqa: E731
-    if not args.skip_kernels:
-        from ddtree.tools.selftest import kernel_check as gk
-
-        print("\n(a) kernels against their torch references\n" + gk.HEADER, flush=True)
-        try:
-            result["kernels"] = gk.run_kernels(args.dry_run, device, args.corrupt_reference, log)
-        except Exception:
-            result["errors"].append(dict(part="kernels", error=traceback.format_exc()[-3000:]))
-            traceback.print_exc()
-        result["kernels_s"] = time.perf_counter() - t0
-        release_device_memory()
-        save(args.out, result)  # something to read if the serving part never returns
-    if not args.skip_serving:
-        from ddtree.tools.selftest import serving_check as gs
-
-        plan = gs.make_plan(args.dry_run, args.layers, args.experts, args.contexts, args.new_tokens)
-        print(f"\n(b) served end to end: {plan.layers} layers, hidden {plan.hidden}, {plan.experts} INT4 experts, "
-              f"contexts {list(plan.contexts)}, {plan.new_tokens} new tokens", flush=True)  # fmt: skip
-        work = pathlib.Path(args.work_dir) if args.work_dir else pathlib.Path(tempfile.mkdtemp(prefix="selftest-gpu-"))
-        work.mkdir(parents=True, exist_ok=True)
+    record = Record(args.out, result)
+    record.save()  # provenance on disk before anything can fail
+    deadline = Deadline(t0 + args.deadline_s)
+    for part in PARTS:
+        if getattr(args, f"skip_{part.name}", False) or not part.available():
+            continue
+        if deadline.passed():  # no part starts past the deadline
+            record.skip(part.name)
+            log(f"\n{part.title}: skipped, past --deadline-s")
+            continue
+        print(f"\n{part.title}", flush=True)
+        on_row = record.part(part.name)
         t1 = time.perf_counter()
         try:
-            result["serving"] = gs.run_serving(plan, work, args.corrupt_reference, t0 + args.deadline_s, log)
-            result["errors"] += result["serving"]["errors"]
+            out = part.run(args, device, part.deadline(args, deadline), log, on_row)
+            result["errors"] += out.get("errors", [])
+            record.finish(part.name, out, time.perf_counter() - t1)
         except Exception:
-            result["errors"].append(dict(part="serving", error=traceback.format_exc()[-3000:], work_dir=str(work)))
+            result["errors"].append(dict(part=part.name, error=traceback.format_exc()[-3000:]))
             traceback.print_exc()
-        result["serving_s"] = time.perf_counter() - t1
-        if not args.work_dir and not args.keep and not result["errors"]:
-            shutil.rmtree(work, ignore_errors=True)
-    if not args.skip_step:
-        from ddtree.tools.selftest import step_check
-
-        def step() -> dict:
-            with tempfile.TemporaryDirectory(prefix="selftest-step-") as work:
-                deadline = time.perf_counter() + args.step_deadline_s
-                return step_check.run_step_check(args.dry_run, pathlib.Path(work), deadline, log)
-
-        _run_part(result, args.out, "step", "(c) the verify step of a Kimi K2.6 rank (TP 8, emulated), as "
-                  "`ddtree bench step` measures it", step)  # fmt: skip
-    if not args.skip_deploy:
-        from ddtree.tools.selftest import deploy_check
-
-        def deploy() -> dict:
-            with tempfile.TemporaryDirectory(prefix="selftest-deploy-") as work:
-                return deploy_check.run_deploy_check(args.dry_run, pathlib.Path(work), log)
-
-        _run_part(result, args.out, "deploy", "(d) deployment: warm start, first vs warm request, the memory plan "
-                  "against the device", deploy)  # fmt: skip
-    if not args.skip_drafter:
-        from ddtree.tools.selftest import drafter_check
-
-        _run_part(result, args.out, "drafter", "(e) the drafter: transport per Draft call at Kimi width, the tree "
-                  "built on the device", lambda: drafter_check.run_drafter_check(args.dry_run, device, log))  # fmt: skip
-    parts = ("kernels", "serving", "drafter")
-    result["mismatches"] = sum(result.get(part, {}).get("mismatches", 0) for part in parts)
+            record.finish(part.name, None, time.perf_counter() - t1, "error")
+        release_device_memory()
+    result["mismatches"] = sum(result.get(part.name, {}).get("mismatches", 0) for part in PARTS if part.compared)
     low = result.get("serving", {}).get("low_acceptance", 0)
     result["ok"] = result["mismatches"] == 0 and not result["errors"] and not low
     result["wall_s"] = time.perf_counter() - t0
-    save(args.out, result)
+    record.save()
     print(summary(result), flush=True)
     print(f"saved {args.out} ({result['wall_s']:.0f} s)", flush=True)
     return 0 if result["ok"] else 1
-
-
-def _run_part(result: dict, out: pathlib.Path, name: str, title: str, part) -> None:
-    """One part after (b): its title, then `part()` (a dict with its own "errors") into result[name], an
-    exception into result["errors"], its seconds into result[name + "_s"]; the JSON saved after it."""
-    print(f"\n{title}", flush=True)
-    t0 = time.perf_counter()
-    try:
-        result[name] = part()
-        result["errors"] += result[name]["errors"]
-    except Exception:
-        result["errors"].append(dict(part=name, error=traceback.format_exc()[-3000:]))
-        traceback.print_exc()
-    result[f"{name}_s"] = time.perf_counter() - t0
-    release_device_memory()
-    save(out, result)
 
 
 def release_device_memory() -> None:
@@ -224,8 +184,7 @@ def _commit_hash(text: str) -> str:
 
 
 def save(path: pathlib.Path, result: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1, default=str))
+    save_json(path, result)
 
 
 def summary(result: dict) -> str:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import time
 
 import torch
 
@@ -196,7 +197,10 @@ def _guarded(fn, kernel: str, shape: str) -> list[dict]:
     return out if isinstance(out, list) else [out]
 
 
-def run_kernels(dry_run: bool, device: torch.device, corrupt: bool = False, log=print) -> dict:
+def run_kernels(dry_run: bool, device: torch.device, corrupt: bool = False, log=print, deadline: float = float("inf"),
+                on_row=lambda out: None) -> dict:  # fmt: skip
+    """{device, peak_gbs, rows, mismatches, skipped}: a job (a shape, or a kernel's group of shapes) not started
+    past `deadline` (perf_counter) is counted in skipped; on_row(out) after each job (the JSON saved)."""
     plan = make_plan(dry_run)
     measure = mla.timer(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreted)"
@@ -212,12 +216,18 @@ def run_kernels(dry_run: bool, device: torch.device, corrupt: bool = False, log=
     jobs.append((layer, "layer kernels", "all"))
     draft = functools.partial(draft_graph_cases, dry_run, device, measure, part_compare, part_row)
     jobs.append((draft, "draft graph", "all"))
-    rows = []
+    out = dict(device=name, peak_gbs=peak, rows=[], mismatches=0, skipped=0)
     for fn, kernel, shape in jobs:
+        if time.perf_counter() > deadline:
+            out["skipped"] += 1
+            log(f"{kernel:<16} {shape:<52} skipped: past the deadline")
+            continue
         for row in _guarded(fn, kernel, shape):
-            rows.append(row)
+            out["rows"].append(row)
+            out["mismatches"] += not row["ok"]
             log(format_row(row))  # (moe_bench also prints a line per point as it measures)
-    return dict(device=name, peak_gbs=peak, rows=rows, mismatches=sum(not r["ok"] for r in rows))
+        on_row(out)
+    return out
 
 
 HEADER = f"{'kernel':<16} {'shape':<52} {'µs':>10} {'torch µs':>10} {'GB/s':>8} {'%peak':>6}  ok"

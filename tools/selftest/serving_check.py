@@ -182,18 +182,21 @@ def tie_at(verifier: str, prefix: list[int], other: int) -> dict:
 
 
 def serve_contexts(plan: ServePlan, run_pass: Pass, stack, tok, reference: pathlib.Path, corrupt: bool,
-                   deadline: float, log=print) -> list[dict]:  # fmt: skip
+                   deadline: float, log=print, rows: list | None = None, on_row=lambda: None) -> list[dict]:  # fmt: skip
+    """The pass's rows (appended to `rows` when given, on_row() after each context); a context not started
+    past `deadline` (perf_counter) is a "skipped" row."""
     from ddtree.protocol.ddtree.v1 import gateway_pb2
     from ddtree.tools.bench.prompts import make_prompts
     from ddtree.tools.bench.runner import GatewayEndpoint
 
     ep = GatewayEndpoint(stack.gateway, tok, timeout_s=1800.0)
-    rows, refs = [], []
+    rows, refs = ([] if rows is None else rows), []
     try:
         for i, context in enumerate((plan.warmup_context, *run_pass.contexts)):  # the first builds the kernels
             if time.perf_counter() > deadline:
                 rows.append(dict(mode=run_pass.name, kind="skipped", context=context, reason="past --deadline-s"))
                 log(f"{run_pass.name:<11} {context:>7} skipped: past the deadline")
+                on_row()
                 continue
             ids = make_prompts(tok, "code", context, 2)[1]  # the second chunk: no prefix shared across contexts
             prompt = list(ep.stub.Tokenize(gateway_pb2.TokenizeRequest(text=tok.decode(ids)), timeout=60).token_ids)
@@ -214,12 +217,14 @@ def serve_contexts(plan: ServePlan, run_pass: Pass, stack, tok, reference: pathl
             if i == 0:
                 rows.append(dict(mode=run_pass.name, dtype=run_pass.dtype, kind="warmup", context=context, **same))
                 log(f"{run_pass.name:<11} warm-up ({context} tokens): {_same(rows[-1])}")
+                on_row()
                 continue
             rows += [run_row(run_pass, "ar", context, ar, len(prompt)), run_row(run_pass, "ddtree", context, dd,
                      len(prompt))]  # fmt: skip
             rows[-1].update(same, speedup_vs_ar=dd.decode_tok_s / ar.decode_tok_s if ar.decode_tok_s else None,
                             low_acceptance=bad is None and dd.summary.tau < MIN_TAU)  # fmt: skip
             rows[-2].update(same)
+            on_row()
             log(format_pair(rows[-2], rows[-1]))
     finally:
         ep.close()
@@ -227,7 +232,10 @@ def serve_contexts(plan: ServePlan, run_pass: Pass, stack, tok, reference: pathl
 
 
 def run_serving(plan: ServePlan, work: pathlib.Path, corrupt: bool = False, deadline: float = float("inf"),
-                log=print) -> dict:  # fmt: skip
+                log=print, on_row=lambda out: None) -> dict:  # fmt: skip
+    """{plan, passes, checkpoint, rows, stacks, errors, skipped, mismatches, ...}; past `deadline`
+    (perf_counter) no new stack starts and no new context is served (their contexts: "skipped" rows);
+    on_row(result) after every context (the JSON saved)."""
     from ddtree.tokenization.tokenizer import Tokenizer
     from ddtree.tools.selftest.oracle_trees import expected_accept_length
 
@@ -240,7 +248,13 @@ def run_serving(plan: ServePlan, work: pathlib.Path, corrupt: bool = False, dead
                   cuda_graphs=graphs_note, rows=[], stacks=[], errors=[],
                   expected_tau=expected_accept_length(budget=plan.budget))  # fmt: skip
     log(HEADER)
+    on_row(result)
     for run_pass in runs:
+        if time.perf_counter() > deadline:  # a stack takes a minute to start: none past the deadline
+            result["rows"] += [dict(mode=run_pass.name, kind="skipped", context=c, reason="past --deadline-s")
+                               for c in run_pass.contexts]  # fmt: skip
+            log(f"{run_pass.name}: not started, past the deadline")
+            continue
         reference = work / f"reference-{run_pass.name}.json"
         reference.write_text(json.dumps({"sequences": []}))
         logs = work / f"logs-{run_pass.name}"
@@ -249,7 +263,8 @@ def run_serving(plan: ServePlan, work: pathlib.Path, corrupt: bool = False, dead
             stack = start(plan, run_pass, model, reference, logs)
             result["stacks"].append(dict(mode=run_pass.name, start_s=time.perf_counter() - t0, logs=str(logs)))
             try:
-                result["rows"] += serve_contexts(plan, run_pass, stack, tok, reference, corrupt, deadline, log)
+                serve_contexts(plan, run_pass, stack, tok, reference, corrupt, deadline, log, result["rows"],
+                               lambda: on_row(result))  # fmt: skip
             finally:
                 result["stacks"][-1]["exit_codes"] = stack.stop()
         except Exception:

@@ -85,8 +85,9 @@ def open_bench(spec, log):
         spec = dataclasses.replace(spec, layers=layers)
 
 
-def run_step_check(dry_run: bool, work: pathlib.Path, deadline: float, log) -> dict:
-    """{plan, model, rows, skipped, errors}; a shape after `deadline` (perf_counter) is skipped."""
+def run_step_check(dry_run: bool, work: pathlib.Path, deadline: float, log, on_row=lambda out: None) -> dict:
+    """{plan, model, rows, skipped, errors}; a shape after `deadline` (perf_counter) is skipped; on_row(out)
+    after every shape (the JSON saved: record.py)."""
     from ddtree.tools.bench.step_batch import StepShape
 
     plan = make_plan(dry_run)
@@ -99,6 +100,7 @@ def run_step_check(dry_run: bool, work: pathlib.Path, deadline: float, log) -> d
     stack, bench = open_bench(spec, log)
     with stack:
         out["model"] = {"build_s": round(bench.build_s, 1), "layers": len(bench.model.model.layers)}
+        on_row(out)
         for context in plan.contexts:
             for rows in plan.rows:
                 if time.perf_counter() > deadline:
@@ -109,9 +111,11 @@ def run_step_check(dry_run: bool, work: pathlib.Path, deadline: float, log) -> d
                 except Exception:
                     out["errors"].append(dict(part="step", rows=rows, context=context,
                                               error=traceback.format_exc()[-3000:]))  # fmt: skip
+                    on_row(out)
                     continue
                 out.setdefault("config", report["config"])
                 out["rows"].append({k: report[k] for k in REPORTED})
+                on_row(out)
                 graphs = report["step_ms"]["graphs"]
                 log(f"{rows:>4} {context:>7} {report['step_ms']['eager']:>9.2f} "
                     f"{'n/a' if graphs is None else f'{graphs:.2f}':>9} {report['ops_per_step']:>6} "
