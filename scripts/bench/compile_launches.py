@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 
+from ddtree.tools.bench import as_gpu
 from ddtree.tools.bench.triton_launches import kernel_function
 
 # What Triton takes as launch options beside the kernel's own parameters.
@@ -112,31 +113,9 @@ def recording(launches: list[dict]):
         KernelInterface.__getitem__ = original
 
 
-@contextlib.contextmanager
 def as_on_gpu(arch: int):
-    """The kernels' wrappers choose as on a GPU of `arch` while the kernels run interpreted on the CPU: not
-    interpreted (so no exact-fp32 stand-ins for bf16 dots), any device accepted, the arch's shared memory
-    and an H100/H200's 132 SMs for the tile and split choices, the arch as the device's capability."""
-    import pkgutil
-
-    import torch
-
-    import ddtree.kernels
-
-    stand_ins = dict(is_interpreted=lambda kernel: False, check_device=lambda device, interpreted: None,
-                     device_smem_budget=lambda device: SHARED_LIMIT[arch], num_sms=lambda device: 132,
-                     get_device_capability=lambda device=None: divmod(arch, 10))  # fmt: skip
-    modules = [
-        importlib.import_module(f"ddtree.kernels.{m.name}") for m in pkgutil.iter_modules(ddtree.kernels.__path__)
-    ]
-    saved = [(m, name, getattr(m, name)) for m in (*modules, torch.cuda) for name in stand_ins if hasattr(m, name)]
-    for module, name, _ in saved:
-        setattr(module, name, stand_ins[name])
-    try:
-        yield
-    finally:
-        for module, name, original in saved:
-            setattr(module, name, original)
+    """The kernels' wrappers choose as on a GPU of `arch` (tools/bench/as_gpu.py), an H100/H200's 132 SMs."""
+    return as_gpu.as_on_gpu(arch, SHARED_LIMIT[arch], 132)
 
 
 STEP_KEYS = ("rows", "context", "ops_per_step", "ops_per_moe_layer", "ops_per_moe_layer_mean", "host_syncs_per_step",

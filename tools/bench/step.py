@@ -27,6 +27,7 @@ import json
 import pathlib
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+DEVICE_MODELS = ("h100", "h200", "b200", "rtx-pro-6000")  # tools/bench/devices.py DEVICES
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -55,6 +56,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: 1 on a CPU, 3 on CUDA)")
     p.add_argument("--no-graphs", action="store_true", help="eager only")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device-model", choices=DEVICE_MODELS, default=None,
+                   help="model the step on this device from shapes alone (meta tensors, nothing runs): the "
+                        "roofline of every kernel and the step (tools/bench/roofline.py); needs --random-weights")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--out", type=pathlib.Path, default=None, help="also write the JSON here")
     p.set_defaults(fn=run)
@@ -80,6 +84,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("--warmup must be >= 0")
     if args.expert_parallel and max(args.emulate_tp, args.tp) < 2:
         raise ValueError("--expert-parallel needs --tp N or --emulate-tp N, N >= 2")
+    if args.device_model and (not args.random_weights or args.tp > 1):
+        raise ValueError("--device-model models shapes alone: it needs --random-weights (and --emulate-tp, not --tp)")
 
 
 def spec_and_shape(args: argparse.Namespace):
@@ -129,8 +135,25 @@ def format_report(r: dict) -> str:
     return "\n".join([head, format_table(["", "value"], rows), *(["host syncs by site:", *sites] if sites else [])])
 
 
+def run_model(args: argparse.Namespace) -> int:
+    """--device-model: the step's roofline from shapes alone."""
+    from ddtree.tools.bench.devices import device_model
+    from ddtree.tools.bench.roofline import format_roofline
+    from ddtree.tools.bench.step_roofline import model_step
+
+    spec, shape = spec_and_shape(args)
+    report = model_step(spec, shape, device_model(args.device_model))
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2) if args.json else format_roofline(report))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     check_args(args)
+    if args.device_model:
+        return run_model(args)
     args.device = resolve_device(args.device)
     if args.kernels == "triton" and args.device == "cpu":
         from ddtree.tools.bench.kernel_route import interpret_triton

@@ -70,8 +70,9 @@ def make_step_work(config, shape: StepShape, device: torch.device, dtype: torch.
         raise ValueError(f"rows {shape.rows} (>= 1), context {shape.context} (>= 0), batch {shape.batch} (>= 1)")
     slots = shape.batch * (shape.context + shape.rows)
     pool = LatentKVPool(config.num_hidden_layers, slots, config.kv_cache_width, dtype, device)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    pool.cache.normal_(generator=gen)  # latents of the committed tokens (and of the scratch, overwritten)
+    if device.type != "meta":  # meta (the roofline's shapes-only step): no values
+        gen = torch.Generator(device=device).manual_seed(seed)
+        pool.cache.normal_(generator=gen)  # latents of the committed tokens (and of the scratch, overwritten)
     host = random.Random(seed)
     items = []
     for b in range(shape.batch):

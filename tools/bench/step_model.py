@@ -104,8 +104,10 @@ def _builder(spec: ModelSpec, tp: TPGroup | None, backend: str):
     return build, plans
 
 
-def build_model(spec: ModelSpec, tp: TPGroup | None) -> DeepseekV3ForCausalLM:
-    """The measured model, eval mode, on spec.device; `tp` is the group of a shard (one rank when emulated)."""
+def build_model(spec: ModelSpec, tp: TPGroup | None, allocate: bool = True) -> DeepseekV3ForCausalLM:
+    """The measured model, eval mode, on spec.device; `tp` is the group of a shard (one rank when emulated).
+    allocate False (random weights only): every tensor stays on meta, in the dtype it would have (the
+    roofline's shapes-only step, tools/bench/step_roofline.py)."""
     raw = read_raw_config(spec)
     config = model_config(spec, raw)
     backend = resolve_attention_backend("auto" if spec.kernels == "auto" else spec.kernels, spec.device)
@@ -134,8 +136,26 @@ def build_model(spec: ModelSpec, tp: TPGroup | None) -> DeepseekV3ForCausalLM:
     if scheme is not None:
         prefix = TEXT_PREFIX if "text_config" in raw else ""
         pack_modules(model, scheme, prefix, _NoFiles())
-    fill_random(model, torch.device(spec.device), dtype, spec.seed)
+    if allocate:
+        fill_random(model, torch.device(spec.device), dtype, spec.seed)
+    else:
+        meta_dtypes(model, dtype)
     return model.eval()
+
+
+def meta_dtypes(model: nn.Module, dtype: torch.dtype) -> None:
+    """Every tensor on meta in the dtype fill_random would give it (buffers made elsewhere moved to meta)."""
+    for module_name, module in model.named_modules():
+        for store in (module._parameters, module._buffers):
+            for leaf, t in store.items():
+                if t is None:
+                    continue
+                want = t.dtype  # a tensor made off meta (RoPE's inv_freq) keeps its dtype, as fill_random's
+                if t.is_meta and t.is_floating_point() and t.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+                    fp32 = f"{module_name}.{leaf}".endswith(FP32_SUFFIXES)
+                    want = torch.float32 if fp32 else t.dtype if leaf.startswith("weight_scale") else dtype
+                new = t.to(device="meta", dtype=want)
+                store[leaf] = nn.Parameter(new, requires_grad=False) if store is module._parameters else new
 
 
 def fill_random(model: nn.Module, device: torch.device, dtype: torch.dtype, seed: int) -> None:
