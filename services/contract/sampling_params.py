@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-MAX_TOP_LOGPROBS = 20  # top_logprobs / logprobs: at most this many top tokens per output token (vLLM's default)
-MAX_LOGIT_BIAS = 100.0  # |logit_bias| values (OpenAI's range; vLLM clamps to it)
-MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's and vLLM's range)
+from ddtree.contract.request_params import MAX_LOGIT_BIAS, MAX_PENALTY, MAX_TOP_LOGPROBS
+
+__all__ = ["MAX_LOGIT_BIAS", "MAX_PENALTY", "MAX_TOP_LOGPROBS", "SamplingConfig"]
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,8 @@ import json
 import math
 from typing import Any
 
-from ddtree.gateway.pipeline import MAX_STOP_CHARS, MAX_STOP_STRINGS, Invalid
+from ddtree.gateway.errors import Invalid
+from ddtree.gateway.pipeline import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from ddtree.protocol.ddtree.v1 import gateway_pb2
 from ddtree.tokenization.chat_template import MAX_NAME_CHARS, MAX_TOOL_CALLS, validate_tools
 

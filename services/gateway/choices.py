@@ -35,8 +35,9 @@ import queue
 import threading
 from collections.abc import Callable, Iterator
 
+from ddtree.gateway.errors import Invalid
 from ddtree.gateway.generation import Generation, Result, fold
-from ddtree.gateway.pipeline import Invalid, Job
+from ddtree.gateway.pipeline import Job
 from ddtree.protocol.ddtree.v1 import gateway_pb2, verifier_pb2
 from ddtree.telemetry.logging import get_logger
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 
-from ddtree.gateway.pipeline import Invalid
+from ddtree.gateway.errors import Invalid
 
 CODE = "context_length_exceeded"
 _PROMPT_ALONE = re.compile(r"prompt has (\d+) tokens, the maximum context is (\d+)")

@@ -34,6 +34,7 @@ import grpc
 from ddtree.contract.usage import usage_from_steps
 from ddtree.gateway import metrics
 from ddtree.gateway.detokenizer import IncrementalDetokenizer
+from ddtree.gateway.errors import RequestError
 from ddtree.gateway.parsers import ToolCall, merge_deltas, scan
 from ddtree.gateway.parsers.registry import OutputParsers, parser_markers
 from ddtree.gateway.routing import Endpoint, Router
@@ -45,15 +46,6 @@ if TYPE_CHECKING:
     from ddtree.gateway.pipeline import Job
 
 ABORT_TIMEOUT_S = 2.0
-
-
-class RequestError(Exception):
-    """A request that failed, with the gRPC status it maps to (the HTTP layer maps that again)."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 @dataclasses.dataclass

@@ -57,6 +57,7 @@ from ddtree.gateway.auth import KeyPolicy, Unauthorized
 from ddtree.gateway.choices import Choices, check_size, choice_jobs
 from ddtree.gateway.context_length import CODE as CONTEXT_CODE
 from ddtree.gateway.context_length import ContextLengthExceeded
+from ddtree.gateway.errors import Invalid
 from ddtree.gateway.http_request import ApiError, read_json_body, request_id_of, served_model
 from ddtree.gateway.http_response import GenerationResponse, error_response
 from ddtree.gateway.openai_logprobs import TokenStrings
@@ -68,7 +69,7 @@ from ddtree.gateway.openai_responses import (
     completion_response,
     field_of,
 )
-from ddtree.gateway.pipeline import Invalid, Job, Pipeline, validate_template_kwargs
+from ddtree.gateway.pipeline import Job, Pipeline, validate_template_kwargs
 from ddtree.gateway.responses_api import ResponsesStream, parse_responses, responses_answer
 from ddtree.gateway.responses_api import encode as encode_response_event
 from ddtree.telemetry.logging import get_logger

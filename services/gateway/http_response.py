@@ -29,7 +29,8 @@ from ddtree.gateway import metrics
 from ddtree.gateway.choices import Choices
 from ddtree.gateway.context_length import CODE as CONTEXT_CODE
 from ddtree.gateway.context_length import from_verifier
-from ddtree.gateway.generation import Generation, RequestError
+from ddtree.gateway.errors import RequestError
+from ddtree.gateway.generation import Generation
 from ddtree.gateway.openai_responses import error_json, field_of
 from ddtree.telemetry.logging import get_logger
 

@@ -19,9 +19,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated, Any
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model
 
-from ddtree.gateway.pipeline import Invalid
+from ddtree.contract.request_params import OPENAI, http_fields
+from ddtree.gateway.errors import Invalid
 from ddtree.telemetry.logging import get_logger
 
 _KINDS = {
@@ -128,35 +129,25 @@ class ChatMessage(_Model):
     tool_calls: list[ToolCallIn] | None = None
 
 
-class Request(_Model):
-    """The fields chat and completions share."""
+# The scalar parameters (temperature, top_p, penalties, budget, ...): one optional field each, typed by
+# contract/request_params.py's table, which also holds their ranges and defaults.
+_Params = create_model("_Params", __base__=_Model, **http_fields(OPENAI))
+
+
+class Request(_Params):
+    """The fields chat and completions share: the table's, and those below."""
 
     model: str | None = None
     max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
     stop: Stop = None
     stop_token_ids: list[int] | None = None
-    ignore_eos: bool | None = None
-    min_tokens: int | None = None
-    include_stop_str_in_output: bool | None = None
-    skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None  # logged with the request
     request_id: str | None = None  # vLLM's: the request id when no X-Request-Id header is sent
-    budget: int | None = None  # ddtree: tree node budget
-    no_spec: bool | None = None  # ddtree: plain autoregressive decoding
     n: int | None = None  # choices.py: n sequences, seed + i each
-    prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs, 0..20 top tokens (openai_logprobs.py)
-    # Penalties and logit masks (the verifier applies them per tree node, losslessly; openai_protocol._penalties)
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    # Logit masks (the verifier applies them per tree node, losslessly; openai_protocol._logit_masks)
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None

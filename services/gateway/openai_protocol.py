@@ -27,8 +27,9 @@ import math
 from typing import Any
 
 from ddtree.config import GatewayConfig
-from ddtree.contract.sampling_params import MAX_LOGIT_BIAS, MAX_PENALTY, MAX_TOP_LOGPROBS
+from ddtree.contract.request_params import INT32_MAX, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, copy_http
 from ddtree.gateway.choices import check_n
+from ddtree.gateway.errors import Invalid
 from ddtree.gateway.openai_models import (
     ChatCompletionRequest,
     ChatMessage,
@@ -38,12 +39,8 @@ from ddtree.gateway.openai_models import (
     json_type,
     validate,
 )
-from ddtree.gateway.pipeline import Invalid
 from ddtree.gateway.structured_outputs import request_grammar
 from ddtree.protocol.ddtree.v1 import gateway_pb2
-
-INT32_MAX = 2**31 - 1
-UINT64_MAX = 2**64 - 1
 
 
 # -- requests ---------------------------------------------------------------------------------
@@ -90,51 +87,26 @@ def _in(key: str, value: int | None, lo: int, hi: int) -> int | None:
 
 
 def _options(r: Request, config: GatewayConfig, max_tokens: int | None, key: str) -> gateway_pb2.GenerationOptions:
-    """The sampling and stopping fields as GenerationOptions (the pipeline checks what the proto cannot
-    tell apart from unset, e.g. top_p 0)."""
+    """The sampling and stopping fields as GenerationOptions: the plain ones by the parameter table
+    (request_params.copy_http), the rest here (the pipeline checks the whole again as the wire's shape)."""
     o = gateway_pb2.GenerationOptions()
     if max_tokens is not None:
         o.max_tokens = _in(key, max_tokens, 1, config.max_tokens_limit)
-    o.temperature = 1.0 if r.temperature is None else r.temperature
-    if r.top_p is not None and not 0 < r.top_p <= 1:
-        raise Invalid(f"top_p: must be in (0, 1], got {r.top_p}")
-    o.top_p = 1.0 if r.top_p is None else r.top_p
+    copy_http(r, o, Invalid)
     o.top_k = max(_in("top_k", r.top_k, -1, INT32_MAX) or 0, 0)  # -1 (vLLM's "off") and 0 both disable top-k
-    o.min_p = r.min_p or 0.0
-    if r.seed is not None:
-        o.seed = _in("seed", r.seed, 0, UINT64_MAX)
     o.stop.extend([r.stop] if isinstance(r.stop, str) else r.stop or [])
     for i, t in enumerate(r.stop_token_ids or []):
         if not 0 <= t <= INT32_MAX:
             raise Invalid(f"stop_token_ids[{i}]: token id {t} is outside the vocabulary")
     o.stop_token_ids.extend(r.stop_token_ids or [])
-    o.ignore_eos = bool(r.ignore_eos)
-    o.min_tokens = _in("min_tokens", r.min_tokens, 0, INT32_MAX) or 0
-    o.include_stop_str_in_output = bool(r.include_stop_str_in_output)
-    if r.skip_special_tokens is not None:
-        o.skip_special_tokens = r.skip_special_tokens
-    o.budget = _in("budget", r.budget, 0, INT32_MAX) or 0
-    o.no_spec = bool(r.no_spec)
     o.grammar = request_grammar(r)  # response_format, structured_outputs, guided_*: "" when none
-    if r.prompt_logprobs is not None:  # vLLM's, chat and completions alike
-        o.prompt_logprobs = _in("prompt_logprobs", r.prompt_logprobs, 0, MAX_TOP_LOGPROBS)
-    _penalties(r, o)
+    _logit_masks(r, o)
     return o
 
 
-def _penalties(r: Request, o: gateway_pb2.GenerationOptions) -> None:
-    """Penalties and logit masks, with OpenAI's / vLLM's ranges; token ids are checked against the
-    vocabulary and bad_words tokenized by the pipeline (validate_options, Pipeline._job)."""
-    for key in ("presence_penalty", "frequency_penalty"):
-        value = getattr(r, key)
-        if value is not None and not -MAX_PENALTY <= value <= MAX_PENALTY:
-            raise Invalid(f"{key}: must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
-    o.presence_penalty = r.presence_penalty or 0.0
-    o.frequency_penalty = r.frequency_penalty or 0.0
-    if r.repetition_penalty is not None:
-        if not 0 < r.repetition_penalty < math.inf:
-            raise Invalid(f"repetition_penalty: must be > 0 (1 = off), got {r.repetition_penalty}")
-        o.repetition_penalty = r.repetition_penalty
+def _logit_masks(r: Request, o: gateway_pb2.GenerationOptions) -> None:
+    """Logit masks, with OpenAI's / vLLM's ranges; token ids are checked against the vocabulary and
+    bad_words tokenized by the pipeline (validate_options, Pipeline._job)."""
     for key, bias in (r.logit_bias or {}).items():
         try:
             token = int(key)

@@ -28,19 +28,21 @@ ValueError naming the field), render the chat template, tokenize, and build the 
 from __future__ import annotations
 
 import dataclasses
-import math
 import uuid
 
 import grpc
 
 from ddtree.config import GatewayConfig
-from ddtree.contract.sampling_params import MAX_LOGIT_BIAS, MAX_PENALTY, MAX_TOP_LOGPROBS
+from ddtree.contract.request_params import MAX_LOGIT_BIAS, check_wire
 from ddtree.gateway.auth import ApiKeys
 from ddtree.gateway.bad_words import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, bad_word_ids
-from ddtree.gateway.generation import Generation, RequestError, Result, StopMatcher
+from ddtree.gateway.context_length import check_context
+from ddtree.gateway.errors import Invalid, RequestError
+from ddtree.gateway.generation import Generation, Result, StopMatcher
 from ddtree.gateway.parsers.kimi_k2_reasoning import starts_in_reasoning
 from ddtree.gateway.parsers.registry import check_names
 from ddtree.gateway.routing import Router
+from ddtree.gateway.structured_outputs import after_reasoning, auto_tool_grammar, check_grammar, tool_grammar
 from ddtree.protocol.ddtree.v1 import common_pb2, gateway_pb2, verifier_pb2
 from ddtree.tokenization.chat_template import text_chars, validate_messages, validate_tools
 from ddtree.tokenization.tokenizer import Tokenizer
@@ -63,10 +65,6 @@ MAX_STOP_CHARS = 1000
 MAX_STOP_TOKEN_IDS = 64
 INFO_TIMEOUT_S = 1.0
 TOOL_CHOICES = ("auto", "none", "required")  # or "function:NAME": a call of that tool
-
-
-class Invalid(ValueError):
-    """Bad request input; the message names the field."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,24 +98,9 @@ def validate_options(
         raise Invalid(f"{prefix}max_tokens: must be >= 0 (0 = server default), got {o.max_tokens}")
     if o.max_tokens > max_tokens_limit:
         raise Invalid(f"{prefix}max_tokens: must be <= {max_tokens_limit}, got {o.max_tokens}")
-    if not math.isfinite(o.temperature) or o.temperature < 0:
-        raise Invalid(f"{prefix}temperature: must be a finite number >= 0, got {o.temperature}")
-    if o.top_p != 0 and not 0 < o.top_p <= 1:  # NaN fails the range test too
-        raise Invalid(f"{prefix}top_p: must be in (0, 1] (0 = unset), got {o.top_p}")
-    if not 0 <= o.min_p <= 1:  # NaN fails too
-        raise Invalid(f"{prefix}min_p: must be in [0, 1], got {o.min_p}")
-    if o.min_tokens < 0:
-        raise Invalid(f"{prefix}min_tokens: must be >= 0, got {o.min_tokens}")
+    check_wire(o, prefix, Invalid)  # temperature, top_p, top_k, min_p, min_tokens, penalties, budget, logprobs
     if o.max_tokens and o.min_tokens > o.max_tokens:
         raise Invalid(f"{prefix}min_tokens: must be <= max_tokens ({o.max_tokens}), got {o.min_tokens}")
-    if o.top_k < 0:
-        raise Invalid(f"{prefix}top_k: must be >= 0 (0 = disabled), got {o.top_k}")
-    if o.budget < 0:
-        raise Invalid(f"{prefix}budget: must be >= 0 (0 = server default), got {o.budget}")
-    if o.HasField("top_logprobs") and not 0 <= o.top_logprobs <= MAX_TOP_LOGPROBS:
-        raise Invalid(f"{prefix}top_logprobs: must be in [0, {MAX_TOP_LOGPROBS}], got {o.top_logprobs}")
-    if o.HasField("prompt_logprobs") and not 0 <= o.prompt_logprobs <= MAX_TOP_LOGPROBS:
-        raise Invalid(f"{prefix}prompt_logprobs: must be in [0, {MAX_TOP_LOGPROBS}], got {o.prompt_logprobs}")
     if max_budget is not None and o.budget > max_budget:
         raise Invalid(f"{prefix}budget: must be <= {max_budget} (this server's or this API key's cap), got {o.budget}")
     if len(o.stop) > MAX_STOP_STRINGS:
@@ -132,17 +115,11 @@ def validate_options(
     for i, t in enumerate(o.stop_token_ids):
         if not 0 <= t < vocab_size:
             raise Invalid(f"{prefix}stop_token_ids[{i}]: token id {t} is outside the vocabulary (size {vocab_size})")
-    _validate_penalties(o, vocab_size, prefix)
+    _validate_logit_masks(o, vocab_size, prefix)
 
 
-def _validate_penalties(o: gateway_pb2.GenerationOptions, vocab_size: int, prefix: str) -> None:
-    """Penalties and logit masks: OpenAI's / vLLM's ranges, token ids in the vocabulary."""
-    for key in ("presence_penalty", "frequency_penalty"):
-        value = getattr(o, key)
-        if not -MAX_PENALTY <= value <= MAX_PENALTY:  # NaN fails too
-            raise Invalid(f"{prefix}{key}: must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
-    if not (o.repetition_penalty == 0 or 0 < o.repetition_penalty < math.inf):
-        raise Invalid(f"{prefix}repetition_penalty: must be > 0 (0 = unset, 1 = off), got {o.repetition_penalty}")
+def _validate_logit_masks(o: gateway_pb2.GenerationOptions, vocab_size: int, prefix: str) -> None:
+    """Logit masks: OpenAI's / vLLM's ranges, token ids in the vocabulary (the penalties: check_wire)."""
     for token, bias in o.logit_bias.items():
         if not 0 <= token < vocab_size:
             raise Invalid(f"{prefix}logit_bias: token id {token} is outside the vocabulary (size {vocab_size})")
@@ -243,8 +220,6 @@ class Pipeline:
         tool_parser = self.config.tool_call_parser if tools else "none"
         grammar = forced or auto or options.grammar
         if grammar and starts_in_reasoning(prompt) and (reasoning != "none" or auto):
-            from ddtree.gateway.structured_outputs import after_reasoning
-
             # the constraint starts after </think> (always for auto's: </think> is no text the grammar allows)
             field = "tool_choice" if forced else "tools" if auto else f"{options_prefix}grammar"
             grammar = after_reasoning(grammar, self.tokenizer, field)
@@ -275,8 +250,6 @@ class Pipeline:
                     f"not {self.config.tool_call_parser!r}"
                 )
             return ""
-        from ddtree.gateway.structured_outputs import auto_tool_grammar
-
         return auto_tool_grammar(tools, self.tokenizer, parallel)
 
     def _forced_tool_grammar(self, tools, tool_choice: str, grammar: str, parallel: bool = True) -> str:
@@ -291,8 +264,6 @@ class Pipeline:
             raise Invalid(
                 f"tool_choice: forced tool calls need the kimi_k2 tool-call parser, not {self.config.tool_call_parser!r}"
             )
-        from ddtree.gateway.structured_outputs import tool_grammar
-
         name = tool_choice.removeprefix("function:") if tool_choice.startswith("function:") else None
         return tool_grammar(tools, name, self.tokenizer, parallel)
 
@@ -363,8 +334,6 @@ class Pipeline:
         """Invalid naming `{prefix}grammar` when the client's raw grammar does not compile (the one
         check of it: after_reasoning and the verifier take it as checked)."""
         if o.grammar:
-            from ddtree.gateway.structured_outputs import check_grammar
-
             check_grammar(o.grammar, f"{prefix}grammar")
 
     def check_prompt_chars(self, n: int, what: str) -> None:
@@ -415,8 +384,6 @@ class Pipeline:
             sampling.seed = o.seed
         max_new = o.max_tokens or self.default_max_tokens(len(input_ids))
         if self.router is not None:
-            from ddtree.gateway.context_length import check_context
-
             self.max_context()  # the verifier's, once one answered (None before: it checks the request itself)
             param = "messages" if kwargs.get("api") == "chat" else "prompt"
             check_context(len(input_ids), max_new, self._max_context, param)

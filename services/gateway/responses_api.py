@@ -23,10 +23,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ddtree.gateway.errors import Invalid
 from ddtree.gateway.generation import Result
 from ddtree.gateway.openai_models import json_type
 from ddtree.gateway.openai_responses import sum_usage
-from ddtree.gateway.pipeline import Invalid
 from ddtree.protocol.ddtree.v1 import common_pb2, gateway_pb2
 
 FIELDS = {

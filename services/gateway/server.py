@@ -21,8 +21,10 @@ import grpc
 from ddtree.config import GatewayConfig
 from ddtree.gateway import metrics
 from ddtree.gateway.auth import ApiKeys, KeyPolicy, Unauthorized
-from ddtree.gateway.generation import RequestError, StopMatcher
-from ddtree.gateway.pipeline import Invalid, Job, Pipeline, validate_options
+from ddtree.gateway.errors import Invalid, RequestError
+from ddtree.gateway.generation import StopMatcher
+from ddtree.gateway.http import HttpServer
+from ddtree.gateway.pipeline import Job, Pipeline, validate_options
 from ddtree.gateway.routing import Router
 from ddtree.protocol.ddtree.v1 import gateway_pb2, gateway_pb2_grpc
 from ddtree.protocol.json_limits import JsonInputError, load_json
@@ -229,8 +231,6 @@ def serve(
     `LISTENING gateway host:port`), then HTTP on config.http_port (`LISTENING gateway-http host:port`).
     The tokenizer is config.tokenizer, or `tokenizer_dir` when that is empty (the caller resolves the
     default)."""
-    from ddtree.gateway.http import HttpServer
-
     path = config.tokenizer or tokenizer_dir
     if not path:
         raise ValueError("gateway: no tokenizer directory (set --tokenizer / DDTREE_TOKENIZER)")

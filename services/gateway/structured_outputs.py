@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ddtree.gateway.pipeline import Invalid
+from ddtree.gateway.errors import Invalid
 from ddtree.protocol.json_limits import JsonInputError, check_depth, load_json
 from ddtree.tokenization.tokenizer import Tokenizer
 

@@ -37,7 +37,7 @@ from ddtree.models.parallel.process_group import (
 )
 from ddtree.models.parallel.step_message import CACHE, FORWARD, STATIC, STATIC_STEP, STOP, StaticStepMessage, recv_step
 from ddtree.models.parallel.tp_model import TensorParallelModel, load_tp_model, run_shard, run_static_shard
-from ddtree.telemetry.logging import get_logger
+from ddtree.telemetry.logging import configure_logging, get_logger
 from ddtree.verifier.static_step import make_static_step, plan_static_step
 
 log = get_logger("ddtree.verifier.tp")
@@ -100,8 +100,6 @@ def run_worker(config: VerifierConfig, model_dir: str, env: LaunchEnv, backend: 
 
 
 def _spawned_rank(rank: int, config: VerifierConfig, model_dir: str, addr: str, port: int, backend: str) -> None:
-    from ddtree.telemetry.logging import configure_logging
-
     # Rank 0 owns the lifetime of the ranks it spawned: a Ctrl-C or SIGTERM to the process group stops
     # rank 0 gracefully, which sends STOP. (A lost rank 0 still ends them: their collectives fail.)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
