@@ -156,7 +156,8 @@ class DraftEngine:
                 embeds = self.embed_weight[torch.full((S, B), cfg.mask_token_id)]
                 positions = 4 + torch.arange(B).repeat(S, 1)  # [S, B]
                 hidden = model.forward_blocks(embeds, positions, [context] * S)
-                logits = model.compute_logits(hidden[:, 1:].reshape(S * (B - 1), -1), self.lm_head_weight)
+                rows = hidden[:, cfg.prediction_slots].reshape(S * (B - 1), -1)
+                logits = model.compute_logits(rows, self.lm_head_weight)
                 topk_logprobs(logits, min(self.default_budget, self.vocab_size))
         return time.perf_counter() - t0
 
@@ -303,8 +304,9 @@ class DraftEngine:
         hidden = self.static.run(embeds, block_pos, kv) if self.static is not None else None
         if hidden is None:  # no static step, or the call fits none of its buckets
             hidden = model.forward_blocks(embeds, block_pos, kv)  # [S, B, H]; not cached
-        logits = model.compute_logits(hidden[:, 1:].reshape(S * (B - 1), -1), self.lm_head_weight)  # fp32
-        logits = logits.view(S, B - 1, -1)  # slot d of block s -> depth d of sequence s
+        rows = hidden[:, cfg.prediction_slots].reshape(S * (B - 1), -1)  # depth order (draft_shift: which slots)
+        logits = model.compute_logits(rows, self.lm_head_weight)  # fp32
+        logits = logits.view(S, B - 1, -1)  # row d - 1 of block s -> depth d of sequence s
         budgets = [seq.budget or self.default_budget for seq in seqs]
         # chain (K = 1): the best-first build can only extend the single path, one node per depth
         budgets = [min(b, B - 1) if seq.chain else b for seq, b in zip(seqs, budgets)]

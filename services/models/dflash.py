@@ -8,7 +8,9 @@ Per committed token, the target's tapped residual-stream features [len(ids) * H_
 RoPE at the token's absolute position; v_proj). Context features are never queries and are not
 updated from layer to layer, so their K/V are computed once and cached (context_kv). A draft block
 [anchor, MASK x (B-1)] then runs through the layers as queries that attend, without a mask, to
-[context K/V ; block K/V] (forward_block).
+[context K/V ; block K/V] (forward_block): unmasked for DFlash's bidirectional block over full-attention
+layers; a causal head (config causal_head) or a sliding-window layer masks by models/dflash_mask.py. The
+block's slots that carry predictions are config.prediction_slots (draft_shift).
 
 The layers are the target's shared ones: RMSNorm (norm.py), the SwiGLU MLP (moe.DeepseekV3MLP, the same
 gate/up/down_proj block as Qwen3's) and RoPE frequencies (rope.py), here in the rotate-half layout with
@@ -24,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from .dflash_config import DFlashConfig
+from .dflash_mask import block_mask, needs_mask
 from .moe import DeepseekV3MLP
 from .norm import RMSNorm
 from .rope import apply_rope, rope_attention_factor, rope_cos_sin, yarn_inv_freq
@@ -42,12 +45,15 @@ def rope_inv_freq(cfg: DFlashConfig) -> tuple[Tensor, float]:
     return yarn_inv_freq(rope, cfg.head_dim), rope_attention_factor(rope)
 
 
-def grouped_attention(q: Tensor, keys: Sequence[Tensor], values: Sequence[Tensor], scale: float) -> Tensor:
-    """Unmasked grouped-query attention of one block over keys/values given in parts (the cached context,
+def grouped_attention(
+    q: Tensor, keys: Sequence[Tensor], values: Sequence[Tensor], scale: float, mask: Tensor | None = None
+) -> Tensor:
+    """Grouped-query attention of one block over keys/values given in parts (the cached context,
     then the block's own): q [B, nh, hd], keys[j] / values[j] [n_j, kvh, hd] -> [B, nh, hd] (q's dtype).
     The result is attention over the parts' concatenation; the parts are never concatenated: scores are
     computed per part and joined ([kvh, B·g, sum n_j], small), and the weighted sum adds each part's share,
-    so a long context is read in place, not copied at every layer of every draft.
+    so a long context is read in place, not copied at every layer of every draft. mask: None (every key
+    seen) or bool [B, sum n_j], True where query b sees the key (dflash_mask.block_mask; no row empty).
 
     Query head h reads kv head h // (nh / kvh) (as repeat_interleave, or SDPA's enable_gqa). Scores,
     softmax and the weighted sum are fp32 whatever the model dtype (a part already in fp32 is read as is).
@@ -59,6 +65,8 @@ def grouped_attention(q: Tensor, keys: Sequence[Tensor], values: Sequence[Tensor
     g = nh // kvh
     qg = q.view(B, kvh, g, hd).permute(1, 0, 2, 3).reshape(kvh, B * g, hd).float()  # [kvh, B*g, hd]
     scores = torch.cat([torch.bmm(qg, k.float().permute(1, 2, 0)) for k in keys], dim=-1) * scale  # [kvh, B*g, n]
+    if mask is not None:  # row b*g + j is query b's head j of the group
+        scores = scores.masked_fill(~mask.repeat_interleave(g, dim=0), float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     o, start = None, 0
     for v in values:  # o = sum_j probs[:, :, part j] @ V_j
@@ -89,9 +97,17 @@ class DFlashAttention(nn.Module):
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         return apply_rope(k, cos[:, None], sin[:, None], interleaved=False), v
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, contexts: Sequence[tuple[Tensor, Tensor]]) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        contexts: Sequence[tuple[Tensor, Tensor]],
+        masks: Sequence[Tensor | None] | None = None,
+    ) -> Tensor:
         """x [S*B, H] (S blocks of B slots, after input_layernorm), cos/sin [S*B, hd], contexts[s] = block s's
-        context (K, V) [n_s, kvh, hd] -> [S*B, H]. Block s sees its own context and its own B slots; no mask.
+        context (K, V) [n_s, kvh, hd] -> [S*B, H]. Block s sees its own context and its own B slots, all of
+        them unless masks[s] (bool [B, n_s + B], dflash_mask.block_mask) hides some.
 
         Projections run over all S*B rows at once; the attention core runs per block, since contexts differ
         in length (grouped_attention per block; padding every block to the longest context measured slower:
@@ -104,7 +120,8 @@ class DFlashAttention(nn.Module):
         out = torch.empty_like(q)
         for s, (ctx_k, ctx_v) in enumerate(contexts):
             blk = slice(s * b, (s + 1) * b)  # keys: the context [n_s], then the block's own B slots
-            out[blk] = grouped_attention(q[blk], (ctx_k, k[blk]), (ctx_v, v[blk]), hd**-0.5)
+            mask = None if masks is None else masks[s]
+            out[blk] = grouped_attention(q[blk], (ctx_k, k[blk]), (ctx_v, v[blk]), hd**-0.5, mask)
         return self.o_proj(out.reshape(rows, nh * hd))
 
 
@@ -116,8 +133,15 @@ class DFlashDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DeepseekV3MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, contexts: Sequence[tuple[Tensor, Tensor]]) -> Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, contexts)
+    def forward(
+        self,
+        h: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        contexts: Sequence[tuple[Tensor, Tensor]],
+        masks: Sequence[Tensor | None] | None = None,
+    ) -> Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, contexts, masks)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -168,7 +192,8 @@ class DFlashDraftModel(nn.Module):
         self, block_embeds: Tensor, block_positions: Tensor, context: list[tuple[Tensor, Tensor]]
     ) -> Tensor:
         """block_embeds [B, H], block_positions [B], context per layer (K, V) [n, kvh, hd] (or [] for
-        none) -> hidden [B, H] after the final norm. Every block slot sees all context and all slots."""
+        none) -> hidden [B, H] after the final norm. The context rows are the n positions just before the
+        block's first slot (as the drafter's contexts are); slots see them and each other by dflash_mask."""
         if block_embeds.dim() != 2:
             raise ValueError(f"block_embeds must be [B, {self.config.hidden_size}], got {tuple(block_embeds.shape)}")
         return self.forward_blocks(block_embeds[None], block_positions[None], [context])[0]
@@ -195,9 +220,24 @@ class DFlashDraftModel(nn.Module):
                 per_layer[i].append(context[i] if context else (empty, empty))
         h = block_embeds.reshape(S * b, cfg.hidden_size).to(self.device, self.dtype)
         cos, sin = self.cos_sin(block_positions.reshape(S * b).to(self.device))
-        for layer, ctx in zip(self.layers, per_layer):
-            h = layer(h, cos, sin, ctx)
+        masks = self._block_masks(block_positions.to(self.device), [c[0].shape[0] for c in per_layer[0]])
+        for i, (layer, ctx) in enumerate(zip(self.layers, per_layer)):
+            h = layer(h, cos, sin, ctx, masks[cfg.layer_window(i)])
         return self.norm(h).view(S, b, cfg.hidden_size)
+
+    def _block_masks(self, block_positions: Tensor, lengths: list[int]) -> dict[int, list[Tensor] | None]:
+        """Per distinct layer window: each block's mask (None where nothing is hidden). Block s's context
+        rows sit at the lengths[s] positions just before its first slot (a draft context ends at the root)."""
+        cfg, out = self.config, {}
+        for w in {cfg.layer_window(i) for i in range(cfg.num_hidden_layers)}:
+            if not needs_mask(cfg.causal_head, w):
+                out[w] = None
+                continue
+            out[w] = [
+                block_mask(q, q[0] - n + torch.arange(n, device=q.device), cfg.causal_head, w)
+                for q, n in zip(block_positions, lengths)
+            ]
+        return out
 
     def compute_logits(self, hidden: Tensor, lm_head_weight: Tensor) -> Tensor:
         """hidden [n, H], target lm_head weight [V, H] -> fp32 logits [n, V] (z-lab output extras)."""

@@ -140,6 +140,7 @@ def write_random_drafter(
     target_layer_ids: tuple[int, ...] | None = None,
     rope_theta: float | None = None,
     dtype: torch.dtype = torch.float32,
+    attention: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write a reproducible random drafter for `target` (a target config.json dict, or just
     {hidden_size, num_hidden_layers, vocab_size}) to path/{config.json, model.safetensors}.
@@ -147,6 +148,7 @@ def write_random_drafter(
     Defaults: mask token = vocab_size - 1; taps = the z-lab default ids when they are distinct and in
     range for this target (they are not for targets under ~6 layers), else ids spread over all layers;
     default RoPE with the target's rope_theta (its scaling is not copied). Same arguments -> same bytes.
+    attention: DFlashConfig's block-attention fields (causal_head, draft_shift, layer_types, sliding_window).
     Init, in sorted-name order from one generator seeded with `seed`: linears N(0, 1) / sqrt(in_features),
     norm weights 1 + 0.1 * N(0, 1), biases 0.02 * N(0, 1); drawn in fp32, then cast to `dtype`.
     """
@@ -174,7 +176,9 @@ def write_random_drafter(
         rms_norm_eps=float(target.get("rms_norm_eps", 1e-6)),
         rope=RopeConfig(theta=float(rope_theta or target.get("rope_theta", 10000.0))),
         max_position_embeddings=int(target.get("max_position_embeddings", 32768)),
+        **dict(attention or {}),
     )
+    cfg.validate()
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in DFlashDraftModel(cfg).state_dict().items()}
     gen = torch.Generator().manual_seed(seed)

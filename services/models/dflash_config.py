@@ -16,6 +16,20 @@ The YaRN attention factor (the cos/sin multiplier; attention logits scale by its
 `rope_scaling.attention_factor` when given, the key transformers' YaRN (which HF Qwen3 uses) honours as an
 override; else transformers' rule: mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are
 set, else 1 + 0.1 ln(factor) (ATTENTION_FACTOR_HELP; computed by rope.rope_attention_factor).
+
+Attention inside the draft block, and which slots carry predictions (models/dflash_mask.py has the rule):
+- `dflash_config.causal_head` (JetSpec's causal parallel head; default false = DFlash's bidirectional
+  block): block slot i sees the context and block slots j <= i.
+- `dflash_config.draft_shift` (default false): false = in place, slot d (1..B-1) predicts depth d, the token
+  at its own position (its input is a MASK); true = shifted, slot d (0..B-2) predicts depth d + 1, the next
+  token (slot 0 holds the root, as always). Either way the block drafts depths 1..B-1. Only these two exist:
+  a shift of 2 or more would never predict depth 1, a negative one would predict committed tokens; any
+  other value is refused.
+- Qwen3-style `layer_types` ("full_attention" | "sliding_attention" per layer; absent = derived as
+  transformers' Qwen3Config does from `use_sliding_window` and `max_window_layers`) with `sliding_window` W:
+  a sliding layer's query at position p sees keys at positions k with |p - k| < W (transformers' window
+  p - k < W, symmetric inside a bidirectional block as flash-attention's non-causal window).
+A config that asks for anything else is refused at load with one line naming the field.
 """
 
 from __future__ import annotations
@@ -33,6 +47,7 @@ ATTENTION_FACTOR_HELP = (
     "it is mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are set, else 1 + 0.1 ln(factor), "
     "as in transformers; SGLang and vLLM <= 0.29 use 1 + 0.1 ln(factor) for plain YaRN whatever the mscales"
 )
+LAYER_TYPES = ("full_attention", "sliding_attention")
 # rope_scaling keys in the order `to_dict` writes them; None values are left out
 _ROPE_SCALING_KEYS = (
     "rope_type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
@@ -115,6 +130,21 @@ class DFlashConfig:
     input_embedding_scale: float = 1.0  # dflash_config extras (z-lab); applied by the caller
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
+    causal_head: bool = False  # block slot i sees slots <= i (else every slot of its block)
+    draft_shift: bool = False  # slot d predicts depth d + 1 (slots 0..B-2), else depth d (slots 1..B-1)
+    layer_types: tuple[str, ...] = ()  # per layer full_attention | sliding_attention; () = all full
+    sliding_window: int | None = None  # W of the sliding_attention layers
+
+    @property
+    def prediction_slots(self) -> slice:
+        """The block slots whose hidden states predict depths 1..B-1, in depth order."""
+        return slice(0, self.block_size - 1) if self.draft_shift else slice(1, self.block_size)
+
+    def layer_window(self, i: int) -> int:
+        """Layer i's sliding window W (0 = full attention)."""
+        if self.layer_types and self.layer_types[i] == "sliding_attention":
+            return int(self.sliding_window or 0)
+        return 0
 
     @property
     def feature_size(self) -> int:
@@ -148,6 +178,22 @@ class DFlashConfig:
             raise ValueError(f"DFlashConfig.mask_token_id {self.mask_token_id} not in [0, {self.vocab_size})")
         if not self.target_layer_ids:
             raise ValueError("DFlashConfig.target_layer_ids is empty")
+        if self.layer_types:
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ValueError(
+                    f"config.json: layer_types has {len(self.layer_types)} entries for "
+                    f"num_hidden_layers={self.num_hidden_layers}"
+                )
+            bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if bad:
+                raise ValueError(f"config.json: layer_types {bad} not supported (full_attention, sliding_attention)")
+            if "sliding_attention" in self.layer_types and not (
+                isinstance(self.sliding_window, int) and self.sliding_window >= 1
+            ):
+                raise ValueError(
+                    f"config.json: sliding_window must be a positive integer for sliding_attention layers, "
+                    f"got {self.sliding_window!r}"
+                )
         top = self.num_target_layers
         for i in self.target_layer_ids:
             if i < 0 or (top is not None and i >= top):
@@ -169,10 +215,8 @@ class DFlashConfig:
                 return default
             return value
 
-        layer_types = d.get("layer_types") or ()
-        if any(t != "full_attention" for t in layer_types):
-            raise ValueError(f"config.json: only full_attention drafter layers are supported, got {list(layer_types)}")
         num_layers = int(get("num_hidden_layers"))
+        layer_types, sliding_window = _layer_types(d, num_layers)
         num_target_layers = get("num_target_layers", None)
         ids = get("target_layer_ids", None)
         if ids is None:
@@ -205,6 +249,10 @@ class DFlashConfig:
             input_embedding_scale=float(get("input_embedding_scale", 1.0)),
             output_multiplier=float(get("output_multiplier", 1.0)),
             final_logit_softcapping=None if softcap is None else float(softcap),
+            causal_head=_flag(extra, d, "causal_head"),
+            draft_shift=_flag(extra, d, "draft_shift"),
+            layer_types=layer_types,
+            sliding_window=sliding_window,
         )
         cfg.validate()
         return cfg
@@ -219,6 +267,13 @@ class DFlashConfig:
         ):
             if getattr(self, name) != default:
                 extra[name] = getattr(self, name)
+        if self.causal_head:
+            extra["causal_head"] = True
+        if self.draft_shift:
+            extra["draft_shift"] = True
+        windows: dict[str, Any] = {}
+        if self.layer_types:
+            windows = {"layer_types": list(self.layer_types), "sliding_window": self.sliding_window}
         scaling = None
         if self.rope.rope_type != "default":
             values = {k: getattr(self.rope, k) for k in _ROPE_SCALING_KEYS}
@@ -242,4 +297,37 @@ class DFlashConfig:
             "max_position_embeddings": self.max_position_embeddings,
             "vocab_size": self.vocab_size,
             "attention_bias": self.attention_bias,
+            **windows,
         }
+
+
+def _flag(extra: Mapping[str, Any], d: Mapping[str, Any], name: str) -> bool:
+    """A boolean dflash_config field (dflash_config{} over the top level); true / false, or 1 / 0."""
+    value = extra.get(name, d.get(name))
+    if value is None:
+        return False
+    if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+        return bool(value)
+    raise ValueError(f"config.json: dflash_config.{name} must be true or false, got {value!r}")
+
+
+def _layer_types(d: Mapping[str, Any], num_layers: int) -> tuple[tuple[str, ...], int | None]:
+    """(layer_types, sliding_window) as transformers' Qwen3Config reads them: `layer_types` as written, else
+    sliding_attention from layer max_window_layers on where `use_sliding_window` is set, else all full.
+    A config without sliding layers comes back as ((), None), so that it compares equal to one without
+    the fields."""
+    types = d.get("layer_types")
+    window = d.get("sliding_window")
+    if types is None and d.get("use_sliding_window"):
+        first = d.get("max_window_layers")
+        first = num_layers if first is None else int(first)
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    if not types:
+        return (), None
+    if not isinstance(types, list | tuple) or not all(isinstance(t, str) for t in types):
+        raise ValueError(f"config.json: layer_types must be a list of strings, got {types!r}")
+    if "sliding_attention" not in types and len(types) == num_layers and set(types) == {"full_attention"}:
+        return (), None
+    if isinstance(window, bool) or not isinstance(window, int | None):
+        raise ValueError(f"config.json: sliding_window must be a positive integer, got {window!r}")
+    return tuple(types), window

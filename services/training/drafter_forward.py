@@ -9,7 +9,8 @@ into one query set and one key set:
     queries = [block 0 ; block 1 ; ... ; block m-1]                               (m*B)
 
 and a block-sparse mask gives every query of block j exactly what serving would give it: context keys
-p with a_j - W <= p < a_j (W = window, 0 = unlimited) and the B keys of block j, nothing else. The
+p with a_j - W <= p < a_j (W = window, 0 = unlimited) and the B keys of block j, nothing else; a causal
+head or a sliding-window layer hides more, by the serving rule (models/dflash_mask.py), per layer. The
 context K/V are computed once per sequence and shared by all its blocks, as serving caches them once.
 Masked keys get exactly zero weight, so each block's hidden states equal the serving computation (the
 train/serve test in tests/training/test_train_drafter.py checks this against DraftEngine.draft).
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ddtree.models.dflash import DFlashDraftModel
+from ddtree.models.dflash_mask import block_mask, needs_mask
 from ddtree.models.rope import apply_rope
 
 
@@ -38,11 +40,14 @@ def sample_anchors(lo: int, hi: int, count: int, batch: int, generator: torch.Ge
     return keys.argsort(dim=1)[:, :m].sort(dim=1).values + lo
 
 
-def block_attention_mask(anchors: Tensor, context_len: int, block_size: int, window: int = 0) -> Tensor:
+def block_attention_mask(
+    anchors: Tensor, context_len: int, block_size: int, window: int = 0, causal: bool = False, layer_window: int = 0
+) -> Tensor:
     """bool [S, m*B, T + m*B], True = the query may see the key.
 
     anchors int64 [S, m]. Query row j*B + i (slot i of block j) sees context key p iff
-    a_j - window <= p < a_j (no lower bound when window == 0), and block key T + j'*B + i' iff j' == j.
+    a_j - window <= p < a_j (no lower bound when window == 0), and block key T + j'*B + i' iff j' == j;
+    of those, what dflash_mask.block_mask(causal, layer_window) lets slot i see.
     """
     s, m = anchors.shape
     b, t = block_size, context_len
@@ -53,6 +58,12 @@ def block_attention_mask(anchors: Tensor, context_len: int, block_size: int, win
         ctx = ctx & (p >= a - window)
     qb = torch.arange(m * b, device=anchors.device) // b  # [m*B] block of each query row
     own = (qb[:, None] == qb[None, :]).expand(s, -1, -1)  # [S, m*B, m*B]
+    if needs_mask(causal, layer_window):
+        q_pos = anchors[:, :, None] + torch.arange(b, device=anchors.device)  # [S, m, B]
+        rule = block_mask(q_pos, torch.arange(t, device=anchors.device), causal, layer_window)  # [S, m, B, T+B]
+        ctx = ctx & rule[..., :t].reshape(s, m * b, t)
+        slot = torch.arange(m * b, device=anchors.device) % b
+        own = own & rule[0, 0, :, t:][slot[:, None], slot[None, :]]  # the in-block rule, the same for every block
     return torch.cat([ctx, own], dim=2)
 
 
@@ -84,10 +95,14 @@ def block_hidden(
     ctx_cos, ctx_sin = _cos_sin(model, torch.arange(t, device=dev))  # [T, hd]
     blk_pos = (anchors.to(dev)[:, :, None] + torch.arange(b, device=dev)).reshape(s, m * b)  # [S, mB]
     blk_cos, blk_sin = _cos_sin(model, blk_pos)  # [S, mB, hd]
-    mask = block_attention_mask(anchors.to(dev), t, b, window)[:, None]  # [S, 1, mB, T+mB]
+    masks = {  # per distinct layer window: [S, 1, mB, T+mB]
+        w: block_attention_mask(anchors.to(dev), t, b, window, cfg.causal_head, w)[:, None]
+        for w in {cfg.layer_window(i) for i in range(cfg.num_hidden_layers)}
+    }
     h = block_embeds.to(dev, model.dtype).reshape(s, m * b, h_dim)  # [S, mB, H]
     groups = nh // kvh
-    for layer in model.layers:
+    for li, layer in enumerate(model.layers):
+        mask = masks[cfg.layer_window(li)]
         attn = layer.self_attn
         kc = _rope(attn.k_norm(attn.k_proj(ctx).view(s, t, kvh, hd)), ctx_cos, ctx_sin)  # [S, T, kvh, hd]
         vc = attn.v_proj(ctx).view(s, t, kvh, hd)

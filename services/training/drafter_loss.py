@@ -69,7 +69,7 @@ def block_loss(
 ) -> BlockLoss:
     """hidden [S, m, B, H] (block_hidden), labels int64 [S, m, B-1], weights fp32 [B-1]."""
     s, m, b, h = hidden.shape
-    rows = hidden[:, :, 1:].reshape(-1, h)  # slot 0 (the anchor) is never a prediction
+    rows = hidden[:, :, model.config.prediction_slots].reshape(-1, h)  # depth order (draft_shift: which slots)
     lab = labels.reshape(-1).to(rows.device)
     ces, preds = [], []
     for i in range(0, rows.shape[0], chunk_rows):

@@ -207,7 +207,23 @@ def test_strict_loading(ckpt: Path, tmp_path: Path, name: str, edit, msg: str) -
     [
         (lambda c: c.pop("hidden_size"), "missing required field 'hidden_size'"),
         (lambda c: c["dflash_config"].pop("mask_token_id"), "missing required field 'mask_token_id'"),
-        (lambda c: c.update(layer_types=["full_attention", "sliding_attention"]), "only full_attention"),
+        (
+            lambda c: c.update(layer_types=["full_attention", "sliding_attention"]),
+            r"^config.json: sliding_window must be a positive integer for sliding_attention layers, got None$",
+        ),
+        (
+            lambda c: c.update(layer_types=["full_attention", "linear_attention"]),
+            r"^config.json: layer_types \['linear_attention'\] not supported",
+        ),
+        (lambda c: c.update(layer_types=["full_attention"]), "layer_types has 1 entries for num_hidden_layers=2"),
+        (
+            lambda c: c["dflash_config"].update(draft_shift=2),
+            r"^config.json: dflash_config.draft_shift must be true or false, got 2$",
+        ),
+        (
+            lambda c: c["dflash_config"].update(causal_head="yes"),
+            r"^config.json: dflash_config.causal_head must be true or false, got 'yes'$",
+        ),
         (
             lambda c: c.update(rope_scaling={"type": "dynamic", "factor": 2.0}),
             "unsupported rope_scaling type 'dynamic'",
