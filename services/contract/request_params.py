@@ -99,6 +99,8 @@ PARAMS: dict[str, Param] = {
               doc="HTTP: chat's top_logprobs with logprobs true, completions' logprobs N (openai_protocol)"),
         Param("prompt_logprobs", int, 0, MAX_TOP_LOGPROBS, doc="vLLM's: the prompt tokens' logprobs"),
         Param("budget", int, 0, INT32_MAX, unset="0 = server default", doc="ddtree: tree node budget"),
+        Param("truncate_prompt_tokens", int, -1, INT32_MAX,
+              doc="vLLM's: keep only the last k prompt tokens; -1 = the model's maximum context"),
         Param("no_spec", bool, doc="ddtree: plain autoregressive decoding"),
         Param("ignore_eos", bool, apis=_TOKENS),
         Param("include_stop_str_in_output", bool),

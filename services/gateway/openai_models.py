@@ -165,7 +165,6 @@ class Request(_Params):
     structural_tag: Any = None
     structured_outputs: Any = None
     logits_processors: Any = None
-    truncate_prompt_tokens: Any = None
     priority: int | None = None
     return_tokens_as_token_ids: bool | None = None
     return_token_ids: bool | None = None
@@ -221,7 +220,6 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "guided_whitespace_pattern": (lambda v: False, "not supported (use structured_outputs.disable_any_whitespace)"),
     "structural_tag": (lambda v: False, "not supported (structured outputs: json, regex, choice, grammar)"),
     "logits_processors": (lambda v: not v, "not supported (custom logits processors)"),
-    "truncate_prompt_tokens": (lambda v: False, "not supported (prompts are never truncated; send a shorter one)"),
     "priority": (lambda v: v == 0, "not supported (requests are served first come, first served)"),
     "return_tokens_as_token_ids": (lambda v: v is False, "not supported"),
     "return_token_ids": (lambda v: v is False, "not supported"),

@@ -7,6 +7,8 @@ ValueError naming the field), render the chat template, tokenize, and build the 
 - Limits: max_tokens (max_tokens_limit), prompt characters (max_prompt_chars), prompt tokens
   (max_prompt_tokens), stop strings and stop ids (counts and lengths below), prompt + max_tokens within
   the verifier's max_context (context_length.py's wording).
+- truncate_prompt_tokens (vLLM's): only the prompt's last k tokens go on (-1: the maximum context),
+  cut before the limits on prompt tokens and context are checked.
 - Chat output goes through the reasoning parser (config.reasoning_parser, unless the request turns
   separate_reasoning off) and, when the request declares tools (and tool_choice is not "none"), the
   tool-call parser (config.tool_call_parser); finish_reason "stop" becomes "tool_calls" when calls
@@ -361,6 +363,8 @@ class Pipeline:
         )
         if not input_ids:
             raise Invalid("prompt: encodes to no tokens")
+        if o.HasField("truncate_prompt_tokens"):
+            input_ids = self._truncated(input_ids, o.truncate_prompt_tokens, prefix)
         limit = self.config.max_prompt_tokens
         if limit and len(input_ids) > limit:
             raise Invalid(f"prompt: {len(input_ids)} tokens, over the limit of {limit}")
@@ -417,6 +421,17 @@ class Pipeline:
             min_tokens=o.min_tokens,
             **kwargs,
         )
+
+    def _truncated(self, input_ids: list[int], k: int, prefix: str) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last k tokens; -1 = the model's maximum context,
+        and more than that is refused (vLLM's rule)."""
+        context = (self.max_context() if self.router is not None else 0) or self.tokenizer.model_max_length or 0
+        k = context if k == -1 else k
+        if k == 0:
+            raise Invalid(f"{prefix}truncate_prompt_tokens: 0 would leave no prompt (-1 = the maximum context)")
+        if context and k > context:
+            raise Invalid(f"{prefix}truncate_prompt_tokens: must be <= the maximum context ({context}), got {k}")
+        return input_ids[-k:] if k > 0 else input_ids
 
     def default_max_tokens(self, prompt_tokens: int) -> int:
         """max_tokens for a request that sets none: --default-max-tokens, or the room the context leaves

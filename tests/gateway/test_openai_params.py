@@ -41,7 +41,6 @@ NOT_NEUTRAL = {
     "guided_whitespace_pattern": " ",  # structured outputs themselves: tests/verifier/test_structured_outputs.py
     "structural_tag": "{}",
     "logits_processors": ["m.f"],
-    "truncate_prompt_tokens": 5,
     "priority": 1,
     "return_tokens_as_token_ids": True,
     "return_token_ids": True,
@@ -173,6 +172,45 @@ def test_type_and_range_errors_are_400(client, fake, extra, message):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model=MODEL, messages=USER, extra_body=extra)
     assert message in err.value.body["message"] and err.value.body["param"] == message.split(":")[0]
+    assert fake.requests == []
+
+
+def test_truncate_prompt_tokens_keeps_the_last_k_tokens(client, fake, tok):
+    """vLLM's truncate_prompt_tokens: the verifier gets the prompt's last k tokens, the very request that
+    sending those k token ids as the prompt makes; chat cuts the rendered prompt. -1 = the model's
+    maximum context (the fake's 1234: these prompts are shorter, so uncut); over it, 0 or < -1: 400."""
+    prompt = "one two three four five six seven eight nine ten"
+    ids, k = tok.encode(prompt), 4
+    assert len(ids) > k
+    sent = []
+    for kwargs in (
+        dict(prompt=prompt, extra_body={"truncate_prompt_tokens": k}),
+        dict(prompt=ids[-k:]),  # the reference: the truncated prompt sent directly
+        dict(prompt=prompt, extra_body={"truncate_prompt_tokens": -1}),
+    ):
+        fake.reset(script_for(tok.encode("ok")))
+        r = client.completions.create(model=MODEL, max_tokens=2, **kwargs)
+        assert r.choices[0].text == "ok"
+        sent.append(fake.requests[-1])
+    assert list(sent[0].input_ids) == ids[-k:] == list(sent[1].input_ids)
+    assert (sent[0].sampling, sent[0].max_new_tokens) == (sent[1].sampling, sent[1].max_new_tokens)
+    assert list(sent[2].input_ids) == ids
+    chat = []
+    for extra in ({}, {"truncate_prompt_tokens": k}):
+        fake.reset(script_for(tok.encode("ok")))
+        client.chat.completions.create(model=MODEL, messages=USER, max_tokens=2, extra_body=extra)
+        chat.append(list(fake.requests[-1].input_ids))
+    assert len(chat[0]) > k and chat[1] == chat[0][-k:]
+    fake.reset(script_for([5]))
+    for value, message in (
+        (5000, "truncate_prompt_tokens: must be <= the maximum context (1234), got 5000"),
+        (0, "truncate_prompt_tokens: 0 would leave no prompt"),
+        (-2, "truncate_prompt_tokens: must be in [-1, 2147483647], got -2"),
+        ("3", "truncate_prompt_tokens: must be integer, got string"),
+    ):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model=MODEL, prompt=prompt, extra_body={"truncate_prompt_tokens": value})
+        assert err.value.body["message"].startswith(message) and err.value.body["param"] == "truncate_prompt_tokens"
     assert fake.requests == []
 
 

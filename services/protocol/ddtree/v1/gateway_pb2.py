@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from ddtree.protocol.ddtree.v1 import common_pb2 as ddtree_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x64\x64tree/v1/gateway.proto\x12\tddtree.v1\x1a\x16\x64\x64tree/v1/common.proto\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\x94\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\'\n\ntool_calls\x18\x05 \x03(\x0b\x32\x13.ddtree.v1.ToolCall\x12\x19\n\x11reasoning_content\x18\x06 \x01(\t\"\xb3\x05\n\x11GenerationOptions\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x0f\n\x07no_spec\x18\t \x01(\x08\x12\x0e\n\x06\x62udget\x18\n \x01(\x05\x12\r\n\x05min_p\x18\x0b \x01(\x02\x12\x12\n\nmin_tokens\x18\x0c \x01(\x05\x12\"\n\x1ainclude_stop_str_in_output\x18\r \x01(\x08\x12 \n\x13skip_special_tokens\x18\x0e \x01(\x08H\x01\x88\x01\x01\x12\x19\n\x0ctop_logprobs\x18\x0f \x01(\x05H\x02\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\x05H\x03\x88\x01\x01\x12\x1a\n\x12repetition_penalty\x18\x11 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x12 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x13 \x01(\x02\x12?\n\nlogit_bias\x18\x15 \x03(\x0b\x32+.ddtree.v1.GenerationOptions.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x16 \x03(\x05\x12\x11\n\tbad_words\x18\x17 \x03(\t\x12\x0f\n\x07grammar\x18\x14 \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x16\n\x14_skip_special_tokensB\x0f\n\r_top_logprobsB\x12\n\x10_prompt_logprobs\"\xb1\x01\n\x0b\x43hatRequest\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.ddtree.v1.ChatMessage\x12-\n\x07options\x18\x02 \x01(\x0b\x32\x1c.ddtree.v1.GenerationOptions\x12\x12\n\ntools_json\x18\x03 \x01(\t\x12!\n\x19\x63hat_template_kwargs_json\x18\x04 \x01(\t\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"d\n\x0f\x43ompleteRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12-\n\x07options\x18\x02 \x01(\x0b\x32\x1c.ddtree.v1.GenerationOptions\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"Q\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x17\n\x0f\x61rguments_delta\x18\x04 \x01(\t\"\xce\x02\n\rGenerateChunk\x12\x12\n\ntext_delta\x18\x01 \x01(\t\x12\x17\n\x0freasoning_delta\x18\x02 \x01(\t\x12,\n\ntool_calls\x18\x03 \x03(\x0b\x32\x18.ddtree.v1.ToolCallDelta\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12#\n\x05steps\x18\x05 \x03(\x0b\x32\x14.ddtree.v1.StepStats\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x1f\n\x05usage\x18\x07 \x01(\x0b\x32\x10.ddtree.v1.Usage\x12\x12\n\nrequest_id\x18\x08 \x01(\t\x12*\n\x08logprobs\x18\t \x03(\x0b\x32\x18.ddtree.v1.TokenLogprobs\x12\x32\n\x0fprompt_logprobs\x18\n \x01(\x0b\x32\x19.ddtree.v1.PromptLogprobs\"h\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12(\n\x08messages\x18\x02 \x03(\x0b\x32\x16.ddtree.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x03 \x01(\x08\"G\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t\x12\x10\n\x08rendered\x18\x03 \x01(\t\"\x14\n\x12GatewayInfoRequest\"\x96\x01\n\x0bGatewayInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x18\n\x10verifier_address\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x13\n\x0bmax_context\x18\x04 \x01(\x05\x12\x18\n\x10reasoning_parser\x18\x05 \x01(\t\x12\x18\n\x10tool_call_parser\x18\x06 \x01(\t2\x90\x02\n\x07Gateway\x12:\n\x04\x43hat\x12\x16.ddtree.v1.ChatRequest\x1a\x18.ddtree.v1.GenerateChunk0\x01\x12\x42\n\x08\x43omplete\x12\x1a.ddtree.v1.CompleteRequest\x1a\x18.ddtree.v1.GenerateChunk0\x01\x12\x43\n\x08Tokenize\x12\x1a.ddtree.v1.TokenizeRequest\x1a\x1b.ddtree.v1.TokenizeResponse\x12@\n\x07GetInfo\x12\x1d.ddtree.v1.GatewayInfoRequest\x1a\x16.ddtree.v1.GatewayInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x64\x64tree/v1/gateway.proto\x12\tddtree.v1\x1a\x16\x64\x64tree/v1/common.proto\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\x94\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\'\n\ntool_calls\x18\x05 \x03(\x0b\x32\x13.ddtree.v1.ToolCall\x12\x19\n\x11reasoning_content\x18\x06 \x01(\t\"\xf3\x05\n\x11GenerationOptions\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x0f\n\x07no_spec\x18\t \x01(\x08\x12\x0e\n\x06\x62udget\x18\n \x01(\x05\x12\r\n\x05min_p\x18\x0b \x01(\x02\x12\x12\n\nmin_tokens\x18\x0c \x01(\x05\x12\"\n\x1ainclude_stop_str_in_output\x18\r \x01(\x08\x12 \n\x13skip_special_tokens\x18\x0e \x01(\x08H\x01\x88\x01\x01\x12\x19\n\x0ctop_logprobs\x18\x0f \x01(\x05H\x02\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\x05H\x03\x88\x01\x01\x12\x1a\n\x12repetition_penalty\x18\x11 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x12 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x13 \x01(\x02\x12?\n\nlogit_bias\x18\x15 \x03(\x0b\x32+.ddtree.v1.GenerationOptions.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x16 \x03(\x05\x12\x11\n\tbad_words\x18\x17 \x03(\t\x12#\n\x16truncate_prompt_tokens\x18\x18 \x01(\x05H\x04\x88\x01\x01\x12\x0f\n\x07grammar\x18\x14 \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x16\n\x14_skip_special_tokensB\x0f\n\r_top_logprobsB\x12\n\x10_prompt_logprobsB\x19\n\x17_truncate_prompt_tokens\"\xb1\x01\n\x0b\x43hatRequest\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.ddtree.v1.ChatMessage\x12-\n\x07options\x18\x02 \x01(\x0b\x32\x1c.ddtree.v1.GenerationOptions\x12\x12\n\ntools_json\x18\x03 \x01(\t\x12!\n\x19\x63hat_template_kwargs_json\x18\x04 \x01(\t\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"d\n\x0f\x43ompleteRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12-\n\x07options\x18\x02 \x01(\x0b\x32\x1c.ddtree.v1.GenerationOptions\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"Q\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x17\n\x0f\x61rguments_delta\x18\x04 \x01(\t\"\xce\x02\n\rGenerateChunk\x12\x12\n\ntext_delta\x18\x01 \x01(\t\x12\x17\n\x0freasoning_delta\x18\x02 \x01(\t\x12,\n\ntool_calls\x18\x03 \x03(\x0b\x32\x18.ddtree.v1.ToolCallDelta\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12#\n\x05steps\x18\x05 \x03(\x0b\x32\x14.ddtree.v1.StepStats\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x1f\n\x05usage\x18\x07 \x01(\x0b\x32\x10.ddtree.v1.Usage\x12\x12\n\nrequest_id\x18\x08 \x01(\t\x12*\n\x08logprobs\x18\t \x03(\x0b\x32\x18.ddtree.v1.TokenLogprobs\x12\x32\n\x0fprompt_logprobs\x18\n \x01(\x0b\x32\x19.ddtree.v1.PromptLogprobs\"h\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12(\n\x08messages\x18\x02 \x03(\x0b\x32\x16.ddtree.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x03 \x01(\x08\"G\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t\x12\x10\n\x08rendered\x18\x03 \x01(\t\"\x14\n\x12GatewayInfoRequest\"\x96\x01\n\x0bGatewayInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x18\n\x10verifier_address\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x13\n\x0bmax_context\x18\x04 \x01(\x05\x12\x18\n\x10reasoning_parser\x18\x05 \x01(\t\x12\x18\n\x10tool_call_parser\x18\x06 \x01(\t2\x90\x02\n\x07Gateway\x12:\n\x04\x43hat\x12\x16.ddtree.v1.ChatRequest\x1a\x18.ddtree.v1.GenerateChunk0\x01\x12\x42\n\x08\x43omplete\x12\x1a.ddtree.v1.CompleteRequest\x1a\x18.ddtree.v1.GenerateChunk0\x01\x12\x43\n\x08Tokenize\x12\x1a.ddtree.v1.TokenizeRequest\x1a\x1b.ddtree.v1.TokenizeResponse\x12@\n\x07GetInfo\x12\x1d.ddtree.v1.GatewayInfoRequest\x1a\x16.ddtree.v1.GatewayInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,25 +39,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_start=120
   _globals['_CHATMESSAGE']._serialized_end=268
   _globals['_GENERATIONOPTIONS']._serialized_start=271
-  _globals['_GENERATIONOPTIONS']._serialized_end=962
-  _globals['_GENERATIONOPTIONS_LOGITBIASENTRY']._serialized_start=844
-  _globals['_GENERATIONOPTIONS_LOGITBIASENTRY']._serialized_end=892
-  _globals['_CHATREQUEST']._serialized_start=965
-  _globals['_CHATREQUEST']._serialized_end=1142
-  _globals['_COMPLETEREQUEST']._serialized_start=1144
-  _globals['_COMPLETEREQUEST']._serialized_end=1244
-  _globals['_TOOLCALLDELTA']._serialized_start=1246
-  _globals['_TOOLCALLDELTA']._serialized_end=1327
-  _globals['_GENERATECHUNK']._serialized_start=1330
-  _globals['_GENERATECHUNK']._serialized_end=1664
-  _globals['_TOKENIZEREQUEST']._serialized_start=1666
-  _globals['_TOKENIZEREQUEST']._serialized_end=1770
-  _globals['_TOKENIZERESPONSE']._serialized_start=1772
-  _globals['_TOKENIZERESPONSE']._serialized_end=1843
-  _globals['_GATEWAYINFOREQUEST']._serialized_start=1845
-  _globals['_GATEWAYINFOREQUEST']._serialized_end=1865
-  _globals['_GATEWAYINFO']._serialized_start=1868
-  _globals['_GATEWAYINFO']._serialized_end=2018
-  _globals['_GATEWAY']._serialized_start=2021
-  _globals['_GATEWAY']._serialized_end=2293
+  _globals['_GENERATIONOPTIONS']._serialized_end=1026
+  _globals['_GENERATIONOPTIONS_LOGITBIASENTRY']._serialized_start=881
+  _globals['_GENERATIONOPTIONS_LOGITBIASENTRY']._serialized_end=929
+  _globals['_CHATREQUEST']._serialized_start=1029
+  _globals['_CHATREQUEST']._serialized_end=1206
+  _globals['_COMPLETEREQUEST']._serialized_start=1208
+  _globals['_COMPLETEREQUEST']._serialized_end=1308
+  _globals['_TOOLCALLDELTA']._serialized_start=1310
+  _globals['_TOOLCALLDELTA']._serialized_end=1391
+  _globals['_GENERATECHUNK']._serialized_start=1394
+  _globals['_GENERATECHUNK']._serialized_end=1728
+  _globals['_TOKENIZEREQUEST']._serialized_start=1730
+  _globals['_TOKENIZEREQUEST']._serialized_end=1834
+  _globals['_TOKENIZERESPONSE']._serialized_start=1836
+  _globals['_TOKENIZERESPONSE']._serialized_end=1907
+  _globals['_GATEWAYINFOREQUEST']._serialized_start=1909
+  _globals['_GATEWAYINFOREQUEST']._serialized_end=1929
+  _globals['_GATEWAYINFO']._serialized_start=1932
+  _globals['_GATEWAYINFO']._serialized_end=2082
+  _globals['_GATEWAY']._serialized_start=2085
+  _globals['_GATEWAY']._serialized_end=2357
 # @@protoc_insertion_point(module_scope)
