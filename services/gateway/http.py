@@ -199,7 +199,8 @@ class OpenAIApi:
         echo = None
         if params.echo:
             ids = job.request.input_ids
-            text = params.prompt if isinstance(params.prompt, str) else self.p.tokenizer.decode(list(ids))
+            whole = isinstance(params.prompt, str) and not params.options.HasField("truncate_prompt_tokens")
+            text = params.prompt if whole else self.p.tokenizer.decode(list(ids))  # what the verifier read
             top = params.options.top_logprobs if params.options.HasField("top_logprobs") else None
             echo = Echo(text, ids[0], top, output=not params.prompt_only)
         return self._respond(job, params, model, "cmpl", CompletionStream, completion_response, echo=echo)

@@ -195,6 +195,11 @@ def test_truncate_prompt_tokens_keeps_the_last_k_tokens(client, fake, tok):
     assert list(sent[0].input_ids) == ids[-k:] == list(sent[1].input_ids)
     assert (sent[0].sampling, sent[0].max_new_tokens) == (sent[1].sampling, sent[1].max_new_tokens)
     assert list(sent[2].input_ids) == ids
+    fake.reset(script_for(tok.encode("ok")))
+    r = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=2, echo=True, extra_body={"truncate_prompt_tokens": k}
+    )
+    assert r.choices[0].text == tok.decode(ids[-k:]) + "ok"  # echo shows the prompt the model read
     chat = []
     for extra in ({}, {"truncate_prompt_tokens": k}):
         fake.reset(script_for(tok.encode("ok")))
