@@ -147,9 +147,35 @@ def cmd_health(args) -> int:
     return 0 if resp.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
-def _start_stack(args, log_dir: pathlib.Path, metrics: bool = False, ports: tuple[int, int, int] = (0, 0, 0)):
+def _service_token_file(args, log_dir: pathlib.Path) -> tuple[str, bool]:
+    """(the token file the stack's three services share, whether it was generated now): --service-token-file,
+    else none when DDTREE_SERVICE_TOKEN(_FILE) or a --*-args flag gives the children one, else a new random
+    token in log_dir: the engines are never open to callers without it."""
+    from ddtree.launcher import write_service_token
+
+    if args.service_token_file:
+        return str(pathlib.Path(args.service_token_file).expanduser().resolve()), False
+    given = " ".join((args.verifier_args, args.drafter_args, args.gateway_args))
+    if (
+        os.environ.get("DDTREE_SERVICE_TOKEN")
+        or os.environ.get("DDTREE_SERVICE_TOKEN_FILE")
+        or "--service-token" in given
+    ):
+        return "", False
+    return str(write_service_token(log_dir)), True
+
+
+def _start_stack(
+    args,
+    log_dir: pathlib.Path,
+    metrics: bool = False,
+    ports: tuple[int, int, int] = (0, 0, 0),
+    metrics_ports: tuple[int, int, int] = (0, 0, 0),
+    token_file: str | None = None,
+):
     """The three services on the stack flags. The directories are checked and made absolute first (the
-    children run in another working directory): a bad one is a one-line error before anything starts."""
+    children run in another working directory): a bad one is a one-line error before anything starts.
+    token_file: the service token they share (None: _service_token_file's)."""
     from ddtree.launcher import check_checkpoint_dir, check_tokenizer_dir, start_stack
 
     model, drafter = args.model, args.drafter
@@ -160,6 +186,8 @@ def _start_stack(args, log_dir: pathlib.Path, metrics: bool = False, ports: tupl
     model = check_checkpoint_dir(model, "--model")
     drafter = None if args.no_drafter else check_checkpoint_dir(drafter, "--drafter")
     tokenizer = check_tokenizer_dir(args.tokenizer or model, "--tokenizer" if args.tokenizer else "--model")
+    if token_file is None:
+        token_file, _ = _service_token_file(args, log_dir)
     return start_stack(
         model,
         drafter,
@@ -170,21 +198,30 @@ def _start_stack(args, log_dir: pathlib.Path, metrics: bool = False, ports: tupl
         gateway_args=("--tokenizer", tokenizer, *args.gateway_args.split()),
         metrics=metrics,
         ports=ports,
+        metrics_ports=metrics_ports,
+        service_token_file=token_file,
     )
 
 
 def cmd_serve(args) -> int:
-    from ddtree.launcher import free_ports, supervise
+    from ddtree.launcher import describe, free_ports, supervise
 
     log_dir = pathlib.Path(args.log_dir or tempfile.mkdtemp(prefix="ddtree-serve-"))
-    # ports fixed up front (gateway, verifier, drafter, HTTP): a restarted child keeps its address
-    *ports, http = free_ports(4, args.host)
+    # ports fixed up front (gRPC of gateway, verifier, drafter; HTTP; Prometheus of the three): a restarted
+    # child keeps its addresses
+    found = free_ports(7, args.host)
+    ports, http, prom_ports = found[:3], found[3], found[4:]
     if "--http-port" not in args.gateway_args and not os.environ.get("DDTREE_HTTP_PORT"):
         args.gateway_args = f"--http-port {http} {args.gateway_args}"
-    stack = _start_stack(args, log_dir, metrics=not args.no_metrics, ports=tuple(ports))
+    token_file, generated = _service_token_file(args, log_dir)
+    if token_file:
+        how = "generated for this stack" if generated else "given"
+        print(f"service token: {token_file} ({how}; the verifier and drafter take only calls that carry it)")
+    stack = _start_stack(
+        args, log_dir, metrics=not args.no_metrics, ports=ports, metrics_ports=prom_ports, token_file=token_file
+    )
     for p in stack.processes:
-        prom = "" if args.no_metrics else f"   metrics http://{stack.metrics_address(p.name)}/metrics"
-        print(f"{p.name:9s} {p.address}{prom}   pid {p.popen.pid}   log {p.log_path}", flush=True)
+        print(f"{p.name:9s} {describe(p)}   log {p.log_path}", flush=True)
     print(f"http      http://{stack.gateway_http}/v1   (OpenAI-compatible)", flush=True)
     print("serving; Ctrl-C stops", flush=True)
     done = threading.Event()
@@ -213,6 +250,22 @@ def _options(args):
     return opts
 
 
+def _api_key(args) -> str:
+    """The key `generate` sends: --api-key-file's first word (comments and blank lines skipped, so a
+    gateway's key file of one key serves), else DDTREE_API_KEY, else none. ValueError names the file."""
+    if not args.api_key_file:
+        return os.environ.get("DDTREE_API_KEY", "").strip()
+    try:
+        text = pathlib.Path(args.api_key_file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--api-key-file {args.api_key_file}: cannot read it ({getattr(e, 'strerror', e)})") from None
+    words = [line.split("#", 1)[0].split() for line in text.splitlines()]
+    key = next((w[0] for w in words if w), "")
+    if not key:
+        raise ValueError(f"--api-key-file {args.api_key_file}: no key in the file")
+    return key
+
+
 def _run_client(args, prompt: str, chat: bool, as_json: bool) -> int:
     from ddtree.client import format_stats, generate
 
@@ -225,10 +278,13 @@ def _run_client(args, prompt: str, chat: bool, as_json: bool) -> int:
             shown["mode"] = mode
         print(text, end="", flush=True)
 
+    api_key = _api_key(args)
+
     def go(gateway: str):
         return generate(
             gateway,
             prompt,
+            api_key=api_key,
             chat=chat,
             options=_options(args),
             on_text=None if as_json else (lambda t: show("answer", t)),
@@ -270,10 +326,21 @@ def _add_stack_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--gateway-args", default="", help="extra gateway flags, one string (e.g. '--http-port 8000 --api-key-file F')"
     )
+    p.add_argument(
+        "--service-token-file",
+        default="",
+        help="the service token the three services share (default: DDTREE_SERVICE_TOKEN(_FILE) when set, else a "
+        "new random one in the log dir)",
+    )
 
 
 def _add_client_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gateway", default="", help="gateway address host:port (default: start a private stack)")
+    p.add_argument(
+        "--api-key-file",
+        default="",
+        help="file holding the gateway's API key (its first word; default: the DDTREE_API_KEY variable)",
+    )
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=0.0, help="0 = off")

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ddtree.contract.step_record import STEP_FIELDS
 from ddtree.contract.usage import avg_accept_length
@@ -19,15 +20,34 @@ from ddtree.protocol.server import GRPC_OPTIONS
 
 
 class GatewayError(ValueError):
-    """A request the gateway refused or could not serve, in one line: its address, the gRPC status and the
-    gateway's message (what `ddtree generate` prints, exit status 2)."""
+    """A request the gateway refused or could not serve, in one line that names the failing hop: the
+    gateway unreachable, or the gateway answering with the failure of the verifier behind it; with the gRPC
+    status and message (what `ddtree generate` prints, exit status 2)."""
 
 
-def _rpc_failure(gateway: str, err: grpc.RpcError) -> GatewayError:
+def _gateway_answers(gateway: str, timeout_s: float = 3.0) -> bool:
+    """Whether the gateway's server answers a health check now (any status: it is up)."""
+    try:
+        with grpc.insecure_channel(gateway, options=GRPC_OPTIONS) as channel:
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+        return True
+    except grpc.RpcError:
+        return False
+
+
+def _rpc_failure(gateway: str, err: grpc.RpcError, answered: bool) -> GatewayError:
+    """answered: the gateway sent part of the answer already (then it is up whatever the status says)."""
     code = err.code().name if err.code() else "UNKNOWN"
     details = " ".join((err.details() or "").split())  # one line
     if err.code() == grpc.StatusCode.UNAVAILABLE:
-        return GatewayError(f"gateway at {gateway} is unavailable ({details or code}); is it running?")
+        # The gateway passes the verifier's UNAVAILABLE through: ask the gateway itself whether it is up.
+        if answered or _gateway_answers(gateway):
+            return GatewayError(
+                f"the gateway at {gateway} is up, but the verifier behind it failed: {code}: {details or code}"
+            )
+        return GatewayError(f"gateway at {gateway} is unreachable ({details or code}); is it running?")
+    if err.code() == grpc.StatusCode.UNAUTHENTICATED:
+        return GatewayError(f"gateway at {gateway} refused the API key: {details} (--api-key-file or DDTREE_API_KEY)")
     return GatewayError(f"gateway at {gateway}: {code}: {details}")
 
 
@@ -98,16 +118,33 @@ def generate(
     on_reasoning: Callable[[str], None] | None = None,
     timeout_s: float = 600.0,
     chat_template_kwargs_json: str = "",
+    api_key: str = "",
 ) -> GenerateResult:
-    """One streamed request; GatewayError (a ValueError, one line) when the gateway refuses or is unreachable."""
+    """One streamed request (api_key: sent as `authorization: Bearer KEY`, '' = none); GatewayError (a
+    ValueError, one line) when the gateway refuses, is unreachable, or the verifier behind it fails."""
+    progress = {"answered": False}
     try:
-        return _generate(gateway, prompt, chat, options, on_text, on_reasoning, timeout_s, chat_template_kwargs_json)
+        return _generate(
+            gateway,
+            prompt,
+            chat,
+            options,
+            on_text,
+            on_reasoning,
+            timeout_s,
+            chat_template_kwargs_json,
+            api_key,
+            progress,
+        )
     except grpc.RpcError as err:
-        raise _rpc_failure(gateway, err) from None
+        raise _rpc_failure(gateway, err, progress["answered"]) from None
 
 
-def _generate(gateway, prompt, chat, options, on_text, on_reasoning, timeout_s, chat_template_kwargs_json):
+def _generate(
+    gateway, prompt, chat, options, on_text, on_reasoning, timeout_s, chat_template_kwargs_json, api_key, progress
+):
     options = options or gateway_pb2.GenerationOptions()
+    metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
     with grpc.insecure_channel(gateway, options=GRPC_OPTIONS) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         if chat:
@@ -116,13 +153,15 @@ def _generate(gateway, prompt, chat, options, on_text, on_reasoning, timeout_s, 
                 options=options,
                 chat_template_kwargs_json=chat_template_kwargs_json,
             )
-            stream = stub.Chat(req, timeout=timeout_s)
+            stream = stub.Chat(req, timeout=timeout_s, metadata=metadata)
         else:
-            stream = stub.Complete(gateway_pb2.CompleteRequest(prompt=prompt, options=options), timeout=timeout_s)
+            request = gateway_pb2.CompleteRequest(prompt=prompt, options=options)
+            stream = stub.Complete(request, timeout=timeout_s, metadata=metadata)
         t0 = time.perf_counter()
         first = last = None
         text, reasoning, ids, steps, finish, usage = [], [], [], [], "", {}
         for chunk in stream:
+            progress["answered"] = True
             now = time.perf_counter()
             if chunk.token_ids and first is None:
                 first = now

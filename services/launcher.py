@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
+import secrets
 import signal
 import socket
 import subprocess
@@ -199,21 +200,29 @@ def start_stack(
     ports: tuple[int, int, int] = (0, 0, 0),
     drafter_module: str = "ddtree.cli",
     metrics: bool = False,
+    metrics_ports: tuple[int, int, int] = (0, 0, 0),
+    service_token_file: str = "",
 ) -> Stack:
     """drafter_dir None = AR only (no drafter process). metrics: every service serves its Prometheus
-    metrics on a free port (`--metrics-port 0`, before the service's own args, which may override it);
-    `Stack.metrics_address(name)` is where.
+    metrics (`--metrics-port`, before the service's own args, which may override it) on its port of
+    metrics_ports (gateway, verifier, drafter; 0 = a free one); `Stack.metrics_address(name)` is where.
+    service_token_file: given to all three (`--service-token-file`), '' = none.
 
     The drafter and the verifier take turns within a step: unless told otherwise default_engine_threads
     shares the cores between them.
     """
     procs: list[ServiceProcess] = []
-    prom = ["--metrics-port", "0"] if metrics else []
+    prom = {
+        name: ["--metrics-port", str(port)] if metrics else []
+        for name, port in zip(("gateway", "verifier", "drafter"), metrics_ports)
+    }
+    token = ["--service-token-file", service_token_file] if service_token_file else []
     model_dir = str(pathlib.Path(model_dir).resolve())  # the children run in the repository's directory
     drafter_dir = None if drafter_dir is None else str(pathlib.Path(drafter_dir).resolve())
     try:
         verifier_flags = ["--model", model_dir, "--host", host, "--port", str(ports[1])]
-        verifier_flags += ["--threads", str(default_engine_threads("verifier")), *prom, *verifier_args]
+        verifier_flags += ["--threads", str(default_engine_threads("verifier")), *token, *prom["verifier"]]
+        verifier_flags += verifier_args
         if drafter_dir is not None:
             d = start_service(
                 "drafter",
@@ -229,7 +238,8 @@ def start_stack(
                     str(ports[2]),
                     "--threads",
                     str(default_engine_threads("drafter")),
-                    *prom,
+                    *token,
+                    *prom["drafter"],
                     *drafter_args,
                 ],
                 log_dir,
@@ -251,7 +261,8 @@ def start_stack(
                     host,
                     "--port",
                     str(ports[0]),
-                    *prom,
+                    *token,
+                    *prom["gateway"],
                     *gateway_args,
                 ],
                 log_dir,
@@ -262,6 +273,17 @@ def start_stack(
             p.stop()
         raise
     return Stack(procs)
+
+
+def write_service_token(directory: pathlib.Path) -> pathlib.Path:
+    """A new random service token (256 bits) in `directory`/service-token, readable by this user only:
+    what `ddtree serve` gives its children when it is given none."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "service-token"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32) + "\n")
+    return path
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> tuple[int, ...]:
@@ -288,6 +310,19 @@ def restart_service(p: ServiceProcess) -> ServiceProcess:
     """The same child again: same interpreter, module and arguments (so the same ports), same log."""
     python, _, module, *args = p.popen.args
     return start_service(p.name, list(args), p.log_path.parent, module=module, python=python)
+
+
+def describe(p: ServiceProcess) -> str:
+    """`ADDRESS[   metrics http://HOST:PORT/metrics]   pid N`: a service's addresses as serve prints them (the
+    metrics endpoint when it has one: waited for, it is announced after the gRPC address)."""
+    text, args = p.address, list(p.popen.args)
+    port = next((args[i + 1] for i in range(len(args) - 2, -1, -1) if args[i] == "--metrics-port"), "-1")
+    if port != "-1":
+        try:
+            text += f"   metrics http://{p.wait_address('metrics', timeout=10.0)}/metrics"
+        except ServiceStartError:
+            text += "   metrics (not announced)"
+    return f"{text}   pid {p.popen.pid}"
 
 
 def supervise(stack: Stack, stop: threading.Event, restart: bool = True, log=print) -> int:
@@ -317,5 +352,5 @@ def supervise(stack: Stack, stop: threading.Event, restart: bool = True, log=pri
             except ServiceStartError as err:  # still dead: the next pass tries again, later
                 log(f"{p.name} did not start: {str(err).splitlines()[0]}")
                 continue
-            log(f"{p.name} serving again on {stack.processes[i].address} (pid {stack.processes[i].popen.pid})")
+            log(f"{p.name} serving again on {describe(stack.processes[i])}")
     return 0

@@ -15,6 +15,7 @@ that connection only.
 
 from __future__ import annotations
 
+import hmac
 import os
 import socket
 import tempfile
@@ -25,19 +26,21 @@ from google.protobuf.message import DecodeError
 from ddtree.drafter.call_error import DraftCallError
 from ddtree.protocol.ddtree.v1 import drafter_pb2
 from ddtree.protocol.feature_ring import FeatureRing
-from ddtree.protocol.local_channel import APPEND, DRAFT, ERROR, HELLO, REPLY, recv_frame, send_frame, shared_dir
+from ddtree.protocol.local_channel import APPEND, AUTH, DRAFT, ERROR, HELLO, REPLY, recv_frame, send_frame, shared_dir
 from ddtree.telemetry.logging import get_logger
 
 log = get_logger("ddtree.drafter.local")
 
 
 class LocalDraftServer:
-    def __init__(self, servicer, directory: str = "", thread_init=None, map_device: bool = False):
+    def __init__(self, servicer, directory: str = "", thread_init=None, map_device: bool = False, token: str = ""):
         """Listen on a new socket in `directory` ('' = local_channel.shared_dir(), which co-located containers
         can share with the verifier's), serving `servicer.serve_draft`;
         thread_init: run first on each connection's thread (models/runtime/cpu: no OpenMP pool of its own);
-        map_device: map a ring's GPU buffer when a verifier offers one."""
+        map_device: map a ring's GPU buffer when a verifier offers one; token: the service token a connection
+        must send first (AUTH), '' = none."""
         self.servicer = servicer
+        self._token = token
         self._map_device = map_device
         self._thread_init = thread_init
         self._dir = tempfile.mkdtemp(prefix="ddtree-drafter-", dir=directory or shared_dir())
@@ -67,6 +70,12 @@ class LocalDraftServer:
             self._thread_init()
         try:
             kind, payload = recv_frame(conn)
+            if kind == AUTH:
+                sent, (kind, payload) = payload, recv_frame(conn)
+            else:
+                sent = None
+            if self._token and (sent is None or not hmac.compare_digest(sent, self._token.encode())):
+                raise ConnectionError("no valid service token (AUTH) first")
             if kind != HELLO:
                 raise ConnectionError(f"first frame of kind {kind}, expected HELLO")
             ring = FeatureRing.from_hello(payload, self._map_device)

@@ -31,7 +31,7 @@ from ddtree.models.runtime.cpu import EngineThread, run_on, single_threaded
 from ddtree.protocol.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
 from ddtree.protocol.feature_ring import FeatureRing
 from ddtree.protocol.local_channel import host_id
-from ddtree.protocol.security import ServiceSecurity
+from ddtree.protocol.security import ServiceSecurity, engine_bind_host
 from ddtree.protocol.server import RunningServer, start_server
 from ddtree.protocol.tensors import tensor_from_bytes, tensor_from_proto
 from ddtree.telemetry.logging import get_logger
@@ -371,10 +371,13 @@ def serve_engine(engine, config: DrafterConfig, engine_thread: EngineThread | No
     servicer = DrafterServicer(engine, config.max_sequences, engine_thread, config.context_lease_s)
     security = ServiceSecurity.from_config(config)
     local = None
-    if config.local_channel == "auto" and not security.token and not security.tls:
+    if config.local_channel == "auto" and not security.tls:
         map_device = bool(getattr(engine, "tree_on_device", False)) and torch.cuda.is_available()
         local = LocalDraftServer(
-            servicer, thread_init=single_threaded if engine_thread is not None else None, map_device=map_device
+            servicer,
+            thread_init=single_threaded if engine_thread is not None else None,
+            map_device=map_device,
+            token=security.token,
         )
         servicer.local_address, servicer.maps_device_features = local.path, map_device
 
@@ -382,10 +385,14 @@ def serve_engine(engine, config: DrafterConfig, engine_thread: EngineThread | No
         drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
         return [drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name]
 
+    host = engine_bind_host(config.host, security)
+    if not (security.token or security.tls):
+        log.warning("engine_unauthenticated", listening_on=host, asked=config.host,
+                    message="no service token or mutual TLS: listening on loopback only")  # fmt: skip
     running = start_server(
         "drafter",
         register,
-        config.host,
+        host,
         config.port,
         config.max_workers,
         config.grace_s,

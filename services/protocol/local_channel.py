@@ -7,6 +7,9 @@ the drafter's Unix socket; the drafter answers with one frame. gRPC stays the pa
 and any failure of this one.
 
 Frame: 4-byte big-endian length of what follows, 1 kind byte, the payload. Kinds:
+- AUTH, verifier -> drafter, first when the services share a token: the service token (UTF-8); a drafter
+  with a token closes a connection whose first frame is not AUTH with it (the socket's directory is
+  private to the drafter's user besides);
 - HELLO, verifier -> drafter: the ring (`FeatureRing.hello`'s JSON); answered REPLY b"device" when the
   drafter mapped the ring's GPU buffer, b"host" when it reads the ring's shared memory;
 - DRAFT: a serialized DraftRequest; answered REPLY (a DraftResponse) or ERROR (UTF-8 "CODE: details",
@@ -21,7 +24,7 @@ import os
 import socket
 import struct
 
-HELLO, DRAFT, REPLY, ERROR, APPEND = 1, 2, 3, 4, 5
+HELLO, DRAFT, REPLY, ERROR, APPEND, AUTH = 1, 2, 3, 4, 5, 6
 MAX_FRAME = 64 << 20  # bytes: a Draft call's message without its features is far smaller
 
 

@@ -10,6 +10,10 @@ drafter, for deployments that do not keep the three on one private network.
   certificate and check the server's against the same CA (`--tls-server-name` overrides the name
   checked when certificates name the service differently from the address dialled).
 
+An engine (verifier, drafter) with neither listens on loopback only, whatever --host says
+(`engine_bind_host`): nothing off the machine reaches an engine that does not authenticate its callers.
+`ddtree serve` always gives its children a service token (a generated one when none is given).
+
 The gateway's public API never uses these (clients there authenticate with the API key, `auth.py`);
 terminate public TLS in front of it.
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
+import ipaddress
 import pathlib
 from collections.abc import Callable
 
@@ -105,6 +110,23 @@ class ServiceSecurity:
         if not hmac.compare_digest(sent.encode(), self.token.encode()):
             return "invalid service token"
         return None
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def engine_bind_host(host: str, security: ServiceSecurity) -> str:
+    """Where an engine listens: `host` when its callers authenticate (service token or mutual TLS), else
+    loopback (`host` itself when it is loopback already; ::1 for an IPv6 host)."""
+    if security.token or security.tls or is_loopback(host):
+        return host
+    return "::1" if ":" in host else "127.0.0.1"
 
 
 class _AddMetadata(

@@ -64,6 +64,8 @@ def apply_outcome(
         seq.cached_tokens = outcome.cached_tokens
     seq.pending_commit = outcome.pending
     seq.drafter_seeded = seq.drafter_seeded or outcome.drafter_has_context
+    if outcome.resends_context:
+        seq.drafter_seeded, seq.context_resends = False, seq.context_resends + 1
     if outcome.stops_speculating:
         seq.use_spec = False
     if outcome.taps is not None and seq.feature_log is not None:

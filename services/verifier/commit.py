@@ -146,7 +146,10 @@ def commit_verify(item: VerifyItem, out: ItemOutput, window: int) -> StepOutcome
     if out.feature_taps is not None:
         feature_rows = out.feature_taps.index_select(0, acc.to(out.feature_taps.device)).cpu()
     # Every speculating sequence's commit went to the drafter in this step's Draft call: the new one starts here.
+    # A context the drafter lost keeps its unseen commit, this step's tokens appended: sent again with reset.
     pending = extend_pending(None, list(tokens), seq.context_len, taps, window) if item.speculating else None
+    if item.resend:
+        pending = extend_pending(seq.pending_commit, list(tokens), seq.context_len, taps, window)
     return StepOutcome(
         committed=tokens,
         accepted_nodes=nodes,
@@ -158,6 +161,7 @@ def commit_verify(item: VerifyItem, out: ItemOutput, window: int) -> StepOutcome
         drafted=item.drafted,
         drafter_has_context=item.speculating,
         stops_speculating=item.lost,
+        resends_context=item.resend,
         taps=taps,
         feature_rows=feature_rows,
         verified=tree,

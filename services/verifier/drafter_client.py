@@ -40,6 +40,8 @@ class DraftResult:
     feature_bytes: dict[str, int]  # bytes of features sent, by draft id
     failed: frozenset[str] = frozenset()  # draft ids whose drafter failed: they continue with AR
     tables: dict[str, TokenTable] = dataclasses.field(default_factory=dict)  # by draft id: those that asked one
+    # draft ids whose context the drafter no longer holds (released, expired, restarted): resent with reset=True
+    unknown: frozenset[str] = frozenset()
 
 
 class DrafterClient:
@@ -64,14 +66,15 @@ class DrafterClient:
         self.chunk_bytes = chunk_bytes
         self.caller = caller or drafter_pb2.Caller()
         self.deadline = deadline or DraftDeadline(timeout_s, floor_s=timeout_s)
-        self.channel = (security or ServiceSecurity()).channel(address, GRPC_OPTIONS)
+        security = security or ServiceSecurity()
+        self.channel = security.channel(address, GRPC_OPTIONS)
         self.stub = drafter_pb2_grpc.DrafterStub(self.channel)
         self.info = self.stub.GetInfo(
             drafter_pb2.DrafterInfoRequest(caller=self.caller), timeout=connect_timeout_s, wait_for_ready=True
         )
         self.local = None
         if local_ring_bytes > 0:
-            self.local = LocalDrafterChannel.open(self.info, local_ring_bytes, ring_device)
+            self.local = LocalDrafterChannel.open(self.info, local_ring_bytes, ring_device, security.token)
 
     @property
     def window(self) -> int:
@@ -167,7 +170,8 @@ class DrafterClient:
                 log.error("drafter_bad_table", draft_id=rid, reason=str(err))
         # Drafter compute = the Draft's and the chunks' context K/V; transport is the rest of the wall time.
         failed = frozenset(resp.failed_seq_ids) & budgets.keys()  # their features did not reach the drafter
-        return DraftResult(trees, resp.draft_ms + append_ms, rpc_ms, sent, failed, tables=tables)
+        unknown = frozenset(resp.unknown_seq_ids) & budgets.keys()
+        return DraftResult(trees, resp.draft_ms + append_ms, rpc_ms, sent, failed, tables=tables, unknown=unknown)
 
     def _append(self, chunks: list[tuple[drafter_pb2.CommitChunk, torch.Tensor]], deadline: float) -> float:
         """A long commit's earlier chunks, in order, before `deadline`; the drafter's compute ms for them.

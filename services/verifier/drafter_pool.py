@@ -6,8 +6,9 @@ becomes several replicas; names are re-resolved in the background every `resolve
 replicas join once they answer GetInfo. A sequence's draft context lives on one replica: it is
 assigned at its first Draft (the live replica with the fewest sequences) and stays there. One step
 sends one Draft RPC per replica, in parallel. When a replica fails, it leaves the pool and its
-sequences continue with AR decoding, which yields exactly the same tokens; later sequences go to the
-replicas that remain. A replica whose Draft call times out is set aside the same way (a circuit
+sequences take AR steps (exactly the same tokens) and send their context again (reset) to a replica
+at a later step, as a sequence whose context a replica no longer holds does (`DraftResult.unknown`);
+later sequences go to the replicas that remain. A replica whose Draft call times out is set aside the same way (a circuit
 breaker: `drafter_replica_set_aside` in the log, `ddtree_drafter_replicas_set_aside{reason}` in the
 metrics), so a hung drafter costs one draft deadline (a few times its own p99 call time:
 draft_deadline.py), not one per step or per new sequence; the
@@ -168,7 +169,7 @@ class DrafterPool:
             if addr is not None and addr in self._clients:
                 return addr
             if addr is not None or seq.drafter_seeded:
-                return None  # its replica is gone: the context is lost, continue with AR
+                return None  # its replica is gone: the context is lost (resent once the pool has its loss)
             if not self._clients:
                 return None
             load = {a: 0 for a in self._clients}
@@ -189,16 +190,17 @@ class DrafterPool:
         """DrafterClient.draft over the replicas (table_widths: draft id -> K, those that ask for a table)."""
         groups: dict[str, list[tuple[Sequence, int]]] = {}
         failed: set[str] = set()
+        unknown: set[str] = set()  # their context was on a replica that left: sent again once one takes them
         for seq, budget in batch:
             addr = self._replica_for(seq)
             if addr is None:
-                failed.add(seq.draft_id)
+                (unknown if seq.drafter_seeded or seq.context_resends else failed).add(seq.draft_id)
             else:
                 groups.setdefault(addr, []).append((seq, budget))
         with self._lock:
             clients = {a: self._clients.get(a) for a in groups}
         for addr in [a for a, c in clients.items() if c is None]:  # dropped since assignment
-            failed.update(seq.draft_id for seq, _ in groups.pop(addr))
+            unknown.update(seq.draft_id for seq, _ in groups.pop(addr))
         if len(groups) == 1:  # the common case: no thread hop
             ((addr, group),) = groups.items()
             futures = {addr: cf.Future()}
@@ -216,10 +218,12 @@ class DrafterPool:
                 res = fut.result()
             except grpc.RpcError as err:
                 ids = [seq.draft_id for seq, _ in groups[addr]]
-                failed.update(ids)
                 if err.code() == grpc.StatusCode.UNAVAILABLE:
+                    unknown.update(ids)  # the replica left (restarting?): their contexts go to one that answers
                     self._drop(addr, f"{err.code()}: {err.details()}")
-                elif err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    continue
+                failed.update(ids)
+                if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                     # Hung (stopped, overloaded): set aside until a probe answers, so neither the next
                     # step nor a new sequence waits for it again.
                     waited = getattr(clients[addr], "last_deadline_s", self.timeout_s)
@@ -231,11 +235,14 @@ class DrafterPool:
                     self._releases.submit(self.release, ids)
                 continue
             failed.update(res.failed)
+            unknown.update(res.unknown)
             trees.update(res.trees)
             tables.update(res.tables)
             fbytes.update(res.feature_bytes)
             draft_ms, rpc_ms = max(draft_ms, res.draft_ms), max(rpc_ms, res.rpc_ms)
-        return DraftResult(trees, draft_ms, rpc_ms, fbytes, frozenset(failed), tables=tables)
+        return DraftResult(
+            trees, draft_ms, rpc_ms, fbytes, frozenset(failed), tables=tables, unknown=frozenset(unknown - failed)
+        )
 
     def release(self, draft_ids: list[str]) -> None:
         by_addr: dict[str, list[str]] = {}

@@ -19,7 +19,7 @@ import torch
 
 from ddtree.protocol.ddtree.v1 import drafter_pb2
 from ddtree.protocol.feature_ring import FeatureRing
-from ddtree.protocol.local_channel import APPEND, DRAFT, ERROR, HELLO, REPLY, host_id, recv_frame, send_frame
+from ddtree.protocol.local_channel import APPEND, AUTH, DRAFT, ERROR, HELLO, REPLY, host_id, recv_frame, send_frame
 from ddtree.protocol.tensors import proto_dtype
 from ddtree.telemetry.logging import get_logger
 
@@ -50,8 +50,9 @@ class LocalDrafterChannel:
 
     @classmethod
     def open(
-        cls, info: drafter_pb2.DrafterInfo, ring_bytes: int, device: torch.device | None = None
+        cls, info: drafter_pb2.DrafterInfo, ring_bytes: int, device: torch.device | None = None, token: str = ""
     ) -> LocalDrafterChannel | None:
+        """token: the service token, sent first (AUTH) when there is one."""
         if not info.local_address or info.host_id != host_id():
             return None
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -61,6 +62,8 @@ class LocalDrafterChannel:
             sock.connect(info.local_address)
             # a GPU buffer only for a drafter that maps one: one it never maps stays allocated (CUDA IPC)
             ring = FeatureRing.create(ring_bytes, device=device if info.maps_device_features else None)
+            if token:
+                send_frame(sock, AUTH, token.encode())
             send_frame(sock, HELLO, ring.hello())
             kind, plane = recv_frame(sock)
             if kind != REPLY or plane not in (b"device", b"host"):

@@ -55,6 +55,12 @@ DRAFTER_SET_ASIDE = Counter(
     ["reason"],
     registry=REGISTRY,
 )
+DRAFT_CONTEXTS_RESENT = Counter(
+    "ddtree_draft_contexts_resent",
+    "Sequences whose draft context the drafter no longer held (released, lease expired, drafter restarted), "
+    "sent again with reset=True so that their speculation resumes",
+    registry=REGISTRY,
+)
 TTFT = Histogram(
     "ddtree_time_to_first_token_seconds", "Arrival to first token", buckets=LATENCY_BUCKETS, registry=REGISTRY
 )

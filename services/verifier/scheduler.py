@@ -293,6 +293,7 @@ class Scheduler:
                 drafts.trees.get(s.draft_id),
                 speculating=s.draft_id in drafts.trees,
                 lost=s.draft_id in drafts.lost,
+                resend=s.draft_id in drafts.resend,
             )
             for s in decode
         ]

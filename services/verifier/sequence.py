@@ -128,6 +128,7 @@ class Sequence:
         self.penalty_counts = PenaltyCounts(sampling, params.input_ids) if sampling.adjusts_logits else None
         self.pending_commit: PendingCommit | None = None
         self.drafter_seeded = False  # the drafter holds this sequence's context
+        self.context_resends = 0  # times the drafter lost its context and it was sent again (reset)
         # The drafter's key for this sequence's context: unique per Sequence (and across verifiers
         # sharing a drafter), never the client's request id, so that a late Release of a finished
         # request cannot drop the context of a new request that reuses its id.

@@ -14,7 +14,7 @@ from ddtree.contract.sampling_params import MAX_TOP_LOGPROBS, SamplingConfig
 from ddtree.contract.usage import usage_from_steps
 from ddtree.models.runtime.cpu import single_threaded
 from ddtree.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
-from ddtree.protocol.security import ServiceSecurity
+from ddtree.protocol.security import ServiceSecurity, engine_bind_host
 from ddtree.protocol.server import RunningServer, start_server
 from ddtree.protocol.stream_slots import StreamSlots
 from ddtree.telemetry.logging import get_logger
@@ -285,16 +285,21 @@ def serve(config: VerifierConfig, model_dir: str) -> RunningServer:
         engine.stop()
 
     log.info("verifier_ready", model=model_dir, drafter=config.drafter or None, kv_tokens=engine.pool.num_slots)
+    security = ServiceSecurity.from_config(config)
+    host = engine_bind_host(config.host, security)
+    if not (security.token or security.tls):
+        log.warning("engine_unauthenticated", listening_on=host, asked=config.host,
+                    message="no service token or mutual TLS: listening on loopback only")  # fmt: skip
     running = start_server(
         "verifier",
         register,
-        config.host,
+        host,
         config.port,
         config.max_workers,
         config.grace_s,
         on_stop,
         stream_threads=servicer.stream_slots.limit,
-        security=ServiceSecurity.from_config(config),
+        security=security,
         handler_init=single_threaded,  # only the scheduler thread runs parallel work (models/runtime/cpu)
     )
     if engine.tensor_parallel is not None:

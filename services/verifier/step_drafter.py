@@ -11,8 +11,10 @@ sequences, returned as each one's tree for the verify (`StepDrafts`).
   fit has MIN_OBSERVATIONS decode steps each tree is cut at a random size instead, and every
   EXPLORE_EVERY-th step after verifies the whole trees, so that the fit sees steps of different rows (the
   same tokens either way).
-- A failed call, or a sequence whose drafter state is lost, decodes with AR from then on (the same
-  tokens); a sequence the drafter gave no tree takes an AR step (EMPTY_TREE).
+- A failed call decodes its sequences with AR from then on (the same tokens); a sequence whose context
+  the drafter no longer holds (released, lease expired, drafter restarted: `DraftResult.unknown`) takes one
+  AR step and sends its context again (reset=True) at the next, up to MAX_CONTEXT_RESENDS times; a
+  sequence the drafter gave no tree takes an AR step (EMPTY_TREE).
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ EXPLORE_EVERY = 8
 # Both estimates are noisy, and a node cut by mistake costs acceptance where one kept by mistake costs only a
 # row, so the cut errs on the side of keeping.
 CUT_MARGIN = 0.5
+# A sequence's context is sent again at most this many times; a drafter that keeps losing it (leases
+# shorter than a step, a replica that restarts over and over) leaves the sequence to AR.
+MAX_CONTEXT_RESENDS = 8
 
 log = get_logger("ddtree.verifier.step_drafter")
 
@@ -49,6 +54,7 @@ class StepDrafts:
 
     trees: dict[str, DraftedTree]  # each drafted sequence's tree (EMPTY_TREE when the drafter gave none)
     lost: frozenset[str] = frozenset()  # the drafter lost these sequences' state: they continue with AR
+    resend: frozenset[str] = frozenset()  # their context is gone from the drafter: an AR step, then resent
 
 
 class StepDrafter:
@@ -79,15 +85,27 @@ class StepDrafter:
         }
         try:
             result: DraftResult | None = self.drafter.draft(spec, self.vocab_size, widths)
-            failed = result.failed
+            failed, unknown = result.failed, getattr(result, "unknown", frozenset())
         except grpc.RpcError as err:
             log.error("draft_failed", code=str(err.code()), details=err.details(), sequences=len(spec))
-            result, failed = None, frozenset(s.draft_id for s in seqs)
+            result, failed, unknown = None, frozenset(s.draft_id for s in seqs), frozenset()
+        resend = set()
+        for seq in seqs:
+            if seq.draft_id not in unknown or seq.draft_id in failed:
+                continue
+            if seq.context_resends >= MAX_CONTEXT_RESENDS:
+                failed |= {seq.draft_id}
+                continue
+            resend.add(seq.draft_id)
+            metrics.DRAFT_CONTEXTS_RESENT.inc()
+            log.warning("draft_context_resent", request_id=seq.request_id, resends=seq.context_resends + 1)
         trees = self._fit_trees(seqs, self._grammar_trees(seqs, result)) if result is not None else {}
         if self.config.tree_cut == "cost" and trees:
             trees = self._cost_cut(seqs, trees, list(others), max(decoding, len(seqs)))
         drafted = {}
         for seq in seqs:
+            if seq.draft_id in resend:
+                continue  # an AR step; its context goes again at the next
             if seq.draft_id in failed:
                 # The drafter's state for this sequence is lost or unknown: it finishes with AR
                 # decoding, which yields exactly the same tokens.
@@ -100,7 +118,7 @@ class StepDrafter:
                 max(result.rpc_ms - result.draft_ms, 0.0),
                 result.feature_bytes.get(seq.draft_id, 0),
             )
-        return StepDrafts(drafted, frozenset(failed))
+        return StepDrafts(drafted, frozenset(failed), frozenset(resend))
 
     def _table_vocab(self) -> int:
         """The vocabulary a table width is bounded by: the smaller of the target's and the drafter's

@@ -36,6 +36,7 @@ class StepOutcome:
     drafted: DraftedTree | None = None  # a verify: what its Draft call reported (for the step record)
     drafter_has_context: bool = False  # the Draft call carried this sequence's commit
     stops_speculating: bool = False  # the drafter lost this sequence's state: AR from now on (same tokens)
+    resends_context: bool = False  # the drafter lost its context: `pending` goes again with reset=True
     # Rows for the prefix cache and the stream.
     taps: torch.Tensor | None = None  # [len(committed), F] drafter taps of the committed tokens (CPU)
     feature_rows: torch.Tensor | None = None  # a Features request's rows of the committed tokens (CPU)

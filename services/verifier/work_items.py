@@ -30,6 +30,7 @@ class VerifyItem:
     drafted: DraftedTree | None = None  # what this step's Draft call reported (None: not drafted)
     speculating: bool = False  # the drafter holds this sequence's context after this step's Draft call
     lost: bool = False  # the drafter lost this sequence's context: it continues with AR (the same tokens)
+    resend: bool = False  # the drafter lost its context: an AR step, then its context again (reset=True)
 
     @property
     def rows(self) -> int:

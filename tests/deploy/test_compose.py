@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import os
+import pathlib
 import re
 import socket
 import subprocess
@@ -299,9 +300,37 @@ def _wait_healthy(healthcheck, mapping, env, timeout=180):
     raise AssertionError(f"never healthy: {argv}")
 
 
+def _make_service_token(svc: dict, directory: pathlib.Path) -> pathlib.Path:
+    """Run the service-token one-shot's command with its /secrets volume at `directory`."""
+    assert svc["entrypoint"] == ["python", "-c"]
+    directory.mkdir(exist_ok=True)
+    code = svc["command"][0].replace("'/secrets/", f"'{directory}/")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    return directory / "service-token"
+
+
+def test_compose_engines_share_a_generated_service_token(tmp_path):
+    """Issue 47: no engine is open on the internal network. A one-shot generates the token once into a
+    volume; drafter, verifier and gateway read it, and start after it."""
+    services = _compose()["services"]
+    token = _make_service_token(services["service-token"], tmp_path)
+    first = token.read_text()
+    assert re.fullmatch(r"[0-9a-f]{64}", first) and token.stat().st_mode & 0o777 == 0o600
+    _make_service_token(services["service-token"], tmp_path)
+    assert token.read_text() == first, "a restart of the stack must keep the token"
+    assert services["service-token"].get("network_mode") == "none"
+    for name in ("drafter", "verifier", "gateway"):
+        svc = services[name]
+        assert svc["environment"]["DDTREE_SERVICE_TOKEN_FILE"] == "/secrets/service-token"
+        assert "ddtree-secrets:/secrets:ro" in svc["volumes"]
+        assert svc["depends_on"]["service-token"]["condition"] == "service_completed_successfully"
+
+
 @pytest.mark.slow
 def test_compose_commands_as_processes_with_two_drafters(default_ckpt, tmp_path):
     services = _compose()["services"]
+    secrets = tmp_path / "secrets"
+    _make_service_token(services["service-token"], secrets)
     hosts = {"drafter": ["127.0.0.2", "127.0.0.3"], "verifier": ["127.0.0.1"], "gateway": ["127.0.0.1"]}
     ports = {}
     for name in ("drafter", "verifier", "gateway"):
@@ -317,6 +346,8 @@ def test_compose_commands_as_processes_with_two_drafters(default_ckpt, tmp_path)
             return ",".join(f"{h}:{ports.get(m.group(2), m.group(2))}" for h in hosts[m.group(1)])
         if value.startswith("/checkpoints/"):  # the default mount: the repository's checkpoints/
             return str(REPO / "checkpoints" / value.removeprefix("/checkpoints/"))
+        if value.startswith("/secrets/"):  # the volume service-token fills: here, that command run on tmp_path
+            return str(secrets / value.removeprefix("/secrets/"))
         m = re.fullmatch(r"127\.0\.0\.1:(\d+)", value)
         if m:
             return f"127.0.0.1:{ports.get(m.group(1), m.group(1))}"

@@ -99,7 +99,7 @@ def test_serve_restarts_a_killed_verifier_then_drafter(default_ckpt, tmp_path):
             assert serving_again_within(gateway, RECOVERY_S) == before  # greedy: the same tokens
             assert time.monotonic() - killed < RECOVERY_S
             assert serve.wait_for(f"serve: {name} exited with code -9", 5)
-            line = serve.wait_for(f"serve: {name} serving again on {address} (pid ", RECOVERY_S)
+            line = serve.wait_for(f"serve: {name} serving again on {address}   pid ", RECOVERY_S)
             serve.children[name] = (address, int(re.search(r"pid (\d+)", line).group(1)))
             assert serve.children[name][1] != pid
         assert serve.popen.poll() is None

@@ -20,8 +20,9 @@ from ddtree.protocol.ddtree.v1 import drafter_pb2
 from ddtree.protocol.device_plane import DevicePlaneHandle
 from ddtree.protocol.feature_ring import FeatureRing
 from ddtree.protocol.local_channel import APPEND
+from ddtree.protocol.security import ServiceSecurity
 from ddtree.verifier.drafter_client import DrafterClient
-from ddtree.verifier.local_drafter import LocalRpcError
+from ddtree.verifier.local_drafter import LocalDrafterChannel, LocalRpcError
 from ddtree.verifier.sequence import GenerateParams, PendingCommit, Sequence
 from tests.support.draft_engines import random_draft_engine
 
@@ -190,6 +191,29 @@ def test_a_drafter_gone_sends_the_client_back_to_grpc(tmp_path):
         client.draft([(seq, 4)], vocab_size=64)
     assert client.local is None, "the broken local channel was kept"
     assert "UNAVAILABLE" in str(err.value) or "unavailable" in str(err.value).lower()
+
+
+def test_a_drafter_with_a_service_token_takes_the_channel_only_with_it(tmp_path):
+    """Issue 47: serve always gives its engines a token, and the co-located channel stays theirs: a verifier
+    with the token says AUTH first and gets the channel; one without it (or with another) is refused there
+    and over gRPC alike."""
+    (tmp_path / "token").write_text("secret-47\n")
+    cfg = DrafterConfig(port=0, grace_s=0.0, service_token_file=str(tmp_path / "token"))
+    server = serve_engine(random_draft_engine(tmp_path / "d"), cfg)
+    try:
+        address = f"127.0.0.1:{server.port}"
+        good = DrafterClient(address, 5, security=ServiceSecurity(token="secret-47"), local_ring_bytes=1 << 20)
+        assert good.local is not None, "the channel was refused to the token's holder"
+        assert good.draft([(_sequence(0, seed=0), 4)], vocab_size=64).trees
+        good.close()
+        info = drafter_pb2.DrafterInfo(local_address=good.info.local_address, host_id=good.info.host_id)
+        for token in ("", "wrong"):
+            assert LocalDrafterChannel.open(info, 1 << 20, token=token) is None
+        with pytest.raises(grpc.RpcError) as err:
+            DrafterClient(address, 5, connect_timeout_s=5, local_ring_bytes=1 << 20)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        server.stop(0)
 
 
 def test_long_commits_go_ahead_in_ring_chunks_with_the_same_trees(two_drafters):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import re
 import signal
 import subprocess
@@ -87,8 +88,12 @@ def test_serve_starts_three_services_and_stops_cleanly(default_ckpt, tmp_path):
         lines.append(line)
         if line.startswith("serving"):
             break
-    names = {line.split()[0] for line in lines if line[:1].isalpha() and not line.startswith(("serving", "http"))}
+    skip = ("serving", "http", "service token: ")
+    names = {line.split()[0] for line in lines if line[:1].isalpha() and not line.startswith(skip)}
     assert names == {"drafter", "verifier", "gateway"}, lines
+    # issue 47: the engines get a generated service token, in a file of this user's only
+    token = pathlib.Path(next(line.split()[2] for line in lines if line.startswith("service token: ")))
+    assert token.parent == tmp_path and token.stat().st_mode & 0o777 == 0o600 and len(token.read_text().strip()) == 64
     assert any(line.startswith("http      http://127.0.0.1:") for line in lines), lines
     gateway = next(line.split()[1] for line in lines if line.startswith("gateway"))
     # Each service's Prometheus endpoint, printed beside its gRPC address.

@@ -2,7 +2,9 @@
 stderr (besides the services' JSON log lines), no traceback. Each case runs the command as a process.
 
 - generate: a dead address, and the gateway's refusals (--temperature -1, --max-tokens 100000,
-  --budget 1000) from a gateway over a FAKE verifier;
+  --budget 1000) from a gateway over a FAKE verifier; the failing hop named (issue 47): a verifier that
+  fails mid-stream or before it is "the verifier behind" a gateway that is up, a dead address is an
+  unreachable gateway; an API key from --api-key-file or DDTREE_API_KEY, none refused in words;
 - a checkpoint directory with config.json and no safetensors (serve, verifier), a checkpoint without a
   tokenizer (serve, gateway), a --model that is not there;
 - and what works: --version, serve --help naming the HTTP API and its port variable, relative directories
@@ -17,16 +19,19 @@ import pathlib
 import subprocess
 import sys
 
+import grpc
 import pytest
 
-from tests.support.fakes import serve_gateway
+from tests.support.fakes import script_for, serve_gateway
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 DEMO_TARGET = REPO / "checkpoints" / "demo" / "target"
 
 
-def _ddtree(*args: str, cwd: pathlib.Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def _ddtree(
+    *args: str, cwd: pathlib.Path | None = None, timeout: float = 120, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    env = {**{k: v for k, v in os.environ.items() if k != "DDTREE_API_KEY"}, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "ddtree.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env
     )
@@ -51,7 +56,39 @@ def gw(fake, tokenizer_dir):
 
 def test_generate_with_a_dead_address():
     r = _ddtree("generate", "--gateway", "127.0.0.1:1", "--prompt", "hi")
-    _one_line_failure(r, "generate", "127.0.0.1:1", "unavailable")
+    line = _one_line_failure(r, "generate", "127.0.0.1:1", "unreachable", "is it running?")
+    assert "verifier" not in line
+
+
+@pytest.mark.parametrize("sent", [3, 0])
+def test_generate_names_the_verifier_when_it_fails_behind_the_gateway(gw, fake, sent):
+    """The verifier dies mid-request (after `sent` tokens) or before its first: the gateway passes its
+    UNAVAILABLE on, and the line says the gateway is up and the verifier behind it failed."""
+    script = script_for(list(range(5, 5 + sent)), finish="")[:sent]
+    fake.reset(script, error=(grpc.StatusCode.UNAVAILABLE, "Stream removed (Socket closed)"))
+    r = _ddtree("generate", "--gateway", gw.address, "--prompt", "hi", "--max-tokens", "8")
+    line = _one_line_failure(r, "generate", gw.address, "is up, but the verifier behind it failed", "UNAVAILABLE")
+    assert "unreachable" not in line and "is it running" not in line
+
+
+@pytest.fixture(scope="module")
+def keyed_gw(fake, tokenizer_dir):
+    yield from serve_gateway(fake, tokenizer_dir, api_key="sk-cli-test")
+
+
+def test_generate_sends_the_api_key_from_a_file_or_the_environment(keyed_gw, fake, tmp_path):
+    key_file = tmp_path / "key"
+    key_file.write_text("# the team's key\nsk-cli-test max_budget=8\n")
+    for flags, env in [(("--api-key-file", str(key_file)), None), ((), {"DDTREE_API_KEY": "sk-cli-test"})]:
+        fake.reset(script_for([5, 6, 7]))
+        r = _ddtree("generate", "--gateway", keyed_gw.address, "--prompt", "hi", "--json", *flags, env=env)
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["token_ids"] == [5, 6, 7]
+    fake.reset(script_for([5]))
+    r = _ddtree("generate", "--gateway", keyed_gw.address, "--prompt", "hi")
+    _one_line_failure(r, "generate", keyed_gw.address, "refused the API key", "--api-key-file")
+    r = _ddtree("generate", "--gateway", keyed_gw.address, "--prompt", "hi", "--api-key-file", str(tmp_path / "none"))
+    _one_line_failure(r, "generate", "--api-key-file", "cannot read")
 
 
 @pytest.mark.parametrize(
