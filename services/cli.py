@@ -63,9 +63,21 @@ def _engine_start(cls, args, logger: str):
 
     cfg = config_from_flags(cls, args)
     configure_logging(cfg.log_level, cfg.log_format)
+    _bound_allocator(logger)
     spin = apply_spin_count(cfg.omp_spin_count)
     get_logger(logger).info("omp_spin_count", spins=cfg.omp_spin_count, setting=spin)
     return cfg
+
+
+def _bound_allocator(logger: str) -> None:
+    """A service's first step, before it starts threads: few malloc arenas, trimmed while it runs
+    (telemetry/memory.py: what keeps RSS flat over long traffic)."""
+    from ddtree.telemetry.logging import get_logger
+    from ddtree.telemetry.memory import DEFAULT_ARENAS, DEFAULT_TRIM_INTERVAL_S, limit_arenas, start_trimming
+
+    limited = limit_arenas(DEFAULT_ARENAS)
+    trimming = start_trimming(DEFAULT_TRIM_INTERVAL_S) is not None
+    get_logger(logger).info("malloc_bounded", arenas=DEFAULT_ARENAS if limited else None, trimming=trimming)
 
 
 def cmd_drafter(args) -> None:
@@ -115,6 +127,7 @@ def cmd_gateway(args) -> None:
 
     cfg = config_from_flags(GatewayConfig, args)
     configure_logging(cfg.log_level, cfg.log_format)
+    _bound_allocator("gateway")
     from ddtree.gateway.server import serve
 
     _wait(serve(cfg, tokenizer_dir=cfg.tokenizer or str(_default_dirs().target)))

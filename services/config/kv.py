@@ -46,6 +46,13 @@ class KvFields(ConfigBase):
         at_least=1,
     )
     prefix_cache: bool = option(True, "reuse the KV cache (and the drafter's features) of committed prefixes")
+    prefix_feature_mb: float = option(
+        256.0,
+        "host memory for the drafter features of cached prefixes, MiB: past it the least recently used edges "
+        "drop theirs (a speculative request on such a prefix prefills it again); they would otherwise grow "
+        "with the KV pool (a token's features can outweigh its KV)",
+        at_least=0,
+    )
     debug_checks: bool = option(False, "check the KV accounting (free + in use == total) after every step")
 
     def validate(self) -> None:

@@ -8,7 +8,11 @@ a request with the same prompt that arrives while it still runs, such as the oth
 the prompt and accepted outputs (`insert`).
 Every edge also keeps the target's tapped features of its tokens (host memory), so a sequence that
 starts from a cached prefix can seed the drafter with the same context it would have had after a
-full prefill: acceptance is the same with and without a hit. (The alternative, a draft-context cache
+full prefill: acceptance is the same with and without a hit. Those features are held within
+`feature_budget` bytes (--prefix-feature-mb): past it the least recently used edges drop theirs, so a
+speculative sequence on such a prefix prefills it again (the KV stays cached for the rest). Without the
+budget they would grow with the KV pool, and a token's features can weigh more than its KV (the demo
+pair: 3 KB against 1.6 KB). (The alternative, a draft-context cache
 inside the drafter keyed by token ids, would need a new RPC and per-replica affinity for prefixes.)
 
 Reference counts pin the edges a running sequence uses; eviction frees least-recently-used leaves with
@@ -53,13 +57,21 @@ class PrefixMatch:
     last: object  # deepest matched node (or None); release() unpins its path
 
 
+def _nbytes(features: torch.Tensor | None) -> int:
+    return 0 if features is None else features.numel() * features.element_size()
+
+
 class PrefixCache:
-    def __init__(self, pool: LatentKVPool):
+    def __init__(self, pool: LatentKVPool, feature_budget: int = 256 << 20):
+        """feature_budget: bytes of features kept over all edges (the rows' own bytes; an edge split from
+        another shares its storage until both are dropped)."""
         self.pool = pool
         self.page_size = pool.page_size
         self.root = _Node([], torch.empty(0, dtype=torch.int64), None, None)
         self.cached_slots = 0
         self.pinned_slots = 0  # of cached_slots: those of nodes some match pins (ref > 0)
+        self.feature_budget = feature_budget
+        self.feature_bytes = 0  # of every edge's features
         self._lock = threading.RLock()
 
     def _key(self, tokens: list[int], i: int) -> tuple[int, ...]:
@@ -162,6 +174,7 @@ class PrefixCache:
                     leaf = _Node(list(tokens[i:whole]), slots[i:whole].clone(), rows(i, whole, view=True), node)
                     node.children[self._key(tokens, i)] = leaf
                     self.cached_slots += leaf.slots.numel()
+                    self.feature_bytes += _nbytes(leaf.features)
                     break
                 n = self._common(child.tokens, tokens[:whole], i)
                 if n < len(child.tokens):
@@ -171,9 +184,28 @@ class PrefixCache:
                 rejected.append(own[own != self.pool.pages_of(child.slots[:n])])
                 if child.features is None:
                     child.features = rows(i, i + n, view=False)
+                    self.feature_bytes += _nbytes(child.features)
                 child.last_used = time.monotonic()
                 node, i = child, i + n
+            self._trim_features()
             return torch.cat(rejected) if rejected else torch.empty(0, dtype=torch.int64)
+
+    def _trim_features(self) -> None:
+        """Drop the features of the least recently used edges until they fit feature_budget (caller holds the
+        lock). A match through such an edge has no features: a speculative sequence then prefills."""
+        if self.feature_bytes <= self.feature_budget:
+            return
+        held, stack = [], list(self.root.children.values())
+        while stack:
+            nd = stack.pop()
+            stack.extend(nd.children.values())
+            if nd.features is not None:
+                held.append(nd)
+        for nd in sorted(held, key=lambda x: x.last_used):
+            self.feature_bytes -= _nbytes(nd.features)
+            nd.features = None
+            if self.feature_bytes <= self.feature_budget:
+                break
 
     def enter(
         self, tokens: list[int], slots: torch.Tensor, features: torch.Tensor | None, features_from: int = 0
@@ -220,6 +252,7 @@ class PrefixCache:
                     self.pool.free(self.pool.pages_of(leaf.slots))
                     freed += leaf.slots.numel()
                     self.cached_slots -= leaf.slots.numel()
+                    self.feature_bytes -= _nbytes(leaf.features)
                     del leaf.parent.children[self._key(leaf.tokens, 0)]
                     if freed >= need:
                         break

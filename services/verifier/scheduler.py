@@ -64,7 +64,7 @@ class Scheduler:
         self.vocab_size = target.config.vocab_size
         self.window = drafter.window if drafter is not None else 0
         self.tap_layer_ids = drafter.tap_layer_ids if drafter is not None else ()
-        self.cache = PrefixCache(pool) if config.prefix_cache else None
+        self.cache = PrefixCache(pool, int(config.prefix_feature_mb * 2**20)) if config.prefix_cache else None
         self._sharing = PrefixSharing(pool, self.cache, self.window, bool(self.tap_layer_ids))
         self.step_log = open_step_log(config.step_log)  # None = off
         self._cond = threading.Condition()

@@ -33,7 +33,11 @@ def generate(
     max_new: int = MAX_NEW,
     temperature: float = 0.0,
     seed: int | None = None,
+    metadata=None,
+    on_message=None,
 ):
+    """(tokens, steps, last message); metadata: sent with the call (a service token); on_message(msg): called
+    with each message as it arrives."""
     with grpc.insecure_channel(address) as ch:
         stub = verifier_pb2_grpc.VerifierStub(ch)
         sampling = common_pb2.SamplingParams(temperature=temperature)
@@ -47,7 +51,9 @@ def generate(
             spec=common_pb2.SpecOptions(no_spec=no_spec, budget=budget),
         )
         tokens, steps, last = [], [], None
-        for msg in stub.Generate(req, timeout=300):
+        for msg in stub.Generate(req, timeout=300, metadata=metadata):
+            if on_message is not None:
+                on_message(msg)
             tokens.extend(msg.token_ids)
             steps.extend(msg.steps)
             last = msg

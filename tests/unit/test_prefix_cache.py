@@ -220,3 +220,34 @@ def test_enter_takes_the_rows_after_a_hit_without_a_copy():
     cache.release(whole)
     cache.evict(pool.num_slots)
     assert cache.cached_slots == 0 and pool.num_free == pool.num_slots
+
+
+def test_features_stay_within_their_budget_least_recently_used_first():
+    """Issue 47: the features of cached prefixes are bounded (--prefix-feature-mb), not the KV pool's size;
+    the edges used last keep theirs (a match returns them exactly), the oldest lose them (a match then has
+    none), and the count equals the bytes the edges hold."""
+    rng = random.Random(1)
+    pool = LatentKVPool(1, 4000, 2, torch.float32, "cpu")
+    row_bytes = 8 * 4  # F = 8 fp32
+    cache = PrefixCache(pool, feature_budget=60 * row_bytes)
+    kept: dict[tuple, torch.Tensor] = {}
+    for i in range(40):
+        seq = [i] + [rng.randint(0, 50) for _ in range(rng.randint(3, 12))]  # distinct first tokens: own edges
+        feats = torch.randn(len(seq), 8)
+        pool.free(cache.insert(seq, pool.alloc(len(seq)), feats))
+        kept[tuple(seq)] = feats
+        held, stack = 0, list(cache.root.children.values())
+        while stack:
+            nd = stack.pop()
+            stack.extend(nd.children.values())
+            held += 0 if nd.features is None else nd.features.numel() * 4
+        assert held == cache.feature_bytes <= cache.feature_budget
+    recent = list(kept)[-3:]  # at most 36 rows: within the budget whatever came before
+    for seq in recent:
+        m = cache.match(list(seq))
+        assert m.length == len(seq) and torch.equal(m.features, kept[seq])
+        cache.release(m)
+    oldest = cache.match(list(next(iter(kept))))
+    assert oldest.length > 0 and oldest.features is None  # the KV stays cached, its features went
+    cache.release(oldest)
+    _check(cache, pool, 0)
