@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from ddtree.contract.request_params import MAX_LOGIT_BIAS, MAX_PENALTY, MAX_TOP_LOGPROBS
+from ddtree.contract.request_params import MAX_LOGIT_BIAS, MAX_PENALTY, MAX_TOP_LOGPROBS, PARAMS
 
 __all__ = ["MAX_LOGIT_BIAS", "MAX_PENALTY", "MAX_TOP_LOGPROBS", "SamplingConfig"]
 
@@ -40,12 +39,10 @@ class SamplingConfig:
         """Every field (the verifier checks token ids against its vocabulary itself)."""
         self.validate_sampler()
         r = self.repetition_penalty
-        if not isinstance(r, (int, float)) or not math.isfinite(r) or r <= 0:
+        if not _number(r) or not PARAMS["repetition_penalty"].contains(r):
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {r!r}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not -MAX_PENALTY <= v <= MAX_PENALTY:
-                raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {v!r}")
+        _check("presence_penalty", self.presence_penalty)
+        _check("frequency_penalty", self.frequency_penalty)
         ids = [t for t, _ in self.logit_bias]
         if len(set(ids)) != len(ids) or any(not isinstance(t, int) or t < 0 for t in ids):
             raise ValueError("logit_bias token ids must be distinct integers >= 0")
@@ -61,20 +58,27 @@ class SamplingConfig:
 
     def validate_sampler(self) -> None:
         """The fields the sampler reads (sampling.py checks them on every call: cheap)."""
-        t = self.temperature
-        if not isinstance(t, (int, float)) or math.isnan(t) or t < 0 or math.isinf(t):
-            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
-        if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        _check("temperature", self.temperature)
+        _check("top_p", self.top_p)
+        for name in ("top_k", "min_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not PARAMS[name].contains(v):
+                raise ValueError(f"{name} must be an integer {PARAMS[name].phrase(wire=True)}, got {v!r}")
+        _check("min_p", self.min_p)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float))
+
+
+def _check(name: str, value) -> None:
+    """A number in its range as request_params.PARAMS defines it, in this module's wording."""
+    p = PARAMS[name]
+    if not _number(value) or not p.contains(value):
+        raise ValueError(f"{name} must be {p.phrase(wire=False)}, got {value!r}")
