@@ -16,7 +16,8 @@ checks them on the host instead, for debugging, outside CUDA graph capture).
 Weights are dequantized in the K loop:
   bf16 (or fp16 / fp32): loaded and cast to the dot dtype;
   int4: BLOCK_K / 8 int32 words per row, unpacked with shifts (nibble j of word w is column 8w + j,
-        value nibble - 8) and multiplied by the group scale of each word (the group size is a multiple
+        value nibble - 8) straight into the dot's dtype by integer ops and multiplied there by the group
+        scale of each word (int4_dequant.py: no fp32 math for bf16 scales; the group size is a multiple
         of 8, so the 8 nibbles of a word share a scale; any K: the tail nibbles are masked);
   fp8:  e4m3 weights and activations in an fp8 dot (sm_89+: Triton has no e4m3 before), every K tile
         scaled by the activation scale of its rows [BLOCK_M] and the weight block scale of its columns
@@ -34,7 +35,9 @@ rounded to it); x fp32 runs exact fp32 dots. Under the Triton interpreter (TRITO
 dot is fp32 (its bf16 dot is wrong, see mla_checks.kernel_dims), h stays fp32 and the bf16 output is
 rounded with explicit bit arithmetic; the fp8 dot runs as on a GPU (the interpreter widens e4m3 to fp16,
 exactly).
-Tiles: a GEMM whose config needs more shared memory (or threads) than the device has is relaunched with
+Tiles: the committed table of the device class and weight shape (moe_tiles.py: sm_90, sm_120; one tile for
+every M, so a row's result does not depend on the rows beside it), else moe_configs.get_config. A GEMM whose
+config needs more shared memory (or threads) than the device has is relaunched with
 moe_configs.smaller_configs until one fits, and that one is used for its key from then on.
 """
 
@@ -47,7 +50,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import shared_memory
+from . import moe_tiles, shared_memory
+from .int4_dequant import int4_dequant
 from .latent_write import _round_bf16
 from .mla_checks import check_device, is_interpreted
 from .moe_align import moe_align
@@ -55,8 +59,9 @@ from .moe_configs import MoeTileConfig, get_config, smaller_configs
 from .moe_weights import FLOAT_DTYPES, ExpertWeights, check_routing
 from .quant_formats import FP8_MAX
 from .shared_memory import OutOfResources  # noqa: F401  (what a launch raises: callers catch fused_moe.OutOfResources)
+from .weight_formats import FORMATS
 
-_KIND = {"bf16": 0, "int4": 1, "fp8": 2}
+_KIND = {name: f.kernel_id for name, f in FORMATS.items()}  # the KIND constexpr by format name
 FP8_MIN_BLOCK_K = 32  # an 8-bit tl.dot's K on NVIDIA GPUs
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 _SCALE_MIN = 1e-12  # the activation scale of an all-zero group
@@ -106,12 +111,12 @@ def _weight_tile(
         ok = (offs_w < (K + 7) // 8)[:, None] & n_ok[None, :]
         words = tl.load(W + e * stride_we + offs_n[None, :] * stride_wn + offs_w[:, None] * stride_wk, mask=ok, other=0)
         s = tl.load(S + e * stride_se + offs_n[None, :] * stride_sn + (offs_w * 8 // GROUP)[:, None] * stride_sk,
-                    mask=ok, other=0.0).to(tl.float32)  # fmt: skip
+                    mask=ok, other=0.0)  # fmt: skip
         j = tl.arange(0, 8)
-        q = ((words[:, None, :] >> (j * 4)[None, :, None]) & 0xF) - 8  # [BLOCK_K / 8, 8, BLOCK_N] in [-8, 7]
+        nib = (words[:, None, :] >> (j * 4)[None, :, None]) & 0xF  # [BLOCK_K / 8, 8, BLOCK_N] in [0, 15]
         k_ok = (offs_w[:, None, None] * 8 + j[None, :, None]) < K  # the last word's padding nibbles
-        w = tl.where(k_ok, q.to(tl.float32) * s[:, None, :], 0.0)
-        return tl.reshape(w, [BLOCK_K, BLOCK_N]).to(DOT)
+        w = tl.where(k_ok, int4_dequant(nib, s[:, None, :], DOT), 0.0)  # integer ops into DOT (int4_dequant.py)
+        return tl.reshape(w, [BLOCK_K, BLOCK_N])
     else:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         ok = (offs_k < K)[:, None] & n_ok[None, :]
@@ -246,7 +251,7 @@ def _check_inputs(x, gate, up, down, topk_weights, topk_ids, expert_map) -> None
         raise ValueError(f"fused moe: expert counts differ: gate {gate.num_experts}, up {up.num_experts}, "
                          f"down {down.num_experts}")  # fmt: skip
     for name, w in (("gate / up", gate), ("down", down)):
-        if w.kind == "fp8" and (w.block[1] & -w.block[1]) < FP8_MIN_BLOCK_K:
+        if w.fmt.block_scaled and (w.block[1] & -w.block[1]) < FP8_MIN_BLOCK_K:
             raise ValueError(f"fused moe: {name} fp8 scale blocks must be a multiple of {FP8_MIN_BLOCK_K} along K "
                              f"(a K tile lies in one, and an 8-bit dot needs K >= 32), got {w.block}")  # fmt: skip
     num_global = gate.num_experts if expert_map is None else expert_map.shape[0]
@@ -273,14 +278,22 @@ def _configs(config, x, gate, down, topk: int, wide: bool) -> tuple[MoeTileConfi
         return config
     if config is not None:
         raise ValueError(f"fused moe: config must be None, a MoeTileConfig or a (gate_up, down) pair, got {config!r}")
+    table = moe_tiles.table_configs(_device_class(x), gate, down)
+    if table is not None:  # the committed tile of this device class and weight shape, the same for every M
+        return table
     name = torch.cuda.get_device_name(x.device) if x.is_cuda else None
     budget = shared_memory.device_smem_budget(x.device)
     E, M, inter, d = gate.num_experts, x.shape[0], gate.out_features, gate.in_features
     # an activation element as the tiles hold it: the dot's width, or for fp8 as loaded (x; h is fp32)
-    a_bytes = lambda kind, loaded: loaded if kind == "fp8" else 4 if wide else 2  # noqa: E731
-    gu = get_config(gate.kind, "gate_up", E, inter, d, M, topk, name, a_bytes(gate.kind, x.element_size()), budget)
-    dn = get_config(down.kind, "down", E, down.out_features, inter, M, topk, name, a_bytes(down.kind, 4), budget)
+    a_gu, a_dn = gate.fmt.activation_bytes(x.element_size(), wide), down.fmt.activation_bytes(4, wide)
+    gu = get_config(gate.kind, "gate_up", E, inter, d, M, topk, name, a_gu, budget)
+    dn = get_config(down.kind, "down", E, down.out_features, inter, M, topk, name, a_dn, budget)
     return gu, MoeTileConfig(gu.block_m, dn.block_n, dn.block_k, dn.num_warps, dn.num_stages)
+
+
+def _device_class(x: torch.Tensor) -> str | None:
+    """moe_tiles' device class of x's GPU (None off CUDA: interpreted runs use moe_configs' defaults)."""
+    return moe_tiles.device_class(torch.cuda.get_device_capability(x.device)) if x.is_cuda else None
 
 
 def launch_with_fallback(
@@ -299,7 +312,7 @@ def _gemm(a, w1: ExpertWeights, w2, out, align, cfg, row_div, topk_w, dot, preci
     """One grouped GEMM; fallback: a config that does not fit the device shrinks (launch_with_fallback), else
     OutOfResources propagates (an explicit config is launched as given: the autotuner rejects tiles by it)."""
     N, K = w1.out_features, w1.in_features
-    if w1.kind == "fp8":
+    if w1.fmt.block_scaled:
         # a K tile lies in one scale block (the largest 2^n dividing it; smaller_configs' halving keeps that)
         # and is at least 32 wide: an 8-bit tl.dot needs K >= 32 on NVIDIA GPUs (the interpreter takes any)
         block_k = max(FP8_MIN_BLOCK_K, min(cfg.block_k, w1.block[1] & -w1.block[1]))
@@ -315,7 +328,7 @@ def _gemm(a, w1: ExpertWeights, w2, out, align, cfg, row_div, topk_w, dot, preci
             w_up.weight, w_up.weight if w_up.scale is None else w_up.scale, out,
             align.sorted_pair_ids, align.block_expert, topk_w, align.num_pairs, N, K,
             a.stride(0), *ws, *ss, out.stride(0),
-            ROW_DIV=row_div, GATE_UP=w2 is not None, KIND=_KIND[w1.kind], GROUP=max(w1.group_size, 8),
+            ROW_DIV=row_div, GATE_UP=w2 is not None, KIND=w1.fmt.kernel_id, GROUP=max(w1.group_size, 8),
             SCALE_BN=w1.block[0], SCALE_BK=w1.block[1], DOT=dot, PRECISION=precision, BLOCK_M=c.block_m,
             BLOCK_N=c.block_n, BLOCK_K=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages,
         )  # fmt: skip
@@ -345,8 +358,9 @@ def fused_moe(
     _check_inputs(x, gate, up, down, topk_weights, topk_ids, expert_map)
     interpreted = is_interpreted(_moe_gemm_kernel)
     check_device(x.device, interpreted)
-    if "fp8" in (gate.kind, down.kind) and not interpreted and torch.cuda.get_device_capability(x.device) < (8, 9):
-        raise ValueError("fused moe: fp8 weights need an sm_89+ GPU (Ada, Hopper): Triton has no e4m3 before")
+    need = max(gate.fmt.min_capability, down.fmt.min_capability)  # fp8: sm_89 (Ada, Hopper), Triton's first e4m3
+    if need > (0, 0) and not interpreted and torch.cuda.get_device_capability(x.device) < need:
+        raise ValueError(f"fused moe: {gate.kind} / {down.kind} weights need an sm_{need[0]}{need[1]}+ GPU")
     M, k = topk_ids.shape
     D = down.out_features
     out = torch.empty(M, D, dtype=x.dtype, device=x.device)
@@ -361,7 +375,7 @@ def fused_moe(
     topk_w = topk_weights.reshape(-1).float().contiguous()
 
     # fp8 experts quantize x, then h, per row and K block inside the GEMMs (quantize_fp8_torch's values)
-    h_dtype = torch.float32 if wide or down.kind == "fp8" else x.dtype
+    h_dtype = torch.float32 if wide or down.fmt.quantizes_activations else x.dtype
     h = torch.empty(P, inter, dtype=h_dtype, device=x.device)
     _gemm(x, gate, up, h, align, cfg_gu, k, topk_w, dot, precision, config is None)
 

@@ -25,9 +25,10 @@ import re
 from collections.abc import Iterator
 
 from .shared_memory import dot_smem_bytes, fit_config
+from .weight_formats import FORMATS, weight_format
 
 OPS = ("gate_up", "down")
-KINDS = ("bf16", "int4", "fp8")
+KINDS = tuple(FORMATS)
 M_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 2048, 4096)
 TABLE_DIR = pathlib.Path(__file__).with_name("moe_configs")
 _WIDE_SMEM_BUDGET = 160 * 1024  # default_config's cap on its shared memory estimate with fp32 dots
@@ -93,9 +94,6 @@ def m_bucket(M: int) -> int:
     return min(M_BUCKETS, key=lambda b: (abs(math.log2(b) - math.log2(m)), -b))
 
 
-WEIGHT_BYTES = {"bf16": 2, "fp8": 1, "int4": 0.5}  # an element of a weight tile as loaded (INT4: packed words)
-
-
 def smem_bytes(cfg: MoeTileConfig, kind: str, op: str, a_bytes: int = 2) -> int:
     """shared_memory.dot_smem_bytes of the grouped GEMM: the activation tile and the weight tiles (gate_up:
     gate and up) as loaded; INT4 weights dequantized to the dot's width once more. fp8 loads its activations
@@ -104,9 +102,10 @@ def smem_bytes(cfg: MoeTileConfig, kind: str, op: str, a_bytes: int = 2) -> int:
     for sm_90's mma.sync (one on sm_120)."""
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     weights = 2 if op == "gate_up" else 1
-    a = 4 if kind == "fp8" and op == "down" else a_bytes
-    loop = [(bm, bk, a)] + [(bk, bn, WEIGHT_BYTES[kind])] * weights
-    converted = [(bk, bn, a)] * weights if kind == "int4" else [(bm, bk, 2)] if kind == "fp8" else []
+    fmt = weight_format(kind)
+    a = 4 if fmt.quantizes_activations and op == "down" else a_bytes
+    loop = [(bm, bk, a)] + [(bk, bn, fmt.tile_bytes)] * weights
+    converted = [(bk, bn, a)] * weights if fmt.dequantizes_tiles else [(bm, bk, 2)] if fmt.quantizes_activations else []
     return dot_smem_bytes(cfg.num_stages, bm, loop, converted)
 
 
@@ -129,7 +128,7 @@ def default_config(
     active = min(E, M * topk)  # experts with a pair, at most
     programs = lambda bn: active * -(-N // bn)  # noqa: E731  (M-blocks x N-tiles, about)
     block_n = 16 if programs(32) < 128 else 32 if programs(64) < 512 else 64 if block_m < 64 else 128
-    block_k = 64 if kind == "bf16" else 128
+    block_k = weight_format(kind).moe_block_k
     num_warps = 8 if block_m * block_n >= 64 * 128 else 4
     num_stages = 3 if block_m <= 32 else 4
     if a_bytes >= 4:

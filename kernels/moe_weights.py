@@ -11,7 +11,8 @@ The contract between the packed model modules (`ddtree.models.moe`), the fused M
 
 E = local experts (the rank's experts in ascending global id; `expert_map` maps global ids to local
 slots, -1 = held by another rank), N = output features, K = input features. W_e[n, k] is dequantized
-as quant_formats.py says. A MoE layer has three: gate [E, I, d], up [E, I, d], down [E, d, I].
+as quant_formats.py says; what a kind means is its format object
+(weight_formats.py, `ExpertWeights.fmt`). A MoE layer has three: gate [E, I, d], up [E, I, d], down [E, d, I].
 Only validation lives here; this module imports no triton.
 """
 
@@ -22,10 +23,10 @@ import os
 
 import torch
 
-from .quant_formats import PACK, dequantize_fp8_block, dequantize_int4
+from .weight_formats import FLOAT_DTYPES as FLOAT_DTYPES  # what fused_moe and the tests import from here
+from .weight_formats import FORMATS, WeightFormat, weight_format
 
-KINDS = ("bf16", "int4", "fp8")
-FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+KINDS = tuple(FORMATS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,53 +46,27 @@ class ExpertWeights:
     def num_experts(self) -> int:
         return self.weight.shape[0]
 
+    @property
+    def fmt(self) -> WeightFormat:
+        return weight_format(self.kind)
+
     def validate(self) -> None:
         """ValueError naming what is wrong; the shapes must be exactly the contract's."""
-        E, N, K = self.weight.shape[0], self.out_features, self.in_features
-        w, s = self.weight, self.scale
-        if self.kind not in KINDS:
+        if self.kind not in FORMATS:
             raise ValueError(f"expert weights: kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
-        if w.dim() != 3:
-            raise ValueError(f"expert weights ({self.kind}): weight must be [E, N, K'], got shape {list(w.shape)}")
-        if self.kind == "bf16":
-            _expect(w, FLOAT_DTYPES, (E, N, K), "weight")
-            if s is not None:
-                raise ValueError("expert weights (bf16): no scale expected")
-        elif self.kind == "int4":
-            if self.group_size <= 0 or self.group_size % PACK:
-                raise ValueError(
-                    f"expert weights (int4): group_size must be a positive multiple of 8, got {self.group_size}"
-                )
-            _expect(w, (torch.int32,), (E, N, -(-K // PACK)), "weight")
-            if s is None:
-                raise ValueError("expert weights (int4): scale is required")
-            _expect(s, FLOAT_DTYPES, (E, N, -(-K // self.group_size)), "scale")
-        else:
-            bn, bk = self.block
-            _expect(w, (torch.float8_e4m3fn,), (E, N, K), "weight")
-            if s is None:
-                raise ValueError("expert weights (fp8): scale (weight_scale_inv) is required")
-            _expect(s, (torch.float32,), (E, -(-N // bn), -(-K // bk)), "scale")
+        if self.weight.dim() != 3:
+            raise ValueError(
+                f"expert weights ({self.kind}): weight must be [E, N, K'], got shape {list(self.weight.shape)}"
+            )
+        self.fmt.check(self.weight, self.scale, self.out_features, self.in_features, self.group_size, self.block)
 
     def dequantize(self, expert: int) -> torch.Tensor:
         """fp32 [N, K] of one local expert (the reference's and the CPU path's view of the weights)."""
-        w = self.weight[expert]
-        if self.kind == "bf16":
-            return w.float()
-        if self.kind == "int4":
-            return dequantize_int4(w, self.scale[expert], self.group_size, self.in_features)
-        return dequantize_fp8_block(w, self.scale[expert], self.block)
+        scale = None if self.scale is None else self.scale[expert]
+        return self.fmt.dequantize(self.weight[expert], scale, self.in_features, self.group_size, self.block)
 
     def nbytes(self) -> int:
         return self.weight.nbytes + (0 if self.scale is None else self.scale.nbytes)
-
-
-def _expect(t: torch.Tensor, dtypes, shape, what: str) -> None:
-    if t.dtype not in dtypes:
-        names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
-        raise ValueError(f"expert weights: {what} dtype must be {names}, got {str(t.dtype).removeprefix('torch.')}")
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"expert weights: {what} must have shape {list(shape)}, got {list(t.shape)}")
 
 
 def routing_value_checks() -> bool:

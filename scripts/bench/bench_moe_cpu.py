@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddtree.kernels.moe_weights import ExpertWeights
-from ddtree.kernels.quant_formats import quantize_fp8_block, quantize_int4_group
+from ddtree.kernels.weight_formats import weight_format
 from ddtree.models import moe_grouped
 from ddtree.models.config import DeepseekV3Config
 from ddtree.models.deepseek_v3 import DeepseekV3ForCausalLM
@@ -55,15 +55,14 @@ def _random_moe(cfg: dict) -> DeepseekV3MoE:
 
 
 def packed(w: ExpertWeights, kind: str) -> ExpertWeights:
-    """The same fp32 expert weights quantized to `kind` (what a quantized checkpoint would hold)."""
-    if kind == "bf16":
+    """The same fp32 expert weights quantized to `kind` (what a quantized checkpoint would hold: INT4 groups
+    of 32, FP8 128x128 blocks)."""
+    fmt = weight_format(kind)
+    if not fmt.packed:
         return w
-    parts = [(quantize_int4_group(w.weight[e], 32) if kind == "int4" else quantize_fp8_block(w.weight[e])) for e in
-             range(w.num_experts)]  # fmt: skip
-    q, s = torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
-    if kind == "int4":
-        return ExpertWeights("int4", q, w.out_features, w.in_features, s, group_size=32)
-    return ExpertWeights("fp8", q, w.out_features, w.in_features, s)
+    q, s = fmt.quantize(w.weight, 32, (128, 128))
+    group = 32 if fmt.grouped else 0
+    return ExpertWeights(kind, q, w.out_features, w.in_features, s, group_size=group)
 
 
 def old_loop(experts: list[nn.Module], x, weights, idx) -> torch.Tensor:
@@ -134,7 +133,7 @@ def bench(name: str, moe: DeepseekV3MoE, rows: list[int], repeats: int, kinds: t
             weights, idx = moe.gate(x)
             fns = layer_fns(moe, experts, ws, x, weights, idx)
             t = timed(fns, repeats)
-            label = "fp32" if kind == "bf16" else kind
+            label = kind if weight_format(kind).packed else "fp32"
             print(f"  {label:<6}{m:>6}{t['loop']:>10.3f}{t['grouped_mm']:>12.3f}{t['bmm']:>10.3f}   "
                   f"x{t['loop'] / t['grouped_mm']:.2f}")  # fmt: skip
 

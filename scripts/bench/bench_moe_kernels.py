@@ -113,6 +113,7 @@ def compile_report(models: dict, ms, arch: int) -> list[dict]:
     from ddtree.kernels import fused_moe as fm
     from ddtree.kernels import moe_align as ma
     from ddtree.kernels.moe_configs import default_config
+    from ddtree.kernels.weight_formats import BF16, FP8_BLOCK, INT4_PACK, weight_format
 
     cuobjdump = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     target = GPUTarget("cuda", arch, 32)
@@ -135,26 +136,28 @@ def compile_report(models: dict, ms, arch: int) -> list[dict]:
               flush=True)  # fmt: skip
 
     i32 = "i32"
-    ptr = {
-        "bf16": ("*bf16", "*bf16", "*bf16"),
-        "int4": ("*bf16", "*i32", "*bf16"),
-        "fp8": ("*bf16", "*fp8e4nv", "*fp32"),  # x as stored: the GEMMs quantize it (and h, fp32) to e4m3
+    ptr = {  # (x, weight, scale) pointers by format
+        BF16: ("*bf16", "*bf16", "*bf16"),
+        INT4_PACK: ("*bf16", "*i32", "*bf16"),
+        FP8_BLOCK: ("*bf16", "*fp8e4nv", "*fp32"),  # x as stored: the GEMMs quantize it (and h, fp32) to e4m3
     }
     for dims in models.values():
         E, k, d, inter = dims["E"], dims["topk"], dims["d"], dims["I"]
         for kind in dims["kinds"]:
-            a, w, sc = ptr[kind]
+            fmt = weight_format(kind)
+            a, w, sc = ptr[fmt]
             for op, N, K in (("gate_up", inter, d), ("down", d, inter)):
                 for M in ms:
                     cfg = default_config(kind, op, E, N, K, M, k)
-                    bk = min(cfg.block_k, dims["block"][1]) if kind == "fp8" else cfg.block_k
-                    sig = dict(A="*fp32" if kind == "fp8" and op == "down" else a, W1=w, S1=sc, W2=w, S2=sc,
-                               OUT="*bf16" if op == "gate_up" and kind != "fp8" else "*fp32", SORTED="*i32",
+                    bk = min(cfg.block_k, dims["block"][1]) if fmt.block_scaled else cfg.block_k
+                    fp32_h = fmt.quantizes_activations  # h is kept fp32 (A of down, OUT of gate_up)
+                    sig = dict(A="*fp32" if fp32_h and op == "down" else a, W1=w, S1=sc, W2=w, S2=sc,
+                               OUT="*bf16" if op == "gate_up" and not fp32_h else "*fp32", SORTED="*i32",
                                BLOCK_EXPERT="*i32", TOPK_W="*fp32", num_pairs=i32, N=i32, K=i32, stride_am=i32,
                                stride_we=i32, stride_wn=i32, stride_se=i32, stride_sn=i32, stride_sk=i32,
                                stride_om=i32)  # fmt: skip
                     consts = dict(stride_wk=1, ROW_DIV=k if op == "gate_up" else 1, GATE_UP=op == "gate_up",
-                                  KIND=fm._KIND[kind], GROUP=dims["group"], SCALE_BN=dims["block"][0],
+                                  KIND=fmt.kernel_id, GROUP=dims["group"], SCALE_BN=dims["block"][0],
                                   SCALE_BK=dims["block"][1], DOT=tl.bfloat16, PRECISION="tf32", BLOCK_M=cfg.block_m,
                                   BLOCK_N=cfg.block_n, BLOCK_K=bk)  # fmt: skip
                     name = f"{kind} {op} E{E} M{M} {cfg.block_m}x{cfg.block_n}x{bk}"

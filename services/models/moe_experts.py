@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ddtree.kernels.moe_weights import ExpertWeights
-from ddtree.kernels.quant_formats import PACK
+from ddtree.kernels.weight_formats import weight_format
 
 from .moe_grouped import grouped_moe
 from .packed_linear import KeepsPackedDtypes, cuda_kernel
@@ -48,32 +48,23 @@ class StackedProjection(KeepsPackedDtypes):
         super().__init__()
         E, N, K = num_experts, out_features, in_features
         self.kind, self._shape = kind, (N, K)
+        self.fmt = weight_format(kind)
         self.group_size, self.block = group_size, (int(block[0]), int(block[1]))
-        if kind == "bf16":
-            self.weight = nn.Parameter(torch.empty(E, N, K))
-            self.PACKED_LEAVES: tuple[str, ...] = ()
-        elif kind == "int4":
-            if group_size <= 0 or group_size % PACK:
-                raise ValueError(f"int4 experts: group_size must be a positive multiple of {PACK}, got {group_size}")
-            self.register_buffer("weight_packed", torch.empty(E, N, -(-K // PACK), dtype=torch.int32))
-            self.register_buffer("weight_scale", torch.empty(E, N, -(-K // group_size), dtype=scale_dtype))
-            self.register_buffer("weight_shape", torch.tensor([[N, K]] * E, dtype=torch.int32).view(E, 2))
-            self.PACKED_LEAVES = ("weight_packed", "weight_scale", "weight_shape")
-        elif kind == "fp8":
-            bn, bk = self.block
-            self.register_buffer("weight", torch.empty(E, N, K, dtype=torch.float8_e4m3fn))
-            self.register_buffer("weight_scale_inv", torch.empty(E, -(-N // bn), -(-K // bk), dtype=torch.float32))
-            self.PACKED_LEAVES = ("weight", "weight_scale_inv")
+        if self.fmt.packed:
+            for leaf, t in self.fmt.empty(E, N, K, group_size, self.block, scale_dtype).items():
+                self.register_buffer(leaf, t)
+            self.PACKED_LEAVES: tuple[str, ...] = self.fmt.leaves
         else:
-            raise ValueError(f"expert projection kind must be bf16, int4 or fp8, got {kind!r}")
+            self.weight = nn.Parameter(torch.empty(E, N, K))
+            self.PACKED_LEAVES = ()
 
     @property
     def out_features(self) -> int:  # N (bf16: of the weight itself, which a test may have resized on meta)
-        return self.weight.shape[1] if self.kind == "bf16" else self._shape[0]
+        return self._shape[0] if self.fmt.packed else self.weight.shape[1]
 
     @property
     def in_features(self) -> int:  # K
-        return self.weight.shape[2] if self.kind == "bf16" else self._shape[1]
+        return self._shape[1] if self.fmt.packed else self.weight.shape[2]
 
     @property
     def leaves(self) -> tuple[str, ...]:
@@ -81,25 +72,22 @@ class StackedProjection(KeepsPackedDtypes):
         return self.PACKED_LEAVES or ("weight",)
 
     def expert_weights(self) -> ExpertWeights:
-        """The kernel contract's view of the same tensors (no copy)."""
-        if self.kind == "bf16":
-            return ExpertWeights("bf16", self.weight, self.out_features, self.in_features)
-        if self.kind == "int4":
-            return ExpertWeights(
-                "int4", self.weight_packed, self.out_features, self.in_features, self.weight_scale, self.group_size
-            )
+        """The kernel contract's view of the same tensors (no copy): the format's stored weight and its scale."""
+        weight, scale = (getattr(self, leaf) for leaf in self.leaves[:2]) if self.fmt.packed else (self.weight, None)
         return ExpertWeights(
-            "fp8", self.weight, self.out_features, self.in_features, self.weight_scale_inv, block=self.block
+            self.kind, weight, self.out_features, self.in_features, scale, self.group_size, block=self.block
         )
 
     def extra_repr(self) -> str:
-        n = (self.weight if self.kind != "int4" else self.weight_packed).shape[0]
-        fmt = {"bf16": "", "int4": f", group_size={self.group_size}", "fp8": f", block={list(self.block)}"}[self.kind]
+        n = getattr(self, self.leaves[0]).shape[0]
+        fmt = self.fmt.describe(self.group_size, self.block)
         return f"experts={n}, out_features={self.out_features}, in_features={self.in_features}, {self.kind}{fmt}"
 
 
 class StackedExperts(nn.Module):
     """Routed experts [lo, hi) of `num_experts`: out = Σ_j w_j · down(silu(gate(x)) · up(x)) over local ones."""
+
+    device_path = False  # the fused MoE off CUDA too (interpreted): device_linear.route_linears sets it
 
     def __init__(
         self, hidden_size: int, intermediate_size: int, num_experts: int, expert_range: tuple[int, int] | None = None
@@ -141,7 +129,7 @@ class StackedExperts(nn.Module):
         topk_ids: torch.Tensor,  # int64 [M, k] global expert ids
     ) -> torch.Tensor:  # [M, d], dtype of x: this rank's experts' part
         wants_grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
-        if x.is_cuda and not wants_grad:
+        if (x.is_cuda or self.device_path) and not wants_grad:
             y = self.fused(x, topk_weights, topk_ids)
             if y is not None:
                 return y

@@ -29,7 +29,6 @@ import torch
 import torch.nn.functional as F
 
 from ddtree.kernels.moe_weights import ExpertWeights, check_routing, local_slots
-from ddtree.kernels.quant_formats import dequantize_fp8_block, dequantize_int4
 
 DEQUANT_ELEMENTS = 1 << 26  # at most this many dequantized expert weights per projection at once
 HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
@@ -89,7 +88,7 @@ class _Groups:
     def weights(self, w: ExpertWeights, dt: torch.dtype, every: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [G, N, K] in dt, rows per group [G]): all E experts when `every` (bf16 only), else the
         selected ones (dequantized for int4 / fp8)."""
-        if w.kind == "bf16":
+        if not w.fmt.packed:
             if every or self.experts is None:
                 return w.weight.to(dt), self.counts
             return w.weight.index_select(0, self.experts).to(dt), self.sel_counts
@@ -144,6 +143,4 @@ def _dequantize(w: ExpertWeights, experts: torch.Tensor | None, lo: int, hi: int
         q, s = w.weight[lo:hi], w.scale[lo:hi]
     else:
         q, s = w.weight.index_select(0, experts[lo:hi]), w.scale.index_select(0, experts[lo:hi])
-    if w.kind == "int4":
-        return dequantize_int4(q, s, w.group_size, w.in_features)
-    return dequantize_fp8_block(q, s, w.block)
+    return w.fmt.dequantize(q, s, w.in_features, w.group_size, w.block)

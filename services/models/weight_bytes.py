@@ -23,7 +23,7 @@ from pathlib import Path
 from .checkpoint_files import INDEX_FILE, SINGLE_FILE, CheckpointError, read_header
 from .config import DeepseekV3Config
 from .loader import FP32_SUFFIXES
-from .quantization import Fp8BlockScheme, Int4PackScheme, parse_quantization
+from .quantization import parse_quantization
 
 TORCH_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 FLOAT_FORMAT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp64": 8}  # unquantized formats: cast on load
@@ -165,13 +165,9 @@ def sizes_from_config(raw: dict, specs: list[TensorSpec], source: str) -> dict[s
         quantized = scheme is not None and s.name.endswith(".weight") and len(s.shape) == 2 and scheme.quantizes(names)
         if s.name.endswith("e_score_correction_bias"):
             out[s.name] = ("fp32", 4 * s.numel, 0)
-        elif quantized and isinstance(scheme, Int4PackScheme):
-            g = scheme.group_of(names).group_size
-            rows, cols = s.shape
-            out[s.name] = (f"int4-g{g}", rows * math.ceil(cols / 8) * 4 + rows * math.ceil(cols / g) * 2 + 8, 8)
-        elif quantized and isinstance(scheme, Fp8BlockScheme):
-            (bm, bn), (rows, cols) = scheme.block, s.shape
-            out[s.name] = (f"fp8-{bm}x{bn}", rows * cols + math.ceil(rows / bm) * math.ceil(cols / bn) * 4, 0)
+        elif quantized:
+            fmt, (group, block) = scheme.weight_format, scheme.params(names)
+            out[s.name] = (fmt.label(group, block), *fmt.stored_bytes(*s.shape, group, block))
         else:
             out[s.name] = (base, width * s.numel, 0)
     return out

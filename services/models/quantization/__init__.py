@@ -2,8 +2,8 @@
 
 `parse_quantization(quantization_config, source)` returns the scheme for a config's
 `quantization_config` (None for an unquantized checkpoint): `Fp8BlockScheme` (quant_method fp8, 128x128
-block scales) or `Int4PackScheme` (quant_method compressed-tensors, INT4 pack-quantized groups). Any other
-method raises `CheckpointError` naming `source` (the config file).
+block scales) or `Int4PackScheme` (quant_method compressed-tensors, INT4 pack-quantized groups), as formats.py registers
+them. Any other method raises `CheckpointError` naming `source` (the config file).
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..checkpoint_files import CheckpointError
+from .formats import CHECKPOINT_FORMATS, QUANT_METHODS
 from .fp8_block import Fp8BlockScheme, dequantize_fp8_block, quantize_fp8_block
 from .int4_pack import Int4PackScheme, quantize_int4_group, unpack_int4
 
 QuantScheme = Fp8BlockScheme | Int4PackScheme
-QUANT_METHODS = ("fp8", "compressed-tensors")
 
 __all__ = [
     "QUANT_METHODS", "Fp8BlockScheme", "Int4PackScheme", "QuantScheme", "dequantize_fp8_block", "parse_quantization",
@@ -30,10 +30,9 @@ def parse_quantization(qc: Mapping[str, Any] | None, source: str) -> QuantScheme
     if not isinstance(qc, Mapping):
         raise CheckpointError(f"{source}: quantization_config must be an object, got {type(qc).__name__}")
     method = qc.get("quant_method")
-    if method == "fp8":
-        return Fp8BlockScheme.from_config(qc, source)
-    if method == "compressed-tensors":
-        return Int4PackScheme.from_config(qc, source)
+    fmt = CHECKPOINT_FORMATS.get(method) if isinstance(method, str) else None
+    if fmt is not None:
+        return fmt.scheme.from_config(qc, source)
     raise CheckpointError(
         f"{source}: quantization_config.quant_method {method!r} is not supported; expected one of {QUANT_METHODS}"
     )

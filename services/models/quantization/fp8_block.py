@@ -18,11 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from ddtree.kernels.quant_formats import FP8_MAX, dequantize_fp8_block, quantize_fp8_block
+from ddtree.kernels.weight_formats import FP8_BLOCK, WeightFormat
 
 from ..checkpoint_files import CheckpointError, CheckpointFiles
 from .names import any_matches, is_projection
@@ -36,7 +37,8 @@ FP8_DTYPES = ("F8_E4M3",)
 class Fp8BlockScheme:
     block: tuple[int, int] = (128, 128)
     ignore: tuple[str, ...] = ()
-    name: str = "fp8"
+    name: str = FP8_BLOCK.quant_method
+    weight_format: ClassVar[WeightFormat] = FP8_BLOCK
 
     @classmethod
     def from_config(cls, qc: Mapping[str, Any], source: str) -> Fp8BlockScheme:
@@ -52,6 +54,10 @@ class Fp8BlockScheme:
     def quantizes(self, names: tuple[str, ...]) -> bool:
         """names: the module as stored and as named in the model (e.g. '...self_attn.q_b_proj')."""
         return is_projection(names[-1]) and not any_matches(names, self.ignore)
+
+    def params(self, names: tuple[str, ...]) -> tuple[int, tuple[int, int]]:
+        """(group size, scale block) of a weight it quantizes."""
+        return 0, self.block
 
     def stored_names(self, weight: str) -> tuple[str, ...]:
         return weight, weight + "_scale_inv"

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from ddtree.kernels.quant_formats import PACK, quantize_int4_group, unpack_int4
+from ddtree.kernels.weight_formats import INT4_PACK, WeightFormat
 
 from ..checkpoint_files import CheckpointError, CheckpointFiles
 from .names import any_matches, is_targeted
@@ -41,7 +42,8 @@ class Int4Group:
 class Int4PackScheme:
     groups: tuple[Int4Group, ...]
     ignore: tuple[str, ...] = ()
-    name: str = "compressed-tensors"
+    name: str = INT4_PACK.quant_method
+    weight_format: ClassVar[WeightFormat] = INT4_PACK
 
     @classmethod
     def from_config(cls, qc: Mapping[str, Any], source: str) -> Int4PackScheme:
@@ -73,6 +75,10 @@ class Int4PackScheme:
 
     def quantizes(self, names: tuple[str, ...]) -> bool:
         return self.group_of(names) is not None
+
+    def params(self, names: tuple[str, ...]) -> tuple[int, tuple[int, int]]:
+        """(group size, scale block) of a weight it quantizes."""
+        return self.group_of(names).group_size, (128, 128)
 
     def stored_names(self, weight: str) -> tuple[str, ...]:
         return weight + "_packed", weight + "_scale", weight + "_shape"

@@ -20,26 +20,17 @@ the `PackedWeight` the model holds, which the loader uses to slice and check wha
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
 from ..checkpoint_files import SAFETENSORS_DTYPES, CheckpointError, CheckpointFiles
 from ..merged_linear import can_merge_fp8, merged_parts, split_merged
 from ..moe_experts import PROJECTIONS, StackedExperts, StackedProjection
-from ..packed_linear import Fp8Linear, Int4Linear
+from .formats import BY_NAME, PackedWeight
 from .fp8_block import Fp8BlockScheme
 from .int4_pack import Int4PackScheme
 
-
-@dataclass(frozen=True)
-class PackedWeight:
-    kind: str  # "int4" | "fp8"
-    out_features: int  # N of the model's (local) weight
-    in_features: int  # K
-    group_size: int = 0  # int4
-    block: tuple[int, int] = (128, 128)  # fp8
+__all__ = ["PackedWeight", "pack_modules"]
 
 
 def pack_modules(
@@ -98,10 +89,10 @@ def _pack_merged(
         return
     kinds = {None if f is None else (f[0].kind, f[0].group_size, f[0].block, f[1]) for f in fmts}
     first, scale_dtype = fmts[0] if fmts[0] is not None else (None, None)
-    if len(kinds) == 1 and (first.kind != "fp8" or can_merge_fp8(parts, first.block[0])):
+    if len(kinds) == 1 and (not first.fmt.block_scaled or can_merge_fp8(parts, first.block[0])):
         total = sum(rows for _, rows in parts)
         new = _linear(merged, PackedWeight(first.kind, total, K, first.group_size, first.block), scale_dtype)
-        if first.kind == "int4":  # not in the checkpoint as one tensor (each part has its own): built here
+        if first.fmt.stores_shape:  # not in the checkpoint as one tensor (each part has its own): built here
             new.weight_shape = torch.tensor([total, K], dtype=torch.int32, device="cpu")
         setattr(parent, leaf, new)
     else:
@@ -118,21 +109,18 @@ def _pack_merged(
 def _format(
     scheme, prefix: str, module: str, out_features: int, in_features: int, files: CheckpointFiles
 ) -> tuple[PackedWeight, torch.dtype] | None:
-    """(format, int4 scale dtype) of `module` when the scheme quantizes it, else None."""
+    """(format, scale dtype as stored: bf16 when not a float or not there) of `module` when the scheme
+    quantizes it, else None."""
     names = (prefix + module, module)
     if not scheme.quantizes(names):
         return None
-    if isinstance(scheme, Fp8BlockScheme):
-        return PackedWeight("fp8", out_features, in_features, block=scheme.block), torch.float32
-    group = scheme.group_of(names).group_size
-    scale = prefix + module + ".weight_scale"
+    group, block = scheme.params(names)
+    fmt = scheme.weight_format
+    scale = f"{prefix}{module}.{fmt.leaves[1]}"
     stored = SAFETENSORS_DTYPES.get(files.dtype(scale), (torch.bfloat16,))[0] if scale in files else torch.bfloat16
     scale_dtype = stored if stored.is_floating_point else torch.bfloat16
-    return PackedWeight("int4", out_features, in_features, group_size=group), scale_dtype
+    return PackedWeight(fmt.name, out_features, in_features, group, block), scale_dtype
 
 
 def _linear(old: nn.Linear, w: PackedWeight, scale_dtype: torch.dtype) -> nn.Module:
-    bias = old.bias is not None
-    if w.kind == "fp8":
-        return Fp8Linear(w.in_features, w.out_features, w.block, bias=bias)
-    return Int4Linear(w.in_features, w.out_features, w.group_size, bias=bias, scale_dtype=scale_dtype)
+    return BY_NAME[w.kind].linear(w, old.bias is not None, scale_dtype)

@@ -34,7 +34,7 @@ def use_column_major_weights(model) -> int:
 
     changed = 0
     for name, module in model.named_modules():
-        if isinstance(module, StackedProjection) and module.kind == "bf16":
+        if isinstance(module, StackedProjection) and not module.fmt.packed:
             w = module.weight  # [E, N, K]
         elif isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] not in VIEWED_WEIGHTS:
             w = module.weight  # [N, K]
