@@ -1,6 +1,6 @@
 """The token tree: what the drafter returns and the verifier verifies (proto `TokenTree`, Python here).
 
-A tree is plain data with its invariants checked by `validate`; `ddtree.contract.tree_build.build_tree` builds
+A tree is plain data with its invariants checked by `validate`; `ddtree.tree.build_tree` builds
 one, `ddtree.verifier` masks, verifies and walks it.
 """
 

@@ -27,9 +27,8 @@ from torch import Tensor
 
 from ddtree.contract.token_tree import TokenTree
 from ddtree.drafter.context import DraftContext
-from ddtree.drafter.device_tree import build_trees
-from ddtree.drafter.tree import MAX_TABLE_WIDTH, TokenTable, build_tree, topk_logprobs
 from ddtree.models.dflash import DFlashDraftModel
+from ddtree.tree import MAX_TABLE_WIDTH, TokenTable, drafted_trees, topk_logprobs
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # Most commit rows per context_kv call where matmul kernels are built and kept per row count: bf16 / fp16 on the
@@ -97,9 +96,8 @@ class DraftEngine:
         shape_cached = model.device.type == "cpu" and model.dtype in (torch.bfloat16, torch.float16)
         self.kv_rows_per_call = KV_ROWS_PER_CALL if shape_cached else 0  # 0 = all commit rows in one call
         self.static = None  # a static_draft.StaticDraft (--cuda-graphs): block forwards that fit a bucket run there
-        # Where the trees are built: with tensor ops where the logits are on an accelerator (device_tree.py: one
-        # host read of the finished trees), by the heap of contract/tree_build.py on the CPU (the same trees;
-        # there the heap's few Python steps cost less than the tensor build's ops).
+        # Where the trees are built (ddtree.tree.drafted_trees): with tensor ops where the logits are on an
+        # accelerator, by the heap on the CPU (the same trees).
         self.tree_on_device = model.device.type != "cpu"
 
     @property
@@ -316,25 +314,8 @@ class DraftEngine:
         # One top-K over every sequence's rows; a sequence takes the first k of its rows' sorted top-K.
         logprobs, ids = topk_logprobs(logits.view(S * (B - 1), -1), max(ks))  # [S*D, K]
         logprobs, ids = logprobs.view(S, B - 1, -1), ids.view(S, B - 1, -1)
-        out: list[TokenTree | TokenTable | None] = [None] * S
-        if self.tree_on_device:  # chains (width 1) and wider trees: one batched build each
-            for chain in (False, True):
-                rows = [s for s, seq in enumerate(seqs) if not seq.table_width and seq.chain == chain]
-                if rows:
-                    k = 1 if chain else max(ks[s] for s in rows)
-                    idx = torch.tensor(rows, device=logprobs.device)
-                    built = build_trees(logprobs[idx, :, :k], ids[idx, :, :k], [budgets[s] for s in rows])
-                    for s, tree in zip(rows, built):
-                        out[s] = tree
-        if all(o is not None for o in out):
-            return out
-        logprobs, ids = logprobs.cpu(), ids.cpu()  # tables, and the trees built on the host
-        for s, (seq, k, budget) in enumerate(zip(seqs, ks, budgets)):
-            if seq.table_width:
-                out[s] = TokenTable(logprobs[s, :, :k].contiguous(), ids[s, :, :k].contiguous())
-            elif out[s] is None:
-                out[s] = build_tree(logprobs[s, :, :k], ids[s, :, :k], budget)
-        return out
+        tables, chains = [bool(seq.table_width) for seq in seqs], [seq.chain for seq in seqs]
+        return drafted_trees(logprobs, ids, ks, budgets, tables, chains, self.tree_on_device)
 
 
 def check_table_width(table_width: int, chain: bool, vocab_size: int) -> None:

@@ -21,7 +21,6 @@ import grpc
 import torch
 
 from ddtree.config import DrafterConfig
-from ddtree.contract.tree_build import MAX_TABLE_WIDTH, TokenTable
 from ddtree.drafter import metrics
 from ddtree.drafter.call_error import DraftCallError
 from ddtree.drafter.engine import SeqDraftInput, check_table_width
@@ -36,6 +35,7 @@ from ddtree.protocol.server import RunningServer, start_server
 from ddtree.protocol.tensors import tensor_from_bytes, tensor_from_proto
 from ddtree.telemetry.logging import get_logger
 from ddtree.telemetry.metrics import serve_metrics
+from ddtree.tree.best_first import MAX_TABLE_WIDTH, TokenTable
 
 log = get_logger("ddtree.drafter")
 MAX_SEQS_PER_CALL = 1024

@@ -17,12 +17,12 @@ import numpy as np
 import torch
 
 from ddtree.contract.token_tree import TokenTree
-from ddtree.contract.tree_build import TokenTable
 from ddtree.protocol.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
 from ddtree.protocol.security import ServiceSecurity
 from ddtree.protocol.server import GRPC_OPTIONS
 from ddtree.protocol.tensors import tensor_to_proto
 from ddtree.telemetry.logging import get_logger
+from ddtree.tree.best_first import TokenTable
 from ddtree.verifier import metrics
 from ddtree.verifier.draft_deadline import DraftDeadline
 from ddtree.verifier.feature_chunks import DEFAULT_CHUNK_BYTES, split_commit

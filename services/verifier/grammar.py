@@ -41,13 +41,13 @@ whose root allows nothing (the sequence's own matcher, after the emitted tokens,
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import numpy as np
 import torch
 
 from ddtree.contract.token_tree import EMPTY_TREE, TokenTree
+from ddtree.tree.grammar_build import BuiltTree
 
 
 def grammar_limits():
@@ -108,16 +108,6 @@ class _Walk:
     def restart(self, node: int) -> None:
         """The walk at node's path again, after a child's token put the matcher in an error state."""
         self.matcher = self._at[node].deep_copy()
-
-
-@dataclasses.dataclass(frozen=True)
-class BuiltTree:
-    """What the table build (grammar_tree.py) computed for this step's tree, for `prepare` to reuse: by node
-    (0 = the root), the mask of its row (all False where its path met a parser limit: `failed`)."""
-
-    tree: TokenTree
-    masks: dict[int, np.ndarray]
-    failed: frozenset[int] = frozenset()
 
 
 class SequenceGrammar:

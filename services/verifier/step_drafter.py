@@ -2,7 +2,7 @@
 sequences, returned as each one's tree for the verify (`StepDrafts`).
 
 - A grammar-constrained sequence under `--grammar-tree table` asks the drafter for a top-K table, and its
-  tree is built here from it (grammar_tree.py).
+  tree is built here from it (ddtree.tree, grammar_build.py).
 - Under `--max-tree-tokens` the trees are cut after drafting to fit the cap over the whole call
   (tree_budget.py): the best-scoring nodes over the batch, else an equal share.
 - Under `--tree-cut cost` (the default) they are then cut to the nodes whose expected tokens per ms are
@@ -27,12 +27,19 @@ import grpc
 from ddtree.config import VerifierConfig
 from ddtree.contract.token_tree import EMPTY_TREE, TokenTree
 from ddtree.telemetry.logging import get_logger
+from ddtree.tree import (
+    AcceptCalibration,
+    StepCostModel,
+    StepShape,
+    allocate_nodes,
+    build_grammar_tree,
+    cost_cut,
+    grammar_table_width,
+    tree_budget,
+)  # fmt: skip
 from ddtree.verifier import metrics
 from ddtree.verifier.drafter_client import DraftResult
-from ddtree.verifier.grammar_tree import build_grammar_tree, grammar_table_width
 from ddtree.verifier.sequence import DraftedTree, Sequence
-from ddtree.verifier.step_cost import AcceptCalibration, StepCostModel, StepShape
-from ddtree.verifier.tree_budget import allocate_nodes, cost_cut, tree_budget
 
 # Every this many cut steps verifies the whole trees, so that the cost fit keeps seeing steps of more rows
 # than the cut keeps (rows that never vary cannot be priced); whole trees give away no acceptance.

@@ -25,7 +25,7 @@ LAYERS = (
     "ddtree.gateway | ddtree.verifier | ddtree.drafter",
     "ddtree.models | ddtree.tokenization",
     "ddtree.kernels",
-    "ddtree.contract : ddtree.config : ddtree.protocol : ddtree.telemetry",
+    "ddtree.contract : ddtree.tree : ddtree.config : ddtree.protocol : ddtree.telemetry",
 )
 
 

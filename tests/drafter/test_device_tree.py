@@ -1,5 +1,5 @@
-"""The drafter's batched tensor-op tree build (drafter/device_tree.py) equals the reference best-first build
-(contract/tree_build.build_tree) node for node, scores bit for bit: random tables, tables full of ties
+"""The drafter's batched tensor-op tree build (tree/device_build.py) equals the reference best-first build
+(tree/best_first.build_tree) node for node, scores bit for bit: random tables, tables full of ties
 (log-probs on a coarse grid), budgets 1..64, several sequences with different budgets in one call."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from ddtree.contract.tree_build import build_tree
-from ddtree.drafter.device_tree import build_trees
+from ddtree.tree.best_first import build_tree
+from ddtree.tree.device_build import build_trees
 
 
 def _table(rng: random.Random, depth: int, width: int, ties: bool) -> tuple[torch.Tensor, torch.Tensor]:

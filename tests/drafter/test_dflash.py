@@ -13,10 +13,10 @@ from safetensors.torch import load_file, save_file
 
 from ddtree.drafter.context import DraftContext
 from ddtree.drafter.engine import DraftEngine, SeqDraftInput
-from ddtree.drafter.tree import build_tree, topk_logprobs
 from ddtree.models.dflash import DFlashDraftModel, rope_inv_freq
 from ddtree.models.dflash_checkpoint import load_drafter, write_random_drafter
 from ddtree.models.dflash_config import DFlashConfig, default_target_layer_ids
+from ddtree.tree.best_first import build_tree, topk_logprobs
 from tests.support.dflash_reference import naive_block
 
 TARGET = {"hidden_size": 32, "num_hidden_layers": 6, "vocab_size": 64, "rope_theta": 10000.0}

@@ -19,10 +19,10 @@ import torch
 from ddtree.config import DrafterConfig, VerifierConfig
 from ddtree.contract.sampling_params import SamplingConfig
 from ddtree.contract.token_tree import TokenTree
-from ddtree.contract.tree_build import TokenTable, build_tree, topk_logprobs
 from ddtree.drafter.server import serve_engine
 from ddtree.protocol.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
 from ddtree.protocol.tensors import tensor_to_proto
+from ddtree.tree.best_first import TokenTable, build_tree, topk_logprobs
 from ddtree.verifier.drafter_client import DrafterClient
 from ddtree.verifier.grammar import SequenceGrammar
 from ddtree.verifier.sequence import DraftedTree, GenerateParams, PendingCommit, Sequence
@@ -189,7 +189,7 @@ def test_the_width_asked_fits_the_drafters_vocabulary():
 
 def test_a_table_is_checked_once(monkeypatch):
     """Where the Draft RPC returns it (TokenTable.validate), not again by the grammar build."""
-    from ddtree.contract import tree_build
+    from ddtree.tree import best_first as tree_build
 
     checks, check = [], tree_build._check_tensors
     monkeypatch.setattr(tree_build, "_check_tensors", lambda lp, ids: checks.append(lp.shape) or check(lp, ids))

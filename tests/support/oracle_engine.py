@@ -27,11 +27,11 @@ import zlib
 import torch
 
 from ddtree.contract.token_tree import TokenTree
-from ddtree.contract.tree_build import TokenTable
 from ddtree.drafter.engine import SeqDraftInput
 from ddtree.models.attention import AttentionMetadata, SeqAttention
 from ddtree.tools.selftest.oracle_contexts import OracleContexts
 from ddtree.tools.selftest.oracle_trees import noisy_tree
+from ddtree.tree.best_first import TokenTable
 
 
 class OracleDraftEngine(OracleContexts):

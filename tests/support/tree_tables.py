@@ -7,7 +7,7 @@ import itertools
 import torch
 
 from ddtree.contract.token_tree import TokenTree
-from ddtree.contract.tree_build import topk_logprobs
+from ddtree.tree.best_first import topk_logprobs
 
 
 def random_table(depth: int, width: int, vocab: int, seed: int, quantize: float | None = None):

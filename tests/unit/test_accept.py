@@ -9,7 +9,7 @@ import torch
 
 from ddtree.contract.token_tree import TokenTree
 from ddtree.contract.verdict import Verdict
-from ddtree.drafter.tree import build_tree, topk_logprobs
+from ddtree.tree.best_first import build_tree, topk_logprobs
 from ddtree.verifier.accept import accept
 
 #        root(100)

@@ -1,4 +1,4 @@
-"""The tree of a grammar-constrained sequence built from the drafter's table (services/verifier/grammar_tree.py).
+"""The tree of a grammar-constrained sequence built from the drafter's table (services/tree/grammar_build.py).
 
 - The build equals a brute force: every prefix of the table that a fresh matcher accepts token by token
   (stop tokens only last), sorted by (-score, ranks), the first `budget`.
@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from ddtree.contract.token_tree import TokenTree
-from ddtree.contract.tree_build import MAX_TABLE_WIDTH, TokenTable
+from ddtree.tree.best_first import MAX_TABLE_WIDTH, TokenTable
+from ddtree.tree.grammar_build import build_grammar_tree, grammar_table_width
 from ddtree.verifier.grammar import SequenceGrammar
-from ddtree.verifier.grammar_tree import build_grammar_tree, grammar_table_width
 from tests.support.letter_vocab import letter_grammar, letter_tokenizer
 from tests.support.tree_tables import brute_force, node_paths, random_table
 

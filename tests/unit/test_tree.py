@@ -1,4 +1,4 @@
-"""DDTree build (`ddtree.contract.tree_build`: services/contract/tree_build.py, the drafter's and the verifier's
+"""DDTree build (`ddtree.tree.best_first`: services/tree/best_first.py, the drafter's and the verifier's
 one copy) and tree mask / positions (services/verifier/tree_mask.py)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ddtree.contract.token_tree import TokenTree
-from ddtree.contract.tree_build import LEAF, TokenTable, build_checked_tree, build_tree, topk_logprobs
+from ddtree.tree.best_first import LEAF, TokenTable, build_checked_tree, build_tree, topk_logprobs
 from ddtree.verifier.tree_mask import tree_input_ids, tree_mask, tree_positions
 from tests.support.tree_tables import brute_force, node_paths, random_table
 
@@ -341,8 +341,9 @@ def test_a_checked_table_builds_the_same_tree(case: Case) -> None:
         build_checked_tree(table, -1)
 
 
-def test_the_drafter_builds_with_the_contract_copy() -> None:
-    from ddtree.contract import tree_build
-    from ddtree.drafter import tree
+def test_the_drafter_builds_with_the_tree_package() -> None:
+    from ddtree.drafter import engine
+    from ddtree.tree import best_first, drafted
 
-    assert tree.build_tree is tree_build.build_tree and tree.topk_logprobs is tree_build.topk_logprobs
+    assert engine.drafted_trees is drafted.drafted_trees and engine.topk_logprobs is best_first.topk_logprobs
+    assert drafted.build_tree is best_first.build_tree  # the host's build is the reference itself

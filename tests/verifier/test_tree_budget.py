@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from ddtree.verifier.tree_budget import allocate_nodes, tree_budget
+from ddtree.tree.budget import allocate_nodes, tree_budget
 from tests.support.paths import ORACLE_DRAFTER
 from tests.support.stack_calls import generate
 

@@ -12,16 +12,16 @@ import pytest
 from ddtree.config import VerifierConfig
 from ddtree.contract.sampling_params import SamplingConfig
 from ddtree.contract.token_tree import TokenTree
-from ddtree.verifier.drafter_client import DraftResult
-from ddtree.verifier.sequence import GenerateParams, Sequence
-from ddtree.verifier.step_cost import (
+from ddtree.tree.budget import cost_cut
+from ddtree.tree.step_cost import (
     MIN_OBSERVATIONS,
     AcceptCalibration,
     StepCostModel,
     StepShape,
 )
+from ddtree.verifier.drafter_client import DraftResult
+from ddtree.verifier.sequence import GenerateParams, Sequence
 from ddtree.verifier.step_drafter import StepDrafter
-from ddtree.verifier.tree_budget import cost_cut
 
 
 def _value(gains, node_ms, base_tokens, base_ms, kept) -> float:

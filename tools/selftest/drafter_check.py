@@ -146,8 +146,8 @@ def _transport(shape: dict, device: torch.device, log, out: dict, deadline: floa
 
 
 def _trees(vocab: int, device: torch.device, log, out: dict, deadline: float, on_row) -> None:
-    from ddtree.contract.tree_build import build_tree, topk_logprobs
-    from ddtree.drafter.device_tree import build_trees
+    from ddtree.tree.best_first import build_tree, topk_logprobs
+    from ddtree.tree.device_build import build_trees
 
     g = torch.Generator(device=device).manual_seed(0)
     logits = torch.randn(TREE_SEQS * TREE_DEPTH, vocab, generator=g, device=device) * 4

@@ -159,17 +159,16 @@ def gemm_cases(plan: KernelPlan, device, measure, peak, corrupt) -> list[dict]:
         q8, s8, p4, s4 = (t.to(device) for t in (q8, s8, p4, s4))
         for M in plan.gemm_m:
             x = torch.randn(M, K, generator=gen).to(device, dtype)
-            for kind, fn, expected, w_deq, wbytes in (
-                ("fp8", lambda: fp8_block_gemm(x, q8, s8, plan.fp8_block),  # noqa: B023  (called at once)
+            for kind, group, fn, expected, w_deq, wbytes in (
+                ("fp8", f"block {plan.fp8_block}", lambda: fp8_block_gemm(x, q8, s8, plan.fp8_block),  # noqa: B023
                  lambda: ref.fp8_block_gemm_reference(x, q8, s8, plan.fp8_block), w8, N * K + 4 * s8.numel()),  # noqa: B023
-                ("int4", lambda: int4_gemm(x, p4, s4, plan.int4_group),  # noqa: B023
+                ("int4", f"group {plan.int4_group}", lambda: int4_gemm(x, p4, s4, plan.int4_group),  # noqa: B023
                  lambda: ref.int4_gemm_reference(x, p4, s4, plan.int4_group), w4, N * K // 2 + 2 * s4.numel()),  # noqa: B023
             ):  # fmt: skip
                 ok, detail = compare(f"{kind} gemm {M}x{N}x{K}", fn(), expected(), corrupt)
                 t = measure(fn)
                 t_ref = measure(lambda: x @ w_deq.T)  # noqa: B023
                 nbytes = wbytes + (M * K + M * N) * x.element_size()
-                group = f"block {plan.fp8_block}" if kind == "fp8" else f"group {plan.int4_group}"
                 rows.append(_row("gemm", f"{kind} gemm", f"M={M} N={N} K={K} {group}", t * 1e6, t_ref * 1e6, nbytes,
                                  ok, detail, peak))  # fmt: skip
     return rows

@@ -5,7 +5,7 @@ block predicts depth d); `topk_logprobs` turns them into true log-probs of the K
 `TokenTable`), and `build_tree` selects the `budget` highest-scoring prefixes, where a prefix's score
 is the sum of its per-depth log-probs. Both services use it: the drafter builds every tree it returns,
 and the verifier builds the tree of a sequence with a grammar from the drafter's table, keeping only
-grammar-valid prefixes (`allowed`; services/verifier/grammar_tree.py). `build_tree` checks its table
+grammar-valid prefixes (`allowed`; grammar_build.py). `build_tree` checks its table
 (check_table); `build_checked_tree` takes one that TokenTable.validate passed (the verifier checks each table
 once, where the Draft RPC returns it).
 """

@@ -1,10 +1,10 @@
 """The draft tree of a grammar-constrained sequence, built on the verifier from the drafter's top-K table.
 
-Pruning the drafter's own tree (grammar.py `prepare` alone, verifier setting `grammar_tree prune`) keeps
+Pruning the drafter's own tree (verifier/grammar.py `prepare` alone, verifier setting `grammar_tree prune`) keeps
 only the grammar-valid nodes of a tree chosen without the grammar: most of the budget goes to tokens the
 grammar forbids, and a step commits about one token. With `grammar_tree table` (the default) the
 scheduler asks the drafter for its per-depth top-K table (`table_width`) instead, and builds the tree
-here with the same best-first build (`ddtree.contract.tree_build.build_tree`) under the predicate "this
+here with the same best-first build (best_first.py `build_tree`) under the predicate "this
 token is allowed after its parent's path": the budget goes to the best grammar-valid prefixes.
 
 The parent's mask is computed lazily, when its first child candidate pops, from a fork of the parent's
@@ -25,11 +25,38 @@ only judge, so the output is exactly constrained AR (greedy token for token; sam
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Protocol
+
 import numpy as np
 
 from ddtree.contract.token_tree import TokenTree
-from ddtree.contract.tree_build import LEAF, MAX_TABLE_WIDTH, TokenTable, build_checked_tree
-from ddtree.verifier.grammar import BuiltTree, SequenceGrammar
+
+from .best_first import LEAF, MAX_TABLE_WIDTH, TokenTable, build_checked_tree
+
+
+@dataclasses.dataclass(frozen=True)
+class BuiltTree:
+    """What the table build computed for this step's tree, for the grammar's `prepare` to reuse: by node
+    (0 = the root), the mask of its row (all False where its path met a parser limit: `failed`)."""
+
+    tree: TokenTree
+    masks: dict[int, np.ndarray]
+    failed: frozenset[int] = frozenset()
+
+
+class SequenceGrammar(Protocol):
+    """What the build needs of a sequence's grammar state (ddtree.verifier.grammar.SequenceGrammar)."""
+
+    matcher: object  # llguidance LLMatcher at the sequence's current state: forked, never moved
+
+    @property
+    def stops(self) -> frozenset[int]: ...
+
+    def mask_of(self, matcher=None) -> np.ndarray: ...
+
+    def offer(self, built: BuiltTree) -> None: ...
+
 
 # The table a grammar build asks for: the widest the Draft RPC gives. A grammar often allows a handful of tokens
 # at a position (a quote, a digit, a key) and the drafter ranks those anywhere in its top 256, so tau under a

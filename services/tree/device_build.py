@@ -1,5 +1,5 @@
 """The best-first tree build with tensor ops, for every sequence of a Draft call at once, on the drafter's
-device: the trees of `contract/tree_build.build_tree` (the reference, kept), read to the host once.
+device: the trees of best_first.py `build_tree` (the reference, and the host's build), read to the host once.
 
 The tree of budget b is the b best prefixes by (-score, rank tuple), a prefix's score being the float sum,
 left to right, of its tokens' log-probs; its nodes in that order (the heap's pop order). Every ancestor of a
