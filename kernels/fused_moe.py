@@ -114,8 +114,9 @@ def _weight_tile(
                     mask=ok, other=0.0)  # fmt: skip
         j = tl.arange(0, 8)
         nib = (words[:, None, :] >> (j * 4)[None, :, None]) & 0xF  # [BLOCK_K / 8, 8, BLOCK_N] in [0, 15]
-        k_ok = (offs_w[:, None, None] * 8 + j[None, :, None]) < K  # the last word's padding nibbles
-        w = tl.where(k_ok, int4_dequant(nib, s[:, None, :], DOT), 0.0)  # integer ops into DOT (int4_dequant.py)
+        # integer ops into DOT (int4_dequant.py). The last word's padding nibbles (K % 8) need no mask: they
+        # dequantize to finite values and meet the A columns past K, loaded as 0
+        w = int4_dequant(nib, s[:, None, :], DOT)
         return tl.reshape(w, [BLOCK_K, BLOCK_N])
     else:
         offs_k = k0 + tl.arange(0, BLOCK_K)

@@ -1,0 +1,80 @@
+"""The fused MoE's committed tile table: one tile per device class and weight shape, whatever the rows.
+
+    kernels/moe_configs/sm_90.json, sm_120.json   (written by `python -m scripts.bench.moe_tile_table`)
+    {"device_class": "sm_90", "triton": "3.9.0", "model": {...},
+     "tiles": {"int4/gate_up/N256/K7168/g32": {"config": {"block_m": 16, ...}, "registers": 128,
+                                               "spill_bytes": 0, "shared_bytes": 32768, "modeled_us": {...}}}}
+
+A key is the weight format, the op (gate_up: N = I, K = d; down: N = d, K = I, moe_configs' ops), the
+weight's N and K and its quantization (g<group> for INT4, b<bn>x<bk> for FP8 block scales, "-" for bf16).
+The number of rows (M) is deliberately no part of it: a row's result must not depend on how many rows share
+the launch (row invariance), so one call's tile is every call's, with one K order (one K loop, no split K)
+and a fixed block_m. Both ops of one format and shape class share block_m (the alignment's padding).
+
+The tiles were chosen on a CPU from a roofline of the shapes the deployments run (AR and a 17-row tree of
+Kimi K2.6 / DeepSeek-V3 at TP 8) and from each candidate compiled ahead of time for the class (registers,
+spills and shared memory from ptxas), see scripts/bench/moe_tile_table.py; the figures in the files are
+modeled, not measured. fused_moe uses a table entry when one matches (CUDA only) and its launch fallback
+(smaller_configs on OutOfResources) stays; a shape without an entry gets moe_configs.get_config.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import pathlib
+
+from .moe_configs import OPS, MoeTileConfig
+
+TABLE_DIR = pathlib.Path(__file__).with_name("moe_configs")
+CLASSES = ("sm_90", "sm_120")  # Hopper (H100 / H200); Blackwell workstation (RTX PRO 6000)
+KINDS = ("bf16", "int4", "fp8")
+
+
+def device_class(capability: tuple[int, int]) -> str | None:
+    """The table a device of this compute capability uses: sm_90 for 9.x, sm_120 for 12.x, else None."""
+    return {9: "sm_90", 12: "sm_120"}.get(capability[0])
+
+
+def shape_key(kind: str, op: str, N: int, K: int, group: int = 0, block: tuple[int, int] = (0, 0)) -> str:
+    if kind not in KINDS or op not in OPS:
+        raise ValueError(f"moe tiles: kind must be one of {KINDS} and op one of {OPS}, got {kind!r} / {op!r}")
+    quant = f"g{group}" if kind == "int4" else f"b{block[0]}x{block[1]}" if kind == "fp8" else "-"
+    return f"{kind}/{op}/N{N}/K{K}/{quant}"
+
+
+def table_path(cls: str) -> pathlib.Path:
+    if cls not in CLASSES:
+        raise ValueError(f"moe tiles: device class must be one of {CLASSES}, got {cls!r}")
+    return TABLE_DIR / f"{cls}.json"
+
+
+@functools.lru_cache(maxsize=4)
+def load(cls: str) -> dict[str, MoeTileConfig]:
+    """key -> config of the class's table ({} without a file; ValueError naming the file when malformed)."""
+    path = table_path(cls)
+    if not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text())
+        if raw["device_class"] != cls:
+            raise ValueError(f"holds device class {raw['device_class']!r}")
+        return {key: MoeTileConfig.from_dict(entry["config"]) for key, entry in raw["tiles"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"moe tile table {path}: {e}") from e
+
+
+def _key(w, op: str) -> str:
+    return shape_key(w.kind, op, w.out_features, w.in_features, w.group_size, tuple(w.block))
+
+
+def table_configs(cls: str | None, gate, down) -> tuple[MoeTileConfig, MoeTileConfig] | None:
+    """(gate_up, down) tiles of the class's table for these expert weights (ExpertWeights), or None when
+    either op has no entry (or the two disagree on block_m, which the table's test rules out)."""
+    if cls is None:
+        return None
+    table = load(cls)
+    gu, dn = table.get(_key(gate, "gate_up")), table.get(_key(down, "down"))
+    if gu is None or dn is None or gu.block_m != dn.block_m:
+        return None
+    return gu, dn
