@@ -201,7 +201,7 @@ def test_step_drafter_cuts_long_contexts_harder_when_rows_cost():
     short, long = _seq(0, 64), _seq(1, 4000)
     steps.draft([short], [], 1)
     steps.draft([long], [], 1)
-    steps._cuts = 0  # not an exploration step below
+    steps.tree_cut.cuts = 0  # not an exploration step below
     short_tree = _drafted(steps, short)
     long_tree = _drafted(steps, long)
     assert 1 <= long_tree.n < short_tree.n <= BUDGET
@@ -211,20 +211,20 @@ def test_step_drafter_cuts_long_contexts_harder_when_rows_cost():
 def test_free_rows_and_fixed_cut_keep_the_whole_tree():
     for steps in (_trained_step_drafter("cost", 0.0, 0.0), _trained_step_drafter("fixed", 0.5, 0.5)):
         seq = _seq(0, 4000)
-        steps._cuts = 1
+        steps.tree_cut.cuts = 1
         assert _drafted(steps, seq) == CHAIN
 
 
 def test_exploration_steps_verify_whole_trees_once_the_fit_is_ready():
     """Every EXPLORE_EVERY-th cut step keeps the whole tree (more rows than the cut keeps, no acceptance given
     away); the steps between are cut by cost, and before the fit is ready the cut is random."""
-    from ddtree.verifier.step_drafter import EXPLORE_EVERY
+    from ddtree.tree.cut import EXPLORE_EVERY
 
     steps = _trained_step_drafter("cost", row_ms=0.2, per_1k_context_ms=0.4)
     sizes = []
     for _ in range(2 * EXPLORE_EVERY):
         tree = _drafted(steps, _seq(0, 4000))
-        sizes.append((steps._cuts % EXPLORE_EVERY == 0, tree.n))
+        sizes.append((steps.tree_cut.cuts % EXPLORE_EVERY == 0, tree.n))
     explored = [n for whole, n in sizes if whole]
     cut = [n for whole, n in sizes if not whole]
     assert explored == [BUDGET, BUDGET]
