@@ -22,7 +22,7 @@ class TokenTree:
     scores[i-1], when the drafter gives them, is node i's path log-prob under the drafter (the sum of
     its per-depth log-probs from the root): non-increasing in node order for a best-first build, so the
     first k nodes are the k best prefixes. They steer how a capped batch shares tree tokens
-    (services/verifier/tree_budget.py) and never affect which tokens are accepted; empty = not given.
+    (services/tree/budget.py) and never affect which tokens are accepted; empty = not given.
     Trees compare equal by their nodes alone.
     """
 

@@ -23,7 +23,7 @@ max_tree_tokens (0 = no cap). Every sequence keeps at least one node. Two rules,
   that is the optimum of G / T over all prefix cuts (Dinkelbach: the optimal set is every node whose
   ratio beats the optimal value), which the tests check by brute force. With a margin μ < 1 the nodes are
   taken while p / m > μ·G / T: every node the optimum keeps and those just under it (the verifier's
-  step uses μ = 0.5, step_drafter.CUT_MARGIN, because p and m are estimates).
+  step uses μ = 0.5, cut.CUT_MARGIN, because p and m are estimates).
 
 None of these rules changes the output: the verifier decides every token; they only decide how many drafts each
 step checks.

@@ -21,7 +21,7 @@ trees at random sizes.
 corrected per level of confidence to the acceptance actually seen on this verifier.
 
 Neither changes any token: they only decide how many of the drafter's nodes each step verifies
-(tree_budget.cost_cut).
+(budget.cost_cut, applied by cut.py).
 """
 
 from __future__ import annotations

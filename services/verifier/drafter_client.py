@@ -248,7 +248,7 @@ def _with_scores(tree: TokenTree, scores: tuple[float, ...], draft_id: str) -> T
 def _table(msg: drafter_pb2.TokenTable, width: int, max_depth: int, vocab_size: int) -> TokenTable:
     """A TokenTable message as asked (width K, at most the drafter's block_size - 1 rows), validated like a
     tree (TokenTable.validate: sorted finite log-probs, distinct ids in [0, vocab_size)); ValueError if not.
-    The table's only check: the grammar build takes it as it is (tree_build.build_checked_tree)."""
+    The table's only check: the grammar build takes it as it is (ddtree.tree.build_checked_tree)."""
     if msg.width != width:
         raise ValueError(f"table width {msg.width}, asked {width}")
     if not 0 <= msg.depth <= max(max_depth, 0):

@@ -18,7 +18,7 @@ state is the grammar after every emitted token (the root included). Each step, b
   place its state moves.
 
 The tree itself (verifier setting `grammar_tree`): `table` (the default) asks the drafter for its top-K
-table and builds the tree of grammar-valid prefixes only (grammar_tree.py), whose masks `prepare` reuses
+table and builds the tree of grammar-valid prefixes only (ddtree.tree.grammar_build), whose masks `prepare` reuses
 (`offer`), so the walk keeps every node; `prune` takes the drafter's own tree and prunes it here.
 
 Stop ids: allowed in a row exactly when the grammar accepts there (llguidance's own eos likewise); a
@@ -121,7 +121,7 @@ class SequenceGrammar:
         self.masks: torch.Tensor | None = None  # bool [rows, tokenizer vocab]
         # The mask after the sequence's matcher (this step's root row), computed once until `advance` moves it.
         self._root: np.ndarray | None = None
-        self._offered: BuiltTree | None = None  # this step's tree as grammar_tree.py built it
+        self._offered: BuiltTree | None = None  # this step's tree as ddtree.tree.grammar_build built it
         # This step's walk met a parser limit on a kept node's path: `advance` computes the next mask at once.
         self._limit_met = False
         # Totals for measuring: masks computed, their seconds, tree nodes drafted and kept.

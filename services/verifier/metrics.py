@@ -72,7 +72,7 @@ ITL = Histogram(
 )
 TREE_CUT = Gauge(
     "ddtree_tree_cut_fit",
-    "--tree-cut cost's step-cost fit (step_cost.py): verify_ms (intercept), row_ms, row_ms_per_1k_context, "
+    "--tree-cut cost's step-cost fit (ddtree.tree.step_cost): verify_ms (intercept), row_ms, row_ms_per_1k_context, "
     "draft_ms (the Draft call)",
     ["term"],
     registry=REGISTRY,

@@ -61,7 +61,7 @@ class StepDrafter:
         # Full budgets: under --max-tree-tokens the trees are cut to fit after drafting (_fit_trees).
         spec = [(s, s.params.budget) for s in seqs]
         table_vocab = self._table_vocab()
-        widths = {  # --grammar-tree table: a grammar's tree is built here from the drafter's table (grammar_tree.py)
+        widths = {  # --grammar-tree table: a grammar's tree is built here from the drafter's table (ddtree.tree)
             s.draft_id: grammar_table_width(s.params.chain, table_vocab)
             for s in seqs
             if s.grammar is not None and self.config.grammar_tree == "table"
@@ -140,7 +140,7 @@ class StepDrafter:
         """After a step: items (rows, context) of its forward, whether it held prefill chunks, the times of
         its Draft call and of its verify, and per speculative sequence (tree verified, accepted nodes with
         the root first).
-        Only speculative steps without prefill are fitted (step_cost.py says why)."""
+        Only speculative steps without prefill are fitted (ddtree.tree.step_cost says why)."""
         if self.tree_cut.observe(items, prefill, draft_ms, verify_ms, verified):
             cost = self.tree_cut.cost
             for term, value in zip(("verify_ms", "row_ms", "row_ms_per_1k_context"), cost.coefficients):

@@ -454,7 +454,7 @@ def test_engine_construction_errors(model: DFlashDraftModel) -> None:
 def test_batched_draft_equals_one_sequence_at_a_time(ckpt: Path) -> None:
     """One Draft call for several sequences (one forward over all blocks) gives each the tree it gets alone:
     contexts of different lengths, windowed and not, a reset among continuations, a chain request; the
-    batched call builds its trees with tensor ops (device_tree.py, forced on the CPU) or by the heap, the
+    batched call builds its trees with tensor ops (tree/device_build.py, forced on the CPU) or by the heap, the
     single calls by the heap."""
     emb, head = target_weights()
     for window, tree_on_device in ((0, False), (5, False), (0, True), (5, True)):

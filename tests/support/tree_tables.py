@@ -1,4 +1,4 @@
-"""Random draft tables and brute-force references for tree builds (tests of tree_build and grammar_tree)."""
+"""Random draft tables and brute-force references for tree builds (tests of tree/best_first.py and tree/grammar_build.py)."""
 
 from __future__ import annotations
 

@@ -221,7 +221,7 @@ def test_tree_mask_empty_and_positions() -> None:
         tree_positions(tree, -1)
 
 
-# -- the build under a validity predicate (services/contract/tree_build.py) ----------------------------------
+# -- the build under a validity predicate (services/tree/best_first.py) ------------------------------------
 class PathRule:
     """A random predicate over token paths, as build_tree's `allowed(parent, token)`: it mirrors the tree
     the build grows (the k-th True answer is node k, build_tree's call contract) to know the parent's path."""

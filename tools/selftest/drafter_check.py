@@ -13,8 +13,8 @@
    the server's own work. A commit over the chunk size goes ahead in chunks (`chunks_ahead`): one frame
    each through the ring on the co-located paths, one Append stream over gRPC.
 2. The tree build of one Draft call (8 sequences, 15 depths, Kimi's vocabulary of 163,840): top-K and the
-   tensor build on the device (drafter/device_tree.py) against top-K, the copy to the host and the heap of
-   contract/tree_build.py; the trees must be equal (a mismatch otherwise).
+   tensor build on the device (tree/device_build.py) against top-K, the copy to the host and the heap of
+   tree/best_first.py; the trees must be equal (a mismatch otherwise).
 The dry run shrinks the width to 2 x 64 and the vocabulary to 4,096.
 
 `run_drafter_check(dry_run, device, log)` returns {transport: rows, tree: rows, mismatches, errors}.
