@@ -9,7 +9,9 @@ at every position (services/training/drafter_data.py: by default the target's ow
 continuations of corpus prompts); m random anchors per sequence become m draft blocks
 [anchor, MASK x (B-1)] that run in ONE batched drafter forward under a block-sparse mask
 (services/training/drafter_forward.py), and the loss is the depth-weighted cross-entropy against the
-target's choices (services/training/drafter_loss.py). AdamW, linear warmup + cosine decay, gradient
+target's choices, or with --loss kl the forward KL to the target's own distributions (its top --kd-topk
+logits; services/training/drafter_loss.py). --causal-head trains a causal parallel head (JetSpec).
+AdamW, linear warmup + cosine decay, gradient
 accumulation, bf16 autocast on CUDA (fp32 master weights), gradient clipping. The run itself is
 services/training/drafter_trainer.py; this module holds the flags and imports nothing heavy.
 
@@ -54,6 +56,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-heads", type=int, default=0, help="KV heads (0 = heads/2, heads/4 from 8 heads)")
     g.add_argument("--intermediate", type=int, default=0, help="MLP width (0 = 2 x hidden)")
     g.add_argument("--mask-token-id", type=int, default=-1, help="-1 = the tokenizer's [MASK], else vocab-1")
+    g.add_argument(
+        "--causal-head",
+        action="store_true",
+        help="a causal parallel head (JetSpec): block slot i attends to the context and slots <= i",
+    )
+    g.add_argument("--draft-shift", action="store_true", help="slot d predicts depth d + 1 (slots 0..B-2), not depth d")
     g = p.add_argument_group("data")
     g.add_argument("--kinds", default=",".join(KINDS), help="corpus kinds, drawn uniformly")
     g.add_argument(
@@ -81,7 +89,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
     g.add_argument("--clip", type=float, default=1.0)
-    g.add_argument("--gamma", type=float, default=0.0, help="depth-decay of the loss weights (0 = DFlash default)")
+    g.add_argument(
+        "--gamma",
+        type=float,
+        default=0.0,
+        help="depth-decay of the loss weights (0 = DFlash's default with --loss ce, uniform with --loss kl)",
+    )
+    g.add_argument(
+        "--loss",
+        default="ce",
+        choices=("ce", "kl"),
+        help="ce: cross-entropy to the target's greedy choices (DFlash); kl: forward KL to its distributions "
+        "(JetSpec; needs the target in this process)",
+    )
+    g.add_argument("--kd-topk", type=int, default=64, help="--loss kl: the target's top-K logits kept (0 = all)")
+    g.add_argument("--kd-temperature", type=float, default=1.0, help="--loss kl: distillation temperature")
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("runtime")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda[:i]")

@@ -23,7 +23,9 @@ The sequences those labels are read along come from one of two sources:
 
 The taps and the greedy choices come from one pass of the target per batch (prefill, then one decode
 forward per generated token: the decode forward's taps and argmax are the labels' source), under
-no_grad, through the same `DeepseekV3ForCausalLM.forward` the verifier runs.
+no_grad, through the same `DeepseekV3ForCausalLM.forward` the verifier runs. For distillation
+(`--loss kl`) the same forwards also keep the target's distribution at every labelled position: its
+top-K logits and their ids (K = the whole vocabulary when asked for 0), the teacher of drafter_loss.py.
 """
 
 from __future__ import annotations
@@ -50,17 +52,22 @@ class TargetBatch:
     taps: Tensor  # [S, T, len(target_layer_ids) * H] target features of every position
     greedy: Tensor  # int64 [S, T] target argmax at every position (-1 where not computed)
     anchor_lo: int  # anchors may sit at positions [anchor_lo, T - B + 1]
+    teacher: Tensor | None = None  # fp32 [S, T, K] the target's top-K logits at each position (its law for t+1)
+    teacher_ids: Tensor | None = None  # int64 [S, T, K] their token ids (rows never computed: -inf / 0)
 
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.ids.shape)
 
     def state(self) -> dict:
-        return {"ids": self.ids, "taps": self.taps, "greedy": self.greedy, "anchor_lo": self.anchor_lo}
+        extra = {} if self.teacher is None else {"teacher": self.teacher, "teacher_ids": self.teacher_ids}
+        return {"ids": self.ids, "taps": self.taps, "greedy": self.greedy, "anchor_lo": self.anchor_lo, **extra}
 
     @staticmethod
     def from_state(d: dict) -> TargetBatch:
-        return TargetBatch(d["ids"], d["taps"], d["greedy"], int(d["anchor_lo"]))
+        return TargetBatch(
+            d["ids"], d["taps"], d["greedy"], int(d["anchor_lo"]), d.get("teacher"), d.get("teacher_ids")
+        )
 
 
 # ---------------------------------------------------------------------------------------------- corpus
@@ -168,12 +175,32 @@ class TargetRunner:
     """Runs the frozen target over whole sequences (taps + argmax) or greedy continuations of prompts."""
 
     def __init__(
-        self, target, tap_layer_ids: tuple[int, ...], taps_dtype: torch.dtype, max_tokens_per_forward: int = 4096
+        self,
+        target,
+        tap_layer_ids: tuple[int, ...],
+        taps_dtype: torch.dtype,
+        max_tokens_per_forward: int = 4096,
+        teacher_topk: int | None = None,
     ):
+        """teacher_topk: None = greedy choices only; K > 0 = also the top-K logits per position; 0 = all."""
         self.target = target
         self.tap_layer_ids = tuple(tap_layer_ids)
         self.taps_dtype = taps_dtype
         self.max_tokens = max_tokens_per_forward
+        self.teacher_topk = teacher_topk
+        self._prefill_teacher: list[Tensor] | None = None  # the last prefill's teacher rows [S*T, K] x 2
+
+    def _teacher(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        """logits [n, V] -> (fp32 [n, K], int64 [n, K]) on the CPU: the top-K (K = V for 0), sorted."""
+        k = self.teacher_topk or logits.shape[-1]
+        vals, ids = torch.topk(logits.float(), min(k, logits.shape[-1]), dim=-1)
+        return vals.cpu(), ids.cpu()
+
+    def _teacher_rows(self, s: int, t: int, vocab: int) -> tuple[Tensor, Tensor] | tuple[None, None]:
+        if self.teacher_topk is None:
+            return None, None
+        k = min(self.teacher_topk or vocab, vocab)
+        return torch.full((s, t, k), float("-inf")), torch.zeros(s, t, k, dtype=torch.int64)
 
     def _forward(self, ids: Tensor, positions: Tensor, seqs: list[SeqAttention], cache: Tensor, rows: Tensor | None):
         dev = self.target.device
@@ -192,7 +219,7 @@ class TargetRunner:
         """ids int64 [S, T] -> taps [S, T, F] (taps_dtype, CPU), greedy int64 [S, T] (all_logits) or [S]."""
         s, t = ids.shape
         per = max(1, self.max_tokens // t)  # sequences per forward
-        taps, greedy = [], []
+        taps, greedy, teacher = [], [], []
         empty = torch.empty(0, dtype=torch.int64)
         for i in range(0, s, per):
             chunk = ids[i : i + per]
@@ -204,7 +231,20 @@ class TargetRunner:
             taps.append(out.taps.view(n, t, -1).to("cpu", self.taps_dtype))
             g = out.logits.argmax(-1).cpu()
             greedy.append(g.view(n, t) if all_logits else g)
+            if self.teacher_topk is not None:
+                teacher.append(self._teacher(out.logits))
+        self._prefill_teacher = [torch.cat([part[j] for part in teacher]) for j in range(2)] if teacher else None
         return torch.cat(taps), torch.cat(greedy)
+
+    def prefill_batch(self, ids: Tensor) -> TargetBatch:
+        """The teacher-forced batch of windows ids int64 [S, T] (anchors from position 1), with the
+        teacher's rows when the runner keeps them."""
+        taps, greedy = self.prefill(ids, all_logits=True)
+        if self._prefill_teacher is None:
+            return TargetBatch(ids, taps, greedy, anchor_lo=1)
+        s, t = ids.shape
+        vals, tids = (x.view(s, t, -1) for x in self._prefill_teacher)
+        return TargetBatch(ids, taps, greedy, 1, vals, tids)
 
     @torch.no_grad()
     def generate(self, prompts: Tensor, new_tokens: int) -> TargetBatch:
@@ -224,6 +264,9 @@ class TargetRunner:
         taps[:, :p] = out.taps.view(s, p, -1).to("cpu", self.taps_dtype)
         nxt = out.logits.argmax(-1).cpu()  # [S]
         greedy[:, p - 1] = nxt
+        teacher, teacher_ids = self._teacher_rows(s, t, out.logits.shape[-1])
+        if teacher is not None:
+            teacher[:, p - 1], teacher_ids[:, p - 1] = self._teacher(out.logits)
         for pos in range(p, t):
             ids[:, pos] = nxt
             seqs = [SeqAttention(i, 1, torch.arange(pos) + base[i], (base[i] + pos).reshape(1)) for i in range(s)]
@@ -231,7 +274,9 @@ class TargetRunner:
             taps[:, pos] = out.taps.to("cpu", self.taps_dtype)
             nxt = out.logits.argmax(-1).cpu()
             greedy[:, pos] = nxt
-        return TargetBatch(ids, taps, greedy, anchor_lo=p)
+            if teacher is not None:
+                teacher[:, pos], teacher_ids[:, pos] = self._teacher(out.logits)
+        return TargetBatch(ids, taps, greedy, anchor_lo=p, teacher=teacher, teacher_ids=teacher_ids)
 
 
 # ---------------------------------------------------------------------------------------------- batches
@@ -266,8 +311,7 @@ def make_batch(index: int, spec: DataSpec, streams: dict[str, TokenStream], runn
     g = torch.Generator().manual_seed(spec.seed * 1_000_003 + index)
     if spec.source == "corpus":
         ids = sample_windows(streams, spec.batch, spec.seq_len, g, prompts=False)
-        taps, greedy = runner.prefill(ids, all_logits=True)
-        return TargetBatch(ids, taps, greedy, anchor_lo=1)
+        return runner.prefill_batch(ids)
     lo, hi = math.log(spec.prompt_min), math.log(spec.prompt_max)
     p = int(round(math.exp(lo + (hi - lo) * float(torch.rand((), generator=g)))))
     prompts = sample_windows(streams, spec.batch, min(max(p, spec.prompt_min), spec.prompt_max), g, prompts=True)

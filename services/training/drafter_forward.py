@@ -135,3 +135,14 @@ def block_labels(greedy: Tensor, anchors: Tensor, block_size: int) -> Tensor:
     idx = anchors[:, :, None] + k - 1  # [S, m, B-1]
     s, m, d = idx.shape
     return greedy.gather(1, idx.reshape(s, m * d).to(greedy.device)).view(s, m, d)
+
+
+def block_teacher(rows: Tensor, anchors: Tensor, block_size: int) -> Tensor:
+    """rows [S, T, ...] (the target's per-position teacher rows: top-K logits or their ids) -> [S, m, B-1, ...]:
+    depth k of the block at anchor a reads row a + k - 1, the target's law for position a + k (as block_labels)."""
+    k = torch.arange(1, block_size, device=anchors.device)
+    idx = (anchors[:, :, None] + k - 1).to(rows.device)  # [S, m, B-1]
+    s, m, d = idx.shape
+    flat = idx.reshape(s, m * d)
+    picked = rows[torch.arange(s, device=rows.device)[:, None], flat]  # [S, m*(B-1), ...]
+    return picked.view(s, m, d, *rows.shape[2:])

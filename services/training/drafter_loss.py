@@ -9,6 +9,14 @@ cross-entropy with an exponential decay over block positions,
 with gamma growing with the block size (DFlash uses 7 for B = 16, 5 for B = 10 and 4 for B = 8; see
 `default_gamma`). gamma <= 0 means uniform weights.
 
+Distillation (JetSpec, `--loss kl`): instead of the target's argmax, each depth matches the target's own
+distribution at that position by forward KL at temperature tau (Hinton's tau^2 scaling),
+
+    KL_k = tau^2 sum_v p_tau(v) (log p_tau(v) - log q_tau(v)),   p_tau = softmax(target logits / tau),
+
+over the target's top-K logits (p renormalised over them; K = the vocabulary makes it exact), q the
+drafter's full softmax at that slot. Weighted like the CE (uniform unless --gamma is given).
+
 The logits use the TARGET's lm_head (the drafter has none). For large vocabularies the rows are
 processed in chunks under activation checkpointing, so the [rows, V] logits are never all alive.
 """
@@ -91,5 +99,63 @@ def block_loss(
             ce_per_depth=ce.detach().mean(0).cpu(),
             acc_per_depth=correct.mean(0).cpu(),
             chain_tau=1.0 + float(chain.mean()),
+            blocks=s * m,
+        )
+
+
+def _chunk_kl(
+    model: DFlashDraftModel, hidden: Tensor, lm_head_weight: Tensor, t_logits: Tensor, t_ids: Tensor, tau: float
+):
+    logq = torch.log_softmax(model.compute_logits(hidden, lm_head_weight) / tau, dim=-1)  # [n, V] fp32
+    logp = torch.log_softmax(t_logits.float() / tau, dim=-1)  # [n, K] over the teacher's top-K
+    kl = (logp.exp() * (logp - logq.gather(1, t_ids))).sum(-1) * tau**2  # [n]
+    return kl, logq.argmax(-1)
+
+
+def block_kl_loss(
+    model: DFlashDraftModel,
+    hidden: Tensor,
+    lm_head_weight: Tensor,
+    teacher: Tensor,
+    teacher_ids: Tensor,
+    labels: Tensor,
+    weights: Tensor,
+    temperature: float = 1.0,
+    chunk_rows: int = 8192,
+) -> BlockLoss:
+    """Forward KL to the target's distributions: hidden [S, m, B, H] (block_hidden), teacher fp32 [S, m, B-1, K]
+    and teacher_ids int64 [S, m, B-1, K] (drafter_forward.block_teacher), labels int64 [S, m, B-1] (for the
+    accuracies), weights fp32 [B-1]. ce_per_depth holds the KL per depth."""
+    s, m, b, h = hidden.shape
+    rows = hidden[:, :, model.config.prediction_slots].reshape(-1, h)
+    k = teacher.shape[-1]
+    t_logits = teacher.reshape(-1, k).to(rows.device)
+    t_ids = teacher_ids.reshape(-1, k).to(rows.device)
+    kls, preds = [], []
+    for i in range(0, rows.shape[0], chunk_rows):
+        args = (
+            model,
+            rows[i : i + chunk_rows],
+            lm_head_weight,
+            t_logits[i : i + chunk_rows],
+            t_ids[i : i + chunk_rows],
+        )
+        if rows.shape[0] > chunk_rows and torch.is_grad_enabled():
+            kl, pred = checkpoint(_chunk_kl, *args, temperature, use_reentrant=False)
+        else:
+            kl, pred = _chunk_kl(*args, temperature)
+        kls.append(kl)
+        preds.append(pred)
+    kl = torch.cat(kls).view(s * m, b - 1)
+    w = weights.to(kl.device)
+    loss = (kl * w).sum() / (w.sum() * s * m)
+    lab = labels.reshape(s * m, b - 1).to(kl.device)
+    with torch.no_grad():
+        correct = (torch.cat(preds).view(s * m, b - 1) == lab).float()
+        return BlockLoss(
+            loss=loss,
+            ce_per_depth=kl.detach().mean(0).cpu(),
+            acc_per_depth=correct.mean(0).cpu(),
+            chain_tau=1.0 + float(correct.cumprod(dim=1).sum(dim=1).mean()),
             blocks=s * m,
         )

@@ -2,8 +2,10 @@
 
 One micro-batch: S sequences with the frozen target's taps and greedy choices at every position
 (drafter_data.py), m random anchors per sequence, all m*S draft blocks in one batched drafter forward
-under the block-sparse mask (drafter_forward.py), the depth-weighted cross-entropy against the target's
-choices (drafter_loss.py). AdamW (no decay on norms), linear warmup + cosine decay (schedule.py),
+under the block-sparse mask (drafter_forward.py; a causal head, `--causal-head`, under the causal one), the
+depth-weighted cross-entropy against the target's choices, or with `--loss kl` the forward KL to the target's
+own distributions (its top `--kd-topk` logits, kept by the in-process target; drafter_loss.py).
+AdamW (no decay on norms), linear warmup + cosine decay (schedule.py),
 gradient accumulation and clipping, bf16 autocast on CUDA with fp32 master weights.
 
 Resume is exact: data batch i and the anchors of micro-batch i are functions of (seed, i) alone, and the
@@ -28,8 +30,8 @@ from ddtree.models.dflash import DFlashDraftModel
 from ddtree.models.dflash_checkpoint import load_drafter, write_random_drafter
 from ddtree.models.dtypes import TORCH_DTYPES
 from ddtree.training.drafter_data import BatchPool, DataSpec, TargetBatch, TargetRunner, load_corpus, make_batch
-from ddtree.training.drafter_forward import block_hidden, block_inputs, block_labels, sample_anchors
-from ddtree.training.drafter_loss import block_loss, default_gamma, depth_weights
+from ddtree.training.drafter_forward import block_hidden, block_inputs, block_labels, block_teacher, sample_anchors
+from ddtree.training.drafter_loss import block_kl_loss, block_loss, default_gamma, depth_weights
 from ddtree.training.progress import Progress
 from ddtree.training.schedule import lr_at, plan_steps
 
@@ -50,6 +52,8 @@ RESUMABLE = {
     "service_token_file",
 }
 PROBE_STEPS = 3  # steps measured before a --minutes run fixes its schedule
+# Flags newer than some checkpoints: a checkpoint without one was run at its default.
+LATER_FLAGS = {"causal_head": False, "draft_shift": False, "loss": "ce", "kd_topk": 64, "kd_temperature": 1.0}
 
 
 def _tap_ids(text: str) -> tuple[int, ...] | None:
@@ -105,6 +109,16 @@ def _check_args(args: argparse.Namespace, needs_corpus: bool) -> None:
         raise ValueError(f"--corpus {args.corpus}: not a directory")
     if getattr(args, "verifier", "") and args.source == "corpus":
         raise ValueError("--source corpus needs the target in this process: --verifier gives generations only")
+    if getattr(args, "loss", "ce") == "kl":
+        if getattr(args, "verifier", ""):
+            raise ValueError(
+                "--loss kl needs the target's distributions: the Features RPC of --verifier carries no logits; "
+                "train with the target in this process, or --loss ce"
+            )
+        if args.kd_topk < 0 or args.kd_temperature <= 0:
+            raise ValueError(
+                f"--kd-topk must be >= 0 and --kd-temperature > 0, got {args.kd_topk}, {args.kd_temperature}"
+            )
     for name in ("batch", "anchors", "accum", "layers", "save_every", "log_every"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -163,7 +177,10 @@ class DrafterTrainer:
             p.requires_grad_(True)
         cfg = self.model.config
         self.block = cfg.block_size
-        self.weights = depth_weights(self.block, args.gamma or default_gamma(self.block))
+        self.kl = getattr(args, "loss", "ce") == "kl"
+        # KL (JetSpec): uniform over depths unless --gamma asks for DFlash's decay; CE: DFlash's decay
+        gamma = args.gamma if self.kl else args.gamma or default_gamma(self.block)
+        self.weights = depth_weights(self.block, gamma)
         decay = [p for n, p in self.model.named_parameters() if p.dim() >= 2]
         no_decay = [p for n, p in self.model.named_parameters() if p.dim() < 2]
         self.opt = torch.optim.AdamW(
@@ -211,7 +228,7 @@ class DrafterTrainer:
     def _runner(self, taps: tuple[int, ...], taps_dtype: torch.dtype, tcfg: dict):
         """The target in this process (TargetRunner), or the --verifier serving it (VerifierRunner)."""
         if not self.remote:
-            return TargetRunner(self.target, taps, taps_dtype)
+            return TargetRunner(self.target, taps, taps_dtype, teacher_topk=self.args.kd_topk if self.kl else None)
         from ddtree.training.verifier_data import VerifierRunner
 
         token_file = getattr(self.args, "service_token_file", "")
@@ -231,6 +248,10 @@ class DrafterTrainer:
             src = Path(args.init)
             if not (src / "config.json").is_file() or not (src / "model.safetensors").is_file():
                 raise ValueError(f"--init {src}: needs config.json and model.safetensors (a drafter checkpoint)")
+            init = json.loads((src / "config.json").read_text()).get("dflash_config") or {}
+            for flag in ("causal_head", "draft_shift"):  # the head's attention is its own: never changed silently
+                if bool(getattr(args, flag, False)) != bool(init.get(flag, False)):
+                    raise ValueError(f"--{flag.replace('_', '-')} differs from --init {src}'s dflash_config.{flag}")
             init_dir.mkdir(parents=True)
             for name in ("config.json", "model.safetensors"):
                 shutil.copyfile(src / name, init_dir / name)
@@ -249,6 +270,10 @@ class DrafterTrainer:
                 intermediate_size=args.intermediate or None,
                 mask_token_id=_mask_token(target_dir, int(tcfg["vocab_size"]), args.mask_token_id),
                 target_layer_ids=_tap_ids(args.target_layer_ids),
+                attention={
+                    "causal_head": bool(getattr(args, "causal_head", False)),
+                    "draft_shift": bool(getattr(args, "draft_shift", False)),
+                },
             )
         return init_dir
 
@@ -261,6 +286,7 @@ class DrafterTrainer:
             "taps_dtype": self.args.taps_dtype,
             "target_layer_ids": list(tap_ids),
             "val_batches": self.args.val_batches,
+            "teacher_topk": self.args.kd_topk if self.kl else None,
             "target_weights": [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in weights],
         }
         data = self.run_dir / "data"
@@ -274,7 +300,11 @@ class DrafterTrainer:
 
     def _check_resume(self, saved: dict) -> None:
         now = vars(self.args)
-        diff = {k: (saved.get(k), now.get(k)) for k in now if k not in RESUMABLE and saved.get(k) != now.get(k)}
+        diff = {
+            k: (saved.get(k, LATER_FLAGS.get(k)), now.get(k))
+            for k in now
+            if k not in RESUMABLE and saved.get(k, LATER_FLAGS.get(k)) != now.get(k)
+        }
         if diff:
             raise ValueError(
                 "--resume with different settings than the checkpoint (saved, now): "
@@ -295,7 +325,15 @@ class DrafterTrainer:
             hidden = block_hidden(
                 self.model, batch.taps.to(self.device), embeds, anchors.to(self.device), self.args.window
             )
-            return block_loss(self.model, hidden, self.head_w, labels.to(self.device), self.weights)
+            if not self.kl:
+                return block_loss(self.model, hidden, self.head_w, labels.to(self.device), self.weights)
+            if batch.teacher is None:
+                raise ValueError("--loss kl: a data batch without the target's distributions (an older data cache?)")
+            teacher = block_teacher(batch.teacher, anchors, self.block)  # [S, m, B-1, K]
+            teacher_ids = block_teacher(batch.teacher_ids, anchors, self.block)
+            return block_kl_loss(
+                self.model, hidden, self.head_w, teacher, teacher_ids, labels, self.weights, self.args.kd_temperature
+            )
 
     def _gen(self, index: int) -> torch.Generator:
         return torch.Generator().manual_seed(self.args.seed * 7919 + 1 + index)

@@ -138,7 +138,7 @@ class VerifierRunner:
             greedy[i, t - 1] = nxt
         return TargetBatch(ids, taps, greedy, anchor_lo=p)
 
-    def prefill(self, ids: Tensor, all_logits: bool = True):
+    def prefill_batch(self, ids: Tensor) -> TargetBatch:
         raise ValueError("--source corpus needs the target in this process: --verifier gives generations only")
 
     def close(self) -> None:

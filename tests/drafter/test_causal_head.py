@@ -32,6 +32,15 @@ CASES = {
 LENGTHS = (1, 6, 13)  # ragged contexts; 6 and 13 reach past the sliding window
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny tensors: one thread is faster, and much faster on a shared machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _head(tmp_path, attention: dict, seed: int = 7):
     path = write_random_drafter(
         tmp_path / "head", TARGET, seed=seed, block_size=BLOCK, num_layers=2,
