@@ -18,7 +18,9 @@ the safetensors headers.
 - kimi_k25 (multimodal): the text config is `text_config`, text weights carry the `language_model.` prefix,
   and everything outside it (vision tower, projector) is skipped.
 - MTP layers (`model.layers.{n}.*`, n >= num_hidden_layers) are skipped.
-- The router `mlp.gate.weight` and `mlp.gate.e_score_correction_bias` stay fp32 whatever `dtype` is.
+- The router's `mlp.gate.e_score_correction_bias` is fp32 whatever `dtype` is, and `mlp.gate.weight` keeps
+  its stored float dtype (bf16 in Kimi / DeepSeek checkpoints, fp32 in HF copies): the router computes in
+  fp32 from either (kernels/router.py widens in registers, the torch path upcasts), so no fp32 copy is held.
 - `slice_of(name)` makes a tensor-parallel rank read only the part it owns (`TensorSlice`), and `skip(name)`
   drops tensors it does not hold at all (expert parallel). Names are the logical weight names, i.e. the
   checkpoint names without the `language_model.` prefix, and `X.weight` for every companion of a quantized
@@ -56,7 +58,8 @@ __all__ = [
     "load_target", "load_tensors", "read_config_dict",
 ]  # fmt: skip
 
-FP32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
+FP32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")  # fp32 unless stored otherwise (the weight)
+ROUTER_WEIGHT = "mlp.gate.weight"  # kept in its stored float dtype
 # Unmap the files before a read would take the bytes read through the open mappings past this: bounds
 # the file pages resident beside the model (they count in the process's RSS while mapped).
 MAX_MAPPED_BYTES = 64 << 20
@@ -144,7 +147,9 @@ def load_target(
             if stored not in FLOAT_DTYPES:
                 raise CheckpointError(f"model.embed_tokens.weight has stored dtype {stored}; pass dtype= explicitly")
             dtype = SAFETENSORS_DTYPES[stored][0]
-        _materialize(model, device, dtype)
+        routers = {n: SAFETENSORS_DTYPES[files.dtype(p.stored[0])][0] for n, p in plan.items()
+                   if n.endswith(ROUTER_WEIGHT) and files.dtype(p.stored[0]) in FLOAT_DTYPES}  # fmt: skip
+        _materialize(model, device, dtype, routers)
         views = model.state_dict()  # aliases of the model's own tensors (experts: slots of the stacked ones)
         by_file: dict[Path, list[str]] = {}
         for name, p in plan.items():
@@ -318,9 +323,12 @@ def _logical(name: str) -> str:
     return _COMPANION_RE.sub(".weight", name)
 
 
-def _materialize(model: nn.Module, device: str | torch.device, dtype: torch.dtype) -> None:
+def _materialize(
+    model: nn.Module, device: str | torch.device, dtype: torch.dtype, kept: dict[str, torch.dtype] | None = None
+) -> None:
     """Allocate every saved tensor still on meta at its final device and dtype (uninitialised; filled next):
-    packed leaves keep the dtype their module chose, the router fp32, other floats `dtype`."""
+    packed leaves keep the dtype their module chose, `kept` (the routers' weights) theirs, the router's bias
+    fp32, other floats `dtype`."""
     for module_name, module in model.named_modules():
         keep = getattr(module, "PACKED_LEAVES", ())
         for store in (module._parameters, module._buffers):
@@ -332,6 +340,7 @@ def _materialize(model: nn.Module, device: str | torch.device, dtype: torch.dtyp
                     want = t.dtype
                 else:
                     want = torch.float32 if qualified.endswith(FP32_SUFFIXES) else dtype
+                    want = (kept or {}).get(qualified, want)
                 new = torch.empty(t.shape, dtype=want, device=device)
                 store[leaf] = nn.Parameter(new, requires_grad=False) if store is module._parameters else new
 

@@ -128,3 +128,62 @@ def test_route_rejects_bad_inputs():
         route(x, w, bias, 2, n_group=5)
     with pytest.raises(ValueError, match="top_k"):
         route(x, w, bias, 9, n_group=8, topk_group=1)
+
+
+@pytest.fixture
+def small_splits(monkeypatch):
+    """K splits of 32 columns (BLOCK_K 16), so the test shapes' hidden sizes cut into several, the last ragged."""
+    monkeypatch.setattr(router_module, "K_SPLIT", 32)
+    monkeypatch.setattr(router_module, "ROUTER_BLOCK_K", 16)
+
+
+def _spread(monkeypatch, sms: int) -> None:
+    """The device's SMs as route() sees them: many -> every K split its own program; 1 -> one program per tile."""
+    monkeypatch.setattr(router_module, "num_sms", lambda device: sms)
+
+
+SPLIT_CASES = [
+    Case("split_decode_kimi_experts", 1, 100, 384, 8),  # 4 splits (the last 4 wide), E_PAD 512
+    Case("split_tree17_groups", 17, 72, 64, 6, n_group=8, topk_group=3, x_dtype=torch.bfloat16),
+    Case("split_ragged_bf16_weight", 23, 50, 48, 6, n_group=4, topk_group=2, x_dtype=torch.bfloat16,
+         w_dtype=torch.bfloat16),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=str)
+def test_split_programs_match_reference(case, small_splits, monkeypatch):
+    _spread(monkeypatch, 1000)
+    x, w, bias = _inputs(case)
+    args = (case.top_k, case.n_group, case.topk_group, case.renormalize, case.scaling)
+    assert router_module.router_tiles(case.rows, case.experts, case.hidden, 1000)[2] > 1  # the split path runs
+    _check(case.name, route(x, w, bias, *args), route_ref(x, w, bias, *args))
+    assert not any(t.any() for t in router_module._TICKETS[x.device])  # both ticket regions left at zero
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=str)
+def test_split_programs_equal_one_program_per_tile_bitwise(case, small_splits, monkeypatch):
+    """The splits summed in order by the tile's last program are the one-program path's sum, bit for bit."""
+    x, w, bias = _inputs(case, seed=3)
+    args = (case.top_k, case.n_group, case.topk_group, case.renormalize, case.scaling)
+    _spread(monkeypatch, 1000)
+    split_w, split_ids = route(x, w, bias, *args)
+    _spread(monkeypatch, 1)
+    assert router_module.router_tiles(case.rows, case.experts, case.hidden, 1)[2] == 1
+    one_w, one_ids = route(x, w, bias, *args)
+    assert torch.equal(split_ids, one_ids) and torch.equal(split_w, one_w)
+
+
+@pytest.mark.parametrize("sms", [1000, 4], ids=["device_of_1000_sms", "device_of_4_sms"])
+def test_a_rows_result_does_not_depend_on_the_launch(sms, small_splits, monkeypatch):
+    """Row invariance: each row routed alone, in a 17-row tree and in 70 rows (past the split threshold of a
+    4-SM device) gives the same weights and ids, bit for bit."""
+    _spread(monkeypatch, sms)
+    case = Case("invariance", 70, 100, 64, 6, n_group=4, topk_group=2, x_dtype=torch.bfloat16, w_dtype=torch.bfloat16)
+    x, w, bias = _inputs(case, seed=7)
+    args = (case.top_k, case.n_group, case.topk_group, case.renormalize, case.scaling)
+    all_w, all_ids = route(x, w, bias, *args)
+    tree_w, tree_ids = route(x[20:37], w, bias, *args)
+    assert torch.equal(tree_w, all_w[20:37]) and torch.equal(tree_ids, all_ids[20:37])
+    for i in (0, 21, 69):
+        one_w, one_ids = route(x[i : i + 1], w, bias, *args)
+        assert torch.equal(one_w, all_w[i : i + 1]) and torch.equal(one_ids, all_ids[i : i + 1]), i

@@ -85,12 +85,14 @@ def rows(arch: int) -> list[dict]:
         shared = compiled_smem(fp8_gemm._fp8_gemm_kernel, arch, pointers, consts, ("eps",), 4, s)
         row(f"fp8 gemm M{M} N{N} s{s}", shared, fp8_gemm.smem_bytes(bm, bn, 128, 2, s))
     for n_rows in (1, 4096):
-        bm, be = router.router_tiles(n_rows, 384)
-        smem = functools.partial(router.smem_bytes, bm, be, 2, 4)
+        _, e_blocks, splits = router.router_tiles(n_rows, 384, 7168, 132)
+        smem = functools.partial(router.smem_bytes, router.BLOCK_M, router.BLOCK_E, 2, 2)
         s = stages_within(budget, smem)
-        pointers = dict(X=BF16, W="*fp32", BIAS="*fp32", SCORES="*fp32", TICKETS="*i32", OUT_W="*fp32", OUT_IDS="*i64")
-        consts = dict(TOP_K=8, K_PAD=8, N_GROUP=1, G_PAD=1, TOPK_GROUP=1, RENORMALIZE=True, SPLIT_E=-(-384 // be),
-                      BLOCK_M=bm, BLOCK_E=be, BLOCK_K=router.ROUTER_BLOCK_K, E_PAD=512)  # fmt: skip
+        pointers = dict(X=BF16, W=BF16, BIAS="*fp32", PARTS="*fp32", SCORES="*fp32", TICKETS="*i32", OUT_W="*fp32",
+                        OUT_IDS="*i64")  # fmt: skip
+        consts = dict(TOP_K=8, K_PAD=8, N_GROUP=1, G_PAD=1, TOPK_GROUP=1, RENORMALIZE=True, E_BLOCKS=e_blocks,
+                      SPLITS=splits, N_SPLITS=-(-7168 // router.K_SPLIT), BLOCK_M=router.BLOCK_M,
+                      BLOCK_E=router.BLOCK_E, BLOCK_K=router.ROUTER_BLOCK_K, K_SPLIT=router.K_SPLIT, E_PAD=512)  # fmt: skip
         shared = compiled_smem(router._router_kernel, arch, pointers, consts, ("scaling",), 8, s)  # e_pad 512: 8 warps
         row(f"router rows {n_rows} s{s}", shared, smem(s))
     return out

@@ -102,12 +102,14 @@ def _silu_mul(a: dict, grid: tuple, ctx: StepContext) -> Cost:
 
 def _router(a: dict, grid: tuple, ctx: StepContext) -> Cost:
     M, E, K = a["M"], a["E"], a["K"]
-    row_blocks = -(-M // a["BLOCK_M"])
-    scores = M * E * 4  # the fp32 scratch: written by the score programs, read back by the selecting ones
+    row_blocks, e_blocks = grid[0], grid[1]
+    scores = M * E * 4  # the fp32 scratch: written by the tiles, read back by each row block's selecting program
+    parts = nbytes(a["PARTS"])  # K splits' partial logits (split programs only): written, then read by the tile
     out = M * a["TOP_K"] * (a["OUT_W"].element_size() + a["OUT_IDS"].element_size())
-    read = M * K * a["X"].element_size() + E * K * a["W"].element_size() + nbytes(a["BIAS"]) + scores
-    flops = 2 * row_blocks * a["BLOCK_M"] * E * K  # the ieee fp32 dot over padded rows
-    return Cost(read, scores + out, flops, "fp32", ctas=_grid_ctas(grid))
+    read = M * K * a["X"].element_size() + E * K * a["W"].element_size() + nbytes(a["BIAS"]) + scores + parts
+    padded_k = a["N_SPLITS"] * a["K_SPLIT"]  # the last split's columns past K are multiplied too
+    flops = 2 * row_blocks * a["BLOCK_M"] * e_blocks * a["BLOCK_E"] * padded_k  # the ieee fp32 dot
+    return Cost(read, scores + parts + out, flops, "fp32", ctas=_grid_ctas(grid))
 
 
 def _mla_split(a: dict, grid: tuple, ctx: StepContext) -> Cost:
@@ -154,6 +156,17 @@ def _moe_gemm(a: dict, grid: tuple, ctx: StepContext) -> Cost:
     return Cost(read, written, flops, math_kind, dequant, max(1, round(blocks * n_tiles)))
 
 
+def _dense_gemm(a: dict, grid: tuple, ctx: StepContext) -> Cost:
+    """kernels/dense_gemm.py (row-invariant, no split-K): one program per (M tile, N tile, batch)."""
+    m_tiles, n_tiles = grid[0], grid[1] if len(grid) > 1 else 1
+    batch = grid[2] if len(grid) > 2 else 1
+    x, w, y = a["X"], a["W"], a["Y"]
+    bias = nbytes(a["B"]) if a["HAS_BIAS"] else 0
+    flops = 2 * batch * m_tiles * a["BLOCK_M"] * n_tiles * a["BLOCK_N"] * a["K"]
+    kind = "fp32" if a["VIA_FP32"] else dot_kind(x.dtype)
+    return Cost(nbytes(x) + nbytes(w) + bias, nbytes(y), flops, kind, ctas=_grid_ctas(grid))
+
+
 def _all_tensors(a: dict, grid: tuple, ctx: StepContext) -> Cost:
     """Any other kernel: every tensor argument read once, nothing written apart (an upper bound for small ones)."""
     seen = {id(t): t for t in a.values() if isinstance(t, torch.Tensor)}
@@ -169,6 +182,7 @@ TRITON_COSTS: dict[str, Callable[[dict, tuple, StepContext], Cost]] = {
     "_mla_split_kernel": _mla_split,
     "_mla_merge_kernel": _mla_merge,
     "_moe_gemm_kernel": _moe_gemm,
+    "_dense_gemm_kernel": _dense_gemm,
 }
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion", "launch_cooperative_grid")
 

@@ -39,7 +39,9 @@ from ddtree.models.quantization.packed_modules import pack_modules
 STD = 0.02
 BIAS_STD = 0.05
 NIBBLE_RMS = math.sqrt(21.5)  # rms of (n - 8) for n uniform in 0..15
-FP32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")  # the router stays fp32 (loader.py)
+ROUTER_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")  # drawn whole
+FP32_SUFFIXES = ("mlp.gate.e_score_correction_bias",)  # fp32; the router's weight in the model's dtype, as Kimi /
+# DeepSeek checkpoints store it (bf16) and the loader keeps it (loader.py)
 RANDOM_BLOCK = 1 << 20  # elements drawn per tensor at most; larger tensors repeat them
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -176,7 +178,7 @@ def fill_random(model: nn.Module, device: torch.device, dtype: torch.dtype, seed
 
 
 def _random_tensor(module, leaf, qualified, meta, device, dtype, gen) -> torch.Tensor:
-    small = meta.numel() <= RANDOM_BLOCK or qualified.endswith(FP32_SUFFIXES)  # the router: drawn whole
+    small = meta.numel() <= RANDOM_BLOCK or qualified.endswith(ROUTER_SUFFIXES)  # the router: drawn whole
     if small or leaf == "weight_shape" or isinstance(module, RMSNorm):
         return _draw(module, leaf, qualified, meta, meta.shape, device, dtype, gen)
     block = _draw(module, leaf, qualified, meta, (RANDOM_BLOCK,), device, dtype, gen)
