@@ -78,14 +78,7 @@ def test_fused_moe_tables_fit_their_device():
     """A tuned table (kernels/moe_configs/<device>.json) was tuned on its device: each entry fits that
     device's architecture, named by the table's device."""
     for path in sorted(moe_configs.TABLE_DIR.glob("*.json")):
-        raw = json.loads(path.read_text())
-        if "device_class" in raw:  # moe_tiles' committed table of a device class (sm_90.json, sm_120.json)
-            for key, entry in raw["tiles"].items():
-                kind, op = key.split("/")[:2]
-                c = moe_configs.MoeTileConfig(**entry["config"])
-                assert smem_bytes(c, kind, op) <= SMEM_PER_BLOCK[raw["device_class"]], (path.name, key, c)
-            continue
-        device = raw["device"]
+        device = json.loads(path.read_text())["device"]
         arch = next((a for pattern, a in TABLE_ARCHS.items() if re.search(pattern, device)), None)
         assert arch, f"{path.name}: device {device!r} has no known shared memory budget (add it to TABLE_ARCHS)"
         for key, by_m in load_table(path).items():
