@@ -126,9 +126,8 @@ def test_dense_gemm_and_router_launch_configs_fit(arch):
             for x_bytes in (2, 4):  # the activation tile as loaded (bf16 / fp16, fp32), quantized in the kernel
                 smem = functools.partial(fp8_gemm.smem_bytes, bm, bn, 128, x_bytes)
                 assert smem(stages_within(budget, smem)) <= budget, (arch, M, N, x_bytes)
-        for E in (16, 64, 256, 384):
-            smem = functools.partial(router.smem_bytes, *router.router_tiles(M * 64, E), 2, 4)
-            assert smem(stages_within(budget, smem)) <= budget, (arch, M, E)
+    smem = functools.partial(router.smem_bytes, router.BLOCK_M, router.BLOCK_E, 2, 4)  # one tile, any rows and E
+    assert smem(stages_within(budget, smem)) <= budget, arch
 
 
 def test_mla_split_shrinks_on_out_of_resources(monkeypatch):
