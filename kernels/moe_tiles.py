@@ -25,10 +25,11 @@ import json
 import pathlib
 
 from .moe_configs import OPS, MoeTileConfig
+from .weight_formats import FORMATS, weight_format
 
 TABLE_DIR = pathlib.Path(__file__).with_name("moe_configs")
 CLASSES = ("sm_90", "sm_120")  # Hopper (H100 / H200); Blackwell workstation (RTX PRO 6000)
-KINDS = ("bf16", "int4", "fp8")
+KINDS = tuple(FORMATS)
 
 
 def device_class(capability: tuple[int, int]) -> str | None:
@@ -39,7 +40,7 @@ def device_class(capability: tuple[int, int]) -> str | None:
 def shape_key(kind: str, op: str, N: int, K: int, group: int = 0, block: tuple[int, int] = (0, 0)) -> str:
     if kind not in KINDS or op not in OPS:
         raise ValueError(f"moe tiles: kind must be one of {KINDS} and op one of {OPS}, got {kind!r} / {op!r}")
-    quant = f"g{group}" if kind == "int4" else f"b{block[0]}x{block[1]}" if kind == "fp8" else "-"
+    quant = weight_format(kind).params_key(group, block)
     return f"{kind}/{op}/N{N}/K{K}/{quant}"
 
 

@@ -90,6 +90,22 @@ class WeightFormat:
         """(bytes of a stored [rows, cols] weight incl. its scales, of them the bytes every holder keeps whole)."""
         raise NotImplementedError
 
+    def scale_bytes(self, rows: int, cols: int, group_size: int, block: tuple[int, int]) -> int:
+        """Bytes of the scales of a [rows, cols] weight (bf16 group scales, fp32 block scales)."""
+        return 0
+
+    def read_bytes(self, rows: int, cols: int, group_size: int, block: tuple[int, int]) -> float:
+        """Bytes a kernel reads for a [rows, cols] weight: its elements as loaded and their scales."""
+        return rows * cols * self.tile_bytes + self.scale_bytes(rows, cols, group_size, block)
+
+    def params_key(self, group_size: int, block: tuple[int, int]) -> str:
+        """The per-weight parameters in a table key: 'g32', 'b128x128', '-'; params_of is its inverse."""
+        return "-"
+
+    def params_of(self, key: str) -> tuple[int, tuple[int, int]]:
+        """(group size, block) of params_key's string."""
+        return 0, (0, 0)
+
     def label(self, group_size: int = 0, block: tuple[int, int] = (128, 128)) -> str:
         """How reports name a weight in this format: bf16, int4-g32, fp8-128x128."""
         return self.name
@@ -150,7 +166,16 @@ class Int4PackFormat(WeightFormat):
 
     def stored_bytes(self, rows, cols, group_size, block) -> tuple[int, int]:
         # int32 words, bf16 scales, and the int32 [2] weight_shape every holder keeps whole
-        return rows * math.ceil(cols / PACK) * 4 + rows * math.ceil(cols / group_size) * 2 + 8, 8
+        return rows * math.ceil(cols / PACK) * 4 + self.scale_bytes(rows, cols, group_size, block) + 8, 8
+
+    def scale_bytes(self, rows, cols, group_size, block) -> int:
+        return rows * math.ceil(cols / group_size) * 2
+
+    def params_key(self, group_size, block) -> str:
+        return f"g{group_size}"
+
+    def params_of(self, key: str) -> tuple[int, tuple[int, int]]:
+        return int(key[1:]), (0, 0)
 
     def label(self, group_size: int = 0, block=(128, 128)) -> str:
         return f"{self.name}-g{group_size}"
@@ -183,8 +208,17 @@ class Fp8BlockFormat(WeightFormat):
         }
 
     def stored_bytes(self, rows, cols, group_size, block) -> tuple[int, int]:
-        bm, bn = block
-        return rows * cols + math.ceil(rows / bm) * math.ceil(cols / bn) * 4, 0
+        return rows * cols + self.scale_bytes(rows, cols, group_size, block), 0
+
+    def scale_bytes(self, rows, cols, group_size, block) -> int:
+        return math.ceil(rows / block[0]) * math.ceil(cols / block[1]) * 4
+
+    def params_key(self, group_size, block) -> str:
+        return f"b{block[0]}x{block[1]}"
+
+    def params_of(self, key: str) -> tuple[int, tuple[int, int]]:
+        bm, bn = (int(v) for v in key[1:].split("x"))
+        return 0, (bm, bn)
 
     def label(self, group_size: int = 0, block=(128, 128)) -> str:
         return f"{self.name}-{block[0]}x{block[1]}"

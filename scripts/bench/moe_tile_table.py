@@ -37,6 +37,7 @@ from ddtree.kernels import fused_moe as fm
 from ddtree.kernels import moe_tiles
 from ddtree.kernels.moe_configs import MoeTileConfig, smem_bytes
 from ddtree.kernels.shared_memory import SMEM_PER_BLOCK
+from ddtree.kernels.weight_formats import weight_format
 from scripts.bench.compile_launches import build
 
 BLOCK_M = 16
@@ -81,13 +82,7 @@ class Shape:
 
     def weight_bytes(self) -> float:
         """One expert's weights this op reads (gate_up: gate and up), scales included."""
-        n, k = self.N, self.K
-        if self.kind == "int4":
-            one = n * k / 2 + n * math.ceil(k / self.group) * 2
-        elif self.kind == "fp8":
-            one = n * k + math.ceil(n / self.block[0]) * math.ceil(k / self.block[1]) * 4
-        else:
-            one = n * k * 2
+        one = weight_format(self.kind).read_bytes(self.N, self.K, self.group, self.block)
         return one * (2 if self.op == "gate_up" else 1)
 
 
@@ -127,7 +122,8 @@ def model_us(dev: DeviceModel, shape: Shape, cfg: MoeTileConfig, registers: int,
     memory = active * mblocks * shape.weight_bytes() / bandwidth * (waves * slots / ctas if ctas > slots else 1.0)
     per_cta_elems = cfg.block_n * shape.K * ops
     alu = per_cta_elems * DEQUANT_OPS[shape.kind] / (dev.alu_ops_per_clk_sm * dev.clock_ghz * 1e3)
-    mma_rate = dev.mma_flop_per_clk_sm * (2 if shape.kind == "fp8" else 1)  # an 8-bit mma: twice bf16's
+    eight_bit = weight_format(shape.kind).quantizes_activations  # 8-bit dots
+    mma_rate = dev.mma_flop_per_clk_sm * (2 if eight_bit else 1)  # an 8-bit mma: twice bf16's
     mma = 2 * BLOCK_M * per_cta_elems / (mma_rate * dev.clock_ghz * 1e3)
     issue = math.ceil(ctas / dev.sms) * (alu + mma)
     return max(memory, issue)
@@ -139,7 +135,7 @@ def floor_us(dev: DeviceModel, shape: Shape, rows: int) -> float:
 
 
 def candidates(shape: Shape):
-    block_ks = (32, 64, 128) if shape.kind == "fp8" else (64, 128, 256)
+    block_ks = (32, 64, 128) if weight_format(shape.kind).block_scaled else (64, 128, 256)
     for bn, bk, warps, stages in itertools.product((16, 32, 64, 128), block_ks, (4, 8), (2, 3, 4, 5)):
         if bk <= max(32, triton.next_power_of_2(shape.K)) and not (warps == 8 and bn * BLOCK_M < 1024):
             yield MoeTileConfig(BLOCK_M, bn, bk, warps, stages)
@@ -149,7 +145,8 @@ def compile_tile(shape: Shape, cfg: MoeTileConfig, arch: int) -> dict:
     """ptxas' registers, stack (spill) bytes and Triton's shared memory of the grouped GEMM at this tile."""
     bf16 = "*bf16"
     w, s = {"int4": ("*i32", bf16), "fp8": ("*fp8e4nv", "*fp32"), "bf16": (bf16, bf16)}[shape.kind]
-    h = "*fp32" if shape.kind == "fp8" else bf16  # fp8: h is fp32 (gate_up's output, down's input)
+    fp32_h = weight_format(shape.kind).quantizes_activations  # fp8: h is fp32 (gate_up's output, down's input)
+    h = "*fp32" if fp32_h else bf16
     gate_up = shape.op == "gate_up"
     pointers = dict(A=bf16 if gate_up else h, W1=w, S1=s, W2=w, S2=s, OUT=h if gate_up else "*fp32",
                     SORTED="*i32", BLOCK_EXPERT="*i32", TOPK_W="*fp32")  # fmt: skip
@@ -202,8 +199,7 @@ def table(cls: str, log=print) -> dict:
 def shape_of(key: str) -> Shape:
     """The Shape a table key names (moe_tiles.shape_key's inverse)."""
     kind, op, n, k, quant = key.split("/")
-    group = int(quant[1:]) if kind == "int4" else 0
-    block = tuple(int(v) for v in quant[1:].split("x")) if kind == "fp8" else (0, 0)
+    group, block = weight_format(kind).params_of(quant)
     return Shape(kind, op, int(n[1:]), int(k[1:]), group, block)
 
 

@@ -48,6 +48,18 @@ def test_stored_bytes_and_leaves_are_the_tensors(name):
     total, whole = fmt.stored_bytes(N, K, GROUP, BLOCK)
     assert total == sum(t.nbytes for t in leaves.values())
     assert whole == (leaves["weight_shape"].nbytes if fmt.stores_shape else 0)
+    read = leaves[fmt.leaves[0]].nbytes + leaves[fmt.leaves[1]].nbytes  # K = 72 fills whole int32 words
+    assert (
+        fmt.read_bytes(N, K, GROUP, BLOCK) == read
+        and fmt.scale_bytes(N, K, GROUP, BLOCK) == leaves[fmt.leaves[1]].nbytes
+    )
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_a_table_key_names_the_parameters_it_needs(name):
+    fmt = weight_format(name)
+    group, block = fmt.params_of(fmt.params_key(GROUP, BLOCK))
+    assert group == (GROUP if fmt.grouped else 0) and block == (BLOCK if fmt.block_scaled else (0, 0))
 
 
 def test_every_checkpoint_name_parses_to_its_format():
