@@ -4,8 +4,8 @@ limit has measured what matters most.
     step       (c) the Kimi K2.6 TP-8 rank's verify step, 8k context first: what the issues are judged by
     drafter    (e) the drafter's transport and device tree
     kernels    (a) every kernel against its torch reference
-    invariance      a row's result against its rows-alone result (`ddtree selftest invariance`), when this
-                    install has it (INVARIANCE_MODULE, see below)
+    invariance      each tree row's result against its AR twin's (`ddtree selftest invariance`,
+                    invariance_check.py), when that module has the entry point below (INVARIANCE_ENTRY)
     deploy     (d) warm start, first request, the memory plan against the device
     serving    (b) a Kimi-shaped checkpoint served end to end: last, and bounded by --serving-budget-s
 
@@ -26,10 +26,11 @@ from collections.abc import Callable
 
 from ddtree.tools.selftest.record import Deadline
 
-# The row-invariance measurement's module, added as a part when it exists: it must define
-# run_invariance_check(dry_run: bool, device, log, deadline: float, on_row) -> dict with "rows",
-# "mismatches" (rows whose result moved with the launch's row count) and "errors", as the other parts.
-INVARIANCE_MODULE = "ddtree.tools.selftest.invariance_check"
+# The row-invariance measurement, added as a part when its module has this function:
+# run_invariance_check(dry_run: bool, device, log, deadline: float (perf_counter), on_row) -> dict with
+# "rows", "mismatches" (rows whose result differs from the row computed alone) and "errors", calling
+# on_row(partial) after each row, as the other parts do.
+INVARIANCE_MODULE, INVARIANCE_ENTRY = "ddtree.tools.selftest.invariance_check", "run_invariance_check"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,18 +41,21 @@ class Part:
     compared: bool = False  # its "mismatches" fail the check
     budget: str = ""  # the args attribute of its own time budget (s), "" for none
     module: str = ""  # a module that must be importable for the part to run ("" = always)
+    entry: str = ""  # and a function it must define
 
     def deadline(self, args, run_deadline: Deadline) -> Deadline:
         return run_deadline.sooner(getattr(args, self.budget)) if self.budget else run_deadline
 
     def available(self) -> bool:
-        return not self.module or _importable(self.module)
+        return not self.module or _defines(self.module, self.entry)
 
 
-def _importable(module: str) -> bool:
+def _defines(module: str, entry: str) -> bool:
     try:
-        return importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:
+        if importlib.util.find_spec(module) is None:
+            return False
+        return not entry or hasattr(importlib.import_module(module), entry)
+    except ImportError:
         return False
 
 
@@ -77,7 +81,7 @@ def _kernels(args, device, deadline: Deadline, log, on_row) -> dict:
 
 def _invariance(args, device, deadline: Deadline, log, on_row) -> dict:
     module = importlib.import_module(INVARIANCE_MODULE)
-    return module.run_invariance_check(args.dry_run, device, log, deadline.at, on_row)
+    return getattr(module, INVARIANCE_ENTRY)(args.dry_run, device, log, deadline.at, on_row)
 
 
 def _deploy(args, device, deadline: Deadline, log, on_row) -> dict:
@@ -112,7 +116,7 @@ PARTS = (
          compared=True),
     Part("kernels", "(a) kernels against their torch references", _kernels, compared=True),
     Part("invariance", "row invariance: each row's result alone and in a batch", _invariance, compared=True,
-         module=INVARIANCE_MODULE),
+         module=INVARIANCE_MODULE, entry=INVARIANCE_ENTRY),
     Part("deploy", "(d) deployment: warm start, first vs warm request, the memory plan against the device", _deploy),
     Part("serving", "(b) served end to end", _serving, compared=True, budget="serving_budget_s"),
 )  # fmt: skip
