@@ -22,11 +22,11 @@ class GatewayConfig(ServiceConfig):
         "", "dir with tokenizer.json or tiktoken.model, and tokenizer_config.json ('' = the default checkpoint's)"
     )
     model_id: str = option("ddtree-demo", "model name reported to clients")
+    # The cap on max_tokens is the verifier's --max-new-tokens-limit, which the gateway asks it (GetInfo).
     default_max_tokens: int = option(256, "max_tokens of a request that sets none", at_least=1)
     max_prompt_chars: int = option(1_000_000, "largest prompt text accepted, in characters")
     reasoning_parser: str = option("kimi_k2", "parser of the reasoning in the output: kimi_k2 or none")
     tool_call_parser: str = option("kimi_k2", "parser of the tool calls in the output: kimi_k2, deepseek_v3 or none")
-    max_tokens_limit: int = option(4096, "largest max_tokens a request may ask for (at least --default-max-tokens)")
     max_prompt_tokens: int = option(
         0, "largest prompt in tokens (0 = no gateway limit; the verifier's max_context applies)", at_least=0
     )
@@ -71,7 +71,3 @@ class GatewayConfig(ServiceConfig):
         super().validate()
         if not self.verifiers:
             raise ValueError("verifier must name at least one host:port")
-        if self.max_tokens_limit < self.default_max_tokens:
-            raise ValueError(
-                f"max_tokens_limit must be >= default_max_tokens={self.default_max_tokens}, got {self.max_tokens_limit}"
-            )

@@ -126,7 +126,7 @@ class AnthropicApi:
     async def _messages(self, request: Request) -> Response:
         policy = self._authorize(request)
         body = await read_json_body(request, self.config.max_body_bytes)
-        params = await self._prepare(lambda: parse_messages(body, self.config.max_tokens_limit))
+        params = await self._prepare(lambda: parse_messages(body, self.p.max_tokens_limit()))
         model = served_model(params.model, self.config.model_id)
         job = await self._prepare(lambda: self._job(params, policy.max_budget))
         _log.info("anthropic_request", request_id=job.request.request_id, user_id=params.user_id, stream=params.stream)

@@ -36,6 +36,7 @@ import json
 import math
 from typing import Any
 
+from ddtree.contract.request_params import INT32_MAX
 from ddtree.gateway.errors import Invalid
 from ddtree.gateway.pipeline import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from ddtree.protocol.ddtree.v1 import gateway_pb2
@@ -352,11 +353,12 @@ def _number(body: dict, key: str, default: float) -> float:
     return float(value)
 
 
-def _options(body: dict, max_tokens_limit: int) -> gateway_pb2.GenerationOptions:
+def _options(body: dict, max_tokens_limit: int | None) -> gateway_pb2.GenerationOptions:
     o = gateway_pb2.GenerationOptions()
     max_tokens = _typed(body, "max_tokens", "", "integer", required=True)
-    if not 1 <= max_tokens <= max_tokens_limit:
-        raise Invalid(f"max_tokens: must be in [1, {max_tokens_limit}], got {max_tokens}")
+    limit = max_tokens_limit or INT32_MAX  # the verifier's (Pipeline.max_tokens_limit)
+    if not 1 <= max_tokens <= limit:
+        raise Invalid(f"max_tokens: must be in [1, {limit}], got {max_tokens}")
     o.max_tokens = max_tokens
     o.temperature = _number(body, "temperature", 1.0)
     if o.temperature < 0:
@@ -380,7 +382,7 @@ def _options(body: dict, max_tokens_limit: int) -> gateway_pb2.GenerationOptions
     return o
 
 
-def parse_messages(body: dict, max_tokens_limit: int) -> MessagesParams:
+def parse_messages(body: dict, max_tokens_limit: int | None) -> MessagesParams:
     """A `POST /v1/messages` body; Invalid (400) naming the first bad field."""
     _only(body, MESSAGES_FIELDS, "", "a Messages request")
     options = _options(body, max_tokens_limit)

@@ -128,12 +128,12 @@ class OpenAIApi:
     def _strings(self, options) -> TokenStrings | None:
         return self.strings.for_request(options)  # None when it asks for no logprobs
 
-    async def _parsed(self, request: Request, parse: Callable[[dict, GatewayConfig], Any]) -> tuple:
+    async def _parsed(self, request: Request, parse: Callable[[dict, int | None], Any]) -> tuple:
         """(key policy, params, model, request id) of a chat or completion request, checked in this order:
         the key (401), the body (413, 400), its fields (`parse`: 400), the model (404), the id (400)."""
         policy = self._authorize(request)
         body = await self._body(request)
-        params = await self._prepare(lambda: parse(body, self.config))
+        params = await self._prepare(lambda: parse(body, self.p.max_tokens_limit()))
         return policy, params, self._model(params.model), request_id_of(request, params.request_id)
 
     def _respond(self, job: Job, params, model: str, prefix: str, stream_type, answer, **shape) -> Response:
@@ -209,7 +209,7 @@ class OpenAIApi:
         """OpenAI's Responses API (responses_api.py): text and function tools, one choice."""
         policy = self._authorize(request)
         body = await self._body(request)
-        params = await self._prepare(lambda: parse_responses(body, self.config.max_tokens_limit))
+        params = await self._prepare(lambda: parse_responses(body, self.p.max_tokens_limit()))
         model, rid = self._model(params["model"]), request_id_of(request, None)
         job = await self._prepare(
             lambda: self.p.chat_job(

@@ -26,7 +26,6 @@ import dataclasses
 import math
 from typing import Any
 
-from ddtree.config import GatewayConfig
 from ddtree.contract.request_params import INT32_MAX, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, copy_http
 from ddtree.gateway.choices import check_n
 from ddtree.gateway.errors import Invalid
@@ -86,12 +85,12 @@ def _in(key: str, value: int | None, lo: int, hi: int) -> int | None:
     return value
 
 
-def _options(r: Request, config: GatewayConfig, max_tokens: int | None, key: str) -> gateway_pb2.GenerationOptions:
+def _options(r: Request, limit: int | None, max_tokens: int | None, key: str) -> gateway_pb2.GenerationOptions:
     """The sampling and stopping fields as GenerationOptions: the plain ones by the parameter table
     (request_params.copy_http), the rest here (the pipeline checks the whole again as the wire's shape)."""
     o = gateway_pb2.GenerationOptions()
     if max_tokens is not None:
-        o.max_tokens = _in(key, max_tokens, 1, config.max_tokens_limit)
+        o.max_tokens = _in(key, max_tokens, 1, limit or INT32_MAX)  # limit: Pipeline.max_tokens_limit
     copy_http(r, o, Invalid)
     o.top_k = max(_in("top_k", r.top_k, -1, INT32_MAX) or 0, 0)  # -1 (vLLM's "off") and 0 both disable top-k
     o.stop.extend([r.stop] if isinstance(r.stop, str) else r.stop or [])
@@ -195,7 +194,7 @@ def _chat_logprobs(r: ChatCompletionRequest, o: gateway_pb2.GenerationOptions) -
         o.top_logprobs = top or 0
 
 
-def parse_chat(body: dict, config: GatewayConfig) -> ChatParams:
+def parse_chat(body: dict, max_tokens_limit: int | None) -> ChatParams:
     r = validate(ChatCompletionRequest, body)
     max_tokens, key = r.max_completion_tokens, "max_completion_tokens"
     if max_tokens is None:
@@ -203,7 +202,7 @@ def parse_chat(body: dict, config: GatewayConfig) -> ChatParams:
     if r.echo:
         raise Invalid("echo: not supported on chat (use /v1/completions, which echoes the prompt)")
     stream, include_usage, continuous = _stream(r)
-    options = _options(r, config, max_tokens, key)
+    options = _options(r, max_tokens_limit, max_tokens, key)
     _chat_logprobs(r, options)
     return ChatParams(
         model=r.model,
@@ -243,13 +242,13 @@ def _prompt(prompt: Any) -> str | list[int]:
     return prompt
 
 
-def parse_completion(body: dict, config: GatewayConfig) -> CompletionParams:
+def parse_completion(body: dict, max_tokens_limit: int | None) -> CompletionParams:
     r = validate(CompletionRequest, body)
     stream, include_usage, continuous = _stream(r)
     prompt_only = r.max_tokens == 0
     if prompt_only and not r.echo:
         raise Invalid("max_tokens: 0 needs echo: true (the prompt's log-probabilities alone), got 0")
-    options = _options(r, config, 1 if prompt_only else r.max_tokens, "max_tokens")
+    options = _options(r, max_tokens_limit, 1 if prompt_only else r.max_tokens, "max_tokens")
     shown = options.HasField("prompt_logprobs")
     if r.logprobs is not None:
         options.top_logprobs = _in("logprobs", r.logprobs, 0, MAX_TOP_LOGPROBS)

@@ -4,9 +4,9 @@ ValueError naming the field), render the chat template, tokenize, and build the 
 
 - Stop tokens: the request's stop_token_ids plus `<|im_end|>`, `[EOS]` and the tokenizer's eos token
   (unless ignore_eos).
-- Limits: max_tokens (max_tokens_limit), prompt characters (max_prompt_chars), prompt tokens
-  (max_prompt_tokens), stop strings and stop ids (counts and lengths below), prompt + max_tokens within
-  the verifier's max_context (context_length.py's wording).
+- Limits: max_tokens (one cap: the verifier's max_new_tokens_limit, `max_tokens_limit`), prompt
+  characters (max_prompt_chars), prompt tokens (max_prompt_tokens), stop strings and stop ids (counts and
+  lengths below), prompt + max_tokens within the verifier's max_context (context_length.py's wording).
 - truncate_prompt_tokens (vLLM's): only the prompt's last k tokens go on (-1: the maximum context),
   cut before the limits on prompt tokens and context are checked.
 - Chat output goes through the reasoning parser (config.reasoning_parser, unless the request turns
@@ -90,7 +90,7 @@ def validate_options(
     o: gateway_pb2.GenerationOptions,
     *,
     vocab_size: int,
-    max_tokens_limit: int,
+    max_tokens_limit: int | None,
     prefix: str = "options.",
     max_budget: int | None = None,
 ) -> None:
@@ -98,7 +98,7 @@ def validate_options(
     caller's cap on the tree budget (the server's, or its API key's)."""
     if o.max_tokens < 0:
         raise Invalid(f"{prefix}max_tokens: must be >= 0 (0 = server default), got {o.max_tokens}")
-    if o.max_tokens > max_tokens_limit:
+    if max_tokens_limit is not None and o.max_tokens > max_tokens_limit:
         raise Invalid(f"{prefix}max_tokens: must be <= {max_tokens_limit}, got {o.max_tokens}")
     check_wire(o, prefix, Invalid)  # temperature, top_p, top_k, min_p, min_tokens, penalties, budget, logprobs
     if o.max_tokens and o.min_tokens > o.max_tokens:
@@ -169,6 +169,7 @@ class Pipeline:
             )
         )
         self._max_context: int | None = None
+        self._max_new_tokens: int | None = None  # the verifier's max_new_tokens_limit (0 unknown: None)
 
     # -- request preparation -----------------------------------------------------------------------
     def chat_job(
@@ -357,7 +358,7 @@ class Pipeline:
         validate_options(
             o,
             vocab_size=self.tokenizer.vocab_size,
-            max_tokens_limit=self.config.max_tokens_limit,
+            max_tokens_limit=self.max_tokens_limit(),
             prefix=prefix,
             max_budget=self.config.max_budget if max_budget is None else max_budget,
         )
@@ -436,7 +437,8 @@ class Pipeline:
     def default_max_tokens(self, prompt_tokens: int) -> int:
         """max_tokens for a request that sets none: --default-max-tokens, or the room the context leaves
         after the prompt when that is less (a long prompt is not refused for a default it never chose)."""
-        limit = self.config.default_max_tokens
+        cap = self.max_tokens_limit()
+        limit = min(self.config.default_max_tokens, cap or self.config.default_max_tokens)
         context = self.max_context() if self.router is not None else 0
         if context and 0 < context - prompt_tokens < limit:
             return context - prompt_tokens
@@ -446,6 +448,13 @@ class Pipeline:
     def generate(self, job: Job, timeout: float | None = None, protocol: str = "grpc") -> Generation:
         return Generation(job, self.tokenizer, self.router, timeout, protocol)
 
+    def max_tokens_limit(self) -> int | None:
+        """The one cap on max_tokens: the verifier's --max-new-tokens-limit, once a verifier answered
+        GetInfo (None before, and without verifiers: the verifier checks the request itself)."""
+        if self.router is not None:
+            self.max_context()
+        return self._max_new_tokens
+
     def max_context(self) -> int:
         """A verifier's max_context, asked once one answers; the tokenizer's limit until then."""
         if self._max_context is None:
@@ -454,6 +463,7 @@ class Pipeline:
                     verifier_pb2.VerifierInfoRequest(), timeout=INFO_TIMEOUT_S
                 )
                 self._max_context = info.max_context
+                self._max_new_tokens = info.max_new_tokens_limit or None
             except grpc.RpcError:
                 return self.tokenizer.model_max_length or 0
         return self._max_context

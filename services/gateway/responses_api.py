@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ddtree.contract.request_params import INT32_MAX
 from ddtree.gateway.errors import Invalid
 from ddtree.gateway.generation import Result
 from ddtree.gateway.openai_models import json_type
@@ -120,7 +121,7 @@ def _tool_choice(body: dict) -> str:
     return choice
 
 
-def parse_responses(body: dict, max_tokens_limit: int) -> dict:
+def parse_responses(body: dict, max_tokens_limit: int | None) -> dict:
     """The pipeline's chat inputs of a Responses request: messages, options, tools, tool_choice,
     parallel_tool_calls, stream, model, user. Invalid naming the field."""
     unknown = sorted(set(body) - FIELDS)
@@ -135,8 +136,9 @@ def parse_responses(body: dict, max_tokens_limit: int) -> dict:
     options = gateway_pb2.GenerationOptions()
     max_tokens = _typed(body, "max_output_tokens", (int,), "integer")
     if max_tokens is not None:
-        if not 1 <= max_tokens <= max_tokens_limit:
-            raise Invalid(f"max_output_tokens: must be in [1, {max_tokens_limit}], got {max_tokens}")
+        limit = max_tokens_limit or INT32_MAX  # the verifier's (Pipeline.max_tokens_limit)
+        if not 1 <= max_tokens <= limit:
+            raise Invalid(f"max_output_tokens: must be in [1, {limit}], got {max_tokens}")
         options.max_tokens = max_tokens
     temperature = _typed(body, "temperature", (int, float), "number")
     options.temperature = 1.0 if temperature is None else temperature

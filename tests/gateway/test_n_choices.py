@@ -158,7 +158,8 @@ def test_n_takes_worker_threads_or_is_429(fake, tokenizer_dir, tok):
 
 def test_a_whole_n_response_is_bounded(fake, tokenizer_dir, tok):
     fake.max_context = 300_000  # the bound on n, not the context, is what 100_001 tokens meet here
-    running = _gateway(fake, tokenizer_dir, max_tokens_limit=200_000)
+    fake.max_new_tokens_limit = 200_000  # the verifier's cap, which the gateway asks
+    running = _gateway(fake, tokenizer_dir)
     try:
         client = _openai(running)
         fake.reset(script_for([5]))

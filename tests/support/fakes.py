@@ -46,6 +46,7 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
     def __init__(self, max_context: int = 1234):
         self.run = _Run([])
         self.max_context = max_context  # GetInfo's; set it before a gateway first asks (the gateway keeps it)
+        self.max_new_tokens_limit = 4096  # GetInfo's too: the gateway's cap on max_tokens
 
     def reset(self, script, error=None, delay_s=0.0):
         self.run = _Run(script, error, delay_s)
@@ -87,7 +88,9 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
         return verifier_pb2.AbortResponse(request_id=request.request_id)
 
     def GetInfo(self, request, context):
-        return verifier_pb2.VerifierInfo(model_id="fake", max_context=self.max_context)
+        return verifier_pb2.VerifierInfo(
+            model_id="fake", max_context=self.max_context, max_new_tokens_limit=self.max_new_tokens_limit
+        )
 
 
 def script_for(ids, sizes=None, finish="length", usage=None, request_id="r"):
