@@ -30,7 +30,7 @@ from ddtree.telemetry.step_log import last_requests, read_step_records
 from ddtree.tools.bench.context import measure_context, parse_ints, profile_point, warm_up
 from ddtree.tools.bench.output import format_table, save_json
 from ddtree.tools.bench.prompts import make_prompts
-from ddtree.tools.bench.runner import VerifierEndpoint, load_tokenizer, make_log_dir, private_verifier
+from ddtree.tools.bench.runner import VerifierEndpoint, engine_security, load_tokenizer, make_log_dir, private_verifier
 from ddtree.training.progress import Progress
 
 PROFILE_HEADERS = [
@@ -52,7 +52,7 @@ def drafter_info(address: str):
     if not address:
         return None
     try:
-        with grpc.insecure_channel(address, options=GRPC_OPTIONS) as ch:
+        with engine_security().channel(address, GRPC_OPTIONS) as ch:
             return drafter_pb2_grpc.DrafterStub(ch).GetInfo(drafter_pb2.DrafterInfoRequest(), timeout=5)
     except grpc.RpcError:
         return None

@@ -20,8 +20,10 @@ import uuid
 
 import grpc
 
+from ddtree.config import SecurityConfig, config_from_flags
 from ddtree.contract.step_record import STEP_FIELDS
 from ddtree.protocol.ddtree.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from ddtree.protocol.security import ServiceSecurity
 from ddtree.protocol.server import GRPC_OPTIONS
 from ddtree.telemetry.report import StepSummary, summarize
 
@@ -74,6 +76,12 @@ def _step_dict(rid: str, s) -> dict:
     return {"request_id": rid, **{f: getattr(s, f) for f in STEP_FIELDS}}
 
 
+def engine_security() -> ServiceSecurity:
+    """How a tool calls an engine: the service token (and TLS) of DDTREE_SERVICE_TOKEN(_FILE) / DDTREE_TLS_*,
+    as a service reads them (`ddtree serve`'s engines take only calls with its token)."""
+    return ServiceSecurity.from_config(config_from_flags(SecurityConfig))
+
+
 class VerifierEndpoint:
     kind = "verifier"
     supports_chain = True
@@ -81,7 +89,7 @@ class VerifierEndpoint:
     def __init__(self, address: str, timeout_s: float = 3600.0):
         self.address = address
         self.timeout_s = timeout_s
-        self.channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self.channel = engine_security().channel(address, GRPC_OPTIONS)
         self.stub = verifier_pb2_grpc.VerifierStub(self.channel)
         self.info = self.stub.GetInfo(verifier_pb2.VerifierInfoRequest(), timeout=120, wait_for_ready=True)
         self.max_context = self.info.max_context
