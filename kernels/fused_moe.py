@@ -59,9 +59,11 @@ from .moe_configs import MoeTileConfig, get_config, smaller_configs
 from .moe_weights import FLOAT_DTYPES, ExpertWeights, check_routing
 from .quant_formats import FP8_MAX
 from .shared_memory import OutOfResources  # noqa: F401  (what a launch raises: callers catch fused_moe.OutOfResources)
-from .weight_formats import FORMATS
+from .weight_formats import FORMATS, FP8_BLOCK, INT4_PACK
 
 _KIND = {name: f.kernel_id for name, f in FORMATS.items()}  # the KIND constexpr by format name
+_INT4 = tl.constexpr(INT4_PACK.kernel_id)  # the kernels' branches of the quantized formats
+_FP8 = tl.constexpr(FP8_BLOCK.kernel_id)
 FP8_MIN_BLOCK_K = 32  # an 8-bit tl.dot's K on NVIDIA GPUs
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 _SCALE_MIN = 1e-12  # the activation scale of an all-zero group
@@ -106,7 +108,7 @@ def _weight_tile(
     KIND: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
 ):  # fmt: skip
     """W_e[n, k0 + i] as [BLOCK_K, BLOCK_N] in the dot dtype, zero past K / N (fp8: unscaled)."""
-    if KIND == 1:
+    if KIND == _INT4:
         offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # [BLOCK_K / 8] words
         ok = (offs_w < (K + 7) // 8)[:, None] & n_ok[None, :]
         words = tl.load(W + e * stride_we + offs_n[None, :] * stride_wn + offs_w[:, None] * stride_wk, mask=ok, other=0)
@@ -122,7 +124,7 @@ def _weight_tile(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         ok = (offs_k < K)[:, None] & n_ok[None, :]
         w = tl.load(W + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk, mask=ok, other=0.0)
-        if KIND != 2:  # fp8 stays e4m3 for the fp8 dot
+        if KIND != _FP8:  # fp8 stays e4m3 for the fp8 dot
             w = w.to(DOT)
         return w
 
@@ -156,7 +158,7 @@ def _moe_gemm_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(A + row[:, None] * stride_am + offs_k[None, :], mask=row_ok[:, None] & (offs_k < K)[None, :],
                     other=0.0)  # fmt: skip
-        if KIND == 2:  # e4m3(clamp(a / scale, ±448)) as quantize_fp8_torch; padding rows: scale 1e-12, q = 0
+        if KIND == _FP8:  # e4m3(clamp(a / scale, ±448)) as quantize_fp8_torch; padding rows: scale 1e-12, q = 0
             a = a.to(tl.float32)
             if BLOCK_K == SCALE_BK:  # the tile is its group
                 a_s = _fp8_scale(tl.max(tl.abs(a), 1))
@@ -172,7 +174,7 @@ def _moe_gemm_kernel(
         if GATE_UP:
             w2 = _weight_tile(W2, S2, e, k0, offs_n, n_ok, K, stride_we, stride_wn, stride_wk, stride_se, stride_sn,
                               stride_sk, KIND, GROUP, BLOCK_K, BLOCK_N, DOT)  # fmt: skip
-        if KIND == 2:  # one activation scale per row (a_s), one weight scale per column in this K tile
+        if KIND == _FP8:  # one activation scale per row (a_s), one weight scale per column in this K tile
             s_off = e * stride_se + (offs_n // SCALE_BN) * stride_sn + (k0 // SCALE_BK) * stride_sk
             s1 = tl.load(S1 + s_off, mask=n_ok, other=0.0)
             acc1 += tl.dot(a, w1, input_precision=PRECISION) * (a_s[:, None] * s1[None, :])
