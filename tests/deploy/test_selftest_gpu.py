@@ -25,7 +25,8 @@ ROW_KEYS = {"mode", "kind", "context", "prompt_tokens", "tokens", "steps", "tau"
 
 def _dry_run(tmp_path, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / "selftest_gpu.json"
-    # part (d), the deployment check, has its own dry-run test (test_selftest_deploy.py)
+    # part (d), the deployment check, has its own dry-run test (test_selftest_deploy.py), and so has the
+    # row-invariance part (`ddtree selftest invariance`)
     cmd = [
         sys.executable,
         "-m",
@@ -34,6 +35,7 @@ def _dry_run(tmp_path, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
         "gpu",
         "--dry-run",
         "--skip-deploy",
+        "--skip-invariance",
         "--out",
         str(out),
         *extra,
