@@ -35,8 +35,14 @@ from ddtree.models.parallel.process_group import (
     rank_device,
     rendezvous_store,
 )
-from ddtree.models.parallel.step_message import CACHE, FORWARD, STATIC, STATIC_STEP, STOP, StaticStepMessage, recv_step
-from ddtree.models.parallel.tp_model import TensorParallelModel, load_tp_model, run_shard, run_static_shard
+from ddtree.models.parallel.step_message import CACHE, FORWARD, STATIC, STOP, recv_step
+from ddtree.models.parallel.tp_model import (
+    TensorParallelModel,
+    load_tp_model,
+    run_shard,
+    run_static_shard,
+    static_bucket,
+)
 from ddtree.telemetry.logging import configure_logging, get_logger
 from ddtree.verifier.static_step import make_static_step, plan_static_step
 
@@ -62,14 +68,14 @@ def worker_loop(model, tp: TPGroup, kv_cache: torch.Tensor | None = None, static
                     raise RuntimeError("STATIC before CACHE, or on a rank without a static-step plan")
                 pad_slot, *taps = payload.tolist()
                 static = make_static_step(static_plan, model, kv_cache, pad_slot, tuple(taps))
-            elif kind == STATIC_STEP:
-                if static is None:
-                    raise RuntimeError("STATIC_STEP before STATIC: this rank has no static step")
-                run_static_shard(model, tp, static, StaticStepMessage.decode(payload, static))
             elif kind == FORWARD:
                 if kv_cache is None:
                     raise RuntimeError("FORWARD before CACHE: rank 0 never sized the KV cache")
-                run_shard(model, tp, payload, kv_cache)
+                bucket = static_bucket(static, payload)  # rank 0's decision, from the same message
+                if bucket is not None:
+                    run_static_shard(model, tp, static, bucket, payload)
+                else:
+                    run_shard(model, tp, payload, kv_cache)
 
 
 def _load(config: VerifierConfig, model_dir: str, tp: TPGroup, device: torch.device, backend: str):

@@ -21,7 +21,7 @@ from ddtree.models.deepseek_v3 import DeepseekV3ForCausalLM
 from ddtree.models.loader import load_target
 from ddtree.models.parallel.layers import combine_shard_argmax, shard_argmax
 from ddtree.models.parallel.shard_plan import ShardPlan
-from ddtree.models.parallel.step_message import decode, encode, from_runs, runs
+from ddtree.models.parallel.step_message import FIRST_WORDS, decode, encode, from_runs, runs
 from ddtree.models.parallel.tp_model import build_tp_model
 from ddtree.models.random_checkpoint import DEFAULT_TARGET_CONFIG, write_random_target
 from ddtree.tools.selftest.compare import assert_close
@@ -67,6 +67,10 @@ def test_tp2_matches_tp1(case, ep, static):
     ref, results = case
     if static:  # prefill, decode and verify through every rank's static step; the chunk (other taps) eagerly
         assert results[("replays", ep)] == (3, 1)
+    # The control path per step: one host broadcast of the fixed first buffer (every message here fits it),
+    # no device broadcast (each rank fills its own bucket from the message), the buffer never grown.
+    assert results[("control", ep, static)] == [(1, 0)] * 4
+    assert results["first_buffer"] == {FIRST_WORDS}
     names = ["prefill", "decode", "tree verify", "chunk"]
     for name, (logits, taps), (tp_logits, tp_argmax, tp_taps) in zip(names, ref, results[(ep, static)]):
         if tp_logits is not None:

@@ -3,6 +3,7 @@ tests), eagerly and through each rank's static step."""
 
 from __future__ import annotations
 
+import collections
 import functools
 import os
 
@@ -13,6 +14,7 @@ from ddtree.models.attention import AttentionMetadata, SeqAttention
 from ddtree.models.parallel.process_group import destroy_tp, init_tp
 from ddtree.models.parallel.step_message import StepInputs
 from ddtree.models.parallel.tp_model import TensorParallelModel, load_tp_model
+from ddtree.tools.bench.collectives import count_collectives
 from ddtree.verifier.static_step import StaticPlan, make_buckets, make_static_step
 from ddtree.verifier.tp_worker import worker_loop
 from ddtree.verifier.tree_mask import tree_input_ids, tree_mask, tree_positions
@@ -86,8 +88,9 @@ STATIC_TAPS = (0, 2)
 
 
 def rank_main(rank: int, ckpt: str, out: str) -> None:
-    """Each of (expert parallel, static step) in turn; rank 0 saves {(ep, static): [(logits, argmax, taps)]}
-    and {("replays", ep): static steps run}."""
+    """Each of (expert parallel, static step) in turn; rank 0 saves {(ep, static): [(logits, argmax, taps)]},
+    {("replays", ep): static steps run}, {("control", ep, static): per step (host broadcasts, device
+    broadcasts)} and {"first_buffer": its words after every run}."""
     torch.set_num_threads(1)
     tp = init_tp(WORLD, rank, torch.device("cpu"), timeout_s=60, init_method=f"file://{out}.store")
     results = {}
@@ -105,18 +108,15 @@ def rank_main(rank: int, ckpt: str, out: str) -> None:
                 runner.start_static(
                     pad, STATIC_TAPS, functools.partial(make_static_step, STATIC_PLAN, model, kv, pad, STATIC_TAPS)
                 )
-            outs = [
-                runner.forward(
-                    s.input_ids,
-                    s.positions,
-                    s.meta,
-                    kv,
-                    s.logits_rows,
-                    s.tap_layer_ids,
-                    gather_logits=s.gather_logits,
-                )  # fmt: skip
-                for s in scenario(model.config.vocab_size)
-            ]
+            outs, control = [], []
+            for s in scenario(model.config.vocab_size):
+                calls = collections.Counter()
+                with count_collectives(calls):
+                    outs.append(runner.forward(s.input_ids, s.positions, s.meta, kv, s.logits_rows, s.tap_layer_ids,
+                                               gather_logits=s.gather_logits))  # fmt: skip
+                control.append((calls["broadcast_cpu"], calls["broadcast_device"]))
+            results[("control", ep, static)] = control
+            results.setdefault("first_buffer", set()).add(tp.step_buffer[0].numel())
             if static:
                 results[("replays", ep)] = (runner.static.replays, runner.static.fallbacks)
             runner.close()

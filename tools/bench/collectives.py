@@ -3,7 +3,8 @@ emulated rank (`--emulate-tp N`) runs them in.
 
 Counts are calls of the group's methods (services/models/parallel/process_group.py `TPGroup`):
 `all_reduce` (after attention, after the MLP, in the vocab-parallel embedding), `all_gather` (the
-sharded argmax, sampled logits) and `broadcast_cpu` (rank 0's step message). In a one-rank group each
+sharded argmax, sampled logits), `broadcast_cpu` (rank 0's step message, host) and `broadcast_device`
+(a device broadcast; the step's control path has none). In a one-rank group each
 call still runs (gloo on the CPU, NCCL on CUDA), so the step pays its launch, not the wire.
 """
 
@@ -17,12 +18,13 @@ import torch.distributed as dist
 
 from ddtree.models.parallel.process_group import TPGroup, destroy_tp, init_tp, rank_device
 
-COUNTED = ("all_reduce", "all_gather", "broadcast_cpu")
+COUNTED = ("all_reduce", "all_gather", "broadcast_cpu", "broadcast_device")
 
 
 @contextlib.contextmanager
 def count_collectives(counts: collections.Counter):
-    """While active, every TPGroup.all_reduce / all_gather / broadcast_cpu call adds 1 to counts[name]."""
+    """While active, every TPGroup.all_reduce / all_gather / broadcast_cpu / broadcast_device call adds 1 to
+    counts[name]."""
     originals = {name: getattr(TPGroup, name) for name in COUNTED}
 
     def wrap(name, original):

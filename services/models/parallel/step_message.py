@@ -1,8 +1,7 @@
-"""The per-step broadcast from rank 0: one forward's inputs in one int64 buffer, one broadcast per step.
+"""The per-step message from rank 0: one forward's inputs, one bounded host broadcast per step, no device one.
 
 Rank 0 owns the scheduler and the KV pool's slot allocation; the other ranks only replay forwards.
-Every message is one broadcast of the group's message buffer (`TPGroup.step_buffer`, int64 [capacity],
-the same capacity on every rank): words 0..2 are the header (kind, n_ints, n_mask_bytes), then
+A message is one int64 stream: words 0..2 are the header (kind, n_ints, n_mask_bytes), then
 (FORWARD only)
   ints  int64 [n_ints]: T, R (-1 = all rows), n_taps, gather_logits, n_seqs, taps, input_ids [T],
         positions [T], logits_rows [R], then per sequence q_start, q_len, has_mask, prefix_slots and
@@ -10,19 +9,21 @@ the same capacity on every rank): words 0..2 are the header (kind, n_ints, n_mas
         consecutive, so a long context costs a few ints, not one per token
   masks uint8 [n_mask_bytes] in the following words: the tree masks [q_len, q_len] of the sequences that
         have one, in order.
+It travels over the host group (gloo) as one broadcast of the group's fixed first buffer (`FIRST_WORDS`,
+allocated once, the same on every rank: `TPGroup.step_buffer`) holding the header and the stream's first
+words; only a longer stream (an eager prefill: ids and positions of thousands of rows) continues in
+broadcasts of at most `CHUNK_WORDS` each, straight from rank 0's packed stream into a receive tensor of
+that message's length. No buffer grows: every persistent buffer is FIRST_WORDS long whatever ran before.
 Rank 0 packs it from host tensors (batch.py keeps the step's inputs on the host beside their device
-copies), so nothing is read back from the device, and before the step's forward
-(tp_model.TensorParallelModel.prepare: `encode` then, the buffer's fill and the broadcast in the forward).
-A message longer than the buffer is preceded by GROW
-(header = (GROW, new capacity, 0)): every rank then allocates the larger buffer, in lockstep.
+copies), so nothing is read back from the device, before the step's forward (tp_model.TensorParallelModel
+.prepare: `encode`; the forward sends it before its own fill, so the other ranks fill while rank 0 does).
+Every rank then derives the same forward from the same message: a step that fits a bucket of the static
+step (the same buckets and the same decision on every rank) is filled by each rank into its own bucket
+buffers from the decoded host inputs (replicated by construction: no device broadcast), else run eagerly.
 CACHE (header = (CACHE, num_slots, 0)) makes the other ranks allocate their latent KV cache replica, once,
 after rank 0 has sized its pool. STATIC (ints: pad slot, then the tap layers) makes every rank build its
 static step over its replica and capture its graphs, in lockstep with rank 0 (their forwards hold
-collectives); from then on each rank runs a FORWARD that fits a bucket through it (the same decision on
-every rank). STATIC_STEP (ints: bucket index, gather_logits, the real rows' rows in the bucket, the rows
-asked for or -1) announces a step of rank 0's static step: its buffers follow as device broadcasts
-(tp_model.run_static_shard), nothing to decode. PING keeps idle peers inside their collective timeout;
-STOP ends the worker loop.
+collectives). PING keeps idle peers inside their collective timeout; STOP ends the worker loop.
 """
 
 from __future__ import annotations
@@ -35,9 +36,13 @@ from ddtree.models.attention import AttentionMetadata, SeqAttention
 
 from .process_group import TPGroup
 
-FORWARD, PING, STOP, CACHE, GROW, STATIC, STATIC_STEP = 1, 2, 3, 4, 5, 6, 7
-HEADER = 3  # kind, n_ints (CACHE: num_slots; GROW: capacity), n_mask_bytes
-INITIAL_WORDS = 1024  # the message buffer's first capacity, int64 words
+FORWARD, PING, STOP, CACHE, STATIC = 1, 2, 3, 4, 6
+KINDS = frozenset((FORWARD, PING, STOP, CACHE, STATIC))
+HEADER = 3  # kind, n_ints (CACHE: num_slots), n_mask_bytes
+# The first broadcast's words: a decode or tree-verify step of a few sequences fits (one AR sequence ~20
+# words, a 17-row tree ~110 with its mask); a longer stream continues in CHUNK_WORDS broadcasts.
+FIRST_WORDS = 512
+CHUNK_WORDS = 1 << 16  # at most 512 KiB per continuation broadcast
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -51,29 +56,6 @@ class StepInputs:
 
 
 GATHER_AT = 3  # the index of gather_logits in encode's ints
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class StaticStepMessage:
-    """A step of the static step (verifier/static_step.py): its bucket, where its real rows sit in it (int64
-    [T_real], host), the rows asked for among them (int64 [R], host; None = all) and gather_logits."""
-
-    bucket: object
-    where: torch.Tensor
-    rows: torch.Tensor | None
-    gather_logits: bool
-
-    def encode(self, static) -> torch.Tensor:
-        rows = [-1] if self.rows is None else [self.rows.numel(), *self.rows.tolist()]
-        head = [static.buckets.index(self.bucket), int(self.gather_logits), self.where.numel()]
-        return torch.tensor([*head, *self.where.tolist(), *rows], dtype=torch.int64)
-
-    @classmethod
-    def decode(cls, ints: torch.Tensor, static) -> StaticStepMessage:
-        index, gather, n = ints[:3].tolist()
-        where = ints[3 : 3 + n].clone()
-        rows = None if int(ints[3 + n]) < 0 else ints[4 + n :].clone()
-        return cls(static.buckets[index], where, rows, bool(gather))
 
 
 def encode(s: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,11 +123,26 @@ def decode(ints: torch.Tensor, masks: torch.Tensor) -> StepInputs:
     return StepInputs(ids, pos, AttentionMetadata(seqs=tuple(seqs)), rows, taps, bool(gather))
 
 
-def message_buffer(tp: TPGroup, words: int = 0) -> torch.Tensor:
-    """The group's message buffer (int64 [capacity]); `words` > 0: replace it by one of that capacity."""
-    if words or tp.step_buffer[0] is None:
-        tp.step_buffer[0] = torch.zeros(max(words, INITIAL_WORDS), dtype=torch.int64)
+def first_buffer(tp: TPGroup) -> torch.Tensor:
+    """The group's fixed first-broadcast buffer (int64 [FIRST_WORDS]), made once and reused by every message."""
+    if tp.step_buffer[0] is None:
+        tp.step_buffer[0] = torch.zeros(FIRST_WORDS, dtype=torch.int64)
     return tp.step_buffer[0]
+
+
+def stream_words(kind: int, head: int, n_mask_bytes: int) -> int:
+    """The int64 words of a message's stream, from its header."""
+    n_ints = head if kind in (FORWARD, STATIC) else 0
+    return HEADER + n_ints + -(-n_mask_bytes // 8)
+
+
+def pack(kind: int, head: int, ints: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+    """int64 [stream_words]: header, ints, the mask bytes padded to whole words."""
+    out = torch.zeros(stream_words(kind, head, masks.numel()), dtype=torch.int64)
+    out[:HEADER] = torch.tensor([kind, head, masks.numel()])
+    out[HEADER : HEADER + ints.numel()] = ints
+    out[HEADER + ints.numel() :].view(torch.uint8)[: masks.numel()] = masks
+    return out
 
 
 def send_step(
@@ -154,48 +151,45 @@ def send_step(
     inputs: StepInputs | None = None,
     num_slots: int = 0,
     encoded: tuple[torch.Tensor, torch.Tensor] | None = None,  # encode(inputs), when packed before the step
-    ints: torch.Tensor | None = None,  # STATIC / STATIC_STEP: their int64 payload
-) -> None:
-    """Rank 0: broadcast one message (inputs for FORWARD, num_slots for CACHE, ints for STATIC): one
-    broadcast (two when the buffer must grow first)."""
+    ints: torch.Tensor | None = None,  # STATIC: its int64 payload
+) -> int:
+    """Rank 0: broadcast one message (inputs for FORWARD, num_slots for CACHE, ints for STATIC) over the host
+    group; returns the broadcasts it took: 1, plus one per CHUNK_WORDS past the first buffer."""
     masks = torch.empty(0, dtype=torch.uint8)
     if kind == FORWARD:
         ints, masks = encoded if encoded is not None else encode(inputs)
-    elif kind not in (STATIC, STATIC_STEP) or ints is None:
+    elif kind != STATIC or ints is None:
         ints = torch.empty(0, dtype=torch.int64)
-    mask_words = -(-masks.numel() // 8)
-    need = HEADER + ints.numel() + mask_words
-    buf = message_buffer(tp)
-    if need > buf.numel():
-        words = 1 << (need - 1).bit_length()
-        buf[:HEADER] = torch.tensor([GROW, words, 0])
-        tp.broadcast_cpu(buf)
-        buf = message_buffer(tp, words)
-    head = num_slots if kind == CACHE else ints.numel()
-    buf[:HEADER] = torch.tensor([kind, head, masks.numel()])
-    buf[HEADER : HEADER + ints.numel()] = ints
-    if mask_words:
-        at = HEADER + ints.numel()
-        buf[at : at + mask_words].view(torch.uint8)[: masks.numel()] = masks
-    tp.broadcast_cpu(buf)
+    stream = pack(kind, num_slots if kind == CACHE else ints.numel(), ints, masks)
+    first = first_buffer(tp)
+    n = min(stream.numel(), FIRST_WORDS)
+    first[:n] = stream[:n]
+    tp.broadcast_cpu(first)
+    for at in range(FIRST_WORDS, stream.numel(), CHUNK_WORDS):
+        tp.broadcast_cpu(stream[at : at + CHUNK_WORDS])
+    return 1 + len(range(FIRST_WORDS, stream.numel(), CHUNK_WORDS))
 
 
 def recv_step(tp: TPGroup) -> tuple[int, StepInputs | torch.Tensor | int | None]:
     """Ranks > 0: wait for rank 0's next message: (FORWARD, inputs), (CACHE, num_slots), (STATIC, ints),
     (PING|STOP, None)."""
-    while True:
-        buf = tp.broadcast_cpu(message_buffer(tp))
-        kind, n_ints, n_masks = buf[:HEADER].tolist()
-        if kind != GROW:
-            break
-        message_buffer(tp, n_ints)
+    first = tp.broadcast_cpu(first_buffer(tp))
+    kind, head, n_masks = first[:HEADER].tolist()
+    if kind not in KINDS:
+        raise RuntimeError(f"step message of unknown kind {kind}: the ranks run different builds")
+    total = stream_words(kind, head, n_masks)
+    if total <= FIRST_WORDS:
+        stream = first[:total].clone()  # the first buffer is reused by the next message
+    else:
+        stream = torch.empty(total, dtype=torch.int64)
+        stream[:FIRST_WORDS] = first
+        for at in range(FIRST_WORDS, total, CHUNK_WORDS):
+            tp.broadcast_cpu(stream[at : at + CHUNK_WORDS])
     if kind == CACHE:
-        return kind, n_ints
-    if kind in (STATIC, STATIC_STEP):
-        return kind, buf[HEADER : HEADER + n_ints].clone()
+        return kind, head
+    if kind == STATIC:
+        return kind, stream[HEADER : HEADER + head]
     if kind != FORWARD:
         return kind, None
-    ints = buf[HEADER : HEADER + n_ints].clone()  # the buffer is reused by the next message
-    at = HEADER + n_ints
-    masks = buf[at : at + -(-n_masks // 8)].view(torch.uint8)[:n_masks].clone()
-    return kind, decode(ints, masks)
+    masks = stream[HEADER + head :].view(torch.uint8)[:n_masks]
+    return kind, decode(stream[HEADER : HEADER + head], masks)

@@ -11,9 +11,9 @@ The latent KV cache has one head: every rank holds a full replica, written by th
 
 Per forward (`run_shard`, on every rank): the model forward, one all-gather of [R, 2] (max, global id)
 for the argmax, and only when a row is sampled at temperature > 0 an all-gather of the full logits. A
-step that fits the static step's buckets (`run_static_shard`): rank 0 fills its bucket's buffers, says
-which bucket (STATIC_STEP), and broadcasts the buffers over the device group into the other ranks'
-batches of that bucket; every rank replays it.
+step that fits the static step's buckets (`static_bucket`, the same decision on every rank from the same
+message) runs `run_static_shard`: every rank fills its own batch of that bucket from the message's host
+inputs and replays it, so the step's control path is rank 0's one host broadcast and no device collective.
 """
 
 from __future__ import annotations
@@ -41,9 +41,7 @@ from .step_message import (
     GATHER_AT,
     PING,
     STATIC,
-    STATIC_STEP,
     STOP,
-    StaticStepMessage,
     StepInputs,
     encode,
     send_step,
@@ -134,19 +132,24 @@ def run_shard(model: DeepseekV3ForCausalLM, tp: TPGroup, s: StepInputs, kv_cache
     return _head(model, tp, out.logits, out.taps, s.gather_logits)
 
 
-def run_static_shard(model: DeepseekV3ForCausalLM, tp: TPGroup, static, step: StaticStepMessage) -> ForwardOutput:
-    """One static step on this rank's shard, every rank in lockstep: the bucket's step tensors broadcast from
-    rank 0's batch into this rank's (rank 0 filled its own; one device broadcast for the Triton layout), the
-    replay, then the rows asked for and the head as run_shard's."""
-    batch = static.batch(step.bucket)
-    for t in batch.step_tensors():
-        tp.broadcast_device(t.view(torch.uint8) if t.dtype == torch.bfloat16 else t)
-    hidden, taps = static.replay(step.bucket)
+def static_bucket(static, s: StepInputs):
+    """The bucket of `static` (a StaticStep or None) this step runs in, or None (eager): a function of the
+    message alone, so every rank decides the same."""
+    return None if static is None else static.plan(s.meta, s.tap_layer_ids)
+
+
+def run_static_shard(model: DeepseekV3ForCausalLM, tp: TPGroup, static, bucket, s: StepInputs) -> ForwardOutput:
+    """One static step on this rank's shard, every rank in lockstep: the bucket's buffers filled from the
+    step's host inputs (`s`: the message every rank holds; one host -> device copy, as rank 0's), the replay,
+    then the rows asked for and the head as run_shard's."""
+    where = static.batch(bucket).fill(s.input_ids, s.positions, s.meta)  # int64 [T_real], host
+    hidden, taps = static.replay(bucket)
     dev = hidden.device
-    where = step.where.to(dev, non_blocking=True)
-    rows = where if step.rows is None else where.index_select(0, step.rows.to(dev, non_blocking=True))
+    where = where.to(dev, non_blocking=True)
+    rows = s.logits_rows
+    rows = where if rows is None else where.index_select(0, rows.to(dev, non_blocking=True))
     taps = None if taps is None else taps.index_select(0, where)
-    return _head(model, tp, model.compute_logits(hidden.index_select(0, rows)), taps, step.gather_logits)
+    return _head(model, tp, model.compute_logits(hidden.index_select(0, rows)), taps, s.gather_logits)
 
 
 def _head(model: DeepseekV3ForCausalLM, tp: TPGroup, local: torch.Tensor, taps, gather_logits: bool) -> ForwardOutput:
@@ -167,7 +170,7 @@ def _head(model: DeepseekV3ForCausalLM, tp: TPGroup, local: torch.Tensor, taps, 
 class TensorParallelModel:
     """Rank 0's handle, called like DeepseekV3ForCausalLM.forward (plus `gather_logits`).
 
-    Each forward first broadcasts its inputs to the other ranks (step_message.py: one broadcast, packed
+    Each forward first broadcasts its inputs to the other ranks (step_message.py: one host broadcast, packed
     from the host copies of the inputs when the caller passes them), then runs rank 0's shard.
     Collectives are serialised by a lock; while idle, a ping every `ping_interval_s` keeps the other
     ranks inside their collective timeout. Any failure after a broadcast leaves the ranks out of
@@ -227,11 +230,13 @@ class TensorParallelModel:
         with self._lock:
             self._check()
             try:
-                static = self._static_step(inputs, host_inputs)
-                if static is not None:
-                    send_step(self.tp, STATIC_STEP, ints=static.encode(self.static))
-                    return run_static_shard(self.model, self.tp, self.static, static)
-                send_step(self.tp, FORWARD, encoded=encoded)
+                bucket = static_bucket(self.static, inputs)
+                send_step(self.tp, FORWARD, encoded=encoded)  # before rank 0's fill: the others fill meanwhile
+                if bucket is not None:
+                    if host_inputs is not None:
+                        ids, pos, rows = host_inputs
+                        inputs = dataclasses.replace(inputs, input_ids=ids, positions=pos, logits_rows=rows)
+                    return run_static_shard(self.model, self.tp, self.static, bucket, inputs)
                 return run_shard(self.model, self.tp, inputs, kv_cache)
             except Exception as err:
                 self._fail(f"tensor-parallel forward failed: {err}")
@@ -240,17 +245,6 @@ class TensorParallelModel:
                 self._last_sent = time.monotonic()
 
     __call__ = forward
-
-    def _static_step(self, s: StepInputs, host_inputs) -> StaticStepMessage | None:
-        """Rank 0's static step for these inputs (its batch filled), or None: the step runs eagerly."""
-        if self.static is None:
-            return None
-        bucket = self.static.plan(s.meta, s.tap_layer_ids)
-        if bucket is None:
-            return None
-        ids, pos, rows = host_inputs if host_inputs is not None else (s.input_ids, s.positions, s.logits_rows)
-        where = self.static.batch(bucket).fill(ids, pos, s.meta)
-        return StaticStepMessage(bucket, where, None if rows is None else rows.cpu(), s.gather_logits)
 
     def prepare(self, input_ids, positions, meta, kv_cache, logits_rows=None, tap_layer_ids=()) -> None:
         """Before the forward (host tensors): rank 0's attention buffers, and the step message packed
