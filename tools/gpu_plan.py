@@ -1,10 +1,15 @@
 """`ddtree inspect CONFIG --device-memory-gb G [--drafter DRAFTER]`: the memory plan of a deployment, GPU by GPU.
 
-The verifier's ranks on GPUs 0 .. tp-1 (verifier/memory_check.py) and, with --drafter, the drafter on its
-GPU (drafter/memory_check.py; GPU 0 by default, as compose and the Kubernetes overlay place it), each with
-the settings the services would run with: `--verifier-args` / `--drafter-args` are the services' own flags
-(defaults: CUDA, bfloat16, the services' defaults otherwise), so that the plan is the one they check at
-start-up. The drafter's contexts are planned for the verifier's --max-batch sequences.
+The verifier's ranks on GPUs 0 .. tp-1 (verifier/memory_check.py) and, with --drafter, the drafter
+(drafter/memory_check.py), each with the settings the services would run with: `--verifier-args` /
+`--drafter-args` are the services' own flags (defaults: CUDA, bfloat16, the services' defaults otherwise), so
+that the plan is the one they check at start-up. The drafter's contexts are planned for the verifier's
+--max-batch sequences.
+
+Placement: the drafter's --tp defaults to the verifier's, its rank r on verifier rank r's GPU (every rank
+drafts its shard from the features it already holds; every verifier rank keeps a feature ring for its drafter
+rank). `--drafter-args "--tp 1"` plans one whole drafter on its --device's GPU (GPU 0 by default: the
+placement of the kimi-k26 env files today).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from ddtree.config import DrafterConfig, VerifierConfig, add_config_flags, confi
 from ddtree.drafter.factory import drafter_dtype
 from ddtree.drafter.memory_check import drafter_plan_items, read_drafter_config
 from ddtree.models.memory_plan import MemoryPlan, gpu_plan
+from ddtree.models.parallel.process_group import rank_device
 from ddtree.verifier.memory_check import verifier_plan
 
 GPU_DEFAULTS = ("--device", "cuda", "--dtype", "bfloat16")
@@ -35,7 +41,7 @@ def deployment_configs(tp: int, ep: bool, verifier_args: str = "", drafter_args:
     """(VerifierConfig, DrafterConfig) on GPUs with inspect's --tp / --ep and the services' extra flags."""
     layout = ("--tp", str(tp), *(("--expert-parallel", "true") if ep else ()))
     verifier = service_config(VerifierConfig, verifier_args, *GPU_DEFAULTS, *layout)
-    drafter = service_config(DrafterConfig, drafter_args, "--device", "cuda", "--dtype", "bfloat16")
+    drafter = service_config(DrafterConfig, drafter_args, "--device", "cuda", "--dtype", "bfloat16", "--tp", str(tp))
     return verifier, drafter
 
 
@@ -47,9 +53,20 @@ def deployment_plan(
     if drafter_dir is None:
         return verifier_plan(verifier, checkpoint, [device] * verifier.tp)
     dcfg = read_drafter_config(drafter_dir)
-    items = drafter_plan_items(drafter, dcfg, drafter_dtype(drafter).itemsize, verifier.max_batch)
+    taps, s = len(dcfg.target_layer_ids), drafter_dtype(drafter).itemsize
+    if drafter.tp > 1:  # co-located: drafter rank r beside verifier rank r
+        if drafter.tp != verifier.tp:
+            raise ValueError(f"drafter --tp {drafter.tp}: 1 or the verifier's --tp ({verifier.tp})")
+        extra = {
+            (rank_device(verifier.device, r).index or 0): drafter_plan_items(drafter, dcfg, s, verifier.max_batch, r)
+            for r in range(verifier.tp)
+        }
+        devices = [device] * verifier.tp
+        return verifier_plan(
+            verifier, checkpoint, devices, taps, extra=extra, with_drafter=True, ring_ranks=verifier.tp
+        )
+    items = drafter_plan_items(drafter, dcfg, s, verifier.max_batch)
     index = torch.device(drafter.device).index or 0
-    taps = len(dcfg.target_layer_ids)
     plan = verifier_plan(verifier, checkpoint, [device] * verifier.tp, taps, extra={index: items}, with_drafter=True)
     if all(g.index != index for g in plan.gpus):  # a GPU of its own
         plan = dataclasses.replace(plan, gpus=(*plan.gpus, gpu_plan(index, device, items)))

@@ -20,7 +20,9 @@ Counting (exact, from the config; names and shapes as in deepseek_v3.py == the c
 - largest context = (device memory · (1 - reserve) - weights per rank) / KV bytes per token per rank, with
   `ACTIVATION_RESERVE` of the device kept for activations, workspace and the allocator.
 - with --device-memory-gb, the memory plan GPU by GPU (tools/gpu_plan.py: verifier ranks, and the drafter
-  with --drafter), the one the services check at start-up: the tightest GPU and the largest KV that fits.
+  with --drafter, its ranks beside the verifier's by default), the one the services check at start-up: the
+  tightest GPU and the largest KV that fits, which is then the report's max_context_tokens (the formula above
+  is the estimate without a plan).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import argparse
 import json
 import math
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from ddtree.models.config import DeepseekV3Config
@@ -207,7 +209,10 @@ def add_parser(sub) -> None:
     p.add_argument("--ep", action="store_true", help="expert parallel: routed experts split whole across ranks")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument(
-        "--drafter", default=None, help="with --device-memory-gb: a DFlash drafter (dir or config.json) on GPU 0"
+        "--drafter",
+        default=None,
+        help="with --device-memory-gb: a DFlash drafter (dir or config.json), at the verifier's --tp beside its "
+        "ranks (--drafter-args '--tp 1': whole, on GPU 0)",
     )
     p.add_argument(
         "--verifier-args", default="", help="the verifier's flags for the plan, one string (e.g. '--kv-memory-gb 8')"
@@ -229,6 +234,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
         verifier, drafter = deployment_configs(args.tp, args.ep, args.verifier_args, args.drafter_args)
         plan = deployment_plan(args.checkpoint, args.device_memory_gb, verifier, drafter, args.drafter)
+        # the context the plan holds: its largest KV pool, every other item of every GPU counted
+        report = replace(report, max_context_tokens=plan.largest_kv_tokens)
     if args.json:
         d = asdict(report)
         d["config"] = d["config"]["model_type"]

@@ -52,6 +52,13 @@ class DrafterConfig(DraftStaticFields, CpuRuntimeFields, ServiceConfig):
         "service token or TLS: those calls go through gRPC); off = gRPC only",
     )
     device: str = option("cpu", "torch device (cpu, cuda, cuda:N)")
+    tp: int = option(
+        1,
+        "tensor-parallel ranks of the drafter (heads, MLP columns and the target's vocabulary split), planned "
+        "co-located with a verifier of the same --tp: drafter rank r on verifier rank r's GPU (ddtree inspect "
+        "--drafter); serving above 1 is not built yet and is refused at start-up",
+        at_least=1,
+    )
     dtype: AutoDtype = option(
         "auto",
         "compute dtype (auto = bfloat16 where matmuls have it natively: CUDA, AVX512-BF16 / AMX CPUs; else float32)",

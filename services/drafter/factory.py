@@ -20,6 +20,8 @@ def drafter_dtype(cfg: DrafterConfig) -> torch.dtype:
 
 
 def make_engine(cfg: DrafterConfig, model_dir: str, target_dir: str):
+    if cfg.tp > 1:
+        raise ValueError(f"drafter --tp {cfg.tp}: a tensor-parallel drafter service is not built yet; use --tp 1")
     dtype = drafter_dtype(cfg)
     from ddtree.drafter.engine import DraftEngine
     from ddtree.drafter.memory_check import refuse_unless_fits

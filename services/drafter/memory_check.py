@@ -25,15 +25,17 @@ def read_drafter_config(path: str | Path) -> DFlashConfig:
     return DFlashConfig.from_dict(json.loads((p / "config.json" if p.is_dir() else p).read_text()))
 
 
-def drafter_plan_items(cfg, drafter_config: DFlashConfig, dtype_bytes: int, sequences: int) -> tuple[PlanItem, ...]:
-    """cfg: a DrafterConfig (window, --cuda-graphs, device)."""
+def drafter_plan_items(
+    cfg, drafter_config: DFlashConfig, dtype_bytes: int, sequences: int, rank: int = 0
+) -> tuple[PlanItem, ...]:
+    """cfg: a DrafterConfig (window, --cuda-graphs, device, --tp: drafter rank `rank`'s share)."""
     window = cfg.resolved_window()
     graphs = torch.device(cfg.device).type == "cuda" and cfg.cuda_graphs != "off" and window > 0
     graph_sequences = MAX_GRAPH_SEQUENCES if graphs else sequences
     # an unlimited window (0) plans one of the verifier's contexts at the drafter's largest position
     rows = window or drafter_config.max_position_embeddings
-    shape = drafter_shape(drafter_config)
-    return drafter_items(shape, dtype_bytes, rows, sequences, graph_sequences, graphs)
+    shape = drafter_shape(drafter_config, cfg.tp)
+    return drafter_items(shape, dtype_bytes, rows, sequences, graph_sequences, graphs, rank=rank)
 
 
 def refuse_unless_fits(cfg, model_dir: str, dtype: torch.dtype) -> MemoryPlan | None:

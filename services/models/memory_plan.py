@@ -7,6 +7,10 @@ drafter/memory_check.py; `ddtree inspect --device-memory-gb` puts the two togeth
                    activations of its largest eager forward + CUDA graph pools + runtime reserve (+ NCCL)
     drafter        weights + its copy of the target's embedding and LM head + draft contexts +
                    activations + CUDA graph buffers and pool + runtime reserve
+    drafter rank   at --tp N (co-located: drafter rank r on verifier rank r's GPU, drafter_rank_shape):
+                   1/N of its heads, KV heads and MLP columns, fc split by input rows, norms whole; a
+                   vocabulary shard of the target's embedding and LM head; 1/N of its contexts; its own
+                   NCCL reserve (a second communicator); and every verifier rank holds a feature ring
 
 The reserves are planning margins, not measurements: RUNTIME_RESERVE_BYTES per process on a GPU (the CUDA
 context and loaded kernels, cuBLAS and Triton workspaces, the caching allocator's slack) and
@@ -98,7 +102,8 @@ def verifier_rank_items(
     runtime: int = RUNTIME_RESERVE_BYTES,
     feature_ring: int = 0,
 ) -> tuple[PlanItem, ...]:
-    """feature_ring: the co-located drafter channel's ring on the GPU (rank 0's; protocol/feature_ring.py)."""
+    """feature_ring: the co-located drafter channel's ring on this rank's GPU (protocol/feature_ring.py): rank
+    0's with a drafter at TP 1, every rank's with drafter ranks co-located."""
     owner = f"verifier rank {rank}" if tp > 1 else "verifier"
     items = [
         PlanItem(owner, "weights", weights),
@@ -107,7 +112,7 @@ def verifier_rank_items(
         PlanItem(owner, "CUDA graph pools", graphs),
         PlanItem(owner, "runtime reserve", runtime),
     ]
-    if rank == 0 and feature_ring:
+    if feature_ring:
         items.append(PlanItem(owner, "drafter feature ring", feature_ring))
     if tp > 1:
         items.append(PlanItem(owner, "NCCL reserve", NCCL_RESERVE_BYTES))
@@ -128,19 +133,43 @@ class DrafterShape:
     block_size: int
     vocab: int
     target_hidden: int
+    tp: int = 1  # ranks the drafter is split over; the widths above are then one rank's (rank 0's, the largest)
 
 
-def drafter_shape(cfg) -> DrafterShape:
-    """From a DFlashConfig (models/dflash_config.py); parameters counted on a meta model."""
+# DFlash weights split under tensor parallelism, by name suffix -> the dimension split (torch [out, in]):
+# heads and MLP columns by output rows, o_proj / down_proj by input columns, fc by input rows (its partial
+# products summed once per commit); norms (q_norm / k_norm per head, the layer norms) are whole on every rank.
+DRAFTER_SPLIT_DIMS = {
+    "q_proj.weight": 0, "k_proj.weight": 0, "v_proj.weight": 0, "gate_proj.weight": 0, "up_proj.weight": 0,
+    "o_proj.weight": 1, "down_proj.weight": 1, "fc.weight": 1,
+}  # fmt: skip
+
+
+def split_dim(name: str) -> int | None:
+    """The dimension of drafter weight `name` split across TP ranks (None: held whole)."""
+    return next((d for suffix, d in DRAFTER_SPLIT_DIMS.items() if name.endswith(suffix)), None)
+
+
+def drafter_shape(cfg, tp: int = 1) -> DrafterShape:
+    """From a DFlashConfig (models/dflash_config.py): parameters counted on a meta model; at tp > 1 rank 0's
+    share (ceil of each split dimension / tp; KV heads at least one per rank, replicated below tp)."""
     import torch
 
     from .dflash import DFlashDraftModel
 
+    if tp < 1:
+        raise ValueError(f"drafter tp must be >= 1, got {tp}")
     with torch.device("meta"):
-        params = sum(t.numel() for t in DFlashDraftModel(cfg).state_dict().values())
+        state = DFlashDraftModel(cfg).state_dict()
+    params = 0
+    for name, t in state.items():
+        dim = split_dim(name) if tp > 1 else None
+        params += t.numel() if dim is None else t.numel() // t.shape[dim] * math.ceil(t.shape[dim] / tp)
+    share = lambda n: math.ceil(n / tp)  # noqa: E731
     return DrafterShape(
-        params, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-        cfg.hidden_size, cfg.intermediate_size, cfg.block_size, cfg.vocab_size, cfg.target_hidden_size,
+        params, cfg.num_hidden_layers, share(cfg.num_attention_heads), share(cfg.num_key_value_heads),
+        cfg.head_dim, cfg.hidden_size, share(cfg.intermediate_size), cfg.block_size, share(cfg.vocab_size),
+        cfg.target_hidden_size, tp,
     )  # fmt: skip
 
 
@@ -152,9 +181,12 @@ def drafter_items(
     graph_sequences: int,
     graphs: bool,
     runtime: int = RUNTIME_RESERVE_BYTES,
+    rank: int = 0,
 ) -> tuple[PlanItem, ...]:
-    """The drafter's bytes on its GPU. Contexts: per sequence and layer one K and one V buffer of 2 x window
-    rows (drafter/context.py doubles a window's capacity); graph buffers: the largest bucket's context copy
+    """The drafter's bytes on its GPU (a DrafterShape of tp > 1: drafter rank `rank`'s, widths and vocabulary
+    its shard; logits are over its vocabulary shard, the top-k merged across ranks). Contexts: per sequence
+    and layer one K and one V buffer of 2 x window rows (drafter/context.py doubles a window's capacity);
+    graph buffers: the largest bucket's context copy
     (graph_sequences x window rows, drafter/static_draft.py) and its block inputs."""
     s, kv_row = dtype_bytes, d.kv_heads * d.head_dim
     contexts = sequences * d.layers * 2 * (2 * window) * kv_row * s
@@ -169,15 +201,17 @@ def drafter_items(
         + T * d.vocab * (s + 4)
     )
     buffers = d.layers * 2 * S * C * kv_row * s + T * d.hidden * s if graphs else 0
-    owner = "drafter"
-    return (
+    owner = f"drafter rank {rank}" if d.tp > 1 else "drafter"
+    head = f"target embedding + LM head (1/{d.tp} vocab)" if d.tp > 1 else "target embedding + LM head copy"
+    items = (
         PlanItem(owner, "weights", d.params * s),
-        PlanItem(owner, "target embedding + LM head copy", 2 * d.vocab * d.target_hidden * s),
+        PlanItem(owner, head, 2 * d.vocab * d.target_hidden * s),
         PlanItem(owner, f"draft contexts ({sequences} x window {window})", contexts),
         PlanItem(owner, "activations", activations),
         PlanItem(owner, "CUDA graph buffers + pool", buffers + (math.ceil(1.25 * activations) if graphs else 0)),
         PlanItem(owner, "runtime reserve", runtime),
     )
+    return items + ((PlanItem(owner, "NCCL reserve", NCCL_RESERVE_BYTES),) if d.tp > 1 else ())
 
 
 def _gb(n: int) -> str:
@@ -186,13 +220,13 @@ def _gb(n: int) -> str:
 
 def format_plan(plan: MemoryPlan) -> str:
     """GPU by GPU: every item in GB (1e9 B), the total, the headroom; then the tightest GPU and the KV."""
-    lines = [f"{'GPU':<5}{'owner':<18}{'item':<36}{'GB':>8}"]
+    lines = [f"{'GPU':<5}{'owner':<18}{'item':<40}{'GB':>8}"]
     for g in plan.gpus:
         for n, i in enumerate(g.items):
-            lines.append(f"{g.index if n == 0 else '':<5}{i.owner:<18}{i.what:<36}{_gb(i.bytes):>8}")
+            lines.append(f"{g.index if n == 0 else '':<5}{i.owner:<18}{i.what:<40}{_gb(i.bytes):>8}")
         state = "fits" if g.headroom >= 0 else "DOES NOT FIT"
         lines.append(
-            f"{'':<5}{'':<18}{'total / ' + plan.device_label:<36}{_gb(g.used):>8} / {_gb(g.device_bytes).strip()}"
+            f"{'':<5}{'':<18}{'total / ' + plan.device_label:<40}{_gb(g.used):>8} / {_gb(g.device_bytes).strip()}"
             f"   headroom {_gb(g.headroom).strip()}  {state}"
         )
     t = plan.tightest

@@ -6,9 +6,10 @@ Shared by `ddtree inspect` (tools/inspect.py) and the engines' memory plan (mode
 the plan a service checks before loading and the one `inspect` prints are one count.
 
 Held bytes (what loader.py keeps, per rank): quantized weights stay packed (a rank's share of the words and
-scales, INT4's `weight_shape` whole); the router (`mlp.gate.weight`, `e_score_correction_bias`) is fp32
-whatever the engine's dtype (loader.FP32_SUFFIXES); every other float tensor is in the engine's dtype (by
-default the stored dtype of the embedding, as the loader chooses). tests/models/test_inspect_matches_loader.py
+scales, INT4's `weight_shape` whole); the router's `mlp.gate.weight` keeps its stored float dtype and its
+`e_score_correction_bias` is fp32 whatever the engine's dtype (loader.ROUTER_WEIGHT, FP32_SUFFIXES); every
+other float tensor is in the engine's dtype (by default the stored dtype of the embedding, as the loader
+chooses). tests/models/test_inspect_matches_loader.py
 checks them against a loaded model.
 """
 
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from .checkpoint_files import INDEX_FILE, SINGLE_FILE, CheckpointError, read_header
 from .config import DeepseekV3Config
-from .loader import FP32_SUFFIXES
+from .loader import FP32_SUFFIXES, ROUTER_WEIGHT
 from .quantization import parse_quantization
 
 TORCH_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -221,6 +222,8 @@ def held_tensor_bytes(spec: TensorSpec, stored: tuple[str, int, int], held_numel
     if not held_numel:
         return 0
     if fmt in FLOAT_FORMAT_BYTES:
+        if spec.name.endswith(ROUTER_WEIGHT):  # kept in its stored dtype (loader._materialize's `kept`)
+            return held_numel * FLOAT_FORMAT_BYTES[fmt]
         return held_numel * (4 if spec.name.endswith(FP32_SUFFIXES) else dtype_bytes)
     # packed: a share of the words and scales; the INT4 `weight_shape` [2] is kept whole by every holder
     return (nbytes - whole) * held_numel // spec.numel + whole

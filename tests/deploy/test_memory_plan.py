@@ -1,6 +1,8 @@
 """The memory plan per GPU (models/memory_plan.py) and the deployment files that state its numbers.
 
-- weights are counted in the dtype the loader keeps: the router's weight in fp32 in a bf16 model;
+- weights are counted in the dtype the loader keeps: the router's weight in its stored dtype, its bias fp32;
+- `ddtree inspect --drafter` places the drafter's ranks beside the verifier's at the verifier's --tp by
+  default: Kimi K2.6 INT4 on 8 x 96 GB, default flags, >= 2 GB headroom on every GPU, >= 128k tokens of context;
 - each Kimi K2.6 env file (8 x 96 GB, 8 x 141 GB) names the `ddtree inspect --device-memory-gb --drafter`
   command whose plan it follows and what that plan says; the settings compose derives from the file give the
   same plan, it fits, and the numbers stated are the ones `inspect` prints now;
@@ -48,11 +50,13 @@ def _service_env(service: str, env: dict[str, str]) -> dict[str, str]:
     return {k: sub(str(v)) for k, v in svc["environment"].items()}
 
 
-def test_router_weight_counts_in_fp32_as_the_loader_keeps_it():
+def test_router_weight_counts_in_its_stored_dtype_as_the_loader_keeps_it():
     w = read_checkpoint_weights(KIMI, tp=8, dtype_bytes=2)
     gate = next(s for s in config_tensors(w.config) if s.name.endswith("mlp.gate.weight"))
-    assert held_tensor_bytes(gate, w.stored[gate.name], gate.numel, 2) == 4 * gate.numel
-    assert w.stored[gate.name][0] == "bf16"  # stored bf16, held fp32: 0.33 GB more per rank than on disk
+    assert w.stored[gate.name][0] == "bf16"  # stored bf16, held bf16 (loader: no fp32 copy of the router)
+    assert held_tensor_bytes(gate, w.stored[gate.name], gate.numel, 4) == 2 * gate.numel
+    bias = next(s for s in config_tensors(w.config) if s.name.endswith("e_score_correction_bias"))
+    assert held_tensor_bytes(bias, w.stored[bias.name], bias.numel, 2) == 4 * bias.numel
     embed = next(s for s in config_tensors(w.config) if s.name == "model.embed_tokens.weight")
     assert held_tensor_bytes(embed, w.stored[embed.name], 10, 2) == 20
 
@@ -90,7 +94,7 @@ def test_kimi_env_file_follows_the_plan_it_states(name, capsys):
 
 def test_kimi_plan_on_96_gb_with_the_old_settings_does_not_fit():
     """8 GiB of KV per rank and the drafter's defaults on GPU 0 (the file before this plan): GPU 0 is over."""
-    verifier, drafter = deployment_configs(8, False, "--kv-memory-gb 8", "")
+    verifier, drafter = deployment_configs(8, False, "--kv-memory-gb 8", "--tp 1")
     plan = deployment_plan(str(KIMI), 96, verifier, drafter, KIMI_DRAFTER)
     assert not plan.fits and plan.tightest.index == 0
     assert [g.index for g in plan.gpus if g.headroom < 0] == [0]
@@ -101,7 +105,8 @@ def test_kimi_plan_on_96_gb_with_the_old_settings_does_not_fit():
 
 
 def test_inspect_json_has_the_plan(capsys):
-    argv = ["inspect", str(KIMI), "--tp", "8", "--device-memory-gb", "141", "--drafter", str(KIMI_DRAFTER), "--json"]
+    argv = ["inspect", str(KIMI), "--tp", "8", "--device-memory-gb", "141", "--drafter", str(KIMI_DRAFTER)]
+    argv += ["--drafter-args", "--tp 1", "--json"]
     assert main(argv) == 0
     plan = json.loads(capsys.readouterr().out)["memory_plan"]
     assert plan["fits"] is True and plan["tightest_gpu"] == 0 and len(plan["gpus"]) == 8
@@ -115,7 +120,7 @@ def test_inspect_json_has_the_plan(capsys):
 def test_compose_override_states_inspects_sizes():
     text = (DOCKER / "compose.kimi-k26.yaml").read_text()
     w = read_checkpoint_weights(KIMI, tp=8, dtype_bytes=2)
-    verifier, drafter = deployment_configs(8, False, "", "")
+    verifier, drafter = deployment_configs(8, False, "", "--tp 1")
     gpu0 = deployment_plan(str(KIMI), 141, verifier, drafter, KIMI_DRAFTER).gpus[0]
     drafter_bytes = {i.what: i.bytes for i in gpu0.items if i.owner == "drafter"}
     stored = sum(v[1] for v in w.stored.values())
@@ -169,3 +174,38 @@ def test_drafter_refuses_before_reading_any_weight(default_ckpt, small_gpu, monk
     msg = str(err.value)
     assert msg.startswith("drafter: the memory plan does not fit on GPU 0")
     assert "draft contexts (16 x window 262144)" in msg and "DOES NOT FIT" in msg
+
+
+def _drafter_rank_params(d: dict, tp: int) -> int:
+    """One rank's DFlash parameters, written from the config's sizes: heads, KV heads and MLP columns / tp,
+    fc split by its input rows, norms whole."""
+    h, hd, kvh, inter = d["hidden_size"], d["head_dim"], d["num_key_value_heads"], d["intermediate_size"]
+    taps = len(d["dflash_config"]["target_layer_ids"])
+    q, kv = d["num_attention_heads"] * hd // tp, kvh * hd // tp
+    layer = h * q + 2 * h * kv + q * h + 2 * hd + 2 * h + 3 * h * inter // tp
+    return h * taps * h // tp + h + d["num_hidden_layers"] * layer + h
+
+
+def test_inspect_json_plans_the_drafter_on_every_rank_of_8_x_96_gb(tmp_path, capsys):
+    """The issue's plan: Kimi K2.6 INT4 + its DFlash drafter on 8 x 96 GB with the services' default flags,
+    drafter rank r beside verifier rank r: every GPU keeps >= 2 GB, the plan holds >= 128k tokens."""
+    (tmp_path / "config.json").write_text(KIMI_DRAFTER.read_text())
+    argv = ["inspect", str(KIMI), "--tp", "8", "--device-memory-gb", "96", "--drafter", str(tmp_path), "--json"]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    plan = report["memory_plan"]
+    assert plan["fits"] is True and len(plan["gpus"]) == 8
+    assert all(g["headroom"] >= 2e9 for g in plan["gpus"])
+    assert report["max_context_tokens"] == plan["largest_kv_tokens"] >= 131072
+    d = json.loads(KIMI_DRAFTER.read_text())
+    for g in plan["gpus"]:
+        items = {(i["owner"], i["what"]): i["bytes"] for i in g["items"]}
+        r = g["index"]
+        assert {o for o, _ in items} == {f"verifier rank {r}", f"drafter rank {r}"}
+        assert items[(f"drafter rank {r}", "weights")] == 2 * _drafter_rank_params(d, 8)
+        head = 2 * d["vocab_size"] // 8 * d["hidden_size"] * 2
+        assert items[(f"drafter rank {r}", "target embedding + LM head (1/8 vocab)")] == head
+        assert items[(f"verifier rank {r}", "drafter feature ring")] == 64 << 20
+        assert items[(f"drafter rank {r}", "NCCL reserve")] == items[(f"verifier rank {r}", "NCCL reserve")]
+        # the largest pool that fits leaves no GPU over
+        assert plan["largest_kv_tokens"] * 70272 <= g["headroom"] + items[(f"verifier rank {r}", "KV pool")]
