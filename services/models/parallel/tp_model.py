@@ -247,9 +247,12 @@ class TensorParallelModel:
     __call__ = forward
 
     def prepare(self, input_ids, positions, meta, kv_cache, logits_rows=None, tap_layer_ids=()) -> None:
-        """Before the forward (host tensors): rank 0's attention buffers, and the step message packed
-        (meta.prepared[MESSAGE]; the forward sets its gather flag, fills the buffer and broadcasts it)."""
-        prepare_attention(self.model, meta, kv_cache)
+        """Before the forward (host tensors): rank 0's attention buffers for an eager step (a static one has
+        its bucket's), and the step message packed (meta.prepared[MESSAGE]; the forward sets its gather flag
+        and broadcasts it)."""
+        static = self.static
+        if static is None or static.bucket_for(meta) is None or tuple(tap_layer_ids) != static.taps:
+            prepare_attention(self.model, meta, kv_cache)
         message = StepInputs(input_ids, positions, meta, logits_rows, tuple(tap_layer_ids), False)
         meta.prepared[MESSAGE] = encode(message)
 
