@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import json
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
 from ddtree.tools.bench.devices import DEVICES
-from tests.tools.test_bench_step import KIMI_CONFIG, ROOT
+from tests.tools.test_bench_step import DEMO_TARGET, KIMI_CONFIG, ROOT
 
 ROWS, CONTEXT, TP = 17, 8192, 8
 BF16, FP32, I32, I64 = 2, 4, 4, 8
@@ -23,9 +25,6 @@ GEMM_KERNELS = {"mm", "addmm", "_dense_gemm_kernel"}  # cuBLAS or the row-invari
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
-    import subprocess
-    import sys
-
     out = tmp_path_factory.mktemp("roofline") / "h200.json"
     res = subprocess.run(
         [sys.executable, "-m", "ddtree.cli", "bench", "step", "--config", str(KIMI_CONFIG), "--random-weights",
@@ -146,3 +145,40 @@ def test_the_router_fills_the_device_within_its_budget(report):
     """Item 2's goal: the router's modeled time at 17 rows <= 0.4 ms per step on H200, its grid >= the SMs."""
     router = next(k for k in report["kernels"] if k["name"] == "_router_kernel")
     assert router["ctas"] >= DEVICES["h200"].sms and router["modeled_us"] <= 400
+
+
+def test_measured_times_land_on_their_kernels():
+    """kernel_times.attach_measured on a profile: Triton kernels by name (a kernel at two sites shares its time
+    by modeled time), everything else summed as other, pct_of_floor = floor / measured."""
+    from ddtree.tools.bench.kernel_times import attach_measured
+
+    rows = [
+        dict(name="_rms_norm_kernel", site="layers", floor_us=2.0, modeled_us=30.0),
+        dict(name="_rms_norm_kernel", site="layers.self_attn", floor_us=1.0, modeled_us=10.0),
+        dict(name="_router_kernel", site="layers.mlp.gate", floor_us=80.0, modeled_us=140.0),
+        dict(name="mm", site="lm_head", floor_us=60.0, modeled_us=61.0),
+    ]
+    roofline = dict(kernels=rows, collectives=[dict(name="all_reduce", modeled_us=9.0)])
+    times = {"_rms_norm_kernel": 20.0, "_router_kernel": 160.0, "nvjet_tst_64x8_64x16": 70.0, "ncclDevKernel": 12.0}
+    out = attach_measured(roofline, times)
+    got = {(r["name"], r["site"]): r for r in out["kernels"]}
+    assert got["_rms_norm_kernel", "layers"]["measured_us"] == 15.0
+    assert got["_rms_norm_kernel", "layers.self_attn"]["measured_us"] == 5.0
+    assert got["_router_kernel", "layers.mlp.gate"]["pct_of_floor"] == 50.0
+    assert "measured_us" not in got["mm", "lm_head"]
+    assert out["measured"] == dict(kernels_ms=0.262, triton_ms=0.18, other_ms=0.082, other_modeled_ms=0.07)
+
+
+def test_a_checkpoint_is_modeled_from_its_config(tmp_path):
+    """--device-model with --model DIR reads the checkpoint's config.json alone (no weight is loaded)."""
+    out = tmp_path / "demo.json"
+    res = subprocess.run(
+        [sys.executable, "-m", "ddtree.cli", "bench", "step", "--model", str(DEMO_TARGET), "--device-model",
+         "rtx-pro-6000", "--rows", "1", "--context", "64", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert report["device_model"] == DEVICES["rtx-pro-6000"].name and report["ranks"] == 1
+    assert report["collectives"] == [] and report["step_modeled_ms"] > report["step_floor_ms"] > 0
+    assert "modeled on NVIDIA RTX PRO 6000" in res.stdout

@@ -57,8 +57,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-graphs", action="store_true", help="eager only")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device-model", choices=DEVICE_MODELS, default=None,
-                   help="model the step on this device from shapes alone (meta tensors, nothing runs): the "
-                        "roofline of every kernel and the step (tools/bench/roofline.py); needs --random-weights")  # fmt: skip
+                   help="model the step on this device from shapes alone (meta tensors, nothing runs; a checkpoint's "
+                        "config.json is enough): the roofline of every kernel and the step (tools/bench/roofline.py)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--out", type=pathlib.Path, default=None, help="also write the JSON here")
     p.set_defaults(fn=run)
@@ -84,8 +84,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("--warmup must be >= 0")
     if args.expert_parallel and max(args.emulate_tp, args.tp) < 2:
         raise ValueError("--expert-parallel needs --tp N or --emulate-tp N, N >= 2")
-    if args.device_model and (not args.random_weights or args.tp > 1):
-        raise ValueError("--device-model models shapes alone: it needs --random-weights (and --emulate-tp, not --tp)")
+    if args.device_model and args.tp > 1:
+        raise ValueError("--device-model models one rank from shapes alone: --emulate-tp N, not --tp N")
 
 
 def spec_and_shape(args: argparse.Namespace):
@@ -150,6 +150,18 @@ def run_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def measured_roofline(spec, shape, report: dict) -> dict | None:
+    """On a GPU of devices.py's table: the step's roofline with each kernel's measured time (kernel_times.py)."""
+    from ddtree.tools.bench.devices import model_of_gpu
+    from ddtree.tools.bench.kernel_times import attach_measured
+    from ddtree.tools.bench.step_roofline import model_step
+
+    dev = model_of_gpu(report["device"])
+    if dev is None:
+        return None
+    return attach_measured(model_step(spec, shape, dev), report["kernel_us"])
+
+
 def run(args: argparse.Namespace) -> int:
     check_args(args)
     if args.device_model:
@@ -163,8 +175,15 @@ def run(args: argparse.Namespace) -> int:
 
     spec, shape = spec_and_shape(args)
     report = measure_step(spec, shape, repeat=args.repeat, graphs=not args.no_graphs, warmup=args.warmup)
+    if report.get("kernel_us") is not None:
+        report["roofline"] = measured_roofline(spec, shape, report)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2))
-    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    text = format_report(report)
+    if report.get("roofline"):
+        from ddtree.tools.bench.roofline import format_roofline
+
+        text += "\n" + format_roofline(report["roofline"])
+    print(json.dumps(report, indent=2) if args.json else text)
     return 0

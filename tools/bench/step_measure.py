@@ -201,6 +201,11 @@ class StepBench:
             work.run(self.target)
         counts = count_step(model, self.target, work, device)
         eager = time_steps(lambda: work.run(self.target), repeat, device)
+        kernel_us = None
+        if device.type == "cuda":  # each CUDA kernel's time per eager step (tools/bench/kernel_times.py)
+            from ddtree.tools.bench.kernel_times import profile_kernels
+
+            kernel_us = profile_kernels(lambda: work.run(self.target), repeat)
         reason = graphs_unavailable(model, spec, device) if graphs else "--no-graphs"
         graphed = None
         if reason is None:
@@ -228,6 +233,7 @@ class StepBench:
             "repeat": repeat,
             "warmup": WARMUP_STEPS.get(device.type, 1) if warmup is None else warmup,
             "build_s": round(self.build_s, 2),
+            "kernel_us": kernel_us,
             **counts,
             "config": describe(model, spec),
         }

@@ -95,7 +95,8 @@ def module_sites(model, recorder: Recorder):
 @contextlib.contextmanager
 def intercepted(recorder: Recorder):
     """Triton launches and the group's collectives go to `recorder` and run nothing (an all-gather returns
-    its one-rank result's shape)."""
+    its one-rank result's shape); a meta tensor's values read to the host are zeros (at TP 1 the greedy accept
+    walk reads its argmax: it then stops after one round of the LM head)."""
     from ddtree.models.parallel.process_group import TPGroup
 
     saved = [(TPGroup, "all_reduce", TPGroup.all_reduce), (TPGroup, "all_gather", TPGroup.all_gather)]
@@ -103,6 +104,9 @@ def intercepted(recorder: Recorder):
     if jit is not None:
         saved.append((jit.KernelInterface, "__getitem__", jit.KernelInterface.__getitem__))
         jit.KernelInterface.__getitem__ = lambda self, grid: lambda *a, **k: recorder.triton(self, grid, a, k)
+    tolist = torch.Tensor.tolist
+    saved.append((torch.Tensor, "tolist", tolist))
+    torch.Tensor.tolist = lambda t: torch.zeros(t.shape, dtype=t.dtype).tolist() if t.is_meta else tolist(t)
     TPGroup.all_reduce = lambda self, x: recorder.collective("all_reduce", x) or x
     TPGroup.all_gather = lambda self, x: recorder.collective("all_gather", x) or x.unsqueeze(0)
     try:
@@ -128,9 +132,7 @@ def record_step(spec: ModelSpec, shape: StepShape, dev: DeviceModel) -> tuple[Re
     from ddtree.tools.bench.kernel_route import route_kernels
     from ddtree.tools.bench.step_measure import _close_handle, _make_target
 
-    if not spec.random_weights:
-        raise ValueError("--device-model models shapes alone: it needs --config FILE --random-weights")
-    spec = dataclasses.replace(spec, device="cpu", kernels="triton")
+    spec = dataclasses.replace(spec, device="cpu", kernels="triton", random_weights=True)  # a checkpoint: its config
     import triton  # noqa: F401  (the kernels' module; nothing is compiled or interpreted)
 
     with contextlib.ExitStack() as stack:
