@@ -5,12 +5,12 @@
 
 Starts `ddtree serve` (the demo pair by default) and sends `--rounds` rounds of `--requests` requests each
 through the gateway's OpenAI HTTP API, `--concurrency` at a time. The mix, the same in every round (seeded):
-- short: a completion of 4..16 tokens after a short prompt;
-- long: a completion of 8..24 tokens after a prompt of 150..600 tokens (prefill chunks, the prefix cache);
+- short: a completion of 2..8 tokens after a short prompt;
+- long: a completion of 4..12 tokens after a prompt of 60..240 words (prefill chunks, the prefix cache);
 - streaming: a chat completion streamed as server-sent events, read to [DONE];
 - cancelled: a streamed completion of up to 200 tokens whose connection is closed after its first chunks
   (the gateway aborts the verifier's request, the drafter's context is released);
-a quarter each, with random sampling settings (greedy, temperature, top-p) and tree budgets.
+a quarter each, with random sampling settings (greedy, temperature, top-p; seeded) and tree budgets.
 
 After each round, once the verifier reports no running sequence, VmRSS of the drafter, verifier and gateway
 (/proc/PID/status) is printed and appended to the log, one line per round; the end prints, per service, the
@@ -100,15 +100,19 @@ def make_mix(n: int, seed: int) -> list[dict]:
     out = []
     for i in range(n):
         kind = ("short", "long", "streaming", "cancelled")[i % 4]
-        words = rng.randint(150, 600) if kind == "long" else rng.randint(2, 24)
+        words = rng.randint(60, 240) if kind == "long" else rng.randint(2, 24)
         prompt = " ".join(rng.choice(WORDS) for _ in range(words))
-        sampling = rng.choice(({"temperature": 0}, {"temperature": 0.8, "seed": i}, {"temperature": 1.0, "top_p": 0.9}))
+        # seeded: every round sends the same requests and gets the same answers, so what the verifier keeps
+        # by design (the prefix cache, up to its bounds) holds the same prefixes after each round
+        sampling = rng.choice(
+            ({"temperature": 0}, {"temperature": 0.8, "seed": i}, {"temperature": 1.0, "top_p": 0.9, "seed": i})
+        )
         extra = {**sampling, "budget": rng.choice((4, 8, 16, 32))}
         if kind == "streaming":
-            body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": rng.randint(8, 24), "stream": True}
+            body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": rng.randint(4, 12), "stream": True}
             path = "/v1/chat/completions"
         else:
-            max_tokens = {"short": rng.randint(4, 16), "long": rng.randint(8, 24), "cancelled": 200}[kind]
+            max_tokens = {"short": rng.randint(2, 8), "long": rng.randint(4, 12), "cancelled": 200}[kind]
             body = {"prompt": prompt, "max_tokens": max_tokens, "stream": kind == "cancelled", "ignore_eos": True}
             path = "/v1/completions"
         out.append({"kind": kind, "path": path, "body": {"model": "ddtree-demo", **body, **extra}})
