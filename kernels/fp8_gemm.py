@@ -109,8 +109,12 @@ def _check_fp8_device(device: torch.device, interpreted: bool) -> None:
                          f"sm_{''.join(map(str, torch.cuda.get_device_capability(device)))}")  # fmt: skip
 
 
+ROW_BLOCK_M = 64  # rows per tile at every M (row invariance; docs/performance.md counts the cost at small M)
+
+
 def _gemm_tiles(M: int, N: int) -> tuple[int, int]:
-    block_m = min(64, max(16, triton.next_power_of_2(M)))  # tl.dot needs every dim >= 16
+    """(BLOCK_M, BLOCK_N): one tile shape per weight shape, never from M (row invariance)."""
+    block_m = ROW_BLOCK_M
     block_n = 64 if N <= 64 else 128
     return block_m, block_n
 

@@ -73,9 +73,13 @@ def _int4_gemm_kernel(
     tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
+ROW_BLOCK_M = 64  # rows per tile at every M (row invariance; docs/performance.md counts the cost at small M)
+
+
 def _tiles(M: int, N: int, group: int, per_channel: bool) -> tuple[int, int, int, bool]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, scale after the dot)."""
-    block_m = min(64, max(16, triton.next_power_of_2(M)))  # tl.dot needs every dim >= 16
+    """(BLOCK_M, BLOCK_N, BLOCK_K, scale after the dot). Row invariant: one tile shape per weight shape, never
+    from M (a row's sum runs the same K order in the same instruction shape whatever rows share the launch)."""
+    block_m = ROW_BLOCK_M
     block_n = 64 if N <= 64 else 128
     if per_channel:  # one group spans K: every k // group is 0
         return block_m, block_n, 128, True

@@ -78,13 +78,19 @@ class MLAKernelConfig:
     num_stages: int = 2
     min_split: int = 256  # shortest prefix split, tokens
     target_programs: int = 0  # prefix programs to aim for; 0 = the device's SM count (8 on the CPU)
+    # Row invariance (the module docstring): a row's splits from its own context length, block_m from the
+    # head count, a tree's rows planned as decode rows. False: the throughput plan (splits from the whole
+    # step's work over target_programs, block_m from the largest sequence), kept as the negative control.
+    row_invariant: bool = True
+    max_splits: int = 32  # row invariant: prefix splits of one row at most (split_len grows past that)
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"{name} must be a power of two >= 16, got {v}")
-        if self.min_split < 1 or self.target_programs < 0 or self.num_warps < 1 or self.num_stages < 1:
+        if (self.min_split < 1 or self.target_programs < 0 or self.num_warps < 1 or self.num_stages < 1
+                or self.max_splits < 1):  # fmt: skip
             raise ValueError(f"bad kernel config {self}")
 
 
@@ -128,6 +134,8 @@ class MLAPlan:
     block_m: int
     num_merge_tiles: int
     config: MLAKernelConfig
+    # The sequences the tiles index (row invariance plans a tree's rows as decodes; a static plan: none)
+    planned: tuple = dataclasses.field(default=(), repr=False)
 
     @property
     def device(self) -> torch.device:
@@ -178,8 +186,11 @@ def plan_mla(
         raise ValueError(f"num_heads must be >= 1, got {num_heads}")
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
-
-    max_rows = max((s.q_len * num_heads for s in seqs), default=1)
+    if config.row_invariant and any(s.new_mask is not None and s.q_len > 1 for s in seqs):
+        if page_size > 1:  # a row's own table lists its ancestors' slots: every table as slots
+            seqs, page_size = [_as_slots(s, page_size, i) for i, s in enumerate(seqs)], 1
+        seqs = [r for s in seqs for r in _rows_as_decodes(s)]
+    max_rows = num_heads if config.row_invariant else max((s.q_len * num_heads for s in seqs), default=1)
     block_m = min(config.block_m, max(16, 1 << (max_rows - 1).bit_length()))
     tables, new_slots, masks = [], [], []
     seq_rows, max_slot, T, table_len, mask_len = [], -1, 0, 0, 0
@@ -232,6 +243,8 @@ def plan_mla(
     tiles, items = [], []
     for t, (b, r0) in enumerate(tile_rows):
         P = seqs[b].prefix_len
+        if config.row_invariant:
+            split_len = row_split_len(P, config)
         starts = range(0, P, split_len) or range(1)  # P == 0: one item, the new tokens alone
         tiles.append([b, r0, len(items), len(starts)])
         items.extend([t, int(k0 == 0), k0, min(P, k0 + split_len)] for k0 in starts)
@@ -253,7 +266,44 @@ def plan_mla(
         off += p.numel()
     return MLAPlan(*views, num_tokens=T, num_heads=num_heads, page_size=page_size,  # type: ignore[misc]
                    min_cache_slots=max_slot + 1, split_len=split_len, block_m=block_m,
-                   num_merge_tiles=len(merge_tiles), config=config)  # fmt: skip
+                   num_merge_tiles=len(merge_tiles), config=config, planned=tuple(seqs))  # fmt: skip
+
+
+def row_split_len(prefix_len: int, config: MLAKernelConfig) -> int:
+    """Row invariant: the prefix split of a row whose prefix is `prefix_len` keys, from that length alone:
+    min_split, or longer (a multiple of block_n) so that the row has at most max_splits splits."""
+    bn = config.block_n
+    return max(config.min_split, -(-math.ceil(prefix_len / config.max_splits) // bn) * bn)
+
+
+def _as_slots(s: MLASeq, page_size: int, i: int) -> MLASeq:
+    """The sequence with its page table expanded to the slot of every prefix position."""
+    pages = _host_index(s.prefix_table, -(-s.prefix_len // page_size), f"seqs[{i}].prefix_table")
+    pos = torch.arange(s.prefix_len, dtype=torch.int64)
+    return dataclasses.replace(s, prefix_table=pages[pos // page_size] * page_size + pos % page_size)
+
+
+def _rows_as_decodes(s: MLASeq) -> list[MLASeq]:
+    """Row invariant: a sequence with a mask (a verify tree) as one decode row per new token, each over the
+    committed prefix and then the other new tokens its mask row shows (a tree in topological order: its
+    ancestors, in position order), so the row reads exactly the keys of its AR twin in the same order and
+    blocks. Causal sequences (decode, prefill chunks) are kept as they are."""
+    if s.new_mask is None or s.q_len <= 1:
+        return [s]
+    if s.new_mask.shape != (s.q_len, s.q_len) or s.new_mask.dtype != torch.bool:
+        raise ValueError(f"new_mask must be bool [{s.q_len}, {s.q_len}], got {s.new_mask.dtype} "
+                         f"{tuple(s.new_mask.shape)}")  # fmt: skip
+    mask = s.new_mask.cpu()
+    if not bool(mask.diagonal().all()):
+        raise ValueError("new_mask: every new token must see itself (diagonal all True)")
+    table = _host_index(s.prefix_table, s.prefix_len, "prefix_table")
+    new = _host_index(s.new_slots, s.q_len, "new_slots")
+    rows = []
+    others = ~torch.eye(s.q_len, dtype=torch.bool)
+    for i in range(s.q_len):
+        seen = new[mask[i] & others[i]]  # the other new tokens the row sees, in row order (a tree's: its path)
+        rows.append(MLASeq(1, s.prefix_len + seen.numel(), torch.cat([table, seen]), new[i : i + 1]))
+    return rows
 
 
 def _host_index(t: torch.Tensor, n: int, name: str) -> torch.Tensor:

@@ -59,6 +59,7 @@ def mla_split_partials_ref(
     (a prefix split's range, plus the new tokens under the mask for has_new). Rows past the end are NaN."""
     T, H, r = q_lat.shape
     bm, ps = plan.block_m, plan.page_size
+    seqs = list(plan.planned) or seqs  # the tiles index the planned sequences (a tree's rows as decodes)
     q = torch.cat([q_lat, q_pe], dim=-1).float().cpu().reshape(T * H, -1)  # [T·H, r+dr], row = t·H + h
     cache = kv.float().cpu()
     tiles = plan.tiles.cpu().tolist()

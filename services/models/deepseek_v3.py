@@ -20,6 +20,7 @@ from torch import nn
 
 from .attention import AttentionMetadata, MLAAttentionBackend, make_attention_backend
 from .config import DeepseekV3Config
+from .device_linear import route_linears
 from .layer_kernels import TORCH_KERNELS, LayerKernels, make_layer_kernels
 from .mla import DeepseekV3Attention
 from .moe import DeepseekV3MLP, DeepseekV3MoE
@@ -148,6 +149,10 @@ class DeepseekV3ForCausalLM(nn.Module):
         h, residual = self.embed(input_ids), None  # [T, d]
         rope = PositionRope(self.model.rotary_emb, positions)  # cos/sin once for every layer
         kernels = self.layer_kernels
+        device_gemms = kernels.head_gemm is not None  # the linears follow the kernels (device_linear.py)
+        if self.__dict__.get("_device_gemms") != device_gemms:
+            route_linears(self, device_gemms)
+            self.__dict__["_device_gemms"] = device_gemms
         taps: dict[int, torch.Tensor] = {}
         wanted = set(tap_layer_ids)
         for i, layer in enumerate(self.model.layers):

@@ -39,6 +39,10 @@ class LayerKernels:
     # (q_pe [T, H, dr], cos fp32 [T, dr/2], sin fp32 [T, dr/2]) -> rotated [T, H, dr], the forward's
     # PositionRope tables; None: PositionRope's own torch code
     rope_q: Callable | None = None
+    # (x [T, H, K], weight [H, N, K]) -> per head x · weightᵀ [T, H, N] (MLA's absorptions), row invariant;
+    # None: torch.bmm. Set with the Triton kernels, which also put the linears on the device path's GEMMs
+    # (device_linear.route_linears, by the model's forward).
+    head_gemm: Callable | None = None
 
 
 TORCH_KERNELS = LayerKernels("torch", rms_norm, add_rms_norm, silu_mul)
@@ -49,10 +53,11 @@ def make_layer_kernels(name: str) -> LayerKernels:
         return TORCH_KERNELS
     if name == "triton":
         from ddtree.kernels.activation import silu_mul as triton_silu_mul  # imports triton: only when chosen
+        from ddtree.kernels.dense_gemm import head_gemm
         from ddtree.kernels.rmsnorm import add_rms_norm as triton_add_rms_norm
         from ddtree.kernels.rmsnorm import rms_norm as triton_rms_norm
         from ddtree.kernels.rope import rope_q
         from ddtree.kernels.router import route
 
-        return LayerKernels("triton", triton_rms_norm, triton_add_rms_norm, triton_silu_mul, route, rope_q)
+        return LayerKernels("triton", triton_rms_norm, triton_add_rms_norm, triton_silu_mul, route, rope_q, head_gemm)
     raise ValueError(f"unknown layer kernels {name!r}; choices: {list(KERNEL_CHOICES)}")

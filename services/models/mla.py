@@ -148,9 +148,15 @@ class DeepseekV3Attention(nn.Module):
         w_uk, w_uv = self.w_uk_uv()
         # Both absorptions as one bmm over heads (what einsum "thn,hnr->thr" / "thr,hvr->thv" runs, the same
         # numbers, without its per-call planning ops)
-        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, r]
+        if kernels.head_gemm is not None:  # the device path: row invariant (kernels/dense_gemm.py)
+            q_lat = kernels.head_gemm(q_nope, w_uk.transpose(1, 2))  # [T, H, r]
+        else:
+            q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, r]
         o_lat = backend.attend(q_lat, q_pe.to(q_lat.dtype), kv_layer, meta, self.softmax_scale)  # [T, H, r]
-        o = torch.bmm(o_lat.to(w_uv.dtype).transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, dv]
+        if kernels.head_gemm is not None:
+            o = kernels.head_gemm(o_lat.to(w_uv.dtype), w_uv)  # [T, H, dv]
+        else:
+            o = torch.bmm(o_lat.to(w_uv.dtype).transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, dv]
         return self.o_proj(o.reshape(T, self.num_heads * self.v_head_dim))
 
 

@@ -66,6 +66,8 @@ class KeepsPackedDtypes(nn.Module):
 
 
 class _PackedLinear(KeepsPackedDtypes):
+    device_path = False  # the Triton GEMM off CUDA too (interpreted): device_linear.route_linears sets it
+
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
         self.in_features = in_features
@@ -85,7 +87,7 @@ class _PackedLinear(KeepsPackedDtypes):
         return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N], dtype of x
-        if x.is_cuda:
+        if x.is_cuda or self.device_path:
             y = self.kernel_gemm(x.reshape(-1, x.shape[-1]))  # the GEMMs take [M, K]
             if y is not None:
                 y = y.view(*x.shape[:-1], self.out_features)

@@ -15,11 +15,12 @@ import argparse
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register `selftest` and its subcommands."""
-    from ddtree.tools.selftest import gpu
+    from ddtree.tools.selftest import gpu, invariance_check
 
     p = subparsers.add_parser(
-        "selftest", help="check this install on its hardware: gpu", description=__doc__.split("\n\n")[0]
+        "selftest", help="check this install on its hardware: gpu, invariance", description=__doc__.split("\n\n")[0]
     )
     sub = p.add_subparsers(dest="selftest_command", required=True)
     gpu.add_parser(sub)
+    invariance_check.add_parser(sub)
     return p

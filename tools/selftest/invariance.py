@@ -97,18 +97,20 @@ def _forward(model, seqs: list[tuple[list[int], list[int], SeqAttention]], cache
     return out.logits.float().cpu()
 
 
-def compare_tree_rows(model, contexts: list[list[int]], trees: list[Tree], step=None) -> Comparison:
+def compare_tree_rows(model, contexts: list[list[int]], trees: list[Tree], step=None, cache_of=None) -> Comparison:
     """Prefill each context alone, verify every tree in one batched step (sequence b: trees[b] over
-    contexts[b]), decode every row's AR twin alone; compare each row's logits with its twin's."""
+    contexts[b]), decode every row's AR twin alone; compare each row's logits with its twin's.
+    `step` runs every forward when given (see _forward); `cache_of(num_slots)` makes the cache (default
+    model.new_kv_cache)."""
     rows = sum(len(c) for c in contexts) + 2 * sum(len(t.tokens) for t in trees)
-    cache = model.new_kv_cache(rows)
+    cache = (cache_of or model.new_kv_cache)(rows)
     slots = _Slots()
     ctx_slots = []
     for ctx in contexts:  # the shared committed context, each prefilled alone
         s = slots.take(len(ctx))
         ctx_slots.append(s)
         empty = torch.empty(0, dtype=torch.int64)
-        _forward(model, [(ctx, list(range(len(ctx))), SeqAttention(0, len(ctx), empty, s))], cache)
+        _forward(model, [(ctx, list(range(len(ctx))), SeqAttention(0, len(ctx), empty, s))], cache, step)
     batch, start = [], 0
     for ctx, s, tree in zip(contexts, ctx_slots, trees, strict=True):
         n, P = len(tree.tokens), len(ctx)

@@ -66,9 +66,25 @@ class TPGroup:
     # [int64 buffer]: the per-step message buffer (step_message.py), the same capacity on every rank
     step_buffer: list = dataclasses.field(default_factory=lambda: [None], repr=False)
 
+    # Row invariance (docs/design.md): the sum over ranks in rank order, element by element, from an exact
+    # all-gather. NCCL's all_reduce picks ring or tree and its protocol by message size, and a ring assigns
+    # each element the rank its sum starts from by the element's chunk, i.e. by the row count: a row's sum
+    # would depend on how many rows share the step. False: dist.all_reduce (fewer bytes; not row invariant).
+    ordered_reduce: bool = True
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum over ranks, in place; returns x."""
-        dist.all_reduce(x, group=self.device_group)
+        """Sum over ranks, in place; returns x. ordered_reduce: ((x_0 + x_1) + x_2) + ... in fp32 for every
+        element, whatever its row and the message size, then x's dtype; the same result on every rank."""
+        if not self.ordered_reduce or self.world_size == 1:
+            dist.all_reduce(x, group=self.device_group)
+            return x
+        flat = torch.empty(self.world_size * x.numel(), dtype=x.dtype, device=x.device)  # gloo wants it flat
+        dist.all_gather_into_tensor(flat, x.contiguous().view(-1), group=self.device_group)
+        parts = flat.view(self.world_size, *x.shape)
+        acc = parts[0].float()
+        for i in range(1, self.world_size):
+            acc += parts[i]
+        x.copy_(acc)
         return x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:

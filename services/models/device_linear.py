@@ -1,0 +1,39 @@
+"""The device path's row-invariant GEMMs on a model's linears (docs/design.md, row invariance).
+
+With the Triton layer kernels (layer_kernels.py) a row's result must depend only on that row, never on how
+many rows share the step. cuBLAS (and the CPU's BLAS) choose kernel, tile and split-K from M, so the plain
+`nn.Linear` layers run `ddtree.kernels.dense_gemm` instead (one tile shape per weight shape), and the
+packed INT4 / FP8 linears and the stacked experts run their Triton kernels off CUDA too (interpreted on a
+CPU), where they would otherwise dequantize and call F.linear / the grouped torch MoE.
+
+`route_linears(model, on)` switches a model's modules in place, once per choice (the model's forward calls it
+when its layer kernels change): plain linears by class (`DeviceLinear` is an nn.Linear with the same
+parameters, so state dicts and loaders see no difference), packed ones by their `device_path` flag.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class DeviceLinear(nn.Linear):
+    """nn.Linear whose forward is kernels/dense_gemm.py (x in the weight's dtype)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
+        from ddtree.kernels.dense_gemm import dense_gemm  # imports triton: only on the device path
+
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return dense_gemm(x, self.weight.to(x.dtype), bias)
+
+
+def route_linears(model: nn.Module, on: bool) -> None:
+    """Every plain linear of `model` to DeviceLinear (on) or back to nn.Linear; `device_path` of every module
+    that has the flag (packed linears, stacked experts) set to `on`."""
+    for module in model.modules():
+        if on and type(module) is nn.Linear:
+            module.__class__ = DeviceLinear
+        elif not on and type(module) is DeviceLinear:
+            module.__class__ = nn.Linear
+        if hasattr(module, "device_path"):
+            module.device_path = on

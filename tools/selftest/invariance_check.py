@@ -1,0 +1,220 @@
+"""`ddtree selftest invariance`: is every verified row's result independent of the rows around it, here?
+
+    ddtree selftest invariance --model DIR [--tp N] [--kernels auto|torch|triton] [--dtype auto|bf16|fp16|fp32]
+        [--batches 1,3,8] [--rows 9,17] [--contexts N,...] [--seed S] [--json]
+
+For sampled contexts (lengths that cross the attention's prefix-split boundaries), trees of --rows rows at
+each batch size of --batches (the other sequences of the batch are trees over other contexts): every row's
+fp32 logits against its AR twin, the same token decoded alone at batch 1 after its ancestors, each decoded
+alone (invariance.py), bit for bit. Prints the rows compared, the rows that differ and the largest
+difference; exits 1 when any row differs, 2 on bad input.
+
+--kernels triton on a CPU runs the device path under the Triton interpreter (TRITON_INTERPRET=1 is set here
+when triton is not imported yet); auto is triton on CUDA, torch on the CPU. --tp N runs N ranks on this
+host (gloo on the CPU, NCCL on CUDA), each its shard, rank 0 comparing the gathered logits.
+
+`run_invariance_check` is the GPU check's part (tools/selftest/parts.py): a small Kimi-shaped checkpoint
+(INT4 experts, bf16 elsewhere), the Triton kernels, in bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import random
+import sys
+import tempfile
+import time
+
+SPLIT_EDGES = (256, 512)  # the MLA plan's default min_split and twice it: contexts straddle these
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "invariance", help="every tree row's logits against its AR twin (batch 1), bitwise", description=__doc__
+    )
+    p.add_argument("--model", required=True, type=pathlib.Path, help="checkpoint directory")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks on this host")
+    p.add_argument("--kernels", choices=("auto", "torch", "triton"), default="auto")
+    p.add_argument("--dtype", choices=("auto", "bf16", "fp16", "fp32"), default="auto",
+                   help="auto: bf16 on CUDA, fp32 on the CPU")  # fmt: skip
+    p.add_argument("--batches", default="1,3,8", help="batch sizes (comma-separated)")
+    p.add_argument("--rows", default="9,17", help="tree rows (comma-separated)")
+    p.add_argument("--contexts", default="", help="context lengths to sample from (default: around 256 and 512)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(fn=run)
+    return p
+
+
+def _ints(text: str, name: str) -> list[int]:
+    try:
+        out = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        out = []
+    if not out or min(out) < 1:
+        raise ValueError(f"--{name} must be comma-separated positive integers, got {text!r}")
+    return out
+
+
+def default_contexts(edges=SPLIT_EDGES) -> list[int]:
+    """Lengths just under, at and past each split edge (a context and its tree's rows straddle it)."""
+    return sorted({e + d for e in edges for d in (-9, -1, 0, 3)})
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        batches, rows = _ints(args.batches, "batches"), _ints(args.rows, "rows")
+        contexts = _ints(args.contexts, "contexts") if args.contexts else default_contexts()
+    except ValueError as err:
+        print(f"ddtree selftest invariance: {err}", file=sys.stderr)
+        return 2
+    if not (args.model / "config.json").is_file():
+        print(f"ddtree selftest invariance: no config.json in {args.model}", file=sys.stderr)
+        return 2
+    if args.tp < 1:
+        print("ddtree selftest invariance: --tp must be >= 1", file=sys.stderr)
+        return 2
+    import torch
+
+    cuda = torch.cuda.is_available()
+    kernels = args.kernels if args.kernels != "auto" else ("triton" if cuda else "torch")
+    if kernels == "triton" and not cuda:
+        if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+            print("ddtree selftest invariance: triton was imported before TRITON_INTERPRET=1", file=sys.stderr)
+            return 2
+        os.environ["TRITON_INTERPRET"] = "1"
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(args.dtype)
+    dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
+    spec = CheckSpec(str(args.model), kernels, dtype, batches, rows, contexts, args.seed)
+    started = time.perf_counter()
+    result = _run_ranks(spec, args.tp) if args.tp > 1 else compare_all(_load(spec, "cuda" if cuda else "cpu"), spec)
+    out = {**result, "model": str(args.model), "tp": args.tp, "kernels": kernels, "dtype": str(dtype),
+           "device": "cuda" if cuda else "cpu", "batches": batches, "tree_rows": rows,
+           "wall_s": round(time.perf_counter() - started, 1)}  # fmt: skip
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(f"rows compared {out['rows']}, rows differing {out['differing']}, largest difference "
+              f"{out['max_abs_diff']:.3g}, argmax flips {out['argmax_flips']} ({kernels} kernels, {dtype}, "
+              f"TP {args.tp}, {out['device']})")  # fmt: skip
+    return 1 if out["differing"] else 0
+
+
+class CheckSpec:
+    def __init__(self, model, kernels, dtype, batches, rows, contexts, seed):
+        self.model, self.kernels, self.dtype = model, kernels, dtype
+        self.batches, self.rows, self.contexts, self.seed = batches, rows, contexts, seed
+
+
+def _load(spec: CheckSpec, device: str, tp=None):
+    from ddtree.models.layer_kernels import make_layer_kernels
+    from ddtree.models.loader import load_target
+
+    backend = "triton" if spec.kernels == "triton" else "torch"
+    if tp is None:
+        model = load_target(spec.model, dtype=spec.dtype, device=device, attention_backend=backend).eval()
+    else:
+        from ddtree.models.parallel.tp_model import load_tp_model
+
+        model = load_tp_model(spec.model, tp, dtype=spec.dtype, attention_backend=backend).eval()
+    model.layer_kernels = make_layer_kernels(spec.kernels)
+    return model
+
+
+def compare_all(model, spec: CheckSpec, step=None, cache_of=None) -> dict:
+    """Every (batch, rows) case over contexts drawn from spec.contexts: the merged Comparison as a dict."""
+    from ddtree.tools.selftest.invariance import Comparison, compare_tree_rows, random_tree
+
+    rng = random.Random(spec.seed)
+    vocab = model.config.vocab_size
+    total = Comparison(0, 0, 0.0, 0)
+    cases = []
+    for batch in spec.batches:
+        for n in spec.rows:
+            contexts = [[rng.randrange(vocab) for _ in range(rng.choice(spec.contexts))] for _ in range(batch)]
+            trees = [random_tree(n, vocab, rng) for _ in range(batch)]
+            got = compare_tree_rows(model, contexts, trees, step, cache_of)
+            cases.append({"batch": batch, "rows": n, "differing": got.differing, "max_abs_diff": got.max_abs_diff})
+            total = total.merged(got)
+    return {"rows": total.rows, "differing": total.differing, "max_abs_diff": total.max_abs_diff,
+            "argmax_flips": total.argmax_flips, "cases": cases}  # fmt: skip
+
+
+def _run_ranks(spec: CheckSpec, world: int) -> dict:
+    import torch
+    import torch.multiprocessing as tmp
+
+    with tempfile.TemporaryDirectory(prefix="ddtree-invariance-") as work:
+        out = pathlib.Path(work) / "result.pt"
+        tmp.spawn(_rank_main, args=(world, spec, str(out)), nprocs=world, join=True)
+        return torch.load(out)
+
+
+def _rank_main(rank: int, world: int, spec: CheckSpec, out: str) -> None:
+    """One rank: rank 0 runs the comparison through TensorParallelModel (every forward broadcast to the others,
+    which serve them in worker_loop until rank 0 closes), and saves the result."""
+    import torch
+
+    from ddtree.models.parallel.process_group import destroy_tp, init_tp, rank_device
+    from ddtree.models.parallel.tp_model import TensorParallelModel
+    from ddtree.verifier.tp_worker import worker_loop
+
+    if spec.kernels == "triton" and not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+    device = rank_device("cuda" if torch.cuda.is_available() else "cpu", rank)
+    tp = init_tp(world, rank, device, timeout_s=600, init_method=f"file://{out}.store")
+    model = _load(spec, str(device), tp).to(device)
+    if rank > 0:
+        worker_loop(model, tp)
+    else:
+        runner = TensorParallelModel(model, tp, ping_interval_s=30)
+
+        def cache_of(num_slots: int):
+            kv = model.new_kv_cache(num_slots)
+            runner.replicate_kv(kv)
+            return kv
+
+        def step(_model, ids, pos, meta, kv):
+            return runner.forward(ids, pos, meta, kv, gather_logits=True).logits
+
+        result = compare_all(model, spec, step, cache_of)
+        runner.close()
+        torch.save(result, out)
+    destroy_tp()
+    os._exit(0)  # skip the interpreter's teardown of gloo's threads (tests/support/tp_ranks.py)
+
+
+def run_invariance_check(dry_run: bool, device, log, deadline: float, on_row) -> dict:
+    """The GPU check's part: a small Kimi-shaped checkpoint (INT4 experts), Triton kernels, bf16, every row
+    of trees of 9 and 17 rows at batch 1, 3 and 8 against its AR twin (dry run: 2 layers, batches 1 and 3,
+    contexts past one split edge)."""
+    import torch
+
+    from ddtree.tools.selftest import kimi_checkpoint
+
+    with tempfile.TemporaryDirectory(prefix="selftest-invariance-") as work:
+        args = kimi_checkpoint.parse_args(["--out", work, "--layers", "3", "--experts", "16", "--hidden", "1024",
+                                           "--vocab", "8192", "--heads", "16", "--q-lora", "256", "--kv-lora", "512",
+                                           "--moe-width", "256", "--dense-width", "1024", "--no-vision"])  # fmt: skip
+        if dry_run:
+            args = kimi_checkpoint.parse_args(["--out", work, "--layers", "2", "--experts", "4", "--hidden", "64",
+                                               "--vocab", "256", "--heads", "4", "--q-lora", "32", "--kv-lora", "32",
+                                               "--moe-width", "32", "--dense-width", "64", "--no-vision"])  # fmt: skip
+        kimi_checkpoint.write_checkpoint(args)
+        batches, contexts = ([1, 3], [29, 40]) if dry_run else ([1, 3, 8], default_contexts())
+        spec = CheckSpec(work, "triton", torch.bfloat16, batches, [9, 17], contexts, 0)
+        model = _load(spec, str(device))
+        if dry_run:
+            from ddtree.kernels.mla_backend import TritonMLAAttention
+            from ddtree.kernels.mla_plan import MLAKernelConfig
+
+            model.attn_backend = TritonMLAAttention(MLAKernelConfig(block_n=16, min_split=32, max_splits=4))
+        out = compare_all(model, spec)
+    log(f"rows {out['rows']}, differing {out['differing']}, largest difference {out['max_abs_diff']:.3g}")
+    row = {"rows": out["rows"], "mismatches": out["differing"], "max_abs_diff": out["max_abs_diff"],
+           "argmax_flips": out["argmax_flips"], "cases": out["cases"], "errors": []}  # fmt: skip
+    on_row(row)
+    return row
