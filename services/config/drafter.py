@@ -54,9 +54,9 @@ class DrafterConfig(DraftStaticFields, CpuRuntimeFields, ServiceConfig):
     device: str = option("cpu", "torch device (cpu, cuda, cuda:N)")
     tp: int = option(
         1,
-        "tensor-parallel ranks of the drafter (heads, MLP columns and the target's vocabulary split), planned "
-        "co-located with a verifier of the same --tp: drafter rank r on verifier rank r's GPU (ddtree inspect "
-        "--drafter); serving above 1 is not built yet and is refused at start-up",
+        "tensor-parallel ranks of the drafter (torch.distributed, spawned locally; rank 0 serves): heads and MLP "
+        "columns split, placed beside a verifier of the same --tp, drafter rank r on cuda:r (ddtree inspect "
+        "--drafter plans it); above 1 the block forwards run eagerly",
         at_least=1,
     )
     dtype: AutoDtype = option(

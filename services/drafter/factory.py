@@ -20,8 +20,6 @@ def drafter_dtype(cfg: DrafterConfig) -> torch.dtype:
 
 
 def make_engine(cfg: DrafterConfig, model_dir: str, target_dir: str):
-    if cfg.tp > 1:
-        raise ValueError(f"drafter --tp {cfg.tp}: a tensor-parallel drafter service is not built yet; use --tp 1")
     dtype = drafter_dtype(cfg)
     from ddtree.drafter.engine import DraftEngine
     from ddtree.drafter.memory_check import refuse_unless_fits
@@ -29,6 +27,10 @@ def make_engine(cfg: DrafterConfig, model_dir: str, target_dir: str):
     from ddtree.models.loader import load_tensors
 
     refuse_unless_fits(cfg, model_dir, dtype)  # on CUDA: the memory plan, before any weight is read
+    if cfg.tp > 1:  # N ranks, rank 0's handle (drafter/tp_drafter.py); eager forwards
+        from ddtree.drafter.tp_drafter import start_tensor_parallel_drafter
+
+        return start_tensor_parallel_drafter(cfg, model_dir, target_dir, dtype)
     model = load_drafter(model_dir).to(device=cfg.device, dtype=dtype).eval()
     head = load_tensors(target_dir, ["model.embed_tokens.weight", "lm_head.weight"])
     engine = DraftEngine(

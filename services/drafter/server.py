@@ -365,6 +365,9 @@ def _on_stop(servicer: DrafterServicer, engine_thread: EngineThread | None, loca
         local.close()
     if engine_thread is not None:
         engine_thread.close()
+    close = getattr(servicer.engine, "close", None)  # a tensor-parallel engine stops its ranks
+    if close is not None:
+        close()
 
 
 def serve_engine(engine, config: DrafterConfig, engine_thread: EngineThread | None = None) -> RunningServer:
