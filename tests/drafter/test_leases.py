@@ -138,3 +138,20 @@ def test_a_restarted_verifier_and_an_idle_context_are_released_by_the_server():
             assert "caller name and incarnation" in err.value.details()
     finally:
         server.stop(0)
+
+
+def test_an_engine_without_token_or_tls_listens_on_loopback_only():
+    """Issue 47: whatever --host says, an engine that authenticates no caller is reachable from this machine
+    only; a token (or mutual TLS) lets it listen where it is told."""
+    from ddtree.protocol.security import ServiceSecurity, engine_bind_host
+
+    open_, keyed = ServiceSecurity(), ServiceSecurity(token="t")
+    assert engine_bind_host("0.0.0.0", open_) == "127.0.0.1" and engine_bind_host("::", open_) == "::1"
+    assert engine_bind_host("10.1.2.3", open_) == "127.0.0.1"
+    assert engine_bind_host("127.0.0.2", open_) == "127.0.0.2" and engine_bind_host("localhost", open_) == "localhost"
+    assert engine_bind_host("0.0.0.0", keyed) == "0.0.0.0"
+    server = serve_engine(ContextEngine(), DrafterConfig(host="0.0.0.0", port=0, grace_s=0.0))
+    try:
+        assert server.address.startswith("127.0.0.1:")
+    finally:
+        server.stop(0)
