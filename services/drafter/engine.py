@@ -68,13 +68,7 @@ class DraftEngine:
         model_id: str = "dflash",
     ):
         cfg = model.config
-        if embed_weight.dim() != 2 or tuple(embed_weight.shape) != (cfg.vocab_size, cfg.hidden_size):
-            raise ValueError(
-                f"embed_weight must be [vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size}], "
-                f"got {tuple(embed_weight.shape)}"
-            )
-        if tuple(lm_head_weight.shape) != tuple(embed_weight.shape):
-            raise ValueError(f"lm_head_weight must be {tuple(embed_weight.shape)}, got {tuple(lm_head_weight.shape)}")
+        self._check_head(cfg, embed_weight, lm_head_weight)
         if window < 0:
             raise ValueError(f"window must be >= 0 (0 = unlimited), got {window}")
         default_budget = cfg.block_size - 1 if default_budget is None else default_budget
@@ -99,6 +93,24 @@ class DraftEngine:
         # Where the trees are built (ddtree.tree.drafted_trees): with tensor ops where the logits are on an
         # accelerator, by the heap on the CPU (the same trees).
         self.tree_on_device = model.device.type != "cpu"
+
+    def _check_head(self, cfg, embed_weight: Tensor, lm_head_weight: Tensor) -> None:
+        """The target's embedding and LM head, [vocab_size, hidden_size] each."""
+        if embed_weight.dim() != 2 or tuple(embed_weight.shape) != (cfg.vocab_size, cfg.hidden_size):
+            raise ValueError(
+                f"embed_weight must be [vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size}], "
+                f"got {tuple(embed_weight.shape)}"
+            )
+        if tuple(lm_head_weight.shape) != tuple(embed_weight.shape):
+            raise ValueError(f"lm_head_weight must be {tuple(embed_weight.shape)}, got {tuple(lm_head_weight.shape)}")
+
+    def _embed(self, block_ids: Tensor) -> Tensor:
+        """int64 [S, B] -> the target's embedding rows [S, B, H]."""
+        return self.embed_weight[block_ids]
+
+    def _topk_logprobs(self, rows: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """hidden rows [R, H] -> (log-probs fp32 [R, k] descending, token ids int64 [R, k]) over the vocabulary."""
+        return topk_logprobs(self.model.compute_logits(rows, self.lm_head_weight), k)
 
     @property
     def context_dtype(self) -> torch.dtype:
@@ -291,7 +303,7 @@ class DraftEngine:
         S, B = len(seqs), cfg.block_size
         block_ids = torch.full((S, B), cfg.mask_token_id, dtype=torch.long, device=self.embed_weight.device)
         block_ids[:, 0] = torch.tensor([seq.root_token_id for seq in seqs], device=block_ids.device)
-        embeds = self.embed_weight[block_ids]  # [S, B, H]
+        embeds = self._embed(block_ids)  # [S, B, H]
         if cfg.input_embedding_scale != 1.0:
             embeds = embeds * cfg.input_embedding_scale
         root_pos = torch.tensor([seq.commit_start + len(seq.commit_token_ids) for seq in seqs], device=model.device)
@@ -303,16 +315,15 @@ class DraftEngine:
         if hidden is None:  # no static step, or the call fits none of its buckets
             hidden = model.forward_blocks(embeds, block_pos, kv)  # [S, B, H]; not cached
         rows = hidden[:, cfg.prediction_slots].reshape(S * (B - 1), -1)  # depth order (draft_shift: which slots)
-        logits = model.compute_logits(rows, self.lm_head_weight)  # fp32
-        logits = logits.view(S, B - 1, -1)  # row d - 1 of block s -> depth d of sequence s
         budgets = [seq.budget or self.default_budget for seq in seqs]
         # chain (K = 1): the best-first build can only extend the single path, one node per depth
         budgets = [min(b, B - 1) if seq.chain else b for seq, b in zip(seqs, budgets)]
         ks = [
             seq.table_width or (1 if seq.chain else min(budget, self.vocab_size)) for seq, budget in zip(seqs, budgets)
         ]
-        # One top-K over every sequence's rows; a sequence takes the first k of its rows' sorted top-K.
-        logprobs, ids = topk_logprobs(logits.view(S * (B - 1), -1), max(ks))  # [S*D, K]
+        # One top-K over every sequence's rows (row d - 1 of block s: depth d of sequence s); a sequence takes
+        # the first k of its rows' sorted top-K.
+        logprobs, ids = self._topk_logprobs(rows, max(ks))  # [S*D, K]
         logprobs, ids = logprobs.view(S, B - 1, -1), ids.view(S, B - 1, -1)
         tables, chains = [bool(seq.table_width) for seq in seqs], [seq.chain for seq in seqs]
         return drafted_trees(logprobs, ids, ks, budgets, tables, chains, self.tree_on_device)

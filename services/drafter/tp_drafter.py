@@ -9,8 +9,10 @@ identical (TPGroup.all_reduce sums in rank order, the same on every rank). Read-
 context_end) are answered by rank 0 alone. One lock orders the broadcasts; an idle rank 0 pings the others
 within the group's timeout. `warm_up` is not run at TP > 1, nor static draft blocks (eager forwards).
 
-Each rank holds its drafter shard and, today, the target's whole embedding and LM head (the memory plan
-counts 1/N of the vocabulary: a vocabulary-split head, merge_topk, is not wired into the engine yet).
+Each rank holds its drafter shard and rows [r·V/N, (r+1)·V/N) of the target's embedding and LM head
+(VocabShardedDraftEngine): a block's embedding is summed from the rank holding each id (the others add
+zeros), its log-probs are each shard's logits less the whole vocabulary's logsumexp (from every shard's max
+and sum of exponentials), and its top-K is merged from every shard's top-K (dflash_tp.merge_topk).
 """
 
 from __future__ import annotations
@@ -24,8 +26,12 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
+from ddtree.drafter.engine import DraftEngine
+from ddtree.models.parallel.dflash_tp import merge_topk, shard_dflash, shard_topk
 from ddtree.models.parallel.process_group import TPGroup, destroy_tp, init_tp, rank_device, rendezvous_store
+from ddtree.models.parallel.shard_plan import shard_range
 from ddtree.telemetry.logging import configure_logging, get_logger
 
 log = get_logger("ddtree.drafter.tp")
@@ -33,27 +39,61 @@ TP_TIMEOUT_S = 120.0  # a collective waiting longer for a peer fails; rank 0 pin
 LOCKSTEP_OPS = ("draft", "append", "release")
 
 
-def build_rank_engine(cfg, model_dir: str, target_dir: str, tp: TPGroup, dtype: torch.dtype):
-    """This rank's DraftEngine: the whole drafter read on the CPU, sliced (shard_dflash), the shard moved
-    to the rank's device."""
-    from ddtree.drafter.engine import DraftEngine
+class VocabShardedDraftEngine(DraftEngine):
+    """A DraftEngine of a sharded drafter whose embedding and LM head are rows [vocab_start, vocab_start +
+    V/N) of the target's; its trees are the same on every rank (every collective's result is)."""
+
+    def __init__(self, model, embed_shard: Tensor, lm_head_shard: Tensor, tp: TPGroup, **kwargs):
+        self._tp = tp
+        self._vocab_start = shard_range(model.config.vocab_size, tp.rank, tp.world_size, "vocab_size")[0]
+        super().__init__(model, embed_shard, lm_head_shard, **kwargs)
+
+    def _check_head(self, cfg, embed_weight: Tensor, lm_head_weight: Tensor) -> None:
+        rows = cfg.vocab_size // self._tp.world_size
+        if tuple(embed_weight.shape) != (rows, cfg.hidden_size) or lm_head_weight.shape != embed_weight.shape:
+            raise ValueError(
+                f"the vocabulary shards must be [{rows}, {cfg.hidden_size}], got {tuple(embed_weight.shape)} "
+                f"and {tuple(lm_head_weight.shape)}"
+            )
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def _embed(self, block_ids: Tensor) -> Tensor:
+        local = block_ids - self._vocab_start
+        mine = (local >= 0) & (local < self.embed_weight.shape[0])  # [S, B]
+        x = self.embed_weight[local.masked_fill(~mine, 0)].masked_fill(~mine[..., None], 0)
+        return self._tp.all_reduce(x)  # one rank holds each id, the others add exact zeros
+
+    def _topk_logprobs(self, rows: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        logits = self.model.compute_logits(rows, self.lm_head_weight)  # fp32 [R, V/N]
+        m = logits.max(dim=-1).values  # [R]
+        stats = self._tp.all_gather(torch.stack([m, (logits - m[:, None]).exp().sum(dim=-1)], dim=-1))  # [N, R, 2]
+        top = stats[..., 0].max(dim=0).values  # [R]
+        lse = top + (stats[..., 1] * (stats[..., 0] - top).exp()).sum(dim=0).log()  # logsumexp of the whole row
+        values, ids = shard_topk(logits - lse[:, None], k, self._vocab_start)
+        return merge_topk(self._tp.all_gather(values), self._tp.all_gather(ids), k)
+
+
+def build_rank_engine(cfg, model_dir: str, target_dir: str, tp: TPGroup, dtype: torch.dtype) -> DraftEngine:
+    """This rank's engine: the whole drafter read on the CPU, sliced (shard_dflash), the shard and this
+    rank's vocabulary rows of the target's embedding and LM head moved to the rank's device."""
     from ddtree.models.dflash_checkpoint import load_drafter
     from ddtree.models.loader import load_tensors
-    from ddtree.models.parallel.dflash_tp import shard_dflash
 
     device = rank_device(cfg.device, tp.rank)
     whole = load_drafter(model_dir).to(dtype=dtype).eval()
     local = shard_dflash(whole, tp).to(device)
     del whole
     head = load_tensors(target_dir, ["model.embed_tokens.weight", "lm_head.weight"])
-    return DraftEngine(
-        local,
-        head["model.embed_tokens.weight"].to(device, dtype),
-        head["lm_head.weight"].to(device, dtype),
-        window=cfg.resolved_window(),
-        default_budget=cfg.default_budget,
+    lo, hi = shard_range(local.config.vocab_size, tp.rank, tp.world_size, "vocab_size")
+    embed, lm_head = (head[n][lo:hi].to(device, dtype).clone() for n in ("model.embed_tokens.weight", "lm_head.weight"))
+    del head
+    return VocabShardedDraftEngine(
+        local, embed, lm_head, tp, window=cfg.resolved_window(), default_budget=cfg.default_budget,
         max_budget=cfg.max_budget,
-    )
+    )  # fmt: skip
 
 
 def _recv(tp: TPGroup):
