@@ -55,8 +55,8 @@ class DrafterConfig(DraftStaticFields, CpuRuntimeFields, ServiceConfig):
     tp: int = option(
         1,
         "tensor-parallel ranks of the drafter (torch.distributed, spawned locally; rank 0 serves): heads, MLP "
-        "columns and the target's vocabulary split, placed beside a verifier of the same --tp, drafter rank r on cuda:r (ddtree inspect "
-        "--drafter plans it); above 1 the block forwards run eagerly",
+        "columns and the target's vocabulary split, placed beside a verifier of the same --tp, drafter rank r "
+        "on cuda:r (ddtree inspect --drafter plans it); above 1 the block forwards run eagerly",
         at_least=1,
     )
     dtype: AutoDtype = option(

@@ -1,9 +1,9 @@
 """The DFlash drafter at TP 2 through the services (`ddtree drafter --tp 2`: two gloo ranks, rank 0 serving
-gRPC, each drafting with its shard of the drafter and of the target's vocabulary) feeding a TP-2 verifier of a Kimi-shaped INT4 checkpoint (the default
-target with its routed experts pack-quantized, group 32, Kimi's ignore list): greedy DDTree output is
-token-identical to AR; and the TP-2 drafter's trees, over the gRPC API, are the TP-1 drafter's for the same
-commits (the same tokens, parents and scores to fp32 rounding: the TP-2 forward sums its shards' partial
-products in another order)."""
+gRPC, each drafting with its shard of the drafter and of the target's vocabulary) feeding a TP-2 verifier of
+a Kimi-shaped INT4 checkpoint (the default target with its routed experts pack-quantized, group 32, Kimi's
+ignore list): greedy DDTree output is token-identical to AR; and the TP-2 drafter's trees, over the gRPC
+API, are the TP-1 drafter's for the same commits (the same tokens, parents and scores to fp32 rounding: the
+TP-2 forward sums its shards' partial products in another order)."""
 
 from __future__ import annotations
 
