@@ -189,8 +189,8 @@ def _rank_main(rank: int, world: int, spec: CheckSpec, out: str) -> None:
 
 def run_invariance_check(dry_run: bool, device, log, deadline: float, on_row) -> dict:
     """The GPU check's part: a small Kimi-shaped checkpoint (INT4 experts), Triton kernels, bf16, every row
-    of trees of 9 and 17 rows at batch 1, 3 and 8 against its AR twin (dry run: 2 layers, batches 1 and 3,
-    contexts past one split edge)."""
+    of trees of 9 and 17 rows at batch 1, 3 and 8 against its AR twin (dry run, interpreted on a CPU: 2
+    layers, one tree of 5 rows beside a decode row, contexts across a 32-key split edge)."""
     import torch
 
     from ddtree.tools.selftest import kimi_checkpoint
@@ -204,8 +204,8 @@ def run_invariance_check(dry_run: bool, device, log, deadline: float, on_row) ->
                                                "--vocab", "256", "--heads", "4", "--q-lora", "32", "--kv-lora", "32",
                                                "--moe-width", "32", "--dense-width", "64", "--no-vision"])  # fmt: skip
         kimi_checkpoint.write_checkpoint(args)
-        batches, contexts = ([1, 3], [29, 40]) if dry_run else ([1, 3, 8], default_contexts())
-        spec = CheckSpec(work, "triton", torch.bfloat16, batches, [9, 17], contexts, 0)
+        batches, rows, contexts = ([2], [5], [29, 40]) if dry_run else ([1, 3, 8], [9, 17], default_contexts())
+        spec = CheckSpec(work, "triton", torch.bfloat16, batches, rows, contexts, 0)
         model = _load(spec, str(device))
         if dry_run:
             from ddtree.kernels.mla_backend import TritonMLAAttention

@@ -1,0 +1,55 @@
+"""`ddtree selftest invariance` (tools/selftest/invariance_check.py) as operators run it: on the CPU's torch path
+it finds the rows that differ from their AR twins (that path is not row invariant: exit 1, the counts
+printed), bad input is exit 2 with one line, and `--kernels triton` (interpreted) compares a small tree's
+rows bitwise equal (exit 0). The GPU check's part (run_invariance_check) in its dry run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ddtree.models.random_checkpoint import DEFAULT_TARGET_CONFIG, write_random_target
+from tests.support import installed_env as env
+
+TINY = {**DEFAULT_TARGET_CONFIG, "vocab_size": 128, "hidden_size": 64, "intermediate_size": 64,
+        "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
+        "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16,
+        "n_routed_experts": 4}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_random_target(tmp_path_factory.mktemp("tiny"), TINY, seed=11)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "ddtree.cli", "selftest", "invariance", *args]
+    return subprocess.run(cmd, cwd=env.ROOT, capture_output=True, text=True, timeout=600)
+
+
+def test_cpu_torch_path_reports_its_differing_rows(tiny):
+    res = _cli("--model", str(tiny), "--batches", "1,3", "--rows", "9", "--contexts", "20,30", "--json")
+    assert res.returncode == 1, res.stdout + res.stderr
+    out = json.loads(res.stdout)
+    assert out["rows"] == 36 and 0 < out["differing"] <= 36 and 0 < out["max_abs_diff"] < 1e-4, out
+    assert out["kernels"] == "torch" and out["device"] == "cpu"
+
+
+def test_bad_input_is_exit_2(tiny, tmp_path):
+    for args in (
+        ["--model", str(tmp_path)],
+        ["--model", str(tiny), "--rows", "0"],
+        ["--model", str(tiny), "--tp", "0"],
+    ):
+        res = _cli(*args)
+        assert res.returncode == 2 and "Traceback" not in res.stderr and res.stderr.count("\n") == 1, res.stderr
+
+
+def test_triton_path_rows_equal_their_twins(tiny):
+    res = _cli("--model", str(tiny), "--kernels", "triton", "--dtype", "bf16", "--batches", "2", "--rows", "4",
+               "--contexts", "30")  # fmt: skip
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "rows compared 8, rows differing 0" in res.stdout
