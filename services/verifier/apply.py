@@ -71,7 +71,7 @@ def apply_outcome(
     if outcome.taps is not None and seq.feature_log is not None:
         seq.feature_log.append(outcome.taps.cpu())  # the prefix cache keeps its features on the host
     if seq.grammar is not None and outcome.emitted:
-        seq.grammar.advance(list(outcome.emitted))  # the grammar's state moves with every emitted token
+        seq.grammar.advance(list(outcome.emitted), outcome.grammar)  # its state moves with every emitted token
     if outcome.feature_rows is not None:
         seq.events.put(StreamEvent((), features=outcome.feature_rows))
     if outcome.prompt_logprobs is not None:

@@ -19,6 +19,7 @@ from ddtree.models.attention import AttentionMetadata, SeqAttention
 from ddtree.verifier.commit import ItemOutput
 from ddtree.verifier.feature_taps import split_taps, step_tap_layers
 from ddtree.verifier.kv_pool import LatentKVPool
+from ddtree.verifier.sequence_lifecycle import drop_scratch, reserve_rows
 from ddtree.verifier.target import ForwardInputs, Target
 from ddtree.verifier.work_items import WorkItem
 
@@ -43,13 +44,13 @@ def run_batch(
             pos.append(item_pos)
             q_len, read = item.rows, item.logit_rows()
             logit_rows.append(torch.arange(row + q_len - read, row + q_len))
-            slots = seq.table.extend(pool, q_len)
+            slots = reserve_rows(seq, pool, q_len)
             allocated.append(seq)
             seqs.append(SeqAttention(q_start=row, q_len=q_len, prefix_slots=seq.slots, new_slots=slots, new_mask=mask))
             row += q_len
     except Exception:
         for seq in allocated:
-            seq.table.trim(pool)
+            drop_scratch(seq, pool)
         raise
     device = pool.cache.device
     rows = torch.cat(logit_rows) if logit_rows else torch.empty(0, dtype=torch.int64)
@@ -75,7 +76,7 @@ def run_batch(
             taps, per_item = target.run(inputs, heads)
     except Exception:
         for seq in allocated:
-            seq.table.trim(pool)
+            drop_scratch(seq, pool)
         raise
     results = []
     for item, sa, (item_logits, item_argmax) in zip(items, seqs, per_item):

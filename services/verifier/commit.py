@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ddtree.verifier.accept import accept
+from ddtree.verifier.grammar import mask_logits
 from ddtree.verifier.logprobs import prompt_logprobs, token_logprobs
 from ddtree.verifier.penalties import adjust_logits
 from ddtree.verifier.sampling import mask_stop_tokens, stop_mask_rows, target_choices
@@ -56,7 +57,7 @@ class Choices:
     dead: frozenset[int]  # rows whose masks (grammar, allowed ids, bad words, stop ids) allow no token
 
 
-def _choices(seq: Sequence, out: ItemOutput, tree: TokenTree | None) -> Choices:
+def _choices(seq: Sequence, out: ItemOutput, tree: TokenTree | None, grammar: torch.Tensor | None) -> Choices:
     """The target's choice per row: argmax, or one sample per row from the request's generator.
     tree: the verified tree (row 0 its root, row i node i), or None for a first token's single row. Row r
     chooses output token len(generated) + depth(r) (min_tokens) after its path's tokens (penalties.py)."""
@@ -64,7 +65,7 @@ def _choices(seq: Sequence, out: ItemOutput, tree: TokenTree | None) -> Choices:
     depths = (0,) if tree is None else (0, *tree.depths)
     masked = seq.masks_stops
     adjusted = seq.penalty_counts is not None
-    needs_logits = masked or adjusted or seq.grammar is not None
+    needs_logits = masked or adjusted or grammar is not None
     if cfg.greedy and out.argmax is not None and (not needs_logits or out.logits is None):
         return Choices(out.argmax.tolist(), frozenset())  # tensor parallel: from the vocab shards, no gather
     logits = out.logits
@@ -74,8 +75,8 @@ def _choices(seq: Sequence, out: ItemOutput, tree: TokenTree | None) -> Choices:
     if adjusted:  # each row with the counts of the output plus its own path
         logits = adjust_logits(logits, cfg, seq.penalty_counts, seq.generated, tree)
     generator = None if cfg.greedy else seq.generator(logits.device)
-    if seq.grammar is not None:
-        logits = seq.grammar.mask_logits(logits)  # each row's grammar mask, from the path to its node (grammar.py)
+    if grammar is not None:
+        logits = mask_logits(grammar, logits)  # each row's grammar mask, from the path to its node (grammar.py)
     elif not (masked or cfg.allowed_token_ids or cfg.bad_words):
         return Choices(target_choices(logits, cfg, generator).tolist(), frozenset())  # no row can be all -inf
     dead = torch.isneginf(logits).all(dim=-1)
@@ -117,7 +118,8 @@ def commit_prefill(item: PrefillItem, out: ItemOutput, window: int) -> StepOutco
     )
     if not item.is_last:
         return StepOutcome(**common)
-    choices = _choices(seq, out, None)
+    choices = _choices(seq, out, None, None if item.grammar is None else item.grammar.masks)
+    common["grammar"] = item.grammar
     if 0 in choices.dead:
         return StepOutcome(**common, starts_decode=True, dead_end=True)
     first = choices.tokens[0]
@@ -128,7 +130,7 @@ def commit_prefill(item: PrefillItem, out: ItemOutput, window: int) -> StepOutco
 def commit_verify(item: VerifyItem, out: ItemOutput, window: int) -> StepOutcome:
     """The accepted path enters the cache; the matched node tokens, then the bonus, are emitted."""
     seq, tree = item.seq, item.tree
-    choices = _choices(seq, out, tree)
+    choices = _choices(seq, out, tree, None if item.grammar is None else item.grammar.masks)
     verdict = accept(tree, seq.root, choices.tokens)
     nodes, tokens = verdict.accepted_nodes, verdict.accepted_tokens
     # The walk ends at the first dead row it reaches: that row has no choice, so nothing after it is accepted
@@ -165,4 +167,5 @@ def commit_verify(item: VerifyItem, out: ItemOutput, window: int) -> StepOutcome
         taps=taps,
         feature_rows=feature_rows,
         verified=tree,
+        grammar=item.grammar,
     )

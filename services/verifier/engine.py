@@ -33,9 +33,9 @@ from ddtree.verifier.graph_pool import graph_reserve_for
 from ddtree.verifier.kv_pool import LatentKVPool
 from ddtree.verifier.kv_sizing import kv_size_for
 from ddtree.verifier.memory_check import refuse_unless_fits
-from ddtree.verifier.page_table import PageTable
 from ddtree.verifier.scheduler import Scheduler
 from ddtree.verifier.sequence import GenerateParams, Sequence
+from ddtree.verifier.sequence_lifecycle import drop_scratch
 from ddtree.verifier.static_step import make_static_step, plan_static_step
 from ddtree.verifier.target import LocalTarget, ShardedTarget, Target
 from ddtree.verifier.work_items import PrefillItem
@@ -66,12 +66,12 @@ class VerifierEngine:
         vocab = self.target.config.vocab_size
         for n in rows:
             ids = tuple(i % vocab for i in range(n))
-            seq = Sequence(GenerateParams("warm-up", ids, SamplingConfig(), 1, frozenset(), False, 0))
-            seq.table = PageTable(self.pool.page_size)
+            params = GenerateParams("warm-up", ids, SamplingConfig(), 1, frozenset(), False, 0)
+            seq = Sequence(params, page_size=self.pool.page_size)
             try:
                 run_batch(self.target, self.pool, [PrefillItem(seq, 0, n)], self.scheduler.tap_layer_ids)
             finally:
-                seq.table.trim(self.pool)
+                drop_scratch(seq, self.pool)
         return time.perf_counter() - t0
 
     def stop(self) -> None:

@@ -144,7 +144,7 @@ def stream_features(servicer, request, context, usage_of):
         params, fmt = features_params(servicer, request)
     except ValueError as err:
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-    seq = Sequence(params)
+    seq = Sequence(params, page_size=servicer.config.page_size)
     try:
         servicer.scheduler.submit(seq)
     except AdmissionError as err:

@@ -9,13 +9,13 @@ state is the grammar after every emitted token (the root included). Each step, b
   target may not choose, so pruning never changes the output, only the rows verified). For a kept node
   the walk consumes t, the mask of v's children is computed, and the walk rolls back one token. The walk
   runs on a copy of the sequence's matcher (`deep_copy`), never on the sequence's own: a parser limit met
-  on a draft path puts only the copy in an error state (below). The masks of the rows [root, kept nodes]
-  are kept for the commit.
-- the commit (`commit._choices`) sets the logits of disallowed tokens to -inf per row before the argmax
+  on a draft path puts only the copy in an error state (below). It returns a `GrammarStep`: the kept
+  tree and the masks of the rows [root, kept nodes], which the work item carries to its commit.
+- the commit (`commit._choices`, `mask_logits`) sets the logits of disallowed tokens to -inf per row before the argmax
   or the sample, so every target choice is the constrained AR choice given that node's path: the walk
   accepts exactly constrained AR's tokens (greedy) and samples from the masked distribution (T > 0).
-- `advance(tokens)`: the emitted tokens (accepted nodes + bonus) move the sequence's matcher on: the only
-  place its state moves.
+- `advance(tokens, step)`: the emitted tokens (accepted nodes + bonus) move the sequence's matcher on: the
+  only place its state moves (apply.py calls it with the step's `GrammarStep`, from the outcome).
 
 The tree itself (verifier setting `grammar_tree`): `table` (the default) asks the drafter for its top-K
 table and builds the tree of grammar-valid prefixes only (ddtree.tree.grammar_build), whose masks `prepare` reuses
@@ -41,6 +41,7 @@ whose root allows nothing (the sequence's own matcher, after the emitted tokens,
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -110,20 +111,40 @@ class _Walk:
         self.matcher = self._at[node].deep_copy()
 
 
+@dataclasses.dataclass(frozen=True)
+class GrammarStep:
+    """One step's grammar for one sequence, as `prepare` computed it: a value the work item carries to its
+    commit (the masks) and the outcome to `advance` (the walked matcher, the limit)."""
+
+    tree: TokenTree  # the tree kept (grammar-invalid nodes and their subtrees pruned)
+    masks: torch.Tensor  # bool [rows, tokenizer vocab]: root, then the kept nodes in order
+    # The walk's copy of the sequence's matcher, back at the sequence's state, with what llguidance cached
+    # while walking (its caches are per matcher): `advance` goes on from it. None: the sequence's own.
+    matcher: object | None = None
+    limit_met: bool = False  # a parser limit was met on a kept node's path: `advance` computes the next mask
+
+
+def mask_logits(masks: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """logits [rows, V] with the disallowed tokens of masks [rows, tokenizer vocab] at -inf (ids past the
+    tokenizer's vocab too)."""
+    vocab = logits.shape[-1]
+    allowed = torch.zeros(logits.shape, dtype=torch.bool)
+    width = min(vocab, masks.shape[1])
+    allowed[:, :width] = masks[:, :width]
+    return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+
+
 class SequenceGrammar:
-    """The grammar state of one sequence, and this step's masks (rows: root, then the kept nodes)."""
+    """The grammar state of one sequence: its matcher after the emitted tokens (steps: `GrammarStep`)."""
 
     def __init__(self, matcher, stop_ids: frozenset[int], eos_ids: tuple[int, ...] = ()):
         self.matcher = matcher
         self.stop_ids = sorted(stop_ids)
         # Tokens that end the answer: the matcher never consumes them (llguidance's eos does not roll back).
         self._stops = stop_ids | frozenset(eos_ids)
-        self.masks: torch.Tensor | None = None  # bool [rows, tokenizer vocab]
         # The mask after the sequence's matcher (this step's root row), computed once until `advance` moves it.
         self._root: np.ndarray | None = None
         self._offered: BuiltTree | None = None  # this step's tree as ddtree.tree.grammar_build built it
-        # This step's walk met a parser limit on a kept node's path: `advance` computes the next mask at once.
-        self._limit_met = False
         # Totals for measuring: masks computed, their seconds, tree nodes drafted and kept.
         self.mask_count = 0
         self.mask_s = 0.0
@@ -168,22 +189,20 @@ class SequenceGrammar:
             return None
         return offered
 
-    def prepare(self, tree: TokenTree = EMPTY_TREE) -> TokenTree:
-        """The tree with grammar-invalid nodes (and their subtrees) pruned; sets this step's masks. The
-        sequence's matcher in an error state (it allows nothing after the emitted tokens) gives no tree and a
-        root that allows nothing; a parser limit met on a node's path gives that node's row no allowed token
-        (a dead end only if the accept walk reaches it). The tree is walked on a copy of the sequence's
-        matcher (_Walk); the copy, back at the sequence's state, then becomes the sequence's matcher: the
-        same state, with what llguidance cached while walking (its caches are per matcher)."""
+    def prepare(self, tree: TokenTree = EMPTY_TREE) -> GrammarStep:
+        """This step's `GrammarStep`: the tree with grammar-invalid nodes (and their subtrees) pruned, and its
+        rows' masks. The sequence's matcher in an error state (it allows nothing after the emitted tokens)
+        gives no tree and a root that allows nothing; a parser limit met on a node's path gives that node's
+        row no allowed token (a dead end only if the accept walk reaches it). The tree is walked on a copy of
+        the sequence's matcher (_Walk), which the step carries (`advance` goes on from it); the sequence's
+        own matcher is not touched."""
         built = self._known(tree)
         known = built.masks if built is not None else {}
         root = known[0] if 0 in known else self.mask_of()
         if self.matcher.is_error():
             return self._dead(root, tree)
         if not tree.n:  # an AR step: the root's row only
-            self._limit_met = False
-            self.masks = torch.from_numpy(root[None].copy())
-            return tree
+            return GrammarStep(tree, torch.from_numpy(root[None].copy()))
         children: list[list[int]] = [[] for _ in range(tree.n + 1)]
         for i, parent in enumerate(tree.parents, start=1):
             children[parent].append(i)
@@ -216,28 +235,25 @@ class SequenceGrammar:
             rows[child] = np.zeros_like(root)  # a parser limit on this path (an error state is sticky)
             failed.add(child)
             walk.restart(node)
-        self.matcher = walk.matcher
         kept = sorted(k for k in rows if k)
-        self._limit_met = bool(failed.intersection(kept))
         self.drafted_nodes += tree.n
         self.kept_nodes += len(kept)
-        self.masks = torch.from_numpy(np.stack([root] + [rows[k] for k in kept]))
-        if len(kept) == tree.n:
-            return tree
-        index = {old: new for new, old in enumerate(kept, start=1)}
-        return TokenTree(
-            tuple(tree.token_ids[k - 1] for k in kept),
-            tuple(index.get(tree.parents[k - 1], 0) for k in kept),
-            tuple(tree.depths[k - 1] for k in kept),
-            tuple(tree.scores[k - 1] for k in kept) if tree.scores else (),
-        )
+        masks = torch.from_numpy(np.stack([root] + [rows[k] for k in kept]))
+        limit_met = bool(failed.intersection(kept))
+        if len(kept) < tree.n:
+            index = {old: new for new, old in enumerate(kept, start=1)}
+            tree = TokenTree(
+                tuple(tree.token_ids[k - 1] for k in kept),
+                tuple(index.get(tree.parents[k - 1], 0) for k in kept),
+                tuple(tree.depths[k - 1] for k in kept),
+                tuple(tree.scores[k - 1] for k in kept) if tree.scores else (),
+            )
+        return GrammarStep(tree, masks, walk.matcher, limit_met)
 
-    def _dead(self, root_mask: np.ndarray, tree: TokenTree) -> TokenTree:
+    def _dead(self, root_mask: np.ndarray, tree: TokenTree) -> GrammarStep:
         """The step of a matcher in an error state: no tree, a root row that allows nothing."""
         self.drafted_nodes += tree.n
-        self._limit_met = False
-        self.masks = torch.zeros((1, root_mask.shape[0]), dtype=torch.bool)
-        return EMPTY_TREE
+        return GrammarStep(EMPTY_TREE, torch.zeros((1, root_mask.shape[0]), dtype=torch.bool))
 
     def dead_end_reason(self) -> str:
         """Why a row allowed no token, for the client."""
@@ -245,24 +261,17 @@ class SequenceGrammar:
             return f"llguidance: {matcher_error(self.matcher)}"
         return "llguidance: the grammar allows no token here"
 
-    def mask_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits [rows, V] with this step's disallowed tokens at -inf (ids past the tokenizer's vocab too)."""
-        assert self.masks is not None and self.masks.shape[0] == logits.shape[0], "prepare() the step first"
-        vocab = logits.shape[-1]
-        allowed = torch.zeros(logits.shape, dtype=torch.bool)
-        width = min(vocab, self.masks.shape[1])
-        allowed[:, :width] = self.masks[:, :width]
-        return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
-
-    def advance(self, tokens: list[int]) -> None:
-        """The matcher after the emitted tokens (up to a stop token, which ends the answer). After a step whose
-        walk met a parser limit on a kept node's path, the next mask is computed now (the next step takes it):
-        where the emitted tokens end at that node (its row allowed nothing, a dead end), the matcher meets the
-        same limit here, so the dead end reads its error, as plain decoding's next step would."""
-        self.masks = None
+    def advance(self, tokens: list[int], step: GrammarStep | None = None) -> None:
+        """The matcher after the emitted tokens (up to a stop token, which ends the answer), going on from
+        the step's walked matcher (the same state) when it has one. After a step whose walk met a parser
+        limit on a kept node's path, the next mask is computed now (the next step takes it): where the
+        emitted tokens end at that node (its row allowed nothing, a dead end), the matcher meets the same
+        limit here, so the dead end reads its error, as plain decoding's next step would."""
         self._offered = None
         self._root = None
-        limit_met, self._limit_met = self._limit_met, False
+        if step is not None and step.matcher is not None:
+            self.matcher = step.matcher
+        limit_met = step is not None and step.limit_met
         for tok in tokens:
             if tok in self._stops:
                 return

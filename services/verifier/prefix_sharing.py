@@ -30,9 +30,9 @@ import torch
 
 from ddtree.telemetry.logging import get_logger
 from ddtree.verifier.kv_pool import LatentKVPool
-from ddtree.verifier.page_table import PageTable
 from ddtree.verifier.prefix_cache import PrefixCache
 from ddtree.verifier.sequence import Sequence, extend_pending
+from ddtree.verifier.sequence_lifecycle import drop_scratch, enter_prompt, log_features, pin_prefix, unplace
 from ddtree.verifier.step_outcome import StepOutcome
 
 log = get_logger("ddtree.verifier.prefix_sharing")
@@ -56,9 +56,9 @@ def _logged_rows(seq: Sequence) -> torch.Tensor | None:
         return None
     rows = torch.cat(seq.feature_log)
     if rows.shape[0] != len(seq.committed) - _pinned(seq):
-        seq.feature_log = None
+        log_features(seq, None)
         return None
-    seq.feature_log = [rows]
+    log_features(seq, [rows])
     return rows
 
 
@@ -99,7 +99,7 @@ class PrefixSharing:
         self._waits_for.pop(seq, None)
         if self.cache is None:
             return None
-        seq.feature_log = [] if self.keeps_features else None
+        log_features(seq, [] if self.keeps_features else None)
         hit = None if seq.reads_whole_prompt else self._reuse_prefix(seq)  # Features, prompt_logprobs: no reuse
         if (hit.prefill_end if hit else seq.prefill_done) < usable_prefix(seq.prompt_len, self.pool.page_size):
             self._prefilling.setdefault(seq.prompt_key, []).append(seq)
@@ -115,8 +115,7 @@ class PrefixSharing:
             self.cache.release(match)
             return None
         # The pin alone: the features live in the cache (their copy here goes to the drafter, cut to its window).
-        seq.prefix_match = dataclasses.replace(match, features=None)
-        seq.table.share(match.slots)
+        pin_prefix(seq, dataclasses.replace(match, features=None))
         tokens = tuple(prompt[: match.length])
         pending = seq.pending_commit
         if match.features is not None and seq.use_spec:
@@ -135,18 +134,16 @@ class PrefixSharing:
         entered = self.cache.enter(seq.committed, seq.slots, rows, features_from=pinned)
         if entered is None:  # the cache holds part of it under another sequence's slots: it enters at the end
             return
-        seq.table.share_entered(entered.slots)
         if seq.prefix_match is not None:
             self.cache.release(seq.prefix_match)
-        seq.prefix_match = entered
-        if rows is not None:
-            seq.feature_log = [rows[entered.length - pinned :].clone()]  # the cache holds the rest
+        # the cache holds the rows of the entered prefix: the log keeps the rest
+        enter_prompt(seq, entered, None if rows is None else rows[entered.length - pinned :].clone())
 
     def release(self, seq: Sequence) -> None:
         """At finish or abort: hand the committed tokens' KV (and features) to the prefix cache, or free it."""
         self._forget(seq)
         self._waits_for.pop(seq, None)
-        seq.table.trim(self.pool)  # the scratch of a step that failed before its commit
+        drop_scratch(seq, self.pool)  # the scratch of a step that failed before its commit
         if self.cache is None:
             self.pool.free(seq.table.pages)
         else:
@@ -154,9 +151,7 @@ class PrefixSharing:
             self.pool.free(self.cache.insert(seq.committed, seq.slots, rows, features_from=pinned, owned=True))
             if seq.prefix_match is not None:
                 self.cache.release(seq.prefix_match)
-                seq.prefix_match = None
-        seq.table = PageTable(self.pool.page_size)
-        seq.feature_log = None
+        unplace(seq, self.pool.page_size)
 
     def make_room(self, need: int) -> None:
         """Evict unpinned cache leaves until `need` slots are free (or nothing more can go)."""

@@ -31,7 +31,7 @@ from ddtree.verifier import metrics
 from ddtree.verifier.apply import NO_CLOCK, Ending, apply_outcome, begin_prefill, end_sequence
 from ddtree.verifier.batch import kv_needed, run_batch
 from ddtree.verifier.kv_pool import LatentKVPool
-from ddtree.verifier.page_table import PageTable, check_accounting
+from ddtree.verifier.page_table import check_accounting
 from ddtree.verifier.prefix_cache import PrefixCache
 from ddtree.verifier.prefix_sharing import PrefixSharing
 from ddtree.verifier.sequence import Phase, Sequence
@@ -80,7 +80,8 @@ class Scheduler:
 
     # ---- called from RPC threads ----
     def submit(self, seq: Sequence) -> None:
-        seq.table = PageTable(self.pool.page_size)
+        if seq.table.page_size != self.pool.page_size:
+            raise ValueError(f"a sequence of page size {seq.table.page_size} for a pool of {self.pool.page_size}")
         need = seq.reserved_slots(seq.params.budget)
         with self._cond:
             if self._stopping:

@@ -107,12 +107,20 @@ class DraftedTree:
 
 
 class Sequence:
-    def __init__(self, params: GenerateParams, arrival: float | None = None, grammar: SequenceGrammar | None = None):
+    def __init__(
+        self,
+        params: GenerateParams,
+        arrival: float | None = None,
+        grammar: SequenceGrammar | None = None,
+        *,
+        page_size: int = 1,
+    ):
+        """page_size: the KV pool's (the scheduler refuses a sequence of another); 1 is DDTree's default."""
         self.params = params
         self.phase = Phase.WAITING
         self.arrival = time.perf_counter() if arrival is None else arrival
         self.committed: list[int] = []
-        self.table = PageTable()  # KV pages; the scheduler sets the pool's page size at submit
+        self.table = PageTable(page_size)  # KV pages, at the pool's page size from birth
         self.prefill_done = 0  # prompt tokens already in the KV cache
         self.prefix_match = None  # the PrefixMatch pinning them
         self.cached_tokens = 0  # prompt tokens taken from the prefix cache (usage.cached_tokens)

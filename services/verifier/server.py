@@ -201,7 +201,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except NoGrammarTokenizer as err:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
-        seq = Sequence(params, grammar=grammar)
+        seq = Sequence(params, grammar=grammar, page_size=self.config.page_size)
         try:
             self.scheduler.submit(seq)
         except AdmissionError as err:

@@ -13,6 +13,7 @@ import dataclasses
 import torch
 
 from ddtree.contract.token_tree import TokenTree
+from ddtree.verifier.grammar import GrammarStep
 from ddtree.verifier.logprobs import PromptRows
 from ddtree.verifier.sequence import DraftedTree, PendingCommit
 
@@ -42,6 +43,7 @@ class StepOutcome:
     feature_rows: torch.Tensor | None = None  # a Features request's rows of the committed tokens (CPU)
     prompt_logprobs: PromptRows | None = None  # a prompt_logprobs chunk's rows, streamed before any token
     verified: TokenTree | None = None  # a verify: the tree verified (an AR step verifies the empty tree)
+    grammar: GrammarStep | None = None  # the step's grammar (grammar.py): `advance` goes on from its matcher
     failure: str | None = None  # the commit failed: the sequence ends with this error, nothing else applies
 
     @property

@@ -17,6 +17,7 @@ import torch
 
 from ddtree.contract.token_tree import TokenTree
 from ddtree.verifier.commit import ItemOutput, commit_prefill, commit_verify
+from ddtree.verifier.grammar import GrammarStep
 from ddtree.verifier.sequence import DraftedTree, Sequence
 from ddtree.verifier.step_outcome import StepOutcome
 from ddtree.verifier.target import ItemHead
@@ -31,6 +32,7 @@ class VerifyItem:
     speculating: bool = False  # the drafter holds this sequence's context after this step's Draft call
     lost: bool = False  # the drafter lost this sequence's context: it continues with AR (the same tokens)
     resend: bool = False  # the drafter lost its context: an AR step, then its context again (reset=True)
+    grammar: GrammarStep | None = None  # a grammar's step (with_grammar): its rows' masks, for the commit
 
     @property
     def rows(self) -> int:
@@ -61,9 +63,12 @@ class VerifyItem:
         return ItemHead(rows=self.rows, walk=self.tree if greedy else None, sampled=not greedy)
 
     def with_grammar(self) -> VerifyItem:
-        """The item a grammar-constrained sequence verifies: invalid nodes pruned, row masks set (grammar.py)."""
-        grammar = self.seq.grammar
-        return self if grammar is None else dataclasses.replace(self, tree=grammar.prepare(self.tree))
+        """The item a grammar-constrained sequence verifies: invalid nodes pruned, its rows' masks carried
+        (grammar.py)."""
+        if self.seq.grammar is None:
+            return self
+        step = self.seq.grammar.prepare(self.tree)
+        return dataclasses.replace(self, tree=step.tree, grammar=step)
 
     def commit(self, out: ItemOutput, window: int) -> StepOutcome:
         return commit_verify(self, out, window)
@@ -74,6 +79,7 @@ class PrefillItem:
     seq: Sequence
     start: int  # prompt[start:end] is this chunk
     end: int
+    grammar: GrammarStep | None = None  # the last chunk of a grammar's sequence: the first token's mask
 
     @property
     def rows(self) -> int:
@@ -111,7 +117,7 @@ class PrefillItem:
 
     def with_grammar(self) -> PrefillItem:
         if self.is_last and self.seq.grammar is not None:
-            self.seq.grammar.prepare()  # the first token's mask
+            return dataclasses.replace(self, grammar=self.seq.grammar.prepare())  # the first token's mask
         return self
 
     def commit(self, out: ItemOutput, window: int) -> StepOutcome:

@@ -21,7 +21,7 @@ import torch
 from ddtree.contract.token_tree import TokenTree
 from ddtree.tree.best_first import MAX_TABLE_WIDTH, TokenTable
 from ddtree.tree.grammar_build import build_grammar_tree, grammar_table_width
-from ddtree.verifier.grammar import SequenceGrammar
+from ddtree.verifier.grammar import GrammarStep, SequenceGrammar
 from tests.support.letter_vocab import letter_grammar, letter_tokenizer
 from tests.support.tree_tables import brute_force, node_paths, random_table
 
@@ -74,8 +74,7 @@ def _plain_rows(fresh, tree: TokenTree) -> torch.Tensor:
     for path in [()] + node_paths(tree):
         g = fresh()
         g.advance(list(path))
-        g.prepare()
-        rows.append(g.masks[0])
+        rows.append(g.prepare().masks[0])
     return torch.stack(rows)
 
 
@@ -106,11 +105,13 @@ def test_prepare_keeps_the_built_tree_with_the_pruned_masks_each_computed_once(r
         assert len(log) <= tree.n and all(m is not root for m, _ in log), "a node consumed twice, or the root moved"
         assert len({id(m) for m, _ in log}) == len(log), "a fork consumed more than its own node"
         assert all(tree.token_ids[p - 1] != EOS for p in tree.parents if p), "a stop token has children"
-        assert g.prepare(tree) is tree
+        step = g.prepare(tree)
+        assert step.tree is tree
         pruned = _grammar(regex)
-        assert pruned.prepare(tree) == tree
-        assert torch.equal(g.masks, pruned.masks)
-        assert torch.equal(g.masks, _plain_rows(lambda: _grammar(regex), tree))
+        pruned_step = pruned.prepare(tree)
+        assert pruned_step.tree == tree
+        assert torch.equal(step.masks, pruned_step.masks)
+        assert torch.equal(step.masks, _plain_rows(lambda: _grammar(regex), tree))
         assert g.mask_count == pruned.mask_count, "a mask computed twice (or one missing)"
         assert g.kept_nodes == g.drafted_nodes == tree.n
 
@@ -120,7 +121,8 @@ def test_a_matcher_in_an_error_state_gives_no_tree():
     assert not broken.consume_token(5) and broken.is_error()
     g = _grammar("", broken)
     assert build_grammar_tree(g, _table(0), 8) == TokenTree()
-    assert g.prepare(TokenTree()) == TokenTree() and g.masks.shape[0] == 1 and not g.masks.any()
+    step = g.prepare(TokenTree())
+    assert step.tree == TokenTree() and step.masks.shape[0] == 1 and not step.masks.any()
 
 
 # Every "a" opens more ways to parse the rest: after 8 "a"s, two more and a mask needs more than 50 Earley
@@ -136,8 +138,8 @@ def _limited() -> SequenceGrammar:
     return _grammar("", m)
 
 
-def _limited_step(mode: str) -> tuple[SequenceGrammar, TokenTree, TokenTree]:
-    """(grammar state, tree, prepare's tree) of one step: the table build, or the same tree pruned."""
+def _limited_step(mode: str) -> tuple[SequenceGrammar, TokenTree, GrammarStep]:
+    """(grammar state, tree, prepare's step) of one step: the table build, or the same tree pruned."""
     g = _limited()
     tree = build_grammar_tree(g, A_FIRST, 8)
     if mode == "prune":
@@ -149,37 +151,37 @@ def _limited_step(mode: str) -> tuple[SequenceGrammar, TokenTree, TokenTree]:
 def test_a_parser_limit_on_a_draft_path_costs_that_row_only(mode):
     """Rows are plain constrained AR's masks after each node's path: the nodes whose path meets the limit
     allow nothing, the rest of the tree stays, and the sequence's matcher goes on as plain decoding does."""
-    g, tree, kept = _limited_step(mode)
-    assert kept == tree and tree.n == 8, "a limit on a draft path dropped the step's tree"
+    g, tree, step = _limited_step(mode)
+    assert step.tree == tree and tree.n == 8, "a limit on a draft path dropped the step's tree"
     rows = _plain_rows(_limited, tree)
-    assert torch.equal(g.masks, rows)
+    assert torch.equal(step.masks, rows)
     assert rows[0, 0] and rows[0, 1] and not rows.any(dim=1).all(), "the limit is met on a draft path"
     assert not g.matcher.is_error()
     pruned = _limited()
     pruned.prepare(tree)
     assert g.mask_count == pruned.mask_count == tree.n + 1, "a mask computed twice (or one missing)"
-    g.advance([1])  # the target chose "b" at the root
-    g.prepare()
+    g.advance([1], step)  # the target chose "b" at the root
+    after = g.prepare()
     after_b = _plain_rows(_limited, TokenTree((1,), (0,), (1,)))[1]
-    assert not g.matcher.is_error() and torch.equal(g.masks[0], after_b) and after_b.any()
+    assert not g.matcher.is_error() and torch.equal(after.masks[0], after_b) and after_b.any()
 
 
 @pytest.mark.parametrize("mode", ["table", "prune"])
 def test_the_walk_reaching_a_limit_ends_as_plain_decoding_does(mode):
     """The accept walk reaching a node whose row allows nothing (a dead end: no choice there): after its path, the
     sequence's matcher is in plain decoding's error state (the dead end reads llguidance's reason)."""
-    g, tree, _ = _limited_step(mode)
-    dead = next(i for i in range(1, tree.n + 1) if not g.masks[i].any())
+    g, tree, step = _limited_step(mode)
+    dead = next(i for i in range(1, tree.n + 1) if not step.masks[i].any())
     path = node_paths(tree)[dead - 1]
-    g.advance(list(path))
+    g.advance(list(path), step)
     plain = _limited()
     plain.advance(list(path))
-    plain.prepare()
-    assert plain.matcher.is_error() and not plain.masks.any()
+    plain_step = plain.prepare()
+    assert plain.matcher.is_error() and not plain_step.masks.any()
     assert g.matcher.is_error() and not g.matcher.is_accepting()
     assert g.dead_end_reason() == plain.dead_end_reason() and "Too many items" in g.dead_end_reason()
-    g.prepare()
-    assert g.masks.shape[0] == 1 and not g.masks.any()
+    last = g.prepare()
+    assert last.masks.shape[0] == 1 and not last.masks.any()
 
 
 def test_table_width():

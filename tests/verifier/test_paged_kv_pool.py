@@ -424,7 +424,8 @@ def test_paged_scheduler_returns_the_pool_to_empty(default_ckpt):
                     frozenset(),
                     i % 4 != 0,
                     0 if i % 4 == 0 else 8,
-                )
+                ),
+                page_size=pool.page_size,
             )
             sched.submit(seq)
             seqs.append(seq)

@@ -71,9 +71,9 @@ def _scheduler(model, page_size=1, kv_tokens=4096, prefix_cache=True) -> Schedul
     return build_engine(vcfg, model=model).scheduler
 
 
-def _seq(rid, prompt, max_new, seed=None):
+def _seq(rid, prompt, max_new, seed=None, page_size=1):
     sampling = SamplingConfig(temperature=0.0 if seed is None else 1.0, seed=seed)
-    return Sequence(GenerateParams(rid, tuple(prompt), sampling, max_new, frozenset(), False, 0))
+    return Sequence(GenerateParams(rid, tuple(prompt), sampling, max_new, frozenset(), False, 0), page_size=page_size)
 
 
 def _step(sched, seqs, until=None, limit=400):
@@ -149,8 +149,8 @@ def test_n_identical_prompts_prefill_once(model, page_size, seeded):
     prompt, other = _prompt(L, 1), _prompt(40, 2)
     seeds = [5 + i if seeded else None for i in range(N)]
     sched = _scheduler(model, page_size)
-    choices = [_seq(f"c-{i}", prompt, MAX_NEW, seeds[i]) for i in range(N)]
-    unrelated = _seq("unrelated", other, MAX_NEW)
+    choices = [_seq(f"c-{i}", prompt, MAX_NEW, seeds[i], page_size) for i in range(N)]
+    unrelated = _seq("unrelated", other, MAX_NEW, page_size=page_size)
     rows = _Rows(model)
     try:
         for s in choices + [unrelated]:
@@ -169,7 +169,7 @@ def test_n_identical_prompts_prefill_once(model, page_size, seeded):
     assert [s.generated for s in choices] == [_alone(model, prompt, MAX_NEW, seed) for seed in seeds]
     assert unrelated.generated == _alone(model, other, MAX_NEW)
     # the entered prompt stays cached: a later request takes it (it is not waiting for anyone)
-    again = _seq("again", prompt, MAX_NEW, seeds[0])
+    again = _seq("again", prompt, MAX_NEW, seeds[0], page_size)
     sched.submit(again)
     _step(sched, [again])
     assert again.cached_tokens == usable and again.generated == choices[0].generated
@@ -183,7 +183,7 @@ def test_abort_of_the_first_choice_mid_prefill(model, page_size):
     L, MAX_NEW = 200, 5
     prompt = _prompt(L, 3)
     sched = _scheduler(model, page_size)
-    first, second, third = (_seq(f"c-{i}", prompt, MAX_NEW, seed=11 + i) for i in range(3))
+    first, second, third = (_seq(f"c-{i}", prompt, MAX_NEW, seed=11 + i, page_size=page_size) for i in range(3))
     rows = _Rows(model)
     try:
         for s in (first, second, third):
@@ -261,7 +261,7 @@ def test_a_prompt_just_past_a_chunk_waits_for_the_whole_prefill(model, page_size
     usable = _usable(L, page_size)
     assert usable == CHUNK  # the window: the first chunk computed all a match would give
     sched = _scheduler(model, page_size)
-    first, second = (_seq(f"c-{i}", prompt, MAX_NEW, seed=30 + i) for i in range(2))
+    first, second = (_seq(f"c-{i}", prompt, MAX_NEW, seed=30 + i, page_size=page_size) for i in range(2))
     rows = _Rows(model)
     try:
         sched.submit(first)
@@ -366,7 +366,10 @@ def test_the_shared_prompt_features_are_held_once_and_lossless(model, page_size)
     vcfg = VerifierConfig(kv_tokens=4096, max_batch=8, prefill_chunk=CHUNK, debug_checks=True, page_size=page_size)
     sched = build_engine(vcfg, model=model, drafter=_TapsOnly()).scheduler
     choices = [
-        Sequence(GenerateParams(f"c-{i}", tuple(prompt), SamplingConfig(), MAX_NEW, frozenset(), True, 8))
+        Sequence(
+            GenerateParams(f"c-{i}", tuple(prompt), SamplingConfig(), MAX_NEW, frozenset(), True, 8),
+            page_size=page_size,
+        )
         for i in range(N)
     ]
     for s in choices:

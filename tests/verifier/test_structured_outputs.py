@@ -147,12 +147,13 @@ def test_prune_keeps_grammar_valid_nodes_and_leaves_the_state(tok):
     # root -> b -> {c, x}, root -> x -> c, b -> c -> d (invalid: after "abc" only "e")
     tree = TokenTree((b, x, c, x, c, d), (0, 0, 1, 1, 2, 3), (1, 1, 2, 2, 2, 3))
     g = SequenceGrammar(matcher, frozenset())
-    pruned = g.prepare(tree)
+    step = g.prepare(tree)
+    pruned, masks = step.tree, step.masks
     assert pruned == TokenTree((b, c), (0, 1), (1, 2))
-    assert g.masks.shape[0] == 3 and g.masks[0, b] and not g.masks[0, x] and g.masks[1, c] and g.masks[1, d]
+    assert masks.shape[0] == 3 and masks[0, b] and not masks[0, x] and masks[1, c] and masks[1, d]
     e = tok.encode("e")[0]
-    assert g.masks[2, e] and g.masks[2].sum() == 1
-    g.advance([b, d, e])  # the walk left the sequence's state at "a": the emitted tokens take it on
+    assert masks[2, e] and masks[2].sum() == 1
+    g.advance([b, d, e], step)  # the walk left the sequence's state at "a": the emitted tokens take it on
     assert g.matcher.is_accepting() and not g.matcher.is_error()
 
 
@@ -402,9 +403,9 @@ class _Counting(SequenceGrammar):
     dead_rows = 0
 
     def prepare(self, tree=EMPTY_TREE):
-        kept = super().prepare(tree)
-        self.dead_rows += int((~self.masks[1:].any(dim=1)).sum())
-        return kept
+        step = super().prepare(tree)
+        self.dead_rows += int((~step.masks[1:].any(dim=1)).sum())
+        return step
 
 
 @pytest.mark.parametrize("grammar_tree", ["table", "prune"])

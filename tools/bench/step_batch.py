@@ -19,7 +19,6 @@ from ddtree.contract.sampling_params import SamplingConfig
 from ddtree.contract.token_tree import EMPTY_TREE, TokenTree
 from ddtree.verifier.batch import run_batch
 from ddtree.verifier.kv_pool import LatentKVPool
-from ddtree.verifier.page_table import PageTable
 from ddtree.verifier.sequence import GenerateParams, Phase, Sequence
 from ddtree.verifier.work_items import VerifyItem
 
@@ -86,8 +85,7 @@ def make_step_work(config, shape: StepShape, device: torch.device, dtype: torch.
             use_spec=shape.rows > 1,
             budget=shape.rows - 1,
         )
-        seq = Sequence(params)
-        seq.table = PageTable(pool.page_size)
+        seq = Sequence(params, page_size=pool.page_size)
         seq.table.extend(pool, shape.context)
         seq.table.commit(shape.context)
         seq.committed = list(context)
