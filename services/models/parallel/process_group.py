@@ -79,7 +79,8 @@ class TPGroup:
             dist.all_reduce(x, group=self.device_group)
             return x
         flat = torch.empty(self.world_size * x.numel(), dtype=x.dtype, device=x.device)  # gloo wants it flat
-        dist.all_gather_into_tensor(flat, x.contiguous().view(-1), group=self.device_group)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the newer name first
+        gather(flat, x.contiguous().view(-1), group=self.device_group)
         parts = flat.view(self.world_size, *x.shape)
         acc = parts[0].float()
         for i in range(1, self.world_size):
