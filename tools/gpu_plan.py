@@ -6,9 +6,9 @@ The verifier's ranks on GPUs 0 .. tp-1 (verifier/memory_check.py) and, with --dr
 that the plan is the one they check at start-up. The drafter's contexts are planned for the verifier's
 --max-batch sequences.
 
-Placement: the drafter's --tp defaults to the verifier's, its rank r on verifier rank r's GPU (every rank
-drafts its shard from the features it already holds; every verifier rank keeps a feature ring for its drafter
-rank). `--drafter-args "--tp 1"` plans one whole drafter on its --device's GPU (GPU 0 by default: the
+Placement: the drafter's --tp defaults to the verifier's, its rank r on verifier rank r's GPU, drafting with
+its shard (drafter/tp_drafter.py; the features reach its rank 0 through verifier rank 0's ring, so that ring
+is on GPU 0 only). `--drafter-args "--tp 1"` plans one whole drafter on its --device's GPU (GPU 0 by default: the
 placement of the kimi-k26 env files today).
 """
 
@@ -62,9 +62,7 @@ def deployment_plan(
             for r in range(verifier.tp)
         }
         devices = [device] * verifier.tp
-        return verifier_plan(
-            verifier, checkpoint, devices, taps, extra=extra, with_drafter=True, ring_ranks=verifier.tp
-        )
+        return verifier_plan(verifier, checkpoint, devices, taps, extra=extra, with_drafter=True)
     items = drafter_plan_items(drafter, dcfg, s, verifier.max_batch)
     index = torch.device(drafter.device).index or 0
     plan = verifier_plan(verifier, checkpoint, [device] * verifier.tp, taps, extra={index: items}, with_drafter=True)

@@ -72,6 +72,8 @@ class DrafterConfig(DraftStaticFields, CpuRuntimeFields, ServiceConfig):
 
     def validate(self) -> None:
         super().validate()
+        if self.cuda_graphs == "on" and self.tp > 1:
+            raise ValueError("--cuda-graphs on: draft graphs are captured at --tp 1 only (above, forwards are eager)")
         if self.cuda_graphs == "on" and self.window == 0:
             raise ValueError("--cuda-graphs on needs a bounded --window (contexts are padded to it); got 0")
         if not 1 <= self.default_budget <= self.max_budget:

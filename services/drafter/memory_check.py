@@ -30,7 +30,8 @@ def drafter_plan_items(
 ) -> tuple[PlanItem, ...]:
     """cfg: a DrafterConfig (window, --cuda-graphs, device, --tp: drafter rank `rank`'s share)."""
     window = cfg.resolved_window()
-    graphs = torch.device(cfg.device).type == "cuda" and cfg.cuda_graphs != "off" and window > 0
+    # draft graphs are captured at TP 1 only (drafter/tp_drafter.py runs its block forwards eagerly)
+    graphs = torch.device(cfg.device).type == "cuda" and cfg.cuda_graphs != "off" and window > 0 and cfg.tp == 1
     graph_sequences = MAX_GRAPH_SEQUENCES if graphs else sequences
     # an unlimited window (0) plans one of the verifier's contexts at the drafter's largest position
     rows = window or drafter_config.max_position_embeddings

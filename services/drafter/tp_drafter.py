@@ -17,6 +17,7 @@ and sum of exponentials), and its top-K is merged from every shard's top-K (dfla
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import os
 import signal
@@ -137,6 +138,12 @@ def _spawned_rank(rank: int, cfg, model_dir: str, target_dir: str, port: int, dt
     os._exit(0)
 
 
+def _on_host(seqs) -> list:
+    """The inputs with their features in host memory, as they are broadcast over the host group (features
+    from verifier rank 0's ring arrive on GPU 0; a rank unpickling them there would touch GPU 0)."""
+    return [dataclasses.replace(s, commit_features=s.commit_features.cpu()) for s in seqs]
+
+
 class TensorParallelDraftEngine:
     """Rank 0's engine handle: draft / append / release broadcast to every rank first; the rest is rank 0's
     engine as is."""
@@ -156,10 +163,10 @@ class TensorParallelDraftEngine:
             return None if op in ("stop", "ping") else getattr(self._engine, op)(arg)
 
     def draft(self, seqs):
-        return self._call("draft", list(seqs))
+        return self._call("draft", _on_host(seqs))
 
     def append(self, seqs):
-        return self._call("append", list(seqs))
+        return self._call("append", _on_host(seqs))
 
     def release(self, seq_ids):
         return self._call("release", list(seq_ids))

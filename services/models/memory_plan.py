@@ -10,7 +10,7 @@ drafter/memory_check.py; `ddtree inspect --device-memory-gb` puts the two togeth
     drafter rank   at --tp N (co-located: drafter rank r on verifier rank r's GPU, drafter_rank_shape):
                    1/N of its heads, KV heads and MLP columns, fc split by input rows, norms whole; a
                    vocabulary shard of the target's embedding and LM head; 1/N of its contexts; its own
-                   NCCL reserve (a second communicator); and every verifier rank holds a feature ring
+                   NCCL reserve (a second communicator); no draft graphs (eager at TP > 1)
 
 The reserves are planning margins, not measurements: RUNTIME_RESERVE_BYTES per process on a GPU (the CUDA
 context and loaded kernels, cuBLAS and Triton workspaces, the caching allocator's slack) and
@@ -102,8 +102,7 @@ def verifier_rank_items(
     runtime: int = RUNTIME_RESERVE_BYTES,
     feature_ring: int = 0,
 ) -> tuple[PlanItem, ...]:
-    """feature_ring: the co-located drafter channel's ring on this rank's GPU (protocol/feature_ring.py): rank
-    0's with a drafter at TP 1, every rank's with drafter ranks co-located."""
+    """feature_ring: the co-located drafter channel's ring on this rank's GPU (protocol/feature_ring.py; rank 0's)."""
     owner = f"verifier rank {rank}" if tp > 1 else "verifier"
     items = [
         PlanItem(owner, "weights", weights),

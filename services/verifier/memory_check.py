@@ -11,8 +11,7 @@ Per rank (rank 0's share, the largest; the latent KV pool is the same on every r
   CUDA graphs  graph_pool.graph_pool_reserve over static_step.default_buckets at the rank's widths, where
                graphs may be captured (CUDA, --cuda-graphs not off), for the attention backend it resolves
   feature ring rank 0, on CUDA with a drafter and --drafter-local auto: --feature-ring-bytes of GPU memory
-               a co-located drafter reads the features from (protocol/feature_ring.py); every rank's when
-               the drafter's ranks are co-located with the verifier's (ring_ranks = tp)
+               a co-located drafter reads the features from (protocol/feature_ring.py)
 """
 
 from __future__ import annotations
@@ -49,12 +48,10 @@ def verifier_plan(
     label: str = "device",
     extra=None,
     with_drafter: bool | None = None,
-    ring_ranks: int = 1,
 ) -> MemoryPlan:
     """The plan of `config` (a VerifierConfig) over its tp GPUs of `device_bytes` each; `extra` maps a GPU
     index to more PlanItems on it (the drafter's, for `ddtree inspect`); with_drafter: the verifier calls a
-    drafter (None: when its config names one); ring_ranks: the ranks holding a feature ring (1: rank 0's, for a
-    drafter at TP 1; tp: a drafter rank beside every verifier rank)."""
+    drafter (None: when its config names one)."""
     ring_bytes = feature_ring_bytes(config, bool(config.drafter) if with_drafter is None else with_drafter)
     s = dtype_bytes_of(config.dtype)
     weights = read_checkpoint_weights(model_dir, config.tp, config.expert_parallel, s)
@@ -75,7 +72,7 @@ def verifier_plan(
     gpus = []
     for rank in range(config.tp):
         index = rank_device(config.device, rank).index or 0
-        ring = ring_bytes if rank < ring_ranks else 0
+        ring = ring_bytes if rank == 0 else 0
         taken = weights.bytes_per_rank + graphs + ring
         free_after_weights = max(device_bytes[rank] - taken, per_token * config.page_size)
         kv = size_kv_pool(

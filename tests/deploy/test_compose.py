@@ -410,7 +410,8 @@ def test_compose_commands_as_processes_with_two_drafters(default_ckpt, tmp_path)
 def test_kimi_k26_override_and_env_file(env_file):
     """The K2.6 example: the override merges onto real services, every variable of the env file (96 GB and
     141 GB cards) is one the compose file uses, and the engine settings it yields are ones the services
-    accept (TP 8, KV by GB; test_memory_plan.py checks that they fit)."""
+    accept (TP 8, KV by tokens or GB, the drafter at TP 8 on the 96 GB cards' GPUs; test_memory_plan.py checks
+    that they fit)."""
     override = yaml.safe_load((DOCKER / "compose.kimi-k26.yaml").read_text())
     base = _compose()
     assert set(override["services"]) <= set(base["services"])
@@ -431,11 +432,12 @@ def test_kimi_k26_override_and_env_file(env_file):
         parser.parse_args(_argv(name, svc))
         config = config_from_flags(CONFIGS[name], None, environ=resolved)  # parses and validates every variable
         if name == "verifier":
-            assert config.tp == 8 and config.kv_memory_gb > 0 and config.kv_tokens == 0 and config.device == "cuda"
-        else:
+            assert config.tp == 8 and (config.kv_memory_gb > 0) != (config.kv_tokens > 0) and config.device == "cuda"
+        else:  # 96 GB: the drafter's 8 ranks beside the verifier's; 141 GB: whole on GPU 0
             assert config.device == "cuda" and config.dtype == "bfloat16"
+            assert config.tp == (8 if env_file == "kimi-k26.env" else 1)
         gpus = svc["deploy"]["resources"]["reservations"]["devices"][0]["count"]
-        assert _substitute(str(gpus), env) == ("8" if name == "verifier" else "1")
+        assert _substitute(str(gpus), env) == str(8 if name == "verifier" else config.tp)
 
 
 def test_mtls_override():

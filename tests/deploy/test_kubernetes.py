@@ -3,9 +3,11 @@ here by a small renderer of the kustomization fields they use (kustomize is not 
 labels, images, replicas, strategic-merge patches) and validated against the Kubernetes API schemas
 (`kubernetes-validate --strict`, in the test extra). Then read as the services would: every container's
 command and DDTREE_* variables are ones the service accepts, probes call the gRPC health of the port the
-service binds, the verifier on an 8-GPU node has its GPUs, /dev/shm and a long start-up probe, the
-drafter scales apart, secrets and checkpoints come from a Secret and a PersistentVolumeClaim, and the Kimi
-verifier's settings fit the memory plan of a 96 GB card.
+service binds, the verifier on an 8-GPU node has its GPUs, /dev/shm and a long start-up probe, the demo's
+drafter scales apart, Kimi's drafter runs at TP 8 in the verifier's pod on the same GPUs (a container with no
+GPU request that sees them through NVIDIA_VISIBLE_DEVICES, one PID namespace, one /dev/shm), secrets and
+checkpoints come from a Secret and a PersistentVolumeClaim, and the Kimi pod's settings, verifier and
+drafter, fit the memory plan of 96 GB cards.
 """
 
 from __future__ import annotations
@@ -115,14 +117,17 @@ def test_services_commands_env_probes_secrets_and_checkpoints(overlay):
     assert set(deployments) == set(CONFIGS) and set(services) == set(CONFIGS)
     claims = set(_by(docs, "PersistentVolumeClaim"))
     parser = build_parser()
-    for svc, cls in CONFIGS.items():
-        pod = _pod(deployments[svc])
-        (c,) = pod["containers"]
+    pods = [(svc, deployments[svc], c) for svc in CONFIGS for c in _pod(deployments[svc])["containers"]]
+    assert sorted(c["name"] for _, _, c in pods) == sorted([*CONFIGS, *(["drafter"] if name == "kimi-k26" else [])])
+    for owner, deployment, c in pods:
+        svc, cls, pod = c["name"], CONFIGS[c["name"]], _pod(deployment)
         assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == 10001
         parser.parse_args(c["args"])
         assert c["args"] == [svc]
         env = _env(c)
-        assert set(env) <= set(env_var_names(cls)), f"{name} {svc}: unknown {set(env) - set(env_var_names(cls))}"
+        known = {*env_var_names(cls), *(["NVIDIA_VISIBLE_DEVICES"] if owner != svc else [])}
+        assert set(env) <= known, f"{name} {svc}: unknown {set(env) - known}"
+        env.pop("NVIDIA_VISIBLE_DEVICES", None)
         config_from_flags(cls, None, environ=env)  # every value parses and validates
         assert env["DDTREE_SERVICE_TOKEN_FILE"].startswith("/secrets/")
         volumes = {v["name"]: v for v in pod["volumes"]}
@@ -140,17 +145,20 @@ def test_services_commands_env_probes_secrets_and_checkpoints(overlay):
         assert services[svc]["spec"]["selector"].items() <= labels.items()
         assert any(p["port"] == int(env["DDTREE_PORT"]) for p in services[svc]["spec"]["ports"])
     assert _env(_pod(deployments["gateway"])["containers"][0])["DDTREE_API_KEY_FILE"] == "/secrets/api-keys"
-    # the verifier dials every drafter replica: a headless Service, one DNS record per ready pod
-    assert _env(_pod(deployments["verifier"])["containers"][0])["DDTREE_DRAFTER"] == "drafter:50061"
     assert services["drafter"]["spec"]["clusterIP"] == "None"
-    assert deployments["drafter"]["spec"]["replicas"] >= 2  # scaled apart from the verifier
+    dials = _env(_pod(deployments["verifier"])["containers"][0])["DDTREE_DRAFTER"]
+    if name == "kimi-k26":  # the drafter in the verifier's pod; drafters of their own at 0 replicas
+        assert dials == "127.0.0.1:50061" and deployments["drafter"]["spec"]["replicas"] == 0
+    else:  # the verifier dials every drafter replica: a headless Service, one DNS record per ready pod
+        assert dials == "drafter:50061" and deployments["drafter"]["spec"]["replicas"] >= 2  # scaled apart
 
 
 def test_kimi_overlay_verifier_node_and_drafters():
     docs = render(KUBE / "overlays" / "kimi-k26")
     deployments = _by(docs, "Deployment")
     pod = _pod(deployments["verifier"])
-    (c,) = pod["containers"]
+    c, beside = pod["containers"]
+    assert c["name"] == "verifier" and beside["name"] == "drafter"
     assert c["image"] == "ddtree-engine:cuda" and c["resources"]["limits"]["nvidia.com/gpu"] == 8
     env = _env(c)
     assert env["DDTREE_TP"] == "8" and env["DDTREE_DEVICE"] == "cuda"
@@ -164,10 +172,23 @@ def test_kimi_overlay_verifier_node_and_drafters():
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 1800  # reading 594 GB
     drafter = _pod(deployments["drafter"])["containers"][0]
     assert drafter["resources"]["limits"]["nvidia.com/gpu"] == 1 and drafter["image"] == "ddtree-engine:cuda"
-    # GPU 0 holds verifier rank 0 alone (GPUs are whole per container): its plan on 96 GB cards fits
+    # the drafter beside it: no GPU of its own to ask for, the node's 8 seen, one PID namespace and /dev/shm
+    d_env = _env(beside)
+    assert beside["image"] == "ddtree-engine:cuda" and "nvidia.com/gpu" not in beside["resources"].get("limits", {})
+    assert d_env.pop("NVIDIA_VISIBLE_DEVICES") == "all" and d_env["DDTREE_TP"] == env["DDTREE_TP"]
+    assert pod["shareProcessNamespace"] is True and any(m["name"] == "dshm" for m in beside["volumeMounts"])
+    # every GPU holds a verifier rank and a drafter rank: the plan on 96 GB cards fits
     verifier = config_from_flags(VerifierConfig, None, environ=env)
-    plan = deployment_plan(str(REPO / "docs" / "kimi_k26_config.json"), 96, verifier, None)
-    assert plan.fits and verifier.max_context <= plan.kv_tokens <= plan.largest_kv_tokens
+    drafter_cfg = config_from_flags(DrafterConfig, None, environ=d_env)
+    plan = deployment_plan(
+        str(REPO / "docs" / "kimi_k26_config.json"),
+        96,
+        verifier,
+        drafter_cfg,
+        REPO / "docs" / "kimi_k26_dflash_config.json",
+    )
+    assert plan.fits and len(plan.gpus) == 8 and verifier.max_context <= plan.kv_tokens <= plan.largest_kv_tokens
+    assert all({i.owner for i in g.items} == {f"verifier rank {g.index}", f"drafter rank {g.index}"} for g in plan.gpus)
 
 
 def test_renderer_merges_as_kustomize():
