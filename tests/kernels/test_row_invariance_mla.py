@@ -81,7 +81,7 @@ def _step(batch: int, rows: int, seed: int, config: MLAKernelConfig, dtype=torch
 
 @pytest.mark.parametrize(
     ("batch", "rows", "dtype"),
-    [(1, 9, torch.bfloat16), (1, 17, torch.float32), (3, 9, torch.float32), (8, 9, torch.bfloat16)],  # fmt: skip
+    [(1, 17, torch.float32), (3, 9, torch.bfloat16), (8, 9, torch.bfloat16)],  # fmt: skip
 )
 def test_tree_rows_equal_their_ar_twins(batch, rows, dtype):
     compared, differing = _step(batch, rows, seed=batch * 100 + rows, config=CONFIG, dtype=dtype)
