@@ -73,8 +73,15 @@ def _bound_allocator(logger: str) -> None:
     """A service's first step, before it starts threads: few malloc arenas, trimmed while it runs
     (telemetry/memory.py: what keeps RSS flat over long traffic)."""
     from ddtree.telemetry.logging import get_logger
-    from ddtree.telemetry.memory import DEFAULT_ARENAS, DEFAULT_TRIM_INTERVAL_S, limit_arenas, start_trimming
+    from ddtree.telemetry.memory import (
+        DEFAULT_ARENAS,
+        DEFAULT_TRIM_INTERVAL_S,
+        limit_arenas,
+        limit_shape_caches,
+        start_trimming,
+    )
 
+    limit_shape_caches()
     limited = limit_arenas(DEFAULT_ARENAS)
     trimming = start_trimming(DEFAULT_TRIM_INTERVAL_S) is not None
     get_logger(logger).info("malloc_bounded", arenas=DEFAULT_ARENAS if limited else None, trimming=trimming)

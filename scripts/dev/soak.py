@@ -12,7 +12,8 @@ through the gateway's OpenAI HTTP API, `--concurrency` at a time. The mix, the s
   (the gateway aborts the verifier's request, the drafter's context is released);
 a quarter each, with random sampling settings (greedy, temperature, top-p; seeded) and tree budgets.
 
-After each round, once the verifier reports no running sequence, VmRSS of the drafter, verifier and gateway
+After each round, once the verifier reports no running sequence and each service's periodic malloc_trim has
+run (telemetry/memory.py), VmRSS of the drafter, verifier and gateway
 (/proc/PID/status) is printed and appended to the log, one line per round; the end prints, per service, the
 largest change of rounds 2.. against round 1, and whether it is within 5% (the bound in
 docs/performance.md). Exit status 1 when a service restarted (its pid changed) or a request failed with a
@@ -36,6 +37,8 @@ import sys
 import tempfile
 import threading
 import time
+
+from ddtree.telemetry.memory import DEFAULT_TRIM_INTERVAL_S
 
 SERVICES = ("drafter", "verifier", "gateway")
 WORDS = (
@@ -172,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
             deadline = time.monotonic() + 60
             while serve.running_sequences() > 0 and time.monotonic() < deadline:
                 time.sleep(0.5)
-            time.sleep(2.0)  # the last releases and aborts land
+            # the last releases and aborts land, and each service's allocator trim (telemetry/memory.py) runs once
+            time.sleep(DEFAULT_TRIM_INTERVAL_S + 2.0)
             row = {s: rss_mb(p) for s, p in serve.pids.items()}
             rows.append(row)
             bad = sorted({s for s in statuses if s != 200})
