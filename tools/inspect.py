@@ -21,8 +21,8 @@ Counting (exact, from the config; names and shapes as in deepseek_v3.py == the c
   `ACTIVATION_RESERVE` of the device kept for activations, workspace and the allocator.
 - with --device-memory-gb, the memory plan GPU by GPU (tools/gpu_plan.py: verifier ranks, and the drafter
   with --drafter, its ranks beside the verifier's by default), the one the services check at start-up: the
-  tightest GPU and the largest KV that fits, which is then the report's max_context_tokens (the formula above
-  is the estimate without a plan).
+  tightest GPU and the largest KV that fits, which is then the JSON report's max_context_tokens (the formula
+  above is the estimate without a plan; the text prints both).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import argparse
 import json
 import math
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ddtree.models.config import DeepseekV3Config
@@ -234,13 +234,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
         verifier, drafter = deployment_configs(args.tp, args.ep, args.verifier_args, args.drafter_args)
         plan = deployment_plan(args.checkpoint, args.device_memory_gb, verifier, drafter, args.drafter)
-        # the context the plan holds: its largest KV pool, every other item of every GPU counted
-        report = replace(report, max_context_tokens=plan.largest_kv_tokens)
     if args.json:
         d = asdict(report)
         d["config"] = d["config"]["model_type"]
         if plan is not None:
             d["memory_plan"] = plan_json(plan)
+            # the context the plan holds: its largest KV pool, every other item of every GPU counted
+            d["max_context_tokens"] = plan.largest_kv_tokens
+            d["notes"].append("max_context_tokens: the memory plan's largest KV pool, not the reserve estimate")
         print(json.dumps(d, indent=2))
     else:
         print(format_report(report))
