@@ -188,7 +188,8 @@ def plan_mla(
         raise ValueError(f"page_size must be >= 1, got {page_size}")
     if config.row_invariant and any(s.new_mask is not None and s.q_len > 1 for s in seqs):
         if page_size > 1:  # a row's own table lists its ancestors' slots: every table as slots
-            seqs, page_size = [_as_slots(s, page_size, i) for i, s in enumerate(seqs)], 1
+            seqs = [_as_slots(s, page_size, i, num_cache_slots) for i, s in enumerate(seqs)]
+            page_size = 1
         seqs = [r for s in seqs for r in _rows_as_decodes(s)]
     max_rows = num_heads if config.row_invariant else max((s.q_len * num_heads for s in seqs), default=1)
     block_m = min(config.block_m, max(16, 1 << (max_rows - 1).bit_length()))
@@ -276,9 +277,13 @@ def row_split_len(prefix_len: int, config: MLAKernelConfig) -> int:
     return max(config.min_split, -(-math.ceil(prefix_len / config.max_splits) // bn) * bn)
 
 
-def _as_slots(s: MLASeq, page_size: int, i: int) -> MLASeq:
-    """The sequence with its page table expanded to the slot of every prefix position."""
+def _as_slots(s: MLASeq, page_size: int, i: int, num_cache_slots: int | None) -> MLASeq:
+    """The sequence with its page table expanded to the slot of every prefix position (pages checked first)."""
     pages = _host_index(s.prefix_table, -(-s.prefix_len // page_size), f"seqs[{i}].prefix_table")
+    top = int(pages.max()) * page_size + page_size - 1 if pages.numel() else -1
+    if num_cache_slots is not None and top >= num_cache_slots:
+        raise ValueError(f"a page (page_size {page_size}) reaching slot {top} is out of range for a cache of "
+                         f"{num_cache_slots} slots")  # fmt: skip
     pos = torch.arange(s.prefix_len, dtype=torch.int64)
     return dataclasses.replace(s, prefix_table=pages[pos // page_size] * page_size + pos % page_size)
 
