@@ -88,6 +88,12 @@ class TPGroup:
         x.copy_(acc)
         return x
 
+    def reduce_ops(self, world_size: int) -> int:
+        """Torch ops one all_reduce runs on a rank of a `world_size` group besides its collective: ordered, the
+        fp32 copy of part 0, world_size - 1 adds and the copy back; else none (what `ddtree bench step`
+        counts: an emulated rank runs a one-rank group's plain all_reduce)."""
+        return world_size + 1 if self.ordered_reduce and world_size > 1 else 0
+
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """[*s] on every rank -> [N, *s], rank order."""
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
