@@ -3,9 +3,19 @@ device path (bf16 / fp16 / fp32), in place of cuBLAS.
 
 Row invariance (docs/design.md): cuBLAS picks its kernel, tile and split-K from M, so a row's sum order
 follows how many rows share the launch (a 17-row verify tree against AR's one row). Here every launch uses
-BLOCK_M = 64, BLOCK_N by N, BLOCK_K = 64, one K loop from k = 0 upwards with fp32 accumulation, no split-K,
-no atomics: row m's result is a function of x[m] and W alone. Its cost at small M (a 64-row tile for one
-row, the weight read once per column tile as before) is counted in docs/performance.md.
+BLOCK_M = 64, BLOCK_N by N, BLOCK_K = 64, fp32 accumulation and no atomics, and K is cut into a FIXED
+number of chunks chosen from the weight's shape and the device's SM count alone, never from M
+(`k_splits`): row m's result is a function of x[m] and W alone.
+
+Split rule: a weight of [Bt, N, K] gives Bt x ceil(N / BLOCK_N) programs per M tile. When that fills the
+SMs, one chunk (K from 0 upwards in one loop, the output written in the program). Otherwise
+S = min(ceil(SMs / programs), K // K_CHUNK_MIN) chunks of K_CHUNK = ceil(K / S) rounded up to BLOCK_K
+columns: program (m tile, n tile, b * S + s) sums chunk s's K tiles in order from zero and stores its fp32
+partial to a scratch [Bt, S, M, N]; a second launch (`_dense_gemm_sum_kernel`) adds the partials in chunk
+order 0, 1, ..., S - 1, then the bias, and rounds once to the output dtype. Both are elementwise in m, so
+the sum order per weight shape is one. At Kimi K2.6 TP 8 on 132 SMs: q_a + kv_a [2112, 7168] 17 tiles x 8
+chunks, shared expert gate_up [512, 7168] 4 x 28, o_proj [7168, 1024] 56 x 3, the LM head 1 chunk. The
+partials cost 2 x S x M x N x 4 bytes beside the weight (docs/performance.md).
 
 Interpreter (triton 3.9): its bf16 dot multiplies raw bits and its fp32 -> bf16 cast truncates, so interpreted
 bf16 runs the dot in fp32 (exact products of bf16 values) and rounds the output to bf16 explicitly
@@ -20,31 +30,39 @@ import triton.language as tl
 
 from .latent_write import _round_bf16
 from .mla_checks import DTYPES, check_device, is_interpreted
+from .mla_plan import num_sms
 from .shared_memory import device_smem_budget, dot_smem_bytes, stages_within
 
 BLOCK_M = 64  # rows per tile at every M
 BLOCK_K = 64
+K_CHUNK_MIN = 256  # least columns per K chunk (4 K tiles): bounds the partials' bytes per weight byte
+SUM_BLOCK_M, SUM_BLOCK_N = 16, 128  # the partials' sum: elementwise, any tile
 
 
 @triton.jit
 def _dense_gemm_kernel(
-    X, W, B, Y, M, N, K,
-    stride_xb, stride_xm, stride_xk, stride_wb, stride_wn, stride_wk, stride_yb, stride_ym,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, VIA_FP32: tl.constexpr, ROUND_BF16: tl.constexpr,
+    X, W, B, Y, M, N, K, K_TOTAL,
+    stride_xb, stride_xm, stride_xk, stride_wb, stride_wn, stride_wk, stride_yb, stride_ys, stride_ym,
+    SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, VIA_FP32: tl.constexpr, ROUND_BF16: tl.constexpr,
 ):  # fmt: skip
-    """Y[b, m-tile, n-tile] = Σ_k-tiles X[b] · W[b]ᵀ (+ B), k-tiles in order from 0."""
-    b = tl.program_id(2).to(tl.int64)
+    """Program (m tile, n tile, b * SPLITS + s): Y[b, s, m-tile, n-tile] = Σ_k-tiles of chunk s X[b] · W[b]ᵀ
+    (+ B), k-tiles in order from the chunk's first. K: the columns of a chunk (K_TOTAL when SPLITS = 1, a
+    multiple of BLOCK_K otherwise); K_TOTAL: x's columns. Y: the output (SPLITS = 1) or the fp32 partials."""
+    pid_b = tl.program_id(2)
+    b = (pid_b // SPLITS).to(tl.int64)
+    split = (pid_b % SPLITS).to(tl.int64)
+    k_lo = split * K
     offs_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     n_ok = offs_n < N
-    x_ptrs = X + b * stride_xb + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk  # [BLOCK_M, BLOCK_K]
-    w_ptrs = W + b * stride_wb + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk  # [BLOCK_K, BLOCK_N]
+    x_ptrs = X + b * stride_xb + offs_m[:, None] * stride_xm + (k_lo + offs_k)[None, :] * stride_xk  # [BM, BK]
+    w_ptrs = W + b * stride_wb + offs_n[None, :] * stride_wn + (k_lo + offs_k)[:, None] * stride_wk  # [BK, BN]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
-        k_ok = offs_k < K - kb * BLOCK_K
+        k_ok = offs_k < K_TOTAL - k_lo - kb * BLOCK_K
         x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if VIA_FP32:
@@ -57,8 +75,44 @@ def _dense_gemm_kernel(
         acc += tl.load(B + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if ROUND_BF16:
         acc = _round_bf16(acc)
-    tl.store(Y + b * stride_yb + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])  # fmt: skip
+    tl.store(Y + b * stride_yb + split * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :],
+             acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])  # fmt: skip
+
+
+@triton.jit
+def _dense_gemm_sum_kernel(
+    PARTS, B, Y, M, N, stride_pb, stride_ps, stride_pm, stride_yb, stride_ym,
+    SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+):  # fmt: skip
+    """Y[b, m, n] = ((PARTS[b, 0] + PARTS[b, 1]) + ... + PARTS[b, SPLITS - 1]) (+ B), in chunk order, fp32."""
+    b = tl.program_id(2).to(tl.int64)
+    offs_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    ptrs = PARTS + b * stride_pb + offs_m[:, None] * stride_pm + offs_n[None, :]
+    acc = tl.load(ptrs, mask=ok, other=0.0)
+    for s in range(1, SPLITS):
+        acc += tl.load(ptrs + s * stride_ps, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(B + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    if ROUND_BF16:
+        acc = _round_bf16(acc)
+    tl.store(Y + b * stride_yb + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty), mask=ok)
+
+
+def k_splits(batch: int, N: int, K: int, sms: int) -> tuple[int, int]:
+    """(chunks S, columns per chunk) of a weight [batch, N, K] on a device of `sms` SMs: never from M."""
+    programs = batch * triton.cdiv(N, block_n_of(N))
+    want = min(triton.cdiv(sms, programs), K // K_CHUNK_MIN)
+    if want <= 1:
+        return 1, K
+    chunk = triton.cdiv(triton.cdiv(K, want), BLOCK_K) * BLOCK_K
+    return triton.cdiv(K, chunk), chunk
+
+
+def block_n_of(N: int) -> int:
+    return 64 if N <= 64 else 128
 
 
 def smem_bytes(block_n: int, x_bytes: int, num_stages: int) -> int:
@@ -74,17 +128,27 @@ def _launch(x, weight, bias, out) -> None:
         return
     interpreted = is_interpreted(_dense_gemm_kernel)
     check_device(x.device, interpreted)
-    block_n = 64 if N <= 64 else 128
+    block_n = block_n_of(N)
+    splits, chunk = k_splits(Bt, N, K, num_sms(x.device))
     stages = stages_within(device_smem_budget(x.device), lambda s: smem_bytes(block_n, x.element_size(), s))
     via_fp32 = interpreted and x.dtype == torch.bfloat16
     precision = "ieee" if x.dtype == torch.float32 or via_fp32 else "tf32"
-    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, block_n), Bt)
+    has_bias = bias is not None
+    # one chunk: the program writes the output; S chunks: fp32 partials [Bt, S, M, N], summed in order after
+    parts = out if splits == 1 else torch.empty(Bt, splits, M, N, dtype=torch.float32, device=x.device)
+    p_b, p_s, p_m = (out.stride(0), 0, out.stride(1)) if splits == 1 else parts.stride()[:3]
+    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, block_n), Bt * splits)
     _dense_gemm_kernel[grid](
-        x, weight, bias if bias is not None else weight, out, M, N, K,
-        *x.stride(), *weight.stride(), out.stride(0), out.stride(1),
-        HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
-        DOT_PRECISION=precision, VIA_FP32=via_fp32, ROUND_BF16=via_fp32, num_stages=stages,
+        x, weight, bias if has_bias and splits == 1 else parts, parts, M, N, chunk, K,
+        *x.stride(), *weight.stride(), p_b, p_s, p_m,
+        SPLITS=splits, HAS_BIAS=has_bias and splits == 1, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
+        DOT_PRECISION=precision, VIA_FP32=via_fp32, ROUND_BF16=via_fp32 and splits == 1, num_stages=stages,
     )  # fmt: skip
+    if splits > 1:
+        _dense_gemm_sum_kernel[(triton.cdiv(M, SUM_BLOCK_M), triton.cdiv(N, SUM_BLOCK_N), Bt)](
+            parts, bias if has_bias else parts, out, M, N, p_b, p_s, p_m, out.stride(0), out.stride(1),
+            SPLITS=splits, HAS_BIAS=has_bias, BLOCK_M=SUM_BLOCK_M, BLOCK_N=SUM_BLOCK_N, ROUND_BF16=via_fp32,
+        )  # fmt: skip
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, K: int, what: str) -> None:
@@ -119,4 +183,4 @@ def head_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
-__all__ = ["dense_gemm", "head_gemm"]
+__all__ = ["dense_gemm", "head_gemm", "k_splits"]
