@@ -1,5 +1,5 @@
 """SiLU-and-mul, one launch: out = silu(gate) · up, for the MLPs whose gate and up projections run as one
-GEMM (services/models/moe.py DeepseekV3MLP: gate_up [N, 2I], gate rows first).
+GEMM (services/models/deepseek_v3/moe.py DeepseekV3MLP: gate_up [N, 2I], gate rows first).
 
 Numerics are torch's `F.silu(gate) * up` in the input dtype: silu(g) = g / (1 + exp(-g)) in fp32, rounded
 to the dtype, then the product in fp32, rounded again (bf16 rounding as explicit bit arithmetic, which

@@ -71,7 +71,7 @@ def write_latent(
     attention_factor: float = 1.0,
     check_slots: bool = True,  # bounds-check slots on the device (a host sync); off once the caller checked
 ) -> None:
-    """kv[slots] = [RMSNorm(c_kv) ; RoPE(k_pe)], equal to services/models/mla.py's project_latent + scatter."""
+    """kv[slots] = [RMSNorm(c_kv) ; RoPE(k_pe)], equal to services/models/deepseek_v3/mla.py's project_latent + scatter."""
     T = latent.shape[0] if latent.dim() == 2 else -1
     r = norm_weight.shape[0] if norm_weight.dim() == 1 else -1
     if latent.dim() != 2 or kv.dim() != 2 or latent.shape[1] != kv.shape[1] or r < 1 or r >= kv.shape[1]:

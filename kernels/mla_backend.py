@@ -1,4 +1,4 @@
-"""`TritonMLAAttention`: the "triton" attention backend of services/models/attention.py.
+"""`TritonMLAAttention`: the "triton" attention backend of services/models/layers/attention.py.
 
 The model calls `write_latent` (the fused latent KV write, latent_write.py) and `attend` once per layer
 with the same AttentionMetadata. The kernel plan (mla_plan.py) is built from the metadata's host slot
@@ -24,7 +24,7 @@ class TritonMLAAttention:
         self.config = config or MLAKernelConfig()
 
     def static_layout(self, bucket, num_heads: int, cache_slots: int, device: torch.device) -> MLAStaticLayout:
-        """Its part of a static batch (models/static_batch.py): the plan of a bucket in fixed buffers."""
+        """Its part of a static batch (models/runtime/static_batch.py): the plan of a bucket in fixed buffers."""
         return MLAStaticLayout(bucket, num_heads, cache_slots, device, self.config)
 
     def prepare(self, meta, num_heads: int, kv_cache: torch.Tensor) -> MLAPlan:

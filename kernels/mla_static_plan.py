@@ -78,7 +78,7 @@ def static_plan_shape(batch: int, rows: int, keys: int, heads: int, programs: in
 
 
 class MLAStaticLayout:
-    """The Triton backend's part of a static batch (models/static_batch.py)."""
+    """The Triton backend's part of a static batch (models/runtime/static_batch.py)."""
 
     def __init__(self, bucket, num_heads: int, cache_slots: int, device: torch.device, config: MLAKernelConfig):
         self.bucket, self.num_heads, self.cache_slots, self.device, self.config = (

@@ -1,6 +1,6 @@
 """One MoE projection stacked over a rank's local experts, in its checkpoint's packed format.
 
-The contract between the packed model modules (`ddtree.models.moe`), the fused MoE kernel
+The contract between the packed model modules (`ddtree.models.deepseek_v3.moe`), the fused MoE kernel
 (`fused_moe.py`, Triton), the CPU grouped path and the torch reference (`moe_reference.py`):
 
     kind "bf16": weight bf16/fp16/fp32 [E, N, K]

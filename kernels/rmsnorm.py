@@ -3,7 +3,7 @@
     rms_norm(x, w, eps)                 -> w · round_x(x / sqrt(mean(x²) + eps))
     add_rms_norm(x, residual, w, eps)   -> (rms_norm(s, w, eps), s)   with s = round_x(x + residual)
 
-Numerics are HF DeepseekV3RMSNorm's (services/models/norm.py): the sum and the normalisation in fp32, the
+Numerics are HF DeepseekV3RMSNorm's (services/models/layers/norm.py): the sum and the normalisation in fp32, the
 normalised row rounded to x's dtype, then multiplied by the weight and rounded to the output dtype
 (torch's promotion of x's and the weight's dtypes). The residual sum is rounded to x's dtype first, as a
 torch `x + residual` in that dtype is. bf16 rounding is explicit bit arithmetic (round to nearest even),

@@ -1,5 +1,5 @@
 """Rotary embedding of the queries' rope part, one launch: q_pe [T, H, dr] (a strided view of q) rotated by
-the forward's cos / sin (models/rope.py PositionRope: fp32 [T, dr/2], computed once per forward).
+the forward's cos / sin (models/layers/rope.py PositionRope: fp32 [T, dr/2], computed once per forward).
 
 Interleaved pairs, as DeepSeek / Kimi checkpoints store them: dims (2i, 2i + 1) of every head rotate by
 frequency i, (a, b) -> (a·c - b·s, b·c + a·s), in fp32 from the input dtype, rounded to it once (bf16

@@ -1,5 +1,5 @@
 """The DeepSeek-V3 / Kimi router in one launch: scores, sigmoid, correction bias, group-limited top-k,
-top-k, renormalisation and routed scaling (services/models/moe.py DeepseekV3TopkRouter; reference
+top-k, renormalisation and routed scaling (services/models/deepseek_v3/moe.py DeepseekV3TopkRouter; reference
 layer_reference.route_ref).
 
     scores = sigmoid(x · Wᵀ)                         fp32 [N, E]  (fp32 accumulate, exact fp32 products)

@@ -124,7 +124,7 @@ def cmd_verifier(args) -> None:
         main_thread_single()
     else:
         _set_threads(cfg.threads)
-    from ddtree.verifier.server import serve
+    from ddtree.verifier.rpc.server import serve
 
     _wait(serve(cfg, cfg.model or str(_default_dirs().target)))
 
@@ -135,7 +135,7 @@ def cmd_gateway(args) -> None:
     cfg = config_from_flags(GatewayConfig, args)
     configure_logging(cfg.log_level, cfg.log_format)
     _bound_allocator("gateway")
-    from ddtree.gateway.server import serve
+    from ddtree.gateway.api.server import serve
 
     _wait(serve(cfg, tokenizer_dir=cfg.tokenizer or str(_default_dirs().target)))
 

@@ -42,8 +42,8 @@ class DefaultCheckpoint:
 
 
 def build_default_checkpoint(out: pathlib.Path) -> None:
-    from ddtree.models.dflash_checkpoint import write_random_drafter
-    from ddtree.models.random_checkpoint import DEFAULT_TARGET_CONFIG, write_random_target
+    from ddtree.models.checkpoint.random import DEFAULT_TARGET_CONFIG, write_random_target
+    from ddtree.models.dflash.checkpoint import write_random_drafter
     from ddtree.tokenization.default_tokenizer import MASK_TOKEN, write_default_tokenizer
     from ddtree.tokenization.tokenizer import Tokenizer
 

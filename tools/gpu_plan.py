@@ -1,6 +1,6 @@
 """`ddtree inspect CONFIG --device-memory-gb G [--drafter DRAFTER]`: the memory plan of a deployment, GPU by GPU.
 
-The verifier's ranks on GPUs 0 .. tp-1 (verifier/memory_check.py) and, with --drafter, the drafter
+The verifier's ranks on GPUs 0 .. tp-1 (verifier/kv/memory_check.py) and, with --drafter, the drafter
 (drafter/memory_check.py), each with the settings the services would run with: `--verifier-args` /
 `--drafter-args` are the services' own flags (defaults: CUDA, bfloat16, the services' defaults otherwise), so
 that the plan is the one they check at start-up. The drafter's contexts are planned for the verifier's
@@ -23,9 +23,9 @@ import torch
 from ddtree.config import DrafterConfig, VerifierConfig, add_config_flags, config_from_flags
 from ddtree.drafter.factory import drafter_dtype
 from ddtree.drafter.memory_check import drafter_plan_items, read_drafter_config
-from ddtree.models.memory_plan import MemoryPlan, gpu_plan
+from ddtree.models.checkpoint.memory_plan import MemoryPlan, gpu_plan
 from ddtree.models.parallel.process_group import rank_device
-from ddtree.verifier.memory_check import verifier_plan
+from ddtree.verifier.kv.memory_check import verifier_plan
 
 GPU_DEFAULTS = ("--device", "cuda", "--dtype", "bfloat16")
 

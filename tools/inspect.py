@@ -15,7 +15,7 @@ Counting (exact, from the config; names and shapes as in deepseek_v3.py == the c
   layer.
 - weight bytes: from the headers when the weights exist, else from quantization_config (INT4 pack-quantized:
   packed int32 + bf16 group scales; FP8: 1 byte + fp32 block scales) and `torch_dtype` for the rest. Per
-  rank they are what the loader holds (models/weight_bytes.py: packed weights stay packed, the router fp32);
+  rank they are what the loader holds (models/checkpoint/weight_bytes.py: packed weights stay packed, the router fp32);
   tests/models/test_inspect_matches_loader.py checks the two agree.
 - largest context = (device memory · (1 - reserve) - weights per rank) / KV bytes per token per rank, with
   `ACTIVATION_RESERVE` of the device kept for activations, workspace and the allocator.
@@ -34,9 +34,9 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ddtree.models.config import DeepseekV3Config
-from ddtree.models.memory_plan import format_plan
-from ddtree.models.weight_bytes import read_checkpoint_weights
+from ddtree.models.checkpoint.memory_plan import format_plan
+from ddtree.models.checkpoint.weight_bytes import read_checkpoint_weights
+from ddtree.models.deepseek_v3.config import DeepseekV3Config
 
 ACTIVATION_RESERVE = 0.10  # share of device memory kept free of weights and KV
 KV_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}

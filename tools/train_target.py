@@ -7,7 +7,7 @@ the CPU, on a corpus written by `python -m scripts.data.build_corpus`.
 RUN_DIR gets `tokenizer/` (trained on the corpus unless --tokenizer is given), `tokens/` (the tokenised
 splits), `ckpt.pt` (model + optimizer + step + data RNG, written every --ckpt-minutes, on SIGTERM/Ctrl-C and
 at the end), `metrics.jsonl` (one line per logged step) and `export/`, an HF-layout checkpoint
-(config.json + model.safetensors + tokenizer files) that `ddtree.models.loader.load_target` reads.
+(config.json + model.safetensors + tokenizer files) that `ddtree.models.checkpoint.loader.load_target` reads.
 
 Training: AdamW, linear warmup then cosine decay to lr/10 over --steps; batches of --batch windows of
 --seq-len + 1 tokens drawn from the three kinds with probabilities --mix (code, prose, chat); the router's
@@ -33,11 +33,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ddtree.models.config import DeepseekV3Config
-from ddtree.models.deepseek_v3 import DeepseekV3ForCausalLM
+from ddtree.models.checkpoint.random import DEFAULT_TARGET_CONFIG
+from ddtree.models.deepseek_v3.config import DeepseekV3Config
+from ddtree.models.deepseek_v3.model import DeepseekV3ForCausalLM
+from ddtree.models.deepseek_v3.training_forward import training_forward, update_expert_bias
 from ddtree.models.dtypes import TORCH_DTYPES
-from ddtree.models.random_checkpoint import DEFAULT_TARGET_CONFIG
-from ddtree.models.training_forward import training_forward, update_expert_bias
 from ddtree.training.corpus import KINDS, read_documents
 from ddtree.training.progress import Progress
 from ddtree.training.schedule import lr_at

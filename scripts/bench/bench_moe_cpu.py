@@ -1,4 +1,4 @@
-"""CPU time of one MoE layer: the old per-expert loop against the grouped path (services/models/moe_grouped.py).
+"""CPU time of one MoE layer: the old per-expert loop against the grouped path (services/models/deepseek_v3/moe_grouped.py).
 
     python -m scripts.bench.bench_moe_cpu [--rows 1 17 136] [--repeats 30] [--threads N]
 
@@ -25,11 +25,11 @@ from torch import nn
 
 from ddtree.kernels.moe_weights import ExpertWeights
 from ddtree.kernels.weight_formats import weight_format
-from ddtree.models import moe_grouped
-from ddtree.models.config import DeepseekV3Config
-from ddtree.models.deepseek_v3 import DeepseekV3ForCausalLM
-from ddtree.models.moe import DeepseekV3MoE
-from ddtree.models.random_checkpoint import DEFAULT_TARGET_CONFIG, random_target_state_dict
+from ddtree.models.checkpoint.random import DEFAULT_TARGET_CONFIG, random_target_state_dict
+from ddtree.models.deepseek_v3 import moe_grouped
+from ddtree.models.deepseek_v3.config import DeepseekV3Config
+from ddtree.models.deepseek_v3.model import DeepseekV3ForCausalLM
+from ddtree.models.deepseek_v3.moe import DeepseekV3MoE
 
 DEMO_DIR = Path(__file__).resolve().parents[2] / "checkpoints" / "demo" / "target"
 K2_TINY = {**DEFAULT_TARGET_CONFIG, "hidden_size": 512, "moe_intermediate_size": 128, "n_routed_experts": 64,
@@ -38,7 +38,7 @@ K2_TINY = {**DEFAULT_TARGET_CONFIG, "hidden_size": 512, "moe_intermediate_size":
 
 def demo_moe() -> tuple[str, DeepseekV3MoE]:
     if (DEMO_DIR / "model.safetensors").exists():
-        from ddtree.models.loader import load_target
+        from ddtree.models.checkpoint.loader import load_target
 
         model = load_target(DEMO_DIR, dtype=torch.float32)
         return "demo (checkpoints/demo)", model.model.layers[model.config.first_k_dense_replace].mlp

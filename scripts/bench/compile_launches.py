@@ -34,8 +34,8 @@ import subprocess
 import sys
 import tempfile
 
-from ddtree.tools.bench import as_gpu
-from ddtree.tools.bench.triton_launches import kernel_function
+from ddtree.tools.roofline import as_gpu
+from ddtree.tools.step_cost.triton_launches import kernel_function
 
 # What Triton takes as launch options beside the kernel's own parameters.
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion", "launch_cooperative_grid")
@@ -114,7 +114,7 @@ def recording(launches: list[dict]):
 
 
 def as_on_gpu(arch: int):
-    """The kernels' wrappers choose as on a GPU of `arch` (tools/bench/as_gpu.py), an H100/H200's 132 SMs."""
+    """The kernels' wrappers choose as on a GPU of `arch` (tools/roofline/as_gpu.py), an H100/H200's 132 SMs."""
     return as_gpu.as_on_gpu(arch, SHARED_LIMIT[arch], 132)
 
 

@@ -4,7 +4,7 @@ drafter's top-K table (`grammar_tree table`).
 
 The drafter is the real DFlash engine of the pair (`make_engine` + `serve_engine` on a loopback port, a
 `DrafterClient` to it), the target the pair's target in fp32 (`LocalTarget`). Requests run one at a time
-(batch 1), so each one's wall time is its own. Used by tests/unit/test_grammar_tree.py and
+(batch 1), so each one's wall time is its own. Used by tests/tree/test_grammar_tree.py and
 scripts/bench/bench_grammar.py.
 """
 
@@ -98,7 +98,7 @@ class DemoPair:
         from ddtree.config import DrafterConfig
         from ddtree.drafter.factory import make_engine
         from ddtree.drafter.server import serve_engine
-        from ddtree.models.loader import load_target
+        from ddtree.models.checkpoint.loader import load_target
         from ddtree.tokenization.grammar_vocab import ll_tokenizer
         from ddtree.tokenization.tokenizer import Tokenizer
 
@@ -117,9 +117,9 @@ class DemoPair:
         """(prompt text, grammar) requests at temperature 0, one at a time; mode ar | prune | table."""
         from ddtree.config import VerifierConfig
         from ddtree.contract.sampling_params import SamplingConfig
-        from ddtree.verifier.drafter_client import DrafterClient
+        from ddtree.verifier.constraints.grammar import SequenceGrammar, new_matcher
+        from ddtree.verifier.drafting.drafter_client import DrafterClient
         from ddtree.verifier.engine import build_engine
-        from ddtree.verifier.grammar import SequenceGrammar, new_matcher
         from ddtree.verifier.sequence import GenerateParams, Sequence
 
         spec = mode != "ar"

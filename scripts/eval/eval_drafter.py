@@ -64,8 +64,8 @@ def measure_tau(
     from ddtree.contract.sampling_params import SamplingConfig
     from ddtree.drafter.factory import make_engine
     from ddtree.drafter.server import serve_engine
-    from ddtree.models.loader import load_target
-    from ddtree.verifier.drafter_client import DrafterClient
+    from ddtree.models.checkpoint.loader import load_target
+    from ddtree.verifier.drafting.drafter_client import DrafterClient
     from ddtree.verifier.engine import build_engine
     from ddtree.verifier.sequence import GenerateParams, Sequence
 

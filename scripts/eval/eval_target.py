@@ -22,9 +22,9 @@ import torch.nn.functional as F
 
 from ddtree.gateway.parsers.kimi_k2_reasoning import parse_reasoning
 from ddtree.gateway.parsers.kimi_k2_tools import parse_tool_calls
-from ddtree.models.attention import AttentionMetadata, SeqAttention
-from ddtree.models.loader import load_target
-from ddtree.models.training_forward import training_forward
+from ddtree.models.checkpoint.loader import load_target
+from ddtree.models.deepseek_v3.training_forward import training_forward
+from ddtree.models.layers.attention import AttentionMetadata, SeqAttention
 from ddtree.tokenization.tokenizer import Tokenizer
 from ddtree.training.corpus import KINDS, read_documents
 from scripts.data.synthetic_chats import _tool_spec

@@ -17,7 +17,7 @@ class SamplingConfig:
     seed: int | None = None  # per-request seed; see make_generator
     min_p: float = 0.0  # keep tokens with p >= min_p * max p (after temperature); 0 = off
     min_tokens: int = 0  # the request's stop ids cannot be chosen for output tokens 0..min_tokens-1
-    # Penalties and logit masks (verifier/penalties.py; vLLM's formulas): counts are of the output so far.
+    # Penalties and logit masks (verifier/constraints/penalties.py; vLLM's formulas): counts are of the output so far.
     repetition_penalty: float = 1.0  # > 0; tokens in the prompt or output: logit / it if > 0, else * it
     presence_penalty: float = 0.0  # in [-2, 2]: minus this for every token in the output
     frequency_penalty: float = 0.0  # in [-2, 2]: minus this times the token's count in the output

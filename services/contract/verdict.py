@@ -1,4 +1,4 @@
-"""The accept walk's result (`ddtree.verifier.accept.accept`): which nodes of a tree were accepted."""
+"""The accept walk's result (`ddtree.verifier.sampling.accept.accept`): which nodes of a tree were accepted."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from ddtree.contract.token_tree import TokenTree
 from ddtree.drafter.context import DraftContext
-from ddtree.models.dflash import DFlashDraftModel
+from ddtree.models.dflash.model import DFlashDraftModel
 from ddtree.tree import MAX_TABLE_WIDTH, TokenTable, drafted_trees, topk_logprobs
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -35,7 +35,7 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # CPU, where oneDNN caches a primitive per shape (ONEDNN_PRIMITIVE_CACHE_CAPACITY) and ideep one more
 # (LRU_CACHE_CAPACITY), 1024 entries each, and every entry holds a built kernel. Every prompt length would be a new row count, so
 # longer commits run in pieces of at most this many rows: the row counts ever run are 1..KV_ROWS_PER_CALL, all
-# built by warm_up, and the caches stop growing (scripts/dev/measure_drafter_rss.py). context_kv is row-wise; oneDNN's
+# built by warm_up, and the caches stop growing (scripts/bench/measure_drafter_rss.py). context_kv is row-wise; oneDNN's
 # AVX512-BF16 kernels give each row the same bits whatever the row count, so there the pieces change no K/V, while
 # its AMX kernels (Sapphire Rapids and later) do not, and the pieces' K/V differ from one call's by rounding only
 # (tests/drafter/test_drafter_memory.py checks whichever holds): the drafter only proposes, so neither changes an output.

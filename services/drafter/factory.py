@@ -23,8 +23,8 @@ def make_engine(cfg: DrafterConfig, model_dir: str, target_dir: str):
     dtype = drafter_dtype(cfg)
     from ddtree.drafter.engine import DraftEngine
     from ddtree.drafter.memory_check import refuse_unless_fits
-    from ddtree.models.dflash_checkpoint import load_drafter
-    from ddtree.models.loader import load_tensors
+    from ddtree.models.checkpoint.loader import load_tensors
+    from ddtree.models.dflash.checkpoint import load_drafter
 
     refuse_unless_fits(cfg, model_dir, dtype)  # on CUDA: the memory plan, before any weight is read
     if cfg.tp > 1:  # N ranks, rank 0's handle (drafter/tp_drafter.py); eager forwards

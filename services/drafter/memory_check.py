@@ -1,4 +1,4 @@
-"""The drafter's memory plan on its GPU (models/memory_plan.py), from its config.json and its DrafterConfig
+"""The drafter's memory plan on its GPU (models/checkpoint/memory_plan.py), from its config.json and its DrafterConfig
 alone: factory.make_engine checks it before reading any weight, `ddtree inspect --drafter` adds it to GPU 0.
 
 Draft contexts are planned for `sequences` live sequences (the verifier's --max-batch; at start-up the
@@ -12,8 +12,15 @@ from pathlib import Path
 import torch
 
 from ddtree.drafter.static_draft import MAX_GRAPH_SEQUENCES
-from ddtree.models.dflash_config import DFlashConfig
-from ddtree.models.memory_plan import MemoryPlan, PlanItem, check_plan, drafter_items, drafter_shape, gpu_plan
+from ddtree.models.checkpoint.memory_plan import (
+    MemoryPlan,
+    PlanItem,
+    check_plan,
+    drafter_items,
+    drafter_shape,
+    gpu_plan,
+)
+from ddtree.models.dflash.config import DFlashConfig
 from ddtree.telemetry.logging import get_logger
 
 log = get_logger("ddtree.drafter.memory_check")

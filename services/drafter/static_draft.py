@@ -3,7 +3,7 @@
 A bucket is (sequences S, context rows C). A Draft call fits the smallest bucket with S >= its sequences
 and C >= its longest context (the window bounds every context, so the largest bucket is the window).
 Its inputs are copied into views of one set of buffers sized for the largest bucket
-(models/dflash_static.py has the layout): the blocks' embeddings and positions, each sequence's context
+(models/dflash/static.py has the layout): the blocks' embeddings and positions, each sequence's context
 K/V per layer in rows [0, n_s) and the mask of the padding after them. The forward reads only those
 views, so on CUDA each bucket is a captured graph (models/runtime/cuda_graphs.py, the verifier's capture
 code too: one memory pool for all, captured at start-up) and a Draft's forward is copy-in + replay.
@@ -24,10 +24,10 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from ddtree.models.dflash import DFlashDraftModel
-from ddtree.models.dflash_static import static_forward_blocks
+from ddtree.models.dflash.model import DFlashDraftModel
+from ddtree.models.dflash.static import static_forward_blocks
 from ddtree.models.runtime.cuda_graphs import GraphRunner
-from ddtree.models.static_shapes import doubling_sizes, powers_of_two_up_to
+from ddtree.models.runtime.static_shapes import doubling_sizes, powers_of_two_up_to
 from ddtree.telemetry.logging import get_logger
 
 log = get_logger("ddtree.drafter.static_draft")

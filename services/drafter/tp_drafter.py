@@ -80,8 +80,8 @@ class VocabShardedDraftEngine(DraftEngine):
 def build_rank_engine(cfg, model_dir: str, target_dir: str, tp: TPGroup, dtype: torch.dtype) -> DraftEngine:
     """This rank's engine: the whole drafter read on the CPU, sliced (shard_dflash), the shard and this
     rank's vocabulary rows of the target's embedding and LM head moved to the rank's device."""
-    from ddtree.models.dflash_checkpoint import load_drafter
-    from ddtree.models.loader import load_tensors
+    from ddtree.models.checkpoint.loader import load_tensors
+    from ddtree.models.dflash.checkpoint import load_drafter
 
     device = rank_device(cfg.device, tp.rank)
     whole = load_drafter(model_dir).to(dtype=dtype).eval()

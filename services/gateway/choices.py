@@ -6,7 +6,7 @@
 - The n requests start together, so with one verifier they share its steps (one forward for all of
   them) and one prefill of the prompt: the verifier prefills it for the first of them it admits and
   enters it into its prefix cache when that prefill completes; the others wait for it and take all
-  but the last prompt token from the cache (services/verifier/prefix_cache.py). Nothing here orders
+  but the last prompt token from the cache (services/verifier/kv/prefix_cache.py). Nothing here orders
   them: whichever the verifier admits first prefills. With several verifiers the router may send
   choices to different ones, which each prefill the prompt.
 - prompt_logprobs: only choice 0 asks for them (`choice_jobs`). A request that reads the whole prompt

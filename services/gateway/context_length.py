@@ -12,7 +12,7 @@ so the gateway says it that way, still naming the numbers:
   length or `max_tokens` and try again".
 
 The pipeline checks before sending (it knows the verifier's max_context once one answered GetInfo);
-a verifier's own refusal (its wording: verifier/server.py) is translated by `from_verifier`.
+a verifier's own refusal (its wording: verifier/rpc/server.py) is translated by `from_verifier`.
 """
 
 from __future__ import annotations

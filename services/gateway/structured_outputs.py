@@ -3,7 +3,7 @@
 The gateway compiles, the verifier enforces: every form below becomes an llguidance grammar (JSON text,
 `{"grammars": [...]}`) checked here, so a bad schema, regex or grammar is a 400 naming its field, and
 sent in `GenerateRequest.grammar`; the verifier masks the target's choice at every tree node with it
-(services/verifier/grammar.py).
+(services/verifier/constraints/grammar.py).
 
 - `response_format`: `{"type": "json_object"}` (any JSON object), `{"type": "json_schema", "json_schema":
   {"name", "schema", "strict", "description"}}`; `text` = none.

@@ -3,7 +3,7 @@
 Throughput = accepted tokens per step (tau) / step time (docs/design.md §2): every function here keeps the
 two factors apart. Inputs are step records (dicts with the StepStats fields and `request_id`, as the
 verifier streams and logs them) or `ProfilePoint`s measured at controlled contexts; outputs are numbers
-and `Flag`s that carry their evidence as a sentence. No I/O: tests/unit/test_diagnose.py drives every flag
+and `Flag`s that carry their evidence as a sentence. No I/O: tests/tools/test_diagnose.py drives every flag
 with synthetic records.
 
 Output position: a step's position in its own generation is its context minus the context of the

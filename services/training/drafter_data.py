@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from ddtree.models.attention import AttentionMetadata, SeqAttention
+from ddtree.models.layers.attention import AttentionMetadata, SeqAttention
 
 KINDS = ("code", "prose", "chat")
 DOC_SEPARATOR = "[EOS]"  # tools/build_corpus.py joins documents with this special-token text

@@ -10,7 +10,7 @@ into one query set and one key set:
 
 and a block-sparse mask gives every query of block j exactly what serving would give it: context keys
 p with a_j - W <= p < a_j (W = window, 0 = unlimited) and the B keys of block j, nothing else; a causal
-head or a sliding-window layer hides more, by the serving rule (models/dflash_mask.py), per layer. The
+head or a sliding-window layer hides more, by the serving rule (models/dflash/mask.py), per layer. The
 context K/V are computed once per sequence and shared by all its blocks, as serving caches them once.
 Masked keys get exactly zero weight, so each block's hidden states equal the serving computation (the
 train/serve test in tests/training/test_train_drafter.py checks this against DraftEngine.draft).
@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ddtree.models.dflash import DFlashDraftModel
-from ddtree.models.dflash_mask import block_mask, needs_mask
-from ddtree.models.rope import apply_rope
+from ddtree.models.dflash.mask import block_mask, needs_mask
+from ddtree.models.dflash.model import DFlashDraftModel
+from ddtree.models.layers.rope import apply_rope
 
 
 def sample_anchors(lo: int, hi: int, count: int, batch: int, generator: torch.Generator) -> Tensor:

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from ddtree.models.dflash import DFlashDraftModel
+from ddtree.models.dflash.model import DFlashDraftModel
 
 
 def default_gamma(block_size: int) -> float:

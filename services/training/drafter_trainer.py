@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ddtree.models.dflash import DFlashDraftModel
-from ddtree.models.dflash_checkpoint import load_drafter, write_random_drafter
+from ddtree.models.dflash.checkpoint import load_drafter, write_random_drafter
+from ddtree.models.dflash.model import DFlashDraftModel
 from ddtree.models.dtypes import TORCH_DTYPES
 from ddtree.training.drafter_data import BatchPool, DataSpec, TargetBatch, TargetRunner, load_corpus, make_batch
 from ddtree.training.drafter_forward import block_hidden, block_inputs, block_labels, block_teacher, sample_anchors
@@ -155,7 +155,7 @@ class DrafterTrainer:
             self.target = None
             self.embed_w, self.head_w = load_head(target_dir, tdtype, self.device)
         else:
-            from ddtree.models.loader import load_target
+            from ddtree.models.checkpoint.loader import load_target
 
             self.target = load_target(target_dir, dtype=tdtype, device=self.device)
             self.embed_w = self.target.model.embed_tokens.weight.detach()

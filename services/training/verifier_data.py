@@ -2,7 +2,7 @@
 
 `VerifierRunner` stands in for drafter_data.TargetRunner: `generate(prompts, G)` returns the same
 TargetBatch, with the generations and the tapped features computed by the verifier that serves the
-target (Verifier.Features, services/verifier/features_rpc.py), so the trainer never loads the target:
+target (Verifier.Features, services/verifier/rpc/features_rpc.py), so the trainer never loads the target:
 of the target's checkpoint it reads config.json, tokenizer.json and the two tensors the drafter
 shares with it, the embedding and the LM head (`load_head`).
 
@@ -41,7 +41,7 @@ RETRIES = 8
 
 def load_head(target_dir: str | Path, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
     """The target's embedding and LM head (all the drafter needs of its weights), read alone."""
-    from ddtree.models.loader import load_tensors
+    from ddtree.models.checkpoint.loader import load_tensors
 
     t = load_tensors(target_dir, ["model.embed_tokens.weight", "lm_head.weight"])
     return t["model.embed_tokens.weight"].to(device, dtype), t["lm_head.weight"].to(device, dtype)

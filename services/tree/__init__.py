@@ -4,7 +4,7 @@
   (`build_tree`; `build_checked_tree` under a validity predicate). It is the reference every other build is
   tested against, the drafter's build on the CPU, and the grammar build's engine.
 - `device_build.py`: the same trees for a whole Draft call with tensor ops on the drafter's device
-  (bit-identical to the heap: tests/drafter/test_device_tree.py).
+  (bit-identical to the heap: tests/tree/test_device_tree.py).
 - `drafted.py`: the drafter's entry point, `drafted_trees` (which build, per sequence a tree or a table).
 - `grammar_build.py`: the verifier's build of a grammar-constrained sequence's tree from the drafter's table
   (`build_grammar_tree`, `grammar_table_width`).
@@ -12,7 +12,7 @@
   each Draft call, `observe` after each step), over `budget.py` (`tree_budget`, `allocate_nodes`,
   `cost_cut`: pure functions) and `step_cost.py` (`StepCostModel`, `AcceptCalibration`: the estimates).
 
-Entry points: the drafter calls `drafted_trees`; the verifier (verifier/step_drafter.py) calls
+Entry points: the drafter calls `drafted_trees`; the verifier (verifier/drafting/step_drafter.py) calls
 `build_grammar_tree` for a grammar's table and `TreeCut` for every step's trees.
 
 It may import `ddtree.contract` (the token tree), `ddtree.telemetry` (a log line) and torch / numpy only:

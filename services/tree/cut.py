@@ -33,7 +33,7 @@ EXPLORE_EVERY = 8
 CUT_MARGIN = 0.5
 LOG_EVERY = 64  # cut steps between two `tree_cut_model` log lines
 
-log = get_logger("ddtree.verifier.step_drafter")
+log = get_logger("ddtree.verifier.drafting.step_drafter")
 
 
 class TreeCut:

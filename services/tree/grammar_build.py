@@ -1,6 +1,6 @@
 """The draft tree of a grammar-constrained sequence, built on the verifier from the drafter's top-K table.
 
-Pruning the drafter's own tree (verifier/grammar.py `prepare` alone, verifier setting `grammar_tree prune`) keeps
+Pruning the drafter's own tree (verifier/constraints/grammar.py `prepare` alone, verifier setting `grammar_tree prune`) keeps
 only the grammar-valid nodes of a tree chosen without the grammar: most of the budget goes to tokens the
 grammar forbids, and a step commits about one token. With `grammar_tree table` (the default) the
 scheduler asks the drafter for its per-depth top-K table (`table_width`) instead, and builds the tree
@@ -46,7 +46,7 @@ class BuiltTree:
 
 
 class SequenceGrammar(Protocol):
-    """What the build needs of a sequence's grammar state (ddtree.verifier.grammar.SequenceGrammar)."""
+    """What the build needs of a sequence's grammar state (ddtree.verifier.constraints.grammar.SequenceGrammar)."""
 
     matcher: object  # llguidance LLMatcher at the sequence's current state: forked, never moved
 

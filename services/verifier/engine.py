@@ -19,26 +19,26 @@ import torch
 
 from ddtree.config import VerifierConfig
 from ddtree.contract.sampling_params import SamplingConfig
-from ddtree.models.attention import resolve_attention_backend
+from ddtree.models.checkpoint.loader import load_target
 from ddtree.models.dtypes import TORCH_DTYPES
-from ddtree.models.loader import load_target
+from ddtree.models.layers.attention import resolve_attention_backend
 from ddtree.models.runtime.cpu import use_column_major_weights
 from ddtree.protocol.ddtree.v1 import drafter_pb2
 from ddtree.protocol.security import ServiceSecurity
 from ddtree.telemetry.logging import get_logger
-from ddtree.verifier.batch import run_batch
-from ddtree.verifier.draft_deadline import DraftDeadline
-from ddtree.verifier.drafter_pool import DrafterPool
-from ddtree.verifier.graph_pool import graph_reserve_for
-from ddtree.verifier.kv_pool import LatentKVPool
-from ddtree.verifier.kv_sizing import kv_size_for
-from ddtree.verifier.memory_check import refuse_unless_fits
-from ddtree.verifier.scheduler import Scheduler
+from ddtree.verifier.drafting.draft_deadline import DraftDeadline
+from ddtree.verifier.drafting.drafter_pool import DrafterPool
+from ddtree.verifier.kv.graph_pool import graph_reserve_for
+from ddtree.verifier.kv.kv_pool import LatentKVPool
+from ddtree.verifier.kv.kv_sizing import kv_size_for
+from ddtree.verifier.kv.memory_check import refuse_unless_fits
 from ddtree.verifier.sequence import GenerateParams, Sequence
 from ddtree.verifier.sequence_lifecycle import drop_scratch
-from ddtree.verifier.static_step import make_static_step, plan_static_step
-from ddtree.verifier.target import LocalTarget, ShardedTarget, Target
-from ddtree.verifier.work_items import PrefillItem
+from ddtree.verifier.step.batch import run_batch
+from ddtree.verifier.step.scheduler import Scheduler
+from ddtree.verifier.step.static_step import make_static_step, plan_static_step
+from ddtree.verifier.step.target import LocalTarget, ShardedTarget, Target
+from ddtree.verifier.step.work_items import PrefillItem
 
 log = get_logger("ddtree.verifier.engine")
 

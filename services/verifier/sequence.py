@@ -28,11 +28,11 @@ import torch
 from ddtree.contract.sampling_params import SamplingConfig
 from ddtree.contract.step_record import StepRecord
 from ddtree.contract.token_tree import TokenTree
-from ddtree.verifier.grammar import SequenceGrammar
-from ddtree.verifier.logprobs import PromptRows
-from ddtree.verifier.page_table import PageTable, pages_for
-from ddtree.verifier.penalties import PenaltyCounts
-from ddtree.verifier.sampling import make_generator
+from ddtree.verifier.constraints.grammar import SequenceGrammar
+from ddtree.verifier.constraints.penalties import PenaltyCounts
+from ddtree.verifier.kv.page_table import PageTable, pages_for
+from ddtree.verifier.sampling.logprobs import PromptRows
+from ddtree.verifier.sampling.sampling import make_generator
 
 
 class Phase(enum.Enum):

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from ddtree.verifier.kv_pool import LatentKVPool
-from ddtree.verifier.page_table import PageTable
+from ddtree.verifier.kv.kv_pool import LatentKVPool
+from ddtree.verifier.kv.page_table import PageTable
 from ddtree.verifier.sequence import Sequence
 
 

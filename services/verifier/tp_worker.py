@@ -44,7 +44,7 @@ from ddtree.models.parallel.tp_model import (
     static_bucket,
 )
 from ddtree.telemetry.logging import configure_logging, get_logger
-from ddtree.verifier.static_step import make_static_step, plan_static_step
+from ddtree.verifier.step.static_step import make_static_step, plan_static_step
 
 log = get_logger("ddtree.verifier.tp")
 

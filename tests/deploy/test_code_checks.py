@@ -107,12 +107,16 @@ def test_the_import_graph_keeps_the_layers():
 def test_the_layer_check_sees_a_back_import(monkeypatch, tmp_path):
     """The check itself: a model module that imports the verifier is reported."""
     fake_root = tmp_path / "services"
-    shutil.copytree(env.ROOT / "services", fake_root, ignore=shutil.ignore_patterns("__pycache__", "protocol"))
-    target = fake_root / "models" / "rope.py"
-    target.write_text(target.read_text() + "\nfrom ddtree.verifier.scheduler import Scheduler  # noqa\n")
+    shutil.copytree(
+        env.ROOT / "services", fake_root, ignore=shutil.ignore_patterns("__pycache__", "protocol", "kernels", "tools")
+    )
+    target = fake_root / "models" / "layers" / "rope.py"
+    target.write_text(target.read_text() + "\nfrom ddtree.verifier.step.scheduler import Scheduler  # noqa\n")
     monkeypatch.setattr(env, "package_dirs", lambda: {"ddtree": fake_root})
     problems = layer_violations()
-    assert any("ddtree.models.rope (ddtree.models) imports ddtree.verifier.scheduler" in p for p in problems), problems
+    assert any(
+        "ddtree.models.layers.rope (ddtree.models) imports ddtree.verifier.step.scheduler" in p for p in problems
+    ), problems
 
 
 def _top_level_imports(path: pathlib.Path) -> set[str]:

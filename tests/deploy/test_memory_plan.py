@@ -1,4 +1,4 @@
-"""The memory plan per GPU (models/memory_plan.py) and the deployment files that state its numbers.
+"""The memory plan per GPU (models/checkpoint/memory_plan.py) and the deployment files that state its numbers.
 
 - weights are counted in the dtype the loader keeps: the router's weight in its stored dtype, its bias fp32;
 - `ddtree inspect --drafter` places the drafter's ranks beside the verifier's at the verifier's --tp by
@@ -23,8 +23,8 @@ import yaml
 
 from ddtree.cli import main
 from ddtree.config import DrafterConfig, VerifierConfig, config_from_flags
-from ddtree.models.memory_plan import MemoryPlanError, format_plan
-from ddtree.models.weight_bytes import config_tensors, held_tensor_bytes, read_checkpoint_weights
+from ddtree.models.checkpoint.memory_plan import MemoryPlanError, format_plan
+from ddtree.models.checkpoint.weight_bytes import config_tensors, held_tensor_bytes, read_checkpoint_weights
 from ddtree.tools.gpu_plan import deployment_configs, deployment_plan
 from tests.support.paths import REPO
 
@@ -159,7 +159,8 @@ def test_verifier_refuses_before_reading_any_weight(default_ckpt, small_gpu, mon
 
 def test_drafter_refuses_before_reading_any_weight(default_ckpt, small_gpu, monkeypatch):
     from ddtree.drafter.factory import make_engine
-    from ddtree.models import dflash_checkpoint, loader
+    from ddtree.models.checkpoint import loader
+    from ddtree.models.dflash import checkpoint as dflash_checkpoint
 
     def no_read(*a, **k):
         raise AssertionError("a weight was read")

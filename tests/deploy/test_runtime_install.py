@@ -30,11 +30,11 @@ DEMO_TARGET = env.ROOT / "checkpoints" / "demo" / "target"
 # The modules the `ddtree` command runs: they must import with the runtime dependencies alone.
 ENTRY_MODULES = (
     "ddtree.cli",
-    "ddtree.verifier.server",
+    "ddtree.verifier.rpc.server",
     "ddtree.drafter.server",
     "ddtree.drafter.factory",
-    "ddtree.gateway.server",
-    "ddtree.gateway.http",
+    "ddtree.gateway.api.server",
+    "ddtree.gateway.api.http",
     "ddtree.launcher",
     "ddtree.client",
 )

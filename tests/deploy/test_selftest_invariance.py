@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from ddtree.models.random_checkpoint import DEFAULT_TARGET_CONFIG, write_random_target
+from ddtree.models.checkpoint.random import DEFAULT_TARGET_CONFIG, write_random_target
 from tests.support import installed_env as env
 
 TINY = {**DEFAULT_TARGET_CONFIG, "vocab_size": 128, "hidden_size": 64, "intermediate_size": 64,

@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 
 from ddtree.drafter.engine import DraftEngine, SeqDraftInput
 from ddtree.drafter.static_draft import StaticDraft, draft_buckets
-from ddtree.models.dflash_checkpoint import load_drafter, write_random_drafter
-from ddtree.models.dflash_config import DFlashConfig
+from ddtree.models.dflash.checkpoint import load_drafter, write_random_drafter
+from ddtree.models.dflash.config import DFlashConfig
 from ddtree.training.drafter_forward import block_attention_mask, block_hidden
 from tests.support.block_attention_reference import reference_logits
 

@@ -13,9 +13,9 @@ from safetensors.torch import load_file, save_file
 
 from ddtree.drafter.context import DraftContext
 from ddtree.drafter.engine import DraftEngine, SeqDraftInput
-from ddtree.models.dflash import DFlashDraftModel, rope_inv_freq
-from ddtree.models.dflash_checkpoint import load_drafter, write_random_drafter
-from ddtree.models.dflash_config import DFlashConfig, default_target_layer_ids
+from ddtree.models.dflash.checkpoint import load_drafter, write_random_drafter
+from ddtree.models.dflash.config import DFlashConfig, default_target_layer_ids
+from ddtree.models.dflash.model import DFlashDraftModel, rope_inv_freq
 from ddtree.tree.best_first import build_tree, topk_logprobs
 from tests.support.dflash_reference import naive_block
 
@@ -498,7 +498,7 @@ def test_drafter_dtype_auto() -> None:
 @pytest.mark.parametrize("n,dtype", [(1, torch.float32), (37, torch.float32), (300, torch.bfloat16)])
 def test_grouped_attention_matches_sdpa(n, dtype):
     """The drafter's bmm attention equals torch's SDPA with enable_gqa (fp32 reference)."""
-    from ddtree.models.dflash import grouped_attention
+    from ddtree.models.dflash.model import grouped_attention
 
     g = torch.Generator().manual_seed(n)
     q = torch.randn(8, 4, 16, generator=g).to(dtype)  # [B, nh, hd]

@@ -18,10 +18,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ddtree.models.checkpoint_files import CheckpointError
-from ddtree.models.dflash import DFlashDraftModel, rope_inv_freq
-from ddtree.models.dflash_checkpoint import load_drafter
-from ddtree.models.dflash_config import DFlashConfig
+from ddtree.models.checkpoint.files import CheckpointError
+from ddtree.models.dflash.checkpoint import load_drafter
+from ddtree.models.dflash.config import DFlashConfig
+from ddtree.models.dflash.model import DFlashDraftModel, rope_inv_freq
 from tests.support.dflash_reference import naive_block
 
 TAPS = [1, 12, 24, 35, 47, 58]

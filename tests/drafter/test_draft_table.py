@@ -23,10 +23,10 @@ from ddtree.drafter.server import serve_engine
 from ddtree.protocol.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
 from ddtree.protocol.tensors import tensor_to_proto
 from ddtree.tree.best_first import TokenTable, build_tree, topk_logprobs
-from ddtree.verifier.drafter_client import DrafterClient
-from ddtree.verifier.grammar import SequenceGrammar
+from ddtree.verifier.constraints.grammar import SequenceGrammar
+from ddtree.verifier.drafting.drafter_client import DrafterClient
+from ddtree.verifier.drafting.step_drafter import StepDrafter
 from ddtree.verifier.sequence import DraftedTree, GenerateParams, PendingCommit, Sequence
-from ddtree.verifier.step_drafter import StepDrafter
 from tests.support.draft_engines import BLOCK, draft_input, random_draft_engine
 from tests.support.engines import engine_with_drafter
 from tests.support.fakes import stub_engine_info

@@ -4,7 +4,7 @@ all built by warm_up, however varied the prompts. Commits run through context_kv
 KV_ROWS_PER_CALL rows (engine.py); the pieces give the same K/V bits and the same trees as one call where the
 machine's kernels give a row the same bits whatever the row count, and the same K/V to within rounding where they
 do not (oneDNN's AMX kernels).
-RSS itself is measured by scripts/dev/measure_drafter_rss.py (a drafter process, thousands of requests)."""
+RSS itself is measured by scripts/bench/measure_drafter_rss.py (a drafter process, thousands of requests)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ddtree.drafter.engine import KV_ROWS_PER_CALL, DraftEngine, SeqDraftInput
-from ddtree.models.dflash_checkpoint import load_drafter, write_random_drafter
+from ddtree.models.dflash.checkpoint import load_drafter, write_random_drafter
 
 # Wide enough that bf16 matmuls take oneDNN (ATen keeps tiny ones, m * n * k <= 16^3, to itself).
 TARGET = {"hidden_size": 256, "num_hidden_layers": 6, "vocab_size": 512, "rope_theta": 10000.0}

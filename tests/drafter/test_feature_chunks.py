@@ -15,10 +15,10 @@ from ddtree.config import DrafterConfig
 from ddtree.drafter.engine import DraftEngine
 from ddtree.drafter.server import serve_engine
 from ddtree.launcher import start_stack
-from ddtree.models.dflash_checkpoint import load_drafter, write_random_drafter
+from ddtree.models.dflash.checkpoint import load_drafter, write_random_drafter
 from ddtree.protocol.ddtree.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from ddtree.protocol.tensors import tensor_to_proto
-from ddtree.verifier.feature_chunks import split_commit
+from ddtree.verifier.drafting.feature_chunks import split_commit
 
 TARGET = {"hidden_size": 32, "num_hidden_layers": 6, "vocab_size": 64, "rope_theta": 10000.0}
 

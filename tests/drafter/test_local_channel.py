@@ -1,5 +1,5 @@
 """The co-located drafter channel (protocol/local_channel.py, drafter/local_server.py,
-verifier/local_drafter.py): the feature ring's records and its checks; the same trees through the channel
+verifier/drafting/local_drafter.py): the feature ring's records and its checks; the same trees through the channel
 as through gRPC (two drafters from one checkpoint); a bad, stale or overwritten feature reference costs
 only its own sequence's draft (failed_seq_ids, its context released); a drafter that goes away sends the
 client back to gRPC."""
@@ -21,8 +21,8 @@ from ddtree.protocol.device_plane import DevicePlaneHandle
 from ddtree.protocol.feature_ring import FeatureRing
 from ddtree.protocol.local_channel import APPEND
 from ddtree.protocol.security import ServiceSecurity
-from ddtree.verifier.drafter_client import DrafterClient
-from ddtree.verifier.local_drafter import LocalDrafterChannel, LocalRpcError
+from ddtree.verifier.drafting.drafter_client import DrafterClient
+from ddtree.verifier.drafting.local_drafter import LocalDrafterChannel, LocalRpcError
 from ddtree.verifier.sequence import GenerateParams, PendingCommit, Sequence
 from tests.support.draft_engines import random_draft_engine
 
@@ -261,7 +261,7 @@ def test_a_bad_chunk_reference_fails_the_call_as_grpc_append_would(two_drafters)
 def test_a_gpu_buffer_is_offered_only_to_a_drafter_that_maps_one(two_drafters, monkeypatch):
     """A verifier on a GPU makes the ring's device buffer only when the drafter's GetInfo says it maps one: a
     buffer shared through CUDA IPC and never mapped stays allocated for the verifier's life."""
-    from ddtree.verifier import local_drafter
+    from ddtree.verifier.drafting import local_drafter
 
     asked = []
     create = FeatureRing.create

@@ -1,4 +1,4 @@
-"""The drafter's static-shape block forward (services/drafter/static_draft.py, models/dflash_static.py), CPU.
+"""The drafter's static-shape block forward (services/drafter/static_draft.py, models/dflash/static.py), CPU.
 
 At every bucket edge (1 and the most sequences; no context, a context exactly at a bucket's size, one row
 past it, the window) the static forward through the shared buffers agrees with forward_blocks (fp32,
@@ -16,8 +16,8 @@ from ddtree.config import DrafterConfig
 from ddtree.drafter.engine import DraftEngine, SeqDraftInput
 from ddtree.drafter.factory import make_static_draft
 from ddtree.drafter.static_draft import DraftBucket, StaticDraft, draft_buckets, plan_static_draft
-from ddtree.models.dflash_checkpoint import load_drafter, write_random_drafter
-from ddtree.models.dflash_static import static_forward_blocks
+from ddtree.models.dflash.checkpoint import load_drafter, write_random_drafter
+from ddtree.models.dflash.static import static_forward_blocks
 
 TARGET = {"hidden_size": 32, "num_hidden_layers": 6, "vocab_size": 64, "rope_theta": 10000.0}
 BLOCK = 5

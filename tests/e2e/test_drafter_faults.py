@@ -256,7 +256,7 @@ def _new_sequence(i: int):
 def test_a_hung_drafter_is_set_aside_after_one_timeout_and_taken_back(tmp_path):
     """The circuit breaker: the first Draft that times out sets the replica aside; while it hangs no
     sequence, old or new, waits for it again (they decode with AR); once it answers a probe it is back."""
-    from ddtree.verifier.drafter_pool import DrafterPool
+    from ddtree.verifier.drafting.drafter_pool import DrafterPool
 
     engine = HangingEngine(hidden=256)
     drafter = serve_engine(engine, DrafterConfig(port=0, grace_s=0.0))

@@ -17,7 +17,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from ddtree.config import GatewayConfig
-from ddtree.gateway.server import serve
+from ddtree.gateway.api.server import serve
 from ddtree.protocol.ddtree.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.support.fakes import REASONING_OUT, TOOL_OUT, openai_client, script_for, serve_gateway, start_fake_verifier
 

@@ -16,9 +16,9 @@ import grpc
 import pytest
 
 from ddtree.config import GatewayConfig, add_config_flags, config_from_flags
+from ddtree.gateway.api.server import StopMatcher, serve
 from ddtree.gateway.parsers.kimi_k2_reasoning import KimiK2ReasoningParser, parse_reasoning
 from ddtree.gateway.parsers.kimi_k2_tools import MARKERS, KimiK2ToolParser, ToolCall, merge_deltas, parse_tool_calls
-from ddtree.gateway.server import StopMatcher, serve
 from ddtree.protocol.ddtree.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.support.fakes import script_for, verifier_usage
 

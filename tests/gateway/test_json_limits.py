@@ -42,7 +42,7 @@ def test_depth_at_the_limit_is_accepted():
 
 
 def test_an_unhandled_http_error_carries_no_exception_text():
-    from ddtree.gateway.http import _server_error
+    from ddtree.gateway.api.http import _server_error
 
     class _Request:
         class url:

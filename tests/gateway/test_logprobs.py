@@ -3,7 +3,7 @@
 - Against a FAKE verifier (tests/support/fakes.py) with the official `openai` client: the exact OpenAI shapes
   (token strings, bytes, top lists, the legacy completions dicts and text_offset), what reaches the
   verifier, the 400s.
-- `token_logprobs` (services/verifier/logprobs.py) against a brute force.
+- `token_logprobs` (services/verifier/sampling/logprobs.py) against a brute force.
 - On the real stack (oracle drafter: real multi-token acceptance): the logprobs DDTree reports equal
   AR's (no_spec) for the same greedy tokens, and both equal the in-process target's log_softmax over
   the same token sequence, within fp32 tolerance; top_logprobs is sorted and starts with the chosen
@@ -18,7 +18,7 @@ import openai
 import pytest
 import torch
 
-from ddtree.verifier.logprobs import token_logprobs
+from ddtree.verifier.sampling.logprobs import token_logprobs
 from tests.support.fakes import openai_client, script_for, serve_gateway
 
 MODEL = "ddtree-demo"
@@ -235,7 +235,7 @@ def _greedy(client, prompt_ids, **extra):
 
 
 def test_ddtree_logprobs_equal_ar_and_the_target(oracle_stack, stack_client, default_ckpt):
-    from ddtree.models.loader import load_target
+    from ddtree.models.checkpoint.loader import load_target
     from ddtree.tokenization.tokenizer import Tokenizer
     from tests.support.quantized_checkpoints import logits as full_logits
 

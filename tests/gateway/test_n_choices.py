@@ -25,8 +25,8 @@ import openai
 import pytest
 
 from ddtree.config import GatewayConfig
+from ddtree.gateway.api.server import serve
 from ddtree.gateway.choices import MAX_N, Choices
-from ddtree.gateway.server import serve
 from ddtree.protocol.ddtree.v1 import common_pb2, gateway_pb2
 from tests.support.fakes import script_for
 

@@ -1,4 +1,4 @@
-"""The OpenAI / vLLM parameter policy of the HTTP API (services/gateway/openai_models.py), with the
+"""The OpenAI / vLLM parameter policy of the HTTP API (services/gateway/api/openai_models.py), with the
 official `openai` client against the real gateway in front of a FAKE verifier (tests/support/fakes.py), so
 answers are exact: every refused field is a 400 naming it, type errors are 400s, implemented fields
 reach the verifier or change the text as vLLM's do, usage carries cached_tokens, X-Request-Id is
@@ -14,7 +14,7 @@ import grpc
 import openai
 import pytest
 
-from ddtree.gateway.openai_models import REFUSED
+from ddtree.gateway.api.openai_models import REFUSED
 from ddtree.protocol.ddtree.v1 import common_pb2
 from tests.support.fakes import openai_client, script_for, serve_gateway
 

@@ -1,6 +1,6 @@
 """prompt_logprobs (vLLM's), chat and completions, streaming and not.
 
-- `prompt_logprobs` / `prompt_logprobs_messages` (services/verifier/logprobs.py) against a brute force.
+- `prompt_logprobs` / `prompt_logprobs_messages` (services/verifier/sampling/logprobs.py) against a brute force.
 - Against a FAKE verifier (tests/support/fakes.py) with the official `openai` client: vLLM's shape (null for the
   first prompt token, then a dict keyed by token id: the prompt token first, then the top k), where it
   goes (completions: each choice; chat: the response; a stream: one chunk, per choice for completions,
@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from ddtree.protocol.ddtree.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, verifier_pb2
-from ddtree.verifier.logprobs import prompt_logprobs, prompt_logprobs_messages
+from ddtree.verifier.sampling.logprobs import prompt_logprobs, prompt_logprobs_messages
 from tests.support.fakes import openai_client, script_for, serve_gateway
 
 MODEL = "ddtree-demo"
@@ -301,7 +301,7 @@ def test_a_response_too_large_is_400(long_context_client, fake, tok):
 # -- the real stack ------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def target(default_ckpt):
-    from ddtree.models.loader import load_target
+    from ddtree.models.checkpoint.loader import load_target
 
     return load_target(str(default_ckpt.target), dtype=torch.float32, device="cpu").eval()
 

@@ -1,4 +1,4 @@
-"""OpenAI's Responses API (`POST /v1/responses`, services/gateway/responses_api.py) with the official openai
+"""OpenAI's Responses API (`POST /v1/responses`, services/gateway/api/responses_api.py) with the official openai
 client against the gateway over a FAKE verifier (tests/support/fakes.py): text with reasoning, function
 calls, the stream's events, function-call items and their outputs as input, the limit, and the 400s."""
 

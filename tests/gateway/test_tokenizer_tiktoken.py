@@ -11,8 +11,8 @@ import grpc
 import pytest
 
 from ddtree.config import GatewayConfig
+from ddtree.gateway.api.server import serve
 from ddtree.gateway.detokenizer import REPLACEMENT, IncrementalDetokenizer
-from ddtree.gateway.server import serve
 from ddtree.protocol.ddtree.v1 import gateway_pb2, gateway_pb2_grpc
 from ddtree.tokenization.default_tokenizer import write_default_tokenizer
 from ddtree.tokenization.tokenizer import MAX_RUN_CHARS, Tokenizer

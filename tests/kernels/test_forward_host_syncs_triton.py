@@ -1,7 +1,7 @@
 """The device path's forward reads nothing back to the host (issue 40): with the Triton attention backend
 (the MLA plan and the latent write's slots prepared before the forward), the Triton layer kernels and the
 fused MoE over packed INT4 experts, all interpreted on the CPU, a verifier step's forward has 0 host
-syncs (tools/bench/op_count.py; each Triton launch counts once); a tree verify and an AR decode step.
+syncs (tools/step_cost/op_count.py; each Triton launch counts once); a tree verify and an AR decode step.
 On CUDA the same kernels run compiled."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from tests.support.triton_env import DEVICE, triton_interpret_env  # noqa: F401 
 # isort: split
 import pytest
 
-from ddtree.models.loader import load_target
-from ddtree.tools.bench.kernel_route import route_kernels
+from ddtree.models.checkpoint.loader import load_target
+from ddtree.tools.step_cost.kernel_route import route_kernels
 from tests.support.forward_syncs import sync_report, verifier_step_counts, write_kimi_int4
 
 

@@ -14,15 +14,15 @@ import torch
 import ddtree.kernels.mla_backend
 from ddtree.kernels.mla_backend import TritonMLAAttention
 from ddtree.kernels.mla_plan import MLAKernelConfig
-from ddtree.models.attention import (
+from ddtree.models.checkpoint.random import DEFAULT_TARGET_CONFIG, random_target_state_dict
+from ddtree.models.deepseek_v3.config import DeepseekV3Config
+from ddtree.models.deepseek_v3.model import DeepseekV3ForCausalLM
+from ddtree.models.layers.attention import (
     AttentionMetadata,
     SeqAttention,
     make_attention_backend,
     resolve_attention_backend,  # fmt: skip
 )
-from ddtree.models.config import DeepseekV3Config
-from ddtree.models.deepseek_v3 import DeepseekV3ForCausalLM
-from ddtree.models.random_checkpoint import DEFAULT_TARGET_CONFIG, random_target_state_dict
 from ddtree.tools.selftest.compare import assert_close
 from tests.support.paths import REPO
 from tests.support.triton_env import DEVICE, triton_interpret_env  # noqa: F401,I001  (before kernels are imported)

@@ -330,7 +330,7 @@ def test_out_of_range_routing_is_dropped_or_rejected_on_request(monkeypatch):
     """Routing values are not read back in a forward: an id outside [0, E_global) or a map value outside
     [-1, E_local) drops its pair (it contributes nothing, as another rank's expert would), in the Triton
     alignment, its torch twin and the CPU grouped path alike; DDTREE_CHECK_ROUTING=1 rejects them instead."""
-    from ddtree.models.moe_grouped import grouped_moe
+    from ddtree.models.deepseek_v3.moe_grouped import grouped_moe
 
     case = Case("range", "int4", 4, 2, 3)
     x, gate, up, down, weights, ids, _ = _inputs(case)

@@ -9,10 +9,10 @@ import torch
 
 from ddtree.kernels.latent_write import write_latent
 from ddtree.kernels.reference import write_latent_ref
-from ddtree.models.config import DeepseekV3Config
-from ddtree.models.mla import DeepseekV3Attention
-from ddtree.models.random_checkpoint import DEFAULT_TARGET_CONFIG
-from ddtree.models.rope import RotaryEmbedding
+from ddtree.models.checkpoint.random import DEFAULT_TARGET_CONFIG
+from ddtree.models.deepseek_v3.config import DeepseekV3Config
+from ddtree.models.deepseek_v3.mla import DeepseekV3Attention
+from ddtree.models.layers.rope import RotaryEmbedding
 from ddtree.tools.selftest.compare import assert_close
 from tests.support.triton_env import DEVICE, triton_interpret_env  # noqa: F401,I001  (before kernels are imported)
 

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from ddtree.kernels.dense_gemm import head_gemm
-from ddtree.models.attention import AttentionMetadata, SeqAttention
-from ddtree.models.config import DeepseekV3Config
-from ddtree.models.deepseek_v3 import DeepseekV3ForCausalLM
-from ddtree.models.layer_kernels import make_layer_kernels
-from ddtree.models.random_checkpoint import DEFAULT_TARGET_CONFIG, random_target_state_dict
+from ddtree.models.checkpoint.random import DEFAULT_TARGET_CONFIG, random_target_state_dict
+from ddtree.models.deepseek_v3.config import DeepseekV3Config
+from ddtree.models.deepseek_v3.model import DeepseekV3ForCausalLM
+from ddtree.models.layers.attention import AttentionMetadata, SeqAttention
+from ddtree.models.layers.layer_kernels import make_layer_kernels
 from ddtree.tools.selftest.compare import assert_close
 from tests.support.triton_env import DEVICE, triton_interpret_env  # noqa: F401,I001  (before kernels are imported)
 

@@ -9,7 +9,7 @@ import torch
 
 from ddtree.kernels.layer_reference import add_rms_norm_ref, rms_norm_ref
 from ddtree.kernels.rmsnorm import add_rms_norm, rms_norm
-from ddtree.models.norm import RMSNorm
+from ddtree.models.layers.norm import RMSNorm
 from ddtree.tools.selftest.compare import assert_close
 from tests.support.triton_env import DEVICE, triton_interpret_env  # noqa: F401,I001  (before kernels are imported)
 

@@ -1,4 +1,4 @@
-"""The queries' rotary embedding (kernels/rope.py) against its reference, PositionRope (models/rope.py), on
+"""The queries' rotary embedding (kernels/rope.py) against its reference, PositionRope (models/layers/rope.py), on
 q_pe as the model makes it (the rope columns of q, a strided view), ragged heads and widths, every dtype.
 Inside the model it runs with the other layer kernels: tests/kernels/test_kernels_layer_model.py."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ddtree.kernels.rope import rope_q
-from ddtree.models.rope import PositionRope, RotaryEmbedding
+from ddtree.models.layers.rope import PositionRope, RotaryEmbedding
 from ddtree.tools.selftest.compare import assert_close
 from tests.support.triton_env import DEVICE, triton_interpret_env  # noqa: F401,I001  (before kernels are imported)
 
@@ -16,8 +16,8 @@ CASES = [(1, 1, 64), (17, 8, 64), (5, 3, 32), (40, 16, 64), (0, 4, 64)]  # (T, H
 
 
 def _rope(dr: int):
-    from ddtree.models.config import DeepseekV3Config
-    from ddtree.models.random_checkpoint import DEFAULT_TARGET_CONFIG
+    from ddtree.models.checkpoint.random import DEFAULT_TARGET_CONFIG
+    from ddtree.models.deepseek_v3.config import DeepseekV3Config
 
     config = DeepseekV3Config.from_dict({**DEFAULT_TARGET_CONFIG, "qk_rope_head_dim": dr})
     return RotaryEmbedding(config.rope, dr)

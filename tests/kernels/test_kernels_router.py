@@ -13,9 +13,9 @@ import torch
 from ddtree.kernels import router as router_module
 from ddtree.kernels.layer_reference import route_ref
 from ddtree.kernels.router import route
-from ddtree.models.config import DeepseekV3Config
-from ddtree.models.moe import DeepseekV3TopkRouter
-from ddtree.models.random_checkpoint import DEFAULT_TARGET_CONFIG
+from ddtree.models.checkpoint.random import DEFAULT_TARGET_CONFIG
+from ddtree.models.deepseek_v3.config import DeepseekV3Config
+from ddtree.models.deepseek_v3.moe import DeepseekV3TopkRouter
 from ddtree.tools.selftest.compare import assert_close
 from tests.support.triton_env import DEVICE, triton_interpret_env  # noqa: F401,I001  (before kernels are imported)
 

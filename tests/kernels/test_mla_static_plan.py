@@ -16,11 +16,11 @@ import torch
 
 from ddtree.kernels.mla_backend import TritonMLAAttention
 from ddtree.kernels.mla_plan import MLAKernelConfig
-from ddtree.models.attention import AttentionMetadata, SeqAttention, TorchMLAAttention
-from ddtree.models.config import DeepseekV3Config
-from ddtree.models.deepseek_v3 import DeepseekV3ForCausalLM
-from ddtree.models.random_checkpoint import DEFAULT_TARGET_CONFIG, random_target_state_dict
-from ddtree.models.static_batch import Bucket, StaticBatch
+from ddtree.models.checkpoint.random import DEFAULT_TARGET_CONFIG, random_target_state_dict
+from ddtree.models.deepseek_v3.config import DeepseekV3Config
+from ddtree.models.deepseek_v3.model import DeepseekV3ForCausalLM
+from ddtree.models.layers.attention import AttentionMetadata, SeqAttention, TorchMLAAttention
+from ddtree.models.runtime.static_batch import Bucket, StaticBatch
 from ddtree.tools.selftest.compare import assert_close
 from tests.support.triton_env import DEVICE, triton_interpret_env  # noqa: F401,I001  (before kernels are imported)
 
@@ -116,9 +116,9 @@ def test_the_model_forward_over_a_static_batch_equals_the_eager_forward_on_the_t
 
 @pytest.mark.parametrize("bucket", [Bucket(1, 1, 64), Bucket(3, 6, 66), Bucket(4, 17, 2048), Bucket(16, 17, 32768)])
 def test_the_graph_pool_bounds_hold_for_the_triton_layout(bucket):
-    """verifier/graph_pool.py counts the Triton plan at the most SMs a device has: the real batch's buffers
+    """verifier/kv/graph_pool.py counts the Triton plan at the most SMs a device has: the real batch's buffers
     (this device's SM count) and its split kernel's partials are never more."""
-    from ddtree.verifier.graph_pool import _triton_plan, static_buffer_bytes
+    from ddtree.verifier.kv.graph_pool import _triton_plan, static_buffer_bytes
 
     heads, hidden = 8, 64
     batch = StaticBatch(bucket, S - 1, TritonMLAAttention(), heads, 1 << 20, DEVICE)

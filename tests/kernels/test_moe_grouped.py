@@ -12,10 +12,11 @@ import torch.nn.functional as F
 from ddtree.kernels.moe_reference import fused_moe_reference
 from ddtree.kernels.moe_weights import ExpertWeights
 from ddtree.kernels.quant_formats import quantize_fp8_block, quantize_int4_group
-from ddtree.models import moe_grouped, packed_linear
-from ddtree.models.moe_experts import StackedExperts
-from ddtree.models.moe_grouped import grouped_moe
-from ddtree.models.packed_linear import Fp8Linear, Int4Linear
+from ddtree.models.deepseek_v3 import moe_grouped
+from ddtree.models.deepseek_v3.moe_experts import StackedExperts
+from ddtree.models.deepseek_v3.moe_grouped import grouped_moe
+from ddtree.models.layers import packed_linear
+from ddtree.models.layers.packed_linear import Fp8Linear, Int4Linear
 from ddtree.tools.selftest.compare import assert_close
 
 METHODS = ["grouped_mm", "bmm"]

@@ -15,8 +15,8 @@ int4_gemm = pytest.importorskip("ddtree.kernels.int4_gemm")
 fused_moe = pytest.importorskip("ddtree.kernels.fused_moe")
 
 from ddtree.kernels.quant_formats import quantize_fp8_block, quantize_int4_group  # noqa: E402
-from ddtree.models.moe_experts import StackedExperts, StackedProjection  # noqa: E402
-from ddtree.models.packed_linear import Fp8Linear, Int4Linear, cuda_kernel  # noqa: E402
+from ddtree.models.deepseek_v3.moe_experts import StackedExperts, StackedProjection  # noqa: E402
+from ddtree.models.layers.packed_linear import Fp8Linear, Int4Linear, cuda_kernel  # noqa: E402
 from ddtree.tools.selftest.compare import assert_close  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="on a GPU the modules call the kernels themselves")

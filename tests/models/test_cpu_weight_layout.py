@@ -12,9 +12,9 @@ from torch import nn
 
 from ddtree.config import VerifierConfig
 from ddtree.contract.sampling_params import SamplingConfig
-from ddtree.models.loader import load_target
-from ddtree.models.moe_experts import StackedProjection
-from ddtree.models.random_checkpoint import write_random_target
+from ddtree.models.checkpoint.loader import load_target
+from ddtree.models.checkpoint.random import write_random_target
+from ddtree.models.deepseek_v3.moe_experts import StackedProjection
 from ddtree.models.runtime.cpu.weight_layout import VIEWED_WEIGHTS, is_column_major, use_column_major_weights
 from ddtree.verifier.engine import build_engine
 from ddtree.verifier.sequence import GenerateParams, Sequence

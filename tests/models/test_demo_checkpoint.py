@@ -28,8 +28,8 @@ def test_manifest_sizes_and_hashes():
 
 @pytest.fixture(scope="module")
 def demo():
-    from ddtree.models.dflash_checkpoint import load_drafter
-    from ddtree.models.loader import load_target
+    from ddtree.models.checkpoint.loader import load_target
+    from ddtree.models.dflash.checkpoint import load_drafter
     from ddtree.tokenization.tokenizer import Tokenizer
 
     target = load_target(DEMO_DIR / "target")

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.multiprocessing as tmp
 
-from ddtree.models.dflash_checkpoint import load_drafter, write_random_drafter
-from ddtree.models.memory_plan import drafter_shape
+from ddtree.models.checkpoint.memory_plan import drafter_shape
+from ddtree.models.dflash.checkpoint import load_drafter, write_random_drafter
 from ddtree.models.parallel.dflash_tp import local_config, merge_topk, shard_dflash, shard_topk
 from ddtree.models.parallel.process_group import destroy_tp, init_tp
 from ddtree.tools.selftest.compare import assert_close

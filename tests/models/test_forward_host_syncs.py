@@ -14,13 +14,13 @@ import collections
 import pytest
 import torch
 
-from ddtree.models.attention import AttentionMetadata, SeqAttention, prepare_attention
-from ddtree.models.loader import load_target
-from ddtree.models.random_checkpoint import DEFAULT_TARGET_CONFIG, write_random_target
-from ddtree.tools.bench.collectives import count_collectives
-from ddtree.tools.bench.step_measure import step_bench
-from ddtree.tools.bench.step_model import ModelSpec
-from ddtree.verifier.target import ShardedTarget
+from ddtree.models.checkpoint.loader import load_target
+from ddtree.models.checkpoint.random import DEFAULT_TARGET_CONFIG, write_random_target
+from ddtree.models.layers.attention import AttentionMetadata, SeqAttention, prepare_attention
+from ddtree.tools.step_cost.collectives import count_collectives
+from ddtree.tools.step_cost.step_measure import step_bench
+from ddtree.tools.step_cost.step_model import ModelSpec
+from ddtree.verifier.step.target import ShardedTarget
 from tests.support.forward_syncs import sync_report, verifier_step_counts, write_kimi_int4
 from tests.support.quantized_checkpoints import quantize_checkpoint
 
@@ -114,12 +114,12 @@ def test_no_host_sync_inside_the_tensor_parallel_forward(kimi_int4_dir, expert_p
 
 @pytest.mark.parametrize("rows", [17, 1])
 def test_no_host_sync_inside_the_static_step_forward(kimi_int4_target, rows):
-    """The verifier's static step (verifier/static_step.py) runs the same forward over its bucket's buffers:
+    """The verifier's static step (verifier/step/static_step.py) runs the same forward over its bucket's buffers:
     0 host syncs inside it too, INT4 experts included (what a CUDA graph of it needs)."""
-    from ddtree.tools.bench.op_count import OpCounter
-    from ddtree.tools.bench.step_batch import StepShape, make_step_work
-    from ddtree.verifier.static_step import StaticStep, make_buckets
-    from ddtree.verifier.target import LocalTarget
+    from ddtree.tools.step_cost.op_count import OpCounter
+    from ddtree.tools.step_cost.step_batch import StepShape, make_step_work
+    from ddtree.verifier.step.static_step import StaticStep, make_buckets
+    from ddtree.verifier.step.target import LocalTarget
     from tests.support.forward_syncs import counting_forward
 
     model = kimi_int4_target

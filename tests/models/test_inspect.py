@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from ddtree.cli import main
-from ddtree.models.config import DeepseekV3Config
-from ddtree.models.deepseek_v3 import DeepseekV3ForCausalLM
-from ddtree.models.loader import TensorSlice
-from ddtree.models.weight_bytes import config_tensors
+from ddtree.models.checkpoint.loader import TensorSlice
+from ddtree.models.checkpoint.weight_bytes import config_tensors
+from ddtree.models.deepseek_v3.config import DeepseekV3Config
+from ddtree.models.deepseek_v3.model import DeepseekV3ForCausalLM
 from ddtree.tools.inspect import (
     active_parameters,
     count_parameters,

@@ -10,7 +10,7 @@ import itertools
 import pytest
 import torch
 
-from ddtree.models.loader import load_config, load_target
+from ddtree.models.checkpoint.loader import load_config, load_target
 from ddtree.models.parallel.shard_plan import ShardPlan
 from ddtree.models.parallel.tp_model import build_tp_model
 from ddtree.tools.inspect import inspect_checkpoint

@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ddtree.models.deepseek_v3 import DeepseekV3ForCausalLM
-from ddtree.models.loader import CheckpointError, TensorSlice, load_config, load_target
+from ddtree.models.checkpoint.loader import CheckpointError, TensorSlice, load_config, load_target
+from ddtree.models.deepseek_v3.model import DeepseekV3ForCausalLM
 from tests.support.quantized_checkpoints import TINY, write_variant
 
 Q_B = "model.layers.1.self_attn.q_b_proj.weight"

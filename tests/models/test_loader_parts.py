@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddtree.models import loader
-from ddtree.models.checkpoint_files import CheckpointFiles
+from ddtree.models.checkpoint import loader
+from ddtree.models.checkpoint.files import CheckpointFiles
 from ddtree.models.parallel.process_group import TPGroup
 from ddtree.models.parallel.tp_model import load_tp_model
 

@@ -17,9 +17,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ddtree.models.checkpoint_files import CheckpointFiles
-from ddtree.models.deepseek_v3 import DeepseekV3ForCausalLM
-from ddtree.models.loader import CheckpointError, TensorSlice, load_target, load_tensors
+from ddtree.models.checkpoint.files import CheckpointFiles
+from ddtree.models.checkpoint.loader import CheckpointError, TensorSlice, load_target, load_tensors
+from ddtree.models.deepseek_v3.model import DeepseekV3ForCausalLM
 from ddtree.models.quantization import unpack_int4
 from ddtree.tools.selftest.compare import assert_close
 from tests.support.quantized_checkpoints import (

@@ -1,5 +1,5 @@
 """The router's weight is held in the dtype its checkpoint stores (bf16 in Kimi / DeepSeek checkpoints): no
-fp32 copy (services/models/loader.py). Its bias stays fp32. The router computes in fp32 from either, so a
+fp32 copy (services/models/checkpoint/loader.py). Its bias stays fp32. The router computes in fp32 from either, so a
 bf16-stored router gives the logits of the same values stored in fp32."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from safetensors.torch import load_file, save_file
 
-from ddtree.models.loader import load_target
+from ddtree.models.checkpoint.loader import load_target
 from tests.support.quantized_checkpoints import logits, state_dict_of, write_variant
 
 ROUTER = "mlp.gate.weight"

@@ -12,13 +12,13 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from ddtree.models.deepseek_v3 import DeepseekV3ForCausalLM
-from ddtree.models.loader import load_target
-from ddtree.models.merged_linear import unmerge_all
-from ddtree.models.moe import DeepseekV3MLP
-from ddtree.models.packed_linear import Fp8Linear, Int4Linear
+from ddtree.models.checkpoint.loader import load_target
+from ddtree.models.checkpoint.random import write_random_target
+from ddtree.models.deepseek_v3.model import DeepseekV3ForCausalLM
+from ddtree.models.deepseek_v3.moe import DeepseekV3MLP
+from ddtree.models.layers.merged_linear import unmerge_all
+from ddtree.models.layers.packed_linear import Fp8Linear, Int4Linear
 from ddtree.models.quantization import quantize_int4_group
-from ddtree.models.random_checkpoint import write_random_target
 from ddtree.tools.selftest.compare import assert_close
 from tests.support.quantized_checkpoints import INT4_GROUP, TINY, int4_config, logits, write_variant
 

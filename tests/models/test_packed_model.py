@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.multiprocessing as tmp
 
-from ddtree.models.loader import load_target
-from ddtree.models.moe import DeepseekV3MLP
-from ddtree.models.moe_experts import StackedExperts
-from ddtree.models.packed_linear import Fp8Linear, Int4Linear
+from ddtree.models.checkpoint.loader import load_target
+from ddtree.models.deepseek_v3.moe import DeepseekV3MLP
+from ddtree.models.deepseek_v3.moe_experts import StackedExperts
+from ddtree.models.layers.packed_linear import Fp8Linear, Int4Linear
 from ddtree.tools.selftest.compare import assert_close
 from tests.support.quantized_checkpoints import TINY, logits, write_variant
 from tests.support.tp_ranks import NUM_SLOTS, WORLD, rank_main, scenario

@@ -19,9 +19,9 @@ import torch
 
 from ddtree.kernels.mla_backend import TritonMLAAttention
 from ddtree.kernels.mla_plan import MLAKernelConfig
-from ddtree.models.layer_kernels import make_layer_kernels
-from ddtree.models.loader import load_target
-from ddtree.models.random_checkpoint import DEFAULT_TARGET_CONFIG, write_random_target
+from ddtree.models.checkpoint.loader import load_target
+from ddtree.models.checkpoint.random import DEFAULT_TARGET_CONFIG, write_random_target
+from ddtree.models.layers.layer_kernels import make_layer_kernels
 from ddtree.tools.selftest.invariance import Tree, compare_tree_rows, random_tree
 from tests.support.quantized_checkpoints import quantize_checkpoint
 from tests.support.triton_env import DEVICE, triton_interpret_env  # noqa: F401,I001  (before kernels are imported)

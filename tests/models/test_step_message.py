@@ -11,7 +11,7 @@ import collections
 import pytest
 import torch
 
-from ddtree.models.attention import AttentionMetadata, SeqAttention
+from ddtree.models.layers.attention import AttentionMetadata, SeqAttention
 from ddtree.models.parallel import step_message as sm
 from ddtree.models.parallel.step_message import CACHE, FORWARD, PING, StepInputs, recv_step, send_step
 from tests.support.tp_ranks import scenario

@@ -16,12 +16,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ddtree.models.attention import AttentionMetadata, SeqAttention, make_attention_backend
-from ddtree.models.config import DeepseekV3Config
-from ddtree.models.loader import CheckpointError, load_target, load_tensors
-from ddtree.models.mla import naive_mla
-from ddtree.models.random_checkpoint import DEFAULT_TARGET_CONFIG, write_random_target
-from ddtree.models.rope import apply_rope_interleaved, rope_attention_factor, yarn_inv_freq
+from ddtree.models.checkpoint.loader import CheckpointError, load_target, load_tensors
+from ddtree.models.checkpoint.random import DEFAULT_TARGET_CONFIG, write_random_target
+from ddtree.models.deepseek_v3.config import DeepseekV3Config
+from ddtree.models.deepseek_v3.mla import naive_mla
+from ddtree.models.layers.attention import AttentionMetadata, SeqAttention, make_attention_backend
+from ddtree.models.layers.rope import apply_rope_interleaved, rope_attention_factor, yarn_inv_freq
 from ddtree.tools.selftest.compare import assert_close
 
 transformers = pytest.importorskip("transformers")
@@ -242,7 +242,7 @@ def test_router_matches_hf_with_negative_biased_scores():
     """Masked groups must be -inf, not 0: visible only when every biased score s + bias is negative."""
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter as HFRouter
 
-    from ddtree.models.moe import DeepseekV3TopkRouter
+    from ddtree.models.deepseek_v3.moe import DeepseekV3TopkRouter
 
     cfg = {**BASE, "n_routed_experts": 16, "n_group": 4, "topk_group": 2, "num_experts_per_tok": 3}
     g = torch.Generator().manual_seed(10)

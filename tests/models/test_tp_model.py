@@ -16,14 +16,14 @@ import torch
 import torch.multiprocessing as tmp
 from safetensors.torch import load_file, save_file
 
-from ddtree.models.config import DeepseekV3Config
-from ddtree.models.deepseek_v3 import DeepseekV3ForCausalLM
-from ddtree.models.loader import load_target
+from ddtree.models.checkpoint.loader import load_target
+from ddtree.models.checkpoint.random import DEFAULT_TARGET_CONFIG, write_random_target
+from ddtree.models.deepseek_v3.config import DeepseekV3Config
+from ddtree.models.deepseek_v3.model import DeepseekV3ForCausalLM
 from ddtree.models.parallel.layers import combine_shard_argmax, shard_argmax
 from ddtree.models.parallel.shard_plan import ShardPlan
 from ddtree.models.parallel.step_message import FIRST_WORDS, decode, encode, from_runs, runs
 from ddtree.models.parallel.tp_model import build_tp_model
-from ddtree.models.random_checkpoint import DEFAULT_TARGET_CONFIG, write_random_target
 from ddtree.tools.selftest.compare import assert_close
 from tests.support.tp_ranks import NUM_SLOTS, WORLD, rank_main, scenario
 

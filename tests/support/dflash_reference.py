@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ddtree.models.dflash_config import DFlashConfig
+from ddtree.models.dflash.config import DFlashConfig
 
 
 def naive_block(state: dict[str, torch.Tensor], cfg: DFlashConfig, ctx_feats, ctx_pos, embeds, blk_pos):

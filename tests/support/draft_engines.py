@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ddtree.drafter.engine import DraftEngine, SeqDraftInput
-from ddtree.models.dflash_checkpoint import load_drafter, write_random_drafter
+from ddtree.models.dflash.checkpoint import load_drafter, write_random_drafter
 
 TARGET = {"hidden_size": 32, "num_hidden_layers": 6, "vocab_size": 64, "rope_theta": 10000.0}
 BLOCK = 5

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 from ddtree.config import DrafterConfig, VerifierConfig
 from ddtree.drafter.server import serve_engine
-from ddtree.verifier.drafter_client import DrafterClient
+from ddtree.verifier.drafting.drafter_client import DrafterClient
 from ddtree.verifier.engine import VerifierEngine, build_engine
 
 

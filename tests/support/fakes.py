@@ -123,7 +123,7 @@ def script_for(ids, sizes=None, finish="length", usage=None, request_id="r"):
 def verifier_usage(prompt_tokens: int, msgs) -> common_pb2.Usage:
     """The usage the real verifier sends at the end of a request that streamed `msgs`: its own `usage_of`
     over a finished sequence that took these steps (timings left at 0)."""
-    from ddtree.verifier.server import usage_of  # torch: only the tests that call this import it
+    from ddtree.verifier.rpc.server import usage_of  # torch: only the tests that call this import it
 
     seq = types.SimpleNamespace(
         prompt_len=prompt_tokens,
@@ -152,7 +152,7 @@ def start_fake_verifier(name: str = "fake-verifier"):
 def serve_gateway(fake: FakeVerifier, tokenizer_dir, **config):
     """A generator fixture body: a gateway (RunningServer) over the fake verifier, stopped afterwards."""
     from ddtree.config import GatewayConfig
-    from ddtree.gateway.server import serve
+    from ddtree.gateway.api.server import serve
 
     cfg = GatewayConfig(verifier=fake.address, **config)
     cfg.validate()

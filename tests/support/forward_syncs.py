@@ -1,9 +1,9 @@
 """Host syncs inside the target's forward, counted with `ddtree bench step`'s dispatch-mode counter
-(tools/bench/op_count.py: on the CPU a sync is any op that reads a tensor's value to the host).
+(tools/step_cost/op_count.py: on the CPU a sync is any op that reads a tensor's value to the host).
 
 `verifier_step_counts(model, rows, context)` runs one verifier step the way the server does
-(services/verifier/batch.py run_batch over a tree of `rows` rows, or an AR decode at rows 1, on a KV pool
-of `context` random latents, tools/bench/step_batch.py) through a LocalTarget, and counts only what runs
+(services/verifier/step/batch.py run_batch over a tree of `rows` rows, or an AR decode at rows 1, on a KV pool
+of `context` random latents, tools/step_cost/step_batch.py) through a LocalTarget, and counts only what runs
 inside `model.forward` (batch building and the metadata's preparation happen before it, as in the server).
 """
 
@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import contextlib
 
-from ddtree.tools.bench.op_count import OpCounter
-from ddtree.tools.bench.step_batch import StepShape, make_step_work
-from ddtree.tools.bench.triton_launches import count_triton_launches
-from ddtree.verifier.target import LocalTarget
+from ddtree.tools.step_cost.op_count import OpCounter
+from ddtree.tools.step_cost.step_batch import StepShape, make_step_work
+from ddtree.tools.step_cost.triton_launches import count_triton_launches
+from ddtree.verifier.step.target import LocalTarget
 
 
 @contextlib.contextmanager

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import llguidance
 
-from ddtree.verifier.grammar import SequenceGrammar
+from ddtree.verifier.constraints.grammar import SequenceGrammar
 
 
 class LetterVocab:

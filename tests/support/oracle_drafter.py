@@ -16,7 +16,7 @@ import torch
 
 from ddtree.config import DrafterConfig, add_config_flags, config_from_flags
 from ddtree.drafter.server import serve_engine
-from ddtree.models.loader import load_target
+from ddtree.models.checkpoint.loader import load_target
 from ddtree.protocol.server import serve_until_stopped
 from ddtree.telemetry.logging import configure_logging
 from tests.support.oracle_engine import OracleDraftEngine

@@ -19,14 +19,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ddtree.models.attention import AttentionMetadata, SeqAttention
-from ddtree.models.deepseek_v3 import DeepseekV3ForCausalLM
-from ddtree.models.loader import TensorSlice
-from ddtree.models.merged_linear import unmerge_all
-from ddtree.models.moe_experts import PROJECTIONS, StackedExperts
-from ddtree.models.packed_linear import Fp8Linear, Int4Linear
+from ddtree.models.checkpoint.loader import TensorSlice
+from ddtree.models.checkpoint.random import write_random_target
+from ddtree.models.deepseek_v3.model import DeepseekV3ForCausalLM
+from ddtree.models.deepseek_v3.moe_experts import PROJECTIONS, StackedExperts
+from ddtree.models.layers.attention import AttentionMetadata, SeqAttention
+from ddtree.models.layers.merged_linear import unmerge_all
+from ddtree.models.layers.packed_linear import Fp8Linear, Int4Linear
 from ddtree.models.quantization import quantize_fp8_block, quantize_int4_group
-from ddtree.models.random_checkpoint import write_random_target
 
 TINY: dict[str, Any] = dict(
     model_type="deepseek_v3", vocab_size=320, hidden_size=96, intermediate_size=200, moe_intermediate_size=44,

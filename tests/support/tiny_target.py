@@ -13,10 +13,10 @@ import pathlib
 import torch
 
 from ddtree.contract.sampling_params import SamplingConfig
-from ddtree.models.attention import AttentionMetadata, SeqAttention
-from ddtree.models.loader import load_target
-from ddtree.models.random_checkpoint import DEFAULT_TARGET_CONFIG, write_random_target
-from ddtree.verifier.sampling import mask_stop_tokens, sampling_probs
+from ddtree.models.checkpoint.loader import load_target
+from ddtree.models.checkpoint.random import DEFAULT_TARGET_CONFIG, write_random_target
+from ddtree.models.layers.attention import AttentionMetadata, SeqAttention
+from ddtree.verifier.sampling.sampling import mask_stop_tokens, sampling_probs
 
 VOCAB = 8
 PROMPT = (1, 5, 2)

@@ -10,14 +10,14 @@ import os
 import torch
 
 from ddtree.contract.token_tree import TokenTree
-from ddtree.models.attention import AttentionMetadata, SeqAttention
+from ddtree.models.layers.attention import AttentionMetadata, SeqAttention
 from ddtree.models.parallel.process_group import destroy_tp, init_tp
 from ddtree.models.parallel.step_message import StepInputs
 from ddtree.models.parallel.tp_model import TensorParallelModel, load_tp_model
-from ddtree.tools.bench.collectives import count_collectives
-from ddtree.verifier.static_step import StaticPlan, make_buckets, make_static_step
+from ddtree.tools.step_cost.collectives import count_collectives
+from ddtree.verifier.step.static_step import StaticPlan, make_buckets, make_static_step
+from ddtree.verifier.step.tree_mask import tree_input_ids, tree_mask, tree_positions
 from ddtree.verifier.tp_worker import worker_loop
-from ddtree.verifier.tree_mask import tree_input_ids, tree_mask, tree_positions
 
 WORLD = 2
 

@@ -146,7 +146,7 @@ def kimi_int4_64(tmp_path_factory) -> pathlib.Path:
 
 @pytest.fixture(scope="module")
 def fp8_target(tmp_path_factory) -> pathlib.Path:
-    from ddtree.models.random_checkpoint import DEFAULT_TARGET_CONFIG, write_random_target
+    from ddtree.models.checkpoint.random import DEFAULT_TARGET_CONFIG, write_random_target
     from tests.support.quantized_checkpoints import quantize_checkpoint
 
     src = write_random_target(tmp_path_factory.mktemp("fp32"), DEFAULT_TARGET_CONFIG, seed=0)

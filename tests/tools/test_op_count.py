@@ -1,4 +1,4 @@
-"""The op counter of `ddtree bench step` (tools/bench/op_count.py, triton_launches.py) on hand-made
+"""The op counter of `ddtree bench step` (tools/step_cost/op_count.py, triton_launches.py) on hand-made
 functions: views and other metadata-only ops launch nothing, value reads are host syncs, a Triton
 launch counts once (and nothing inside it), a torch reference counts its own ops, and on a CUDA step
 CPU bookkeeping counts nothing."""
@@ -8,14 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddtree.tools.bench.op_count import (  # noqa: E402
+from ddtree.tools.step_cost.op_count import (  # noqa: E402
     HOST_SYNC_OPS,
     NOT_LAUNCHED,
     OpCounter,
     is_host_sync,
     is_host_to_device,
 )
-from ddtree.tools.bench.triton_launches import count_triton_launches  # noqa: E402
+from ddtree.tools.step_cost.triton_launches import count_triton_launches  # noqa: E402
 from tests.support.triton_env import INTERPRET, triton_interpret_env  # noqa: F401,I001  (before kernels are imported)
 
 triton = pytest.importorskip("triton")

@@ -1,6 +1,6 @@
 """`ddtree bench step --device-model`: the full-depth Kimi K2.6 TP-8 rank's roofline from shapes alone (meta
 tensors, a few seconds on a CPU), its JSON keys, and the bytes of each kernel against a count written here
-from the config's sizes alone (not from the model's modules, nor from tools/bench/launch_costs.py).
+from the config's sizes alone (not from the model's modules, nor from tools/roofline/launch_costs.py).
 
 The count follows the roofline's conventions (launch_costs.py): each tensor a launch touches once; gathers
 move their rows; the routed experts hit under uniformly random routing. Where a kernel's bytes depend on a
@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from ddtree.tools.bench.devices import DEVICES
+from ddtree.tools.roofline.devices import DEVICES
 from tests.tools.test_bench_step import DEMO_TARGET, KIMI_CONFIG, ROOT
 
 ROWS, CONTEXT, TP = 17, 8192, 8
@@ -150,7 +150,7 @@ def test_the_router_fills_the_device_within_its_budget(report):
 def test_measured_times_land_on_their_kernels():
     """kernel_times.attach_measured on a profile: Triton kernels by name (a kernel at two sites shares its time
     by modeled time), everything else summed as other, pct_of_floor = floor / measured."""
-    from ddtree.tools.bench.kernel_times import attach_measured
+    from ddtree.tools.roofline.kernel_times import attach_measured
 
     rows = [
         dict(name="_rms_norm_kernel", site="layers", floor_us=2.0, modeled_us=30.0),

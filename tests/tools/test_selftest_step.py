@@ -38,8 +38,8 @@ def test_a_rank_too_large_for_the_device_is_measured_at_fewer_layers(monkeypatch
 
     import torch
 
-    from ddtree.tools.bench import step_measure
     from ddtree.tools.selftest import step_check
+    from ddtree.tools.step_cost import step_measure
 
     tried = []
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ddtree.models.dflash_checkpoint import load_drafter, write_random_drafter
-from ddtree.models.loader import load_target
-from ddtree.models.random_checkpoint import DEFAULT_TARGET_CONFIG, write_random_target
+from ddtree.models.checkpoint.loader import load_target
+from ddtree.models.checkpoint.random import DEFAULT_TARGET_CONFIG, write_random_target
+from ddtree.models.dflash.checkpoint import load_drafter, write_random_drafter
 from ddtree.tools.train_drafter import add_arguments
 from ddtree.training.drafter_data import TargetRunner, TokenStream, sample_windows
 from ddtree.training.drafter_forward import block_hidden, block_inputs, block_labels, block_teacher, sample_anchors

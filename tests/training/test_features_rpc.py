@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from ddtree.launcher import start_service
-from ddtree.models.dflash_checkpoint import load_drafter
-from ddtree.models.loader import load_target
+from ddtree.models.checkpoint.loader import load_target
+from ddtree.models.dflash.checkpoint import load_drafter
 from ddtree.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from ddtree.protocol.security import TOKEN_METADATA
 from ddtree.tools.selftest.compare import assert_close

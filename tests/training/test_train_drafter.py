@@ -23,9 +23,9 @@ import ddtree.drafter.engine as engine_module
 from ddtree.config import DrafterConfig
 from ddtree.drafter.engine import DraftEngine, SeqDraftInput
 from ddtree.drafter.factory import make_engine
-from ddtree.models.dflash_checkpoint import load_drafter, write_random_drafter
-from ddtree.models.loader import load_target
-from ddtree.models.random_checkpoint import DEFAULT_TARGET_CONFIG, write_random_target
+from ddtree.models.checkpoint.loader import load_target
+from ddtree.models.checkpoint.random import DEFAULT_TARGET_CONFIG, write_random_target
+from ddtree.models.dflash.checkpoint import load_drafter, write_random_drafter
 from ddtree.tools.selftest.compare import assert_close
 from ddtree.tools.train_drafter import add_arguments
 from ddtree.training.drafter_data import BatchPool, DataSpec, TargetRunner, TokenStream, make_batch, sample_windows
@@ -192,7 +192,7 @@ def test_training_forward_matches_serving(target, target_dir, tmp_path, monkeypa
     engine = DraftEngine(model, embed_w, head_w, window=window, default_budget=4)
     for i in range(s):
         # As the verifier drives it: one sequence, commits arriving step by step (trimmed to the
-        # window, as services/verifier/commit.py trims them), anchor = the next token.
+        # window, as services/verifier/step/commit.py trims them), anchor = the next token.
         inputs, end = [], 0
         for j, a in enumerate(anchors[i].tolist()):
             start = max(end, a - window) if window else end

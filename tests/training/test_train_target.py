@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from ddtree.cli import build_parser
-from ddtree.models.attention import AttentionMetadata, SeqAttention
-from ddtree.models.config import DeepseekV3Config
-from ddtree.models.deepseek_v3 import DeepseekV3ForCausalLM
-from ddtree.models.loader import load_target
+from ddtree.models.checkpoint.loader import load_target
+from ddtree.models.deepseek_v3.config import DeepseekV3Config
+from ddtree.models.deepseek_v3.model import DeepseekV3ForCausalLM
+from ddtree.models.layers.attention import AttentionMetadata, SeqAttention
 from ddtree.tools.train_target import DEMO_TARGET_CONFIG, init_model, loss_fn, make_optimizer
 from ddtree.training.tokenizer_training import write_tokenizer
 from scripts.data.build_corpus import build

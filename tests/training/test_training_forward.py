@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddtree.models.attention import AttentionMetadata, SeqAttention
-from ddtree.models.config import DeepseekV3Config
-from ddtree.models.deepseek_v3 import DeepseekV3ForCausalLM
-from ddtree.models.random_checkpoint import DEFAULT_TARGET_CONFIG, random_target_state_dict
-from ddtree.models.training_forward import training_forward, update_expert_bias
+from ddtree.models.checkpoint.random import DEFAULT_TARGET_CONFIG, random_target_state_dict
+from ddtree.models.deepseek_v3.config import DeepseekV3Config
+from ddtree.models.deepseek_v3.model import DeepseekV3ForCausalLM
+from ddtree.models.deepseek_v3.training_forward import training_forward, update_expert_bias
+from ddtree.models.layers.attention import AttentionMetadata, SeqAttention
 from ddtree.tools.selftest.compare import assert_close
 
 SMALL = {**DEFAULT_TARGET_CONFIG, "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128,

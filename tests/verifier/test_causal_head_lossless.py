@@ -18,8 +18,8 @@ import torch
 from ddtree.config import VerifierConfig
 from ddtree.contract.sampling_params import SamplingConfig
 from ddtree.drafter.engine import DraftEngine
-from ddtree.models.dflash_checkpoint import load_drafter, write_random_drafter
-from ddtree.verifier.sampling import sampling_probs
+from ddtree.models.dflash.checkpoint import load_drafter, write_random_drafter
+from ddtree.verifier.sampling.sampling import sampling_probs
 from ddtree.verifier.sequence import GenerateParams, Sequence
 from tests.support.engines import engine_with_drafter
 from tests.support.tiny_target import PROMPT, VOCAB, chi2_pvalue, last_logits

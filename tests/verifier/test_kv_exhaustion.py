@@ -13,10 +13,10 @@ import pytest
 
 from ddtree.config import VerifierConfig
 from ddtree.contract.sampling_params import SamplingConfig
-from ddtree.models.loader import load_target
+from ddtree.models.checkpoint.loader import load_target
 from ddtree.verifier.engine import build_engine
-from ddtree.verifier.scheduler import AdmissionError, Scheduler
 from ddtree.verifier.sequence import GenerateParams, Sequence
+from ddtree.verifier.step.scheduler import AdmissionError, Scheduler
 
 PROMPT, NEW = 100, 40  # each request reserves 100 + 40 + 0 + 1 = 141 slots (AR: budget 0)
 

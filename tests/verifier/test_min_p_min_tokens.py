@@ -20,7 +20,7 @@ import torch
 
 from ddtree.config import VerifierConfig
 from ddtree.contract.sampling_params import SamplingConfig
-from ddtree.verifier.sampling import mask_stop_tokens, sampling_probs, stop_mask_rows, target_choices
+from ddtree.verifier.sampling.sampling import mask_stop_tokens, sampling_probs, stop_mask_rows, target_choices
 from ddtree.verifier.sequence import GenerateParams, Sequence
 from tests.support.engines import engine_with_drafter
 from tests.support.oracle_engine import OracleDraftEngine

@@ -13,12 +13,12 @@ import pytest
 from ddtree.config import DrafterConfig, VerifierConfig
 from ddtree.drafter.factory import make_engine
 from ddtree.drafter.server import serve_engine
-from ddtree.models.loader import load_target
+from ddtree.models.checkpoint.loader import load_target
 from ddtree.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from ddtree.protocol.server import start_server
-from ddtree.verifier.drafter_pool import DrafterPool
+from ddtree.verifier.drafting.drafter_pool import DrafterPool
 from ddtree.verifier.engine import build_engine
-from ddtree.verifier.server import VerifierServicer
+from ddtree.verifier.rpc.server import VerifierServicer
 
 pytestmark = pytest.mark.slow
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from ddtree.contract.token_tree import TokenTree
-from ddtree.verifier.kv_pool import KVPoolExhausted, LatentKVPool
-from ddtree.verifier.page_table import PageTable, check_accounting
-from ddtree.verifier.prefix_cache import PrefixCache
+from ddtree.verifier.kv.kv_pool import KVPoolExhausted, LatentKVPool
+from ddtree.verifier.kv.page_table import PageTable, check_accounting
+from ddtree.verifier.kv.prefix_cache import PrefixCache
 
 PAGE_SIZES = [1, 4, 16]
 
@@ -195,11 +195,11 @@ def test_paged_prefix_cache_random_traffic_matches_brute_force():
 def _decode(model, page_size: int, prompt: list[int], trees, steps: int):
     """Prefill, then `steps` verifies of trees(seq) (greedy); returns the sequence and its pool."""
     from ddtree.contract.sampling_params import SamplingConfig
-    from ddtree.verifier.apply import apply_outcome
-    from ddtree.verifier.batch import run_batch
     from ddtree.verifier.sequence import GenerateParams, Sequence
-    from ddtree.verifier.target import LocalTarget
-    from ddtree.verifier.work_items import PrefillItem, VerifyItem
+    from ddtree.verifier.step.apply import apply_outcome
+    from ddtree.verifier.step.batch import run_batch
+    from ddtree.verifier.step.target import LocalTarget
+    from ddtree.verifier.step.work_items import PrefillItem, VerifyItem
 
     cfg = model.config
     pool = LatentKVPool(cfg.num_hidden_layers, 256, cfg.kv_cache_width, torch.float32, "cpu", page_size=page_size)
@@ -221,7 +221,7 @@ def test_tree_verify_with_pages_leaves_the_same_kv_as_page_size_one(default_ckpt
     """Trees that put a wrong branch first, so the accepted path is off the chain of rows and every
     accepted node's latents must be copied into place; the KV of the committed tokens must equal page
     size 1's (same computation, other slots) and AR decoding's."""
-    from ddtree.models.loader import load_target
+    from ddtree.models.checkpoint.loader import load_target
 
     model = load_target(default_ckpt.target).eval()
     V = model.config.vocab_size
@@ -394,8 +394,8 @@ def test_paged_scheduler_returns_the_pool_to_empty(default_ckpt):
     from ddtree.config import DrafterConfig, VerifierConfig
     from ddtree.contract.sampling_params import SamplingConfig
     from ddtree.drafter.server import serve_engine
-    from ddtree.models.loader import load_target
-    from ddtree.verifier.drafter_pool import DrafterPool
+    from ddtree.models.checkpoint.loader import load_target
+    from ddtree.verifier.drafting.drafter_pool import DrafterPool
     from ddtree.verifier.engine import build_engine
     from ddtree.verifier.sequence import GenerateParams, Sequence
     from tests.support.oracle_engine import OracleDraftEngine

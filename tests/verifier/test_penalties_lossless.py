@@ -1,4 +1,4 @@
-"""Penalties and logit masks on DDTree trees are lossless (services/verifier/penalties.py).
+"""Penalties and logit masks on DDTree trees are lossless (services/verifier/constraints/penalties.py).
 
 How equivalence is shown, against a reference written here independently of the verifier's code (vLLM's
 formulas applied to one row at a time, in float64, with a Counter of the tokens before it):
@@ -32,9 +32,9 @@ from ddtree.config import VerifierConfig
 from ddtree.contract.sampling_params import SamplingConfig
 from ddtree.contract.token_tree import TokenTree
 from ddtree.protocol.ddtree.v1 import common_pb2, verifier_pb2
-from ddtree.verifier.penalties import PenaltyCounts, adjust_logits
+from ddtree.verifier.constraints.penalties import PenaltyCounts, adjust_logits
+from ddtree.verifier.rpc.server import VerifierServicer
 from ddtree.verifier.sequence import GenerateParams, Sequence
-from ddtree.verifier.server import VerifierServicer
 from tests.support.engines import engine_with_drafter
 from tests.support.oracle_engine import OracleDraftEngine
 from tests.support.tiny_target import VOCAB, chi2_pvalue, last_logits

@@ -1,5 +1,5 @@
-"""Requests with the same prompt share one prefill (services/verifier/prefix_cache.py `enter`,
-services/verifier/prefix_sharing.py): the first one admitted prefills it and enters it into the prefix
+"""Requests with the same prompt share one prefill (services/verifier/kv/prefix_cache.py `enter`,
+services/verifier/kv/prefix_sharing.py): the first one admitted prefills it and enters it into the prefix
 cache when its prefill completes; the others wait for that and take all but the last prompt token from
 the cache. Checked by counting the rows of every target forward, against each request run alone on a
 scheduler without a prefix cache (the reference: same tokens, greedy or seeded), with the KV accounting
@@ -22,13 +22,13 @@ import torch
 
 from ddtree.config import VerifierConfig
 from ddtree.contract.sampling_params import SamplingConfig
-from ddtree.models.loader import load_target
+from ddtree.models.checkpoint.loader import load_target
 from ddtree.tools.selftest.compare import assert_close
 from ddtree.training.drafter_data import TargetRunner
 from ddtree.verifier import metrics
 from ddtree.verifier.engine import build_engine
-from ddtree.verifier.scheduler import Scheduler
 from ddtree.verifier.sequence import GenerateParams, Phase, Sequence
+from ddtree.verifier.step.scheduler import Scheduler
 
 CHUNK = 64  # prefill tokens per step
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from ddtree.config import VerifierConfig
 from ddtree.contract.sampling_params import SamplingConfig
-from ddtree.models.loader import load_target
+from ddtree.models.checkpoint.loader import load_target
 from ddtree.protocol.ddtree.v1 import verifier_pb2
 from ddtree.verifier.engine import build_engine
+from ddtree.verifier.rpc.server import VerifierServicer
 from ddtree.verifier.sequence import GenerateParams, Sequence
-from ddtree.verifier.server import VerifierServicer
 
 REUSES = 50
 TOKENS = 48

@@ -14,7 +14,7 @@ import torch
 
 from ddtree.config import VerifierConfig
 from ddtree.contract.sampling_params import SamplingConfig
-from ddtree.verifier.sampling import sampling_probs
+from ddtree.verifier.sampling.sampling import sampling_probs
 from ddtree.verifier.sequence import GenerateParams, Sequence
 from tests.support.engines import engine_with_drafter
 from tests.support.oracle_engine import OracleDraftEngine

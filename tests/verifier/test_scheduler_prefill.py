@@ -7,7 +7,7 @@ import torch
 
 from ddtree.config import VerifierConfig
 from ddtree.contract.sampling_params import SamplingConfig
-from ddtree.models.loader import load_target
+from ddtree.models.checkpoint.loader import load_target
 from ddtree.verifier.engine import build_engine
 from ddtree.verifier.sequence import GenerateParams, Sequence
 

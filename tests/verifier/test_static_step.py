@@ -1,4 +1,4 @@
-"""The static-shape step (services/verifier/static_step.py) on the CPU, fp32.
+"""The static-shape step (services/verifier/step/static_step.py) on the CPU, fp32.
 
 At every bucket edge (batch 1 and max, rows 1 and max, keys at the bucket boundaries) the step through
 the reused buffers equals, bit for bit, the model's forward over a fresh static batch at that bucket
@@ -21,19 +21,19 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ddtree.config import VerifierConfig
 from ddtree.contract.sampling_params import SamplingConfig
 from ddtree.contract.token_tree import EMPTY_TREE, TokenTree
-from ddtree.models.attention import AttentionMetadata, SeqAttention
-from ddtree.models.loader import load_target
-from ddtree.models.static_batch import StaticBatch
-from ddtree.verifier.apply import apply_outcome
-from ddtree.verifier.batch import run_batch
-from ddtree.verifier.graph_pool import forward_peak_bytes, static_buffer_bytes
-from ddtree.verifier.kv_pool import LatentKVPool
-from ddtree.verifier.page_table import PageTable
+from ddtree.models.checkpoint.loader import load_target
+from ddtree.models.layers.attention import AttentionMetadata, SeqAttention
+from ddtree.models.runtime.static_batch import StaticBatch
+from ddtree.verifier.kv.graph_pool import forward_peak_bytes, static_buffer_bytes
+from ddtree.verifier.kv.kv_pool import LatentKVPool
+from ddtree.verifier.kv.page_table import PageTable
 from ddtree.verifier.sequence import GenerateParams, Phase, Sequence
-from ddtree.verifier.static_step import Bucket, StaticStep, make_buckets, make_static_step, plan_static_step
-from ddtree.verifier.target import LocalTarget
-from ddtree.verifier.tree_mask import tree_mask
-from ddtree.verifier.work_items import PrefillItem, VerifyItem
+from ddtree.verifier.step.apply import apply_outcome
+from ddtree.verifier.step.batch import run_batch
+from ddtree.verifier.step.static_step import Bucket, StaticStep, make_buckets, make_static_step, plan_static_step
+from ddtree.verifier.step.target import LocalTarget
+from ddtree.verifier.step.tree_mask import tree_mask
+from ddtree.verifier.step.work_items import PrefillItem, VerifyItem
 
 TAPS = (1, 2)
 BUCKETS = make_buckets((1, 3), (1, 8), (32, 64))
@@ -167,7 +167,7 @@ def test_tokens_are_the_same_with_and_without_the_static_step(model):
 def test_prefix_runs_read_in_place_equal_the_gather(monkeypatch):
     """Long runs of consecutive prefix slots are read as views of the cache (attention.RUN_MIN); the
     result equals the one-gather path, with runs, fragments and a tree mask in one batch."""
-    from ddtree.models import attention
+    from ddtree.models.layers import attention
 
     g = torch.Generator().manual_seed(5)
     kv = torch.randn(3000, 80, generator=g)
@@ -257,7 +257,7 @@ def test_the_help_says_what_on_requires():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_position_rope_gives_the_bits_of_the_rotary_embedding(model, dtype):
     """cos/sin once per forward, applied as one complex multiply: the numbers of RotaryEmbedding."""
-    from ddtree.models.rope import PositionRope
+    from ddtree.models.layers.rope import PositionRope
 
     rope = model.model.rotary_emb
     g = torch.Generator().manual_seed(0)

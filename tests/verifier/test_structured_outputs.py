@@ -1,4 +1,4 @@
-"""Structured outputs on trees (services/gateway/structured_outputs.py, services/verifier/grammar.py).
+"""Structured outputs on trees (services/gateway/structured_outputs.py, services/verifier/constraints/grammar.py).
 
 - The grammar follows each tree path: pruning keeps exactly the grammar-valid nodes, and the sequence's
   state is where it was after the depth-first walk; a parser limit met on a draft path (the target takes
@@ -34,7 +34,7 @@ from ddtree.gateway.pipeline import Invalid
 from ddtree.gateway.structured_outputs import after_reasoning, check_grammar
 from ddtree.protocol.ddtree.v1 import verifier_pb2
 from ddtree.tokenization.grammar_vocab import ll_tokenizer
-from ddtree.verifier.grammar import SequenceGrammar
+from ddtree.verifier.constraints.grammar import SequenceGrammar
 from ddtree.verifier.sequence import GenerateParams, Sequence
 from tests.support.engines import engine_with_drafter
 from tests.support.letter_vocab import letter_tokenizer
@@ -448,7 +448,7 @@ def test_a_fault_in_a_grammar_step_is_internal(tiny_target):
 @pytest.mark.parametrize("status", [grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL])
 def test_the_stream_ends_with_the_error_events_status(status):
     """Verifier.Generate aborts with the status the scheduler gave the error event."""
-    from ddtree.verifier import server
+    from ddtree.verifier.rpc import server
     from ddtree.verifier.sequence import StreamEvent
 
     def submit(seq):
@@ -509,7 +509,7 @@ def _grammar_call(servicer, grammar: str) -> _Aborted:
 def test_grammar_setup_failures_are_statuses_without_exception_text(tmp_path, tokenizer_dir, monkeypatch):
     """No tokenizer in the model dir: FAILED_PRECONDITION naming the cause, not the exception's text,
     and tried once (not on every request); a grammar llguidance rejects: INVALID_ARGUMENT, its message."""
-    from ddtree.verifier import server
+    from ddtree.verifier.rpc import server
 
     built = []
 

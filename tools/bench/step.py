@@ -4,11 +4,11 @@
     ddtree bench step --config docs/kimi_k26_config.json --random-weights --emulate-tp 8 --layers 4
     ddtree bench step --model DIR --kernels triton --device cpu     # the device path, interpreted
 
-It runs the verifier's step (services/verifier/batch.py over a tree of --rows rows per sequence, each
+It runs the verifier's step (services/verifier/step/batch.py over a tree of --rows rows per sequence, each
 sequence with --context tokens of random latents in the KV cache) and reports step ms (eager, and with
 CUDA graphs when the verifier's static step can take the model), launches per step and per decoder
 layer, host syncs per step (and where they are asked for), Triton launches and the tensor-parallel
-collectives. Launches and syncs are counted with a torch dispatch mode (tools/bench/op_count.py: views
+collectives. Launches and syncs are counted with a torch dispatch mode (tools/step_cost/op_count.py: views
 and other metadata-only ops are not launches; a sync is an op that reads a tensor's value to the host),
 so a CPU counts them too; with --kernels triton on a CPU the kernels run under the Triton interpreter
 and each launch counts once.
@@ -27,7 +27,7 @@ import json
 import pathlib
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-DEVICE_MODELS = ("h100", "h200", "b200", "rtx-pro-6000")  # tools/bench/devices.py DEVICES
+DEVICE_MODELS = ("h100", "h200", "b200", "rtx-pro-6000")  # tools/roofline/devices.py DEVICES
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -58,7 +58,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device-model", choices=DEVICE_MODELS, default=None,
                    help="model the step on this device from shapes alone (meta tensors, nothing runs; a checkpoint's "
-                        "config.json is enough): the roofline of every kernel and the step (tools/bench/roofline.py)")  # fmt: skip
+                        "config.json is enough): the roofline of every kernel and the step (tools/roofline/roofline.py)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--out", type=pathlib.Path, default=None, help="also write the JSON here")
     p.set_defaults(fn=run)
@@ -89,8 +89,8 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def spec_and_shape(args: argparse.Namespace):
-    from ddtree.tools.bench.step_batch import StepShape
-    from ddtree.tools.bench.step_model import ModelSpec
+    from ddtree.tools.step_cost.step_batch import StepShape
+    from ddtree.tools.step_cost.step_model import ModelSpec
 
     spec = ModelSpec(
         source=args.model or args.config,
@@ -137,9 +137,9 @@ def format_report(r: dict) -> str:
 
 def run_model(args: argparse.Namespace) -> int:
     """--device-model: the step's roofline from shapes alone."""
-    from ddtree.tools.bench.devices import device_model
-    from ddtree.tools.bench.roofline import format_roofline
-    from ddtree.tools.bench.step_roofline import model_step
+    from ddtree.tools.roofline.devices import device_model
+    from ddtree.tools.roofline.roofline import format_roofline
+    from ddtree.tools.roofline.step_roofline import model_step
 
     spec, shape = spec_and_shape(args)
     report = model_step(spec, shape, device_model(args.device_model))
@@ -152,9 +152,9 @@ def run_model(args: argparse.Namespace) -> int:
 
 def measured_roofline(spec, shape, report: dict) -> dict | None:
     """On a GPU of devices.py's table: the step's roofline with each kernel's measured time (kernel_times.py)."""
-    from ddtree.tools.bench.devices import model_of_gpu
-    from ddtree.tools.bench.kernel_times import attach_measured
-    from ddtree.tools.bench.step_roofline import model_step
+    from ddtree.tools.roofline.devices import model_of_gpu
+    from ddtree.tools.roofline.kernel_times import attach_measured
+    from ddtree.tools.roofline.step_roofline import model_step
 
     dev = model_of_gpu(report["device"])
     if dev is None:
@@ -168,10 +168,10 @@ def run(args: argparse.Namespace) -> int:
         return run_model(args)
     args.device = resolve_device(args.device)
     if args.kernels == "triton" and args.device == "cpu":
-        from ddtree.tools.bench.kernel_route import interpret_triton
+        from ddtree.tools.step_cost.kernel_route import interpret_triton
 
         interpret_triton()
-    from ddtree.tools.bench.step_measure import measure_step
+    from ddtree.tools.step_cost.step_measure import measure_step
 
     spec, shape = spec_and_shape(args)
     report = measure_step(spec, shape, repeat=args.repeat, graphs=not args.no_graphs, warmup=args.warmup)
@@ -182,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
         args.out.write_text(json.dumps(report, indent=2))
     text = format_report(report)
     if report.get("roofline"):
-        from ddtree.tools.bench.roofline import format_roofline
+        from ddtree.tools.roofline.roofline import format_roofline
 
         text += "\n" + format_roofline(report["roofline"])
     print(json.dumps(report, indent=2) if args.json else text)

@@ -3,7 +3,7 @@
 On the Kimi-K2.6-shaped checkpoint of the serving part (serving_check.make_plan / make_checkpoint), one
 verifier (AR only) and the gateway as processes on the device:
 
-1. the memory plan (verifier/memory_check.py) of the verifier with the largest KV pool it admits on this
+1. the memory plan (verifier/kv/memory_check.py) of the verifier with the largest KV pool it admits on this
    device (the memory free now less PLAN_MARGIN_BYTES, as the verifier checks its plan against the memory
    free at its start; the dry run: DRY_RUN_DEVICE_BYTES), and what the device reports free once
    that verifier serves (torch.cuda.mem_get_info from this process, whose own CUDA context is counted
@@ -28,7 +28,7 @@ REQUEST_TOKENS = 16
 
 def device_bytes(device: str) -> tuple[int, int]:
     """(total, free) bytes of the device: CUDA's, or the host's memory on the CPU."""
-    from ddtree.verifier.kv_sizing import free_device_memory
+    from ddtree.verifier.kv.kv_sizing import free_device_memory
 
     if device.startswith("cuda"):
         import torch
@@ -43,7 +43,7 @@ def admitted_plan(model: pathlib.Path, device: str, total: int, flags: list[str]
     largest the plan admits there."""
     from ddtree.config import VerifierConfig
     from ddtree.tools.gpu_plan import service_config
-    from ddtree.verifier.memory_check import verifier_plan
+    from ddtree.verifier.kv.memory_check import verifier_plan
 
     config = service_config(VerifierConfig, " ".join(flags), "--device", device)
     largest = verifier_plan(config, str(model), [total]).largest_kv_tokens

@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 
 from ddtree.drafter.static_draft import StaticDraft, draft_buckets
-from ddtree.models.dflash import DFlashDraftModel
-from ddtree.models.dflash_config import DFlashConfig, RopeConfig
+from ddtree.models.dflash.config import DFlashConfig, RopeConfig
+from ddtree.models.dflash.model import DFlashDraftModel
 
 KIMI_WIDTH = dict(hidden=7168, layers=5, heads=32, kv_heads=8, head_dim=128, ffn=14336, vocab=163840, window=2048)
 TINY = dict(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab=256, window=32)

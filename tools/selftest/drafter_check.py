@@ -100,7 +100,7 @@ def _transport(shape: dict, device: torch.device, log, out: dict, deadline: floa
     import multiprocessing
 
     from ddtree.contract.sampling_params import SamplingConfig
-    from ddtree.verifier.drafter_client import DrafterClient
+    from ddtree.verifier.drafting.drafter_client import DrafterClient
     from ddtree.verifier.sequence import GenerateParams, PendingCommit, Sequence
 
     width = shape["taps"] * shape["hidden"]

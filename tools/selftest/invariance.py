@@ -19,7 +19,7 @@ import random
 
 import torch
 
-from ddtree.models.attention import AttentionMetadata, SeqAttention
+from ddtree.models.layers.attention import AttentionMetadata, SeqAttention
 
 
 @dataclasses.dataclass(frozen=True)

@@ -110,8 +110,8 @@ class CheckSpec:
 
 
 def _load(spec: CheckSpec, device: str, tp=None):
-    from ddtree.models.layer_kernels import make_layer_kernels
-    from ddtree.models.loader import load_target
+    from ddtree.models.checkpoint.loader import load_target
+    from ddtree.models.layers.layer_kernels import make_layer_kernels
 
     backend = "triton" if spec.kernels == "triton" else "torch"
     if tp is None:

@@ -98,8 +98,8 @@ def make_config(args: argparse.Namespace) -> dict:
 
 def tensor_specs(raw: dict, group: int, vision: bool) -> list[Spec]:
     """Every stored tensor, in checkpoint order (layer by layer; per expert gate, up, down)."""
-    from ddtree.models.config import DeepseekV3Config
-    from ddtree.models.weight_bytes import config_tensors
+    from ddtree.models.checkpoint.weight_bytes import config_tensors
+    from ddtree.models.deepseek_v3.config import DeepseekV3Config
 
     config = DeepseekV3Config.from_dict(copy.deepcopy(raw))
     out: list[Spec] = []

@@ -30,7 +30,7 @@ from ddtree.config import DrafterConfig, add_config_flags, config_from_flags
 from ddtree.contract.token_tree import TokenTree
 from ddtree.drafter.engine import SeqDraftInput
 from ddtree.drafter.server import serve_engine
-from ddtree.models.loader import load_config
+from ddtree.models.checkpoint.loader import load_config
 from ddtree.protocol.server import serve_until_stopped
 from ddtree.telemetry.logging import configure_logging
 from ddtree.tools.selftest.oracle_contexts import OracleContexts

@@ -1,5 +1,5 @@
 """Part (c) of `ddtree selftest gpu`: the verify step of one Kimi K2.6 rank, what `ddtree bench step`
-measures (tools/bench/step_measure.py), over the shapes the deployment runs.
+measures (tools/step_cost/step_measure.py), over the shapes the deployment runs.
 
 The model is rank 0's shard of Kimi K2.6 at TP 8 (`--emulate-tp 8`: 8 of 64 heads, every routed
 expert's 256 of 2048 columns in INT4 groups of 32, a 20480-row vocabulary slice; all 61 layers),
@@ -24,8 +24,8 @@ import pathlib
 import time
 import traceback
 
-from ddtree.tools.bench.step_model import ModelSpec
 from ddtree.tools.selftest import kimi_checkpoint
+from ddtree.tools.step_cost.step_model import ModelSpec
 
 REPORTED = ("rows", "context", "step_ms", "step_ms_best", "graphs_unavailable", "ops_per_step", "ops_per_moe_layer",
             "ops_per_moe_layer_mean", "ops_per_dense_layer", "host_syncs_per_step", "triton_launches_per_step",
@@ -67,8 +67,8 @@ def open_bench(spec, log):
     device's memory cannot hold them all (an 80 GB GPU does not hold the full-depth rank)."""
     import torch
 
-    from ddtree.tools.bench.step_measure import step_bench
-    from ddtree.tools.bench.step_model import model_config, read_raw_config
+    from ddtree.tools.step_cost.step_measure import step_bench
+    from ddtree.tools.step_cost.step_model import model_config, read_raw_config
 
     while True:
         stack = contextlib.ExitStack()
@@ -88,7 +88,7 @@ def open_bench(spec, log):
 def run_step_check(dry_run: bool, work: pathlib.Path, deadline: float, log, on_row=lambda out: None) -> dict:
     """{plan, model, rows, skipped, errors}; a shape after `deadline` (perf_counter) is skipped; on_row(out)
     after every shape (the JSON saved: record.py)."""
-    from ddtree.tools.bench.step_batch import StepShape
+    from ddtree.tools.step_cost.step_batch import StepShape
 
     plan = make_plan(dry_run)
     source = config_file(dry_run, work)

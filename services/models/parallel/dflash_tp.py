@@ -1,7 +1,7 @@
 """The DFlash drafter under tensor parallelism: drafter rank r of N, beside verifier rank r
 (docs/deployment_placement.md).
 
-Rank r holds, of the whole drafter (models/dflash.py), the split named by memory_plan.DRAFTER_SPLIT_DIMS,
+Rank r holds, of the whole drafter (models/dflash/model.py), the split named by memory_plan.DRAFTER_SPLIT_DIMS,
 so that the memory plan counts what is held:
   q_proj / k_proj / v_proj   rows of heads [r·nh/N, (r+1)·nh/N) and KV heads [r·kvh/N, ...): column-parallel;
                              head h reads KV head h // (nh/kvh) in both, so the grouping is kept per rank
@@ -25,10 +25,10 @@ import dataclasses
 import torch
 from torch import Tensor, nn
 
-from ..dflash import DFlashDraftModel
-from ..memory_plan import split_dim
-from .process_group import TPGroup
-from .shard_plan import shard_range
+from ddtree.models.checkpoint.memory_plan import split_dim
+from ddtree.models.dflash.model import DFlashDraftModel
+from ddtree.models.parallel.process_group import TPGroup
+from ddtree.models.parallel.shard_plan import shard_range
 
 
 class RowParallelLinear(nn.Module):

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .process_group import TPGroup
+from ddtree.models.parallel.process_group import TPGroup
 
 
 class VocabParallelEmbedding(nn.Embedding):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from ddtree.models.config import DeepseekV3Config
+from ddtree.models.deepseek_v3.config import DeepseekV3Config
 
 
 @dataclasses.dataclass(frozen=True)

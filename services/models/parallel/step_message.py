@@ -32,9 +32,8 @@ import dataclasses
 
 import torch
 
-from ddtree.models.attention import AttentionMetadata, SeqAttention
-
-from .process_group import TPGroup
+from ddtree.models.layers.attention import AttentionMetadata, SeqAttention
+from ddtree.models.parallel.process_group import TPGroup
 
 FORWARD, PING, STOP, CACHE, STATIC = 1, 2, 3, 4, 6
 KINDS = frozenset((FORWARD, PING, STOP, CACHE, STATIC))

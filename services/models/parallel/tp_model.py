@@ -26,16 +26,15 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ddtree.models.attention import prepare_attention
-from ddtree.models.config import DeepseekV3Config
-from ddtree.models.deepseek_v3 import DeepseekV3ForCausalLM, ForwardOutput
-from ddtree.models.loader import load_target
-from ddtree.models.moe import DeepseekV3MLP, DeepseekV3MoE
-
-from .layers import VocabParallelEmbedding, combine_shard_argmax, shard_argmax
-from .process_group import TPGroup
-from .shard_plan import ShardPlan
-from .step_message import (
+from ddtree.models.checkpoint.loader import load_target
+from ddtree.models.deepseek_v3.config import DeepseekV3Config
+from ddtree.models.deepseek_v3.model import DeepseekV3ForCausalLM, ForwardOutput
+from ddtree.models.deepseek_v3.moe import DeepseekV3MLP, DeepseekV3MoE
+from ddtree.models.layers.attention import prepare_attention
+from ddtree.models.parallel.layers import VocabParallelEmbedding, combine_shard_argmax, shard_argmax
+from ddtree.models.parallel.process_group import TPGroup
+from ddtree.models.parallel.shard_plan import ShardPlan
+from ddtree.models.parallel.step_message import (
     CACHE,
     FORWARD,
     GATHER_AT,

@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..checkpoint_files import CheckpointError
-from .formats import CHECKPOINT_FORMATS, QUANT_METHODS
-from .fp8_block import Fp8BlockScheme, dequantize_fp8_block, quantize_fp8_block
-from .int4_pack import Int4PackScheme, quantize_int4_group, unpack_int4
+from ddtree.models.checkpoint.files import CheckpointError
+from ddtree.models.quantization.formats import CHECKPOINT_FORMATS, QUANT_METHODS
+from ddtree.models.quantization.fp8_block import Fp8BlockScheme, dequantize_fp8_block, quantize_fp8_block
+from ddtree.models.quantization.int4_pack import Int4PackScheme, quantize_int4_group, unpack_int4
 
 QuantScheme = Fp8BlockScheme | Int4PackScheme
 

@@ -16,10 +16,9 @@ import torch
 from torch import nn
 
 from ddtree.kernels.weight_formats import BY_QUANT_METHOD, FP8_BLOCK, INT4_PACK, WeightFormat
-
-from ..packed_linear import Fp8Linear, Int4Linear
-from .fp8_block import Fp8BlockScheme
-from .int4_pack import Int4PackScheme
+from ddtree.models.layers.packed_linear import Fp8Linear, Int4Linear
+from ddtree.models.quantization.fp8_block import Fp8BlockScheme
+from ddtree.models.quantization.int4_pack import Int4PackScheme
 
 
 @dataclass(frozen=True)

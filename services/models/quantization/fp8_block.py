@@ -24,9 +24,8 @@ import torch
 
 from ddtree.kernels.quant_formats import FP8_MAX, dequantize_fp8_block, quantize_fp8_block
 from ddtree.kernels.weight_formats import FP8_BLOCK, WeightFormat
-
-from ..checkpoint_files import CheckpointError, CheckpointFiles
-from .names import any_matches, is_projection
+from ddtree.models.checkpoint.files import CheckpointError, CheckpointFiles
+from ddtree.models.quantization.names import any_matches, is_projection
 
 __all__ = ["FP8_DTYPES", "FP8_MAX", "Fp8BlockScheme", "dequantize_fp8_block", "quantize_fp8_block"]
 

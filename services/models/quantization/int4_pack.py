@@ -25,9 +25,8 @@ import torch
 
 from ddtree.kernels.quant_formats import PACK, quantize_int4_group, unpack_int4
 from ddtree.kernels.weight_formats import INT4_PACK, WeightFormat
-
-from ..checkpoint_files import CheckpointError, CheckpointFiles
-from .names import any_matches, is_targeted
+from ddtree.models.checkpoint.files import CheckpointError, CheckpointFiles
+from ddtree.models.quantization.names import any_matches, is_targeted
 
 __all__ = ["PACK", "Int4Group", "Int4PackScheme", "quantize_int4_group", "unpack_int4"]
 

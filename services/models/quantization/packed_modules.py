@@ -23,12 +23,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..checkpoint_files import SAFETENSORS_DTYPES, CheckpointError, CheckpointFiles
-from ..merged_linear import can_merge_fp8, merged_parts, split_merged
-from ..moe_experts import PROJECTIONS, StackedExperts, StackedProjection
-from .formats import BY_NAME, PackedWeight
-from .fp8_block import Fp8BlockScheme
-from .int4_pack import Int4PackScheme
+from ddtree.models.checkpoint.files import SAFETENSORS_DTYPES, CheckpointError, CheckpointFiles
+from ddtree.models.deepseek_v3.moe_experts import PROJECTIONS, StackedExperts, StackedProjection
+from ddtree.models.layers.merged_linear import can_merge_fp8, merged_parts, split_merged
+from ddtree.models.quantization.formats import BY_NAME, PackedWeight
+from ddtree.models.quantization.fp8_block import Fp8BlockScheme
+from ddtree.models.quantization.int4_pack import Int4PackScheme
 
 __all__ = ["PackedWeight", "pack_modules"]
 

@@ -1,5 +1,5 @@
 """CUDA graphs of a static-shape forward, one per bucket: the one capture / replay code of the verifier's
-static step (verifier/static_step.py) and the drafter's static draft (drafter/static_draft.py).
+static step (verifier/step/static_step.py) and the drafter's static draft (drafter/static_draft.py).
 
 `GraphRunner(name, forward)`, where `forward(bucket)` runs the forward over that bucket's fixed buffers
 and returns its outputs:

@@ -16,9 +16,16 @@ Loading this package imports no torch: the engine commands import it before torc
 
 from __future__ import annotations
 
-from .openmp_spin import apply_spin_count
-from .threads import EngineThread, claim_for_steps, engine_threads, main_thread_single, run_on, single_threaded
-from .weight_layout import use_column_major_weights
+from ddtree.models.runtime.cpu.openmp_spin import apply_spin_count
+from ddtree.models.runtime.cpu.threads import (
+    EngineThread,
+    claim_for_steps,
+    engine_threads,
+    main_thread_single,
+    run_on,
+    single_threaded,
+)
+from ddtree.models.runtime.cpu.weight_layout import use_column_major_weights
 
 __all__ = [
     "EngineThread",

@@ -30,7 +30,7 @@ def use_column_major_weights(model) -> int:
     the model's weights; `state_dict()` then returns non-contiguous tensors."""
     from torch import nn
 
-    from ddtree.models.moe_experts import StackedProjection
+    from ddtree.models.deepseek_v3.moe_experts import StackedProjection
 
     changed = 0
     for name, module in model.named_modules():

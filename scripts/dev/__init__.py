@@ -1,1 +1,0 @@
-"""Developer measurements and one-off diagnostics (memory, transport, TP loading, the demo's profile)."""

@@ -1,0 +1,1 @@
+"""The DFlash block-diffusion drafter: config, model, mask, checkpoint format, static-shape forward."""

@@ -1,0 +1,3 @@
+"""Building blocks both models share: attention metadata and backends, linears (merged, packed), RMSNorm, RoPE, the
+layer kernel switch.
+"""
