@@ -3,19 +3,21 @@ device path (bf16 / fp16 / fp32), in place of cuBLAS.
 
 Row invariance (docs/design.md): cuBLAS picks its kernel, tile and split-K from M, so a row's sum order
 follows how many rows share the launch (a 17-row verify tree against AR's one row). Here every launch uses
-BLOCK_M = 64, BLOCK_N by N, BLOCK_K = 64, fp32 accumulation and no atomics, and K is cut into a FIXED
-number of chunks chosen from the weight's shape and the device's SM count alone, never from M
-(`k_splits`): row m's result is a function of x[m] and W alone.
+BLOCK_M = 64 and BLOCK_K = 64, fp32 accumulation and no atomics; BLOCK_N and a FIXED number of K chunks are
+chosen from the weight's shape and the device's SM count alone, never from M (`gemm_tiles`): row m's
+result is a function of x[m] and W alone, and a weight's K order is one on a device.
 
-Split rule: a weight of [Bt, N, K] gives Bt x ceil(N / BLOCK_N) programs per M tile. When that fills the
-SMs, one chunk (K from 0 upwards in one loop, the output written in the program). Otherwise
-S = min(ceil(SMs / programs), K // K_CHUNK_MIN) chunks of K_CHUNK = ceil(K / S) rounded up to BLOCK_K
-columns: program (m tile, n tile, b * S + s) sums chunk s's K tiles in order from zero and stores its fp32
-partial to a scratch [Bt, S, M, N]; a second launch (`_dense_gemm_sum_kernel`) adds the partials in chunk
-order 0, 1, ..., S - 1, then the bias, and rounds once to the output dtype. Both are elementwise in m, so
-the sum order per weight shape is one. At Kimi K2.6 TP 8 on 132 SMs: q_a + kv_a [2112, 7168] 17 tiles x 8
-chunks, shared expert gate_up [512, 7168] 4 x 28, o_proj [7168, 1024] 56 x 3, the LM head 1 chunk. The
-partials cost 2 x S x M x N x 4 bytes beside the weight (docs/performance.md).
+The rule, for a weight [Bt, N, K] (Bt = 1 for a linear, the heads for head_gemm) on `sms` SMs:
+- BLOCK_N = 128, or 64 when N <= 64 or Bt x ceil(N / 128) tiles leave SMs idle;
+- P = Bt x ceil(N / BLOCK_N) programs per M tile. S = min(ceil(sms / P), K // K_CHUNK_MIN) chunks (1 when
+  that is <= 1) of K_CHUNK = ceil(K / S) rounded up to BLOCK_K columns (then S = ceil(K / K_CHUNK)).
+S = 1: one program per (m tile, n tile, b) runs K from 0 upwards and writes the output. S > 1: program
+(m tile, n tile, b * S + s) sums chunk s's K tiles in order from zero and stores its fp32 partial to a
+scratch [Bt, S, M, N]; a second launch (`_dense_gemm_sum_kernel`, elementwise) adds the partials in chunk
+order 0, 1, ..., S - 1, then the bias, and rounds once to the output dtype. At Kimi K2.6 TP 8 on 132 SMs
+(H200): q_a + kv_a [2112, 7168] 33 tiles x 4 chunks, shared expert gate_up [512, 7168] 8 x 17, o_proj
+[7168, 1024] 112 x 2, shared expert down [7168, 256] 112 x 1, the LM head [20480, 7168] 160 x 1. The
+partials add 2 x S x M x N x 4 bytes beside the weight (docs/performance.md).
 
 Interpreter (triton 3.9): its bf16 dot multiplies raw bits and its fp32 -> bf16 cast truncates, so interpreted
 bf16 runs the dot in fp32 (exact products of bf16 values) and rounds the output to bf16 explicitly
@@ -36,7 +38,7 @@ from .shared_memory import device_smem_budget, dot_smem_bytes, stages_within
 BLOCK_M = 64  # rows per tile at every M
 BLOCK_K = 64
 K_CHUNK_MIN = 256  # least columns per K chunk (4 K tiles): bounds the partials' bytes per weight byte
-SUM_BLOCK_M, SUM_BLOCK_N = 16, 128  # the partials' sum: elementwise, any tile
+SUM_BLOCK = 128  # outputs per program of the partials' sum (elementwise: any tile keeps the order)
 
 
 @triton.jit
@@ -81,43 +83,41 @@ def _dense_gemm_kernel(
 
 @triton.jit
 def _dense_gemm_sum_kernel(
-    PARTS, B, Y, M, N, stride_pb, stride_ps, stride_pm, stride_yb, stride_ym,
-    SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    ROUND_BF16: tl.constexpr,
+    PARTS, B, Y, M, N, total, stride_pb, stride_ps, stride_pm, stride_yb, stride_ym,
+    SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, ROUND_BF16: tl.constexpr,
 ):  # fmt: skip
-    """Y[b, m, n] = ((PARTS[b, 0] + PARTS[b, 1]) + ... + PARTS[b, SPLITS - 1]) (+ B), in chunk order, fp32."""
-    b = tl.program_id(2).to(tl.int64)
-    offs_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    ptrs = PARTS + b * stride_pb + offs_m[:, None] * stride_pm + offs_n[None, :]
+    """Y[b, m, n] = ((PARTS[b, 0] + PARTS[b, 1]) + ... + PARTS[b, SPLITS - 1]) (+ B[n]) in fp32, chunk order;
+    BLOCK of the total = Bt x M x N outputs per program (flat index (b x M + m) x N + n)."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < total
+    n = i % N
+    m = (i // N) % M
+    b = i // N // M
+    ptrs = PARTS + b * stride_pb + m * stride_pm + n
     acc = tl.load(ptrs, mask=ok, other=0.0)
     for s in range(1, SPLITS):
         acc += tl.load(ptrs + s * stride_ps, mask=ok, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(B + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(B + n, mask=ok, other=0.0).to(tl.float32)
     if ROUND_BF16:
         acc = _round_bf16(acc)
-    tl.store(Y + b * stride_yb + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty), mask=ok)
-
-
-def k_splits(batch: int, N: int, K: int, sms: int) -> tuple[int, int]:
-    """(chunks S, columns per chunk) of a weight [batch, N, K] on a device of `sms` SMs: never from M."""
-    programs = batch * triton.cdiv(N, block_n_of(N))
-    want = min(triton.cdiv(sms, programs), K // K_CHUNK_MIN)
-    if want <= 1:
-        return 1, K
-    chunk = triton.cdiv(triton.cdiv(K, want), BLOCK_K) * BLOCK_K
-    return triton.cdiv(K, chunk), chunk
-
-
-def block_n_of(N: int) -> int:
-    return 64 if N <= 64 else 128
+    tl.store(Y + b * stride_yb + m * stride_ym + n, acc.to(Y.dtype.element_ty), mask=ok)
 
 
 def smem_bytes(block_n: int, x_bytes: int, num_stages: int) -> int:
     """shared_memory's estimate: the x and weight tiles per buffer."""
     return dot_smem_bytes(num_stages, BLOCK_M, [(BLOCK_M, BLOCK_K, x_bytes), (BLOCK_K, block_n, x_bytes)], [])
+
+
+def gemm_tiles(batch: int, N: int, K: int, sms: int) -> tuple[int, int, int]:
+    """(BLOCK_N, K chunks S, columns per chunk) of a weight [batch, N, K] on `sms` SMs: never from M."""
+    block_n = 64 if N <= 64 or batch * triton.cdiv(N, 128) < sms else 128
+    programs = batch * triton.cdiv(N, block_n)
+    want = min(triton.cdiv(sms, programs), K // K_CHUNK_MIN)
+    if want <= 1:
+        return block_n, 1, K
+    chunk = triton.cdiv(triton.cdiv(K, want), BLOCK_K) * BLOCK_K
+    return block_n, triton.cdiv(K, chunk), chunk
 
 
 def _launch(x, weight, bias, out) -> None:
@@ -128,8 +128,7 @@ def _launch(x, weight, bias, out) -> None:
         return
     interpreted = is_interpreted(_dense_gemm_kernel)
     check_device(x.device, interpreted)
-    block_n = block_n_of(N)
-    splits, chunk = k_splits(Bt, N, K, num_sms(x.device))
+    block_n, splits, chunk = gemm_tiles(Bt, N, K, num_sms(x.device))
     stages = stages_within(device_smem_budget(x.device), lambda s: smem_bytes(block_n, x.element_size(), s))
     via_fp32 = interpreted and x.dtype == torch.bfloat16
     precision = "ieee" if x.dtype == torch.float32 or via_fp32 else "tf32"
@@ -145,9 +144,10 @@ def _launch(x, weight, bias, out) -> None:
         DOT_PRECISION=precision, VIA_FP32=via_fp32, ROUND_BF16=via_fp32 and splits == 1, num_stages=stages,
     )  # fmt: skip
     if splits > 1:
-        _dense_gemm_sum_kernel[(triton.cdiv(M, SUM_BLOCK_M), triton.cdiv(N, SUM_BLOCK_N), Bt)](
-            parts, bias if has_bias else parts, out, M, N, p_b, p_s, p_m, out.stride(0), out.stride(1),
-            SPLITS=splits, HAS_BIAS=has_bias, BLOCK_M=SUM_BLOCK_M, BLOCK_N=SUM_BLOCK_N, ROUND_BF16=via_fp32,
+        total = Bt * M * N
+        _dense_gemm_sum_kernel[(triton.cdiv(total, SUM_BLOCK),)](
+            parts, bias if has_bias else parts, out, M, N, total, p_b, p_s, p_m, out.stride(0), out.stride(1),
+            SPLITS=splits, HAS_BIAS=has_bias, BLOCK=SUM_BLOCK, ROUND_BF16=via_fp32,
         )  # fmt: skip
 
 
@@ -183,4 +183,4 @@ def head_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
-__all__ = ["dense_gemm", "head_gemm", "k_splits"]
+__all__ = ["dense_gemm", "head_gemm", "gemm_tiles"]

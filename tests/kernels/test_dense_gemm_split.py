@@ -33,7 +33,7 @@ def _rows_differing(fn, x: torch.Tensor) -> list[tuple[int, int]]:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_split_dense_gemm_is_row_invariant_and_matches_torch(dtype):
     N, K = 130, 1000  # 2 column tiles, K no multiple of the 64-column tile nor of the chunk
-    splits, chunk = dg.k_splits(1, N, K, num_sms(torch.device(DEVICE)))
+    _, splits, _ = dg.gemm_tiles(1, N, K, num_sms(torch.device(DEVICE)))
     assert splits > 1, "the split must be active at this shape"
     x = _t(max(SIZES), K, seed=0, dtype=dtype, scale=2.0)
     w = _t(N, K, seed=1, dtype=dtype, scale=1 / 16)
@@ -48,7 +48,7 @@ def test_split_dense_gemm_is_row_invariant_and_matches_torch(dtype):
 def test_split_head_gemm_is_row_invariant_and_matches_torch():
     """Per-head weights as MLA's absorption passes them (a transposed view: strides, not contiguous)."""
     H, N, K = 2, 64, 768
-    assert dg.k_splits(H, N, K, num_sms(torch.device(DEVICE)))[0] > 1
+    assert dg.gemm_tiles(H, N, K, num_sms(torch.device(DEVICE)))[1] > 1
     w = _t(H, K, N, seed=3, dtype=torch.bfloat16, scale=1 / 16).transpose(1, 2)  # [H, N, K] view
     x = _t(max(SIZES), H, K, seed=4, dtype=torch.bfloat16, scale=2.0)
     assert _rows_differing(lambda v: dg.head_gemm(v, w), x) == []
@@ -67,9 +67,10 @@ def test_split_launches_two_kernels_with_the_chunks_in_the_grid(monkeypatch):
     )
     x = _t(3, 1000, seed=5, dtype=torch.float32)
     dg.dense_gemm(x, _t(130, 1000, seed=6, dtype=torch.float32))
-    splits, _ = dg.k_splits(1, 130, 1000, num_sms(torch.device(DEVICE)))
-    assert [(k, tuple(g)) for k, g in launched] == [(dg._dense_gemm_kernel, (1, 2, splits)),
-                                                    (dg._dense_gemm_sum_kernel, (1, 2, 1))]  # fmt: skip
+    block_n, splits, _ = dg.gemm_tiles(1, 130, 1000, num_sms(torch.device(DEVICE)))
+    sum_programs = triton.cdiv(3 * 130, dg.SUM_BLOCK)
+    assert [(k, tuple(g)) for k, g in launched] == [(dg._dense_gemm_kernel, (1, triton.cdiv(130, block_n), splits)),
+                                                    (dg._dense_gemm_sum_kernel, (sum_programs,))]  # fmt: skip
     launched.clear()
     dg.dense_gemm(x[:, :200], _t(130, 200, seed=7, dtype=torch.float32))  # K < 2 chunks: no split
     assert [k for k, _ in launched] == [dg._dense_gemm_kernel]
@@ -78,9 +79,11 @@ def test_split_launches_two_kernels_with_the_chunks_in_the_grid(monkeypatch):
 @pytest.mark.parametrize("sms", [8, 132, 188])
 @pytest.mark.parametrize("batch,N,K", [(1, 2112, 7168), (1, 512, 7168), (1, 7168, 1024), (1, 7168, 256),
                                        (1, 20480, 7168), (8, 128, 512), (8, 512, 128), (1, 130, 1000)])  # fmt: skip
-def test_chunk_rule_covers_k_once_and_fills_the_sms(batch, N, K, sms):
-    splits, chunk = dg.k_splits(batch, N, K, sms)
-    programs = batch * triton.cdiv(N, 64 if N <= 64 else 128)
+def test_tile_rule_covers_k_once_and_fills_the_sms(batch, N, K, sms):
+    block_n, splits, chunk = dg.gemm_tiles(batch, N, K, sms)
+    wide = batch * triton.cdiv(N, 128)  # programs of 128-column tiles
+    assert block_n == (64 if N <= 64 or wide < sms else 128)
+    programs = batch * triton.cdiv(N, block_n)
     if splits == 1:
         assert chunk == K
         assert programs >= sms or K < 2 * dg.K_CHUNK_MIN or triton.cdiv(sms, programs) <= 1
