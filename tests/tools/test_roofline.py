@@ -15,12 +15,14 @@ import sys
 
 import pytest
 
+from ddtree.kernels.dense_gemm import gemm_tiles
 from ddtree.tools.roofline.devices import DEVICES
 from tests.tools.test_bench_step import DEMO_TARGET, KIMI_CONFIG, ROOT
 
 ROWS, CONTEXT, TP = 17, 8192, 8
 BF16, FP32, I32, I64 = 2, 4, 4, 8
-GEMM_KERNELS = {"mm", "addmm", "_dense_gemm_kernel"}  # cuBLAS or the row-invariant Triton GEMM
+# cuBLAS or the row-invariant Triton GEMM (its K chunks, then their ordered sum when it splits K)
+GEMM_KERNELS = {"mm", "addmm", "_dense_gemm_kernel", "_dense_gemm_sum_kernel"}
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +50,10 @@ def sizes() -> dict:
 
 
 def gemm(m: int, n: int, k: int) -> int:
-    """x [m, k] + W [n, k] read, y [m, n] written, all bf16."""
-    return (m * k + n * k + m * n) * BF16
+    """x [m, k] + W [n, k] read, y [m, n] written, all bf16; with K in S > 1 chunks (kernels/dense_gemm.py's
+    rule on the H200's SMs) the fp32 partials [S, m, n] too, written then read by the sum."""
+    splits = gemm_tiles(1, n, k, DEVICES["h200"].sms)[1]
+    return (m * k + n * k + m * n) * BF16 + (2 * splits * m * n * FP32 if splits > 1 else 0)
 
 
 def expected_bytes() -> dict[tuple[str, str], int]:
