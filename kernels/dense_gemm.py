@@ -15,9 +15,10 @@ S = 1: one program per (m tile, n tile, b) runs K from 0 upwards and writes the 
 (m tile, n tile, b * S + s) sums chunk s's K tiles in order from zero and stores its fp32 partial to a
 scratch [Bt, S, M, N]; a second launch (`_dense_gemm_sum_kernel`, elementwise) adds the partials in chunk
 order 0, 1, ..., S - 1, then the bias, and rounds once to the output dtype. At Kimi K2.6 TP 8 on 132 SMs
-(H200): q_a + kv_a [2112, 7168] 33 tiles x 4 chunks, shared expert gate_up [512, 7168] 8 x 17, o_proj
-[7168, 1024] 112 x 2, shared expert down [7168, 256] 112 x 1, the LM head [20480, 7168] 160 x 1. The
-partials add 2 x S x M x N x 4 bytes beside the weight (docs/performance.md).
+(H200): q_a + kv_a [2112, 7168] 33 tiles x 4 chunks, q_b [1536, 1536] 24 x 3, o_proj [7168, 1024] 112 x 2,
+shared expert gate_up [512, 7168] 8 x 14, down [7168, 256] 112 x 1, the LM head [20480, 7168] 160 x 1,
+MLA's per-head absorptions 1 chunk. The partials add 2 x S x M x N x 4 bytes beside the weight, and a
+split weight one launch (docs/performance.md).
 
 Interpreter (triton 3.9): its bf16 dot multiplies raw bits and its fp32 -> bf16 cast truncates, so interpreted
 bf16 runs the dot in fp32 (exact products of bf16 values) and rounds the output to bf16 explicitly
@@ -37,7 +38,7 @@ from .shared_memory import device_smem_budget, dot_smem_bytes, stages_within
 
 BLOCK_M = 64  # rows per tile at every M
 BLOCK_K = 64
-K_CHUNK_MIN = 256  # least columns per K chunk (4 K tiles): bounds the partials' bytes per weight byte
+K_CHUNK_MIN = 512  # least columns per K chunk (as the router's K_SPLIT): a split smaller weights would pay in a launch
 SUM_BLOCK = 128  # outputs per program of the partials' sum (elementwise: any tile keeps the order)
 
 

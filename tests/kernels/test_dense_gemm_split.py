@@ -32,7 +32,7 @@ def _rows_differing(fn, x: torch.Tensor) -> list[tuple[int, int]]:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_split_dense_gemm_is_row_invariant_and_matches_torch(dtype):
-    N, K = 130, 1000  # 2 column tiles, K no multiple of the 64-column tile nor of the chunk
+    N, K = 130, 1100  # 3 column tiles, K no multiple of the 64-column tile nor of the chunk
     _, splits, _ = dg.gemm_tiles(1, N, K, num_sms(torch.device(DEVICE)))
     assert splits > 1, "the split must be active at this shape"
     x = _t(max(SIZES), K, seed=0, dtype=dtype, scale=2.0)
@@ -47,7 +47,7 @@ def test_split_dense_gemm_is_row_invariant_and_matches_torch(dtype):
 
 def test_split_head_gemm_is_row_invariant_and_matches_torch():
     """Per-head weights as MLA's absorption passes them (a transposed view: strides, not contiguous)."""
-    H, N, K = 2, 64, 768
+    H, N, K = 2, 64, 1100
     assert dg.gemm_tiles(H, N, K, num_sms(torch.device(DEVICE)))[1] > 1
     w = _t(H, K, N, seed=3, dtype=torch.bfloat16, scale=1 / 16).transpose(1, 2)  # [H, N, K] view
     x = _t(max(SIZES), H, K, seed=4, dtype=torch.bfloat16, scale=2.0)
@@ -65,9 +65,9 @@ def test_split_launches_two_kernels_with_the_chunks_in_the_grid(monkeypatch):
     monkeypatch.setattr(
         cls, "__getitem__", lambda self, grid, real=real: launched.append((self, grid)) or real(self, grid)
     )
-    x = _t(3, 1000, seed=5, dtype=torch.float32)
-    dg.dense_gemm(x, _t(130, 1000, seed=6, dtype=torch.float32))
-    block_n, splits, _ = dg.gemm_tiles(1, 130, 1000, num_sms(torch.device(DEVICE)))
+    x = _t(3, 1100, seed=5, dtype=torch.float32)
+    dg.dense_gemm(x, _t(130, 1100, seed=6, dtype=torch.float32))
+    block_n, splits, _ = dg.gemm_tiles(1, 130, 1100, num_sms(torch.device(DEVICE)))
     sum_programs = triton.cdiv(3 * 130, dg.SUM_BLOCK)
     assert [(k, tuple(g)) for k, g in launched] == [(dg._dense_gemm_kernel, (1, triton.cdiv(130, block_n), splits)),
                                                     (dg._dense_gemm_sum_kernel, (sum_programs,))]  # fmt: skip
