@@ -17,8 +17,10 @@ from tests.support import installed_env as env
 
 KIMI_CONFIG = env.ROOT / "docs" / "kimi_k26_config.json"
 SHAPES = "1:1024,17:1024,256:1024"  # AR decode, a 17-row tree, a prefill chunk (larger MoE tiles)
+# the bf16 linears: _dense_gemm_kernel over K chunks, then _dense_gemm_sum_kernel adds them in order
 KIMI_KERNELS = {"_mla_split_kernel", "_mla_merge_kernel", "_latent_write_kernel", "_moe_gemm_kernel", "_rms_norm_kernel",
-                "_router_kernel", "_rope_kernel", "_silu_mul_kernel"}  # fmt: skip
+                "_router_kernel", "_rope_kernel", "_silu_mul_kernel", "_dense_gemm_kernel",
+                "_dense_gemm_sum_kernel"}  # fmt: skip
 HOT = {"_mla_split_kernel", "_moe_gemm_kernel", "_router_kernel"}  # where a spill would cost the step
 
 
