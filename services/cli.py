@@ -57,8 +57,8 @@ def _wait(running) -> None:
 
 def _engine_start(cls, args, logger: str):
     """An engine command's first steps: its config, logging, and the OpenMP spin count, which must be
-    set before anything imports torch (models/runtime/cpu). Returns the config."""
-    from ddtree.models.runtime.cpu import apply_spin_count
+    set before anything imports torch (models/runtime/openmp_spin.py). Returns the config."""
+    from ddtree.models.runtime.openmp_spin import apply_spin_count
     from ddtree.telemetry.logging import configure_logging, get_logger
 
     cfg = config_from_flags(cls, args)
@@ -441,7 +441,7 @@ def _root_parser() -> tuple[argparse.ArgumentParser, Any]:
 
 def engine_parser(name: str) -> argparse.ArgumentParser:
     """The parser of one engine command alone. build_parser imports the command modules, and they
-    import torch; an engine must set its OpenMP spin count before torch loads (models/runtime/cpu)."""
+    import torch; an engine must set its OpenMP spin count before torch loads (models/runtime/openmp_spin.py)."""
     parser, sub = _root_parser()
     _add_service_commands(sub, (name,))
     return parser

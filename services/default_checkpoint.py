@@ -22,6 +22,8 @@ import shutil
 import tempfile
 
 from ddtree.config import DEFAULT_CHECKPOINT_DIR
+from ddtree.tokenization.default_tokenizer import MASK_TOKEN, write_default_tokenizer
+from ddtree.tokenization.tokenizer import Tokenizer
 
 VERSION = "random-v1"
 DEMO_DIR = pathlib.Path(__file__).resolve().parent.parent / "checkpoints" / "demo"  # services/ -> the repository
@@ -42,10 +44,10 @@ class DefaultCheckpoint:
 
 
 def build_default_checkpoint(out: pathlib.Path) -> None:
+    # torch: the gateway's install has none, and its `ddtree gateway` imports this module for the default
+    # tokenizer's folder; only building a random checkpoint needs the models
     from ddtree.models.checkpoint.random import DEFAULT_TARGET_CONFIG, write_random_target
     from ddtree.models.dflash.checkpoint import write_random_drafter
-    from ddtree.tokenization.default_tokenizer import MASK_TOKEN, write_default_tokenizer
-    from ddtree.tokenization.tokenizer import Tokenizer
 
     target_dir, drafter_dir = out / "target", out / "drafter"
     target_dir.mkdir(parents=True)

@@ -1,5 +1,5 @@
-"""How an engine runs on the CPU: its threads and OpenMP's busy-wait (`ddtree.models.runtime.cpu` applies
-them)."""
+"""How an engine runs on the CPU: its threads and OpenMP's busy-wait (`ddtree.models.runtime.cpu` and
+`ddtree.models.runtime.openmp_spin` apply them)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import dataclasses
 
 from .flags import ConfigBase, option
 
-# The engines' OpenMP spin count (ddtree.models.runtime.cpu.openmp_spin sets it, and says why this value).
+# The engines' OpenMP spin count (ddtree.models.runtime.openmp_spin sets it, and says why this value).
 DEFAULT_OMP_SPIN_COUNT = 30000
 
 

@@ -5,6 +5,12 @@ from __future__ import annotations
 import torch
 
 from ddtree.config import DrafterConfig
+from ddtree.drafter.engine import DraftEngine
+from ddtree.drafter.memory_check import refuse_unless_fits
+from ddtree.drafter.static_draft import StaticDraft, plan_static_draft
+from ddtree.drafter.tp_drafter import start_tensor_parallel_drafter
+from ddtree.models.checkpoint.loader import load_tensors
+from ddtree.models.dflash.checkpoint import load_drafter
 from ddtree.models.dtypes import TORCH_DTYPES
 
 
@@ -21,15 +27,8 @@ def drafter_dtype(cfg: DrafterConfig) -> torch.dtype:
 
 def make_engine(cfg: DrafterConfig, model_dir: str, target_dir: str):
     dtype = drafter_dtype(cfg)
-    from ddtree.drafter.engine import DraftEngine
-    from ddtree.drafter.memory_check import refuse_unless_fits
-    from ddtree.models.checkpoint.loader import load_tensors
-    from ddtree.models.dflash.checkpoint import load_drafter
-
     refuse_unless_fits(cfg, model_dir, dtype)  # on CUDA: the memory plan, before any weight is read
     if cfg.tp > 1:  # N ranks, rank 0's handle (drafter/tp_drafter.py); eager forwards
-        from ddtree.drafter.tp_drafter import start_tensor_parallel_drafter
-
         return start_tensor_parallel_drafter(cfg, model_dir, target_dir, dtype)
     model = load_drafter(model_dir).to(device=cfg.device, dtype=dtype).eval()
     head = load_tensors(target_dir, ["model.embed_tokens.weight", "lm_head.weight"])
@@ -48,8 +47,6 @@ def make_engine(cfg: DrafterConfig, model_dir: str, target_dir: str):
 def make_static_draft(cfg: DrafterConfig, engine):
     """The engine's static block step as `--cuda-graphs` asks (None: eager), its graphs captured now on
     CUDA."""
-    from ddtree.drafter.static_draft import StaticDraft, plan_static_draft
-
     buckets = plan_static_draft(cfg.cuda_graphs, cfg.device, cfg.resolved_window())
     if buckets is None:
         return None

@@ -30,6 +30,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ddtree.drafter.engine import DraftEngine
+from ddtree.models.checkpoint.loader import load_tensors
+from ddtree.models.dflash.checkpoint import load_drafter
 from ddtree.models.parallel.dflash_tp import merge_topk, shard_dflash, shard_topk
 from ddtree.models.parallel.process_group import TPGroup, destroy_tp, init_tp, rank_device, rendezvous_store
 from ddtree.models.parallel.shard_plan import shard_range
@@ -80,9 +82,6 @@ class VocabShardedDraftEngine(DraftEngine):
 def build_rank_engine(cfg, model_dir: str, target_dir: str, tp: TPGroup, dtype: torch.dtype) -> DraftEngine:
     """This rank's engine: the whole drafter read on the CPU, sliced (shard_dflash), the shard and this
     rank's vocabulary rows of the target's embedding and LM head moved to the rank's device."""
-    from ddtree.models.checkpoint.loader import load_tensors
-    from ddtree.models.dflash.checkpoint import load_drafter
-
     device = rank_device(cfg.device, tp.rank)
     whole = load_drafter(model_dir).to(dtype=dtype).eval()
     local = shard_dflash(whole, tp).to(device)

@@ -32,6 +32,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import llguidance
+
 from ddtree.gateway.errors import Invalid
 from ddtree.protocol.json_limits import JsonInputError, check_depth, load_json
 from ddtree.tokenization.tokenizer import Tokenizer
@@ -80,8 +82,6 @@ def _schema(value: Any, field: str, closed: bool = False) -> dict:
 
 
 def _regex(value: Any, field: str) -> dict:
-    import llguidance
-
     if not isinstance(value, str):
         raise Invalid(f"{field}: must be string, got {type(value).__name__}")
     lark = json.loads(llguidance.LLMatcher.grammar_from_regex(value))["grammars"][0]["lark_grammar"]
@@ -178,8 +178,6 @@ def _text(grammars: list[dict]) -> str:
 
 def check_grammar(grammar: str, field: str) -> None:
     """Invalid naming `field` when `grammar` (llguidance JSON or Lark text) does not compile."""
-    import llguidance
-
     error = llguidance.LLMatcher.validate_grammar(grammar)
     if error:
         raise Invalid(f"{field}: {error.strip()}")

@@ -16,6 +16,8 @@ import os
 import pathlib
 import sysconfig
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
 VOCAB_SIZE = 4096
 MODEL_MAX_LENGTH = 8192
 MASK_TOKEN = "[MASK]"
@@ -240,8 +242,6 @@ def corpus(root: pathlib.Path | None = None) -> list[str]:
 
 def train_bpe(texts: list[str], vocab_size: int = VOCAB_SIZE):
     """A byte-level BPE of `vocab_size` tokens over texts, the special tokens at ids 0..16 (as Kimi K2 names them)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()

@@ -10,6 +10,8 @@ a vocabulary of Kimi's 164k tokens: callers keep one per tokenizer.
 
 from __future__ import annotations
 
+import llguidance
+
 from ddtree.tokenization.tokenizer import Tokenizer
 
 
@@ -35,7 +37,5 @@ class _Vocab:
 def ll_tokenizer(tok: Tokenizer):
     """An `llguidance.LLTokenizer` of `tok`. Its eos is the tokenizer's eos (or `<|im_end|>`): a grammar
     that has ended allows it; the verifier allows the request's own stop ids at the same points."""
-    import llguidance
-
     eos = tok.eos_id if tok.eos_id is not None else tok.special_tokens.get("<|im_end|>", 0)
     return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Vocab(tok, eos)))

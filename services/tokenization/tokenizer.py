@@ -22,6 +22,9 @@ import re
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
+import tiktoken
+from tokenizers import Tokenizer as HFTokenizer
+
 from ddtree.tokenization.chat_template import ChatTemplate, validate_messages, validate_tools
 from ddtree.tokenization.literal_content import LiteralContent
 
@@ -56,8 +59,6 @@ class _HFBackend:
     """`tokenizers.Tokenizer` from tokenizer.json. Byte-level BPE decoders get exact per-token bytes."""
 
     def __init__(self, path: pathlib.Path):
-        from tokenizers import Tokenizer as HFTokenizer
-
         self._tok = HFTokenizer.from_file(str(path))
         # A second instance that treats special-token strings in the text as plain text. The flag is
         # per instance, so two instances keep encode() free of shared mutable state across threads.
@@ -163,8 +164,6 @@ class _TiktokenBackend:
     """`tiktoken.Encoding` over Kimi's `tiktoken.model` + tokenizer_config.json."""
 
     def __init__(self, path: pathlib.Path, config: dict):
-        import tiktoken
-
         ranks = load_tiktoken_ranks(path)
         n_base = len(ranks)
         named: dict[int, str] = {}

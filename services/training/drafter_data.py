@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer
 from torch import Tensor
 
 from ddtree.models.layers.attention import AttentionMetadata, SeqAttention
@@ -81,8 +82,6 @@ class TokenStream:
 
 
 def _encode_file(path: Path, tokenizer_json: Path, eos_id: int) -> Tensor:
-    from tokenizers import Tokenizer
-
     tok = Tokenizer.from_file(str(tokenizer_json))
     docs = [d for d in path.read_text(encoding="utf-8").split(DOC_SEPARATOR) if d]
     out: list[int] = []
@@ -115,8 +114,6 @@ def load_corpus(
     cache_dir: str | Path | None = None,
 ) -> dict[str, TokenStream]:
     """Tokenize `{split}_{kind}.txt` for each kind (cached as .pt in cache_dir, keyed by size/mtime)."""
-    from tokenizers import Tokenizer
-
     corpus_dir, tokenizer_json = Path(corpus_dir), Path(tokenizer_dir) / "tokenizer.json"
     tok = Tokenizer.from_file(str(tokenizer_json))
     streams = {}

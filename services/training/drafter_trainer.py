@@ -25,7 +25,9 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from tokenizers import Tokenizer
 
+from ddtree.models.checkpoint.loader import load_target
 from ddtree.models.dflash.checkpoint import load_drafter, write_random_drafter
 from ddtree.models.dflash.model import DFlashDraftModel
 from ddtree.models.dtypes import TORCH_DTYPES
@@ -34,6 +36,7 @@ from ddtree.training.drafter_forward import block_hidden, block_inputs, block_la
 from ddtree.training.drafter_loss import block_kl_loss, block_loss, default_gamma, depth_weights
 from ddtree.training.progress import Progress
 from ddtree.training.schedule import lr_at, plan_steps
+from ddtree.training.verifier_data import VerifierRunner, load_head
 
 # Settings that may change between a run and its --resume; every other one must match the checkpoint.
 RESUMABLE = {
@@ -65,8 +68,6 @@ def _mask_token(target_dir: Path, vocab: int, flag: int) -> int:
         return flag
     tok = target_dir / "tokenizer.json"
     if tok.is_file():
-        from tokenizers import Tokenizer
-
         mid = Tokenizer.from_file(str(tok)).token_to_id("[MASK]")
         if mid is not None and mid < vocab:
             return mid
@@ -76,8 +77,6 @@ def _mask_token(target_dir: Path, vocab: int, flag: int) -> int:
 def _eos_id(target_dir: Path, target_config: dict) -> int:
     tok = target_dir / "tokenizer.json"
     if tok.is_file():
-        from tokenizers import Tokenizer
-
         eid = Tokenizer.from_file(str(tok)).token_to_id("[EOS]")
         if eid is not None:
             return eid
@@ -150,13 +149,9 @@ class DrafterTrainer:
         tcfg = json.loads((target_dir / "config.json").read_text())
         self.remote = getattr(args, "verifier", "")  # the target runs in that verifier (verifier_data.py)
         if self.remote:
-            from ddtree.training.verifier_data import load_head
-
             self.target = None
             self.embed_w, self.head_w = load_head(target_dir, tdtype, self.device)
         else:
-            from ddtree.models.checkpoint.loader import load_target
-
             self.target = load_target(target_dir, dtype=tdtype, device=self.device)
             self.embed_w = self.target.model.embed_tokens.weight.detach()
             self.head_w = self.target.lm_head.weight.detach()
@@ -229,8 +224,6 @@ class DrafterTrainer:
         """The target in this process (TargetRunner), or the --verifier serving it (VerifierRunner)."""
         if not self.remote:
             return TargetRunner(self.target, taps, taps_dtype, teacher_topk=self.args.kd_topk if self.kl else None)
-        from ddtree.training.verifier_data import VerifierRunner
-
         token_file = getattr(self.args, "service_token_file", "")
         token = Path(token_file).read_text().strip() if token_file else ""
         runner = VerifierRunner(self.remote, taps, taps_dtype, token=token)

@@ -24,6 +24,7 @@ import grpc
 import torch
 from torch import Tensor
 
+from ddtree.models.checkpoint.loader import load_tensors
 from ddtree.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from ddtree.protocol.security import ServiceSecurity
 from ddtree.protocol.server import GRPC_OPTIONS
@@ -41,8 +42,6 @@ RETRIES = 8
 
 def load_head(target_dir: str | Path, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
     """The target's embedding and LM head (all the drafter needs of its weights), read alone."""
-    from ddtree.models.checkpoint.loader import load_tensors
-
     t = load_tensors(target_dir, ["model.embed_tokens.weight", "lm_head.weight"])
     return t["model.embed_tokens.weight"].to(device, dtype), t["lm_head.weight"].to(device, dtype)
 

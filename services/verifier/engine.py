@@ -39,6 +39,7 @@ from ddtree.verifier.step.scheduler import Scheduler
 from ddtree.verifier.step.static_step import make_static_step, plan_static_step
 from ddtree.verifier.step.target import LocalTarget, ShardedTarget, Target
 from ddtree.verifier.step.work_items import PrefillItem
+from ddtree.verifier.tp_worker import start_tensor_parallel
 
 log = get_logger("ddtree.verifier.engine")
 
@@ -147,8 +148,6 @@ def _load(config: VerifierConfig, model_dir: str):
     refuse_unless_fits(config, model_dir)  # on CUDA: the memory plan, before any weight is read
     backend = resolve_attention_backend(config.attention_backend, config.device)
     if config.tp > 1:  # N ranks (tp_worker.py); on ranks > 0 this call does not return
-        from ddtree.verifier.tp_worker import start_tensor_parallel
-
         tp = start_tensor_parallel(config, model_dir, backend)
         return tp.model, tp
     model = load_target(model_dir, dtype=TORCH_DTYPES[config.dtype], device=config.device, attention_backend=backend)

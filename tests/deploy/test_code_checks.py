@@ -1,4 +1,5 @@
-"""Static checks of the code itself: the layer contract over the import graph, and ruff (lint + format).
+"""Static checks of the code itself: the layer contract over the import graph, the imports inside functions
+(few, each with its reason), and ruff (lint + format).
 
 The layers, highest first. A module may import from modules of its own group, from the other groups
 of its layer when they are joined by ":" (not when joined by "|": the three services share no code and
@@ -9,10 +10,12 @@ package belongs to exactly one group. Imports inside functions count as much as 
 from __future__ import annotations
 
 import ast
+import io
 import pathlib
 import shutil
 import subprocess
 import sys
+import tokenize
 
 import pytest
 
@@ -140,6 +143,106 @@ def test_neither_the_package_nor_the_scripts_import_the_tests():
         f"{path}: imports tests" for path in (env.ROOT / "scripts").rglob("*.py") if "tests" in _top_level_imports(path)
     ]
     assert not bad, "\n".join(bad)
+
+
+# Imports inside functions under services/ (the package's own folder, kernels/ and tools/ aside): at most this
+# many. Each is lazy for a reason its comment gives (an optional extra, torch kept out of the gateway's
+# install), never to dodge an import cycle. cli.py is exempt: its lazy imports keep every command but the
+# one run, and so torch, out of the gateway's start; the generated stubs are not hand-written.
+LAZY_IMPORT_LIMIT = 15
+LAZY_IMPORT_EXEMPT = ("cli.py", "protocol/ddtree/")
+
+
+PRAGMAS = ("noqa", "type:", "fmt:", "pyright:")  # comments for tools, not reasons
+
+
+def lazy_imports_in(source: str) -> list[tuple[int, str]]:
+    """(line, reason) of every import statement inside a function of `source`. The reason is the comment on
+    the statement's lines, else the comment lines right above it, or the comment of the block opener above it
+    (`try:  # ...`); a statement right below another lazy import shares that one's reason (one comment above
+    a block of them). Tool pragmas (noqa, ...) are no reason; "" when there is none."""
+    comments, code_before = {}, {}  # line -> its comment; the code before that comment
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT and not (text := tok.string.lstrip("#").strip()).startswith(PRAGMAS):
+            comments[tok.start[0]], code_before[tok.start[0]] = text, tok.line[: tok.start[1]].strip()
+
+    def above(line: int) -> str:
+        block = []
+        while line in comments and not code_before[line]:
+            block.insert(0, comments[line])
+            line -= 1
+        opener = comments[line] if line in comments and code_before[line].endswith(":") else ""
+        return " ".join(block) or opener
+
+    nodes = set()
+    for fn in ast.walk(ast.parse(source)):
+        if isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+            nodes |= {node for node in ast.walk(fn) if isinstance(node, ast.Import | ast.ImportFrom)}
+    found: list[tuple[int, str]] = []
+    reason_by_end: dict[int, str] = {}
+    for node in sorted(nodes, key=lambda n: n.lineno):
+        own = " ".join(comments[i] for i in range(node.lineno, node.end_lineno + 1) if i in comments)
+        reason = own or reason_by_end.get(node.lineno - 1) or above(node.lineno - 1)
+        reason_by_end[node.end_lineno] = reason
+        found.append((node.lineno, reason))
+    return found
+
+
+def lazy_imports() -> dict[str, list[tuple[int, str]]]:
+    """services/ file (relative, posix) -> its lazy imports, the exempt files aside."""
+    root = env.package_dirs()["ddtree"]
+    out = {}
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if any(rel == e or rel.startswith(e) for e in LAZY_IMPORT_EXEMPT):
+            continue
+        if not path.resolve().is_relative_to(root.resolve()):
+            continue  # services/kernels, services/tools: links to their own folders
+        found = lazy_imports_in(path.read_text())
+        if found:
+            out[rel] = found
+    return out
+
+
+def test_few_imports_inside_functions_each_with_its_reason():
+    found = lazy_imports()
+    listing = "\n".join(f"services/{rel}:{line}: {reason or '(no reason)'}" for rel, hits in found.items()
+                        for line, reason in hits)  # fmt: skip
+    assert sum(len(hits) for hits in found.values()) <= LAZY_IMPORT_LIMIT, listing
+    assert all(reason for hits in found.values() for _, reason in hits), listing
+    assert not any("cycle" in reason.lower() for hits in found.values() for _, reason in hits), listing
+
+
+def test_the_lazy_import_check_reads_reasons():
+    source = """
+import os
+
+
+def a():
+    # triton is an optional extra:
+    # loaded when chosen
+    from x import y
+    from x import z
+
+    import q  # torch: not in the gateway's install
+    try:  # is it installed?
+        import w  # noqa: F401
+    except ImportError:
+        pass
+    return os
+
+
+def b():
+    x = 1  # a comment, not above an import
+    import bare  # noqa: F401
+"""
+    assert lazy_imports_in(source) == [
+        (8, "triton is an optional extra: loaded when chosen"),
+        (9, "triton is an optional extra: loaded when chosen"),
+        (11, "torch: not in the gateway's install"),
+        (13, "is it installed?"),
+        (21, ""),
+    ]
 
 
 def _ruff(*args: str) -> subprocess.CompletedProcess:

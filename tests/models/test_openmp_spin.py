@@ -1,4 +1,4 @@
-"""--omp-spin-count: the engines set libgomp's GOMP_SPINCOUNT before torch loads (models/runtime/cpu/openmp_spin.py)."""
+"""--omp-spin-count: the engines set libgomp's GOMP_SPINCOUNT before torch loads (models/runtime/openmp_spin.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from ddtree.config import DEFAULT_OMP_SPIN_COUNT, DrafterConfig, VerifierConfig, config_from_flags
-from ddtree.models.runtime.cpu import apply_spin_count
+from ddtree.models.runtime.openmp_spin import apply_spin_count
 
 
 def test_apply_sets_the_variable_before_torch_loads():

@@ -23,6 +23,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import torch
+
+from ddtree.models.dflash.model import DFlashDraftModel
+
 GIB = 1 << 30
 RUNTIME_RESERVE_BYTES = 2 * GIB
 NCCL_RESERVE_BYTES = 1 * GIB
@@ -152,10 +156,6 @@ def split_dim(name: str) -> int | None:
 def drafter_shape(cfg, tp: int = 1) -> DrafterShape:
     """From a DFlashConfig (models/dflash/config.py): parameters counted on a meta model; at tp > 1 rank 0's
     share (ceil of each split dimension / tp; KV heads at least one per rank, replicated below tp)."""
-    import torch
-
-    from ddtree.models.dflash.model import DFlashDraftModel
-
     if tp < 1:
         raise ValueError(f"drafter tp must be >= 1, got {tp}")
     with torch.device("meta"):

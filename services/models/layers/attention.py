@@ -327,7 +327,8 @@ def _attend_runs(
 
 
 def _triton_backend() -> MLAAttentionBackend:
-    from ddtree.kernels.mla_backend import TritonMLAAttention  # imports triton: only when chosen
+    # triton is an optional extra (the runtime install has none): imported only when this backend is chosen
+    from ddtree.kernels.mla_backend import TritonMLAAttention
 
     return TritonMLAAttention()
 
@@ -341,7 +342,7 @@ def resolve_attention_backend(name: str, device: str | torch.device) -> str:
         return name
     if torch.device(device).type != "cuda":
         return "torch"
-    try:
+    try:  # triton is an optional extra: is it installed?
         import triton  # noqa: F401
     except ImportError:
         return "torch"

@@ -21,7 +21,8 @@ class DeviceLinear(nn.Linear):
     """nn.Linear whose forward is kernels/dense_gemm.py (x in the weight's dtype)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
-        from ddtree.kernels.dense_gemm import dense_gemm  # imports triton: only on the device path
+        # triton is an optional extra (the runtime install has none): only the device path, which needs it
+        from ddtree.kernels.dense_gemm import dense_gemm
 
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return dense_gemm(x, self.weight.to(x.dtype), bias)

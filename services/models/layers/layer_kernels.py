@@ -52,12 +52,11 @@ def make_layer_kernels(name: str) -> LayerKernels:
     if name == "torch":
         return TORCH_KERNELS
     if name == "triton":
-        from ddtree.kernels.activation import silu_mul as triton_silu_mul  # imports triton: only when chosen
-        from ddtree.kernels.dense_gemm import head_gemm
-        from ddtree.kernels.rmsnorm import add_rms_norm as triton_add_rms_norm
-        from ddtree.kernels.rmsnorm import rms_norm as triton_rms_norm
-        from ddtree.kernels.rope import rope_q
-        from ddtree.kernels.router import route
+        # triton is an optional extra (the runtime install has none): its kernels load only when chosen
+        from ddtree.kernels import activation, dense_gemm, rmsnorm, rope, router
 
-        return LayerKernels("triton", triton_rms_norm, triton_add_rms_norm, triton_silu_mul, route, rope_q, head_gemm)
+        return LayerKernels(
+            "triton", rmsnorm.rms_norm, rmsnorm.add_rms_norm, activation.silu_mul, router.route, rope.rope_q,
+            dense_gemm.head_gemm,
+        )  # fmt: skip
     raise ValueError(f"unknown layer kernels {name!r}; choices: {list(KERNEL_CHOICES)}")

@@ -31,20 +31,21 @@ CHUNK_ELEMENTS = 1 << 24  # dequantize at most this many weight elements at once
 
 @functools.cache
 def cuda_kernel(name: str):
-    """The Triton entry point `name` ("int4_gemm", "fp8_block_gemm", "fused_moe"), or None when its module
-    is not installed (or triton is missing)."""
+    """The Triton entry point `name` ("int4_gemm", "fp8_block_gemm": a format's `gemm` in
+    kernels/weight_formats.py; "fused_moe"), or None when triton is not installed."""
+    if name not in ("int4_gemm", "fp8_block_gemm", "fused_moe"):
+        raise ValueError(f"unknown kernel {name!r}")
     try:
-        if name == "int4_gemm":
-            from ddtree.kernels.int4_gemm import int4_gemm as fn
-        elif name == "fp8_block_gemm":
-            from ddtree.kernels.fp8_gemm import fp8_block_gemm as fn
-        elif name == "fused_moe":
-            from ddtree.kernels.fused_moe import fused_moe as fn
-        else:
-            raise ValueError(f"unknown kernel {name!r}")
+        # triton is an optional extra (the runtime install has none): without it the weight is dequantized
+        from ddtree.kernels import fp8_gemm, fused_moe, int4_gemm
     except ImportError:
         return None
-    return fn
+    entry_points = {
+        "int4_gemm": int4_gemm.int4_gemm,
+        "fp8_block_gemm": fp8_gemm.fp8_block_gemm,
+        "fused_moe": fused_moe.fused_moe,
+    }
+    return entry_points[name]
 
 
 class KeepsPackedDtypes(nn.Module):

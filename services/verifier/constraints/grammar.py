@@ -44,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import llguidance
 import numpy as np
 import torch
 
@@ -64,8 +65,6 @@ def grammar_limits():
     the accept walk reaches it); after the emitted tokens, a dead end of that sequence only. Construction
     limits (initial fuel, lexer states, grammar size) stay llguidance's:
     a matcher is built on the RPC thread. verbose_errors off: messages without the parser's state."""
-    import llguidance
-
     return llguidance.LLParserLimits(
         step_lexer_fuel=100_000, step_max_items=20_000, max_items_in_row=1000, verbose_errors=False
     )
@@ -74,8 +73,6 @@ def grammar_limits():
 def new_matcher(tokenizer, grammar: str):
     """An `llguidance.LLMatcher` of `grammar` under `grammar_limits`; check `is_error()` (never raises
     for a bad grammar)."""
-    import llguidance
-
     return llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=grammar_limits())
 
 

@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from ddtree.config import kv_setting
+from ddtree.models.dtypes import TORCH_DTYPES
 
 DEFAULT_KV_TOKENS = 65536
 GIB = 1 << 30
@@ -84,8 +87,6 @@ def size_kv_pool(
 def free_device_memory(device: str) -> int:
     """Bytes free now: torch.cuda.mem_get_info on a CUDA device, MemAvailable of /proc/meminfo on CPU."""
     if str(device).startswith("cuda"):
-        import torch
-
         return torch.cuda.mem_get_info(torch.device(device))[0]
     with open("/proc/meminfo") as f:
         for line in f:
@@ -95,10 +96,6 @@ def free_device_memory(device: str) -> int:
 
 
 def dtype_bytes_of(name: str) -> int:
-    import torch
-
-    from ddtree.models.dtypes import TORCH_DTYPES
-
     return torch.empty(0, dtype=TORCH_DTYPES[name]).element_size()
 
 

@@ -2,8 +2,6 @@
 
 The engines (the engine commands in cli, the verifier's scheduler and server, the drafter's server)
 call these names only:
-- `apply_spin_count(spins)`: libgomp's busy-wait after a parallel region, set before torch loads
-  (openmp_spin.py);
 - `engine_threads(requested)`, `main_thread_single()`, `claim_for_steps(threads)`: one OpenMP pool per
   engine, owned by the thread that runs its steps (threads.py);
 - `single_threaded`: the initializer of gRPC handler and helper threads, which then open no pool;
@@ -11,12 +9,13 @@ call these names only:
 - `use_column_major_weights(model)`: the verifier's target weights in the layout the CPU's BLAS runs
   fastest at a step's few rows (weight_layout.py).
 
-Loading this package imports no torch: the engine commands import it before torch, to set the spin count.
+This package imports torch. libgomp's busy-wait after a parallel region, which must be set before torch
+loads, is `apply_spin_count` in models/runtime/openmp_spin.py, outside it: the engine commands import that
+module first.
 """
 
 from __future__ import annotations
 
-from ddtree.models.runtime.cpu.openmp_spin import apply_spin_count
 from ddtree.models.runtime.cpu.threads import (
     EngineThread,
     claim_for_steps,
@@ -29,7 +28,6 @@ from ddtree.models.runtime.cpu.weight_layout import use_column_major_weights
 
 __all__ = [
     "EngineThread",
-    "apply_spin_count",
     "claim_for_steps",
     "engine_threads",
     "main_thread_single",

@@ -16,7 +16,8 @@ So an engine process runs:
 torch keeps one process-wide thread count that each thread copies on its first parallel op, besides its
 own. So `claim_for_steps` sets n and then runs one parallel op, to take its copy at once.
 
-torch is imported inside the functions: the package must load without it (openmp_spin runs first).
+The OpenMP spin count must be set before torch loads: that is models/runtime/openmp_spin.py, outside this
+package (which imports torch).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from __future__ import annotations
 import concurrent.futures as cf
 from collections.abc import Callable
 from typing import TypeVar
+
+import torch
 
 T = TypeVar("T")
 
@@ -33,8 +36,6 @@ _PARALLEL_OP_NUMEL = 1 << 17
 
 def engine_threads(requested: int) -> int:
     """--threads as the step thread will use it: requested, or torch's default (the cores) for 0."""
-    import torch
-
     if requested < 0:
         raise ValueError(f"threads must be >= 0 (0 = torch's default), got {requested}")
     return requested or torch.get_num_threads()
@@ -42,23 +43,17 @@ def engine_threads(requested: int) -> int:
 
 def main_thread_single() -> None:
     """The calling (main) thread runs its torch ops on one thread: it never opens a pool of workers."""
-    import torch
-
     torch.set_num_threads(1)
 
 
 def single_threaded() -> None:
     """A helper thread's initializer: its torch ops run on itself alone."""
-    import torch
-
     torch.set_num_threads(1)
     torch.zeros(_PARALLEL_OP_NUMEL).add_(1.0)  # take the count now, before another thread changes it
 
 
 def claim_for_steps(threads: int) -> None:
     """The calling thread runs the engine's steps with `threads` threads (its own OpenMP pool)."""
-    import torch
-
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
     torch.set_num_threads(threads)

@@ -19,6 +19,10 @@ contiguous tensors only, so this is applied by the serving engine after loading,
 
 from __future__ import annotations
 
+from torch import nn
+
+from ddtree.models.deepseek_v3.moe_experts import StackedProjection
+
 # Linears whose weight another module reads as a view with row-major strides.
 VIEWED_WEIGHTS = ("kv_b_proj",)
 
@@ -28,10 +32,6 @@ def use_column_major_weights(model) -> int:
 
     The Parameter objects stay the same (their `.data` is replaced), so anything holding them still sees
     the model's weights; `state_dict()` then returns non-contiguous tensors."""
-    from torch import nn
-
-    from ddtree.models.deepseek_v3.moe_experts import StackedProjection
-
     changed = 0
     for name, module in model.named_modules():
         if isinstance(module, StackedProjection) and not module.fmt.packed:

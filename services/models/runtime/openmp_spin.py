@@ -13,7 +13,8 @@ the forward ends; a much shorter spin makes AR's ops wait for wake-ups.
 
 libgomp reads its environment once, when it is loaded, which happens when torch is imported. So the
 engine commands call `apply_spin_count` before anything imports torch (cli.engine_parser keeps the
-command modules, which import torch, out of their start). A GOMP_SPINCOUNT or OMP_WAIT_POLICY already in
+command modules, which import torch, out of their start). This module sits outside models/runtime/cpu,
+which imports torch, so that importing it loads no torch. A GOMP_SPINCOUNT or OMP_WAIT_POLICY already in
 the environment is the operator's own choice, and it wins.
 """
 
