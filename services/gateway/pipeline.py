@@ -1,6 +1,6 @@
 """Request preparation both public channels share (gRPC `server.py`, HTTP `http.py`): validate (a
 ValueError naming the field), render the chat template, tokenize, and build the verifier request (a
-`Job`); `Pipeline.generate` then runs it as a `generation.Generation`.
+`Job`; the GenerateRequest itself: job_request.py); `Pipeline.generate` then runs it as a `generation.Generation`.
 
 - Stop tokens: the request's stop_token_ids plus `<|im_end|>`, `[EOS]` and the tokenizer's eos token
   (unless ignore_eos).
@@ -41,11 +41,12 @@ from ddtree.gateway.bad_words import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, bad_wor
 from ddtree.gateway.context_length import check_context
 from ddtree.gateway.errors import Invalid, RequestError
 from ddtree.gateway.generation import Generation, Result, StopMatcher
+from ddtree.gateway.job_request import verifier_request
 from ddtree.gateway.parsers.kimi_k2_reasoning import starts_in_reasoning
 from ddtree.gateway.parsers.registry import check_names
 from ddtree.gateway.routing import Router
 from ddtree.gateway.structured_outputs import after_reasoning, auto_tool_grammar, check_grammar, tool_grammar
-from ddtree.protocol.ddtree.v1 import common_pb2, gateway_pb2, verifier_pb2
+from ddtree.protocol.ddtree.v1 import gateway_pb2, verifier_pb2
 from ddtree.tokenization.chat_template import text_chars, validate_messages, validate_tools
 from ddtree.tokenization.tokenizer import Tokenizer
 
@@ -370,23 +371,9 @@ class Pipeline:
         if limit and len(input_ids) > limit:
             raise Invalid(f"prompt: {len(input_ids)} tokens, over the limit of {limit}")
         stop_ids = list(dict.fromkeys([*o.stop_token_ids, *(() if o.ignore_eos else self._eos_ids)]))
-        sampling = common_pb2.SamplingParams(
-            temperature=o.temperature,
-            top_p=o.top_p,
-            top_k=o.top_k,
-            min_p=o.min_p,
-            min_tokens=o.min_tokens,
-            repetition_penalty=o.repetition_penalty,
-            presence_penalty=o.presence_penalty,
-            frequency_penalty=o.frequency_penalty,
-            logit_bias=dict(o.logit_bias),
-            allowed_token_ids=o.allowed_token_ids,
-            bad_words=bad_word_ids(self.tokenizer, o.bad_words),
-        )
-        if any(len(w.ids) > MAX_BAD_WORD_TOKENS for w in sampling.bad_words):
+        bad_words = bad_word_ids(self.tokenizer, o.bad_words)
+        if any(len(w.ids) > MAX_BAD_WORD_TOKENS for w in bad_words):
             raise Invalid(f"{prefix}bad_words: a word is over {MAX_BAD_WORD_TOKENS} tokens long")
-        if o.HasField("seed"):
-            sampling.seed = o.seed
         max_new = o.max_tokens or self.default_max_tokens(len(input_ids))
         if self.router is not None:
             self.max_context()  # the verifier's, once one answered (None before: it checks the request itself)
@@ -394,20 +381,15 @@ class Pipeline:
             check_context(len(input_ids), max_new, self._max_context, param)
         if o.min_tokens > max_new:
             raise Invalid(f"{prefix}min_tokens: must be <= max_tokens ({max_new}, the default), got {o.min_tokens}")
-        request = verifier_pb2.GenerateRequest(
+        request = verifier_request(
+            o,
             request_id=request_id or f"gw-{uuid.uuid4().hex}",
             input_ids=input_ids,
-            sampling=sampling,
             max_new_tokens=max_new,
-            ignore_eos=o.ignore_eos,
             stop_token_ids=stop_ids,
-            spec=common_pb2.SpecOptions(no_spec=o.no_spec, budget=o.budget),
+            bad_words=bad_words,
+            grammar=o.grammar if grammar is None else grammar,  # checked before (check_client_grammar)
         )
-        if o.HasField("top_logprobs"):
-            request.top_logprobs = o.top_logprobs
-        if o.HasField("prompt_logprobs"):
-            request.prompt_logprobs = o.prompt_logprobs
-        request.grammar = o.grammar if grammar is None else grammar  # checked before (check_client_grammar)
         if request.grammar and o.min_tokens and not open_grammar:
             # A finished grammar allows only the stop ids, which min_tokens masks: no token would be left.
             raise Invalid(

@@ -23,7 +23,7 @@ Every field is implemented or refused with a 400 naming it (`Invalid`), nothing 
   thinking switch (absent: the template's default, thinking on). `budget_tokens` is checked as Anthropic
   checks it (>= 1024, < max_tokens) but bounds nothing: thinking ends when the model closes it or at
   max_tokens.
-- `max_tokens` (required), `temperature` (>= 0), `top_p` (0, 1], `top_k` (0 = off), `stop_sequences`,
+- `max_tokens` (required), `temperature` (>= 0), `top_p` (0, 1], `top_k` (0 or vLLM's -1 = off), `stop_sequences`,
   `stream`; `metadata.user_id` goes to the request log; `service_tier` auto | standard_only (one tier).
 - `cache_control` on any block or tool is accepted: the verifier's prefix cache reuses every common
   prompt prefix without being asked.
@@ -33,10 +33,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from typing import Any
 
-from ddtree.contract.request_params import INT32_MAX
+from ddtree.contract.request_params import ANTHROPIC, INT32_MAX, copy_value, for_api
 from ddtree.gateway.errors import Invalid
 from ddtree.gateway.pipeline import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from ddtree.protocol.ddtree.v1 import gateway_pb2
@@ -45,9 +44,7 @@ from ddtree.tokenization.chat_template import MAX_NAME_CHARS, MAX_TOOL_CALLS, va
 COMMON_FIELDS = {"model", "messages", "system", "tools", "tool_choice", "thinking"}
 MESSAGES_FIELDS = COMMON_FIELDS | {
     "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
+    *(p.name for p in for_api(ANTHROPIC)),
     "stop_sequences",
     "stream",
     "metadata",
@@ -344,15 +341,6 @@ def _thinking(body: dict, max_tokens: int | None) -> dict:
     return {"thinking": True}
 
 
-def _number(body: dict, key: str, default: float) -> float:
-    value = _typed(body, key, "", "number")
-    if value is None:
-        return default
-    if not math.isfinite(float(value)):
-        raise Invalid(f"{key}: must be a finite number, got {value}")
-    return float(value)
-
-
 def _options(body: dict, max_tokens_limit: int | None) -> gateway_pb2.GenerationOptions:
     o = gateway_pb2.GenerationOptions()
     max_tokens = _typed(body, "max_tokens", "", "integer", required=True)
@@ -360,16 +348,8 @@ def _options(body: dict, max_tokens_limit: int | None) -> gateway_pb2.Generation
     if not 1 <= max_tokens <= limit:
         raise Invalid(f"max_tokens: must be in [1, {limit}], got {max_tokens}")
     o.max_tokens = max_tokens
-    o.temperature = _number(body, "temperature", 1.0)
-    if o.temperature < 0:
-        raise Invalid(f"temperature: must be >= 0, got {body['temperature']}")
-    o.top_p = _number(body, "top_p", 1.0)
-    if not 0 < o.top_p <= 1:
-        raise Invalid(f"top_p: must be in (0, 1], got {body['top_p']}")
-    top_k = _typed(body, "top_k", "", "integer")
-    if top_k is not None and not 0 <= top_k < 2**31:
-        raise Invalid(f"top_k: must be in [0, 2^31) (0 = off), got {top_k}")
-    o.top_k = top_k or 0
+    for p in for_api(ANTHROPIC):  # temperature, top_p, top_k: checked by the parameter table
+        copy_value(o, p.name, _typed(body, p.name, "", "integer" if p.kind is int else "number"), Invalid)
     stops = _typed(body, "stop_sequences", "", "array") or []
     if len(stops) > MAX_STOP_STRINGS:
         raise Invalid(f"stop_sequences: at most {MAX_STOP_STRINGS} stop sequences, got {len(stops)}")

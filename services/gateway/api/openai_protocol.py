@@ -92,7 +92,6 @@ def _options(r: Request, limit: int | None, max_tokens: int | None, key: str) ->
     if max_tokens is not None:
         o.max_tokens = _in(key, max_tokens, 1, limit or INT32_MAX)  # limit: Pipeline.max_tokens_limit
     copy_http(r, o, Invalid)
-    o.top_k = max(_in("top_k", r.top_k, -1, INT32_MAX) or 0, 0)  # -1 (vLLM's "off") and 0 both disable top-k
     o.stop.extend([r.stop] if isinstance(r.stop, str) else r.stop or [])
     for i, t in enumerate(r.stop_token_ids or []):
         if not 0 <= t <= INT32_MAX:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ddtree.contract.request_params import INT32_MAX
+from ddtree.contract.request_params import INT32_MAX, RESPONSES, copy_value, for_api
 from ddtree.gateway.api.openai_models import json_type
 from ddtree.gateway.api.openai_responses import sum_usage
 from ddtree.gateway.errors import Invalid
@@ -32,9 +32,10 @@ from ddtree.protocol.ddtree.v1 import common_pb2, gateway_pb2
 
 FIELDS = {
     "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens",
-    "temperature", "top_p", "stream", "user", "store", "text", "truncation", "metadata",
-    "ignore_eos", "stop", "top_k", "seed",  # vLLM's sampling extras (guidellm sends ignore_eos and stop)
+    "stream", "user", "store", "text", "truncation", "metadata", "stop",
+    *(p.name for p in for_api(RESPONSES)),  # temperature, top_p; vLLM's ignore_eos, top_k, seed (guidellm's)
 }  # fmt: skip
+_JSON = {bool: ((bool,), "boolean"), int: ((int,), "integer"), float: ((int, float), "number")}
 NEUTRAL = {"store": (False,), "truncation": ("disabled",)}
 
 
@@ -140,25 +141,13 @@ def parse_responses(body: dict, max_tokens_limit: int | None) -> dict:
         if not 1 <= max_tokens <= limit:
             raise Invalid(f"max_output_tokens: must be in [1, {limit}], got {max_tokens}")
         options.max_tokens = max_tokens
-    temperature = _typed(body, "temperature", (int, float), "number")
-    options.temperature = 1.0 if temperature is None else temperature
-    top_p = _typed(body, "top_p", (int, float), "number")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise Invalid(f"top_p: must be in (0, 1], got {top_p}")
-    options.top_p = 1.0 if top_p is None else top_p
-    options.ignore_eos = bool(_typed(body, "ignore_eos", (bool,), "boolean"))
+    for p in for_api(RESPONSES):  # temperature, top_p, top_k, seed, ignore_eos: checked by the parameter table
+        copy_value(options, p.name, _typed(body, p.name, *_JSON[p.kind]), Invalid)
     stop = _typed(body, "stop", (str, list), "string or array of strings")
     stop = [stop] if isinstance(stop, str) else stop or []
     if not all(isinstance(s, str) for s in stop):
         raise Invalid("stop: must be string or array of strings")
     options.stop.extend(stop)
-    top_k = _typed(body, "top_k", (int,), "integer")
-    options.top_k = max(top_k or 0, 0)  # -1 (vLLM's "off") and 0 both disable top-k
-    seed = _typed(body, "seed", (int,), "integer")
-    if seed is not None:
-        if not 0 <= seed < 2**64:
-            raise Invalid(f"seed: must be in [0, 2^64), got {seed}")
-        options.seed = seed
     return {
         "messages": _messages(body),
         "options": options,

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import math
 import pathlib
 import threading
-import uuid
 
 import grpc
 
 from ddtree.config import VerifierConfig
-from ddtree.contract.sampling_params import MAX_TOP_LOGPROBS, SamplingConfig
 from ddtree.contract.usage import usage_from_steps
 from ddtree.models.runtime.cpu import single_threaded
 from ddtree.protocol.ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
@@ -25,14 +22,12 @@ from ddtree.verifier import metrics
 from ddtree.verifier.constraints.grammar import SequenceGrammar, matcher_error, new_matcher
 from ddtree.verifier.engine import build_engine
 from ddtree.verifier.rpc.features_rpc import stream_features
+from ddtree.verifier.rpc.request_params import MAX_REQUEST_ID_CHARS, generate_params
 from ddtree.verifier.sampling.logprobs import prompt_logprobs_messages
 from ddtree.verifier.sequence import GenerateParams, Sequence
 from ddtree.verifier.step.scheduler import AdmissionError, Scheduler
 
 log = get_logger("ddtree.verifier")
-MAX_REQUEST_ID_CHARS = 256
-MAX_BAD_WORDS = 128  # bad_words: words per request, and tokens per word (each word is matched on every row)
-MAX_BAD_WORD_TOKENS = 64
 
 
 def usage_of(seq: Sequence) -> common_pb2.Usage:
@@ -72,95 +67,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.stream_slots = StreamSlots(config.max_batch + config.max_queue, "max_batch + max_queue")
 
     def _params(self, req: verifier_pb2.GenerateRequest) -> GenerateParams:
-        """Validate a request; raises ValueError with the message the client will see."""
-        cfg = self.config
-        if len(req.request_id) > MAX_REQUEST_ID_CHARS:
-            raise ValueError(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
-        if not req.input_ids:
-            raise ValueError("input_ids is empty: a prompt needs at least one token")
-        if len(req.input_ids) > cfg.max_context:
-            raise ValueError(f"prompt has {len(req.input_ids)} tokens, the maximum context is {cfg.max_context}")
-        bad = [t for t in req.input_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"input_ids has {len(bad)} token ids outside [0, {self.vocab_size}), first {bad[0]}")
-        if req.max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be >= 1, got {req.max_new_tokens}")
-        if req.max_new_tokens > cfg.max_new_tokens_limit:
-            raise ValueError(f"max_new_tokens {req.max_new_tokens} is above the limit {cfg.max_new_tokens_limit}")
-        if len(req.input_ids) + req.max_new_tokens > cfg.max_context:
-            raise ValueError(
-                f"prompt ({len(req.input_ids)}) + max_new_tokens ({req.max_new_tokens}) exceeds "
-                f"the maximum context {cfg.max_context}"
-            )
-        bad_stop = [t for t in req.stop_token_ids if not 0 <= t < self.vocab_size]
-        if bad_stop:
-            raise ValueError(f"stop_token_ids has an id outside [0, {self.vocab_size}): {bad_stop[0]}")
-        s = req.sampling
-        if any(math.isnan(v) for v in (s.temperature, s.top_p, s.min_p, s.presence_penalty, s.frequency_penalty)):
-            raise ValueError(
-                "temperature, top_p, min_p, presence_penalty and frequency_penalty must be numbers, got NaN"
-            )
-        self._check_token_ids(s)
-        if s.min_tokens > req.max_new_tokens:
-            raise ValueError(f"sampling.min_tokens {s.min_tokens} is above max_new_tokens {req.max_new_tokens}")
-        sampling = SamplingConfig(
-            temperature=s.temperature,
-            top_p=s.top_p if s.top_p != 0 else 1.0,
-            top_k=s.top_k,
-            seed=s.seed if s.HasField("seed") else None,
-            min_p=s.min_p,
-            min_tokens=s.min_tokens,
-            repetition_penalty=s.repetition_penalty if s.repetition_penalty != 0 else 1.0,
-            presence_penalty=s.presence_penalty,
-            frequency_penalty=s.frequency_penalty,
-            logit_bias=tuple(sorted(s.logit_bias.items())),
-            allowed_token_ids=tuple(sorted(set(s.allowed_token_ids))),
-            bad_words=tuple(tuple(w.ids) for w in s.bad_words),
-        )
-        sampling.validate()
-        budget = req.spec.budget if req.spec.budget else cfg.default_budget
-        if budget < 0:
-            raise ValueError(f"spec.budget must be >= 0, got {req.spec.budget}")
+        """Validate a request (request_params.py); raises ValueError with the message the client will see."""
         drafter = self.scheduler.drafter
-        if drafter is not None and budget > drafter.info.max_budget:
-            raise ValueError(f"spec.budget {budget} is above the drafter's maximum {drafter.info.max_budget}")
-        use_spec = drafter is not None and not req.spec.no_spec and budget > 0
-        stops = set(req.stop_token_ids) | (set() if req.ignore_eos else set(self.eos_token_ids))
-        top = req.top_logprobs if req.HasField("top_logprobs") else None
-        if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
-        prompt_top = req.prompt_logprobs if req.HasField("prompt_logprobs") else None
-        if prompt_top is not None and not 0 <= prompt_top <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {prompt_top}")
-        return GenerateParams(
-            request_id=req.request_id or uuid.uuid4().hex,
-            input_ids=tuple(req.input_ids),
-            sampling=sampling,
-            max_new_tokens=req.max_new_tokens,
-            stop_token_ids=frozenset(stops),
-            use_spec=use_spec,
-            budget=budget if use_spec else 0,
-            chain=use_spec and req.spec.chain,
-            top_logprobs=top,
-            prompt_logprobs=prompt_top,
-            grammar=req.grammar,
-        )
-
-    def _check_token_ids(self, s) -> None:
-        """logit_bias, allowed_token_ids and bad_words name tokens of the vocabulary, in bounded numbers."""
-        vocab = self.vocab_size
-        if len(s.logit_bias) > vocab or len(s.allowed_token_ids) > vocab:
-            raise ValueError(f"logit_bias and allowed_token_ids hold at most {vocab} ids (the vocabulary)")
-        if len(s.bad_words) > MAX_BAD_WORDS or any(len(w.ids) > MAX_BAD_WORD_TOKENS for w in s.bad_words):
-            raise ValueError(f"bad_words: at most {MAX_BAD_WORDS} words of at most {MAX_BAD_WORD_TOKENS} tokens")
-        for name, ids in (
-            ("logit_bias", s.logit_bias.keys()),
-            ("allowed_token_ids", s.allowed_token_ids),
-            ("bad_words", [t for w in s.bad_words for t in w.ids]),
-        ):
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"{name} has a token id outside [0, {vocab}): {bad[0]}")
+        max_budget = drafter.info.max_budget if drafter is not None else None
+        return generate_params(req, self.config, self.vocab_size, self.eos_token_ids, max_budget)
 
     def _grammar_tokenizer(self):
         """The checkpoint's vocabulary for llguidance, built once, on the first constrained request (a
