@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields
 
-from ddtree.contract.request_params import MAX_LOGIT_BIAS, MAX_PENALTY, MAX_TOP_LOGPROBS, PARAMS
+from ddtree.contract.request_params import (
+    MAX_LOGIT_BIAS,
+    MAX_PENALTY,
+    MAX_TOP_LOGPROBS,
+    PARAMS,
+    SAMPLING,
+    Param,
+    sent_to,
+)
 
 __all__ = ["MAX_LOGIT_BIAS", "MAX_PENALTY", "MAX_TOP_LOGPROBS", "SamplingConfig"]
+
+SAMPLER_FIELDS = ("temperature", "top_p", "top_k", "seed", "min_p", "min_tokens")  # what sampling.py reads
 
 
 @dataclass(frozen=True)
@@ -36,13 +47,10 @@ class SamplingConfig:
         return self.penalizes or bool(self.logit_bias or self.allowed_token_ids or self.bad_words)
 
     def validate(self) -> None:
-        """Every field (the verifier checks token ids against its vocabulary itself)."""
-        self.validate_sampler()
-        r = self.repetition_penalty
-        if not _number(r) or not PARAMS["repetition_penalty"].contains(r):
-            raise ValueError(f"repetition_penalty must be a finite number > 0, got {r!r}")
-        _check("presence_penalty", self.presence_penalty)
-        _check("frequency_penalty", self.frequency_penalty)
+        """Every field: the table's rows by their ranges (request_params.PARAMS), then the logit masks (the
+        verifier checks token ids against its vocabulary itself)."""
+        for p in sent_to(SAMPLING):
+            _check(p, getattr(self, p.name), p.name in _OPTIONAL)
         ids = [t for t, _ in self.logit_bias]
         if len(set(ids)) != len(ids) or any(not isinstance(t, int) or t < 0 for t in ids):
             raise ValueError("logit_bias token ids must be distinct integers >= 0")
@@ -58,27 +66,26 @@ class SamplingConfig:
 
     def validate_sampler(self) -> None:
         """The fields the sampler reads (sampling.py checks them on every call: cheap)."""
-        _check("temperature", self.temperature)
-        _check("top_p", self.top_p)
-        for name in ("top_k", "min_tokens"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or not PARAMS[name].contains(v):
-                raise ValueError(f"{name} must be an integer {PARAMS[name].phrase(wire=True)}, got {v!r}")
-        _check("min_p", self.min_p)
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        for name in SAMPLER_FIELDS:
+            _check(PARAMS[name], getattr(self, name), name in _OPTIONAL)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
 
-def _number(v) -> bool:
-    return isinstance(v, (int, float))
+_OPTIONAL = frozenset(f.name for f in fields(SamplingConfig) if f.default is None)  # None = unset (seed)
 
 
-def _check(name: str, value) -> None:
-    """A number in its range as request_params.PARAMS defines it, in this module's wording."""
-    p = PARAMS[name]
-    if not _number(value) or not p.contains(value):
-        raise ValueError(f"{name} must be {p.phrase(wire=False)}, got {value!r}")
+def _check(p: Param, value, optional: bool) -> None:
+    """A field in its row's range, in the verifier's wording: "top_k must be an integer >= 0, got -1",
+    "repetition_penalty must be a finite number > 0, got -1.0"; an optional field may be None (unset)."""
+    if value is None and optional:
+        return
+    if p.kind is int:
+        if isinstance(value, bool) or not isinstance(value, int) or not p.contains(value):
+            raise ValueError(f"{p.name} must be an integer {p.phrase(wire=True)}, got {value!r}")
+    elif not isinstance(value, (int, float)) or isinstance(value, bool) or not p.contains(value):
+        finite = p.hi is not None and math.isinf(p.hi) and not p.says
+        phrase = f"a finite number {p.phrase(wire=False)}" if finite else p.phrase(wire=False)
+        raise ValueError(f"{p.name} must be {phrase}, got {value!r}")
