@@ -116,7 +116,6 @@ def _bad_drafts(stub):
         (_seq(features=common_pb2.Tensor(data=b"", shape=[2, 256], dtype=99)), "unsupported dtype"),
         (_seq(commit_token_ids=[1, 10**6]), "outside [0, 4096)"),
         (_seq(root_token_id=-5), "outside [0, 4096)"),
-        (_seq(reset=False, seq_id="unknown-seq"), "unknown"),
         (_seq(seq_id=""), "seq_id"),
         (_seq(budget=-1), "budget"),
     ]
@@ -126,6 +125,10 @@ def _bad_drafts(stub):
             fragment,
             lambda msg=msg: stub.Draft(drafter_pb2.DraftRequest(seqs=[msg]), timeout=30),
         )
+    # A context the drafter does not hold is named in the answer, not an error for the whole call: the
+    # verifier resends it (reset=True) at its next step.
+    lost = stub.Draft(drafter_pb2.DraftRequest(seqs=[_seq(reset=False, seq_id="unknown-seq")]), timeout=30)
+    assert list(lost.unknown_seq_ids) == ["unknown-seq"]
     dup = drafter_pb2.DraftRequest(seqs=[_seq(), _seq()])
     _expect(grpc.StatusCode.INVALID_ARGUMENT, "twice", lambda: stub.Draft(dup, timeout=30))
 
