@@ -13,6 +13,8 @@ page_size=)`; the scheduler refuses another).
 - `log_features`: the feature log (the drafter's taps of the committed tokens after the pinned prefix)
   starts, is replaced by its rows in one tensor, or is dropped.
 - `unplace`: at finish or abort, once its KV went to the cache or the pool: no table, no pin, no log.
+- `place_decoding` / `stage_commit`: the states a measurement starts from (`ddtree bench step`, the GPU
+  check's drafter part) without running the steps that lead there.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 
 from ddtree.verifier.kv.kv_pool import LatentKVPool
 from ddtree.verifier.kv.page_table import PageTable
-from ddtree.verifier.sequence import Sequence
+from ddtree.verifier.sequence import PendingCommit, Phase, Sequence
 
 
 def reserve_rows(seq: Sequence, pool: LatentKVPool, rows: int) -> torch.Tensor:
@@ -59,3 +61,20 @@ def unplace(seq: Sequence, page_size: int) -> None:
     seq.prefix_match = None
     seq.table = PageTable(page_size)
     seq.feature_log = None
+
+
+def place_decoding(seq: Sequence, pool: LatentKVPool, context: list[int], root: int) -> None:
+    """As if the prompt `context` had been prefilled and `root` were the next input: its rows committed in
+    the table (holding whatever the pool had), the sequence decoding."""
+    seq.table.extend(pool, len(context))
+    seq.table.commit(len(context))
+    seq.committed = list(context)
+    seq.prefill_done = len(context)
+    seq.root = root
+    seq.phase = Phase.DECODE
+
+
+def stage_commit(seq: Sequence, root: int, pending: PendingCommit) -> None:
+    """The commit the drafter gets with the next Draft call, and the root it drafts from."""
+    seq.root = root
+    seq.pending_commit = pending

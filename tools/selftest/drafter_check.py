@@ -102,6 +102,7 @@ def _transport(shape: dict, device: torch.device, log, out: dict, deadline: floa
     from ddtree.contract.sampling_params import SamplingConfig
     from ddtree.verifier.drafting.drafter_client import DrafterClient
     from ddtree.verifier.sequence import GenerateParams, PendingCommit, Sequence
+    from ddtree.verifier.sequence_lifecycle import stage_commit
 
     width = shape["taps"] * shape["hidden"]
     ctx = multiprocessing.get_context("spawn")
@@ -124,9 +125,8 @@ def _transport(shape: dict, device: torch.device, log, out: dict, deadline: floa
                 times = []
                 for i in range(CALLS if n < 1000 else 3):
                     seq = Sequence(GenerateParams(f"t{n}-{i}", (1,), SamplingConfig(), 8, frozenset(), True, 1))
-                    seq.root = 1
                     feats = torch.zeros(n, width, dtype=torch.bfloat16, device=device)
-                    seq.pending_commit = PendingCommit([1] * n, 0, feats)
+                    stage_commit(seq, 1, PendingCommit([1] * n, 0, feats))
                     _sync(device)
                     time.sleep(gap_ms / 1e3)
                     t0 = time.perf_counter()

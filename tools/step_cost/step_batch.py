@@ -18,7 +18,8 @@ import torch
 from ddtree.contract.sampling_params import SamplingConfig
 from ddtree.contract.token_tree import EMPTY_TREE, TokenTree
 from ddtree.verifier.kv.kv_pool import LatentKVPool
-from ddtree.verifier.sequence import GenerateParams, Phase, Sequence
+from ddtree.verifier.sequence import GenerateParams, Sequence
+from ddtree.verifier.sequence_lifecycle import place_decoding
 from ddtree.verifier.step.batch import run_batch
 from ddtree.verifier.step.work_items import VerifyItem
 
@@ -86,11 +87,6 @@ def make_step_work(config, shape: StepShape, device: torch.device, dtype: torch.
             budget=shape.rows - 1,
         )
         seq = Sequence(params, page_size=pool.page_size)
-        seq.table.extend(pool, shape.context)
-        seq.table.commit(shape.context)
-        seq.committed = list(context)
-        seq.prefill_done = shape.context
-        seq.root = host.randrange(config.vocab_size)
-        seq.phase = Phase.DECODE
+        place_decoding(seq, pool, list(context), host.randrange(config.vocab_size))
         items.append(VerifyItem(seq, drafted_tree(shape.rows - 1, config.vocab_size, seed + b)))
     return StepWork(pool, items, shape.taps)
