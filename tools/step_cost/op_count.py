@@ -63,7 +63,7 @@ HOST_SYNC_OPS = frozenset(
 # Indexing with a boolean mask (x[mask], x[mask] = v) has a data-dependent shape: a nonzero inside.
 MASK_INDEX_OPS = frozenset({"index", "index_put", "index_put_", "_index_put_impl_"})
 COPY_OPS = frozenset({"_to_copy", "copy_", "to"})
-PACKAGE_ROOT = pathlib.Path(__file__).resolve().parents[2]  # tools/bench/ -> the repository
+PACKAGE_ROOT = pathlib.Path(__file__).resolve().parents[2]  # tools/step_cost/ -> the repository
 THIS_FOLDER = pathlib.Path(__file__).resolve().parent
 
 
@@ -112,7 +112,8 @@ def sync_site() -> str:
     """path:line of the innermost frame in the repository outside this folder (or '?')."""
     frame = sys._getframe(1)
     while frame is not None:
-        path = pathlib.Path(frame.f_code.co_filename)
+        # resolved: a module imported through the checkout's `ddtree -> services` link has its file there
+        path = pathlib.Path(frame.f_code.co_filename).resolve()
         if path.is_relative_to(PACKAGE_ROOT) and not path.is_relative_to(THIS_FOLDER) and ".venv" not in path.parts:
             return f"{path.relative_to(PACKAGE_ROOT)}:{frame.f_lineno}"
         frame = frame.f_back
