@@ -33,16 +33,18 @@ class HostileEngine:
     def __init__(self, hidden: int):
         self.calls = 0
         self.hidden = hidden
+        self.held: set[str] = set()  # the contexts it was sent (a Draft without reset needs one held)
 
     def info(self):
         return stub_engine_info("hostile", self.hidden)
 
     def draft(self, seqs):
         self.calls += 1
+        self.held.update(s.seq_id for s in seqs)
         return [self.BAD[(self.calls + i) % len(self.BAD)] for i, _ in enumerate(seqs)]
 
     def knows(self, seq_id):
-        return False
+        return seq_id in self.held
 
     def release(self, ids):
         return len(ids)
@@ -131,6 +133,7 @@ class BadScoresEngine(HostileEngine):
 
     def draft(self, seqs):
         self.calls += 1
+        self.held.update(s.seq_id for s in seqs)
         return [
             TokenTree((100, 101, 102), (0, 1, 1), (1, 2, 2), self.SCORES[(self.calls + i) % 3])
             for i, _ in enumerate(seqs)
@@ -236,6 +239,7 @@ class HangingEngine(HostileEngine):
 
     def draft(self, seqs):
         self.calls += 1
+        self.held.update(s.seq_id for s in seqs)
         while self.hang.is_set():
             time.sleep(0.01)
         return [TokenTree((5,), (0,), (1,)) for _ in seqs]
