@@ -21,6 +21,8 @@ DRAFTER_FAMILIES = {
     "ddtree_drafter_sequences",
     "ddtree_drafter_context_bytes",
     "ddtree_drafter_contexts_released",
+    "ddtree_drafter_contexts_unknown",  # Draft calls naming a context the drafter does not hold (resent)
+    "ddtree_drafter_calls_refused",  # calls naming another caller's contexts
 }
 VERIFIER_STATE = ("ddtree_running_sequences", "ddtree_queued_requests", "ddtree_kv_slots_used")
 
@@ -125,7 +127,7 @@ def test_drafter_state_gauges_follow_draft_and_release():
     servicer = DrafterServicer(_FakeEngine(), max_sequences=8)
     feats = tensor_to_proto(torch.zeros(0, 4))
     req = drafter_pb2.DraftRequest(
-        seqs=[drafter_pb2.SeqDraft(seq_id=f"s{i}", commit_features=feats, budget=4) for i in range(3)]
+        seqs=[drafter_pb2.SeqDraft(seq_id=f"s{i}", commit_features=feats, budget=4, reset=True) for i in range(3)]
     )
     servicer.Draft(req, None)
     now = metrics.STATE.values()
