@@ -24,25 +24,29 @@ def build_for_sm90() -> list[dict]:
 
     from ddtree.kernels.activation import _silu_mul_kernel
     from ddtree.kernels.rmsnorm import _rms_norm_kernel
-    from ddtree.kernels.router import _router_kernel
+    from ddtree.kernels.router import BLOCK_E, BLOCK_M, K_SPLIT, ROUTER_BLOCK_K, _router_kernel, router_tiles
 
     cuobjdump = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     i32, bf = "i32", "*bf16"
     norm_sig = dict(X=bf, RES=bf, W=bf, OUT=bf, RES_OUT=bf, n_cols=i32, stride_x=i32, stride_r=i32, stride_o=i32,
                     stride_ro=i32, eps="fp32")  # fmt: skip
     bf16 = dict(X_DTYPE=tl.bfloat16, X_BF16=True, OUT_DTYPE=tl.bfloat16, OUT_BF16=True)
-    router_sig = dict(X=bf, W="*fp32", BIAS="*fp32", SCORES="*fp32", TICKETS="*i32", OUT_W="*fp32", OUT_IDS="*i64",
-                      M=i32, E=i32, K=i32, stride_xm=i32, stride_we=i32, scaling="fp32")  # fmt: skip
+    # the router reads the checkpoint's bf16 weight; PARTS holds the K splits' fp32 logits
+    router_sig = dict(X=bf, W=bf, BIAS="*fp32", PARTS="*fp32", SCORES="*fp32", TICKETS="*i32", OUT_W="*fp32",
+                      OUT_IDS="*i64", M=i32, E=i32, K=i32, stride_xm=i32, stride_we=i32, scaling="fp32",
+                      n_tiles=i32)  # fmt: skip
     variants = [
         ("add_rms_norm 7168", _rms_norm_kernel, norm_sig, dict(HAS_RESIDUAL=True, BLOCK=8192, **bf16), 16, 1),
         ("rms_norm 1536", _rms_norm_kernel, norm_sig, dict(HAS_RESIDUAL=False, BLOCK=2048, **bf16), 4, 1),
         ("silu_mul 256", _silu_mul_kernel, dict(GATE=bf, UP=bf, OUT=bf, n_cols=i32, stride_g=i32, stride_u=i32,
                                                 stride_o=i32), dict(DTYPE=tl.bfloat16, IS_BF16=True, BLOCK=256), 4, 1),
     ]  # fmt: skip
-    for name, e_pad, groups, kept, block_m, block_e, split in (("kimi E384 decode", 512, 1, 1, 16, 32, 12),
-                                                               ("deepseek E256 g8/4 decode", 256, 8, 4, 32, 32, 8)):  # fmt: skip
-        consts = dict(TOP_K=8, K_PAD=8, N_GROUP=groups, G_PAD=groups, TOPK_GROUP=kept, RENORMALIZE=True, SPLIT_E=split,
-                      BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_K=32, E_PAD=e_pad)  # fmt: skip
+    for name, experts, e_pad, groups, kept in (("kimi E384 decode", 384, 512, 1, 1),
+                                               ("deepseek E256 g8/4 decode", 256, 256, 8, 4)):  # fmt: skip
+        _, e_blocks, splits = router_tiles(1, experts, 7168, 132)  # one row on an H200's 132 SMs
+        consts = dict(TOP_K=8, K_PAD=8, N_GROUP=groups, G_PAD=groups, TOPK_GROUP=kept, RENORMALIZE=True,
+                      E_BLOCKS=e_blocks, SPLITS=splits, N_SPLITS=-(-7168 // K_SPLIT), BLOCK_M=BLOCK_M,
+                      BLOCK_E=BLOCK_E, BLOCK_K=ROUTER_BLOCK_K, K_SPLIT=K_SPLIT, E_PAD=e_pad)  # fmt: skip
         variants.append((f"router {name}", _router_kernel, router_sig, consts, 8, 2))
     rows = []
     for name, fn, sig, consts, warps, stages in variants:
