@@ -6,9 +6,9 @@ context belongs to the caller (name and incarnation) whose call made it: only th
 send its commits (`owned_by_others`), so a process that names a live verifier's name with another
 incarnation can neither release nor overwrite its contexts. The drafter itself releases a context
 - when no call has touched it for `lease_s` seconds (a verifier that died, a sequence never released), or
-- when a caller of the same name shows up with another incarnation and the former incarnation has made
-  no call for `replace_idle_s`: that verifier restarted (a restart takes longer than that), so every
-  context of its former self is orphaned. A former incarnation that still calls is alive (a forged
+- when a caller of the same name has shown up with another incarnation and the former incarnation has
+  made no call for `replace_idle_s`: that verifier restarted, so every context of its former self is
+  orphaned (released at the first call of anyone after that, GetInfo included). A former incarnation that still calls is alive (a forged
   incarnation, or two verifiers under one name): its contexts stay; they go once it falls silent.
 A call that names no caller (a tool, an older verifier) holds its contexts under the empty name, and they
 only expire. All of it is pure bookkeeping: the servicer asks which ids to release and releases them.
@@ -46,19 +46,25 @@ class Leases:
         self._seen: dict[str, dict[str, float]] = {}
 
     def arrive(self, caller: Caller) -> list[str]:
-        """A call from `caller` starts: the ids orphaned by former incarnations of its name that have been
-        silent for replace_idle_s (to release now). Anonymous callers orphan nothing."""
-        if not caller.name:
-            return []
+        """A call from `caller` starts: the ids orphaned by replaced incarnations (to release now). Any call,
+        an anonymous one included, settles every name: an incarnation is replaced when another incarnation of
+        its name was heard from later and it has been silent for replace_idle_s. So a restarted verifier's
+        former contexts go at the first call after that, whoever makes it, not only at its own next call."""
         now = self._clock()
-        seen = self._seen.setdefault(caller.name, {})
-        seen[caller.incarnation] = now
-        gone = {inc for inc, at in seen.items() if inc != caller.incarnation and now - at >= self.replace_idle_s}
+        if caller.name:
+            self._seen.setdefault(caller.name, {})[caller.incarnation] = now
+        gone: set[tuple[str, str]] = set()
+        for name, seen in self._seen.items():
+            if len(seen) < 2:
+                continue
+            # the caller is its name's latest incarnation (it calls now); elsewhere the last heard from
+            latest = caller.incarnation if name == caller.name else max(seen, key=seen.__getitem__)
+            gone.update((name, inc) for inc, at in seen.items() if inc != latest and now - at >= self.replace_idle_s)
         if not gone:
             return []
-        for inc in gone:
-            del seen[inc]
-        return self._drop(lambda holder: holder.name == caller.name and holder.incarnation in gone)
+        for name, inc in gone:
+            del self._seen[name][inc]
+        return self._drop(lambda holder: (holder.name, holder.incarnation) in gone)
 
     def owned_by_others(self, seq_ids: Iterable[str], caller: Caller) -> list[str]:
         """The ids among seq_ids whose context another caller (name or incarnation) holds: `caller` may

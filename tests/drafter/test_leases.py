@@ -54,6 +54,16 @@ def test_expiry_orphaning_and_release_by_the_book():
     assert sorted(leases.arrive(a2)) == ["p", "q", "y"]  # every context of a1
     assert leases.arrive(a1) == []  # a1 holds nothing any more (a late call of the old self orphans nothing)
     leases.forget(["r"])
+    # a restart noticed by anyone: c1 made "s"; c2 (its restart) called once, before c1 had been silent long
+    c1, c2 = Caller("c", "1"), Caller("c", "2")
+    leases.touch(["s"], c1)
+    assert leases.arrive(c1) == []
+    clock.now += 0.5
+    assert leases.arrive(c2) == []
+    clock.now += REPLACE_IDLE_S / 2 - 0.5
+    assert leases.arrive(anon) == []  # c1 not yet silent for replace_idle_s
+    clock.now += REPLACE_IDLE_S / 2
+    assert leases.arrive(anon) == ["s"]  # an anonymous call (a GetInfo) settles c's restart
     clock.now += 100
     assert leases.expired() == []  # r was released by its caller, the rest by orphaning
     with pytest.raises(ValueError, match="lease_s"):

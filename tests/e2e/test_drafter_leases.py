@@ -1,7 +1,8 @@
 """The drafter's state and the verifier's wait when the other side fails, through the real services on the
 demo checkpoints:
 - a verifier SIGKILLed with 5 streams in flight leaves 5 draft contexts on the drafter; restarted under the
-  same --instance-name, its first call (GetInfo at connection) has them released: active_sequences 0;
+  same --instance-name (its GetInfo at connection names the new incarnation), they are released at the
+  first call once the former incarnation has been silent REPLACE_IDLE_S: active_sequences 0;
 - a SIGSTOPped drafter during 8 streams (called over the co-located channel, the default on one host)
   stalls them once, for at most max(3 x the drafter's p99 call time before the stop, 1 s) (the deadline
   follows the drafter's speed, draft_deadline.py), then they decode with AR: every stream's tokens equal
@@ -18,6 +19,7 @@ import time
 import grpc
 import pytest
 
+from ddtree.drafter.leases import REPLACE_IDLE_S
 from ddtree.launcher import start_service
 from ddtree.protocol.ddtree.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
@@ -86,6 +88,12 @@ def test_a_killed_verifier_restarted_under_its_name_leaves_no_draft_context(defa
         verifier.popen.wait()
         assert _active(drafter) == 5, "the killed verifier's 5 sequences should still be held"
         verifier = _verifier(default_ckpt, drafter, tmp_path, "--instance-name", "verifier-a")
+        # the restarted verifier's connection (GetInfo with its new incarnation) marks the former one replaced;
+        # its contexts go at the first call once the former has been silent REPLACE_IDLE_S (a fast restart on
+        # a fast machine can come back sooner than that)
+        deadline = time.monotonic() + REPLACE_IDLE_S + 30
+        while _active(drafter) and time.monotonic() < deadline:
+            time.sleep(0.2)
         assert _active(drafter) == 0, "the restarted verifier's connection did not release its former contexts"
     finally:
         verifier.stop()
