@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .mla_checks import DTYPES, check_device, is_interpreted
-from .rmsnorm import _TL, _round_to
+from ddtree.kernels.mla.checks import DTYPES, check_device, is_interpreted
+from ddtree.kernels.rmsnorm import _TL, _round_to
 
 BLOCK = 1024  # columns per program
 

@@ -1,4 +1,4 @@
-"""Torch references for the decoder layer's small kernels (rmsnorm.py, activation.py, router.py): test
+"""Torch references for the decoder layer's small kernels (rmsnorm.py, activation.py, moe/router.py): test
 oracles written from the HF DeepseekV3 definitions, each mirroring one kernel wrapper's arguments."""
 
 from __future__ import annotations

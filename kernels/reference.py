@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .mla_plan import MLAPlan, MLASeq
+from ddtree.kernels.mla.plan import MLAPlan, MLASeq
 
 
 def prefix_slots(seq: MLASeq, page_size: int) -> torch.Tensor:

@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .latent_write import _round_bf16
-from .mla_checks import DTYPES, check_device, is_interpreted
+from ddtree.kernels.mla.checks import DTYPES, check_device, is_interpreted
+from ddtree.kernels.mla.latent_write import _round_bf16
 
 
 @triton.jit

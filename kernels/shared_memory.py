@@ -19,7 +19,7 @@ e.g. a bf16 GEMM's  buffers x (BLOCK_M x BLOCK_K + BLOCK_K x BLOCK_N) x 2, where
 a tile of 64 rows or more (on sm_90 those dots are wgmma, whose pipeline keeps every stage in shared memory)
 and max(1, num_stages - 1) below (mma.sync, every architecture): exact on sm_90, an upper bound by one
 stage on sm_100 / sm_120 at 64 rows and more. The MLA split
-kernel has its own (mla_plan.mla_smem_bytes). The estimate picks a config before the first launch;
+kernel has its own (mla.plan.mla_smem_bytes). The estimate picks a config before the first launch;
 OutOfResources at launch, the device's own answer, still shrinks it further (launch_with_fallback).
 """
 

@@ -16,7 +16,7 @@ packed linear that holds it. Adding a format: a class here, its scheme there, it
   `fp8_block_gemm_reference`); KIND 2.
 
 The arithmetic itself (pack, unpack, dequantize) is quant_formats.py; a stacked weight is [E, N, K] with
-the same layout per expert (moe_weights.py). This module imports no triton.
+the same layout per expert (moe/weights.py). This module imports no triton.
 """
 
 from __future__ import annotations
@@ -26,7 +26,13 @@ import math
 
 import torch
 
-from .quant_formats import PACK, dequantize_fp8_block, dequantize_int4, quantize_fp8_block, quantize_int4_group
+from ddtree.kernels.quant_formats import (
+    PACK,
+    dequantize_fp8_block,
+    dequantize_int4,
+    quantize_fp8_block,
+    quantize_int4_group,
+)
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -43,7 +49,7 @@ class WeightFormat:
     tile_bytes: float  # an element of a fused-MoE weight tile as loaded (INT4: packed words)
     moe_block_k: int  # the fused MoE's default K tile (quantized: a long K tile amortises the scale loads)
     gemm: str | None = None  # the dense GEMM kernel, a ddtree.kernels function (packed_linear.cuda_kernel)
-    reference: str | None = None  # its torch reference in ddtree.kernels.dense_gemm_reference
+    reference: str | None = None  # its torch reference in ddtree.kernels.gemm.dense_reference
     # fused MoE: the weight tile is converted to the dot's width in registers (one more tile of shared memory)
     dequantizes_tiles: bool = False
     # x and h are quantized to e4m3 per row and K block inside the GEMMs: h is kept fp32, the dots are 8-bit

@@ -40,7 +40,7 @@ import time
 
 import torch
 
-from ddtree.tools.selftest.mla_bench import (
+from ddtree.tools.selftest.kernels.mla_bench import (
     KIMI,
     TINY,
     peak_bandwidth_gbs,
@@ -66,7 +66,7 @@ class Shape:
 
 
 def build(shape: Shape, dims: dict, device: torch.device, seed: int = 0):
-    from ddtree.kernels.mla_plan import MLASeq
+    from ddtree.kernels.mla.plan import MLASeq
 
     gen = torch.Generator().manual_seed(seed)
     H, r, dr, dtype = dims["heads"], dims["r"], dims["dr"], getattr(torch, dims["dtype"])
@@ -95,8 +95,8 @@ def copy_bandwidth_gbs(device: torch.device, measure) -> float | None:
 
 
 def bench_shape(shape: Shape, dims: dict, device, measure, config, peak_gbs, time_sdpa: bool = True) -> dict:
-    from ddtree.kernels.mla_attention import mla_attention
-    from ddtree.kernels.mla_plan import plan_mla
+    from ddtree.kernels.mla.attention import mla_attention
+    from ddtree.kernels.mla.plan import plan_mla
 
     q_lat, q_pe, kv, seqs, masks = build(shape, dims, device)
     H, r, dr = dims["heads"], dims["r"], dims["dr"]
@@ -128,7 +128,7 @@ def bench_shape(shape: Shape, dims: dict, device, measure, config, peak_gbs, tim
 
 
 def bench_latent_write(tokens: list[int], dims: dict, device, measure) -> list[dict]:
-    from ddtree.kernels.latent_write import write_latent
+    from ddtree.kernels.mla.latent_write import write_latent
     from ddtree.kernels.reference import write_latent_ref
 
     r, dr, dtype = dims["r"], dims["dr"], getattr(torch, dims["dtype"])
@@ -175,7 +175,7 @@ def summarise(rows: list[dict], short: int, long_: int, longest: int, peak_gbs) 
 
 
 def sweep(dims, device, measure, peak_gbs, prefixes) -> list[dict]:
-    from ddtree.kernels.mla_plan import MLAKernelConfig
+    from ddtree.kernels.mla.plan import MLAKernelConfig
 
     mid = 8192 if 8192 in prefixes else prefixes[len(prefixes) // 2]
     shapes = [Shape("tree16", 1, prefixes[0]), Shape("tree16", 1, mid), Shape("tree16", 1, prefixes[-1]),
@@ -199,10 +199,10 @@ def sweep(dims, device, measure, peak_gbs, prefixes) -> list[dict]:
 def compile_report(arch: int) -> list[dict]:
     """AOT-compile the kernels at the Kimi shapes for CUDA `arch` (no GPU needed): compile errors surface
     here, and cuobjdump gives registers, stack bytes (spills) and shared memory per kernel variant."""
-    from ddtree.kernels.latent_write import _latent_write_kernel
-    from ddtree.kernels.mla_merge import CHUNK, MERGE_V, _mla_merge_kernel
-    from ddtree.kernels.mla_plan import MLAKernelConfig
-    from ddtree.kernels.mla_split import _mla_split_kernel
+    from ddtree.kernels.mla.latent_write import _latent_write_kernel
+    from ddtree.kernels.mla.merge import CHUNK, MERGE_V, _mla_merge_kernel
+    from ddtree.kernels.mla.plan import MLAKernelConfig
+    from ddtree.kernels.mla.split import _mla_split_kernel
     from scripts.bench.compile_launches import build
 
     cfg = MLAKernelConfig()
@@ -271,7 +271,7 @@ def main(argv=None) -> int:
             p.error("no CUDA device: only --dry-run runs on a CPU")
         os.environ["TRITON_INTERPRET"] = "1"  # before triton / the kernels are imported
     device = torch.device("cuda" if cuda else "cpu")
-    from ddtree.kernels.mla_plan import MLAKernelConfig
+    from ddtree.kernels.mla.plan import MLAKernelConfig
 
     if args.dry_run:
         dims, kinds, batches = TINY, ("decode", "tree4"), (1, 2)

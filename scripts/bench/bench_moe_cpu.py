@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddtree.kernels.moe_weights import ExpertWeights
+from ddtree.kernels.moe.weights import ExpertWeights
 from ddtree.kernels.weight_formats import weight_format
 from ddtree.models.checkpoint.random import DEFAULT_TARGET_CONFIG, random_target_state_dict
 from ddtree.models.deepseek_v3 import moe_grouped

@@ -19,7 +19,7 @@ from the loop's output (fp8 also quantizes activations, so a larger one is expec
 
 --autotune sweeps block_m x (block_n, block_k, warps, stages) per GEMM at M in TUNE_M (gate_up with the
 default down, then down with the best gate_up), keeps the fastest block_m for the sum and writes
-kernels/moe_configs/<device>.json (or --table), which fused_moe reads from then on.
+kernels/moe/tables/<device>.json (or --table), which fused_moe reads from then on.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import time
 
 import torch
 
-from ddtree.tools.selftest.moe_bench import (
+from ddtree.tools.selftest.kernels.moe_bench import (
     MODELS,
     TILES,
     TINY,
@@ -54,7 +54,7 @@ TUNE_M = (1, 4, 16, 64, 256)
 def tune_point(kind: str, dims: dict, ws, M: int, device, measure, gen, plan, log: list) -> tuple:
     """(gate_up config, down config) fastest at M: per block_m, gate_up over the tiles with the default
     down, then down with that gate_up; the block_m with the fastest pair wins."""
-    from ddtree.kernels.moe_configs import MoeTileConfig, default_config
+    from ddtree.kernels.moe.configs import MoeTileConfig, default_config
 
     E, k, d, inter = dims["E"], dims["topk"], dims["d"], dims["I"]
     calls = make_calls(M, dims, device, gen, plan.repeats)
@@ -84,7 +84,7 @@ def tune_point(kind: str, dims: dict, ws, M: int, device, measure, gen, plan, lo
 
 def autotune(name: str, dims: dict, ms, device, measure, gen, plan: Plan) -> tuple[dict, list[dict]]:
     """{table key: {M: MoeTileConfig}} for both GEMMs of the tuned kinds, and the sweep's log."""
-    from ddtree.kernels.moe_configs import table_key
+    from ddtree.kernels.moe.configs import table_key
 
     E, d, inter = dims["E"], dims["d"], dims["I"]
     table, log = {}, []
@@ -110,9 +110,9 @@ def compile_report(models: dict, ms, arch: int) -> list[dict]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
-    from ddtree.kernels import fused_moe as fm
-    from ddtree.kernels import moe_align as ma
-    from ddtree.kernels.moe_configs import default_config
+    from ddtree.kernels.moe import align as ma
+    from ddtree.kernels.moe import fused as fm
+    from ddtree.kernels.moe.configs import default_config
     from ddtree.kernels.weight_formats import BF16, FP8_BLOCK, INT4_PACK, weight_format
 
     cuobjdump = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -182,7 +182,7 @@ def main(argv=None) -> int:
     p.add_argument("--moe", action="store_true", help="benchmark the fused MoE kernels (the only suite here)")
     p.add_argument("--autotune", action="store_true", help="sweep tiles and write the config table")
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/bench_moe.json"))
-    p.add_argument("--table", type=pathlib.Path, default=None, help="table path (default kernels/moe_configs/<dev>)")
+    p.add_argument("--table", type=pathlib.Path, default=None, help="table path (default kernels/moe/tables/<dev>)")
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
     p.add_argument("--m", default="", help="comma-separated token counts (default 1 .. 256)")
     p.add_argument("--peak-gbps", type=float, default=0.0, help="device peak bandwidth, GB/s (default: by name)")
@@ -208,7 +208,7 @@ def main(argv=None) -> int:
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton / the kernels are imported
     device = torch.device("cuda" if cuda and not args.dry_run else "cpu")
-    from ddtree.kernels import moe_configs
+    from ddtree.kernels.moe import configs as moe_configs
 
     models = TINY if args.dry_run else {m: MODELS[m] for m in args.models.split(",") if m}
     ms = [int(v) for v in args.m.split(",") if v] or ([1, 3] if args.dry_run else list(M_LIST))

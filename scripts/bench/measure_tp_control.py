@@ -24,8 +24,8 @@ import pathlib
 import torch
 
 from ddtree.contract.token_tree import TokenTree
-from ddtree.kernels.mla_plan import MLAKernelConfig
-from ddtree.kernels.mla_static_plan import MLAStaticLayout
+from ddtree.kernels.mla.plan import MLAKernelConfig
+from ddtree.kernels.mla.static_plan import MLAStaticLayout
 from ddtree.models.layers.attention import AttentionMetadata, SeqAttention
 from ddtree.models.parallel import step_message as sm
 from ddtree.models.runtime.static_batch import Bucket

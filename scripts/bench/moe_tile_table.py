@@ -1,8 +1,8 @@
-"""Chooses the fused MoE's tile per device class and weight shape (kernels/moe_tiles.py) on a CPU: a roofline
+"""Chooses the fused MoE's tile per device class and weight shape (kernels/moe/tiles.py) on a CPU: a roofline
 of each candidate at the shapes the deployments run, then the best candidates compiled ahead of time for the
 class (compile_launches.build: registers, spills, shared memory from ptxas), and the best that fits.
 
-    python -m scripts.bench.moe_tile_table            # writes kernels/moe_configs/sm_90.json and sm_120.json
+    python -m scripts.bench.moe_tile_table            # writes kernels/moe/tables/sm_90.json and sm_120.json
     python -m scripts.bench.moe_tile_table --print    # the table's compile metadata, one line a tile
 
 Run it without TRITON_INTERPRET (the kernels must compile). Every figure it writes is modeled.
@@ -33,9 +33,9 @@ import sys
 import triton
 import triton.language as tl
 
-from ddtree.kernels import fused_moe as fm
-from ddtree.kernels import moe_tiles
-from ddtree.kernels.moe_configs import MoeTileConfig, smem_bytes
+from ddtree.kernels.moe import fused as fm
+from ddtree.kernels.moe import tiles as moe_tiles
+from ddtree.kernels.moe.configs import MoeTileConfig, smem_bytes
 from ddtree.kernels.shared_memory import SMEM_PER_BLOCK
 from ddtree.kernels.weight_formats import weight_format
 from scripts.bench.compile_launches import build

@@ -204,6 +204,19 @@ def lazy_imports() -> dict[str, list[tuple[int, str]]]:
     return out
 
 
+MAX_MODULES_PER_FOLDER = 16  # issue 46: a room a newcomer reads at a glance; more is a room to split
+
+
+def test_no_folder_of_the_package_holds_more_than_16_modules():
+    counts: dict[pathlib.Path, int] = {}
+    for path in _modules().values():
+        if path.name != "__init__.py" and "protocol" not in path.parts:  # generated gRPC stubs aside
+            counts[path.parent] = counts.get(path.parent, 0) + 1
+    assert len(counts) > 20, "the package's folders were not found"
+    crowded = {str(folder): n for folder, n in counts.items() if n > MAX_MODULES_PER_FOLDER}
+    assert not crowded, f"folders over {MAX_MODULES_PER_FOLDER} modules (split them into rooms): {crowded}"
+
+
 def test_few_imports_inside_functions_each_with_its_reason():
     found = lazy_imports()
     listing = "\n".join(f"services/{rel}:{line}: {reason or '(no reason)'}" for rel, hits in found.items()

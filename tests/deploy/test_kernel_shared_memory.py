@@ -26,10 +26,14 @@ import sys
 import pytest
 import torch
 
-from ddtree.kernels import fp8_gemm, int4_gemm, mla_split, moe_configs, router
-from ddtree.kernels.mla_attention import mla_attention
-from ddtree.kernels.mla_plan import MLAKernelConfig, MLASeq, mla_smem_bytes, plan_mla, smaller_mla_configs
-from ddtree.kernels.moe_configs import KINDS, M_BUCKETS, OPS, default_config, load_table, smem_bytes
+from ddtree.kernels.gemm import fp8 as fp8_gemm
+from ddtree.kernels.gemm import int4 as int4_gemm
+from ddtree.kernels.mla import split as mla_split
+from ddtree.kernels.mla.attention import mla_attention
+from ddtree.kernels.mla.plan import MLAKernelConfig, MLASeq, mla_smem_bytes, plan_mla, smaller_mla_configs
+from ddtree.kernels.moe import configs as moe_configs
+from ddtree.kernels.moe import router
+from ddtree.kernels.moe.configs import KINDS, M_BUCKETS, OPS, default_config, load_table, smem_bytes
 from ddtree.kernels.reference import mla_attention_ref
 from ddtree.kernels.shared_memory import SMEM_PER_BLOCK, OutOfResources, fit_config, stages_within
 from ddtree.tools.selftest.compare import assert_close

@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-from ddtree.tools.selftest import kernel_check as gk
-from ddtree.tools.selftest.oracle_trees import expected_accept_length
+from ddtree.tools.selftest.kernels import kernel_check as gk
+from ddtree.tools.selftest.oracle.trees import expected_accept_length
 from ddtree.tools.selftest.serving_check import first_mismatch
 from tests.support import installed_env as env
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ddtree.tools.selftest.oracle_trees import noisy_tree
+from ddtree.tools.selftest.oracle.trees import noisy_tree
 from tests.support.draft_engines import BLOCK, draft_input, random_draft_engine
 
 

@@ -1,4 +1,4 @@
-"""The row-invariant dense GEMM (kernels/dense_gemm.py) with its split-K active, interpreted on a CPU (8 SMs
+"""The row-invariant dense GEMM (kernels/gemm/dense.py) with its split-K active, interpreted on a CPU (8 SMs
 there, kernels/mla_plan.num_sms): a row computed among M = 9, 17, 40 rows equals, bit for bit, the row
 computed alone (M = 1); the result matches the torch fp32 reference; the chunk rule depends on the weight's
 shape and the SM count only, and covers K once."""
@@ -12,8 +12,8 @@ import triton
 from tests.support.triton_env import DEVICE, triton_interpret_env  # noqa: F401,I001  (before kernels are imported)
 
 # isort: split
-from ddtree.kernels import dense_gemm as dg
-from ddtree.kernels.mla_plan import num_sms
+from ddtree.kernels.gemm import dense as dg
+from ddtree.kernels.mla.plan import num_sms
 from ddtree.tools.selftest.compare import assert_close
 
 SIZES = (1, 9, 17, 40)

@@ -1,4 +1,4 @@
-"""The fused MoE tile fallback (kernels/fused_moe.py launch_with_fallback, moe_configs.smaller_configs) and
+"""The fused MoE tile fallback (kernels/moe/fused.py launch_with_fallback, moe/configs.py smaller_configs) and
 default_config's cap on fp32 tiles, on the CPU.
 
 On an H200 an fp32 model with INT4 experts and a 1024-token prefill chunk got default_config's 64x128x128
@@ -17,11 +17,11 @@ import torch
 from tests.support.triton_env import DEVICE, triton_interpret_env  # noqa: F401  (before kernels are imported)
 
 # isort: split
-from ddtree.kernels import fused_moe as fm
-from ddtree.kernels import moe_configs as mc
-from ddtree.kernels.moe_configs import MoeTileConfig, default_config, smaller_configs
-from ddtree.kernels.moe_reference import fused_moe_reference
-from ddtree.kernels.moe_weights import ExpertWeights
+from ddtree.kernels.moe import configs as mc
+from ddtree.kernels.moe import fused as fm
+from ddtree.kernels.moe.configs import MoeTileConfig, default_config, smaller_configs
+from ddtree.kernels.moe.reference import fused_moe_reference
+from ddtree.kernels.moe.weights import ExpertWeights
 from ddtree.kernels.quant_formats import quantize_int4_group
 from ddtree.tools.selftest.compare import assert_close
 

@@ -11,9 +11,9 @@ import grpc
 import pytest
 import torch
 
-import ddtree.kernels.mla_backend
-from ddtree.kernels.mla_backend import TritonMLAAttention
-from ddtree.kernels.mla_plan import MLAKernelConfig
+import ddtree.kernels.mla.backend
+from ddtree.kernels.mla.backend import TritonMLAAttention
+from ddtree.kernels.mla.plan import MLAKernelConfig
 from ddtree.models.checkpoint.random import DEFAULT_TARGET_CONFIG, random_target_state_dict
 from ddtree.models.deepseek_v3.config import DeepseekV3Config
 from ddtree.models.deepseek_v3.model import DeepseekV3ForCausalLM
@@ -88,8 +88,8 @@ def _forwards(model, backend) -> list[torch.Tensor]:
 def test_model_logits_match_torch_backend(model, config, monkeypatch):
     """Mixed batch (prefill, extend over a cached prefix, tree verify, decode): same logits as "torch"."""
     packed = []
-    real_plan = ddtree.kernels.mla_backend.plan_mla
-    monkeypatch.setattr(ddtree.kernels.mla_backend, "plan_mla", lambda *a, **k: packed.append(1) or real_plan(*a, **k))
+    real_plan = ddtree.kernels.mla.backend.plan_mla
+    monkeypatch.setattr(ddtree.kernels.mla.backend, "plan_mla", lambda *a, **k: packed.append(1) or real_plan(*a, **k))
     expected = _forwards(model, make_attention_backend("torch"))
     got = _forwards(model, TritonMLAAttention(config) if config else make_attention_backend("triton"))
     for i, (g, e) in enumerate(zip(got, expected)):

@@ -1,5 +1,5 @@
-"""Dense quantized GEMMs (kernels/fp8_gemm.py, kernels/int4_gemm.py) against their torch references
-(kernels/dense_gemm_reference.py) at ragged shapes, interpreted on a CPU (TRITON_INTERPRET=1)."""
+"""Dense quantized GEMMs (kernels/gemm/fp8.py, kernels/gemm/int4.py) against their torch references
+(kernels/gemm/dense_reference.py) at ragged shapes, interpreted on a CPU (TRITON_INTERPRET=1)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from tests.support.triton_env import DEVICE, INTERPRET, triton_interpret_env  # 
 
 # isort: split
 # tests/support/triton_env.py imported the kernel modules with the interpreter set; these are those modules.
-from ddtree.kernels import dense_gemm_reference as ref
-from ddtree.kernels import fp8_gemm, int4_gemm
+from ddtree.kernels.gemm import dense_reference as ref
+from ddtree.kernels.gemm import fp8 as fp8_gemm
+from ddtree.kernels.gemm import int4 as int4_gemm
 from ddtree.kernels.quant_formats import FP8_MAX, quantize_fp8_block, quantize_int4_group
 from ddtree.tools.selftest.compare import assert_close
 
@@ -203,7 +204,7 @@ def test_no_silent_fallback_to_a_reference(monkeypatch):
 
 def test_the_kernels_run_interpreted_here():
     """On a machine without CUDA the kernels must be the interpreter's (not a CPU torch path)."""
-    from ddtree.kernels.mla_checks import is_interpreted
+    from ddtree.kernels.mla.checks import is_interpreted
 
     for kernel in (fp8_gemm._fp8_gemm_kernel, int4_gemm._int4_gemm_kernel):
         assert is_interpreted(kernel) == INTERPRET

@@ -1,4 +1,4 @@
-"""Fused MoE (kernels/fused_moe.py, moe_align.py, moe_configs.py) against the per-expert loop reference.
+"""Fused MoE (kernels/moe/fused.py, moe/align.py, moe/configs.py) against the per-expert loop reference.
 
 Each weight kind (bf16 / int4 / fp8) runs over E in {4, 16, 64}, top-k in {1, 2, 8} and M in {1, 17, 136}
 in combined cases (not the cross product): skewed routing (every pair on one expert), experts without
@@ -25,18 +25,18 @@ from tests.support.triton_env import DEVICE, INTERPRET, triton_interpret_env  # 
 
 # isort: split
 # tests/support/triton_env.py imported the kernel modules with the interpreter set; these are those modules.
-from ddtree.kernels import fused_moe as fm
-from ddtree.kernels import moe_align as ma
-from ddtree.kernels import moe_configs as mc
+from ddtree.kernels.moe import align as ma
+from ddtree.kernels.moe import configs as mc
+from ddtree.kernels.moe import fused as fm
 
 if INTERPRET and not fm.is_interpreted(fm._moe_gemm_kernel):
-    raise RuntimeError("ddtree.kernels.fused_moe was imported before TRITON_INTERPRET=1 was set: add it to the "
+    raise RuntimeError("ddtree.kernels.moe.fused was imported before TRITON_INTERPRET=1 was set: add it to the "
                        "imports of tests/support/triton_env.py")  # fmt: skip
 
 import triton.language as tl  # noqa: E402
 
-from ddtree.kernels.moe_reference import fused_moe_reference  # noqa: E402
-from ddtree.kernels.moe_weights import ExpertWeights  # noqa: E402
+from ddtree.kernels.moe.reference import fused_moe_reference  # noqa: E402
+from ddtree.kernels.moe.weights import ExpertWeights  # noqa: E402
 from ddtree.kernels.quant_formats import quantize_fp8_block, quantize_int4_group  # noqa: E402
 from ddtree.tools.selftest.compare import assert_close  # noqa: E402
 
@@ -193,7 +193,7 @@ def test_fused_moe_edge_cases():
 def test_fused_moe_runs_the_kernels(monkeypatch, case_name):
     """The kernels do the work: the reference is never called, and each GEMM launches once (fp8 too: its
     activations are quantized inside the GEMMs, no launch of their own)."""
-    import ddtree.kernels.moe_reference as ref_module
+    import ddtree.kernels.moe.reference as ref_module
 
     case = next(c for c in CASES if c.name == case_name)
     x, gate, up, down, weights, ids, emap = _inputs(case)

@@ -1,4 +1,4 @@
-"""Fused latent KV write (kernels/latent_write.py) against its torch reference and against mla.py itself."""
+"""Fused latent KV write (kernels/mla/latent_write.py) against its torch reference and against mla.py itself."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from ddtree.kernels.latent_write import write_latent
+from ddtree.kernels.mla.latent_write import write_latent
 from ddtree.kernels.reference import write_latent_ref
 from ddtree.models.checkpoint.random import DEFAULT_TARGET_CONFIG
 from ddtree.models.deepseek_v3.config import DeepseekV3Config

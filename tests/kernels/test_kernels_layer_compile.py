@@ -1,4 +1,4 @@
-"""The layer kernels (rmsnorm.py, activation.py, router.py) build for sm_90 at Kimi K2.6 / DeepSeek-V3 shapes
+"""The layer kernels (rmsnorm.py, activation.py, moe/router.py) build for sm_90 at Kimi K2.6 / DeepSeek-V3 shapes
 with no GPU: what the interpreted tests cannot check (the atomic ticket, the int1 masks, register use)."""
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ def build_for_sm90() -> list[dict]:
     from triton.compiler import ASTSource, compile
 
     from ddtree.kernels.activation import _silu_mul_kernel
+    from ddtree.kernels.moe.router import BLOCK_E, BLOCK_M, K_SPLIT, ROUTER_BLOCK_K, _router_kernel, router_tiles
     from ddtree.kernels.rmsnorm import _rms_norm_kernel
-    from ddtree.kernels.router import BLOCK_E, BLOCK_M, K_SPLIT, ROUTER_BLOCK_K, _router_kernel, router_tiles
 
     cuobjdump = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     i32, bf = "i32", "*bf16"

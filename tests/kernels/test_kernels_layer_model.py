@@ -1,6 +1,6 @@
 """The model with its layer kernels forced to Triton (interpreted on a CPU) against the torch path: RMSNorm,
 fused residual add + RMSNorm, the one-launch router and SiLU-and-mul in every layer (layer_kernels.py). Both
-models run the device path's GEMMs (kernels/dense_gemm.py, which the Triton kernels bring): the GEMMs are not
+models run the device path's GEMMs (kernels/gemm/dense.py, which the Triton kernels bring): the GEMMs are not
 what is compared, and in bf16 theirs and BLAS's round differently."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from ddtree.kernels.dense_gemm import head_gemm
+from ddtree.kernels.gemm.dense import head_gemm
 from ddtree.models.checkpoint.random import DEFAULT_TARGET_CONFIG, random_target_state_dict
 from ddtree.models.deepseek_v3.config import DeepseekV3Config
 from ddtree.models.deepseek_v3.model import DeepseekV3ForCausalLM

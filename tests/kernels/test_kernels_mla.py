@@ -15,11 +15,11 @@ import dataclasses
 import pytest
 import torch
 
-from ddtree.kernels.mla_attention import mla_attention
-from ddtree.kernels.mla_checks import is_interpreted, kernel_dims
-from ddtree.kernels.mla_merge import mla_merge
-from ddtree.kernels.mla_plan import MLAKernelConfig, MLASeq, pack_mask_bits, plan_mla
-from ddtree.kernels.mla_split import _mla_split_kernel, mla_split_attention
+from ddtree.kernels.mla.attention import mla_attention
+from ddtree.kernels.mla.checks import is_interpreted, kernel_dims
+from ddtree.kernels.mla.merge import mla_merge
+from ddtree.kernels.mla.plan import MLAKernelConfig, MLASeq, pack_mask_bits, plan_mla
+from ddtree.kernels.mla.split import _mla_split_kernel, mla_split_attention
 from ddtree.kernels.reference import mla_attention_ref, mla_split_partials_ref
 from ddtree.tools.selftest.compare import assert_close
 from tests.support.triton_env import DEVICE, triton_interpret_env  # noqa: F401,I001  (before kernels are imported)

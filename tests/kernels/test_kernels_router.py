@@ -1,4 +1,4 @@
-"""The one-launch router (kernels/router.py) against its reference and the model's DeepseekV3TopkRouter.
+"""The one-launch router (kernels/moe/router.py) against its reference and the model's DeepseekV3TopkRouter.
 
 Selected ids are compared as sets per row; inputs are continuous random values, so exact ties (whose
 order torch.topk leaves open) do not occur."""
@@ -10,9 +10,9 @@ import dataclasses
 import pytest
 import torch
 
-from ddtree.kernels import router as router_module
 from ddtree.kernels.layer_reference import route_ref
-from ddtree.kernels.router import route
+from ddtree.kernels.moe import router as router_module
+from ddtree.kernels.moe.router import route
 from ddtree.models.checkpoint.random import DEFAULT_TARGET_CONFIG
 from ddtree.models.deepseek_v3.config import DeepseekV3Config
 from ddtree.models.deepseek_v3.moe import DeepseekV3TopkRouter

@@ -1,4 +1,4 @@
-"""The MLA kernels over a bucket's static plan (kernels/mla_static_plan.py) equal the torch reference.
+"""The MLA kernels over a bucket's static plan (kernels/mla/static_plan.py) equal the torch reference.
 
 Ragged batches (decode rows, tree verifies with their masks, empty prefixes, fewer sequences than the
 bucket) are packed into one bucket's fixed buffers, twice over the same buffers in both orders (stale
@@ -14,8 +14,8 @@ import random
 import pytest
 import torch
 
-from ddtree.kernels.mla_backend import TritonMLAAttention
-from ddtree.kernels.mla_plan import MLAKernelConfig
+from ddtree.kernels.mla.backend import TritonMLAAttention
+from ddtree.kernels.mla.plan import MLAKernelConfig
 from ddtree.models.checkpoint.random import DEFAULT_TARGET_CONFIG, random_target_state_dict
 from ddtree.models.deepseek_v3.config import DeepseekV3Config
 from ddtree.models.deepseek_v3.model import DeepseekV3ForCausalLM

@@ -1,5 +1,5 @@
 """The packed modules on the CPU: the grouped MoE path against the per-expert reference loop
-(kernels/moe_reference.py) for bf16 / int4 / fp8 expert weights, skewed and empty routing and an
+(kernels/moe/reference.py) for bf16 / int4 / fp8 expert weights, skewed and empty routing and an
 expert-parallel map; its gradients against autograd through the loop; Int4Linear / Fp8Linear against
 F.linear on the dequantized weight; the stacked experts' per-expert state dict."""
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ddtree.kernels.moe_reference import fused_moe_reference
-from ddtree.kernels.moe_weights import ExpertWeights
+from ddtree.kernels.moe.reference import fused_moe_reference
+from ddtree.kernels.moe.weights import ExpertWeights
 from ddtree.kernels.quant_formats import quantize_fp8_block, quantize_int4_group
 from ddtree.models.deepseek_v3 import moe_grouped
 from ddtree.models.deepseek_v3.moe_experts import StackedExperts

@@ -1,7 +1,7 @@
-"""The fused MoE's committed tile table (kernels/moe_tiles.py, kernels/moe_configs/sm_*.json): one tile per
+"""The fused MoE's committed tile table (kernels/moe/tiles.py, kernels/moe_configs/sm_*.json): one tile per
 device class and weight shape whatever the rows, used by fused_moe; every tile computes the reference's
 result (interpreted, ragged shapes, INT4 and FP8) and compiles for its class within the limits; INT4 nibbles
-reach the dot's dtype by integer ops (kernels/int4_dequant.py) with the fp32 path's values."""
+reach the dot's dtype by integer ops (kernels/gemm/int4_dequant.py) with the fp32 path's values."""
 
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ from tests.support.triton_env import DEVICE, INTERPRET, triton_interpret_env  # 
 import triton
 import triton.language as tl
 
-from ddtree.kernels import fused_moe as fm
-from ddtree.kernels import moe_tiles
-from ddtree.kernels.int4_dequant import int4_dequant
-from ddtree.kernels.moe_reference import fused_moe_reference
-from ddtree.kernels.moe_weights import ExpertWeights
+from ddtree.kernels.gemm.int4_dequant import int4_dequant
+from ddtree.kernels.moe import fused as fm
+from ddtree.kernels.moe import tiles as moe_tiles
+from ddtree.kernels.moe.reference import fused_moe_reference
+from ddtree.kernels.moe.weights import ExpertWeights
 from ddtree.kernels.shared_memory import SMEM_PER_BLOCK
 from ddtree.tools.selftest.compare import assert_close
 from tests.kernels.test_kernels_fused_moe import Case, _fp8_oracle, _inputs, _on_device

@@ -10,9 +10,9 @@ import torch
 from tests.support.triton_env import INTERPRET, triton_interpret_env  # noqa: F401,I001  (before kernels are imported)
 
 # tests/support/triton_env.py imported the kernel modules with the interpreter set; these are those modules.
-fp8_gemm = pytest.importorskip("ddtree.kernels.fp8_gemm")
-int4_gemm = pytest.importorskip("ddtree.kernels.int4_gemm")
-fused_moe = pytest.importorskip("ddtree.kernels.fused_moe")
+fp8_gemm = pytest.importorskip("ddtree.kernels.gemm.fp8")
+int4_gemm = pytest.importorskip("ddtree.kernels.gemm.int4")
+fused_moe = pytest.importorskip("ddtree.kernels.moe.fused")
 
 from ddtree.kernels.quant_formats import quantize_fp8_block, quantize_int4_group  # noqa: E402
 from ddtree.models.deepseek_v3.moe_experts import StackedExperts, StackedProjection  # noqa: E402

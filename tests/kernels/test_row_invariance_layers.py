@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from ddtree.kernels.activation import silu_mul
-from ddtree.kernels.fp8_gemm import fp8_block_gemm
-from ddtree.kernels.fused_moe import fused_moe
-from ddtree.kernels.int4_gemm import int4_gemm
-from ddtree.kernels.moe_weights import ExpertWeights
+from ddtree.kernels.gemm.fp8 import fp8_block_gemm
+from ddtree.kernels.gemm.int4 import int4_gemm
+from ddtree.kernels.moe.fused import fused_moe
+from ddtree.kernels.moe.router import route
+from ddtree.kernels.moe.weights import ExpertWeights
 from ddtree.kernels.quant_formats import quantize_fp8_block, quantize_int4_group
 from ddtree.kernels.rmsnorm import add_rms_norm, rms_norm
 from ddtree.kernels.rope import rope_q
-from ddtree.kernels.router import route
 from tests.support.triton_env import DEVICE, triton_interpret_env  # noqa: F401,I001  (before kernels are imported)
 
 SIZES = (9, 17, 40)

@@ -1,4 +1,4 @@
-"""Row invariance of the MLA split + merge kernels (kernels/mla_plan.py `row_invariant`), interpreted on the CPU.
+"""Row invariance of the MLA split + merge kernels (kernels/mla/plan.py `row_invariant`), interpreted on the CPU.
 
 Every row of a verify tree, planned beside other sequences, must give bit for bit the output of its AR twin:
 the same query decoded alone (batch 1, one token, no mask) over the committed prefix and then its
@@ -17,8 +17,8 @@ import random
 import pytest
 import torch
 
-from ddtree.kernels.mla_attention import mla_attention
-from ddtree.kernels.mla_plan import MLAKernelConfig, MLASeq, plan_mla
+from ddtree.kernels.mla.attention import mla_attention
+from ddtree.kernels.mla.plan import MLAKernelConfig, MLASeq, plan_mla
 from ddtree.tools.selftest.invariance import Tree, random_tree
 from tests.support.triton_env import DEVICE, triton_interpret_env  # noqa: F401,I001  (before kernels are imported)
 

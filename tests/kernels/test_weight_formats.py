@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddtree.kernels.moe_weights import ExpertWeights
+from ddtree.kernels.moe.weights import ExpertWeights
 from ddtree.kernels.quant_formats import dequantize_fp8_block, dequantize_int4, quantize_fp8_block, quantize_int4_group
 from ddtree.kernels.weight_formats import BY_QUANT_METHOD, FORMATS, weight_format
 from ddtree.models.quantization import parse_quantization

@@ -17,8 +17,8 @@ import random
 import pytest
 import torch
 
-from ddtree.kernels.mla_backend import TritonMLAAttention
-from ddtree.kernels.mla_plan import MLAKernelConfig
+from ddtree.kernels.mla.backend import TritonMLAAttention
+from ddtree.kernels.mla.plan import MLAKernelConfig
 from ddtree.models.checkpoint.loader import load_target
 from ddtree.models.checkpoint.random import DEFAULT_TARGET_CONFIG, write_random_target
 from ddtree.models.layers.layer_kernels import make_layer_kernels

@@ -15,11 +15,13 @@ import sys
 
 import triton.language as tl
 
-from ddtree.kernels import fp8_gemm, int4_gemm, router
-from ddtree.kernels import fused_moe as fm
-from ddtree.kernels.mla_plan import MLAKernelConfig, mla_smem_bytes, smaller_mla_configs
-from ddtree.kernels.mla_split import _mla_split_kernel
-from ddtree.kernels.moe_configs import KINDS, default_config, smem_bytes
+from ddtree.kernels.gemm import fp8 as fp8_gemm
+from ddtree.kernels.gemm import int4 as int4_gemm
+from ddtree.kernels.mla.plan import MLAKernelConfig, mla_smem_bytes, smaller_mla_configs
+from ddtree.kernels.mla.split import _mla_split_kernel
+from ddtree.kernels.moe import fused as fm
+from ddtree.kernels.moe import router
+from ddtree.kernels.moe.configs import KINDS, default_config, smem_bytes
 from ddtree.kernels.shared_memory import SMEM_PER_BLOCK, fit_config, stages_within
 from scripts.bench.compile_launches import compile_for
 

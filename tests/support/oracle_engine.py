@@ -29,8 +29,8 @@ import torch
 from ddtree.contract.token_tree import TokenTree
 from ddtree.drafter.engine import SeqDraftInput
 from ddtree.models.layers.attention import AttentionMetadata, SeqAttention
-from ddtree.tools.selftest.oracle_contexts import OracleContexts
-from ddtree.tools.selftest.oracle_trees import noisy_tree
+from ddtree.tools.selftest.oracle.contexts import OracleContexts
+from ddtree.tools.selftest.oracle.trees import noisy_tree
 from ddtree.tree.best_first import TokenTable
 
 

@@ -28,12 +28,12 @@ if INTERPRET:
     os.environ["TRITON_INTERPRET"] = "1"
 try:
     pytest.importorskip("triton")
-    import ddtree.kernels.fp8_gemm  # noqa: F401
-    import ddtree.kernels.fused_moe  # noqa: F401
-    import ddtree.kernels.int4_gemm  # noqa: F401
-    import ddtree.kernels.latent_write  # noqa: F401
-    import ddtree.kernels.mla_attention  # noqa: F401
-    import ddtree.kernels.mla_backend  # noqa: F401
+    import ddtree.kernels.gemm.fp8  # noqa: F401
+    import ddtree.kernels.gemm.int4  # noqa: F401
+    import ddtree.kernels.mla.attention  # noqa: F401
+    import ddtree.kernels.mla.backend  # noqa: F401
+    import ddtree.kernels.mla.latent_write  # noqa: F401
+    import ddtree.kernels.moe.fused  # noqa: F401
 finally:
     if _previous is None:
         os.environ.pop("TRITON_INTERPRET", None)

@@ -134,7 +134,7 @@ def test_the_triton_kernels_interpreted_count_once_each(tmp_path, kimi_int4):
     # at least the fused MoE's two expert GEMMs in the MoE layer and the attention kernel in each layer
     assert r["triton_launches_per_step"] >= 2 * r["moe_layers"] + r["layers"]
     # every launch once; outside the forward only the LM head's GEMM (the verifier's head runs it on the
-    # forward's hidden rows, target.py; with the Triton kernels it is kernels/dense_gemm.py)
+    # forward's hidden rows, target.py; with the Triton kernels it is kernels/gemm/dense.py)
     assert r["forward"]["triton_launches"] + 1 == r["triton_launches_per_step"]
 
 

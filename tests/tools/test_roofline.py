@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from ddtree.kernels.dense_gemm import gemm_tiles
+from ddtree.kernels.gemm.dense import gemm_tiles
 from ddtree.tools.roofline.devices import DEVICES
 from tests.tools.test_bench_step import DEMO_TARGET, KIMI_CONFIG, ROOT
 
@@ -50,7 +50,7 @@ def sizes() -> dict:
 
 
 def gemm(m: int, n: int, k: int) -> int:
-    """x [m, k] + W [n, k] read, y [m, n] written, all bf16; with K in S > 1 chunks (kernels/dense_gemm.py's
+    """x [m, k] + W [n, k] read, y [m, n] written, all bf16; with K in S > 1 chunks (kernels/gemm/dense.py's
     rule on the H200's SMs) the fp32 partials [S, m, n] too, written then read by the sum."""
     splits = gemm_tiles(1, n, k, DEVICES["h200"].sms)[1]
     return (m * k + n * k + m * n) * BF16 + (2 * splits * m * n * FP32 if splits > 1 else 0)
@@ -60,7 +60,7 @@ def expected_bytes() -> dict[tuple[str, str], int]:
     """(kernel, site) -> bytes per step, counted from the config (R rows of one sequence, TP 8)."""
     s, R = sizes(), ROWS
     d, E, k, moe = s["d"], s["E"], s["k"], s["L"] - s["dense"]
-    splits = -(-d // 512)  # kernels/router.py: 512-column K splits, each its own program at 17 rows
+    splits = -(-d // 512)  # kernels/moe/router.py: 512-column K splits, each its own program at 17 rows
     return {
         ("_router_kernel", "layers.mlp.gate"): moe
         * (

@@ -157,7 +157,7 @@ def _moe_gemm(a: dict, grid: tuple, ctx: StepContext) -> Cost:
 
 
 def _dense_gemm(a: dict, grid: tuple, ctx: StepContext) -> Cost:
-    """kernels/dense_gemm.py (row-invariant, no split-K): one program per (M tile, N tile, batch)."""
+    """kernels/gemm/dense.py (row-invariant, no split-K): one program per (M tile, N tile, batch)."""
     m_tiles, n_tiles = grid[0], grid[1] if len(grid) > 1 else 1
     batch = grid[2] if len(grid) > 2 else 1
     x, w, y = a["X"], a["W"], a["Y"]

@@ -1,10 +1,10 @@
 """`ddtree selftest gpu`: checks that this install computes what it should on its hardware.
 
-`gpu.py` is the command; `kernel_check.py` (part a: each Triton kernel against its torch reference, with
-`mla_bench.py`, `moe_bench.py` and `draft_graph.py`) and `serving_check.py` (part b: a Kimi-K2.6-shaped
+`gpu.py` is the command; `selftest/kernels/kernel_check.py` (part a: each Triton kernel against its torch reference, with
+`selftest/kernels/mla_bench.py`, `selftest/kernels/moe_bench.py` and `draft_graph.py`) and `serving_check.py` (part b: a Kimi-K2.6-shaped
 checkpoint from `kimi_checkpoint.py`, served by the three services with the replay drafter of
-`replay_drafter.py`, DDTree against AR) are its two parts. `compare.py` (the tensor comparator),
-`oracle_trees.py` and `oracle_contexts.py` (the oracle drafters' trees and bookkeeping) are shared with
+`selftest/oracle/replay_drafter.py`, DDTree against AR) are its two parts. `compare.py` (the tensor comparator),
+`selftest/oracle/trees.py` and `selftest/oracle/contexts.py` (the oracle drafters' trees and bookkeeping) are shared with
 the test suite.
 """
 

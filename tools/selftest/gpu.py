@@ -14,12 +14,12 @@ context or stack past --deadline-s (part (c) also past --step-deadline-s, part (
 from its start), so a run killed at any point keeps every row it finished; "parts" says which ran to the
 end ("done"), which were cut ("running"), skipped or failed.
 
-(a) kernel_check.py: MLA decode / verify / extend, the latent write, the FP8 / INT4 dense GEMMs, the fused
-    MoE (bf16 / INT4 / FP8, moe_bench.py) and the drafter's graph step (draft_graph.py), each against its
+(a) selftest/kernels/kernel_check.py: MLA decode / verify / extend, the latent write, the FP8 / INT4 dense GEMMs, the fused
+    MoE (bf16 / INT4 / FP8, selftest/kernels/moe_bench.py) and the drafter's graph step (draft_graph.py), each against its
     torch reference, with kernel and torch times and the achieved bandwidth.
 (b) serving_check.py: a random full-width Kimi-K2.6-shaped checkpoint (4 layers, 64 INT4 experts by
     default; kimi_checkpoint.py) made on this machine, served by gateway + verifier + the replay oracle
-    drafter (replay_drafter.py) on one GPU; AR and DDTree at contexts 128 / 1k / 4k / 16k / 32k, step
+    drafter (selftest/oracle/replay_drafter.py) on one GPU; AR and DDTree at contexts 128 / 1k / 4k / 16k / 32k, step
     time split into draft / verify / transport, DDTree's tokens equal to AR's. CUDA graphs are measured
     when the verifier can capture the checkpoint, and the JSON says why not when it cannot.
 

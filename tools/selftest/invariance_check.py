@@ -208,8 +208,8 @@ def run_invariance_check(dry_run: bool, device, log, deadline: float, on_row) ->
         spec = CheckSpec(work, "triton", torch.bfloat16, batches, rows, contexts, 0)
         model = _load(spec, str(device))
         if dry_run:
-            from ddtree.kernels.mla_backend import TritonMLAAttention
-            from ddtree.kernels.mla_plan import MLAKernelConfig
+            from ddtree.kernels.mla.backend import TritonMLAAttention
+            from ddtree.kernels.mla.plan import MLAKernelConfig
 
             model.attn_backend = TritonMLAAttention(MLAKernelConfig(block_n=16, min_split=32, max_splits=4))
         out = compare_all(model, spec)

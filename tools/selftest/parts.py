@@ -73,7 +73,7 @@ def _drafter(args, device, deadline: Deadline, log, on_row) -> dict:
 
 
 def _kernels(args, device, deadline: Deadline, log, on_row) -> dict:
-    from ddtree.tools.selftest import kernel_check as gk
+    from ddtree.tools.selftest.kernels import kernel_check as gk
 
     log(gk.HEADER)
     return gk.run_kernels(args.dry_run, device, args.corrupt_reference, log, deadline.at, on_row)

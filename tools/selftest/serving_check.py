@@ -5,7 +5,7 @@
    machine by kimi_checkpoint.py, with the default checkpoint's tokenizer (its vocabulary sets the
    model's).
 2. The three services as processes (`services/launcher.py start_stack`): gateway, verifier on the device,
-   and the replay oracle drafter (replay_drafter.py: the oracle's noisy trees over the AR
+   and the replay oracle drafter (selftest/oracle/replay_drafter.py: the oracle's noisy trees over the AR
    output, so acceptance is known and the draft costs nothing).
 3. Per context: a prompt of that many tokens (code text) through the gateway, AR (no_spec) then DDTree
    (greedy, budget 16), the step records streamed with the tokens giving the draft / verify / transport
@@ -142,7 +142,7 @@ def start(plan: ServePlan, run: Pass, model: pathlib.Path, reference: pathlib.Pa
                 str(max_context + 4096), "--max-batch", "1", "--prefill-chunk", str(plan.prefill_chunk), *run.flags]  # fmt: skip
     drafter = ["--reference", str(reference), "--taps", ",".join(map(str, plan.taps)), "--oracle-seed", "7"]
     return start_stack(str(model), str(model), log_dir, verifier_args=tuple(verifier), drafter_args=tuple(drafter),
-                       gateway_args=("--http-port", "-1"), drafter_module="ddtree.tools.selftest.replay_drafter")  # fmt: skip
+                       gateway_args=("--http-port", "-1"), drafter_module="ddtree.tools.selftest.oracle.replay_drafter")  # fmt: skip
 
 
 def first_mismatch(expected: list[int], actual: list[int]) -> int | None:
@@ -237,7 +237,7 @@ def run_serving(plan: ServePlan, work: pathlib.Path, corrupt: bool = False, dead
     (perf_counter) no new stack starts and no new context is served (their contexts: "skipped" rows);
     on_row(result) after every context (the JSON saved)."""
     from ddtree.tokenization.tokenizer import Tokenizer
-    from ddtree.tools.selftest.oracle_trees import expected_accept_length
+    from ddtree.tools.selftest.oracle.trees import expected_accept_length
 
     model = work / "kimi-shaped"
     ckpt = make_checkpoint(plan, model)

@@ -20,7 +20,7 @@ the safetensors headers.
 - MTP layers (`model.layers.{n}.*`, n >= num_hidden_layers) are skipped.
 - The router's `mlp.gate.e_score_correction_bias` is fp32 whatever `dtype` is, and `mlp.gate.weight` keeps
   its stored float dtype (bf16 in Kimi / DeepSeek checkpoints, fp32 in HF copies): the router computes in
-  fp32 from either (kernels/router.py widens in registers, the torch path upcasts), so no fp32 copy is held.
+  fp32 from either (kernels/moe/router.py widens in registers, the torch path upcasts), so no fp32 copy is held.
 - `slice_of(name)` makes a tensor-parallel rank read only the part it owns (`TensorSlice`), and `skip(name)`
   drops tensors it does not hold at all (expert parallel). Names are the logical weight names, i.e. the
   checkpoint names without the `language_model.` prefix, and `X.weight` for every companion of a quantized

@@ -148,7 +148,7 @@ class DeepseekV3Attention(nn.Module):
         w_uk, w_uv = self.w_uk_uv()
         # Both absorptions as one bmm over heads (what einsum "thn,hnr->thr" / "thr,hvr->thv" runs, the same
         # numbers, without its per-call planning ops)
-        if kernels.head_gemm is not None:  # the device path: row invariant (kernels/dense_gemm.py)
+        if kernels.head_gemm is not None:  # the device path: row invariant (kernels/gemm/dense.py)
             q_lat = kernels.head_gemm(q_nope, w_uk.transpose(1, 2))  # [T, H, r]
         else:
             q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, r]

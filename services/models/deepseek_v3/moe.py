@@ -60,7 +60,7 @@ class DeepseekV3TopkRouter(nn.Module):
 
     def forward(self, x: torch.Tensor, kernels: LayerKernels = TORCH_KERNELS) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, d] -> (weights fp32 [N, k], expert ids int64 [N, k]). With Triton kernels one launch
-        (ddtree.kernels.router) reads `weight` as stored; ids are then in descending score order."""
+        (ddtree.kernels.moe.router) reads `weight` as stored; ids are then in descending score order."""
         if kernels.route is not None:
             return kernels.route(x, self.weight, self.e_score_correction_bias, self.top_k, self.n_group,
                                  self.topk_group, self.norm_topk_prob, self.routed_scaling_factor)  # fmt: skip

@@ -2,7 +2,7 @@
 
 `StackedExperts` (the model's `mlp.experts`) holds the experts [lo, hi) of `num_experts` global ones
 (all of them, or a rank's share under expert parallelism) as `gate_proj`, `up_proj`, `down_proj`, each a
-`StackedProjection` over the E = hi - lo local experts in one of the kinds of kernels/moe_weights.py:
+`StackedProjection` over the E = hi - lo local experts in one of the kinds of kernels/moe/weights.py:
 
     bf16: weight [E, N, K] (the model dtype; a trainable Parameter)
     int4: weight_packed int32 [E, N, ceil(K/8)], weight_scale [E, N, ceil(K/g)], weight_shape int32 [E, 2]
@@ -13,7 +13,7 @@ gate/up are [E, I, d], down [E, d, I]. `state_dict()` still has the checkpoint's
 tensors in place through them), and `load_state_dict` accepts them. Local slot of global expert g:
 `expert_map[g]` (-1 for another rank's).
 
-Forward (routed part only, [M, d] in x's dtype): on CUDA the Triton fused MoE (`ddtree.kernels.fused_moe`)
+Forward (routed part only, [M, d] in x's dtype): on CUDA the Triton fused MoE (`ddtree.kernels.moe.fused`)
 when installed and no gradient is wanted; otherwise the grouped torch path (moe_grouped.py), which is
 differentiable for kind bf16 (training).
 """
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ddtree.kernels.moe_weights import ExpertWeights
+from ddtree.kernels.moe.weights import ExpertWeights
 from ddtree.kernels.weight_formats import weight_format
 from ddtree.models.deepseek_v3.moe_grouped import grouped_moe
 from ddtree.models.layers.packed_linear import KeepsPackedDtypes, cuda_kernel
@@ -136,7 +136,7 @@ class StackedExperts(nn.Module):
         return grouped_moe(x, gate, up, down, topk_weights, topk_ids, self.expert_map)
 
     def fused(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor | None:
-        """The Triton fused MoE (ddtree.kernels.fused_moe) on these weights; None when it is not installed."""
+        """The Triton fused MoE (ddtree.kernels.moe.fused) on these weights; None when it is not installed."""
         kernel = cuda_kernel("fused_moe")
         if kernel is None:
             return None

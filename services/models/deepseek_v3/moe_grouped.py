@@ -1,8 +1,8 @@
 """The MoE's torch path (CPU, and CUDA without the Triton kernel): no Python loop over experts.
 
 `grouped_moe(x, gate, up, down, topk_weights, topk_ids, expert_map)` takes the arguments of
-`ddtree.kernels.fused_moe.fused_moe` (the weights as kernels/moe_weights.py `ExpertWeights`) and equals
-`kernels/moe_reference.py` (the per-expert loop, kept as the test oracle):
+`ddtree.kernels.moe.fused.fused_moe` (the weights as kernels/moe/weights.py `ExpertWeights`) and equals
+`kernels/moe/reference.py` (the per-expert loop, kept as the test oracle):
 
 1. the M·k (token, choice) assignments are sorted by local expert (another rank's, slot -1, or an id
    out of range: past the last group, never computed, added into a spare row); their rows are gathered
@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ddtree.kernels.moe_weights import ExpertWeights, check_routing, local_slots
+from ddtree.kernels.moe.weights import ExpertWeights, check_routing, local_slots
 
 DEQUANT_ELEMENTS = 1 << 26  # at most this many dequantized expert weights per projection at once
 HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")

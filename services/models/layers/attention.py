@@ -19,7 +19,7 @@ place as views of the cache and gathers only the rest, so a step at long context
 copy the whole prefix of every layer (`SeqAttention.prefix_runs`).
 
 The forward reads no value back to the host: what a backend needs from the slot tables (the torch
-backend's gather slots, runs and masks; the Triton backend's kernel plan, kernels/mla_plan.py) is built
+backend's gather slots, runs and masks; the Triton backend's kernel plan, kernels/mla/plan.py) is built
 from the host tensors by `prepare` (`AttentionMetadata.prepare` / `prepare_attention`) before the
 forward, copied to the device once, and kept in `meta.prepared`; the forward only reads those device
 buffers. A metadata nobody prepared is prepared at its first use inside the forward (the same result,
@@ -328,7 +328,7 @@ def _attend_runs(
 
 def _triton_backend() -> MLAAttentionBackend:
     # triton is an optional extra (the runtime install has none): imported only when this backend is chosen
-    from ddtree.kernels.mla_backend import TritonMLAAttention
+    from ddtree.kernels.mla.backend import TritonMLAAttention
 
     return TritonMLAAttention()
 

@@ -2,7 +2,7 @@
 
 With the Triton layer kernels (layer_kernels.py) a row's result must depend only on that row, never on how
 many rows share the step. cuBLAS (and the CPU's BLAS) choose kernel, tile and split-K from M, so the plain
-`nn.Linear` layers run `ddtree.kernels.dense_gemm` instead (one tile shape per weight shape), and the
+`nn.Linear` layers run `ddtree.kernels.gemm.dense` instead (one tile shape per weight shape), and the
 packed INT4 / FP8 linears and the stacked experts run their Triton kernels off CUDA too (interpreted on a
 CPU), where they would otherwise dequantize and call F.linear / the grouped torch MoE.
 
@@ -18,11 +18,11 @@ from torch import nn
 
 
 class DeviceLinear(nn.Linear):
-    """nn.Linear whose forward is kernels/dense_gemm.py (x in the weight's dtype)."""
+    """nn.Linear whose forward is kernels/gemm/dense.py (x in the weight's dtype)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         # triton is an optional extra (the runtime install has none): only the device path, which needs it
-        from ddtree.kernels.dense_gemm import dense_gemm
+        from ddtree.kernels.gemm.dense import dense_gemm
 
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return dense_gemm(x, self.weight.to(x.dtype), bias)

@@ -4,7 +4,7 @@
 the attention backend's name: "triton" on CUDA, "torch" on the CPU), and the model's forward passes it
 down to every layer: nothing is decided per call. "torch" is the CPU path with HF's numerics (norm.py,
 the router and MLP code of moe.py); "triton" runs ddtree.kernels.rmsnorm (RMSNorm, fused residual add +
-RMSNorm), ddtree.kernels.router (the router in one launch), ddtree.kernels.activation (SiLU-and-mul
+RMSNorm), ddtree.kernels.moe.router (the router in one launch), ddtree.kernels.activation (SiLU-and-mul
 after the fused gate/up GEMM) and ddtree.kernels.rope (the queries' rotary embedding). On a CPU,
 "triton" runs them under the Triton interpreter and needs TRITON_INTERPRET=1 set before triton is first
 imported.
@@ -53,7 +53,9 @@ def make_layer_kernels(name: str) -> LayerKernels:
         return TORCH_KERNELS
     if name == "triton":
         # triton is an optional extra (the runtime install has none): its kernels load only when chosen
-        from ddtree.kernels import activation, dense_gemm, rmsnorm, rope, router
+        from ddtree.kernels import activation, rmsnorm, rope
+        from ddtree.kernels.gemm import dense as dense_gemm
+        from ddtree.kernels.moe import router
 
         return LayerKernels(
             "triton", rmsnorm.rms_norm, rmsnorm.add_rms_norm, activation.silu_mul, router.route, rope.rope_q,

@@ -7,7 +7,7 @@ Buffers are named as in the checkpoint, so `state_dict()` keys are the stored na
 N = out_features, K = in_features (the rank's shard of them under tensor parallelism); an optional float
 `bias` [N]. The format arithmetic is kernels/quant_formats.py.
 
-Forward: on CUDA the Triton GEMM when it is installed (`ddtree.kernels.int4_gemm.int4_gemm`, W4A16;
+Forward: on CUDA the Triton GEMM when it is installed (`ddtree.kernels.gemm.int4.int4_gemm`, W4A16;
 `fp8_gemm.fp8_block_gemm`, W8A8 with per-token-group activation quantization, column blocks a power of
 two >= 32); everywhere else the weight is dequantized per call (fp32, then the input's dtype;
 `CHUNK_ELEMENTS` weights at a time) and multiplied with F.linear, so the result equals an nn.Linear
@@ -37,7 +37,9 @@ def cuda_kernel(name: str):
         raise ValueError(f"unknown kernel {name!r}")
     try:
         # triton is an optional extra (the runtime install has none): without it the weight is dequantized
-        from ddtree.kernels import fp8_gemm, fused_moe, int4_gemm
+        from ddtree.kernels.gemm import fp8 as fp8_gemm
+        from ddtree.kernels.gemm import int4 as int4_gemm
+        from ddtree.kernels.moe import fused as fused_moe
     except ImportError:
         return None
     entry_points = {

@@ -15,7 +15,7 @@ workspace and small per-launch allocations, independent of the bucket shapes.
 Everything is per rank: at TP N `rank_config` gives the widths one rank computes with. The attention
 backend decides the attention's share: the torch backend gathers every key and scores them all
 (models/layers/padded_attention.py), the Triton one keeps only its splits' fp32 partials
-(kernels/mla_static_plan.py), counted here with the most SMs a device has (more SMs, more splits).
+(kernels/mla/static_plan.py), counted here with the most SMs a device has (more SMs, more splits).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from __future__ import annotations
 import math
 import types
 
-from ddtree.kernels.mla_plan import MLAKernelConfig
-from ddtree.kernels.mla_static_plan import StaticPlanShape, static_plan_shape
+from ddtree.kernels.mla.plan import MLAKernelConfig
+from ddtree.kernels.mla.static_plan import StaticPlanShape, static_plan_shape
 from ddtree.verifier.kv.kv_sizing import GIB, dtype_bytes_of
 
 WARMUP_COPIES = 2

@@ -1,17 +1,17 @@
 """Part (a) of `ddtree selftest gpu`: every Triton kernel against its torch reference, timed.
 
-- MLA attention (kernels/mla_attention.py): decode (1 query), tree verify (root + 16 / 64 nodes, random
+- MLA attention (kernels/mla/attention.py): decode (1 query), tree verify (root + 16 / 64 nodes, random
   trees) and extend (a prefill chunk over a cached prefix, causal), against fp32 SDPA over the same
   gathered latents; the torch time is SDPA in the kernel's dtype (KV pre-gathered, so it excludes the
-  gather it would need). Inputs and the SDPA reference: mla_bench.py.
-- the fused latent write (kernels/latent_write.py) against write_latent_ref (the torch ops it replaces).
-- the dense FP8 block GEMM and INT4 group GEMM (kernels/fp8_gemm.py, kernels/int4_gemm.py) against
-  kernels/dense_gemm_reference.py (fp32 on the CPU); the torch time is a bf16 matmul of the dequantized
+  gather it would need). Inputs and the SDPA reference: selftest/kernels/mla_bench.py.
+- the fused latent write (kernels/mla/latent_write.py) against write_latent_ref (the torch ops it replaces).
+- the dense FP8 block GEMM and INT4 group GEMM (kernels/gemm/fp8.py, kernels/gemm/int4.py) against
+  kernels/gemm/dense_reference.py (fp32 on the CPU); the torch time is a bf16 matmul of the dequantized
   weight on the device.
-- the fused MoE, bf16 / INT4 / FP8 weights: moe_bench.py's `bench_model` (CUDA-graph
+- the fused MoE, bf16 / INT4 / FP8 weights: selftest/kernels/moe_bench.py's `bench_model` (CUDA-graph
   timing, cosine difference from the per-expert torch loop), its rows folded into this table.
 - the router, fused residual add + RMSNorm, SiLU-and-mul and the queries' RoPE against their references
-  (layer_kernel_check.py).
+  (selftest/kernels/layer_kernel_check.py).
 - the drafter's block forward as a CUDA graph against the eager one (draft_graph.py).
 
 Every row: kernel, shape, kernel µs, torch µs, the bytes the call must move / kernel time (GB/s), ok.
@@ -26,11 +26,11 @@ import time
 
 import torch
 
-from ddtree.tools.selftest import mla_bench as mla
-from ddtree.tools.selftest import moe_bench as moe
 from ddtree.tools.selftest.compare import assert_close
 from ddtree.tools.selftest.draft_graph import draft_graph_cases
-from ddtree.tools.selftest.layer_kernel_check import layer_kernel_cases
+from ddtree.tools.selftest.kernels import mla_bench as mla
+from ddtree.tools.selftest.kernels import moe_bench as moe
+from ddtree.tools.selftest.kernels.layer_kernel_check import layer_kernel_cases
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,8 +80,8 @@ def _row(group, kernel, shape, us, ref_us, nbytes, ok, detail, peak) -> dict:
 
 
 def mla_case(kind, batch, prefix, q_len, plan: KernelPlan, device, measure, peak, corrupt) -> dict:
-    from ddtree.kernels.mla_attention import mla_attention
-    from ddtree.kernels.mla_plan import MLAKernelConfig, MLASeq, plan_mla
+    from ddtree.kernels.mla.attention import mla_attention
+    from ddtree.kernels.mla.plan import MLAKernelConfig, MLASeq, plan_mla
 
     dims = plan.mla_dims
     H, r, dr, dtype = dims["heads"], dims["r"], dims["dr"], getattr(torch, dims["dtype"])
@@ -113,7 +113,7 @@ def mla_case(kind, batch, prefix, q_len, plan: KernelPlan, device, measure, peak
 
 
 def latent_write_case(T: int, plan: KernelPlan, device, measure, peak, corrupt) -> dict:
-    from ddtree.kernels.latent_write import write_latent
+    from ddtree.kernels.mla.latent_write import write_latent
     from ddtree.kernels.reference import write_latent_ref
 
     r, dr, dtype = plan.mla_dims["r"], plan.mla_dims["dr"], getattr(torch, plan.mla_dims["dtype"])
@@ -137,9 +137,9 @@ def latent_write_case(T: int, plan: KernelPlan, device, measure, peak, corrupt) 
 
 
 def gemm_cases(plan: KernelPlan, device, measure, peak, corrupt) -> list[dict]:
-    from ddtree.kernels import dense_gemm_reference as ref
-    from ddtree.kernels.fp8_gemm import fp8_block_gemm
-    from ddtree.kernels.int4_gemm import int4_gemm
+    from ddtree.kernels.gemm import dense_reference as ref
+    from ddtree.kernels.gemm.fp8 import fp8_block_gemm
+    from ddtree.kernels.gemm.int4 import int4_gemm
     from ddtree.kernels.quant_formats import (
         dequantize_fp8_block,
         dequantize_int4,

@@ -1,5 +1,5 @@
 """Fused MoE: out = Σ_j w[t, j] · down_e(silu(gate_e(x_t)) · up_e(x_t)), e = the local expert of slot j,
-as moe_reference.fused_moe_reference, with the weights in their packed format (moe_weights.py).
+as moe.reference.fused_moe_reference, with the weights in their packed format (moe/weights.py).
 
 One call is 6 launches, whatever the weight format (fp8 quantizes x and h inside the GEMMs):
   1. moe_align (3 small kernels): pairs p = token·k + slot grouped by local expert, padded to BLOCK_M;
@@ -17,7 +17,7 @@ Weights are dequantized in the K loop:
   bf16 (or fp16 / fp32): loaded and cast to the dot dtype;
   int4: BLOCK_K / 8 int32 words per row, unpacked with shifts (nibble j of word w is column 8w + j,
         value nibble - 8) straight into the dot's dtype by integer ops and multiplied there by the group
-        scale of each word (int4_dequant.py: no fp32 math for bf16 scales; the group size is a multiple
+        scale of each word (gemm/int4_dequant.py: no fp32 math for bf16 scales; the group size is a multiple
         of 8, so the 8 nibbles of a word share a scale; any K: the tail nibbles are masked);
   fp8:  e4m3 weights and activations in an fp8 dot (sm_89+: Triton has no e4m3 before), every K tile
         scaled by the activation scale of its rows [BLOCK_M] and the weight block scale of its columns
@@ -32,13 +32,13 @@ Weights are dequantized in the K loop:
         program of an M-block quantizes the same rows again (per N tile): the cost of no extra launch.
 Numerics: fp32 accumulation; x bf16 / fp16 run the dots in x's dtype (weights dequantized to it, h
 rounded to it); x fp32 runs exact fp32 dots. Under the Triton interpreter (TRITON_INTERPRET=1) every
-dot is fp32 (its bf16 dot is wrong, see mla_checks.kernel_dims), h stays fp32 and the bf16 output is
+dot is fp32 (its bf16 dot is wrong, see mla.checks.kernel_dims), h stays fp32 and the bf16 output is
 rounded with explicit bit arithmetic; the fp8 dot runs as on a GPU (the interpreter widens e4m3 to fp16,
 exactly).
-Tiles: the committed table of the device class and weight shape (moe_tiles.py: sm_90, sm_120; one tile for
-every M, so a row's result does not depend on the rows beside it), else moe_configs.get_config. A GEMM whose
+Tiles: the committed table of the device class and weight shape (moe/tiles.py: sm_90, sm_120; one tile for
+every M, so a row's result does not depend on the rows beside it), else moe.configs.get_config. A GEMM whose
 config needs more shared memory (or threads) than the device has is relaunched with
-moe_configs.smaller_configs until one fits, and that one is used for its key from then on.
+moe.configs.smaller_configs until one fits, and that one is used for its key from then on.
 """
 
 from __future__ import annotations
@@ -50,16 +50,17 @@ import torch
 import triton
 import triton.language as tl
 
-from . import moe_tiles, shared_memory
-from .int4_dequant import int4_dequant
-from .latent_write import _round_bf16
-from .mla_checks import check_device, is_interpreted
-from .moe_align import moe_align
-from .moe_configs import MoeTileConfig, get_config, smaller_configs
-from .moe_weights import FLOAT_DTYPES, ExpertWeights, check_routing
-from .quant_formats import FP8_MAX
-from .shared_memory import OutOfResources  # noqa: F401  (what a launch raises: callers catch fused_moe.OutOfResources)
-from .weight_formats import FORMATS, FP8_BLOCK, INT4_PACK
+from ddtree.kernels import shared_memory
+from ddtree.kernels.gemm.int4_dequant import int4_dequant
+from ddtree.kernels.mla.checks import check_device, is_interpreted
+from ddtree.kernels.mla.latent_write import _round_bf16
+from ddtree.kernels.moe import tiles as moe_tiles
+from ddtree.kernels.moe.align import moe_align
+from ddtree.kernels.moe.configs import MoeTileConfig, get_config, smaller_configs
+from ddtree.kernels.moe.weights import FLOAT_DTYPES, ExpertWeights, check_routing
+from ddtree.kernels.quant_formats import FP8_MAX
+from ddtree.kernels.shared_memory import OutOfResources  # noqa: F401  (what a launch raises: callers catch moe.fused.OutOfResources)
+from ddtree.kernels.weight_formats import FORMATS, FP8_BLOCK, INT4_PACK
 
 _KIND = {name: f.kernel_id for name, f in FORMATS.items()}  # the KIND constexpr by format name
 _INT4 = tl.constexpr(INT4_PACK.kernel_id)  # the kernels' branches of the quantized formats
@@ -116,7 +117,7 @@ def _weight_tile(
                     mask=ok, other=0.0)  # fmt: skip
         j = tl.arange(0, 8)
         nib = (words[:, None, :] >> (j * 4)[None, :, None]) & 0xF  # [BLOCK_K / 8, 8, BLOCK_N] in [0, 15]
-        # integer ops into DOT (int4_dequant.py). The last word's padding nibbles (K % 8) need no mask: they
+        # integer ops into DOT (gemm/int4_dequant.py). The last word's padding nibbles (K % 8) need no mask: they
         # dequantize to finite values and meet the A columns past K, loaded as 0
         w = int4_dequant(nib, s[:, None, :], DOT)
         return tl.reshape(w, [BLOCK_K, BLOCK_N])
@@ -295,14 +296,14 @@ def _configs(config, x, gate, down, topk: int, wide: bool) -> tuple[MoeTileConfi
 
 
 def _device_class(x: torch.Tensor) -> str | None:
-    """moe_tiles' device class of x's GPU (None off CUDA: interpreted runs use moe_configs' defaults)."""
+    """moe/tiles.py's device class of x's GPU (None off CUDA: interpreted runs use moe/configs.py's defaults)."""
     return moe_tiles.device_class(torch.cuda.get_device_capability(x.device)) if x.is_cuda else None
 
 
 def launch_with_fallback(
     launch: Callable[[MoeTileConfig], None], cfg: MoeTileConfig, cache: dict, key: Hashable
 ) -> MoeTileConfig:
-    """shared_memory.launch_with_fallback over moe_configs.smaller_configs: launch(cfg), smaller configs while
+    """shared_memory.launch_with_fallback over moe.configs.smaller_configs: launch(cfg), smaller configs while
     that raises OutOfResources; cache[key] keeps the one that launched."""
     return shared_memory.launch_with_fallback(launch, cfg, cache, key, smaller_configs, _describe, "fused moe")
 
@@ -354,7 +355,7 @@ def fused_moe(
     topk_weights: torch.Tensor,  # float [M, k]
     topk_ids: torch.Tensor,  # int [M, k] global expert ids
     expert_map: torch.Tensor | None = None,  # int [E_global]: local slot or -1 (another rank)
-    config: MoeTileConfig | tuple[MoeTileConfig, MoeTileConfig] | None = None,  # None: moe_configs' table (shrunk
+    config: MoeTileConfig | tuple[MoeTileConfig, MoeTileConfig] | None = None,  # None: moe/configs.py's table (shrunk
     # when it does not fit the device); a config given is launched as is
 ) -> torch.Tensor:  # [M, D], dtype of x
     """fused_moe_reference's result from the Triton kernels (ValueError on malformed inputs)."""

@@ -36,9 +36,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .mla_checks import DTYPES, check_device, is_interpreted
-from .mla_plan import num_sms
-from .shared_memory import device_smem_budget, dot_smem_bytes, stages_within
+from ddtree.kernels.mla.checks import DTYPES, check_device, is_interpreted
+from ddtree.kernels.mla.plan import num_sms
+from ddtree.kernels.shared_memory import device_smem_budget, dot_smem_bytes, stages_within
 
 BLOCK_M = 16  # rows per program: fixed, so a row's logits never depend on the launch's rows (a dot's least M)
 BLOCK_E = 32  # experts per program

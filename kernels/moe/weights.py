@@ -1,7 +1,7 @@
 """One MoE projection stacked over a rank's local experts, in its checkpoint's packed format.
 
 The contract between the packed model modules (`ddtree.models.deepseek_v3.moe`), the fused MoE kernel
-(`fused_moe.py`, Triton), the CPU grouped path and the torch reference (`moe_reference.py`):
+(`moe/fused.py`, Triton), the CPU grouped path and the torch reference (`moe/reference.py`):
 
     kind "bf16": weight bf16/fp16/fp32 [E, N, K]
     kind "int4": weight int32 [E, N, ceil(K/8)]  (compressed-tensors pack-quantized, nibble = value + 8)
@@ -23,8 +23,8 @@ import os
 
 import torch
 
-from .weight_formats import FLOAT_DTYPES as FLOAT_DTYPES  # what fused_moe and the tests import from here
-from .weight_formats import FORMATS, WeightFormat, weight_format
+from ddtree.kernels.weight_formats import FLOAT_DTYPES as FLOAT_DTYPES  # what fused_moe and the tests import from here
+from ddtree.kernels.weight_formats import FORMATS, WeightFormat, weight_format
 
 KINDS = tuple(FORMATS)
 

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .moe_weights import local_slots
+from ddtree.kernels.moe.weights import local_slots
 
 
 @dataclasses.dataclass(frozen=True)

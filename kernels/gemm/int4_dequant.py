@@ -1,5 +1,5 @@
 """INT4 nibbles to the dot's dtype with integer ops, no int -> float conversion and no fp32 math on the hot path
-(the fused MoE's weight tiles, fused_moe._weight_tile).
+(the fused MoE's weight tiles, moe.fused._weight_tile).
 
 A nibble n in [0, 15] (the packed value v + 8, quant_formats.PACK) ORed into the mantissa of a power of two
 is that power plus n, exactly, as a bit pattern:
@@ -11,7 +11,7 @@ gives (the path this replaces: v.to(fp32) · s.to(fp32), then .to(dot)). On sm_9
 and multiply are native bf16x2 instructions (two elements each), where the fp32 path needed an I2F, an FMUL
 and an F2F per element. A scale of another dtype than the dot's (fp32 scales) keeps the fp32 product.
 
-The Triton interpreter's bf16 arithmetic is not IEEE (mla_checks.kernel_dims), so interpreted kernels use
+The Triton interpreter's bf16 arithmetic is not IEEE (mla.checks.kernel_dims), so interpreted kernels use
 fp32 dots (the fp32 row above, the same scheme); the bf16 and fp16 rows run on GPUs (`ddtree selftest gpu`).
 """
 

@@ -1,4 +1,4 @@
-"""The MLA kernels' plan (mla_plan.py) at a static shape: a bucket's plan in fixed device buffers.
+"""The MLA kernels' plan (mla/plan.py) at a static shape: a bucket's plan in fixed device buffers.
 
 For a bucket (B sequences, Q rows, K keys each) every count the kernels launch with is fixed: each
 sequence has q_len = Q (its rows past the step's q_b are padding), ceil(Q·H / block_m) row tiles, and
@@ -11,7 +11,7 @@ least one key, every value is finite, and no real row sees the pad slot.
 
 Table layout (int32, `int_words` entries, in the step's packed buffer): seqs [B, 8], tiles [NT, 4],
 items [NI, 4], merge_tiles [max(NM, 1)], table [B·K] (sequence i's prefix at i·K), new_slots [B·Q],
-mask_bits [B·Q·W] (W = ceil(Q / 32); sequence i's rows at i·Q·W). Field meanings are mla_plan.py's.
+mask_bits [B·Q·W] (W = ceil(Q / 32); sequence i's rows at i·Q·W). Field meanings are mla/plan.py's.
 """
 
 from __future__ import annotations
@@ -21,7 +21,15 @@ import math
 
 import torch
 
-from .mla_plan import ITEM_FIELDS, SEQ_FIELDS, TILE_FIELDS, MLAKernelConfig, MLAPlan, num_sms, pack_mask_bits
+from ddtree.kernels.mla.plan import (
+    ITEM_FIELDS,
+    SEQ_FIELDS,
+    TILE_FIELDS,
+    MLAKernelConfig,
+    MLAPlan,
+    num_sms,
+    pack_mask_bits,
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,7 +8,7 @@ import dataclasses
 import torch
 from triton.runtime.interpreter import InterpretedFunction
 
-from .mla_plan import MLAPlan
+from ddtree.kernels.mla.plan import MLAPlan
 
 LOG2E = 1.4426950408889634
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

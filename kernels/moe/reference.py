@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .moe_weights import ExpertWeights, check_routing
+from ddtree.kernels.moe.weights import ExpertWeights, check_routing
 
 
 def fused_moe_reference(

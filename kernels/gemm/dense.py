@@ -31,10 +31,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .latent_write import _round_bf16
-from .mla_checks import DTYPES, check_device, is_interpreted
-from .mla_plan import num_sms
-from .shared_memory import device_smem_budget, dot_smem_bytes, stages_within
+from ddtree.kernels.mla.checks import DTYPES, check_device, is_interpreted
+from ddtree.kernels.mla.latent_write import _round_bf16
+from ddtree.kernels.mla.plan import num_sms
+from ddtree.kernels.shared_memory import device_smem_budget, dot_smem_bytes, stages_within
 
 BLOCK_M = 64  # rows per tile at every M
 BLOCK_K = 64

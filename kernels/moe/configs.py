@@ -1,11 +1,11 @@
-"""Tile configs of the fused MoE kernels (fused_moe.py): a table by GEMM and token count, with a default.
+"""Tile configs of the fused MoE kernels (moe/fused.py): a table by GEMM and token count, with a default.
 
-A fused MoE call runs two grouped GEMMs over the same alignment (moe_align.py), so one block_m:
+A fused MoE call runs two grouped GEMMs over the same alignment (moe/align.py), so one block_m:
   op "gate_up": N = I (moe_intermediate_size per rank), K = d (hidden size), gate and up in one pass;
   op "down":    N = d, K = I.
 A config is looked up by (kind, op, E, N, K) and the bucket of M (tokens in the call):
 
-    kernels/moe_configs/<device name>.json   (written by `python -m scripts.bench.bench_moe_kernels --moe --autotune`)
+    kernels/moe/tables/<device name>.json   (written by `python -m scripts.bench.bench_moe_kernels --moe --autotune`)
     {"device": "NVIDIA H200", "triton": "3.9.0",
      "configs": {"int4/gate_up/E384/N256/K7168": {"1": {"block_m": 16, "block_n": 32, ...}, "16": {...}}}}
 
@@ -24,13 +24,13 @@ import pathlib
 import re
 from collections.abc import Iterator
 
-from .shared_memory import dot_smem_bytes, fit_config
-from .weight_formats import FORMATS, weight_format
+from ddtree.kernels.shared_memory import dot_smem_bytes, fit_config
+from ddtree.kernels.weight_formats import FORMATS, weight_format
 
 OPS = ("gate_up", "down")
 KINDS = tuple(FORMATS)
 M_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 2048, 4096)
-TABLE_DIR = pathlib.Path(__file__).with_name("moe_configs")
+TABLE_DIR = pathlib.Path(__file__).with_name("tables")
 _WIDE_SMEM_BUDGET = 160 * 1024  # default_config's cap on its shared memory estimate with fp32 dots
 
 
@@ -141,7 +141,7 @@ def default_config(
 
 
 def device_table_path(device_name: str) -> pathlib.Path:
-    """kernels/moe_configs/<name>.json, the name with anything but letters, digits, '-', '_' as '_'."""
+    """kernels/moe/tables/<name>.json, the name with anything but letters, digits, '-', '_' as '_'."""
     return TABLE_DIR / (re.sub(r"[^A-Za-z0-9_-]+", "_", device_name).strip("_") + ".json")
 
 

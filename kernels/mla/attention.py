@@ -3,13 +3,13 @@
     o_lat[t, h] = Σ_s softmax_s((q_lat[t, h]·c_kv[s] + q_pe[t, h]·k_pe[s]) · scale) · c_kv[s]
 
 over the sequence's prefix slots (all visible) and its new tokens (under the mask). The three uses differ
-only in the plan (mla_plan.py):
+only in the plan (mla/plan.py):
 - tree verify: q_len = nodes + 1, new_mask = ancestor mask (bits);
 - decode:      q_len = 1 (a one-node tree: the same two kernels, the new part is the token itself);
 - prefill / extend over a cached prefix: q_len = chunk, new_mask None (causal).
 
-At most two launches: mla_split.py (every (row tile, prefix split) item in parallel, a tile's first item
-also attending to its new tokens; a tile with one item writes its output directly) and mla_merge.py (LSE
+At most two launches: mla/split.py (every (row tile, prefix split) item in parallel, a tile's first item
+also attending to its new tokens; a tile with one item writes its output directly) and mla/merge.py (LSE
 merge of the partials of the other tiles; skipped when there are none, i.e. at short context).
 """
 
@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import torch
 
-from .mla_checks import check_inputs, is_interpreted, kernel_dims
-from .mla_merge import mla_merge
-from .mla_plan import MLAPlan
-from .mla_split import _mla_split_kernel, mla_split_attention
+from ddtree.kernels.mla.checks import check_inputs, is_interpreted, kernel_dims
+from ddtree.kernels.mla.merge import mla_merge
+from ddtree.kernels.mla.plan import MLAPlan
+from ddtree.kernels.mla.split import _mla_split_kernel, mla_split_attention
 
 
 def mla_attention(

@@ -1,11 +1,11 @@
 """The fused MoE's committed tile table: one tile per device class and weight shape, whatever the rows.
 
-    kernels/moe_configs/sm_90.json, sm_120.json   (written by `python -m scripts.bench.moe_tile_table`)
+    kernels/moe/tables/sm_90.json, sm_120.json   (written by `python -m scripts.bench.moe_tile_table`)
     {"device_class": "sm_90", "triton": "3.9.0", "model": {...},
      "tiles": {"int4/gate_up/N256/K7168/g32": {"config": {"block_m": 16, ...}, "registers": 128,
                                                "spill_bytes": 0, "shared_bytes": 32768, "modeled_us": {...}}}}
 
-A key is the weight format, the op (gate_up: N = I, K = d; down: N = d, K = I, moe_configs' ops), the
+A key is the weight format, the op (gate_up: N = I, K = d; down: N = d, K = I, moe/configs.py's ops), the
 weight's N and K and its quantization (g<group> for INT4, b<bn>x<bk> for FP8 block scales, "-" for bf16).
 The number of rows (M) is deliberately no part of it: a row's result must not depend on how many rows share
 the launch (row invariance), so one call's tile is every call's, with one K order (one K loop, no split K)
@@ -15,7 +15,7 @@ The tiles were chosen on a CPU from a roofline of the shapes the deployments run
 Kimi K2.6 / DeepSeek-V3 at TP 8) and from each candidate compiled ahead of time for the class (registers,
 spills and shared memory from ptxas), see scripts/bench/moe_tile_table.py; the figures in the files are
 modeled, not measured. fused_moe uses a table entry when one matches (CUDA only) and its launch fallback
-(smaller_configs on OutOfResources) stays; a shape without an entry gets moe_configs.get_config.
+(smaller_configs on OutOfResources) stays; a shape without an entry gets moe.configs.get_config.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import functools
 import json
 import pathlib
 
-from .moe_configs import OPS, MoeTileConfig
-from .weight_formats import FORMATS, weight_format
+from ddtree.kernels.moe.configs import OPS, MoeTileConfig
+from ddtree.kernels.weight_formats import FORMATS, weight_format
 
-TABLE_DIR = pathlib.Path(__file__).with_name("moe_configs")
+TABLE_DIR = pathlib.Path(__file__).with_name("tables")
 CLASSES = ("sm_90", "sm_120")  # Hopper (H100 / H200); Blackwell workstation (RTX PRO 6000)
 KINDS = tuple(FORMATS)
 

@@ -1,7 +1,7 @@
 """`TritonMLAAttention`: the "triton" attention backend of services/models/layers/attention.py.
 
-The model calls `write_latent` (the fused latent KV write, latent_write.py) and `attend` once per layer
-with the same AttentionMetadata. The kernel plan (mla_plan.py) is built from the metadata's host slot
+The model calls `write_latent` (the fused latent KV write, mla/latent_write.py) and `attend` once per layer
+with the same AttentionMetadata. The kernel plan (mla/plan.py) is built from the metadata's host slot
 tables by `prepare`, before the forward (the verifier's batch does it), and kept in `meta.prepared`
 with its device buffers (one host -> device copy); the latent write takes its slots from the plan too, so
 a forward only reads device buffers. A metadata nobody prepared is planned at its first use.
@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from .latent_write import write_latent
-from .mla_attention import mla_attention
-from .mla_plan import MLAKernelConfig, MLAPlan, MLASeq, plan_mla
-from .mla_static_plan import MLAStaticLayout
+from ddtree.kernels.mla.attention import mla_attention
+from ddtree.kernels.mla.latent_write import write_latent
+from ddtree.kernels.mla.plan import MLAKernelConfig, MLAPlan, MLASeq, plan_mla
+from ddtree.kernels.mla.static_plan import MLAStaticLayout
 
 
 class TritonMLAAttention:
@@ -46,7 +46,7 @@ class TritonMLAAttention:
         return self.prepare(meta, num_heads, kv_layer)
 
     def write_latent(self, kv_layer, latent, slots, positions, norm, rope) -> None:
-        """kv_layer[slots] = [norm(c_kv) ; rope(k_pe)] in one launch (latent_write.py); slots come from the
+        """kv_layer[slots] = [norm(c_kv) ; rope(k_pe)] in one launch (mla/latent_write.py); slots come from the
         verifier's page tables, which hand out each slot once (and the plan checked their range), so the
         device bounds check (a sync) is off."""
         write_latent(

@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .mla_checks import KernelDims
-from .mla_plan import MLAPlan
+from ddtree.kernels.mla.checks import KernelDims
+from ddtree.kernels.mla.plan import MLAPlan
 
 MERGE_V = 128  # values per program
 CHUNK = 32  # partials loaded at once (a 32k decode has ~128: 4 rounds)

@@ -1,5 +1,5 @@
 """What the oracle drafters share: the tests' `OracleDraftEngine` (the target's own greedy continuation)
-and `ddtree selftest gpu`'s `ReplayDraftEngine` (replay_drafter.py, a replayed one).
+and `ddtree selftest gpu`'s `ReplayDraftEngine` (selftest/oracle/replay_drafter.py, a replayed one).
 
 Both speak the Drafter contract like the DFlash engine (`services/drafter/engine.py`): the same `info`,
 `knows` and `release` answers and the same checks of each call's sequences, with the same messages, over

@@ -43,14 +43,14 @@ def random_weights(kind: str, E: int, N: int, K: int, dims: dict, device, gen):
 
 
 def _random_float(kind: str, E: int, N: int, K: int, dims: dict, device, gen):
-    from ddtree.kernels.moe_weights import ExpertWeights
+    from ddtree.kernels.moe.weights import ExpertWeights
 
     w = torch.randn(E, N, K, generator=gen, device=device) / K**0.5
     return ExpertWeights(kind, w.to(torch.bfloat16), N, K)
 
 
 def _random_int4(kind: str, E: int, N: int, K: int, dims: dict, device, gen):
-    from ddtree.kernels.moe_weights import ExpertWeights
+    from ddtree.kernels.moe.weights import ExpertWeights
 
     g = dims["group"]
     words = torch.randint(-(2**31), 2**31 - 1, (E, N, -(-K // 8)), generator=gen, device=device, dtype=torch.int32)
@@ -59,7 +59,7 @@ def _random_int4(kind: str, E: int, N: int, K: int, dims: dict, device, gen):
 
 
 def _random_fp8(kind: str, E: int, N: int, K: int, dims: dict, device, gen):
-    from ddtree.kernels.moe_weights import ExpertWeights
+    from ddtree.kernels.moe.weights import ExpertWeights
 
     bn, bk = dims["block"]
     q = (torch.randn(E, N, K, generator=gen, device=device) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
@@ -144,14 +144,14 @@ def make_calls(M: int, dims: dict, device, gen, repeats: int) -> list[tuple]:
 
 
 def time_fused(ws, calls, config, device, measure) -> float:
-    from ddtree.kernels.fused_moe import fused_moe
+    from ddtree.kernels.moe.fused import fused_moe
 
     fns = [functools.partial(fused_moe, x, *ws, tw, ids, config=config) for x, ids, tw in calls]
     return time_calls(fns, device, measure)
 
 
 def bench_point(name: str, kind: str, dims: dict, ws, bf, M: int, device, measure, peak_gbps, gen, plan) -> dict:
-    from ddtree.kernels.fused_moe import fused_moe
+    from ddtree.kernels.moe.fused import fused_moe
 
     calls = make_calls(M, dims, device, gen, plan.repeats)
     t_graph = time_fused(ws, calls, None, device, measure)

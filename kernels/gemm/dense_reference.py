@@ -1,4 +1,4 @@
-"""Torch references of the dense quantized GEMMs (fp8_gemm.py, int4_gemm.py): test oracles in fp32 math on
+"""Torch references of the dense quantized GEMMs (gemm/fp8.py, gemm/int4.py): test oracles in fp32 math on
 weights dequantized with quant_formats.py. Each mirrors one kernel wrapper's arguments.
 
 The FP8 references quantize the activations exactly as the kernel does inside its K loop
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from .quant_formats import FP8_MAX, dequantize_fp8_block, dequantize_int4
+from ddtree.kernels.quant_formats import FP8_MAX, dequantize_fp8_block, dequantize_int4
 
-FP8_EPS = 1e-10  # fp8_gemm.FP8_EPS
+FP8_EPS = 1e-10  # gemm.fp8.FP8_EPS
 
 
 def per_token_group_quant_fp8_reference(x: torch.Tensor, group_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:

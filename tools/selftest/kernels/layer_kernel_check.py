@@ -48,7 +48,7 @@ def _decision_margin(choice: torch.Tensor, groups: int, kept: int, k: int) -> to
 
 
 def router_case(name, E, groups, kept, k, scaling, N, d, device, measure, row, compare) -> dict:
-    from ddtree.kernels.router import route
+    from ddtree.kernels.moe.router import route
 
     gen = torch.Generator().manual_seed(E * 7 + N)
     x = torch.randn(N, d, generator=gen).to(device, torch.bfloat16)

@@ -11,12 +11,12 @@ Each sequence sees
 - its own new tokens (slots `new_slots`, already written to the cache) under `new_mask`
   (None = causal: decode, prefill / extend; a tree's ancestor mask for verify).
 
-Two kernels do the work (see mla_attention.py):
-1. split (mla_split.py): one program per work item = (row tile, prefix split of `split_len` tokens, no
+Two kernels do the work (see mla/attention.py):
+1. split (mla/split.py): one program per work item = (row tile, prefix split of `split_len` tokens, no
    mask); the tile's first item also attends to its new tokens (under the mask). A program runs an
    online softmax over its keys and writes a partial (o normalised, lse) per row, or, when the tile
    has a single item (short prefix), the final output directly;
-2. merge (mla_merge.py): one program per (row, value block) of every tile with several items: an LSE
+2. merge (mla/merge.py): one program per (row, value block) of every tile with several items: an LSE
    merge of the tile's partials, vectorised over the items. It is a small reduction, spread over many
    programs so that long prefixes (many partials) do not funnel through a few SMs.
 

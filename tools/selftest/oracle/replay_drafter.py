@@ -1,7 +1,7 @@
-"""`ddtree selftest gpu`'s drafter: the oracle's noisy trees (oracle_trees.py) over a *replayed* greedy
+"""`ddtree selftest gpu`'s drafter: the oracle's noisy trees (selftest/oracle/trees.py) over a *replayed* greedy
 continuation, so its acceptance is known and its draft costs no target forward.
 
-    python -m ddtree.tools.selftest.replay_drafter drafter --model DIR --target DIR --port 0 --reference FILE
+    python -m ddtree.tools.selftest.oracle.replay_drafter drafter --model DIR --target DIR --port 0 --reference FILE
         [--taps 1,2,3] [--oracle-seed 7] [--window 2048]
 
 The tests' oracle drafter asks the target itself for the greedy continuation of the whole history at every
@@ -33,8 +33,8 @@ from ddtree.drafter.server import serve_engine
 from ddtree.models.checkpoint.loader import load_config
 from ddtree.protocol.server import serve_until_stopped
 from ddtree.telemetry.logging import configure_logging
-from ddtree.tools.selftest.oracle_contexts import OracleContexts
-from ddtree.tools.selftest.oracle_trees import noisy_tree
+from ddtree.tools.selftest.oracle.contexts import OracleContexts
+from ddtree.tools.selftest.oracle.trees import noisy_tree
 
 
 class ReplayDraftEngine(OracleContexts):
@@ -94,7 +94,7 @@ class ReplayDraftEngine(OracleContexts):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ddtree.tools.selftest.replay_drafter")
+    parser = argparse.ArgumentParser(prog="python -m ddtree.tools.selftest.oracle.replay_drafter")
     parser.add_argument("command", choices=["drafter"])
     add_config_flags(parser, DrafterConfig)
     parser.add_argument("--reference", required=True, help="JSON file of reference sequences (re-read on change)")

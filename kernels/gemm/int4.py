@@ -27,10 +27,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .latent_write import _round_bf16
-from .mla_checks import DTYPES, check_device, is_interpreted
-from .quant_formats import PACK
-from .shared_memory import device_smem_budget, dot_smem_bytes, stages_within
+from ddtree.kernels.mla.checks import DTYPES, check_device, is_interpreted
+from ddtree.kernels.mla.latent_write import _round_bf16
+from ddtree.kernels.quant_formats import PACK
+from ddtree.kernels.shared_memory import device_smem_budget, dot_smem_bytes, stages_within
 
 
 @triton.jit

@@ -11,7 +11,7 @@ and meets one weight scale per column. Per K step the program loads x's tile [BL
     acc += dot(q, q_w[n-tile, k-block]ᵀ) · s[:, None] · s_w[n // bn, kb][None, :]
 
 in fp32, stored in x's dtype: the same values, in the same order, as quantizing x to (q, s) in memory first
-and running the block GEMM on them (dense_gemm_reference.fp8_block_gemm_reference is that two-step path in
+and running the block GEMM on them (gemm.dense_reference.fp8_block_gemm_reference is that two-step path in
 torch), so the result is bit for bit the one of the two-launch version. The cost paid to drop the launch:
 each output column tile re-quantizes its rows (ceil(N / BLOCK_N) times per row group instead of once), and
 the activation tile is read in x's dtype (2 or 4 bytes, not 1). Ragged M, N, K (not multiples of a tile or
@@ -31,10 +31,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .latent_write import _round_bf16
-from .mla_checks import DTYPES, check_device, is_interpreted
-from .quant_formats import FP8_MAX
-from .shared_memory import device_smem_budget, dot_smem_bytes, stages_within
+from ddtree.kernels.mla.checks import DTYPES, check_device, is_interpreted
+from ddtree.kernels.mla.latent_write import _round_bf16
+from ddtree.kernels.quant_formats import FP8_MAX
+from ddtree.kernels.shared_memory import device_smem_budget, dot_smem_bytes, stages_within
 
 FP8_EPS = 1e-10  # the amax floor of a group (an all-zero group gets scale 1e-10 / 448 and q = 0)
 DEFAULT_BLOCK = (128, 128)

@@ -14,7 +14,7 @@ directly; otherwise each program writes its partial o (normalised) and lse (natu
     part_o   fp32 [num_items, BLOCK_M, BLOCK_R]
     part_lse fp32 [num_items, BLOCK_M]
 
-for mla_merge.py to combine.
+for mla/merge.py to combine.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .mla_checks import LOG2E, KernelDims, check_inputs, is_interpreted, kernel_dims
-from .mla_plan import MLAKernelConfig, MLAPlan, mla_smem_bytes, smaller_mla_configs
-from .shared_memory import device_smem_budget, fit_config, launch_with_fallback
+from ddtree.kernels.mla.checks import LOG2E, KernelDims, check_inputs, is_interpreted, kernel_dims
+from ddtree.kernels.mla.plan import MLAKernelConfig, MLAPlan, mla_smem_bytes, smaller_mla_configs
+from ddtree.kernels.shared_memory import device_smem_budget, fit_config, launch_with_fallback
 
 _FITTED: dict[tuple, MLAKernelConfig] = {}  # launch key -> the config that launched (launch_with_fallback)
 
