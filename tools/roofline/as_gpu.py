@@ -21,8 +21,10 @@ def as_on_gpu(arch: int, smem_bytes: int, sms: int = 132):
     stand_ins = dict(is_interpreted=lambda kernel: False, check_device=lambda device, interpreted: None,
                      device_smem_budget=lambda device: smem_bytes, num_sms=lambda device: sms,
                      get_device_capability=lambda device=None: divmod(arch, 10))  # fmt: skip
-    modules = [
-        importlib.import_module(f"ddtree.kernels.{m.name}") for m in pkgutil.iter_modules(ddtree.kernels.__path__)
+    modules = [  # every module of the kernels' rooms (mla/, moe/, gemm/ and the top)
+        importlib.import_module(m.name)
+        for m in pkgutil.walk_packages(ddtree.kernels.__path__, "ddtree.kernels.")
+        if not m.ispkg
     ]
     saved = [(m, name, getattr(m, name)) for m in (*modules, torch.cuda) for name in stand_ins if hasattr(m, name)]
     for module, name, _ in saved:
