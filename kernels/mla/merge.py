@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ddtree.kernels.mla.checks import KernelDims
-from ddtree.kernels.mla.plan import MLAPlan
+from ddtree.kernels.mla.plan import SEQ_FIELDS, MLAPlan
 
 MERGE_V = 128  # values per program
 CHUNK = 32  # partials loaded at once (a 32k decode has ~128: 4 rounds)
@@ -26,7 +26,7 @@ CHUNK = 32  # partials loaded at once (a 32k decode has ~128: 4 rounds)
 def _mla_merge_kernel(
     SEQS, TILES, MERGE_TILES, PART_O, PART_LSE, OUT, stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr,
-    MERGE_V: tl.constexpr, CHUNK: tl.constexpr,
+    MERGE_V: tl.constexpr, CHUNK: tl.constexpr, SEQ_W: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     tile = tl.load(MERGE_TILES + pid // BLOCK_M)
@@ -34,9 +34,10 @@ def _mla_merge_kernel(
     seq = tl.load(TILES + tile * 4)
     row = tl.load(TILES + tile * 4 + 1) + r_local
     part_start = tl.load(TILES + tile * 4 + 2).to(tl.int64)
-    q_start = tl.load(SEQS + seq * 8)
-    q_len = tl.load(SEQS + seq * 8 + 1)
-    n = tl.where(row < q_len * NUM_HEADS, tl.load(TILES + tile * 4 + 3), 0)  # rows past the end: nothing
+    q_start = tl.load(SEQS + seq * SEQ_W)
+    q_len = tl.load(SEQS + seq * SEQ_W + 1)
+    # rows past the end, or a tile of no parts (a static plan's padding of the list): nothing
+    n = tl.where(row < q_len * NUM_HEADS, tl.load(TILES + tile * 4 + 3), 0)
 
     offs_c = tl.arange(0, CHUNK)
     offs_v = tl.program_id(1) * MERGE_V + tl.arange(0, MERGE_V)
@@ -92,6 +93,6 @@ def mla_merge(
     _mla_merge_kernel[grid](
         plan.seqs, plan.tiles, plan.merge_tiles, part_o, part_lse, out, out.stride(0), out.stride(1),
         NUM_HEADS=dims.num_heads, R=dims.r, BLOCK_R=dims.block_r, BLOCK_M=dims.block_m,
-        MERGE_V=merge_v, CHUNK=CHUNK,
+        MERGE_V=merge_v, CHUNK=CHUNK, SEQ_W=SEQ_FIELDS,
     )  # fmt: skip
     return out

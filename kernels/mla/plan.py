@@ -21,9 +21,14 @@ Two kernels do the work (see mla/attention.py):
    programs so that long prefixes (many partials) do not funnel through a few SMs.
 
 Packed layout (all int32, one host->device copy per plan):
-- seqs   [B, 8]: q_start, q_len, prefix_len, table_off, mask_off (-1 = causal), key_bound, mask_words, 0
+- seqs   [B, 9]: q_start, q_len, prefix_len, table_off, mask_off (-1 = causal), key_bound, mask_words,
+           shared_len, tail_off
            key_bound 1 = no row sees a new token after itself (causal, or a lower-triangular mask
            such as a tree in topological order), so a tile stops at its last token.
+           Prefix position p < shared_len has its slot / page at table[table_off + p], a later one at
+           table[tail_off + p - shared_len] (slots only). plan_mla's tables are whole (shared_len =
+           prefix_len); a static plan (mla/static_plan.py) shares a sequence's committed prefix between
+           its rows and gives each row a tail of its own (its ancestors' slots).
 - tiles  [NT, 4]: seq, row_start, part_start, num_parts  (its items are contiguous)
 - items  [NI, 4]: tile, has_new, kv_start, kv_end       (prefix positions [kv_start, kv_end); has_new on
                   the tile's first item only)
@@ -33,10 +38,15 @@ Packed layout (all int32, one host->device copy per plan):
 - mask_bits [sum q_len_b · ceil(q_len_b / 32)]: row i of sequence b sees new token j iff bit j % 32
   of word mask_off + i · mask_words + j // 32 is set.
 
-Split choice: a forward aims at `target_programs` prefix programs (default: one per SM, a single wave):
-split_len = max(min_split, round_up(Σ_b tiles_b · P_b / target_programs, block_n)), so long prefixes are
-cut into many splits and short ones into one. Fewer, longer splits would leave SMs idle; more, shorter
-ones cost a fp32 partial (BLOCK_M × r × 4 bytes) per split, written and read again by the merge.
+Split choice (row_invariant, the default): a row's splits come from its own prefix length alone
+(row_split_len: min_split, longer past max_splits splits), block_m from the head count (row_block_m), and
+a tree's rows are planned as decode rows, so a row reads its AR twin's keys in the same order, blocks and
+splits, and is merged in the same order, whatever else the step holds. The throughput plan
+(row_invariant=False, the negative control) aims at `target_programs` prefix programs (default: one per
+SM, a single wave): split_len = max(min_split, round_up(Σ_b tiles_b · P_b / target_programs, block_n)),
+so long prefixes are cut into many splits and short ones into one. Fewer, longer splits would leave SMs
+idle; more, shorter ones cost a fp32 partial (BLOCK_M × r × 4 bytes) per split, written and read again
+by the merge.
 """
 
 from __future__ import annotations
@@ -47,7 +57,7 @@ from collections.abc import Iterator
 
 import torch
 
-SEQ_FIELDS = 8
+SEQ_FIELDS = 9
 TILE_FIELDS = 4
 ITEM_FIELDS = 4
 _INT32_MAX = 2**31 - 1
@@ -81,6 +91,7 @@ class MLAKernelConfig:
     # Row invariance (the module docstring): a row's splits from its own context length, block_m from the
     # head count, a tree's rows planned as decode rows. False: the throughput plan (splits from the whole
     # step's work over target_programs, block_m from the largest sequence), kept as the negative control.
+    # Static plans (mla/static_plan.py) are row invariant either way.
     row_invariant: bool = True
     max_splits: int = 32  # row invariant: prefix splits of one row at most (split_len grows past that)
 
@@ -192,7 +203,7 @@ def plan_mla(
             page_size = 1
         seqs = [r for s in seqs for r in _rows_as_decodes(s)]
     max_rows = num_heads if config.row_invariant else max((s.q_len * num_heads for s in seqs), default=1)
-    block_m = min(config.block_m, max(16, 1 << (max_rows - 1).bit_length()))
+    block_m = row_block_m(max_rows, config)
     tables, new_slots, masks = [], [], []
     seq_rows, max_slot, T, table_len, mask_len = [], -1, 0, 0, 0
     for i, s in enumerate(seqs):
@@ -224,7 +235,7 @@ def plan_mla(
             key_bound = 0 if bool(m.triu(1).any()) else 1
             masks.append(bits.flatten())
             mask_len += bits.numel()
-        seq_rows.append([T, s.q_len, s.prefix_len, table_len, mask_off, key_bound, words, 0])
+        seq_rows.append([T, s.q_len, s.prefix_len, table_len, mask_off, key_bound, words, s.prefix_len, 0])
         tables.append(table)
         new_slots.append(slots)
         T += s.q_len
@@ -270,11 +281,27 @@ def plan_mla(
                    num_merge_tiles=len(merge_tiles), config=config, planned=tuple(seqs))  # fmt: skip
 
 
-def row_split_len(prefix_len: int, config: MLAKernelConfig) -> int:
+def row_block_m(max_rows: int, config: MLAKernelConfig) -> int:
+    """Rows per tile for sequences of at most `max_rows` rows (token, head): config.block_m, or the power of two
+    (>= 16, tl.dot's least) that holds them. Row invariant: max_rows is the head count (one decode row)."""
+    return min(config.block_m, max(16, 1 << (max_rows - 1).bit_length()))
+
+
+def row_split_len(prefix_len, config: MLAKernelConfig):
     """Row invariant: the prefix split of a row whose prefix is `prefix_len` keys, from that length alone:
-    min_split, or longer (a multiple of block_n) so that the row has at most max_splits splits."""
+    min_split, or longer (a multiple of block_n) so that the row has at most max_splits splits. `prefix_len`
+    is an int, or an int64 tensor of them (a static plan packs a bucket's rows at once: the same rule)."""
     bn = config.block_n
-    return max(config.min_split, -(-math.ceil(prefix_len / config.max_splits) // bn) * bn)
+    per_split = -(-prefix_len // config.max_splits)  # ceil(P / max_splits)
+    cut = -(-per_split // bn) * bn  # rounded up to whole key blocks
+    return cut.clamp(min=config.min_split) if isinstance(cut, torch.Tensor) else max(config.min_split, cut)
+
+
+def row_splits(prefix_len, config: MLAKernelConfig):
+    """Row invariant: the work items of a row whose prefix is `prefix_len` keys (int or int64 tensor): its
+    prefix splits of row_split_len, at least one (an empty prefix: the new token alone)."""
+    n = -(-prefix_len // row_split_len(prefix_len, config))
+    return n.clamp(min=1) if isinstance(n, torch.Tensor) else max(1, n)
 
 
 def _as_slots(s: MLASeq, page_size: int, i: int, num_cache_slots: int | None) -> MLASeq:

@@ -2,7 +2,8 @@
 
 An item is a tile of BLOCK_M rows (token, head) of one sequence against
 - a split of its committed prefix: positions [kv_start, kv_end), all visible, addressed through the slot /
-  page table; and, for the tile's first item (has_new),
+  page table (a static plan's rows: their sequence's shared prefix, then their own tail); and, for the
+  tile's first item (has_new),
 - the tile's new tokens (their latents are already in the cache at new_slots), under the tree mask (bits)
   or causal. With key_bound the keys stop at the tile's last token.
 
@@ -14,7 +15,8 @@ directly; otherwise each program writes its partial o (normalised) and lse (natu
     part_o   fp32 [num_items, BLOCK_M, BLOCK_R]
     part_lse fp32 [num_items, BLOCK_M]
 
-for mla/merge.py to combine.
+for mla/merge.py to combine. An idle item (a static plan's split past its row's prefix: kv_start = kv_end
+and no new tokens, mla/static_plan.py) loads and stores nothing: its tile's num_parts does not count it.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ddtree.kernels.mla.checks import LOG2E, KernelDims, check_inputs, is_interpreted, kernel_dims
-from ddtree.kernels.mla.plan import MLAKernelConfig, MLAPlan, mla_smem_bytes, smaller_mla_configs
+from ddtree.kernels.mla.plan import SEQ_FIELDS, MLAKernelConfig, MLAPlan, mla_smem_bytes, smaller_mla_configs
 from ddtree.kernels.shared_memory import device_smem_budget, fit_config, launch_with_fallback
 
 _FITTED: dict[tuple, MLAKernelConfig] = {}  # launch key -> the config that launched (launch_with_fallback)
@@ -65,7 +67,7 @@ def _mla_split_kernel(
     scale_log2,
     NUM_HEADS: tl.constexpr, R: tl.constexpr, DR: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, BF16_VIA_FP32: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, BF16_VIA_FP32: tl.constexpr, SEQ_W: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     tile = tl.load(ITEMS + pid * 4)
@@ -75,13 +77,16 @@ def _mla_split_kernel(
     seq = tl.load(TILES + tile * 4)
     row_start = tl.load(TILES + tile * 4 + 1)
     num_parts = tl.load(TILES + tile * 4 + 3)
-    q_start = tl.load(SEQS + seq * 8)
-    q_len = tl.load(SEQS + seq * 8 + 1)
-    table_off = tl.load(SEQS + seq * 8 + 3)
+    q_start = tl.load(SEQS + seq * SEQ_W)
+    q_len = tl.load(SEQS + seq * SEQ_W + 1)
+    table_off = tl.load(SEQS + seq * SEQ_W + 3)
+    shared_len = tl.load(SEQS + seq * SEQ_W + 7)
+    tail_off = tl.load(SEQS + seq * SEQ_W + 8)
 
     offs_m = tl.arange(0, BLOCK_M)
     rows = row_start + offs_m
-    n_rows = q_len * NUM_HEADS
+    idle = (kv_end <= kv_start) & (has_new == 0)  # no keys: no rows (nothing loaded, nothing stored)
+    n_rows = tl.where(idle, 0, q_len * NUM_HEADS)
     row_ok = rows < n_rows
     node = rows // NUM_HEADS  # the row's new token, within the sequence
     tok = (q_start + node).to(tl.int64)
@@ -110,17 +115,18 @@ def _mla_split_kernel(
     for start in range(kv_start, kv_end, BLOCK_N):  # the prefix split (empty range: none)
         pos = start + tl.arange(0, BLOCK_N)
         ok = pos < kv_end
-        if PAGE_SIZE == 1:
-            slot = tl.load(TABLE + table_off + pos, mask=ok, other=0).to(tl.int64)
+        if PAGE_SIZE == 1:  # the shared prefix, then the row's own tail (plan_mla: shared_len = prefix_len)
+            at = tl.where(pos < shared_len, table_off + pos, tail_off + (pos - shared_len))
+            slot = tl.load(TABLE + at, mask=ok, other=0).to(tl.int64)
         else:
             page = tl.load(TABLE + table_off + pos // PAGE_SIZE, mask=ok, other=0).to(tl.int64)
             slot = page * PAGE_SIZE + pos % PAGE_SIZE
         k, kp = _load_keys(KV, slot, ok, stride_kv, offs_r, r_ok, offs_d, d_ok, R, BF16_VIA_FP32)
         m_i, l_i, acc = _attend_block(q, qp, k, kp, ok[None, :], m_i, l_i, acc, scale_log2, DOT_PRECISION)
 
-    mask_off = tl.load(SEQS + seq * 8 + 4)
-    key_bound = tl.load(SEQS + seq * 8 + 5)
-    mask_words = tl.load(SEQS + seq * 8 + 6)
+    mask_off = tl.load(SEQS + seq * SEQ_W + 4)
+    key_bound = tl.load(SEQS + seq * SEQ_W + 5)
+    mask_words = tl.load(SEQS + seq * SEQ_W + 6)
     explicit = (rows * 0 + mask_off) >= 0  # [BLOCK_M] (a tensor: the interpreter rejects scalar & tensor)
     last_node = (tl.minimum(row_start + BLOCK_M, n_rows) - 1) // NUM_HEADS
     key_end = tl.where(has_new != 0, tl.where(key_bound != 0, last_node + 1, q_len), 0)
@@ -182,7 +188,7 @@ def mla_split_attention(
             out.stride(1), scale * LOG2E,
             NUM_HEADS=d.num_heads, R=d.r, DR=d.dr, BLOCK_R=d.block_r, BLOCK_DR=d.block_dr,
             BLOCK_M=d.block_m, BLOCK_N=c.block_n, PAGE_SIZE=plan.page_size,
-            DOT_PRECISION=d.dot_precision, BF16_VIA_FP32=d.bf16_via_fp32,
+            DOT_PRECISION=d.dot_precision, BF16_VIA_FP32=d.bf16_via_fp32, SEQ_W=SEQ_FIELDS,
             num_warps=c.num_warps, num_stages=c.num_stages,
         )  # fmt: skip
 

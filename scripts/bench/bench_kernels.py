@@ -201,7 +201,7 @@ def compile_report(arch: int) -> list[dict]:
     here, and cuobjdump gives registers, stack bytes (spills) and shared memory per kernel variant."""
     from ddtree.kernels.mla.latent_write import _latent_write_kernel
     from ddtree.kernels.mla.merge import CHUNK, MERGE_V, _mla_merge_kernel
-    from ddtree.kernels.mla.plan import MLAKernelConfig
+    from ddtree.kernels.mla.plan import SEQ_FIELDS, MLAKernelConfig
     from ddtree.kernels.mla.split import _mla_split_kernel
     from scripts.bench.compile_launches import build
 
@@ -218,14 +218,15 @@ def compile_report(arch: int) -> list[dict]:
                      stride_kv=i32, eps="fp32", attention_factor="fp32")  # fmt: skip
     variants = [(f"split block_m {bm} page {ps}", _mla_split_kernel, split_sig,
                  dict(NUM_HEADS=H, R=r, DR=dr, BLOCK_R=r, BLOCK_DR=dr, BLOCK_M=bm, BLOCK_N=cfg.block_n,
-                      PAGE_SIZE=ps, DOT_PRECISION="tf32", BF16_VIA_FP32=False), cfg.num_warps, cfg.num_stages)
+                      PAGE_SIZE=ps, DOT_PRECISION="tf32", BF16_VIA_FP32=False, SEQ_W=SEQ_FIELDS), cfg.num_warps,
+                 cfg.num_stages)
                 for bm in (16, cfg.block_m) for ps in (1, 16)]  # fmt: skip
     variants.append(
         (
             "merge",
             _mla_merge_kernel,
             merge_sig,
-            dict(NUM_HEADS=H, R=r, BLOCK_R=r, BLOCK_M=cfg.block_m, MERGE_V=MERGE_V, CHUNK=CHUNK),
+            dict(NUM_HEADS=H, R=r, BLOCK_R=r, BLOCK_M=cfg.block_m, MERGE_V=MERGE_V, CHUNK=CHUNK, SEQ_W=SEQ_FIELDS),
             4,
             1,
         )

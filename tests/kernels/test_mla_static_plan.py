@@ -116,16 +116,16 @@ def test_the_model_forward_over_a_static_batch_equals_the_eager_forward_on_the_t
 
 @pytest.mark.parametrize("bucket", [Bucket(1, 1, 64), Bucket(3, 6, 66), Bucket(4, 17, 2048), Bucket(16, 17, 32768)])
 def test_the_graph_pool_bounds_hold_for_the_triton_layout(bucket):
-    """verifier/kv/graph_pool.py counts the Triton plan at the most SMs a device has: the real batch's buffers
-    (this device's SM count) and its split kernel's partials are never more."""
+    """verifier/kv/graph_pool.py counts the Triton plan exactly (its counts follow the bucket and the heads, not
+    the device): the real batch's buffers and its split kernel's partials are what it counts."""
     from ddtree.verifier.kv.graph_pool import _triton_plan, static_buffer_bytes
 
     heads, hidden = 8, 64
     batch = StaticBatch(bucket, S - 1, TritonMLAAttention(), heads, 1 << 20, DEVICE)
     real = sum(t.nbytes for t in batch.device_tensors())
     bound = static_buffer_bytes(bucket.batch, bucket.rows, bucket.keys, hidden, 0, 2, "triton", heads)
-    assert real <= bound - bucket.tokens * hidden * 2  # the bound adds the [T, d] output
+    assert real == bound - bucket.tokens * hidden * 2  # the bound adds the [T, d] output
     plan = batch.meta.prepared["triton"][1]
     bound_plan = _triton_plan(bucket.batch, bucket.rows, bucket.keys, heads)
-    assert plan.num_items <= bound_plan.items and plan.num_merge_tiles <= bound_plan.merge_tiles
+    assert plan.num_items == bound_plan.items and plan.num_merge_tiles == bound_plan.merge_tiles
     assert plan.block_m == bound_plan.block_m

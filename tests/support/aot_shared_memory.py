@@ -17,7 +17,7 @@ import triton.language as tl
 
 from ddtree.kernels.gemm import fp8 as fp8_gemm
 from ddtree.kernels.gemm import int4 as int4_gemm
-from ddtree.kernels.mla.plan import MLAKernelConfig, mla_smem_bytes, smaller_mla_configs
+from ddtree.kernels.mla.plan import SEQ_FIELDS, MLAKernelConfig, mla_smem_bytes, smaller_mla_configs
 from ddtree.kernels.mla.split import _mla_split_kernel
 from ddtree.kernels.moe import fused as fm
 from ddtree.kernels.moe import router
@@ -52,7 +52,7 @@ def rows(arch: int) -> list[dict]:
         ptrs = dict(Q_LAT=BF16, Q_PE=BF16, KV=BF16, OUT=BF16, PART_O="*fp32", PART_LSE="*fp32")
         ptrs.update({n: "*i32" for n in ("SEQS", "TILES", "ITEMS", "TABLE", "NEW_SLOTS", "MASK_BITS")})
         consts = dict(NUM_HEADS=8, R=512, DR=64, BLOCK_R=512, BLOCK_DR=64, BLOCK_M=block_m, BLOCK_N=c.block_n,
-                      PAGE_SIZE=1, DOT_PRECISION="tf32", BF16_VIA_FP32=False)  # fmt: skip
+                      PAGE_SIZE=1, DOT_PRECISION="tf32", BF16_VIA_FP32=False, SEQ_W=SEQ_FIELDS)  # fmt: skip
         shared = compiled_smem(_mla_split_kernel, arch, ptrs, consts, ("scale_log2",), c.num_warps, c.num_stages)
         row(f"mla split block_m {block_m} block_n {c.block_n} s{c.num_stages}", shared, size(c))
     # fused MoE at Kimi's TP-8 shapes (E 384, d 7168, I 256): decode, verify and prefill sizes

@@ -15,7 +15,8 @@ workspace and small per-launch allocations, independent of the bucket shapes.
 Everything is per rank: at TP N `rank_config` gives the widths one rank computes with. The attention
 backend decides the attention's share: the torch backend gathers every key and scores them all
 (models/layers/padded_attention.py), the Triton one keeps only its splits' fp32 partials
-(kernels/mla/static_plan.py), counted here with the most SMs a device has (more SMs, more splits).
+(kernels/mla/static_plan.py: every row's own splits, fixed by the bucket and the heads, not the device),
+counted here exactly at the default kernel config.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ GRAPH_POOL_SLACK = 256 << 20
 F32 = 4  # bytes: scores, softmax, router, RoPE's cos/sin and the expert combine are fp32 in any dtype
 I64 = 8
 I32 = 4
-MAX_SMS = 160  # more than any device's SM count (B200: 148): the Triton plan's splits are bounded with it
 
 
 def rank_config(mc, tp: int, expert_parallel: bool):
@@ -51,15 +51,15 @@ def rank_config(mc, tp: int, expert_parallel: bool):
 
 
 def _triton_plan(batch: int, rows: int, keys: int, heads: int) -> StaticPlanShape:
-    """A bucket's static MLA plan counts at the most SMs a device has (the most splits: an upper bound)."""
-    return static_plan_shape(batch, rows, keys, heads, MAX_SMS, MLAKernelConfig())
+    """A bucket's static MLA plan counts at the default kernel config (any device: they do not depend on it)."""
+    return static_plan_shape(batch, rows, keys, heads, MLAKernelConfig())
 
 
 def static_buffer_bytes(
     batch: int, rows: int, keys: int, hidden: int, n_taps: int, dtype_bytes: int, backend: str = "torch", heads: int = 1
 ) -> int:
     """One bucket's StaticBatch (models/runtime/static_batch.py) and its captured outputs: the torch backend's layout
-    exactly; the Triton one's at most (its plan's counts at MAX_SMS; `heads`: the rank's)."""
+    exactly; the Triton one's too (its plan's counts at the default kernel config; `heads`: the rank's)."""
     T = batch * rows
     if backend == "triton":
         tables = sum(_triton_plan(batch, rows, keys, heads).table_sizes().values())
