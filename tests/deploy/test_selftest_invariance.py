@@ -1,7 +1,8 @@
 """`ddtree selftest invariance` (tools/selftest/invariance_check.py) as operators run it: on the CPU's torch path
 it finds the rows that differ from their AR twins (that path is not row invariant: exit 1, the counts
-printed), bad input is exit 2 with one line, and `--kernels triton --tp 2` (interpreted, gloo) compares a
-small tree's rows bitwise equal (exit 0)."""
+printed), bad input is exit 2 with one line, `--kernels triton --tp 2` (interpreted, gloo) compares a
+small tree's rows bitwise equal (exit 0), and so does `--kernels triton --static` (the trees through the
+static step)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ def test_bad_input_is_exit_2(tiny, tmp_path):
         ["--model", str(tmp_path)],
         ["--model", str(tiny), "--rows", "0"],
         ["--model", str(tiny), "--tp", "0"],
+        ["--model", str(tiny), "--static", "--tp", "2"],
     ):
         res = _cli(*args)
         assert res.returncode == 2 and "Traceback" not in res.stderr and res.stderr.count("\n") == 1, res.stderr
@@ -54,3 +56,15 @@ def test_triton_path_at_tp2_rows_equal_their_twins(tiny):
                "--rows", "3", "--contexts", "30")  # fmt: skip
     assert res.returncode == 0, res.stdout + res.stderr
     assert "rows compared 6, rows differing 0" in res.stdout
+
+
+def test_triton_path_through_the_static_step_rows_equal_their_twins(tiny):
+    """The trees verified through the static step (kernels/mla/static_plan.py), in the bucket of 2 sequences
+    of 3 rows (the 2-row trees padded), interpreted, against eager AR twins: bitwise, exit 0. fp32: the
+    interpreter computes bf16 in fp32 and rounds the result, which hides what a plan that is not row
+    invariant changes (the former static plan, shared row tiles: 6 of these 10 rows differ in fp32, none in
+    bf16)."""
+    res = _cli("--model", str(tiny), "--kernels", "triton", "--dtype", "fp32", "--static", "--batches", "2",
+               "--rows", "2,3", "--contexts", "30")  # fmt: skip
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "rows compared 10, rows differing 0" in res.stdout and "static step" in res.stdout

@@ -97,11 +97,14 @@ def _forward(model, seqs: list[tuple[list[int], list[int], SeqAttention]], cache
     return out.logits.float().cpu()
 
 
-def compare_tree_rows(model, contexts: list[list[int]], trees: list[Tree], step=None, cache_of=None) -> Comparison:
+def compare_tree_rows(
+    model, contexts: list[list[int]], trees: list[Tree], step=None, cache_of=None, verify=None
+) -> Comparison:
     """Prefill each context alone, verify every tree in one batched step (sequence b: trees[b] over
     contexts[b]), decode every row's AR twin alone; compare each row's logits with its twin's.
-    `step` runs every forward when given (see _forward); `cache_of(num_slots)` makes the cache (default
-    model.new_kv_cache)."""
+    `step` runs every forward when given (see _forward); `verify`, when given, runs the batched tree step
+    instead (e.g. through the static step, its rows against twins decoded by `step`); `cache_of(num_slots)`
+    makes the cache (default model.new_kv_cache)."""
     rows = sum(len(c) for c in contexts) + 2 * sum(len(t.tokens) for t in trees)
     cache = (cache_of or model.new_kv_cache)(rows)
     slots = _Slots()
@@ -117,7 +120,7 @@ def compare_tree_rows(model, contexts: list[list[int]], trees: list[Tree], step=
         pos = [P + d for d in tree.depths()]
         batch.append((list(tree.tokens), pos, SeqAttention(start, n, s, slots.take(n), tree.mask())))
         start += n
-    tree_logits = _forward(model, batch, cache, step)
+    tree_logits = _forward(model, batch, cache, verify or step)
     result = Comparison(0, 0, 0.0, 0)
     row0 = 0
     for ctx, s, tree in zip(contexts, ctx_slots, trees, strict=True):

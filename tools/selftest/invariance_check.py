@@ -1,7 +1,7 @@
 """`ddtree selftest invariance`: is every verified row's result independent of the rows around it, here?
 
     ddtree selftest invariance --model DIR [--tp N] [--kernels auto|torch|triton] [--dtype auto|bf16|fp16|fp32]
-        [--batches 1,3,8] [--rows 9,17] [--contexts N,...] [--seed S] [--json]
+        [--batches 1,3,8] [--rows 9,17] [--contexts N,...] [--static] [--seed S] [--json]
 
 For sampled contexts (lengths that cross the attention's prefix-split boundaries), trees of --rows rows at
 each batch size of --batches (the other sequences of the batch are trees over other contexts): every row's
@@ -9,12 +9,17 @@ fp32 logits against its AR twin, the same token decoded alone at batch 1 after i
 alone (invariance.py), bit for bit. Prints the rows compared, the rows that differ and the largest
 difference; exits 1 when any row differs, 2 on bad input.
 
+--static runs each batched tree step through the verifier's static step (verifier/step/static_step.py:
+the bucket its default ladder picks, batches 1, 2, 4, ..., rows max(--rows), keys doubling from 512, a
+CUDA graph on CUDA; kernels/mla/static_plan.py's plan with the Triton kernels), padding rows and
+sequences included; the AR twins stay eager. TP 1 only.
+
 --kernels triton on a CPU runs the device path under the Triton interpreter (TRITON_INTERPRET=1 is set here
 when triton is not imported yet); auto is triton on CUDA, torch on the CPU. --tp N runs N ranks on this
 host (gloo on the CPU, NCCL on CUDA), each its shard, rank 0 comparing the gathered logits.
 
 `run_invariance_check` is the GPU check's part (tools/selftest/parts.py): a small Kimi-shaped checkpoint
-(INT4 experts, bf16 elsewhere), the Triton kernels, in bf16.
+(INT4 experts, bf16 elsewhere), the Triton kernels, in bf16, the tree steps eager and then static.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--batches", default="1,3,8", help="batch sizes (comma-separated)")
     p.add_argument("--rows", default="9,17", help="tree rows (comma-separated)")
     p.add_argument("--contexts", default="", help="context lengths to sample from (default: around 256 and 512)")
+    p.add_argument("--static", action="store_true",
+                   help="verify the trees through the static (CUDA-graph) step; the AR twins stay eager")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(fn=run)
@@ -77,6 +84,9 @@ def run(args: argparse.Namespace) -> int:
     if args.tp < 1:
         print("ddtree selftest invariance: --tp must be >= 1", file=sys.stderr)
         return 2
+    if args.static and args.tp > 1:
+        print("ddtree selftest invariance: --static runs at --tp 1 only", file=sys.stderr)
+        return 2
     import torch
 
     cuda = torch.cuda.is_available()
@@ -88,25 +98,26 @@ def run(args: argparse.Namespace) -> int:
         os.environ["TRITON_INTERPRET"] = "1"
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(args.dtype)
     dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
-    spec = CheckSpec(str(args.model), kernels, dtype, batches, rows, contexts, args.seed)
+    spec = CheckSpec(str(args.model), kernels, dtype, batches, rows, contexts, args.seed, args.static)
     started = time.perf_counter()
     result = _run_ranks(spec, args.tp) if args.tp > 1 else compare_all(_load(spec, "cuda" if cuda else "cpu"), spec)
     out = {**result, "model": str(args.model), "tp": args.tp, "kernels": kernels, "dtype": str(dtype),
-           "device": "cuda" if cuda else "cpu", "batches": batches, "tree_rows": rows,
+           "device": "cuda" if cuda else "cpu", "batches": batches, "tree_rows": rows, "static": args.static,
            "wall_s": round(time.perf_counter() - started, 1)}  # fmt: skip
     if args.json:
         print(json.dumps(out, indent=2))
     else:
         print(f"rows compared {out['rows']}, rows differing {out['differing']}, largest difference "
               f"{out['max_abs_diff']:.3g}, argmax flips {out['argmax_flips']} ({kernels} kernels, {dtype}, "
-              f"TP {args.tp}, {out['device']})")  # fmt: skip
+              f"TP {args.tp}, {out['device']}, {'static' if args.static else 'eager'} step)")  # fmt: skip
     return 1 if out["differing"] else 0
 
 
 class CheckSpec:
-    def __init__(self, model, kernels, dtype, batches, rows, contexts, seed):
+    def __init__(self, model, kernels, dtype, batches, rows, contexts, seed, static=False):
         self.model, self.kernels, self.dtype = model, kernels, dtype
         self.batches, self.rows, self.contexts, self.seed = batches, rows, contexts, seed
+        self.static = static  # the tree steps through the static step (static_verify)
 
 
 def _load(spec: CheckSpec, device: str, tp=None):
@@ -128,6 +139,9 @@ def compare_all(model, spec: CheckSpec, step=None, cache_of=None) -> dict:
     """Every (batch, rows) case over contexts drawn from spec.contexts: the merged Comparison as a dict."""
     from ddtree.tools.selftest.invariance import Comparison, compare_tree_rows, random_tree
 
+    verify = None
+    if spec.static:
+        verify, cache_of = static_verify(model, spec)
     rng = random.Random(spec.seed)
     vocab = model.config.vocab_size
     total = Comparison(0, 0, 0.0, 0)
@@ -136,11 +150,37 @@ def compare_all(model, spec: CheckSpec, step=None, cache_of=None) -> dict:
         for n in spec.rows:
             contexts = [[rng.randrange(vocab) for _ in range(rng.choice(spec.contexts))] for _ in range(batch)]
             trees = [random_tree(n, vocab, rng) for _ in range(batch)]
-            got = compare_tree_rows(model, contexts, trees, step, cache_of)
-            cases.append({"batch": batch, "rows": n, "differing": got.differing, "max_abs_diff": got.max_abs_diff})
+            got = compare_tree_rows(model, contexts, trees, step, cache_of, verify)
+            cases.append({"batch": batch, "rows": n, "static": spec.static, "differing": got.differing,
+                          "max_abs_diff": got.max_abs_diff})  # fmt: skip
             total = total.merged(got)
     return {"rows": total.rows, "differing": total.differing, "max_abs_diff": total.max_abs_diff,
             "argmax_flips": total.argmax_flips, "cases": cases}  # fmt: skip
+
+
+def static_verify(model, spec: CheckSpec):
+    """(verify, cache_of) for compare_tree_rows: the batched tree step through the verifier's static step in
+    the bucket its default ladder picks for it (default_buckets over spec's batches, rows and contexts),
+    captured as a CUDA graph on CUDA, over a cache with one slot more (the pad slot, seen by no real row)."""
+    import torch
+
+    from ddtree.verifier.step.static_step import StaticStep, default_buckets
+
+    rows = max(spec.rows)
+    ladder = default_buckets(max(spec.batches), rows, max(spec.contexts) + rows)
+    cuda = torch.cuda.is_available()
+
+    def verify(model, ids, pos, meta, cache):
+        pad = cache.shape[1] - 1  # cache [L, S, W]
+        bucket = StaticStep(model, cache, pad, ladder, (), graphs=False).bucket_for(meta)
+        if bucket is None:
+            raise ValueError(f"no bucket of {ladder} fits the step")
+        static = StaticStep(model, cache, pad, (bucket,), (), graphs=cuda)
+        static.capture()
+        hidden, _ = static.run(ids, pos, meta, ())
+        return model.compute_logits(hidden)
+
+    return verify, lambda num_slots: model.new_kv_cache(num_slots + 1)
 
 
 def _run_ranks(spec: CheckSpec, world: int) -> dict:
@@ -189,8 +229,9 @@ def _rank_main(rank: int, world: int, spec: CheckSpec, out: str) -> None:
 
 def run_invariance_check(dry_run: bool, device, log, deadline: float, on_row) -> dict:
     """The GPU check's part: a small Kimi-shaped checkpoint (INT4 experts), Triton kernels, bf16, every row
-    of trees of 9 and 17 rows at batch 1, 3 and 8 against its AR twin (dry run, interpreted on a CPU: 2
-    layers, one tree of 5 rows beside a decode row, contexts across a 32-key split edge)."""
+    of trees of 9 and 17 rows at batch 1, 3 and 8 against its AR twin, the trees verified by the eager step
+    and then by the static step (dry run, interpreted on a CPU: 2 layers, two trees of 5 rows, contexts
+    across a 32-key split edge)."""
     import torch
 
     from ddtree.tools.selftest import kimi_checkpoint
@@ -213,8 +254,12 @@ def run_invariance_check(dry_run: bool, device, log, deadline: float, on_row) ->
 
             model.attn_backend = TritonMLAAttention(MLAKernelConfig(block_n=16, min_split=32, max_splits=4))
         out = compare_all(model, spec)
-    log(f"rows {out['rows']}, differing {out['differing']}, largest difference {out['max_abs_diff']:.3g}")
-    row = {"rows": out["rows"], "mismatches": out["differing"], "max_abs_diff": out["max_abs_diff"],
-           "argmax_flips": out["argmax_flips"], "cases": out["cases"], "errors": []}  # fmt: skip
+        static = compare_all(model, CheckSpec(work, "triton", torch.bfloat16, batches, rows, contexts, 0, static=True))
+    log(f"rows {out['rows']} + {static['rows']} static, differing {out['differing']} + {static['differing']} "
+        f"static, largest difference {max(out['max_abs_diff'], static['max_abs_diff']):.3g}")  # fmt: skip
+    both = (out, static)
+    row = {"rows": sum(o["rows"] for o in both), "mismatches": sum(o["differing"] for o in both),
+           "max_abs_diff": max(o["max_abs_diff"] for o in both), "argmax_flips": sum(o["argmax_flips"] for o in both),
+           "cases": out["cases"] + static["cases"], "errors": []}  # fmt: skip
     on_row(row)
     return row
