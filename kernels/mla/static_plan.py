@@ -13,7 +13,7 @@ so it reads its AR twin's keys in the same order, blocks and splits and merges t
 whatever the bucket and the other rows hold (tests/kernels/test_static_plan_invariance.py).
 
 The grid is fixed per bucket: every tile owns `splits` items, the most splits a context shorter than K
-has (max_row_splits). Items past a row's own splits are idle (kv_start = kv_end, no new token: the split
+can have (max_row_splits). Items past a row's own splits are idle (kv_start = kv_end, no new token: the split
 kernel loads and stores nothing for them, and num_parts does not count them); the merge list is padded
 with a tile of no parts (the merge skips it).
 
@@ -96,8 +96,11 @@ class StaticPlanShape:
 
 
 def max_row_splits(keys: int, config: MLAKernelConfig) -> int:
-    """The most work items (row_splits) a row has whose context is shorter than `keys`: a bucket's items per tile."""
-    return int(row_splits(torch.arange(max(keys, 1), dtype=torch.int64), config).max())
+    """A bucket's items per tile: at least row_splits(P) for every context P < keys. A row has at most
+    max_splits splits (past max_splits · min_split its splits grow) and at most ceil(P / min_split) (none is
+    shorter than min_split), both growing with P; the bound is the most splits when min_split is a multiple
+    of block_n (the defaults: then P = min(keys - 1, max_splits · min_split) has it; the test checks both)."""
+    return max(1, min(config.max_splits, -(-(keys - 1) // config.min_split)))
 
 
 def static_plan_shape(batch: int, rows: int, keys: int, heads: int, config: MLAKernelConfig) -> StaticPlanShape:

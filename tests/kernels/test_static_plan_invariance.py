@@ -7,14 +7,16 @@ their own slots. Trees of 9 and 17 rows, a decode row and a prefill chunk (its r
 decoded after the earlier ones), at batch 1, 2 and 3 in one bucket of 3 sequences of 17 rows (padding rows
 and sequences beside them), the steps packed over the same buffers in turn (stale contents would show).
 Contexts cross the split edges: min_split 32 and at most 4 splits a row, so a row of 29..37 keys has one
-split (written directly) or two (merged), one of 120..136 splits by 32 or by 48, a decode row of 200 keys
-by 64; every tile owns 4 items, the ones past its row's splits idle. bf16, and fp32 for one step: the
-interpreter computes bf16 in fp32 and rounds the output (checks.kernel_dims), which hides most fp32
-differences, so only fp32 shows a different reduction order reliably.
+split (written directly) or two (merged), one of 61..77 keys two or three, one of 120..136 splits by 32 or
+by 48, a decode row of 200 keys by 64; every tile owns 4 items, the ones past its row's splits idle. bf16 (batch 3, then batch 1) and
+fp32 (batch 3, then the chunk): the interpreter computes bf16 in fp32 and rounds the output
+(checks.kernel_dims), which hides most fp32 differences, so only fp32 shows a different reduction order
+reliably.
 
 The negative control (fp32) packs the batch-3 step with every row split as the bucket's longest row is (a
 split chosen from the bucket, not the row): rows differ, so the test can fail. A host-only test checks the
-tables themselves against plan_mla's at Kimi's shapes (64 and 8 heads, 8k and 128k contexts).
+tables themselves against plan_mla's at Kimi's shapes (64 and 8 heads, 8k and 128k contexts), another a
+bucket's items per tile against every context's splits.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 from ddtree.kernels.mla import static_plan
 from ddtree.kernels.mla.attention import mla_attention
 from ddtree.kernels.mla.backend import TritonMLAAttention
-from ddtree.kernels.mla.plan import MLAKernelConfig, MLASeq, plan_mla, row_split_len
+from ddtree.kernels.mla.plan import MLAKernelConfig, MLASeq, plan_mla, row_split_len, row_splits
 from ddtree.models.layers.attention import AttentionMetadata, SeqAttention
 from ddtree.models.runtime.static_batch import Bucket, StaticBatch
 from ddtree.tools.selftest.invariance import Tree, random_tree
@@ -103,7 +105,7 @@ def _differing_rows(batch: StaticBatch, name: str, seed: int, dtype: torch.dtype
     return compared, differing
 
 
-@pytest.mark.parametrize(("dtype", "steps"), [(torch.bfloat16, tuple(STEPS)), (torch.float32, ("batch 3",))],
+@pytest.mark.parametrize(("dtype", "steps"), [(torch.bfloat16, ("batch 3", "batch 1")), (torch.float32, ("batch 3", "chunk"))],
                          ids=["bf16", "fp32"])  # fmt: skip
 def test_static_bucket_rows_equal_their_ar_twins(dtype, steps):
     batch = StaticBatch(BUCKET, SLOTS - 1, TritonMLAAttention(CONFIG), HEADS, SLOTS, DEVICE)
@@ -170,3 +172,20 @@ def test_static_tables_plan_each_row_as_plan_mla_does(heads, contexts):
     idle = [it for it in plan.items.tolist() if it[1] == 0 and it[2] == it[3]]
     live = sum(len(items) for _, items in got.values())
     assert len(idle) + live == plan.num_items  # the rest of each tile's items are idle
+
+
+@pytest.mark.parametrize(
+    "config",
+    [MLAKernelConfig(), CONFIG, MLAKernelConfig(block_n=32, min_split=48, max_splits=3)],
+    ids=["default", "test", "min_split-not-a-block-multiple"],
+)
+def test_a_bucket_has_items_for_its_longest_splitting_row(config):
+    """max_row_splits(K) (a bucket's items per tile) is at least every context's row_splits below K, exactly the
+    most when min_split is a multiple of block_n."""
+    contexts = torch.arange(20_000)
+    most = row_splits(contexts, config).cummax(0).values  # most[K - 1]: the most splits below K
+    for K in [1, 2, *range(3, 20_000, 7)]:
+        bound = static_plan.max_row_splits(K, config)
+        assert bound >= int(most[K - 1]), K
+        if config.min_split % config.block_n == 0:
+            assert bound == int(most[K - 1]), K
