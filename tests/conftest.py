@@ -15,6 +15,25 @@ if not pathlib.Path("/dev/nvidia0").exists():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# Tests that run services as processes (tests/e2e, a test on a shared stack, a module that starts services):
+# one xdist group, so with `-n 2 --dist loadgroup` they run one at a time on one worker while the other takes
+# the rest (mostly interpreted kernels); their timing bounds see the load of one other test, never of a second
+# stack beside theirs.
+SERVICE_STACKS = {"oracle_stack", "dflash_stack"}
+STARTS_SERVICES = ("start_stack(", "start_service(", "fuzz_suite")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the group markers into node ids
+def pytest_collection_modifyitems(config, items):
+    starts: dict[pathlib.Path, bool] = {}
+    for item in items:
+        path = pathlib.Path(str(item.fspath))
+        if path not in starts:
+            starts[path] = path.parent.name == "e2e" or any(s in path.read_text() for s in STARTS_SERVICES)
+        if starts[path] or SERVICE_STACKS & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.xdist_group("services"))
+
+
 @pytest.fixture(scope="session")
 def default_ckpt(tmp_path_factory):
     """The default random checkpoint, built the way first use builds it (DDTREE_HOME or a temp dir)."""

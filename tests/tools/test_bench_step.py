@@ -153,15 +153,18 @@ def fp8_target(tmp_path_factory) -> pathlib.Path:
     return quantize_checkpoint(src, tmp_path_factory.mktemp("fp8"), "fp8")
 
 
-@pytest.mark.parametrize("rows", [17, 1], ids=["verify17", "decode"])
-@pytest.mark.parametrize("shard", ["tp1", "tp2", "ep2"])
+# Context 512: two prefix splits of min_split 256 per row, so the MLA merge launches as at long contexts. A
+# 17-row tree at TP 1, TP 2 and expert parallel, and AR at TP 1 (a decode row launches no more than a tree).
+@pytest.mark.parametrize(("shard", "rows"), [("tp1", 17), ("tp1", 1), ("tp2", 17), ("ep2", 17)],
+                         ids=["tp1-verify17", "tp1-decode", "tp2-verify17", "ep2-verify17"])  # fmt: skip
 def test_the_device_path_launches_at_most_30_ops_per_moe_layer_and_never_syncs(tmp_path, kimi_int4_64, rows, shard):
     """The device path counted (Triton kernels interpreted, each launch once): at most 30 ops per MoE layer
     and 0 host syncs inside the forward, at TP 1, as a rank of TP 2 over gloo, and expert parallel."""
     pytest.importorskip("triton")
     extra = {"tp1": [], "tp2": ["--emulate-tp", "2"], "ep2": ["--emulate-tp", "2", "--expert-parallel"]}[shard]
-    r = bench_step(tmp_path, "--model", str(kimi_int4_64), "--rows", str(rows), "--context", "1024",
+    r = bench_step(tmp_path, "--model", str(kimi_int4_64), "--rows", str(rows), "--context", "512",
                    "--kernels", "triton", "--warmup", "0", *extra)  # fmt: skip
+    assert any(t["op"] == "_mla_merge_kernel" for t in r["top_ops"]), "no split crossed: the merge was not counted"
     assert r["config"]["expert_kind"] == "int4" and r["config"]["routed_experts"] == 64 and r["moe_layers"] == 2
     assert r["ops_per_moe_layer"] <= 30, r["moe_layer_parts"]
     assert r["forward"]["host_syncs"] == 0 and r["triton_launches_per_step"] > 0
@@ -172,8 +175,8 @@ def test_the_fp8_device_path_launches_at_most_30_ops_per_moe_layer_and_never_syn
     experts: the activations are quantized inside the GEMMs (each FP8 linear one launch, the fused MoE's
     grouped GEMMs too), no quantization kernel of their own."""
     pytest.importorskip("triton")
-    r = bench_step(tmp_path, "--model", str(fp8_target), "--rows", "17", "--context", "1024", "--kernels", "triton",
-                   "--warmup", "0")  # fmt: skip
+    r = bench_step(tmp_path, "--model", str(fp8_target), "--rows", "17", "--context", "512", "--layers", "2",
+                   "--kernels", "triton", "--warmup", "0")  # fmt: skip
     assert r["config"]["expert_kind"] == "fp8" and r["moe_layers"] > 0
     assert r["forward"]["host_syncs"] == 0
     assert r["ops_per_moe_layer"] <= 30, r["moe_layer_parts"]
