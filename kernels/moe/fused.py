@@ -10,15 +10,18 @@ One call is 6 launches, whatever the weight format (fp8 quantizes x and h inside
   3. down: the same GEMM over h (K = I) with the pair's routing weight multiplied in, y fp32 [P, D];
   4. the top-k sum: a program per (BLOCK_T tokens, D-tile) adds each token's k rows of y in slot order,
      skipping pairs of other ranks. No atomics: the result is bit-for-bit deterministic.
+EVEN_K (K % BLOCK_K == 0, a property of the weight and the tile) drops the K bounds from the loads' masks.
 Every shape is static in (M, k, E, config) and nothing is read back to the host: routing values are not
 checked on the host (moe_align drops a pair whose id or map value is out of range; DDTREE_CHECK_ROUTING=1
 checks them on the host instead, for debugging, outside CUDA graph capture).
 Weights are dequantized in the K loop:
   bf16 (or fp16 / fp32): loaded and cast to the dot dtype;
-  int4: BLOCK_K / 8 int32 words per row, unpacked with shifts (nibble j of word w is column 8w + j,
-        value nibble - 8) straight into the dot's dtype by integer ops and multiplied there by the group
-        scale of each word (gemm/int4_dequant.py: no fp32 math for bf16 scales; the group size is a multiple
-        of 8, so the 8 nibbles of a word share a scale; any K: the tail nibbles are masked);
+  int4: BLOCK_K / 8 int32 words per row (nibble j of word w is column 8w + j, value nibble - 8), unpacked
+        two nibbles per 32-bit op straight into the dot's dtype and multiplied there by the group scale of
+        each word (gemm/int4_dequant.py: no fp32 math for bf16 scales; the group size is a multiple of 8, so
+        the 8 nibbles of a word share a scale, loaded once per group where the tile holds whole groups; any
+        K: the tail nibbles meet zero columns of A). The tile is a joined tensor: gemm/kwidth_fence.py keeps
+        the compiler's mma operand layout that reads it with ldmatrix;
   fp8:  e4m3 weights and activations in an fp8 dot (sm_89+: Triton has no e4m3 before), every K tile
         scaled by the activation scale of its rows [BLOCK_M] and the weight block scale of its columns
         [BLOCK_N]; BLOCK_K divides the weight's K block (SCALE_BK, 128), so a tile has one scale per row /
@@ -51,7 +54,8 @@ import triton
 import triton.language as tl
 
 from ddtree.kernels import shared_memory
-from ddtree.kernels.gemm.int4_dequant import int4_dequant
+from ddtree.kernels.gemm.int4_dequant import int4_dequant_words
+from ddtree.kernels.gemm.kwidth_fence import kwidth_fence
 from ddtree.kernels.mla.checks import check_device, is_interpreted
 from ddtree.kernels.mla.latent_write import _round_bf16
 from ddtree.kernels.moe import tiles as moe_tiles
@@ -103,27 +107,52 @@ def _group_amax(A, row, row_ok, k0, K, stride_am, SCALE_BK: tl.constexpr, BLOCK_
 
 
 @triton.jit
+def _int4_scales(
+    S, k0, offs_n, n_ok, K, stride_sn, stride_sk,
+    GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr,
+):  # fmt: skip
+    """The group scale of each word of an INT4 tile, [BLOCK_K / 8, BLOCK_N] (a group is whole words), each
+    group's loaded once where the tile holds whole groups or lies in one (k0 is a multiple of BLOCK_K)."""
+    if GROUP % BLOCK_K == 0:  # the tile lies in one group
+        s = tl.load(S + offs_n * stride_sn + (k0 // GROUP) * stride_sk, mask=n_ok, other=0.0)
+        return tl.broadcast_to(s[None, :], [BLOCK_K // 8, BLOCK_N])
+    elif BLOCK_K % GROUP == 0:  # whole groups: each group's scale for its GROUP / 8 words
+        offs_g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+        ok = n_ok[None, :] if EVEN_K else (offs_g < (K + GROUP - 1) // GROUP)[:, None] & n_ok[None, :]
+        s = tl.load(S + offs_n[None, :] * stride_sn + offs_g[:, None] * stride_sk, mask=ok, other=0.0)
+        s = tl.broadcast_to(s[:, None, :], [BLOCK_K // GROUP, GROUP // 8, BLOCK_N])
+        return tl.reshape(s, [BLOCK_K // 8, BLOCK_N])
+    else:  # groups of 8·m columns across tile edges: each word's own
+        offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        ok = n_ok[None, :] if EVEN_K else (offs_w < (K + 7) // 8)[:, None] & n_ok[None, :]
+        return tl.load(S + offs_n[None, :] * stride_sn + (offs_w * 8 // GROUP)[:, None] * stride_sk, mask=ok,
+                       other=0.0)  # fmt: skip
+
+
+@triton.jit
 def _weight_tile(
     W, S, e, k0, offs_n, n_ok, K,
     stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
     KIND: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):  # fmt: skip
     """W_e[n, k0 + i] as [BLOCK_K, BLOCK_N] in the dot dtype, zero past K / N (fp8: unscaled)."""
     if KIND == _INT4:
         offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # [BLOCK_K / 8] words
-        ok = (offs_w < (K + 7) // 8)[:, None] & n_ok[None, :]
+        ok = n_ok[None, :] if EVEN_K else (offs_w < (K + 7) // 8)[:, None] & n_ok[None, :]
         words = tl.load(W + e * stride_we + offs_n[None, :] * stride_wn + offs_w[:, None] * stride_wk, mask=ok, other=0)
-        s = tl.load(S + e * stride_se + offs_n[None, :] * stride_sn + (offs_w * 8 // GROUP)[:, None] * stride_sk,
-                    mask=ok, other=0.0)  # fmt: skip
-        j = tl.arange(0, 8)
-        nib = (words[:, None, :] >> (j * 4)[None, :, None]) & 0xF  # [BLOCK_K / 8, 8, BLOCK_N] in [0, 15]
-        # integer ops into DOT (gemm/int4_dequant.py). The last word's padding nibbles (K % 8) need no mask: they
-        # dequantize to finite values and meet the A columns past K, loaded as 0
-        w = int4_dequant(nib, s[:, None, :], DOT)
-        return tl.reshape(w, [BLOCK_K, BLOCK_N])
+        s = _int4_scales(S + e * stride_se, k0, offs_n, n_ok, K, stride_sn, stride_sk, GROUP, BLOCK_K, BLOCK_N,
+                         EVEN_K)  # fmt: skip
+        # integer ops into DOT, two nibbles an op for 16-bit dots (gemm/int4_dequant.py). Padding nibbles past K
+        # (K % 8, and a last group's words past K) need no mask: they dequantize to finite values and meet the A
+        # columns past K, loaded as 0
+        w = int4_dequant_words(words, s, DOT)
+        if DOT != tl.float32:  # joins behind a 16-bit operand: keep the compiler's kWidth 2 (gemm/kwidth_fence.py)
+            w = kwidth_fence(w)
+        return w
     else:
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        ok = (offs_k < K)[:, None] & n_ok[None, :]
+        ok = n_ok[None, :] if EVEN_K else (offs_k < K)[:, None] & n_ok[None, :]
         w = tl.load(W + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk, mask=ok, other=0.0)
         if KIND != _FP8:  # fp8 stays e4m3 for the fp8 dot
             w = w.to(DOT)
@@ -138,6 +167,7 @@ def _moe_gemm_kernel(
     ROW_DIV: tl.constexpr, GATE_UP: tl.constexpr, KIND: tl.constexpr, GROUP: tl.constexpr,
     SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, DOT: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):  # fmt: skip
     """OUT[p, n] for the pairs p of one M-block: GATE_UP silu(A W1ᵀ) · (A W2ᵀ) with A rows p // ROW_DIV
     (the tokens), else (A W1ᵀ) · TOPK_W[p] with A rows p (h). KIND 2 (fp8) quantizes A per row and K group
@@ -157,8 +187,8 @@ def _moe_gemm_kernel(
     a_s = tl.zeros([BLOCK_M], tl.float32)  # fp8: the activation scale of the K group being read, per row
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(A + row[:, None] * stride_am + offs_k[None, :], mask=row_ok[:, None] & (offs_k < K)[None, :],
-                    other=0.0)  # fmt: skip
+        a_ok = row_ok[:, None] if EVEN_K else row_ok[:, None] & (offs_k < K)[None, :]  # EVEN_K: K % BLOCK_K == 0
+        a = tl.load(A + row[:, None] * stride_am + offs_k[None, :], mask=a_ok, other=0.0)
         if KIND == _FP8:  # e4m3(clamp(a / scale, ±448)) as quantize_fp8_torch; padding rows: scale 1e-12, q = 0
             a = a.to(tl.float32)
             if BLOCK_K == SCALE_BK:  # the tile is its group
@@ -171,10 +201,10 @@ def _moe_gemm_kernel(
         else:
             a = a.to(DOT)
         w1 = _weight_tile(W1, S1, e, k0, offs_n, n_ok, K, stride_we, stride_wn, stride_wk, stride_se, stride_sn,
-                          stride_sk, KIND, GROUP, BLOCK_K, BLOCK_N, DOT)  # fmt: skip
+                          stride_sk, KIND, GROUP, BLOCK_K, BLOCK_N, DOT, EVEN_K)  # fmt: skip
         if GATE_UP:
             w2 = _weight_tile(W2, S2, e, k0, offs_n, n_ok, K, stride_we, stride_wn, stride_wk, stride_se, stride_sn,
-                              stride_sk, KIND, GROUP, BLOCK_K, BLOCK_N, DOT)  # fmt: skip
+                              stride_sk, KIND, GROUP, BLOCK_K, BLOCK_N, DOT, EVEN_K)  # fmt: skip
         if KIND == _FP8:  # one activation scale per row (a_s), one weight scale per column in this K tile
             s_off = e * stride_se + (offs_n // SCALE_BN) * stride_sn + (k0 // SCALE_BK) * stride_sk
             s1 = tl.load(S1 + s_off, mask=n_ok, other=0.0)
@@ -334,7 +364,8 @@ def _gemm(a, w1: ExpertWeights, w2, out, align, cfg, row_div, topk_w, dot, preci
             a.stride(0), *ws, *ss, out.stride(0),
             ROW_DIV=row_div, GATE_UP=w2 is not None, KIND=w1.fmt.kernel_id, GROUP=max(w1.group_size, 8),
             SCALE_BN=w1.block[0], SCALE_BK=w1.block[1], DOT=dot, PRECISION=precision, BLOCK_M=c.block_m,
-            BLOCK_N=c.block_n, BLOCK_K=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages,
+            BLOCK_N=c.block_n, BLOCK_K=c.block_k, EVEN_K=K % c.block_k == 0, num_warps=c.num_warps,
+            num_stages=c.num_stages,
         )  # fmt: skip
 
     # What sets the compiled kernel's shared memory besides the tile config: dtypes, weight format, op.

@@ -153,7 +153,7 @@ def compile_tile(shape: Shape, cfg: MoeTileConfig, arch: int) -> dict:
     consts = dict(stride_wk=1, ROW_DIV=shape.topk if gate_up else 1, GATE_UP=gate_up, KIND=fm._KIND[shape.kind],
                   GROUP=max(shape.group, 8), SCALE_BN=shape.block[0] or 1, SCALE_BK=shape.block[1] or 1,
                   DOT=tl.bfloat16, PRECISION="tf32", BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                  BLOCK_K=cfg.block_k)  # fmt: skip
+                  BLOCK_K=cfg.block_k, EVEN_K=shape.K % cfg.block_k == 0)  # fmt: skip
     kernel = fm._moe_gemm_kernel
     params = list(inspect.signature(kernel.fn).parameters)
     sig = {p: "constexpr" if p in consts else pointers.get(p, "i32") for p in params}
