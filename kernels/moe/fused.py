@@ -326,8 +326,11 @@ def _configs(config, x, gate, down, topk: int, wide: bool) -> tuple[MoeTileConfi
 
 
 def _device_class(x: torch.Tensor) -> str | None:
-    """moe/tiles.py's device class of x's GPU (None off CUDA: interpreted runs use moe/configs.py's defaults)."""
-    return moe_tiles.device_class(torch.cuda.get_device_capability(x.device)) if x.is_cuda else None
+    """moe/tiles.py's device class of x's GPU (None interpreted: interpreted runs use moe/configs.py's defaults;
+    a step modeled for a device, tools/roofline/as_gpu.py, gets that device's class)."""
+    if is_interpreted(_moe_gemm_kernel):
+        return None
+    return moe_tiles.device_class(torch.cuda.get_device_capability(x.device))
 
 
 def launch_with_fallback(

@@ -3,7 +3,8 @@
     kernels/moe/tables/sm_90.json, sm_120.json   (written by `python -m scripts.bench.moe_tile_table`)
     {"device_class": "sm_90", "triton": "3.9.0", "model": {...},
      "tiles": {"int4/gate_up/N256/K7168/g32": {"config": {"block_m": 16, ...}, "registers": 128,
-                                               "spill_bytes": 0, "shared_bytes": 32768, "modeled_us": {...}}}}
+                                               "spill_bytes": 0, "shared_bytes": 32768, "modeled_us": {...},
+                                               "issue_per_element": 4.3, ...}}}
 
 A key is the weight format, the op (gate_up: N = I, K = d; down: N = d, K = I, moe/configs.py's ops), the
 weight's N and K and its quantization (g<group> for INT4, b<bn>x<bk> for FP8 block scales, "-" for bf16).
@@ -13,9 +14,12 @@ and a fixed block_m. Both ops of one format and shape class share block_m (the a
 
 The tiles were chosen on a CPU from a roofline of the shapes the deployments run (AR and a 17-row tree of
 Kimi K2.6 / DeepSeek-V3 at TP 8) and from each candidate compiled ahead of time for the class (registers,
-spills and shared memory from ptxas), see scripts/bench/moe_tile_table.py; the figures in the files are
-modeled, not measured. fused_moe uses a table entry when one matches (CUDA only) and its launch fallback
-(smaller_configs on OutOfResources) stays; a shape without an entry gets moe.configs.get_config.
+spills and shared memory from ptxas, instructions from its SASS), see scripts/bench/moe_tile_table.py; the
+figures in the files are modeled, not measured. `issue_per_element` (entries chosen since the SASS counts) is
+what a program issues per weight element it reads, in lane-instructions: the roofline of a step
+(tools/roofline/launch_costs.py) prices the INT4 experts' issue by it. fused_moe uses a table entry when one
+matches (CUDA, or a step modeled for a device; not interpreted) and its launch fallback (smaller_configs on
+OutOfResources) stays; a shape without an entry gets moe.configs.get_config.
 """
 
 from __future__ import annotations
@@ -63,6 +67,20 @@ def load(cls: str) -> dict[str, MoeTileConfig]:
         return {key: MoeTileConfig.from_dict(entry["config"]) for key, entry in raw["tiles"].items()}
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"moe tile table {path}: {e}") from e
+
+
+@functools.lru_cache(maxsize=4)
+def _entries(cls: str) -> dict[str, dict]:
+    path = table_path(cls)
+    return json.loads(path.read_text())["tiles"] if path.is_file() else {}
+
+
+def issue_per_element(key: str, config: MoeTileConfig) -> float | None:
+    """The committed issue_per_element of the entry of this key and tile (the larger where both classes' tables
+    have the tile), else the largest of this key's entries; None where no table records one."""
+    entries = [e for e in (_entries(cls).get(key) for cls in CLASSES) if e and "issue_per_element" in e]
+    same = [e["issue_per_element"] for e in entries if MoeTileConfig.from_dict(e["config"]) == config]
+    return max(same or [e["issue_per_element"] for e in entries], default=None)
 
 
 def _key(w, op: str) -> str:

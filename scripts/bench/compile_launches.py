@@ -154,8 +154,10 @@ def compile_for(kernel, signature: dict, constexprs: dict, arch: int, num_warps:
 
 def build(kernel, signature: dict, constexprs: dict, arch: int, num_warps: int, num_stages: int, attrs=None) -> dict:
     """`compile_for`'s kernel: its registers, stack bytes (spills) and shared memory, as ptxas and cuobjdump
-    say."""
+    say, and its SASS instructions per warp, whole and in the main loop (scripts/bench/sass_counts.py)."""
     import triton
+
+    from scripts.bench import sass_counts
 
     built = compile_for(kernel, signature, constexprs, arch, num_warps, num_stages, attrs)
     cuobjdump = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -164,7 +166,9 @@ def build(kernel, signature: dict, constexprs: dict, arch: int, num_warps: int, 
         f.flush()
         usage = subprocess.run([str(cuobjdump), "-res-usage", f.name], capture_output=True, text=True).stdout
     regs, stack = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "STACK"))
-    return dict(registers=regs, stack_bytes=stack, shared_bytes=built.metadata.shared)
+    sass = sass_counts.counts(built.asm["cubin"])
+    return dict(registers=regs, stack_bytes=stack, shared_bytes=built.metadata.shared, sass_total=sass["total"],
+                sass_loop=sass["loop"])  # fmt: skip
 
 
 def compile_launch(launch: dict, arch: int) -> dict:

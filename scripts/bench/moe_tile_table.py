@@ -1,8 +1,10 @@
 """Chooses the fused MoE's tile per device class and weight shape (kernels/moe/tiles.py) on a CPU: a roofline
 of each candidate at the shapes the deployments run, then the best candidates compiled ahead of time for the
-class (compile_launches.build: registers, spills, shared memory from ptxas), and the best that fits.
+class (compile_launches.build: registers, spills, shared memory from ptxas, SASS instructions from
+cuobjdump), and the best that fits by the model with the compiled kernel's own instruction count.
 
     python -m scripts.bench.moe_tile_table            # writes kernels/moe/tables/sm_90.json and sm_120.json
+    python -m scripts.bench.moe_tile_table --kinds int4   # chooses the INT4 tiles again, keeps the others
     python -m scripts.bench.moe_tile_table --print    # the table's compile metadata, one line a tile
 
 Run it without TRITON_INTERPRET (the kernels must compile). Every figure it writes is modeled.
@@ -12,9 +14,13 @@ The model of one grouped GEMM launch (`model_us`), for a scenario's active exper
   device's and the bytes its resident CTAs keep in flight (num_stages - 1 K tiles each) over the memory
   latency (Little's law: a grid of 64 CTAs with one 4 KB tile each does not stream at HBM speed), times
   the wave quantization when the CTAs exceed the resident slots;
-- issue: per SM, its CTAs' dequantization ops (INT4: the nibble unpack, ~7 integer / bf16 ops an element)
-  and tensor-core work (the block_m rows padded, mma.sync rate), added;
-- the launch takes the larger of the two.
+- issue: per SM, the instructions its CTAs issue (4 warp-instructions a cycle an SM: 128 lanes) and the
+  tensor cores' work (the block_m rows padded, mma.sync rate), the larger of the two (the tensor pipe runs
+  beside issue; the mma instructions' issue slots are in the count). A compiled candidate's instructions are
+  its SASS (scripts/bench/sass_counts.py): the K loop's body per K tile plus the code outside it once, per
+  warp, times its warps (`issue_per_element`: per weight element of the program); candidates are ranked for
+  compiling by PRIOR_ISSUE per element;
+- the launch takes the larger of memory and issue.
 Residency per SM is the least of registers (64K), shared memory and 32 CTAs, from the compiled kernel.
 Row invariance fixes what the search may vary: block_m is 16 for every tile (decode and tree verify fill a
 16-row block per expert; one block_m for all M), split K is 1 and the K order is the kernel's one loop.
@@ -42,6 +48,7 @@ from scripts.bench.compile_launches import build
 
 BLOCK_M = 16
 SPILL_LIMIT = 64  # bytes of stack a chosen tile may use (ptxas spills)
+SPILL_PENALTY = 0.02  # a tile that spills is chosen over one that does not only when modeled this much faster
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +101,10 @@ SHAPES = (
     Shape("fp8", "down", 7168, 256, block=(128, 128), experts=256),
 )
 ROWS = {"ar": 1, "tree17": 17, "prefill2048": 2048}  # tokens in the call; ar and tree17 choose the tile
-DEQUANT_OPS = {"int4": 7, "fp8": 0, "bf16": 0}  # issue ops an element of a weight tile costs before the dot
+# issued instructions (per lane) a weight element costs a candidate before it is compiled: the ranking's guess
+# (INT4: about what the two-nibble unpack's tiles count, see docs/performance.md section 12)
+PRIOR_ISSUE = {"int4": 5.0, "fp8": 0.0, "bf16": 0.0}
+LANES_PER_WARP = 32
 
 
 def scenario(shape: Shape, rows: int) -> tuple[float, int]:
@@ -109,7 +119,19 @@ def residency(dev: DeviceModel, cfg: MoeTileConfig, registers: int, shared: int)
     return max(1, min(dev.regs_per_sm // max(regs, 1), dev.smem_per_sm // max(shared, 1), dev.max_ctas_per_sm))
 
 
-def model_us(dev: DeviceModel, shape: Shape, cfg: MoeTileConfig, registers: int, shared: int, rows: int) -> float:
+def issue_per_element(shape: Shape, cfg: MoeTileConfig, sass_total: int, sass_loop: int) -> float:
+    """Lane-instructions a program issues per weight element it reads: (code outside the K loop once, the
+    loop's body per K tile) per warp, times warps and 32 lanes, over block_n x K (x 2 for gate_up)."""
+    k_tiles = math.ceil(shape.K / cfg.block_k)
+    per_warp = sass_total - sass_loop + k_tiles * sass_loop
+    ops = 2 if shape.op == "gate_up" else 1
+    return per_warp * cfg.num_warps * LANES_PER_WARP / (cfg.block_n * shape.K * ops)
+
+
+def model_us(
+    dev: DeviceModel, shape: Shape, cfg: MoeTileConfig, registers: int, shared: int, rows: int,
+    issue: float | None = None,  # issue_per_element of the compiled tile; None: PRIOR_ISSUE
+) -> float:  # fmt: skip
     active, mblocks = scenario(shape, rows)
     ctas = active * mblocks * math.ceil(shape.N / cfg.block_n)
     slots = dev.sms * residency(dev, cfg, registers, shared)
@@ -121,12 +143,12 @@ def model_us(dev: DeviceModel, shape: Shape, cfg: MoeTileConfig, registers: int,
     waves = math.ceil(ctas / slots)
     memory = active * mblocks * shape.weight_bytes() / bandwidth * (waves * slots / ctas if ctas > slots else 1.0)
     per_cta_elems = cfg.block_n * shape.K * ops
-    alu = per_cta_elems * DEQUANT_OPS[shape.kind] / (dev.alu_ops_per_clk_sm * dev.clock_ghz * 1e3)
+    per_element = PRIOR_ISSUE[shape.kind] if issue is None else issue
+    alu = per_cta_elems * per_element / (dev.alu_ops_per_clk_sm * dev.clock_ghz * 1e3)
     eight_bit = weight_format(shape.kind).quantizes_activations  # 8-bit dots
     mma_rate = dev.mma_flop_per_clk_sm * (2 if eight_bit else 1)  # an 8-bit mma: twice bf16's
     mma = 2 * BLOCK_M * per_cta_elems / (mma_rate * dev.clock_ghz * 1e3)
-    issue = math.ceil(ctas / dev.sms) * (alu + mma)
-    return max(memory, issue)
+    return max(memory, math.ceil(ctas / dev.sms) * max(alu, mma))
 
 
 def floor_us(dev: DeviceModel, shape: Shape, rows: int) -> float:
@@ -162,37 +184,47 @@ def compile_tile(shape: Shape, cfg: MoeTileConfig, arch: int) -> dict:
     return build(kernel, sig, consts, arch, cfg.num_warps, cfg.num_stages, attrs)
 
 
-def choose(cls: str, shape: Shape, compiled: int = 6, log=print) -> dict:
+def choose(cls: str, shape: Shape, compiled: int = 16, log=print) -> dict:
     """The table entry of `shape` on `cls`: the `compiled` best candidates by the model (estimated shared
-    memory, 128 registers) compiled, and the best of those within the budget and SPILL_LIMIT."""
+    memory, 128 registers, PRIOR_ISSUE) compiled, and the best of those by the model with their registers,
+    shared memory and instruction counts, within the budget and SPILL_LIMIT."""
     dev, budget = DEVICES[cls], SMEM_PER_BLOCK[cls]
-    score = lambda c, r, sh: sum(model_us(dev, shape, c, r, sh, ROWS[s]) for s in ("ar", "tree17"))  # noqa: E731
+    score = lambda c, r, sh, i=None: sum(model_us(dev, shape, c, r, sh, ROWS[s], i) for s in ("ar", "tree17"))  # noqa: E731
     fits = [c for c in candidates(shape) if smem_bytes(c, shape.kind, shape.op) <= budget]
     ranked = sorted(fits, key=lambda c: score(c, 128, smem_bytes(c, shape.kind, shape.op)))[:compiled]
     best = None
     for cfg in ranked:
         meta = compile_tile(shape, cfg, dev.arch)
         ok = meta["stack_bytes"] <= SPILL_LIMIT and meta["shared_bytes"] <= budget
-        s = score(cfg, meta["registers"], meta["shared_bytes"])
+        issue = issue_per_element(shape, cfg, meta["sass_total"], meta["sass_loop"])
+        s = score(cfg, meta["registers"], meta["shared_bytes"], issue)
         log(f"  {cls} {shape.key} {cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}: {meta} "
             f"{s:.1f} us{'' if ok else ' (rejected)'}")  # fmt: skip
-        if ok and (best is None or (s, meta["registers"]) < (best[0], best[2]["registers"])):
-            best = (s, cfg, meta)
+        s_choice = s * (1 + SPILL_PENALTY * (meta["stack_bytes"] > 0))  # a spill-free tile wins a near tie
+        if ok and (best is None or (s_choice, meta["registers"]) < (best[0], best[2]["registers"])):
+            best = (s_choice, cfg, meta, issue)
     if best is None:
         raise RuntimeError(f"no candidate of {shape.key} compiles for {cls} within its limits")
-    _, cfg, meta = best
-    modeled = {s: round(model_us(dev, shape, cfg, meta["registers"], meta["shared_bytes"], r), 2)
+    _, cfg, meta, issue = best
+    modeled = {s: round(model_us(dev, shape, cfg, meta["registers"], meta["shared_bytes"], r, issue), 2)
                for s, r in ROWS.items()}  # fmt: skip
     floors = {s: round(floor_us(dev, shape, r), 2) for s, r in ROWS.items()}
     return dict(config=dataclasses.asdict(cfg), registers=meta["registers"], spill_bytes=meta["stack_bytes"],
-                shared_bytes=meta["shared_bytes"], modeled_us=modeled, floor_us=floors)  # fmt: skip
+                shared_bytes=meta["shared_bytes"], sass_total=meta["sass_total"], sass_loop=meta["sass_loop"],
+                issue_per_element=round(issue, 2), modeled_us=modeled, floor_us=floors)  # fmt: skip
 
 
-def table(cls: str, log=print) -> dict:
+def table(cls: str, kinds: tuple[str, ...] | None = None, log=print) -> dict:
+    """The table of `cls`, its tiles of `kinds` (None: all) chosen again, the others kept as committed."""
     dev = DEVICES[cls]
-    tiles = {shape.key: choose(cls, shape, log=log) for shape in SHAPES}
-    model = dict(dataclasses.asdict(dev), rows=ROWS, dequant_ops=DEQUANT_OPS, block_m=BLOCK_M,
-                 spill_limit=SPILL_LIMIT, note="modeled on a CPU (scripts/bench/moe_tile_table.py), not measured")  # fmt: skip
+    path = moe_tiles.table_path(cls)
+    tiles = json.loads(path.read_text())["tiles"] if kinds is not None and path.exists() else {}
+    for shape in SHAPES:
+        if kinds is None or shape.kind in kinds:
+            tiles[shape.key] = choose(cls, shape, log=log)
+    model = dict(dataclasses.asdict(dev), rows=ROWS, prior_issue=PRIOR_ISSUE, block_m=BLOCK_M,
+                 spill_limit=SPILL_LIMIT, note="modeled on a CPU (scripts/bench/moe_tile_table.py), not measured; "
+                 "entries with issue_per_element were chosen by their SASS counts")  # fmt: skip
     return dict(device_class=cls, triton=triton.__version__, model=model, tiles=tiles)
 
 
@@ -216,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--classes", default=",".join(moe_tiles.CLASSES), help="device classes (sm_90,sm_120)")
     p.add_argument("--print", action="store_true", help="print the committed tables' metadata; write nothing")
     p.add_argument("--check", action="store_true", help="compile the committed tiles again: JSON rows; write nothing")
+    p.add_argument("--kinds", default=None, help="choose only these formats' tiles again (int4,fp8), keep the rest")
     args = p.parse_args(argv)
     for cls in args.classes.split(","):
         if args.check:
@@ -227,9 +260,11 @@ def main(argv: list[str] | None = None) -> int:
                 c = e["config"]
                 print(f"{cls} {key}: {c['block_m']}x{c['block_n']}x{c['block_k']} w{c['num_warps']} "
                       f"s{c['num_stages']} regs {e['registers']} spill {e['spill_bytes']} smem {e['shared_bytes']} "
-                      f"modeled {e['modeled_us']} floor {e['floor_us']}")  # fmt: skip
+                      f"issue/element {e.get('issue_per_element', '-')} modeled {e['modeled_us']} "
+                      f"floor {e['floor_us']}")  # fmt: skip
             continue
-        body = table(cls, log=lambda line: print(line, file=sys.stderr, flush=True))
+        kinds = None if args.kinds is None else tuple(args.kinds.split(","))
+        body = table(cls, kinds, log=lambda line: print(line, file=sys.stderr, flush=True))
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(body, indent=1) + "\n")
         print(f"wrote {path}")

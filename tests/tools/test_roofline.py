@@ -151,6 +151,23 @@ def test_the_router_fills_the_device_within_its_budget(report):
     assert router["ctas"] >= DEVICES["h200"].sms and router["modeled_us"] <= 400
 
 
+def test_the_int4_experts_are_priced_by_their_tiles_instructions(report):
+    """Item 3: the INT4 experts' issue is what the launched tile's SASS counts (the sm_90 table, since the
+    wrappers choose as on an H200), and their modeled time at 17 rows is within 1.3x their floor."""
+    from ddtree.kernels.moe import tiles as moe_tiles
+    from ddtree.tools.roofline import launch_costs
+
+    table = json.loads(moe_tiles.table_path("sm_90").read_text())["tiles"]
+    for key, op in (("int4/gate_up/N256/K7168/g32", True), ("int4/down/N7168/K256/g32", False)):
+        c, n, k = table[key]["config"], int(key.split("/")[2][1:]), int(key.split("/")[3][1:])
+        a = dict(GATE_UP=op, GROUP=32, BLOCK_M=c["block_m"], BLOCK_N=c["block_n"], BLOCK_K=c["block_k"],
+                 num_warps=c["num_warps"], num_stages=c["num_stages"])  # fmt: skip
+        assert launch_costs._int4_issue(a, "int4", n, k) == table[key]["issue_per_element"]
+        assert launch_costs._int4_issue(a, "int4", n, k + 64) == launch_costs.INT4_ISSUE_OPS  # no entry
+    moe = next(k for k in report["kernels"] if k["name"] == "_moe_gemm_kernel")
+    assert moe["modeled_us"] <= 1.3 * moe["floor_us"], moe
+
+
 def test_measured_times_land_on_their_kernels():
     """kernel_times.attach_measured on a profile: Triton kernels by name (a kernel at two sites shares its time
     by modeled time), everything else summed as other, pct_of_floor = floor / measured."""

@@ -24,12 +24,17 @@ from collections.abc import Callable
 
 import torch
 
+from ddtree.kernels.moe import tiles as moe_tiles
+from ddtree.kernels.moe.configs import MoeTileConfig
 from ddtree.kernels.weight_formats import BY_KERNEL_ID
 
 LIBRARY_CTAS = 0  # a library kernel (cuBLAS): assumed to choose a grid (split-K) that fills the device
 ELEMENTWISE_BLOCK = 512  # elements per CTA of torch's elementwise kernels (128 threads x 4)
 WGMMA_M = 64  # a cuBLAS GEMM's M tile on Hopper at small M: rows are padded to it
-INT4_DEQUANT_OPS = 7  # per weight element: shift, and, -8, int->fp32, x scale, K mask select, fp32->bf16
+# INT4 experts: lane-instructions a program issues per weight element it reads (the unpack, the mma and shared
+# memory traffic, the loop's control: everything), counted on the SASS of the tile the launch uses
+# (kernels/moe/tiles.issue_per_element); a shape the tables lack: this
+INT4_ISSUE_OPS = 16.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,10 +155,19 @@ def _moe_gemm(a: dict, grid: tuple, ctx: StepContext) -> Cost:
     written = pairs * N * out.element_size()
     flops = 2 * blocks * block_m * N * K * mats
     fmt = BY_KERNEL_ID[kind]
-    dequant = blocks * N * K * mats * INT4_DEQUANT_OPS if fmt.dequantizes_tiles else 0
+    dequant = blocks * N * K * mats * _int4_issue(a, fmt.name, N, K) if fmt.dequantizes_tiles else 0
     n_tiles = grid[1] if len(grid) > 1 else 1
     math_kind = "fp8" if fmt.quantizes_activations else dot_kind(a["DOT"])  # 8-bit dots on quantized activations
     return Cost(read, written, flops, math_kind, dequant, max(1, round(blocks * n_tiles)))
+
+
+def _int4_issue(a: dict, kind: str, N: int, K: int) -> float:
+    """Issue per weight element of this INT4 launch's tile: the tile tables' SASS count, else INT4_ISSUE_OPS."""
+    op = "gate_up" if a["GATE_UP"] else "down"
+    key = moe_tiles.shape_key(kind, op, N, K, a["GROUP"])
+    cfg = MoeTileConfig(a["BLOCK_M"], a["BLOCK_N"], a["BLOCK_K"], a.get("num_warps", 4), a.get("num_stages", 3))
+    counted = moe_tiles.issue_per_element(key, cfg)
+    return INT4_ISSUE_OPS if counted is None else counted
 
 
 def _dense_gemm(a: dict, grid: tuple, ctx: StepContext) -> Cost:
@@ -189,10 +203,11 @@ LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_f
 
 def triton_cost(fn, grid, args: tuple, kwargs: dict, ctx: StepContext) -> Cost:
     """The cost of `fn[grid](*args, **kwargs)` (fn: the kernel's Python function)."""
+    options = {k: v for k, v in kwargs.items() if k in LAUNCH_OPTIONS}
     kwargs = {k: v for k, v in kwargs.items() if k not in LAUNCH_OPTIONS}
     bound = inspect.signature(fn).bind(*args, **kwargs)
     bound.apply_defaults()
-    a = dict(bound.arguments)
+    a = {**options, **bound.arguments}  # the launch's num_warps / num_stages too (the INT4 tile's issue count)
     if callable(grid):
         grid = grid(a)
     grid = tuple(grid) if isinstance(grid, (tuple, list)) else (grid,)
