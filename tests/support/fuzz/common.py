@@ -49,7 +49,7 @@ class Settings:
     max_string: int  # longest fuzzed string, characters (bodies stay under ~2 MB)
 
 
-SMALL = Settings("small", 96, 60, 4, 2.0, 5.0, 8, 240, 4, 120, 24, 6, 8, 20_000)
+SMALL = Settings("small", 96, 60, 4, 2.0, 5.0, 8, 160, 4, 80, 24, 4, 8, 20_000)
 LONG = Settings("long", 1000, 600, 6, 3.0, 10.0, 8, 480, 8, 240, 120, 40, 16, 200_000)
 
 
