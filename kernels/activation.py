@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ddtree.kernels.mla.checks import DTYPES, check_device, is_interpreted
+from ddtree.kernels.checks import DTYPES, check_device, is_interpreted
 from ddtree.kernels.rmsnorm import _TL, _round_to
 
 BLOCK = 1024  # columns per program

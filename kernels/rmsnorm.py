@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ddtree.kernels.mla.checks import DTYPES, check_device, is_interpreted
+from ddtree.kernels.checks import DTYPES, check_device, is_interpreted
 from ddtree.kernels.mla.latent_write import _round_bf16
 
 

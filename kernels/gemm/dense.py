@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ddtree.kernels.mla.checks import DTYPES, check_device, is_interpreted
+from ddtree.kernels.checks import DTYPES, check_device, is_interpreted
 from ddtree.kernels.mla.latent_write import _round_bf16
 from ddtree.kernels.mla.plan import num_sms
 from ddtree.kernels.shared_memory import device_smem_budget, dot_smem_bytes, stages_within

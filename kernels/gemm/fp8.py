@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ddtree.kernels.mla.checks import DTYPES, check_device, is_interpreted
+from ddtree.kernels.checks import DTYPES, check_device, check_matrix, is_interpreted
 from ddtree.kernels.mla.latent_write import _round_bf16
 from ddtree.kernels.quant_formats import FP8_MAX
 from ddtree.kernels.shared_memory import device_smem_budget, dot_smem_bytes, stages_within
@@ -91,17 +91,6 @@ def _fp8_gemm_kernel(
     tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def _check_2d(name: str, t, dtypes: tuple[torch.dtype, ...]) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
-    if t.dim() != 2:
-        raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
-    if t.dtype not in dtypes:
-        raise ValueError(f"{name} dtype {t.dtype} not supported; use one of {dtypes}")
-    if t.numel() and t.stride(-1) != 1:
-        raise ValueError(f"{name} must be contiguous in its last dim, strides {t.stride()}")
-
-
 def _check_fp8_device(device: torch.device, interpreted: bool) -> None:
     check_device(device, interpreted)
     if device.type == "cuda" and not interpreted and torch.cuda.get_device_capability(device) < (8, 9):
@@ -135,9 +124,9 @@ def fp8_block_gemm(
 ) -> torch.Tensor:  # [M, N], dtype of x
     """y = x · Wᵀ for a DeepSeek-V3 FP8 linear, x quantized per token group of bk inside the GEMM (one launch)."""
     bn, bk = _check_block(block_size)
-    _check_2d("x", x, DTYPES)
-    _check_2d("weight", weight, (torch.float8_e4m3fn,))
-    _check_2d("weight_scale_inv", weight_scale_inv, (torch.float32,))
+    check_matrix("x", x, DTYPES)
+    check_matrix("weight", weight, (torch.float8_e4m3fn,))
+    check_matrix("weight_scale_inv", weight_scale_inv, (torch.float32,))
     (M, K), (N, Kw) = x.shape, weight.shape
     if Kw != K or K < 1 or N < 1:
         raise ValueError(f"x [M, K] {tuple(x.shape)} and weight [N, K] {tuple(weight.shape)} do not fit")

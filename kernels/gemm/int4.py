@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ddtree.kernels.mla.checks import DTYPES, check_device, is_interpreted
+from ddtree.kernels.checks import DTYPES, check_device, check_matrix, is_interpreted
 from ddtree.kernels.mla.latent_write import _round_bf16
 from ddtree.kernels.quant_formats import PACK
 from ddtree.kernels.shared_memory import device_smem_budget, dot_smem_bytes, stages_within
@@ -115,14 +115,7 @@ def int4_gemm(
     """y = x · Wᵀ for a compressed-tensors pack-quantized INT4 linear (W4A16, fp32 accumulation)."""
     for name, t, dtypes in (("x", x, DTYPES), ("weight_packed", weight_packed, (torch.int32,)),
                             ("weight_scale", weight_scale, DTYPES)):  # fmt: skip
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
-        if t.dim() != 2:
-            raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
-        if t.dtype not in dtypes:
-            raise ValueError(f"{name} dtype {t.dtype} not supported; use one of {dtypes}")
-        if t.numel() and t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in its last dim, strides {t.stride()}")
+        check_matrix(name, t, dtypes)
         if t.device != x.device:
             raise ValueError(f"{name} is on {t.device}, x on {x.device}")
     if not isinstance(group_size, int) or group_size < 1:

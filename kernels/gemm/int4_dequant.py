@@ -23,7 +23,7 @@ byte permutes that put adjacent columns in one register where the dot reads them
 (int4_dequant) was a shift and an and-or per column.
 
 fp32 dots (the interpreter's, and exact fp32 runs) have nothing to pair: one nibble per 32-bit value, the same
-layout. The Triton interpreter's bf16 arithmetic is not IEEE (mla.checks.kernel_dims): interpreted tests check
+layout. The Triton interpreter's bf16 arithmetic is not IEEE (mla/checks.py kernel_dims): interpreted tests check
 the bf16 row's bit patterns (int4_magic_pairs) and the fp16 / fp32 rows' values; the bf16 arithmetic, the
 same scheme as fp16's, runs on GPUs (`ddtree selftest gpu`).
 """

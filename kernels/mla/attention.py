@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from ddtree.kernels.mla.checks import check_inputs, is_interpreted, kernel_dims
+from ddtree.kernels.checks import is_interpreted
+from ddtree.kernels.mla.checks import check_inputs, kernel_dims
 from ddtree.kernels.mla.merge import mla_merge
 from ddtree.kernels.mla.plan import MLAPlan
 from ddtree.kernels.mla.split import _mla_split_kernel, mla_split_attention

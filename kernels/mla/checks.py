@@ -1,17 +1,17 @@
-"""Input checks shared by the MLA kernel wrappers: host-side only (shapes, strides, dtypes, devices and
-the cache length against the plan's largest slot), so they cost no device sync."""
+"""Input checks of the MLA kernel wrappers: host-side only (shapes, strides, dtypes, devices and the cache
+length against the plan's largest slot), so they cost no device sync; the checks every kernel shares are in
+kernels/checks.py."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import torch
-from triton.runtime.interpreter import InterpretedFunction
 
+from ddtree.kernels.checks import DTYPES, check_device
 from ddtree.kernels.mla.plan import MLAPlan
 
 LOG2E = 1.4426950408889634
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,16 +28,6 @@ class KernelDims:
 
 def _pow2(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())  # tl.dot needs every dim >= 16
-
-
-def is_interpreted(kernel) -> bool:
-    return isinstance(kernel, InterpretedFunction)
-
-
-def check_device(device: torch.device, interpreted: bool) -> None:
-    if device.type != "cuda" and not interpreted:
-        raise ValueError(f"the Triton kernels need CUDA tensors, got {device} (on a CPU, set TRITON_INTERPRET=1 "
-                         "before triton is imported to run them interpreted)")  # fmt: skip
 
 
 def kernel_dims(q_lat: torch.Tensor, q_pe: torch.Tensor, plan: MLAPlan, interpreted: bool) -> KernelDims:

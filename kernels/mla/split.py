@@ -25,7 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ddtree.kernels.mla.checks import LOG2E, KernelDims, check_inputs, is_interpreted, kernel_dims
+from ddtree.kernels.checks import is_interpreted
+from ddtree.kernels.mla.checks import LOG2E, KernelDims, check_inputs, kernel_dims
 from ddtree.kernels.mla.plan import SEQ_FIELDS, MLAKernelConfig, MLAPlan, mla_smem_bytes, smaller_mla_configs
 from ddtree.kernels.shared_memory import device_smem_budget, fit_config, launch_with_fallback
 

@@ -35,7 +35,7 @@ Weights are dequantized in the K loop:
         program of an M-block quantizes the same rows again (per N tile): the cost of no extra launch.
 Numerics: fp32 accumulation; x bf16 / fp16 run the dots in x's dtype (weights dequantized to it, h
 rounded to it); x fp32 runs exact fp32 dots. Under the Triton interpreter (TRITON_INTERPRET=1) every
-dot is fp32 (its bf16 dot is wrong, see mla.checks.kernel_dims), h stays fp32 and the bf16 output is
+dot is fp32 (its bf16 dot is wrong, see mla/checks.py kernel_dims), h stays fp32 and the bf16 output is
 rounded with explicit bit arithmetic; the fp8 dot runs as on a GPU (the interpreter widens e4m3 to fp16,
 exactly).
 Tiles: the committed table of the device class and weight shape (moe/tiles.py: sm_90, sm_120; one tile for
@@ -54,9 +54,9 @@ import triton
 import triton.language as tl
 
 from ddtree.kernels import shared_memory
+from ddtree.kernels.checks import check_device, is_interpreted
 from ddtree.kernels.gemm.int4_dequant import int4_dequant_words
 from ddtree.kernels.gemm.kwidth_fence import kwidth_fence
-from ddtree.kernels.mla.checks import check_device, is_interpreted
 from ddtree.kernels.mla.latent_write import _round_bf16
 from ddtree.kernels.moe import tiles as moe_tiles
 from ddtree.kernels.moe.align import moe_align

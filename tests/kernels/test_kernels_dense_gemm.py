@@ -204,7 +204,7 @@ def test_no_silent_fallback_to_a_reference(monkeypatch):
 
 def test_the_kernels_run_interpreted_here():
     """On a machine without CUDA the kernels must be the interpreter's (not a CPU torch path)."""
-    from ddtree.kernels.mla.checks import is_interpreted
+    from ddtree.kernels.checks import is_interpreted
 
     for kernel in (fp8_gemm._fp8_gemm_kernel, int4_gemm._int4_gemm_kernel):
         assert is_interpreted(kernel) == INTERPRET

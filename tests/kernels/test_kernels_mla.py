@@ -15,8 +15,9 @@ import dataclasses
 import pytest
 import torch
 
+from ddtree.kernels.checks import is_interpreted
 from ddtree.kernels.mla.attention import mla_attention
-from ddtree.kernels.mla.checks import is_interpreted, kernel_dims
+from ddtree.kernels.mla.checks import kernel_dims
 from ddtree.kernels.mla.merge import mla_merge
 from ddtree.kernels.mla.plan import MLAKernelConfig, MLASeq, pack_mask_bits, plan_mla
 from ddtree.kernels.mla.split import _mla_split_kernel, mla_split_attention
