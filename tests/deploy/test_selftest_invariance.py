@@ -2,7 +2,7 @@
 it finds the rows that differ from their AR twins (that path is not row invariant: exit 1, the counts
 printed), bad input is exit 2 with one line, `--kernels triton --tp 2` (interpreted, gloo) compares a
 small tree's rows bitwise equal (exit 0), and so does `--kernels triton --static` (the trees through the
-static step)."""
+static step), at TP 1 and at TP 2."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def test_bad_input_is_exit_2(tiny, tmp_path):
         ["--model", str(tmp_path)],
         ["--model", str(tiny), "--rows", "0"],
         ["--model", str(tiny), "--tp", "0"],
-        ["--model", str(tiny), "--static", "--tp", "2"],
+        ["--model", str(tiny), "--batches", "2,0"],
     ):
         res = _cli(*args)
         assert res.returncode == 2 and "Traceback" not in res.stderr and res.stderr.count("\n") == 1, res.stderr
@@ -68,3 +68,12 @@ def test_triton_path_through_the_static_step_rows_equal_their_twins(tiny):
                "--rows", "2,3", "--contexts", "30")  # fmt: skip
     assert res.returncode == 0, res.stdout + res.stderr
     assert "rows compared 10, rows differing 0" in res.stdout and "static step" in res.stdout
+
+
+def test_triton_path_through_the_static_step_at_tp2_rows_equal_their_twins(tiny):
+    """The static step at TP 2 (gloo, interpreted): both ranks build it over their KV replicas and replay rank
+    0's tree steps in lockstep (the rank-order all-reduce inside); the AR twins run eager. Bitwise, exit 0."""
+    res = _cli("--model", str(tiny), "--tp", "2", "--kernels", "triton", "--dtype", "fp32", "--static",
+               "--batches", "2", "--rows", "2,3", "--contexts", "30")  # fmt: skip
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "rows compared 10, rows differing 0" in res.stdout and "TP 2" in res.stdout and "static step" in res.stdout

@@ -12,7 +12,10 @@ difference; exits 1 when any row differs, 2 on bad input.
 --static runs each batched tree step through the verifier's static step (verifier/step/static_step.py:
 the bucket its default ladder picks, batches 1, 2, 4, ..., rows max(--rows), keys doubling from 512, a
 CUDA graph on CUDA; kernels/mla/static_plan.py's plan with the Triton kernels), padding rows and
-sequences included; the AR twins stay eager. TP 1 only.
+sequences included; the AR twins stay eager. At --tp N every rank builds that ladder over its KV replica
+(verifier/tp_worker.py, as a TP verifier does) and replays rank 0's tree steps in lockstep; the static
+step taps layer 0 and only the tree steps ask for that tap, so the prefills and the AR twins run eager on
+every rank (a step whose taps differ from the static step's is eager: StaticStep.plan).
 
 --kernels triton on a CPU runs the device path under the Triton interpreter (TRITON_INTERPRET=1 is set here
 when triton is not imported yet); auto is triton on CUDA, torch on the CPU. --tp N runs N ranks on this
@@ -34,6 +37,7 @@ import tempfile
 import time
 
 SPLIT_EDGES = (256, 512)  # the MLA plan's default min_split and twice it: contexts straddle these
+STATIC_TAPS = (0,)  # at TP N, what only the tree steps ask of the static step (the rest runs eager)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -84,9 +88,6 @@ def run(args: argparse.Namespace) -> int:
     if args.tp < 1:
         print("ddtree selftest invariance: --tp must be >= 1", file=sys.stderr)
         return 2
-    if args.static and args.tp > 1:
-        print("ddtree selftest invariance: --static runs at --tp 1 only", file=sys.stderr)
-        return 2
     import torch
 
     cuda = torch.cuda.is_available()
@@ -135,12 +136,12 @@ def _load(spec: CheckSpec, device: str, tp=None):
     return model
 
 
-def compare_all(model, spec: CheckSpec, step=None, cache_of=None) -> dict:
-    """Every (batch, rows) case over contexts drawn from spec.contexts: the merged Comparison as a dict."""
+def compare_all(model, spec: CheckSpec, step=None, cache_of=None, verify=None) -> dict:
+    """Every (batch, rows) case over contexts drawn from spec.contexts: the merged Comparison as a dict.
+    `verify` runs the tree steps (default: the forward `step`, or at TP 1 with spec.static static_verify)."""
     from ddtree.tools.selftest.invariance import Comparison, compare_tree_rows, random_tree
 
-    verify = None
-    if spec.static:
+    if spec.static and verify is None:
         verify, cache_of = static_verify(model, spec)
     rng = random.Random(spec.seed)
     vocab = model.config.vocab_size
@@ -164,10 +165,9 @@ def static_verify(model, spec: CheckSpec):
     captured as a CUDA graph on CUDA, over a cache with one slot more (the pad slot, seen by no real row)."""
     import torch
 
-    from ddtree.verifier.step.static_step import StaticStep, default_buckets
+    from ddtree.verifier.step.static_step import StaticStep
 
-    rows = max(spec.rows)
-    ladder = default_buckets(max(spec.batches), rows, max(spec.contexts) + rows)
+    ladder = static_ladder(spec)
     cuda = torch.cuda.is_available()
 
     def verify(model, ids, pos, meta, cache):
@@ -183,6 +183,14 @@ def static_verify(model, spec: CheckSpec):
     return verify, lambda num_slots: model.new_kv_cache(num_slots + 1)
 
 
+def static_ladder(spec: CheckSpec) -> tuple:
+    """The static step's buckets for spec's trees: the verifier's default ladder up to its largest step."""
+    from ddtree.verifier.step.static_step import default_buckets
+
+    rows = max(spec.rows)
+    return default_buckets(max(spec.batches), rows, max(spec.contexts) + rows)
+
+
 def _run_ranks(spec: CheckSpec, world: int) -> dict:
     import torch
     import torch.multiprocessing as tmp
@@ -195,11 +203,13 @@ def _run_ranks(spec: CheckSpec, world: int) -> dict:
 
 def _rank_main(rank: int, world: int, spec: CheckSpec, out: str) -> None:
     """One rank: rank 0 runs the comparison through TensorParallelModel (every forward broadcast to the others,
-    which serve them in worker_loop until rank 0 closes), and saves the result."""
+    which serve them in worker_loop until rank 0 closes), and saves the result. spec.static: every rank
+    builds the static step over each new KV replica (STATIC after CACHE) and the tree steps replay it."""
     import torch
 
     from ddtree.models.parallel.process_group import destroy_tp, init_tp, rank_device
     from ddtree.models.parallel.tp_model import TensorParallelModel
+    from ddtree.verifier.step.static_step import StaticPlan, make_static_step
     from ddtree.verifier.tp_worker import worker_loop
 
     if spec.kernels == "triton" and not torch.cuda.is_available():
@@ -207,20 +217,32 @@ def _rank_main(rank: int, world: int, spec: CheckSpec, out: str) -> None:
     device = rank_device("cuda" if torch.cuda.is_available() else "cpu", rank)
     tp = init_tp(world, rank, device, timeout_s=600, init_method=f"file://{out}.store")
     model = _load(spec, str(device), tp).to(device)
+    plan = StaticPlan(static_ladder(spec), graphs=torch.cuda.is_available()) if spec.static else None
     if rank > 0:
-        worker_loop(model, tp)
+        worker_loop(model, tp, static_plan=plan)
     else:
         runner = TensorParallelModel(model, tp, ping_interval_s=30)
 
         def cache_of(num_slots: int):
-            kv = model.new_kv_cache(num_slots)
+            kv = model.new_kv_cache(num_slots + (plan is not None))  # static: one more, the pad slot
             runner.replicate_kv(kv)
+            if plan is not None:
+                runner.start_static(num_slots, STATIC_TAPS, lambda: make_static_step(plan, model, kv, num_slots, STATIC_TAPS))  # fmt: skip
             return kv
 
         def step(_model, ids, pos, meta, kv):
             return runner.forward(ids, pos, meta, kv, gather_logits=True).logits
 
-        result = compare_all(model, spec, step, cache_of)
+        def verify_static(_model, ids, pos, meta, kv):
+            if runner.static.bucket_for(meta) is None:
+                raise ValueError(f"no bucket of {plan.buckets} fits the step")
+            replays = runner.static.replays
+            logits = runner.forward(ids, pos, meta, kv, tap_layer_ids=STATIC_TAPS, gather_logits=True).logits
+            if runner.static.replays != replays + 1:
+                raise RuntimeError("the tree step ran eager, not through the static step")
+            return logits
+
+        result = compare_all(model, spec, step, cache_of, verify_static if plan is not None else None)
         runner.close()
         torch.save(result, out)
     destroy_tp()
