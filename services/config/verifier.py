@@ -53,6 +53,14 @@ class VerifierConfig(
     attention_backend: Literal["auto", "torch", "triton"] = option(
         "auto", "the attention kernels (auto = triton on CUDA where it is installed, else torch)"
     )
+    row_invariant: Literal["on", "off"] = option(
+        "on",
+        "on: a row's logits do not depend on the rows beside it (the Triton attention splits each row by its "
+        "own context; at --tp above 1 the all-reduce sums in rank order from an all-gather), so greedy DDTree "
+        "equals AR bit for bit; off: the attention's throughput plan for eager steps (splits from the step's "
+        "work over the SMs) and NCCL's all-reduce (fewer bytes), and DDTree may leave AR on near-ties. The "
+        "static step's attention plan is row invariant either way",
+    )
     device: str = option("cpu", "torch device (cpu, cuda, cuda:N)")
     dtype: Dtype = option("float32", "dtype of the target's weights and activations, and so of the output")
 

@@ -21,7 +21,7 @@ from ddtree.config import VerifierConfig
 from ddtree.contract.sampling_params import SamplingConfig
 from ddtree.models.checkpoint.loader import load_target
 from ddtree.models.dtypes import TORCH_DTYPES
-from ddtree.models.layers.attention import resolve_attention_backend
+from ddtree.models.layers.attention import make_attention_backend, resolve_attention_backend
 from ddtree.models.runtime.cpu import use_column_major_weights
 from ddtree.protocol.ddtree.v1 import drafter_pb2
 from ddtree.protocol.security import ServiceSecurity
@@ -150,7 +150,8 @@ def _load(config: VerifierConfig, model_dir: str):
     if config.tp > 1:  # N ranks (tp_worker.py); on ranks > 0 this call does not return
         tp = start_tensor_parallel(config, model_dir, backend)
         return tp.model, tp
-    model = load_target(model_dir, dtype=TORCH_DTYPES[config.dtype], device=config.device, attention_backend=backend)
+    attention = make_attention_backend(backend, config.row_invariant == "on")
+    model = load_target(model_dir, dtype=TORCH_DTYPES[config.dtype], device=config.device, attention_backend=attention)
     model.eval()
     if model.device.type == "cpu":  # the layout the CPU's BLAS runs fastest at a step's few rows
         log.info("cpu_weight_layout", column_major_weights=use_column_major_weights(model))

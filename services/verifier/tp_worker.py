@@ -26,6 +26,7 @@ import torch
 
 from ddtree.config import VerifierConfig
 from ddtree.models.dtypes import TORCH_DTYPES
+from ddtree.models.layers.attention import make_attention_backend
 from ddtree.models.parallel.process_group import (
     LaunchEnv,
     TPGroup,
@@ -79,7 +80,8 @@ def worker_loop(model, tp: TPGroup, kv_cache: torch.Tensor | None = None, static
 
 
 def _load(config: VerifierConfig, model_dir: str, tp: TPGroup, device: torch.device, backend: str):
-    return load_tp_model(model_dir, tp, config.expert_parallel, TORCH_DTYPES[config.dtype], device, backend)
+    attention = make_attention_backend(backend, config.row_invariant == "on")
+    return load_tp_model(model_dir, tp, config.expert_parallel, TORCH_DTYPES[config.dtype], device, attention)
 
 
 def run_worker(config: VerifierConfig, model_dir: str, env: LaunchEnv, backend: str, store=None) -> None:
@@ -92,6 +94,7 @@ def run_worker(config: VerifierConfig, model_dir: str, env: LaunchEnv, backend: 
         config.tp_timeout_s,
         store=store,
         init_method=None if store else f"tcp://{env.master_addr}:{env.master_port}",
+        ordered_reduce=config.row_invariant == "on",
     )
     model = _load(config, model_dir, tp, device, backend)
     log.info("tp_worker_ready", rank=env.rank, world_size=env.world_size, device=str(device))
@@ -231,6 +234,7 @@ def start_tensor_parallel(config: VerifierConfig, model_dir: str, backend: str) 
         config.tp_timeout_s,
         store=store,
         init_method=None if store else f"tcp://{env.master_addr}:{env.master_port}",
+        ordered_reduce=config.row_invariant == "on",
     )
     shard = _load(config, model_dir, tp, tpv.device, backend)
     tpv.model = TensorParallelModel(shard, tp, ping_interval_s=config.tp_timeout_s / 4, on_failure=tpv.fatal)

@@ -106,6 +106,30 @@ def test_backend_factory():
         make_attention_backend("auto")
 
 
+def test_row_invariant_off_gives_the_throughput_plan(default_ckpt):
+    """`ddtree verifier --row-invariant off` (TP 1 here; tp_worker loads its ranks by the same call): the loaded
+    model's Triton attention plans a tree step with the throughput plan, whose split comes from the step's
+    work, while the default plans its rows as decodes split by their own context."""
+    from ddtree.config import VerifierConfig
+    from ddtree.kernels.mla.plan import MLASeq, plan_mla
+    from ddtree.verifier.engine import _load
+
+    assert make_attention_backend("triton").config.row_invariant
+    plans = {}
+    for flag in ("on", "off"):
+        config = VerifierConfig(attention_backend="triton", row_invariant=flag, model=str(default_ckpt.target))
+        model, _ = _load(config, str(default_ckpt.target))
+        assert model.attn_backend.config.row_invariant is (flag == "on")
+        P, n = 300, 17  # three sequences' trees of 17 rows over 300 committed tokens
+        seqs = [MLASeq(n, P, torch.arange(P), torch.arange(P + n * b, P + n * (b + 1)), torch.eye(n, dtype=torch.bool))
+                for b in range(3)]  # fmt: skip
+        plans[flag] = plan_mla(seqs, 4, num_cache_slots=P + 3 * n, config=model.attn_backend.config)
+    assert plans["on"].split_len == 256 and plans["off"].split_len > 300, (
+        plans["on"].split_len,
+        plans["off"].split_len,
+    )
+
+
 # ---- through the services -------------------------------------------------------------------------------
 
 

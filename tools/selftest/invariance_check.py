@@ -1,7 +1,7 @@
 """`ddtree selftest invariance`: is every verified row's result independent of the rows around it, here?
 
     ddtree selftest invariance --model DIR [--tp N] [--kernels auto|torch|triton] [--dtype auto|bf16|fp16|fp32]
-        [--batches 1,3,8] [--rows 9,17] [--contexts N,...] [--static] [--seed S] [--json]
+        [--batches 1,3,8] [--rows 9,17] [--contexts N,...] [--static] [--row-invariant on|off] [--seed S] [--json]
 
 For sampled contexts (lengths that cross the attention's prefix-split boundaries), trees of --rows rows at
 each batch size of --batches (the other sequences of the batch are trees over other contexts): every row's
@@ -16,6 +16,9 @@ sequences included; the AR twins stay eager. At --tp N every rank builds that la
 (verifier/tp_worker.py, as a TP verifier does) and replays rank 0's tree steps in lockstep; the static
 step taps layer 0 and only the tree steps ask for that tap, so the prefills and the AR twins run eager on
 every rank (a step whose taps differ from the static step's is eager: StaticStep.plan).
+
+--row-invariant off plans the Triton attention as `ddtree verifier --row-invariant off` does (splits from the
+step's work over the SMs): the check's negative control, and what an operator who turned it off gives up.
 
 --kernels triton on a CPU runs the device path under the Triton interpreter (TRITON_INTERPRET=1 is set here
 when triton is not imported yet); auto is triton on CUDA, torch on the CPU. --tp N runs N ranks on this
@@ -54,6 +57,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--contexts", default="", help="context lengths to sample from (default: around 256 and 512)")
     p.add_argument("--static", action="store_true",
                    help="verify the trees through the static (CUDA-graph) step; the AR twins stay eager")  # fmt: skip
+    p.add_argument("--row-invariant", choices=("on", "off"), default="on",
+                   help="the Triton attention's plan, as the verifier's flag of that name")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(fn=run)
@@ -99,33 +104,38 @@ def run(args: argparse.Namespace) -> int:
         os.environ["TRITON_INTERPRET"] = "1"
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(args.dtype)
     dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
-    spec = CheckSpec(str(args.model), kernels, dtype, batches, rows, contexts, args.seed, args.static)
+    spec = CheckSpec(str(args.model), kernels, dtype, batches, rows, contexts, args.seed, args.static,
+                     args.row_invariant == "on")  # fmt: skip
     started = time.perf_counter()
     result = _run_ranks(spec, args.tp) if args.tp > 1 else compare_all(_load(spec, "cuda" if cuda else "cpu"), spec)
     out = {**result, "model": str(args.model), "tp": args.tp, "kernels": kernels, "dtype": str(dtype),
            "device": "cuda" if cuda else "cpu", "batches": batches, "tree_rows": rows, "static": args.static,
+           "row_invariant": args.row_invariant,
            "wall_s": round(time.perf_counter() - started, 1)}  # fmt: skip
     if args.json:
         print(json.dumps(out, indent=2))
     else:
         print(f"rows compared {out['rows']}, rows differing {out['differing']}, largest difference "
               f"{out['max_abs_diff']:.3g}, argmax flips {out['argmax_flips']} ({kernels} kernels, {dtype}, "
-              f"TP {args.tp}, {out['device']}, {'static' if args.static else 'eager'} step)")  # fmt: skip
+              f"TP {args.tp}, {out['device']}, {'static' if args.static else 'eager'} step, row invariance "
+              f"{args.row_invariant})")  # fmt: skip
     return 1 if out["differing"] else 0
 
 
 class CheckSpec:
-    def __init__(self, model, kernels, dtype, batches, rows, contexts, seed, static=False):
+    def __init__(self, model, kernels, dtype, batches, rows, contexts, seed, static=False, row_invariant=True):
         self.model, self.kernels, self.dtype = model, kernels, dtype
         self.batches, self.rows, self.contexts, self.seed = batches, rows, contexts, seed
         self.static = static  # the tree steps through the static step (static_verify)
+        self.row_invariant = row_invariant  # the attention's plan (make_attention_backend)
 
 
 def _load(spec: CheckSpec, device: str, tp=None):
     from ddtree.models.checkpoint.loader import load_target
+    from ddtree.models.layers.attention import make_attention_backend
     from ddtree.models.layers.layer_kernels import make_layer_kernels
 
-    backend = "triton" if spec.kernels == "triton" else "torch"
+    backend = make_attention_backend("triton" if spec.kernels == "triton" else "torch", spec.row_invariant)
     if tp is None:
         model = load_target(spec.model, dtype=spec.dtype, device=device, attention_backend=backend).eval()
     else:
@@ -215,7 +225,9 @@ def _rank_main(rank: int, world: int, spec: CheckSpec, out: str) -> None:
     if spec.kernels == "triton" and not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
     device = rank_device("cuda" if torch.cuda.is_available() else "cpu", rank)
-    tp = init_tp(world, rank, device, timeout_s=600, init_method=f"file://{out}.store")
+    tp = init_tp(
+        world, rank, device, timeout_s=600, init_method=f"file://{out}.store", ordered_reduce=spec.row_invariant
+    )
     model = _load(spec, str(device), tp).to(device)
     plan = StaticPlan(static_ladder(spec), graphs=torch.cuda.is_available()) if spec.static else None
     if rank > 0:

@@ -49,6 +49,7 @@ from ddtree.models.checkpoint.files import (
 )  # fmt: skip
 from ddtree.models.deepseek_v3.config import DeepseekV3Config
 from ddtree.models.deepseek_v3.model import DeepseekV3ForCausalLM
+from ddtree.models.layers.attention import MLAAttentionBackend
 from ddtree.models.parallel.shard_plan import TensorSlice  # the part of a weight one rank reads
 from ddtree.models.quantization import Fp8BlockScheme, Int4PackScheme, QuantScheme, parse_quantization
 from ddtree.models.quantization.packed_modules import PackedWeight, pack_modules
@@ -108,7 +109,7 @@ def load_target(
     path: str | Path,
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
-    attention_backend: str = "torch",
+    attention_backend: str | MLAAttentionBackend = "torch",
     *,
     build_model: Callable[[DeepseekV3Config], nn.Module] | None = None,
     slice_of: Callable[[str], TensorSlice | None] | None = None,

@@ -326,14 +326,19 @@ def _attend_runs(
     out.view(n * H, r).copy_(o)
 
 
-def _triton_backend() -> MLAAttentionBackend:
+def _triton_backend(row_invariant: bool = True) -> MLAAttentionBackend:
     # triton is an optional extra (the runtime install has none): imported only when this backend is chosen
     from ddtree.kernels.mla.backend import TritonMLAAttention
+    from ddtree.kernels.mla.plan import MLAKernelConfig
 
-    return TritonMLAAttention()
+    return TritonMLAAttention(MLAKernelConfig(row_invariant=row_invariant))
 
 
-ATTENTION_BACKENDS = {"torch": TorchMLAAttention, "triton": _triton_backend}
+def _torch_backend(row_invariant: bool = True) -> MLAAttentionBackend:
+    return TorchMLAAttention()  # not row invariant either way (the CPU's BLAS: README, "Lossless")
+
+
+ATTENTION_BACKENDS = {"torch": _torch_backend, "triton": _triton_backend}
 
 
 def resolve_attention_backend(name: str, device: str | torch.device) -> str:
@@ -349,10 +354,12 @@ def resolve_attention_backend(name: str, device: str | torch.device) -> str:
     return "triton"
 
 
-def make_attention_backend(name: str) -> MLAAttentionBackend:
+def make_attention_backend(name: str, row_invariant: bool = True) -> MLAAttentionBackend:
+    """The backend `name`; row_invariant=False gives the Triton kernels' throughput plan (splits from the whole
+    step's work over the SMs: kernels/mla/plan.py), the verifier's --row-invariant off."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(
             f"unknown attention backend {name!r}; choices: {sorted(ATTENTION_BACKENDS)}"
             + (" (resolve 'auto' with resolve_attention_backend first)" if name == "auto" else "")
         )
-    return ATTENTION_BACKENDS[name]()
+    return ATTENTION_BACKENDS[name](row_invariant)

@@ -128,6 +128,7 @@ def init_tp(
     *,
     init_method: str | None = None,
     store: dist.Store | None = None,
+    ordered_reduce: bool = True,  # TPGroup.ordered_reduce (the verifier's --row-invariant)
 ) -> TPGroup:
     """Join the group through `init_method` (tcp://host:port, file://...) or rank 0's `store`; blocks
     until all ranks have joined, at most timeout_s.
@@ -144,7 +145,7 @@ def init_tp(
     )
     world = dist.group.WORLD
     cpu = world if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
-    return TPGroup(rank=rank, world_size=world_size, device_group=world, cpu_group=cpu)
+    return TPGroup(rank=rank, world_size=world_size, device_group=world, cpu_group=cpu, ordered_reduce=ordered_reduce)
 
 
 def destroy_tp() -> None:

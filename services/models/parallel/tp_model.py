@@ -30,7 +30,7 @@ from ddtree.models.checkpoint.loader import load_target
 from ddtree.models.deepseek_v3.config import DeepseekV3Config
 from ddtree.models.deepseek_v3.model import DeepseekV3ForCausalLM, ForwardOutput
 from ddtree.models.deepseek_v3.moe import DeepseekV3MLP, DeepseekV3MoE
-from ddtree.models.layers.attention import prepare_attention
+from ddtree.models.layers.attention import MLAAttentionBackend, prepare_attention
 from ddtree.models.parallel.layers import VocabParallelEmbedding, combine_shard_argmax, shard_argmax
 from ddtree.models.parallel.process_group import TPGroup
 from ddtree.models.parallel.shard_plan import ShardPlan
@@ -59,7 +59,9 @@ def local_config(plan: ShardPlan) -> DeepseekV3Config:
     )
 
 
-def build_tp_model(plan: ShardPlan, tp: TPGroup | None, attention_backend: str = "torch") -> DeepseekV3ForCausalLM:
+def build_tp_model(
+    plan: ShardPlan, tp: TPGroup | None, attention_backend: str | MLAAttentionBackend = "torch"
+) -> DeepseekV3ForCausalLM:
     """The rank's shard with local shapes, uninitialised (build under torch.device("meta"), then load)."""
     c = plan.config
     model = DeepseekV3ForCausalLM(local_config(plan), attention_backend=attention_backend)
@@ -86,7 +88,7 @@ def load_tp_model(
     expert_parallel: bool = False,
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
-    attention_backend: str = "torch",
+    attention_backend: str | MLAAttentionBackend = "torch",  # a name, or a backend made with its plan
 ) -> DeepseekV3ForCausalLM:
     """Load this rank's shard: only its slices (and, under expert parallelism, its experts) are read."""
     plans: list[ShardPlan] = []  # the loader parses config.json and hands it to build(); the plan needs it
