@@ -18,7 +18,8 @@ if not pathlib.Path("/dev/nvidia0").exists():
 # Tests that run services as processes (tests/e2e, a test on a shared stack, a module that starts services):
 # one xdist group, so with `-n 2 --dist loadgroup` they run one at a time on one worker while the other takes
 # the rest (mostly interpreted kernels); their timing bounds see the load of one other test, never of a second
-# stack beside theirs.
+# stack beside theirs. A test marked `beside_stacks` is left out of the group: its stack's verifier runs
+# interpreted kernels (one busy process, as an interpreted kernel test is) and it bounds no time.
 SERVICE_STACKS = {"oracle_stack", "dflash_stack"}
 STARTS_SERVICES = ("start_stack(", "start_service(", "fuzz_suite")
 
@@ -30,6 +31,8 @@ def pytest_collection_modifyitems(config, items):
         path = pathlib.Path(str(item.fspath))
         if path not in starts:
             starts[path] = path.parent.name == "e2e" or any(s in path.read_text() for s in STARTS_SERVICES)
+        if item.get_closest_marker("beside_stacks"):
+            continue
         if starts[path] or SERVICE_STACKS & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.xdist_group("services"))
 
