@@ -29,6 +29,7 @@ def test_the_step_part_of_the_selftest_dry_run(tmp_path):
         assert r["step_ms"]["eager"] > 0 and r["step_ms"]["graphs"] is None and r["graphs_unavailable"]
         assert r["all_reduces_per_step"] == 2 * 2 + 1 and r["triton_launches_per_step"] > 0
         assert r["ops_per_moe_layer"] > 0 and r["host_syncs_per_step"] >= 0
+        assert r["eager_ms_row_invariant_off"] > 0  # the same shape, the attention's throughput plan
     assert "step: 2 shapes measured" in res.stdout
 
 

@@ -7,7 +7,11 @@ random weights made on the GPU from docs/kimi_k26_config.json, its all-reduces i
 On a GPU that cannot hold all 61 layers (about 76 GB of weights) the depth is halved until it fits, and
 the JSON says how many were measured. For AR decode (1 row) and trees of 9 and 17 rows, at contexts 128 / 1k / 8k / 32k: step ms eager and
 with CUDA graphs (or why not), launches per step and per MoE layer, host syncs per step, Triton
-launches and all-reduces. Nothing is compared: these are the numbers the step is judged by.
+launches and all-reduces. Nothing is compared: these are the numbers the step is judged by. At the
+contexts of `off_contexts` (8k, where the goals are judged) each shape is also timed eagerly with
+row invariance off (`ddtree verifier --row-invariant off`: the attention's throughput plan), the cost of
+the guarantee on this device: `eager_ms_row_invariant_off` beside `step_ms.eager` (graphs: the static
+step's attention is row invariant either way; the rank's all-reduces run in a one-rank group).
 
 Dry run (a CPU): a narrow Kimi-shaped config (kimi_checkpoint.make_config: 2 layers, hidden 128, 8
 heads, 8 INT4 experts) as the same TP-8 rank, context 16, rows 1 / 3, the Triton kernels interpreted
@@ -40,6 +44,7 @@ class StepPlan:
     layers: int  # 0 = the config's
     rows: tuple[int, ...]
     contexts: tuple[int, ...]
+    off_contexts: tuple[int, ...]  # contexts whose shapes are also timed with row invariance off
     repeat: int
     device: str
     kernels: str
@@ -47,9 +52,9 @@ class StepPlan:
 
 def make_plan(dry_run: bool) -> StepPlan:
     if dry_run:
-        return StepPlan(8, 0, (1, 3), (16,), 1, "cpu", "triton")
+        return StepPlan(8, 0, (1, 3), (16,), (16,), 1, "cpu", "triton")
     # 8k first: the issue's goal is judged there, and a deadline cuts the shapes measured last
-    return StepPlan(8, 0, (1, 9, 17), (8192, 1024, 32768, 128), 10, "cuda", "auto")
+    return StepPlan(8, 0, (1, 9, 17), (8192, 1024, 32768, 128), (8192,), 10, "cuda", "auto")
 
 
 def config_file(dry_run: bool, work: pathlib.Path) -> pathlib.Path:
@@ -114,14 +119,37 @@ def run_step_check(dry_run: bool, work: pathlib.Path, deadline: float, log, on_r
                     on_row(out)
                     continue
                 out.setdefault("config", report["config"])
-                out["rows"].append({k: report[k] for k in REPORTED})
+                row = {k: report[k] for k in REPORTED}
+                if context in plan.off_contexts:
+                    row["eager_ms_row_invariant_off"] = eager_ms_invariance_off(bench, StepShape(rows, context),
+                                                                                plan.repeat)  # fmt: skip
+                out["rows"].append(row)
                 on_row(out)
                 graphs = report["step_ms"]["graphs"]
                 log(f"{rows:>4} {context:>7} {report['step_ms']['eager']:>9.2f} "
                     f"{'n/a' if graphs is None else f'{graphs:.2f}':>9} {report['ops_per_step']:>6} "
                     f"{report['ops_per_moe_layer']!s:>7} {report['host_syncs_per_step']:>5} "
-                    f"{report['triton_launches_per_step']:>6} {report['all_reduces_per_step']:>6}")  # fmt: skip
+                    f"{report['triton_launches_per_step']:>6} {report['all_reduces_per_step']:>6}{_off_text(row)}")  # fmt: skip
     unavailable = {r["graphs_unavailable"] for r in out["rows"] if r["graphs_unavailable"]}
     if unavailable:
         log(f"CUDA graphs: {'; '.join(sorted(unavailable))}")
     return out
+
+
+def _off_text(row: dict) -> str:
+    off = row.get("eager_ms_row_invariant_off")
+    return "" if off is None else f"  (row invariance off: eager {off:.2f} ms)"
+
+
+def eager_ms_invariance_off(bench, shape, repeat: int) -> float | None:
+    """The eager step's median ms with the attention's throughput plan (MLAKernelConfig.row_invariant False,
+    what `--row-invariant off` loads), the model's own backend put back after; None without the Triton
+    attention (the torch path has no such plan)."""
+    backend = bench.model.attn_backend
+    if backend.name != "triton":
+        return None
+    bench.model.attn_backend = type(backend)(dataclasses.replace(backend.config, row_invariant=False))
+    try:
+        return bench.measure(shape, repeat, graphs=False)["step_ms"]["eager"]
+    finally:
+        bench.model.attn_backend = backend
