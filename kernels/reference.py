@@ -17,6 +17,20 @@ def prefix_slots(seq: MLASeq, page_size: int) -> torch.Tensor:
     return table[p // page_size] * page_size + p % page_size  # [P]
 
 
+def decode_rows_ref(seqs: list[MLASeq], page_size: int) -> list[MLASeq]:
+    """The sequences a row-invariant plan's tiles index (mla/plan.py _decode_rows), one row at a time: every
+    new token a decode row (q_len 1, slot tables) over its sequence's prefix and then the other new tokens
+    it sees in row order (causal: the earlier ones; a mask: its row's)."""
+    rows = []
+    for s in seqs:
+        table, new = prefix_slots(s, page_size), s.new_slots.to("cpu", torch.int64)
+        sees = s.new_mask.cpu() if s.new_mask is not None else torch.ones(s.q_len, s.q_len, dtype=torch.bool).tril()
+        for j in range(s.q_len):
+            seen = new[sees[j] & (torch.arange(s.q_len) != j)]
+            rows.append(MLASeq(1, table.numel() + seen.numel(), torch.cat([table, seen]), new[j : j + 1]))
+    return rows
+
+
 def mla_attention_ref(
     q_lat: torch.Tensor,  # [T, H, r]
     q_pe: torch.Tensor,  # [T, H, dr]
@@ -54,12 +68,14 @@ def mla_split_partials_ref(
     plan: MLAPlan,
     scale: float,
     block_r: int,
+    page_size: int = 1,  # of the seqs' tables (a row-invariant plan may have expanded them to slots)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # part_o fp32 [NI, BLOCK_M, block_r], part_lse fp32 [NI, BLOCK_M]
     """What mla_split_attention computes for each plan item: a softmax over that item's keys only
     (a prefix split's range, plus the new tokens under the mask for has_new). Rows past the end are NaN."""
     T, H, r = q_lat.shape
-    bm, ps = plan.block_m, plan.page_size
-    seqs = list(plan.planned) or seqs  # the tiles index the planned sequences (a tree's rows as decodes)
+    bm, ps = plan.block_m, page_size
+    if plan.config.row_invariant:  # the tiles index rows planned as decodes (slot tables)
+        seqs, ps = decode_rows_ref(seqs, page_size), 1
     q = torch.cat([q_lat, q_pe], dim=-1).float().cpu().reshape(T * H, -1)  # [T·H, r+dr], row = t·H + h
     cache = kv.float().cpu()
     tiles = plan.tiles.cpu().tolist()

@@ -40,8 +40,10 @@ Packed layout (all int32, one host->device copy per plan):
 
 Split choice (row_invariant, the default): a row's splits come from its own prefix length alone
 (row_split_len: min_split, longer past max_splits splits), block_m from the head count (row_block_m), and
-a tree's rows are planned as decode rows, so a row reads its AR twin's keys in the same order, blocks and
-splits, and is merged in the same order, whatever else the step holds. The throughput plan
+every new token (a tree's rows, a prefill chunk's) is planned as a decode row, so a row reads its AR twin's
+keys in the same order, blocks and splits, and is merged in the same order, whatever else the step holds
+and however its prompt was cut into chunks (_decode_rows; the price: a chunk's tokens no longer share a
+tile's key reads when the heads leave room in it, docs/performance.md). The throughput plan
 (row_invariant=False, the negative control) aims at `target_programs` prefix programs (default: one per
 SM, a single wave): split_len = max(min_split, round_up(Σ_b tiles_b · P_b / target_programs, block_n)),
 so long prefixes are cut into many splits and short ones into one. Fewer, longer splits would leave SMs
@@ -89,7 +91,7 @@ class MLAKernelConfig:
     min_split: int = 256  # shortest prefix split, tokens
     target_programs: int = 0  # prefix programs to aim for; 0 = the device's SM count (8 on the CPU)
     # Row invariance (the module docstring): a row's splits from its own context length, block_m from the
-    # head count, a tree's rows planned as decode rows. False: the throughput plan (splits from the whole
+    # head count, every new token planned as a decode row. False: the throughput plan (splits from the whole
     # step's work over target_programs, block_m from the largest sequence), kept as the negative control.
     # Static plans (mla/static_plan.py) are row invariant either way.
     row_invariant: bool = True
@@ -145,8 +147,6 @@ class MLAPlan:
     block_m: int
     num_merge_tiles: int
     config: MLAKernelConfig
-    # The sequences the tiles index (row invariance plans a tree's rows as decodes; a static plan: none)
-    planned: tuple = dataclasses.field(default=(), repr=False)
 
     @property
     def device(self) -> torch.device:
@@ -186,7 +186,8 @@ def plan_mla(
     device: torch.device | str = "cpu",
     config: MLAKernelConfig | None = None,
 ) -> MLAPlan:
-    """Validate the batch and pack it for the kernels (one host->device copy).
+    """Validate the batch and pack it for the kernels (one host->device copy): row invariant, every new token
+    a decode row (_decode_rows); else the throughput plan (_throughput_tiles).
 
     `num_cache_slots`: when given, every addressed slot / page is checked against it here (once per
     forward); the kernels then only check that the cache they get is at least `min_cache_slots` long.
@@ -197,20 +198,11 @@ def plan_mla(
         raise ValueError(f"num_heads must be >= 1, got {num_heads}")
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
-    if config.row_invariant and any(s.new_mask is not None and s.q_len > 1 for s in seqs):
-        if page_size > 1:  # a row's own table lists its ancestors' slots: every table as slots
-            seqs = [_as_slots(s, page_size, i, num_cache_slots) for i, s in enumerate(seqs)]
-            page_size = 1
-        seqs = [r for s in seqs for r in _rows_as_decodes(s)]
-    max_rows = num_heads if config.row_invariant else max((s.q_len * num_heads for s in seqs), default=1)
-    block_m = row_block_m(max_rows, config)
-    tables, new_slots, masks = [], [], []
-    seq_rows, max_slot, T, table_len, mask_len = [], -1, 0, 0, 0
+    checked, max_slot = [], -1
     for i, s in enumerate(seqs):
         if s.q_len < 0 or s.prefix_len < 0:
             raise ValueError(f"seqs[{i}]: q_len {s.q_len} / prefix_len {s.prefix_len} must be >= 0")
-        n_pages = -(-s.prefix_len // page_size)
-        table = _host_index(s.prefix_table, n_pages, f"seqs[{i}].prefix_table")
+        table = _host_index(s.prefix_table, -(-s.prefix_len // page_size), f"seqs[{i}].prefix_table")
         slots = _host_index(s.new_slots, s.q_len, f"seqs[{i}].new_slots")
         if table.numel():
             if int(table.min()) < 0:
@@ -221,32 +213,115 @@ def plan_mla(
             if int(slots.min()) < 0:
                 raise ValueError(f"seqs[{i}].new_slots has a negative entry {int(slots.min())}")
             max_slot = max(max_slot, int(slots.max()))
-        mask_off, key_bound, words = -1, 1, 0
-        if s.new_mask is not None:
-            m = s.new_mask
-            if m.shape != (s.q_len, s.q_len) or m.dtype != torch.bool:
-                raise ValueError(f"seqs[{i}].new_mask must be bool [{s.q_len}, {s.q_len}], got {m.dtype} "
-                                 f"{tuple(m.shape)}")  # fmt: skip
-            m = m.cpu()
-            if not bool(m.diagonal().all()):
+        mask = s.new_mask
+        if mask is not None:
+            if mask.shape != (s.q_len, s.q_len) or mask.dtype != torch.bool:
+                raise ValueError(f"seqs[{i}].new_mask must be bool [{s.q_len}, {s.q_len}], got {mask.dtype} "
+                                 f"{tuple(mask.shape)}")  # fmt: skip
+            mask = mask.cpu()
+            if not bool(mask.diagonal().all()):
                 raise ValueError(f"seqs[{i}].new_mask: every new token must see itself (diagonal all True)")
-            bits = pack_mask_bits(m)
-            mask_off, words = mask_len, bits.shape[1]
-            key_bound = 0 if bool(m.triu(1).any()) else 1
-            masks.append(bits.flatten())
-            mask_len += bits.numel()
-        seq_rows.append([T, s.q_len, s.prefix_len, table_len, mask_off, key_bound, words, s.prefix_len, 0])
-        tables.append(table)
-        new_slots.append(slots)
-        T += s.q_len
-        table_len += table.numel()
+        checked.append(MLASeq(s.q_len, s.prefix_len, table, slots, mask))
     if num_cache_slots is not None and max_slot >= num_cache_slots:
         what = "slot" if page_size == 1 else f"page (page_size {page_size}) reaching slot"
         raise ValueError(f"a {what} {max_slot} is out of range for a cache of {num_cache_slots} slots")
-    if max_slot > _INT32_MAX or table_len > _INT32_MAX or mask_len > _INT32_MAX:
+    if max_slot > _INT32_MAX:
         raise ValueError("slot ids and packed metadata must fit int32")
 
-    # Row tiles, then prefix splits: split_len from the total prefix work over the target program count.
+    if config.row_invariant:
+        if page_size > 1 and any(s.q_len > 1 for s in checked):  # rows with tails read slots (split.py)
+            checked, page_size = [_as_slots(s, page_size) for s in checked], 1
+        parts, block_m, split_len, n_merge = _decode_rows(checked, num_heads, config)
+    else:
+        parts, block_m, split_len, n_merge = _throughput_tiles(checked, num_heads, config, device)
+    if max(p.numel() for p in parts) > _INT32_MAX:
+        raise ValueError("slot ids and packed metadata must fit int32")
+    flat = torch.cat([p.flatten() for p in parts]).to(torch.int32).to(device)
+    views, off = [], 0
+    for p in parts:
+        views.append(flat[off : off + p.numel()].view(p.shape))
+        off += p.numel()
+    return MLAPlan(*views, num_tokens=sum(s.q_len for s in checked), num_heads=num_heads,  # type: ignore[misc]
+                   page_size=page_size, min_cache_slots=max_slot + 1, split_len=split_len, block_m=block_m,
+                   num_merge_tiles=n_merge, config=config)  # fmt: skip
+
+
+def _decode_rows(seqs: list[MLASeq], num_heads: int, config: MLAKernelConfig) -> tuple[list, int, int, int]:
+    """Row invariant: every new token is planned as the decode row its AR twin is, vectorised (a prefill chunk
+    has thousands of rows). Row t of sequence b is plan sequence t (q_len 1): its context is b's committed
+    prefix (shared_len, b's table) and then the other new tokens of b it sees, in row order (its tail): a
+    causal chunk's earlier tokens (one tail, b's new slots, shared by the chunk's rows), a tree's ancestors
+    (a tail per row). Its own token is its new part. Tiles: ceil(H / block_m) per row, block_m from the head
+    count; items: the row's own splits (row_split_len of its context). Returns (parts, block_m, split_len,
+    merge tiles), parts in MLAPlan's field order."""
+    block_m = row_block_m(num_heads, config)
+    per_row = -(-num_heads // block_m)
+    tables, table_off, shared, depth, tail_off, at = [], [], [], [], [], 0
+    for s in seqs:  # shared prefixes first; the tails after them (offsets fixed up below)
+        tables.append(s.prefix_table)
+        table_off.append(torch.full((s.q_len,), at, dtype=torch.int64))
+        shared.append(torch.full((s.q_len,), s.prefix_len, dtype=torch.int64))
+        at += s.prefix_table.numel()
+    tails = []
+    for s in seqs:
+        if s.new_mask is None:  # causal: row j sees tokens 0..j-1, the first j entries of one shared tail
+            depth.append(torch.arange(s.q_len, dtype=torch.int64))
+            tail_off.append(torch.full((s.q_len,), at, dtype=torch.int64))
+            tails.append(s.new_slots if s.q_len > 1 else s.new_slots[:0])
+        else:  # a mask: row j's tail lists the other tokens its row shows, ascending (nonzero is row-major)
+            sees = s.new_mask & ~torch.eye(s.q_len, dtype=torch.bool)
+            d = sees.sum(-1)
+            depth.append(d)
+            tail_off.append(at + d.cumsum(0) - d)
+            tails.append(s.new_slots[sees.nonzero(as_tuple=True)[1]])
+        at += tails[-1].numel()
+    cat = lambda xs: torch.cat([*xs, torch.zeros(0, dtype=torch.int64)])  # noqa: E731
+    shared_len, row_depth = cat(shared), cat(depth)
+    context = shared_len + row_depth  # [R] keys before the row's own token
+    R = context.numel()
+    rows = torch.arange(R)
+    seq_rows = torch.stack([rows, torch.ones_like(rows), context, cat(table_off), torch.full_like(rows, -1),
+                            torch.ones_like(rows), torch.zeros_like(rows), shared_len, cat(tail_off)], dim=1)  # fmt: skip
+    split = row_split_len(context, config)  # [R]
+    n_splits = row_splits(context, config)  # [R] >= 1
+    tile_row = rows.repeat_interleave(per_row)  # [NT]
+    parts = n_splits[tile_row]
+    part_start = parts.cumsum(0) - parts
+    tiles = torch.stack([tile_row, torch.arange(R * per_row) % per_row * block_m, part_start, parts], dim=1)
+    item_tile = torch.arange(R * per_row).repeat_interleave(parts)  # [NI]
+    s_ = torch.arange(item_tile.numel()) - part_start[item_tile]  # the item's split within its row
+    r_ = tile_row[item_tile]
+    start = s_ * split[r_]
+    items = torch.stack([item_tile, (s_ == 0).long(), start, torch.minimum(start + split[r_], context[r_])], dim=1)
+    merged = torch.nonzero(parts > 1).flatten()
+    longest = int(split[n_splits > 1].max()) if bool((n_splits > 1).any()) else config.min_split
+    zero = torch.zeros(1, dtype=torch.int64)
+    return (
+        [seq_rows.view(-1, SEQ_FIELDS), tiles.view(-1, TILE_FIELDS), items.view(-1, ITEM_FIELDS),
+         torch.cat([merged, zero]), torch.cat([*tables, *tails, zero]), cat([s.new_slots for s in seqs] + [zero]),
+         zero.clone()],
+        block_m, longest, merged.numel(),
+    )  # fmt: skip
+
+
+def _throughput_tiles(seqs: list[MLASeq], num_heads: int, config: MLAKernelConfig,
+                      device: torch.device) -> tuple[list, int, int, int]:  # fmt: skip
+    """The throughput plan (row_invariant False, the negative control): each sequence's rows cut into tiles of
+    block_m (from the largest sequence) under its mask, prefix splits of one length for the whole step, from
+    its work over target_programs. Returns what _decode_rows returns."""
+    block_m = row_block_m(max((s.q_len * num_heads for s in seqs), default=1), config)
+    seq_rows, masks, T, table_len, mask_len = [], [], 0, 0, 0
+    for s in seqs:
+        mask_off, key_bound, words = -1, 1, 0
+        if s.new_mask is not None:
+            bits = pack_mask_bits(s.new_mask)
+            mask_off, words = mask_len, bits.shape[1]
+            key_bound = 0 if bool(s.new_mask.triu(1).any()) else 1
+            masks.append(bits.flatten())
+            mask_len += bits.numel()
+        seq_rows.append([T, s.q_len, s.prefix_len, table_len, mask_off, key_bound, words, s.prefix_len, 0])
+        T += s.q_len
+        table_len += s.prefix_table.numel()
     tile_rows = [(b, r0) for b, s in enumerate(seqs) for r0 in range(0, s.q_len * num_heads, block_m)]
     work = sum(s.prefix_len * -(-s.q_len * num_heads // block_m) for s in seqs)
     target = config.target_programs or num_sms(device)
@@ -255,30 +330,21 @@ def plan_mla(
     tiles, items = [], []
     for t, (b, r0) in enumerate(tile_rows):
         P = seqs[b].prefix_len
-        if config.row_invariant:
-            split_len = row_split_len(P, config)
         starts = range(0, P, split_len) or range(1)  # P == 0: one item, the new tokens alone
         tiles.append([b, r0, len(items), len(starts)])
         items.extend([t, int(k0 == 0), k0, min(P, k0 + split_len)] for k0 in starts)
     merge_tiles = [t for t, tile in enumerate(tiles) if tile[3] > 1]
-
-    parts = [
-        torch.tensor(seq_rows, dtype=torch.int32).view(-1, SEQ_FIELDS),
-        torch.tensor(tiles, dtype=torch.int32).view(-1, TILE_FIELDS),
-        torch.tensor(items, dtype=torch.int32).view(-1, ITEM_FIELDS),
-        torch.tensor(merge_tiles + [0], dtype=torch.int32),
-        torch.cat([*tables, torch.zeros(1, dtype=torch.int64)]).to(torch.int32),  # +1: never empty
-        torch.cat([*new_slots, torch.zeros(1, dtype=torch.int64)]).to(torch.int32),
-        torch.cat([*masks, torch.zeros(1, dtype=torch.int32)]),
-    ]
-    flat = torch.cat([p.flatten() for p in parts]).to(device)
-    views, off = [], 0
-    for p in parts:
-        views.append(flat[off : off + p.numel()].view(p.shape))
-        off += p.numel()
-    return MLAPlan(*views, num_tokens=T, num_heads=num_heads, page_size=page_size,  # type: ignore[misc]
-                   min_cache_slots=max_slot + 1, split_len=split_len, block_m=block_m,
-                   num_merge_tiles=len(merge_tiles), config=config, planned=tuple(seqs))  # fmt: skip
+    zero = torch.zeros(1, dtype=torch.int64)
+    return (
+        [torch.tensor(seq_rows, dtype=torch.int64).view(-1, SEQ_FIELDS),
+         torch.tensor(tiles, dtype=torch.int64).view(-1, TILE_FIELDS),
+         torch.tensor(items, dtype=torch.int64).view(-1, ITEM_FIELDS),
+         torch.tensor(merge_tiles + [0], dtype=torch.int64),
+         torch.cat([*(s.prefix_table for s in seqs), zero]),  # +1: never empty
+         torch.cat([*(s.new_slots for s in seqs), zero]),
+         torch.cat([*(m.long() for m in masks), zero])],
+        block_m, split_len, len(merge_tiles),
+    )  # fmt: skip
 
 
 def row_block_m(max_rows: int, config: MLAKernelConfig) -> int:
@@ -304,38 +370,10 @@ def row_splits(prefix_len, config: MLAKernelConfig):
     return n.clamp(min=1) if isinstance(n, torch.Tensor) else max(1, n)
 
 
-def _as_slots(s: MLASeq, page_size: int, i: int, num_cache_slots: int | None) -> MLASeq:
-    """The sequence with its page table expanded to the slot of every prefix position (pages checked first)."""
-    pages = _host_index(s.prefix_table, -(-s.prefix_len // page_size), f"seqs[{i}].prefix_table")
-    top = int(pages.max()) * page_size + page_size - 1 if pages.numel() else -1
-    if num_cache_slots is not None and top >= num_cache_slots:
-        raise ValueError(f"a page (page_size {page_size}) reaching slot {top} is out of range for a cache of "
-                         f"{num_cache_slots} slots")  # fmt: skip
+def _as_slots(s: MLASeq, page_size: int) -> MLASeq:
+    """The (checked) sequence with its page table expanded to the slot of every prefix position."""
     pos = torch.arange(s.prefix_len, dtype=torch.int64)
-    return dataclasses.replace(s, prefix_table=pages[pos // page_size] * page_size + pos % page_size)
-
-
-def _rows_as_decodes(s: MLASeq) -> list[MLASeq]:
-    """Row invariant: a sequence with a mask (a verify tree) as one decode row per new token, each over the
-    committed prefix and then the other new tokens its mask row shows (a tree in topological order: its
-    ancestors, in position order), so the row reads exactly the keys of its AR twin in the same order and
-    blocks. Causal sequences (decode, prefill chunks) are kept as they are."""
-    if s.new_mask is None or s.q_len <= 1:
-        return [s]
-    if s.new_mask.shape != (s.q_len, s.q_len) or s.new_mask.dtype != torch.bool:
-        raise ValueError(f"new_mask must be bool [{s.q_len}, {s.q_len}], got {s.new_mask.dtype} "
-                         f"{tuple(s.new_mask.shape)}")  # fmt: skip
-    mask = s.new_mask.cpu()
-    if not bool(mask.diagonal().all()):
-        raise ValueError("new_mask: every new token must see itself (diagonal all True)")
-    table = _host_index(s.prefix_table, s.prefix_len, "prefix_table")
-    new = _host_index(s.new_slots, s.q_len, "new_slots")
-    rows = []
-    others = ~torch.eye(s.q_len, dtype=torch.bool)
-    for i in range(s.q_len):
-        seen = new[mask[i] & others[i]]  # the other new tokens the row sees, in row order (a tree's: its path)
-        rows.append(MLASeq(1, s.prefix_len + seen.numel(), torch.cat([table, seen]), new[i : i + 1]))
-    return rows
+    return dataclasses.replace(s, prefix_table=s.prefix_table[pos // page_size] * page_size + pos % page_size)
 
 
 def _host_index(t: torch.Tensor, n: int, name: str) -> torch.Tensor:

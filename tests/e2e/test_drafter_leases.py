@@ -125,8 +125,12 @@ def test_a_stopped_drafter_stalls_the_streams_once_for_a_few_of_its_own_call_tim
         assert all(s.error is None for s in streams)
         assert [s.tokens for s in streams] == [s.tokens for s in ar], "a stream's tokens differ from AR"
         gaps = [b - a for s in streams for a, b in zip(s.times, s.times[1:]) if b > stopped_at]
-        bound = max(3 * p99_s, 1.0)
-        assert max(gaps) <= bound, f"longest stall {max(gaps):.3f} s > {bound:.3f} s (p99 {p99_s * 1e3:.1f} ms)"
+        # the drafter's share of a stall is the step's draft deadline (a few of its call times); the step then
+        # still runs its own verify, whose time depends on this machine's load, not on the drafter
+        verify_s = max(st.verify_ms for s in streams for st in s.steps) / 1e3
+        bound = max(3 * p99_s, 1.0) + verify_s
+        assert max(gaps) <= bound, (f"longest stall {max(gaps):.3f} s > {bound:.3f} s (p99 call {p99_s * 1e3:.1f} ms, "
+                                    f"longest verify {verify_s * 1e3:.1f} ms)")  # fmt: skip
         assert any(st.tree_nodes == 0 for s in streams for st in s.steps[-3:]), "the streams kept drafting"
         assert '"drafter_local_channel"' in verifier.log_path.read_text(), "the co-located channel was not used"
     finally:
