@@ -80,6 +80,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pool", type=int, default=0, help="distinct data batches, reused (cached on disk); 0 = fresh")
     g.add_argument("--taps-dtype", default="bfloat16", choices=DTYPE_NAMES, help="stored feature dtype")
     g.add_argument("--val-batches", type=int, default=1, help="held-out batches for validation (0 = none)")
+    g.add_argument(
+        "--val-budget",
+        type=int,
+        default=16,
+        help="tree budget of the validation's served-walk tau (walk_tau_bN: the anchors a served greedy run "
+        "visits, not every position; 0 = the chain's only)",
+    )
     g = p.add_argument_group("optimization")
     g.add_argument("--steps", type=int, default=0, help="optimizer steps (0 = fit the schedule to --minutes)")
     g.add_argument("--minutes", type=float, default=0.0, help="wall-clock limit of this invocation (0 = none)")

@@ -36,6 +36,7 @@ from ddtree.training.drafter_forward import block_hidden, block_inputs, block_la
 from ddtree.training.drafter_loss import block_kl_loss, block_loss, default_gamma, depth_weights
 from ddtree.training.progress import Progress
 from ddtree.training.schedule import lr_at, plan_steps
+from ddtree.training.served_tau import served_tau
 from ddtree.training.verifier_data import VerifierRunner, load_head
 
 # Settings that may change between a run and its --resume; every other one must match the checkpoint.
@@ -51,6 +52,7 @@ RESUMABLE = {
     "resume",
     "device",
     "val_batches",
+    "val_budget",
     "verifier",
     "service_token_file",
 }
@@ -340,12 +342,18 @@ class DrafterTrainer:
             self.micro_batch(self.val.get(i), torch.Generator().manual_seed(10_007 + i))
             for i in range(self.args.val_batches)
         ]
+        batches = [self.val.get(i) for i in range(self.args.val_batches)]
+        budget = getattr(self.args, "val_budget", 16)
+        walked = served_tau(
+            self.model, batches, self.embed_w, self.head_w, self.args.window, [budget] if budget > 0 else []
+        )
         self.model.train()
         n = sum(o.blocks for o in outs)
         return {
             "val_loss": sum(float(o.loss) * o.blocks for o in outs) / n,
             "val_acc1": sum(float(o.acc_per_depth[0]) * o.blocks for o in outs) / n,
             "val_chain_tau": sum(o.chain_tau * o.blocks for o in outs) / n,
+            **{f"val_{k}": v for k, v in walked.items()},
         }
 
     def save(self) -> None:

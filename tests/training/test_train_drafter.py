@@ -38,6 +38,7 @@ from ddtree.training.drafter_forward import (
 )
 from ddtree.training.drafter_loss import block_loss, depth_weights
 from ddtree.training.drafter_trainer import DrafterTrainer
+from ddtree.training.served_tau import served_tau, walk
 from scripts.eval.eval_drafter import measure_tau
 
 VOCAB = 128
@@ -381,3 +382,62 @@ def test_init_starts_from_a_trained_drafter(trained, target_dir, tmp_path, strea
         DrafterTrainer(
             _args(target_dir, tmp_path / "bad", "--steps", "2", "--init", str(tmp_path / "missing")), streams=streams
         )
+
+
+# ------------------------------------------------------------------------------- the served walk
+
+
+def test_walk_steps_from_each_stop_to_the_next_anchor():
+    accepted = [2, 0, 0, 1, 0, 3, 0]  # by hand: 0 (+3) -> 3 (+2) -> 5 (+4) -> 9, past the end
+    calls = []
+    steps = walk(lambda j: calls.append(j) or accepted[j], len(accepted))
+    assert steps == [3, 2, 4] and calls == [0, 3, 5]
+
+
+def _served_run(engine: DraftEngine, batch, row: int, budget: int, chain: bool, block: int) -> list[int]:
+    """A greedy generation of the batch's sequence `row` as the verifier drives the drafter service: commits
+    arriving step by step, the tree of each step walked by the verifier's accept rule along the target's
+    greedy choices (the sequence is the target's own greedy text, so choice at a node of depth d = greedy[a + d])."""
+    from ddtree.verifier.sampling.accept import accept
+
+    t = batch.ids.shape[1]
+    steps, a, end = [], batch.anchor_lo, 0
+    while a <= t - block:
+        seq = SeqDraftInput(
+            seq_id=f"r{row}-{budget}-{chain}",
+            commit_token_ids=tuple(batch.ids[row, end:a].tolist()),
+            commit_start=end,
+            commit_features=batch.taps[row, end:a],
+            root_token_id=int(batch.ids[row, a]),
+            budget=budget,
+            reset=end == 0,
+            chain=chain,
+        )
+        tree = engine.draft([seq])[0]
+        choice = [int(batch.greedy[row, a + d]) for d in (0, *tree.depths)]
+        accepted = len(accept(tree, int(batch.ids[row, a]), choice).accepted_tokens) - 1
+        steps.append(accepted + 1)
+        end, a = a, a + accepted + 1
+    return steps
+
+
+def test_validation_walk_is_what_the_drafter_service_accepts(trained, target, streams):
+    """served_tau's walk over generated sequences, from the training forward, takes the same steps as a greedy
+    run through DraftEngine and the verifier's accept rule: chains and trees of 4 and 12 nodes."""
+    _, trainer, summary = trained
+    model = trainer.model.eval()
+    block = model.config.block_size
+    runner = TargetRunner(target, model.config.target_layer_ids, torch.float32)
+    batch = runner.generate(sample_windows(streams, 2, 12, torch.Generator().manual_seed(7), prompts=True), 48)
+    embed_w, head_w = target.model.embed_tokens.weight.detach(), target.lm_head.weight.detach()
+    got = served_tau(model, [batch], embed_w, head_w, window=0, budgets=[4, 12])
+    engine = DraftEngine(model, embed_w, head_w, window=0)
+    for key, budget, chain in (
+        ("walk_chain_tau", block - 1, True),
+        ("walk_tau_b4", 4, False),
+        ("walk_tau_b12", 12, False),
+    ):
+        steps = [s for row in range(2) for s in _served_run(engine, batch, row, budget, chain, block)]
+        assert got[key] == pytest.approx(sum(steps) / len(steps), abs=1e-12), key
+    assert got["walk_tau_b12"] > 1.5, got  # a trained drafter: the walk is not trivially one token a step
+    assert {"val_walk_chain_tau", "val_walk_tau_b16"} <= summary.keys()
