@@ -1,8 +1,8 @@
 """`ddtree selftest invariance` (tools/selftest/invariance_check.py) as operators run it: on the CPU's torch path
 it finds the rows that differ from their AR twins (that path is not row invariant: exit 1, the counts
 printed), bad input is exit 2 with one line, `--kernels triton --tp 2` (interpreted, gloo) compares a
-small tree's rows bitwise equal (exit 0), and so does `--kernels triton --static` (the trees through the
-static step), at TP 1 and at TP 2."""
+small tree's rows and prompts prefilled in random chunks bitwise equal (exit 0), and so does `--kernels triton
+--static` (the trees through the static step), at TP 1 and at TP 2."""
 
 from __future__ import annotations
 
@@ -35,7 +35,13 @@ def test_cpu_torch_path_reports_its_differing_rows(tiny):
     res = _cli("--model", str(tiny), "--batches", "1,3", "--rows", "5", "--contexts", "20,30", "--json")
     assert res.returncode == 1, res.stdout + res.stderr
     out = json.loads(res.stdout)
-    assert out["rows"] == 20 and 0 < out["differing"] <= 20 and 0 < out["max_abs_diff"] < 1e-4, out
+    trees = [c for c in out["cases"] if not c.get("prefill_chunks")]
+    prompts = [c for c in out["cases"] if c.get("prefill_chunks")]
+    assert sum(c["compared"] for c in trees) == 20 and [c["batch"] for c in prompts] == [1, 3], out
+    # a prompt of 20 or 30 tokens: each row once against the whole prefill, its last 4 again against AR twins
+    assert all(24 <= c["compared"] <= 34 * c["batch"] for c in prompts), out
+    assert out["rows"] == 20 + out["prefill_rows"] == sum(c["compared"] for c in out["cases"]), out
+    assert 0 < out["differing"] <= out["rows"] and 0 < out["max_abs_diff"] < 1e-4, out
     assert out["kernels"] == "torch" and out["device"] == "cpu"
 
 
@@ -55,7 +61,8 @@ def test_triton_path_at_tp2_rows_equal_their_twins(tiny):
     res = _cli("--model", str(tiny), "--tp", "2", "--kernels", "triton", "--dtype", "bf16", "--batches", "2",
                "--rows", "3", "--contexts", "30")  # fmt: skip
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "rows compared 6, rows differing 0" in res.stdout
+    # trees: 2 x 3 rows; prompts: 2 x 30 rows prefilled in chunks + 2 x 4 AR twins
+    assert "rows compared 74 (68 of them prompt rows prefilled in chunks), rows differing 0" in res.stdout
 
 
 def test_triton_path_through_the_static_step_rows_equal_their_twins(tiny):
@@ -67,7 +74,8 @@ def test_triton_path_through_the_static_step_rows_equal_their_twins(tiny):
     res = _cli("--model", str(tiny), "--kernels", "triton", "--dtype", "fp32", "--static", "--batches", "2",
                "--rows", "2,3", "--contexts", "30")  # fmt: skip
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "rows compared 10, rows differing 0" in res.stdout and "static step" in res.stdout
+    assert "rows compared 10 (0 of them prompt rows prefilled in chunks), rows differing 0" in res.stdout
+    assert "static step" in res.stdout
 
 
 def test_triton_path_through_the_static_step_at_tp2_rows_equal_their_twins(tiny):
@@ -76,16 +84,19 @@ def test_triton_path_through_the_static_step_at_tp2_rows_equal_their_twins(tiny)
     res = _cli("--model", str(tiny), "--tp", "2", "--kernels", "triton", "--dtype", "fp32", "--static",
                "--batches", "2", "--rows", "2,3", "--contexts", "30")  # fmt: skip
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "rows compared 10, rows differing 0" in res.stdout and "TP 2" in res.stdout and "static step" in res.stdout
+    assert "rows compared 10 (0 of them prompt rows prefilled in chunks), rows differing 0" in res.stdout
+    assert "TP 2" in res.stdout and "static step" in res.stdout
 
 
 def test_row_invariance_off_is_the_checks_negative_control(tiny):
     """The same trees, contexts and kernels with the attention's throughput plan (`--row-invariant off`, as the
     verifier's flag): contexts past the 256-key split edge are split by the step's work, not by each row's
-    context, and rows differ from their AR twins (exit 1); with the default plan none does (exit 0). fp32:
-    the interpreter's bf16 rounds the fp32 result, which can hide a reduction-order difference."""
+    context, and rows differ from their AR twins (exit 1); with the default plan none does (exit 0). The trees
+    only (--prefill off; the prompts' negative control is in tests/models/test_row_invariance_model.py, at a
+    32-key edge). fp32: the interpreter's bf16 rounds the fp32 result, which can hide a reduction-order
+    difference."""
     args = ["--model", str(tiny), "--kernels", "triton", "--dtype", "fp32", "--batches", "2", "--rows", "5",
-            "--contexts", "262", "--json"]  # fmt: skip
+            "--contexts", "262", "--prefill", "off", "--json"]  # fmt: skip
     off, on = _cli(*args, "--row-invariant", "off"), _cli(*args)
     assert off.returncode == 1, off.stdout + off.stderr
     got = json.loads(off.stdout)

@@ -12,6 +12,7 @@ The CPU's torch path (fp32, BLAS GEMMs) is not row invariant; the test of that s
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -22,7 +23,7 @@ from ddtree.kernels.mla.plan import MLAKernelConfig
 from ddtree.models.checkpoint.loader import load_target
 from ddtree.models.checkpoint.random import DEFAULT_TARGET_CONFIG, write_random_target
 from ddtree.models.layers.layer_kernels import make_layer_kernels
-from ddtree.tools.selftest.invariance import Tree, compare_tree_rows, random_tree
+from ddtree.tools.selftest.invariance import Tree, compare_prefill_rows, compare_tree_rows, random_tree
 from tests.support.quantized_checkpoints import quantize_checkpoint
 from tests.support.triton_env import DEVICE, triton_interpret_env  # noqa: F401,I001  (before kernels are imported)
 
@@ -66,3 +67,19 @@ def test_cpu_torch_path_is_not_row_invariant(fp32_checkpoint):
     model = load_target(fp32_checkpoint, dtype=torch.float32).eval()
     got = compare_tree_rows(model, *_case(seed=5))
     assert got.differing > 0 and got.max_abs_diff < 1e-4, got
+
+
+@pytest.mark.parametrize("row_invariant", [True, False])
+def test_prefill_chunk_rows_equal_one_whole_prefill_and_their_ar_twins(row_invariant, fp32_checkpoint):
+    """Two prompts of 45 and 38 tokens (past the 32-key split edge) prefilled in random chunks beside each
+    other, every row against the prompt prefilled whole and alone, its last 4 rows against their AR twins
+    (tools/selftest/invariance.compare_prefill_rows): bitwise with the row-invariant plan; with the
+    throughput plan (the negative control) rows differ. fp32: the interpreter's bf16 rounds the fp32 result,
+    which can hide a reduction-order difference."""
+    model = _device_model(fp32_checkpoint, dtype=torch.float32)
+    model.attn_backend = TritonMLAAttention(dataclasses.replace(SPLITS, row_invariant=row_invariant, target_programs=4))
+    rng = random.Random(3)
+    contexts = [[rng.randrange(TINY["vocab_size"]) for _ in range(n)] for n in (45, 38)]
+    got = compare_prefill_rows(model, contexts, rng)
+    assert got.rows == 45 + 38 + 2 * 4, got
+    assert (got.differing == 0) if row_invariant else (got.differing > 0), got

@@ -141,3 +141,66 @@ def _compare(got: torch.Tensor, twin: torch.Tensor) -> Comparison:
     same = torch.equal(got, twin)
     diff = 0.0 if same else float((got - twin).abs().nan_to_num(float("inf")).max())
     return Comparison(1, int(not same), diff, int(int(got.argmax()) != int(twin.argmax())))
+
+
+def random_cuts(length: int, rng: random.Random, max_chunks: int = 4) -> list[int]:
+    """Chunk lengths summing to `length`: a prompt prefilled in up to `max_chunks` chunks at random cut points
+    (as --prefill-chunk budgets and the prefix cache cut it)."""
+    cuts = sorted(rng.sample(range(1, length), min(max_chunks - 1, length - 1)))
+    return [b - a for a, b in zip([0, *cuts], [*cuts, length])]
+
+
+def compare_prefill_rows(
+    model, contexts: list[list[int]], rng: random.Random, step=None, cache_of=None, tail: int = 4
+) -> Comparison:
+    """Prefill rows against their twins: each context prefilled whole and alone (the reference), then in random
+    chunks where chunk j of every context shares one batched step (other sequences beside it, each its own
+    chunk length); every chunked row's logits against the whole prefill's row, bitwise. And its last `tail`
+    tokens decoded alone one at a time over the whole prefill of the rest: the AR twins of those rows. Each
+    variant writes its own cache slots, so the comparison covers the latents the rows write too. `step` and
+    `cache_of` as compare_tree_rows'."""
+    ends = [len(c) for c in contexts]
+    cache = (cache_of or model.new_kv_cache)(3 * sum(ends))
+    slots = _Slots()
+    empty = torch.empty(0, dtype=torch.int64)
+    whole = []
+    for ctx in contexts:  # the reference: one chunk, one sequence
+        whole.append(
+            _forward(
+                model,
+                [(ctx, list(range(len(ctx))), SeqAttention(0, len(ctx), empty, slots.take(len(ctx))))],
+                cache,
+                step,
+            )
+        )
+    result = Comparison(0, 0, 0.0, 0)
+    chunks = [random_cuts(len(c), rng) for c in contexts]
+    done = [0] * len(contexts)
+    written = [empty] * len(contexts)
+    for j in range(max(len(c) for c in chunks)):
+        batch, owners, start = [], [], 0
+        for b, ctx in enumerate(contexts):
+            if j >= len(chunks[b]):
+                continue
+            lo, n = done[b], chunks[b][j]
+            own = slots.take(n)
+            batch.append((ctx[lo : lo + n], list(range(lo, lo + n)), SeqAttention(start, n, written[b], own)))
+            owners.append((b, lo, n, own))
+            start += n
+        logits = _forward(model, batch, cache, step)
+        row = 0
+        for b, lo, n, own in owners:
+            for i in range(n):
+                result = result.merged(_compare(logits[row + i], whole[b][lo + i]))
+            row += n
+            done[b], written[b] = lo + n, torch.cat([written[b], own])
+    for b, ctx in enumerate(contexts):  # AR twins of the last rows
+        head = max(1, len(ctx) - tail)  # at least the first token prefilled
+        prefix = slots.take(head)
+        _forward(model, [(ctx[:head], list(range(head)), SeqAttention(0, head, empty, prefix))], cache, step)
+        for p in range(head, len(ctx)):
+            own = slots.take(1)
+            twin = _forward(model, [([ctx[p]], [p], SeqAttention(0, 1, prefix, own))], cache, step)[0]
+            result = result.merged(_compare(whole[b][p], twin))
+            prefix = torch.cat([prefix, own])
+    return result

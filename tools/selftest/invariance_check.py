@@ -1,13 +1,17 @@
 """`ddtree selftest invariance`: is every verified row's result independent of the rows around it, here?
 
     ddtree selftest invariance --model DIR [--tp N] [--kernels auto|torch|triton] [--dtype auto|bf16|fp16|fp32]
-        [--batches 1,3,8] [--rows 9,17] [--contexts N,...] [--static] [--row-invariant on|off] [--seed S] [--json]
+        [--batches 1,3,8] [--rows 9,17] [--contexts N,...] [--static] [--prefill on|off] [--row-invariant on|off]
+        [--seed S] [--json]
 
 For sampled contexts (lengths that cross the attention's prefix-split boundaries), trees of --rows rows at
 each batch size of --batches (the other sequences of the batch are trees over other contexts): every row's
 fp32 logits against its AR twin, the same token decoded alone at batch 1 after its ancestors, each decoded
-alone (invariance.py), bit for bit. Prints the rows compared, the rows that differ and the largest
-difference; exits 1 when any row differs, 2 on bad input.
+alone (invariance.py), bit for bit. And at each batch size, prompts of those lengths prefilled in random
+chunks beside each other, every row against the same prompt prefilled whole and alone, its last rows against
+their AR twins (a prompt's KV must not depend on the chunks it was prefilled in, nor on the prefix cache).
+Prints the rows compared, the rows that differ and the largest difference; exits 1 when any row differs, 2 on
+bad input. --prefill off leaves the prompts' chunks out (the trees only).
 
 --static runs each batched tree step through the verifier's static step (verifier/step/static_step.py:
 the bucket its default ladder picks, batches 1, 2, 4, ..., rows max(--rows), keys doubling from 512, a
@@ -57,6 +61,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--contexts", default="", help="context lengths to sample from (default: around 256 and 512)")
     p.add_argument("--static", action="store_true",
                    help="verify the trees through the static (CUDA-graph) step; the AR twins stay eager")  # fmt: skip
+    p.add_argument("--prefill", choices=("on", "off"), default="on",
+                   help="also prompts prefilled in random chunks against one whole prefill (eager steps)")  # fmt: skip
     p.add_argument("--row-invariant", choices=("on", "off"), default="on",
                    help="the Triton attention's plan, as the verifier's flag of that name")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
@@ -105,17 +111,19 @@ def run(args: argparse.Namespace) -> int:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(args.dtype)
     dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
     spec = CheckSpec(str(args.model), kernels, dtype, batches, rows, contexts, args.seed, args.static,
-                     args.row_invariant == "on")  # fmt: skip
+                     args.row_invariant == "on", args.prefill == "on")  # fmt: skip
     started = time.perf_counter()
     result = _run_ranks(spec, args.tp) if args.tp > 1 else compare_all(_load(spec, "cuda" if cuda else "cpu"), spec)
     out = {**result, "model": str(args.model), "tp": args.tp, "kernels": kernels, "dtype": str(dtype),
            "device": "cuda" if cuda else "cpu", "batches": batches, "tree_rows": rows, "static": args.static,
+           "prefill": spec.prefill,
            "row_invariant": args.row_invariant,
            "wall_s": round(time.perf_counter() - started, 1)}  # fmt: skip
     if args.json:
         print(json.dumps(out, indent=2))
     else:
-        print(f"rows compared {out['rows']}, rows differing {out['differing']}, largest difference "
+        print(f"rows compared {out['rows']} ({out['prefill_rows']} of them prompt rows prefilled in chunks), rows "
+              f"differing {out['differing']}, largest difference "
               f"{out['max_abs_diff']:.3g}, argmax flips {out['argmax_flips']} ({kernels} kernels, {dtype}, "
               f"TP {args.tp}, {out['device']}, {'static' if args.static else 'eager'} step, row invariance "
               f"{args.row_invariant})")  # fmt: skip
@@ -123,11 +131,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 class CheckSpec:
-    def __init__(self, model, kernels, dtype, batches, rows, contexts, seed, static=False, row_invariant=True):
+    def __init__(self, model, kernels, dtype, batches, rows, contexts, seed, static=False, row_invariant=True,
+                 prefill=True):  # fmt: skip
         self.model, self.kernels, self.dtype = model, kernels, dtype
         self.batches, self.rows, self.contexts, self.seed = batches, rows, contexts, seed
         self.static = static  # the tree steps through the static step (static_verify)
         self.row_invariant = row_invariant  # the attention's plan (make_attention_backend)
+        self.prefill = prefill and not static  # prompts in random chunks (eager, as the verifier prefills)
 
 
 def _load(spec: CheckSpec, device: str, tp=None):
@@ -147,25 +157,36 @@ def _load(spec: CheckSpec, device: str, tp=None):
 
 
 def compare_all(model, spec: CheckSpec, step=None, cache_of=None, verify=None) -> dict:
-    """Every (batch, rows) case over contexts drawn from spec.contexts: the merged Comparison as a dict.
+    """Every (batch, rows) case over contexts drawn from spec.contexts, and (eager only) at every batch size
+    those prompts' rows prefilled in random chunks beside each other against one whole prefill and against
+    their last rows decoded alone: the merged Comparison as a dict.
     `verify` runs the tree steps (default: the forward `step`, or at TP 1 with spec.static static_verify)."""
-    from ddtree.tools.selftest.invariance import Comparison, compare_tree_rows, random_tree
+    from ddtree.tools.selftest.invariance import Comparison, compare_prefill_rows, compare_tree_rows, random_tree
 
     if spec.static and verify is None:
         verify, cache_of = static_verify(model, spec)
     rng = random.Random(spec.seed)
     vocab = model.config.vocab_size
     total = Comparison(0, 0, 0.0, 0)
-    cases = []
+    cases, prefill_rows = [], 0
     for batch in spec.batches:
         for n in spec.rows:
             contexts = [[rng.randrange(vocab) for _ in range(rng.choice(spec.contexts))] for _ in range(batch)]
             trees = [random_tree(n, vocab, rng) for _ in range(batch)]
             got = compare_tree_rows(model, contexts, trees, step, cache_of, verify)
-            cases.append({"batch": batch, "rows": n, "static": spec.static, "differing": got.differing,
+            cases.append({"batch": batch, "rows": n, "static": spec.static, "compared": got.rows,
+                          "differing": got.differing, "max_abs_diff": got.max_abs_diff})  # fmt: skip
+            total = total.merged(got)
+    if spec.prefill:  # prompts prefilled in random chunks beside each other
+        for batch in spec.batches:
+            contexts = [[rng.randrange(vocab) for _ in range(rng.choice(spec.contexts))] for _ in range(batch)]
+            got = compare_prefill_rows(model, contexts, rng, step, cache_of)
+            prefill_rows += got.rows
+            cases.append({"batch": batch, "prefill_chunks": True, "compared": got.rows, "differing": got.differing,
                           "max_abs_diff": got.max_abs_diff})  # fmt: skip
             total = total.merged(got)
-    return {"rows": total.rows, "differing": total.differing, "max_abs_diff": total.max_abs_diff,
+    return {"rows": total.rows, "prefill_rows": prefill_rows, "differing": total.differing,
+            "max_abs_diff": total.max_abs_diff,
             "argmax_flips": total.argmax_flips, "cases": cases}  # fmt: skip
 
 
@@ -289,10 +310,11 @@ def run_invariance_check(dry_run: bool, device, log, deadline: float, on_row) ->
             model.attn_backend = TritonMLAAttention(MLAKernelConfig(block_n=16, min_split=32, max_splits=4))
         out = compare_all(model, spec)
         static = compare_all(model, CheckSpec(work, "triton", torch.bfloat16, batches, rows, contexts, 0, static=True))
-    log(f"rows {out['rows']} + {static['rows']} static, differing {out['differing']} + {static['differing']} "
+    log(f"rows {out['rows']} ({out['prefill_rows']} prompt rows) + {static['rows']} static, differing {out['differing']} + {static['differing']} "
         f"static, largest difference {max(out['max_abs_diff'], static['max_abs_diff']):.3g}")  # fmt: skip
     both = (out, static)
-    row = {"rows": sum(o["rows"] for o in both), "mismatches": sum(o["differing"] for o in both),
+    row = {"rows": sum(o["rows"] for o in both), "prefill_rows": out["prefill_rows"],
+           "mismatches": sum(o["differing"] for o in both),
            "max_abs_diff": max(o["max_abs_diff"] for o in both), "argmax_flips": sum(o["argmax_flips"] for o in both),
            "cases": out["cases"] + static["cases"], "errors": []}  # fmt: skip
     on_row(row)
