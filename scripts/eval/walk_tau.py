@@ -11,6 +11,9 @@ each drafter's block at every anchor of the continuation comes from the training
     walk_chain_tau       the same chains over the anchors a served greedy run visits (training/served_tau.py)
     walk_tau_bN          best-first trees of N nodes over those anchors: what eval_drafter measures through
                          the services at budget N, up to the verifier's cost cut and how a run ends
+    acc_by_depth, walk_acc_by_depth, walk_acc_given_prefix
+                         the chain's argmax right at each depth: over every anchor, over the walk's anchors,
+                         and there given that every shallower depth was right
 
 so a drafter's served tau can be read in seconds, and the gap between training and serving explained.
 """
@@ -30,7 +33,7 @@ def measure(target_dir: str, drafter_dirs: list[str], corpus: str, kinds: list[s
     from ddtree.models.checkpoint.loader import load_target
     from ddtree.models.dflash.checkpoint import load_drafter
     from ddtree.training.drafter_data import TargetRunner
-    from ddtree.training.served_tau import block_logprobs, served_tau
+    from ddtree.training.served_tau import block_logprobs, served_tau, walk
     from scripts.eval.eval_drafter import load_prompts
 
     target = load_target(target_dir, dtype=torch.float32)
@@ -49,15 +52,32 @@ def measure(target_dir: str, drafter_dirs: list[str], corpus: str, kinds: list[s
                     for p in load_prompts(corpus, target_dir, kind, prompts, prompt_len)
                 ]
             batches = runs[taps, kind]
-            chains = []
+            chains, correct, visited = [], [], []
             for batch in batches:
                 lp, top, labels = block_logprobs(model, batch, 0, embed_w, head_w, window, 1)
-                chains += ((top[:, :, 0] == labels).long().cumprod(dim=1).sum(dim=1) + 1).tolist()
+                right = top[:, :, 0] == labels  # [A, B-1] the chain's argmax at each depth
+                run = right.long().cumprod(dim=1).sum(dim=1).tolist()
+                chains += [k + 1 for k in run]
+                correct.append(right)
+                steps = walk(run.__getitem__, len(run))
+                visited.append(right[torch.tensor(steps).cumsum(0) - torch.tensor(steps)])  # the walk's anchors
+            every, walked = torch.cat(correct).float(), torch.cat(visited).float()
             per_kind[kind] = {
                 "position_chain_tau": sum(chains) / len(chains),
                 **served_tau(model, batches, embed_w, head_w, window, budgets),
+                "acc_by_depth": [round(float(x), 3) for x in every.mean(0)],
+                "walk_acc_by_depth": [round(float(x), 3) for x in walked.mean(0)],
+                # depth d right, given depths 1..d-1 right, at the walk's anchors
+                "walk_acc_given_prefix": [
+                    round(float(walked[walked[:, :d].prod(1) == 1, d].mean()), 3) for d in range(walked.shape[1])
+                ],
             }
-            print(name, kind, json.dumps({k: round(v, 3) for k, v in per_kind[kind].items()}), flush=True)
+            print(
+                name,
+                kind,
+                json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in per_kind[kind].items()}),
+                flush=True,
+            )
         out["drafters"][name] = per_kind
     return out
 

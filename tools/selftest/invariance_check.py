@@ -310,8 +310,9 @@ def run_invariance_check(dry_run: bool, device, log, deadline: float, on_row) ->
             model.attn_backend = TritonMLAAttention(MLAKernelConfig(block_n=16, min_split=32, max_splits=4))
         out = compare_all(model, spec)
         static = compare_all(model, CheckSpec(work, "triton", torch.bfloat16, batches, rows, contexts, 0, static=True))
-    log(f"rows {out['rows']} ({out['prefill_rows']} prompt rows) + {static['rows']} static, differing {out['differing']} + {static['differing']} "
-        f"static, largest difference {max(out['max_abs_diff'], static['max_abs_diff']):.3g}")  # fmt: skip
+    log(f"rows {out['rows']} ({out['prefill_rows']} prompt rows) + {static['rows']} static, differing "
+        f"{out['differing']} + {static['differing']} static, largest difference "
+        f"{max(out['max_abs_diff'], static['max_abs_diff']):.3g}")  # fmt: skip
     both = (out, static)
     row = {"rows": sum(o["rows"] for o in both), "prefill_rows": out["prefill_rows"],
            "mismatches": sum(o["differing"] for o in both),
