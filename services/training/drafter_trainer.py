@@ -120,6 +120,8 @@ def _check_args(args: argparse.Namespace, needs_corpus: bool) -> None:
             raise ValueError(
                 f"--kd-topk must be >= 0 and --kd-temperature > 0, got {args.kd_topk}, {args.kd_temperature}"
             )
+    if getattr(args, "val_budget", 16) < 0:
+        raise ValueError(f"--val-budget must be >= 0 (0 = the chain only), got {args.val_budget}")
     for name in ("batch", "anchors", "accum", "layers", "save_every", "log_every"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -338,11 +340,8 @@ class DrafterTrainer:
         if self.args.val_batches <= 0:
             return None
         self.model.eval()
-        outs = [
-            self.micro_batch(self.val.get(i), torch.Generator().manual_seed(10_007 + i))
-            for i in range(self.args.val_batches)
-        ]
         batches = [self.val.get(i) for i in range(self.args.val_batches)]
+        outs = [self.micro_batch(b, torch.Generator().manual_seed(10_007 + i)) for i, b in enumerate(batches)]
         budget = getattr(self.args, "val_budget", 16)
         walked = served_tau(
             self.model, batches, self.embed_w, self.head_w, self.args.window, [budget] if budget > 0 else []
