@@ -33,7 +33,7 @@ def measure(target_dir: str, drafter_dirs: list[str], corpus: str, kinds: list[s
     from ddtree.models.checkpoint.loader import load_target
     from ddtree.models.dflash.checkpoint import load_drafter
     from ddtree.training.drafter_data import TargetRunner
-    from ddtree.training.served_tau import block_logprobs, served_tau, walk
+    from ddtree.training.served_tau import block_logprobs, pooled_tau, walk_steps
     from scripts.eval.eval_drafter import load_prompts
 
     target = load_target(target_dir, dtype=torch.float32)
@@ -53,18 +53,21 @@ def measure(target_dir: str, drafter_dirs: list[str], corpus: str, kinds: list[s
                 ]
             batches = runs[taps, kind]
             chains, correct, visited = [], [], []
+            pooled: dict[str, list[int]] = {}
             for batch in batches:
-                lp, top, labels = block_logprobs(model, batch, 0, embed_w, head_w, window, 1)
+                lp, top, labels = block_logprobs(model, batch, 0, embed_w, head_w, window, max(budgets))
+                walked_steps = walk_steps(lp, top, labels, budgets)
+                for key, steps in walked_steps.items():
+                    pooled.setdefault(key, []).extend(steps)
                 right = top[:, :, 0] == labels  # [A, B-1] the chain's argmax at each depth
-                run = right.long().cumprod(dim=1).sum(dim=1).tolist()
-                chains += [k + 1 for k in run]
+                chains += (right.long().cumprod(dim=1).sum(dim=1) + 1).tolist()
                 correct.append(right)
-                steps = walk(run.__getitem__, len(run))
-                visited.append(right[torch.tensor(steps).cumsum(0) - torch.tensor(steps)])  # the walk's anchors
+                steps = torch.tensor(walked_steps["walk_chain_tau"])
+                visited.append(right[steps.cumsum(0) - steps])  # the chain walk's anchors
             every, walked = torch.cat(correct).float(), torch.cat(visited).float()
             per_kind[kind] = {
                 "position_chain_tau": sum(chains) / len(chains),
-                **served_tau(model, batches, embed_w, head_w, window, budgets),
+                **pooled_tau(pooled),
                 "acc_by_depth": [round(float(x), 3) for x in every.mean(0)],
                 "walk_acc_by_depth": [round(float(x), 3) for x in walked.mean(0)],
                 # depth d right, given depths 1..d-1 right, at the walk's anchors

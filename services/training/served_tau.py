@@ -101,6 +101,17 @@ def block_logprobs(
     return torch.cat(lps), torch.cat(tops), labels
 
 
+def walk_steps(logprobs: Tensor, token_ids: Tensor, labels: Tensor, budgets: Sequence[int]) -> dict[str, list[int]]:
+    """One sequence's walked steps from its blocks' top-k tables (block_logprobs, k >= max(budgets)):
+    {"walk_chain_tau": accept lengths of the chain's walk, "walk_tau_b{N}": of the tree walk at budget N}."""
+    count = labels.shape[0]
+    chain = (token_ids[:, :, 0] == labels).long().cumprod(dim=1).sum(dim=1).tolist()  # [A]
+    steps = {"walk_chain_tau": walk(chain.__getitem__, count)}
+    for n in budgets:
+        steps[f"walk_tau_b{n}"] = walk(partial(_tree_accepted_at, logprobs, token_ids, labels, n), count)
+    return steps
+
+
 def served_tau(
     model: DFlashDraftModel,
     batches: Sequence[TargetBatch],
@@ -116,9 +127,11 @@ def served_tau(
     for batch in batches:
         for row in range(batch.ids.shape[0]):
             lp, top, labels = block_logprobs(model, batch, row, embed_w, head_w, window, top_k)
-            count = labels.shape[0]
-            chain = (top[:, :, 0] == labels).long().cumprod(dim=1).sum(dim=1).tolist()  # [A]
-            pooled["walk_chain_tau"] += walk(chain.__getitem__, count)
-            for n in budgets:
-                pooled[f"walk_tau_b{n}"] += walk(partial(_tree_accepted_at, lp, top, labels, n), count)
+            for key, steps in walk_steps(lp, top, labels, budgets).items():
+                pooled[key] += steps
+    return pooled_tau(pooled)
+
+
+def pooled_tau(pooled: dict[str, list[int]]) -> dict[str, float]:
+    """Mean accept length of each key's pooled steps (0.0 for none)."""
     return {k: sum(v) / len(v) if v else 0.0 for k, v in pooled.items()}
