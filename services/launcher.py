@@ -70,6 +70,10 @@ class ServiceProcess:
             raise ServiceStartError(f"{self.name} exited before announcing {name!r}; log: {self.log_path}")
         return self.addresses[name]
 
+    def log_tail(self, chars: int = 4000) -> str:
+        """The end of the process's log (its stderr and non-LISTENING stdout), for a failure message."""
+        return f"log {self.log_path}:\n" + self.log_path.read_text(errors="replace")[-chars:]
+
     def stop(self, timeout: float = 20.0) -> int:
         """SIGTERM (graceful), then SIGKILL after `timeout` seconds. Returns the exit code."""
         if self.popen.poll() is None:

@@ -4,18 +4,27 @@ Each service registers its servicer, plus grpc.health.v1 (SERVING for "" and for
 names) and server reflection. SIGTERM and SIGINT start a graceful stop: health flips to NOT_SERVING,
 new RPCs are refused, in-flight RPCs get `grace_s` seconds to finish. The bound address is printed as
 one line `LISTENING <service> <host>:<port>` so parents that started us on port 0 can find it.
+
+A stop is logged (`service_stopping`, then `service_stopped` with the seconds its RPC drain and its engine
+took). A process stopped by a signal and still alive `STUCK_STOP_S` seconds past the drain's grace (its
+stop or its interpreter's exit hung) writes every thread's stack to stderr (faulthandler), so a shutdown
+that hangs says where.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent import futures
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from ddtree.telemetry.logging import get_logger
 
 from ddtree.protocol.security import ServiceSecurity
 
@@ -25,6 +34,9 @@ GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+STUCK_STOP_S = 30.0  # past the drain's grace: a stop this late dumps every thread's stack
+
+log = get_logger("ddtree.server")
 
 
 class RunningServer:
@@ -58,11 +70,16 @@ class RunningServer:
         with self._lock:
             if self._stopped.is_set():
                 return
+            grace = self.grace_s if grace_s is None else grace_s
+            log.info("service_stopping", services=list(self.service_names), grace_s=grace)
+            start = time.monotonic()
             self.health.enter_graceful_shutdown()
-            done = self.server.stop(self.grace_s if grace_s is None else grace_s)
-            done.wait()
+            self.server.stop(grace).wait()
+            drained = time.monotonic()
             if self._on_stop is not None:
                 self._on_stop()
+            log.info("service_stopped", drain_s=round(drained - start, 3),
+                     engine_s=round(time.monotonic() - drained, 3))  # fmt: skip
             self._stopped.set()
 
     def wait(self) -> None:
@@ -125,19 +142,22 @@ def start_server(
     return running
 
 
-def stop_on_signals(running: RunningServer) -> None:
+def stop_on_signals(running: RunningServer, stuck_after_s: float = STUCK_STOP_S) -> None:
     """SIGTERM / SIGINT -> graceful stop (from the main thread only)."""
 
     def handler(signum, _frame):
+        # The process is ending: its stop, then its interpreter's exit, have this long before the stacks
+        # are written (the timer ends with the process; only a stop by signal arms it).
+        faulthandler.dump_traceback_later(running.grace_s + stuck_after_s)
         threading.Thread(target=running.stop, name="graceful-stop", daemon=True).start()
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
 
 
-def serve_until_stopped(running: RunningServer) -> None:
+def serve_until_stopped(running: RunningServer, stuck_after_s: float = STUCK_STOP_S) -> None:
     """A service process's main thread: SIGTERM / SIGINT stop it gracefully; returns once it has stopped."""
-    stop_on_signals(running)
+    stop_on_signals(running, stuck_after_s)
     running.wait()
 
 

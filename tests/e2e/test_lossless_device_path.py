@@ -115,7 +115,7 @@ def test_ddtree_equals_ar_on_the_device_path_in_bf16(int4_target, drafter, tmp_p
         assert _near_ties(ar) >= NEAR_TIES, f"the prompts' AR continuations hold {_near_ties(ar)} near-ties"
         spec = _generate(verifier.address, prompts, no_spec=False)
     finally:
-        assert verifier.stop(timeout=STOP_S) == 0
+        assert verifier.stop(timeout=STOP_S) == 0, verifier.log_tail()
     assert all(len(tokens) == NEW_TOKENS for tokens, _, _ in ar + spec)
     assert _mean_accept(spec) > 2, f"speculation accepted {_mean_accept(spec):.2f} tokens a step"
     print(f"{len(prompts)} prompts x {NEW_TOKENS} tokens: near-ties {_near_ties(ar)} (exact ties "
@@ -138,7 +138,7 @@ def test_negative_control_row_invariance_off_differs_from_ar(int4_target, drafte
             ar = _generate(verifier.address, prompts, no_spec=True)
             spec = _generate(verifier.address, prompts, no_spec=False)
         finally:
-            assert verifier.stop(timeout=STOP_S) == 0
+            assert verifier.stop(timeout=STOP_S) == 0, verifier.log_tail()
         assert _mean_accept(spec) > 2, f"speculation accepted {_mean_accept(spec):.2f} tokens a step"
         differing[flag] = sum(
             a != d for (_, ar_tops, _), (_, dd_tops, _) in zip(ar, spec) for a, d in zip(ar_tops, dd_tops)

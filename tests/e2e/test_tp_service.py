@@ -51,7 +51,7 @@ def tp2_verifier(default_ckpt, oracle_stack, tmp_path_factory):
         tmp_path_factory.mktemp("logs-tp2"),
     )
     yield proc
-    assert proc.stop() == 0, "a graceful stop of a tensor-parallel verifier exits 0"
+    assert proc.stop() == 0, "a graceful stop of a tensor-parallel verifier exits 0; " + proc.log_tail()
     assert '"tp_worker_stopped"' in proc.log_path.read_text(), "rank 1 left its loop on STOP"
 
 
@@ -76,7 +76,7 @@ def test_tp2_static_steps_match_tp1(default_ckpt, oracle_stack, prompt_ids, tmp_
         ref = generate_concurrently(oracle_stack.verifier, prompt_ids, no_spec=True)
         assert generate_concurrently(proc.address, prompt_ids, no_spec=False, budget=8) == ref
     finally:
-        assert proc.stop() == 0
+        assert proc.stop() == 0, proc.log_tail()
     log = proc.log_path.read_text()
     assert log.count('"event": "static_step"') == 2, "rank 0 and rank 1 each built a static step"
 
@@ -106,7 +106,7 @@ def test_ranks_launched_by_environment(default_ckpt, oracle_stack, prompt_ids, t
         got = generate_concurrently(rank0.address, prompt_ids, no_spec=True)
         assert got == generate_concurrently(oracle_stack.verifier, prompt_ids, no_spec=True)
         assert '"tp_rank_spawned"' not in rank0.log_path.read_text()
-        assert rank0.stop() == 0
+        assert rank0.stop() == 0, rank0.log_tail()
         assert rank1.wait(timeout=30) == 0, "rank 1 exits 0 on rank 0's STOP"
     finally:
         if rank1.poll() is None:

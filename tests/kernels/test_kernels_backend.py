@@ -156,7 +156,7 @@ def test_verifier_tokens_identical_with_triton_backend(default_ckpt, tmp_path):
         assert tokens["triton"] == tokens["torch"]
     finally:
         for proc in procs.values():
-            assert proc.stop() == 0
+            assert proc.stop() == 0, proc.log_tail()
 
 
 # ---- the benchmark ----------------------------------------------------------------------------------------
