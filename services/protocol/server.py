@@ -24,9 +24,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from ddtree.telemetry.logging import get_logger
-
 from ddtree.protocol.security import ServiceSecurity
+from ddtree.telemetry.logging import get_logger
 
 # Feature tensors of a long commit can pass a few MB.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
