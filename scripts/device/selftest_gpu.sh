@@ -11,9 +11,10 @@
 # (tools/selftest/parts.py), so that the issues' measurements come first and a slow part cannot starve them:
 #   1. issues.json: part (c), the Kimi K2.6 TP-8 rank step at 8k context first (eager vs graphs), then
 #      part (e), the drafter's transport and device tree;
-#   2. rest.json: part (a) the kernels against their references, row invariance (when installed),
-#      (d) deployment, and last (b) serving end to end, bounded by SERVING_S,
-#      in the time left.
+#   2. rest.json: the lossless part (greedy DDTree against AR in bf16, 16 prompts x 256 tokens in flight, row
+#      invariance on and off; no verifier started past LOSSLESS_S), part (a) the kernels against their
+#      references, row invariance (when installed), (d) deployment, and last (b) serving end to end,
+#      bounded by SERVING_S, in the time left.
 # Everything, the log included, is written to $OUT (the device tool returns it; runs/device here), each
 # JSON saved atomically after every row of every part, and no part starts a new shape, context or stack
 # past its deadline, so a run stopped at its time limit still returns every row it finished.
@@ -26,6 +27,7 @@ site=${SITE:-/tmp/ddtree-site}
 total_s=${TOTAL_S:-560}     # this script's whole budget, the device tool's timeout_s less the file transfer
 issues_s=${ISSUES_S:-300}   # at most this for the first run
 serving_s=${SERVING_S:-150} # at most this for part (b): its 6.5 GB checkpoint and stacks up to 32k
+lossless_s=${LOSSLESS_S:-100} # the lossless part starts no verifier past this (two verifiers, on then off)
 start=$SECONDS
 mkdir -p "$out"
 exec > >(tee "$out/selftest_gpu.log") 2>&1
@@ -49,7 +51,7 @@ EOF
 
 echo "== 1. the issues' measurements: parts (c) and (e)"
 timeout "$issues_s" python3 -m ddtree.cli selftest gpu --commit "$commit" --out "$out/issues.json" \
-  --skip-kernels --skip-serving --skip-deploy --skip-invariance --deadline-s $((issues_s - 60)) \
+  --skip-kernels --skip-serving --skip-deploy --skip-invariance --skip-lossless --deadline-s $((issues_s - 60)) \
   --step-deadline-s $((issues_s - 120))
 echo "== 1. exit $?, $((SECONDS - start)) s so far"
 
@@ -58,9 +60,10 @@ if ((left < 150)); then
   echo "== 2. skipped: $left s left"
   exit 1
 fi
-echo "== 2. the rest: parts (a), invariance, (d), (b), in $left s"
+echo "== 2. the rest: lossless, parts (a), invariance, (d), (b), in $left s"
 timeout "$left" python3 -m ddtree.cli selftest gpu --commit "$commit" --out "$out/rest.json" \
-  --skip-step --skip-drafter --deadline-s $((left - 90)) --serving-budget-s "$serving_s"
+  --skip-step --skip-drafter --deadline-s $((left - 90)) --serving-budget-s "$serving_s" \
+  --lossless-budget-s "$lossless_s"
 status=$?
 echo "== 2. exit $status, $((SECONDS - start)) s in all"
 exit $status

@@ -26,7 +26,7 @@ ROW_KEYS = {"mode", "kind", "context", "prompt_tokens", "tokens", "steps", "tau"
 def _dry_run(tmp_path, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / "selftest_gpu.json"
     # part (d), the deployment check, has its own dry-run test (test_selftest_deploy.py), and so has the
-    # row-invariance part (`ddtree selftest invariance`)
+    # row-invariance part (`ddtree selftest invariance`) and the lossless part (test_selftest_lossless.py)
     cmd = [
         sys.executable,
         "-m",
@@ -36,6 +36,7 @@ def _dry_run(tmp_path, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
         "--dry-run",
         "--skip-deploy",
         "--skip-invariance",
+        "--skip-lossless",
         "--out",
         str(out),
         *extra,

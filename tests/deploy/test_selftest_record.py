@@ -17,8 +17,9 @@ from tests.support import installed_env as env
 
 def test_the_parts_run_in_the_order_of_value():
     names = [p.name for p in parts.PARTS]
-    assert names == ["step", "drafter", "kernels", "invariance", "deploy", "serving"]
+    assert names == ["step", "drafter", "lossless", "kernels", "invariance", "deploy", "serving"]
     assert {p.name: p.budget for p in parts.PARTS if p.budget} == {"step": "step_deadline_s",
+                                                                   "lossless": "lossless_budget_s",
                                                                    "serving": "serving_budget_s"}  # fmt: skip
 
 
@@ -58,7 +59,7 @@ def test_a_run_killed_in_the_middle_of_a_part_keeps_its_finished_rows(tmp_path):
     rows are on disk: the JSON left is whole, says the part was running, and holds those rows."""
     out = tmp_path / "selftest.json"
     cmd = [sys.executable, "-m", "ddtree.cli", "selftest", "gpu", "--dry-run", "--skip-step", "--skip-drafter",
-           "--skip-invariance", "--skip-deploy", "--skip-serving", "--out", str(out)]  # fmt: skip
+           "--skip-invariance", "--skip-deploy", "--skip-serving", "--skip-lossless", "--out", str(out)]  # fmt: skip
     proc = subprocess.Popen(
         cmd, cwd=env.ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
     )

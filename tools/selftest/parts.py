@@ -3,6 +3,8 @@ limit has measured what matters most.
 
     step       (c) the Kimi K2.6 TP-8 rank's verify step, 8k context first: what the issues are judged by
     drafter    (e) the drafter's transport and device tree
+    lossless        greedy DDTree against AR in bf16, 16 prompts x 256 tokens in flight, row invariance on
+                    and off (lossless_check.py): issue 50's measurement
     kernels    (a) every kernel against its torch reference
     invariance      each tree row's result against its AR twin's (`ddtree selftest invariance`,
                     invariance_check.py), when that module has the entry point below (INVARIANCE_ENTRY)
@@ -72,6 +74,13 @@ def _drafter(args, device, deadline: Deadline, log, on_row) -> dict:
     return drafter_check.run_drafter_check(args.dry_run, device, log, deadline.at, on_row)
 
 
+def _lossless(args, device, deadline: Deadline, log, on_row) -> dict:
+    from ddtree.tools.selftest import lossless_check
+
+    with tempfile.TemporaryDirectory(prefix="selftest-lossless-") as work:
+        return lossless_check.run_lossless_check(args.dry_run, pathlib.Path(work), deadline.at, log, on_row)
+
+
 def _kernels(args, device, deadline: Deadline, log, on_row) -> dict:
     from ddtree.tools.selftest.kernels import kernel_check as gk
 
@@ -114,6 +123,8 @@ PARTS = (
          _step, budget="step_deadline_s"),
     Part("drafter", "(e) the drafter: transport per Draft call at Kimi width, the tree built on the device", _drafter,
          compared=True),
+    Part("lossless", "lossless: greedy DDTree against AR, every prompt in flight, row invariance on and off",
+         _lossless, compared=True, budget="lossless_budget_s"),
     Part("kernels", "(a) kernels against their torch references", _kernels, compared=True),
     Part("invariance", "row invariance: each row's result alone and in a batch", _invariance, compared=True,
          module=INVARIANCE_MODULE, entry=INVARIANCE_ENTRY),
