@@ -207,6 +207,10 @@ class GatewayServer:
     def health(self):
         return self.grpc.health
 
+    @property
+    def grace_s(self) -> float:
+        return self.grpc.grace_s
+
     def stop(self, grace_s: float | None = None) -> None:
         with self._lock:
             if self._stopped.is_set():
