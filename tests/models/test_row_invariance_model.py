@@ -2,10 +2,10 @@
 interpreted on the CPU, bf16): every row of a verify tree, beside another sequence, has the logits of its AR
 twin bit for bit (the same token decoded alone at batch 1 after its ancestors, each decoded alone;
 tools/selftest/invariance.py). A Kimi-shaped checkpoint (INT4 routed experts, bf16 elsewhere) and an FP8
-block checkpoint (every projection FP8), 2 layers (a dense one, a MoE one), contexts that cross the
-attention's 32-key split edge. Interpreted forwards are slow, so the shapes are the smallest that keep every
-kernel in play; the kernels' own grids (batches 1, 3, 8, trees of 9 and 17, the negative control) are in
-tests/kernels/test_row_invariance_*.py.
+block checkpoint (every projection FP8), 3 layers (a dense one, two MoE ones), trees of 17 and 9 rows and a
+decode in one step, contexts that cross the attention's 32-key split edge. Interpreted forwards are slow,
+so the shapes are the smallest that keep every kernel in play; the kernels' own grids (batches 1, 3, 8,
+trees of 9 and 17, the negative control) are in tests/kernels/test_row_invariance_*.py.
 
 The CPU's torch path (fp32, BLAS GEMMs) is not row invariant; the test of that states it.
 """
@@ -39,6 +39,11 @@ def fp32_checkpoint(tmp_path_factory):
     return write_random_target(tmp_path_factory.mktemp("tiny"), TINY, seed=11)
 
 
+@pytest.fixture(scope="module")
+def three_layers(tmp_path_factory):
+    return write_random_target(tmp_path_factory.mktemp("tiny3"), {**TINY, "num_hidden_layers": 3}, seed=11)
+
+
 def _device_model(path, dtype=torch.bfloat16):
     model = load_target(path, dtype=dtype, device=DEVICE, attention_backend="triton").eval()
     model.layer_kernels = make_layer_kernels("triton")
@@ -47,18 +52,18 @@ def _device_model(path, dtype=torch.bfloat16):
 
 
 def _case(seed: int) -> tuple[list[list[int]], list[Tree]]:
-    """A tree of 9 rows over a 37-token context (its rows' contexts cross 40 = 32 + 8) and a decode row
-    (a tree of one row) over 29 tokens, in one step."""
+    """Trees of 17 and 9 rows over contexts of 23 and 37 tokens (their rows' contexts cross 32 and 40 = 32 + 8)
+    and a decode row (a tree of one row) over 29 tokens, in one step."""
     rng = random.Random(seed)
-    contexts = [[rng.randrange(TINY["vocab_size"]) for _ in range(n)] for n in (37, 29)]
-    return contexts, [random_tree(9, TINY["vocab_size"], rng), random_tree(1, TINY["vocab_size"], rng)]
+    contexts = [[rng.randrange(TINY["vocab_size"]) for _ in range(n)] for n in (23, 37, 29)]
+    return contexts, [random_tree(n, TINY["vocab_size"], rng) for n in (17, 9, 1)]
 
 
 @pytest.mark.parametrize("kind", ["int4", "fp8"])
-def test_tree_rows_equal_ar_twins_on_the_device_path(kind, fp32_checkpoint, tmp_path):
-    path = quantize_checkpoint(fp32_checkpoint, tmp_path / kind, kind, fp8_block=(32, 32))
+def test_tree_rows_equal_ar_twins_on_the_device_path(kind, three_layers, tmp_path):
+    path = quantize_checkpoint(three_layers, tmp_path / kind, kind, fp8_block=(32, 32))
     got = compare_tree_rows(_device_model(path), *_case(seed=5))
-    assert got.rows == 10 and got.differing == 0, got
+    assert got.rows == 27 and got.differing == 0, got
 
 
 def test_cpu_torch_path_is_not_row_invariant(fp32_checkpoint):
