@@ -29,7 +29,7 @@ import random
 import time
 import traceback
 
-from ddtree.tools.selftest.serving_check import make_checkpoint, make_plan
+from ddtree.tools.selftest.serving_check import first_mismatch, make_checkpoint, make_plan
 
 NEAR_TIE = 1 / 64  # top-2 log-probability gap: one bf16 unit of a logit in [2, 4)
 MIN_TAU = 2.0  # below this, DDTree is not following the oracle's trees (as in serving_check)
@@ -109,10 +109,9 @@ def compare(ar: list[dict], dd: list[dict]) -> list[dict]:
     """One entry per prompt whose DDTree tokens differ from its AR tokens: where, AR's top-2 there, DDTree's."""
     out = []
     for i, (a, d) in enumerate(zip(ar, dd, strict=True)):
-        at = next((j for j, (x, y) in enumerate(zip(a["tokens"], d["tokens"])) if x != y), None)
-        if at is None and len(a["tokens"]) == len(d["tokens"]):
+        at = first_mismatch(a["tokens"], d["tokens"])
+        if at is None:
             continue
-        at = min(len(a["tokens"]), len(d["tokens"])) if at is None else at
         entry = dict(prompt=i, at=at)
         if at < min(len(a["tokens"]), len(d["tokens"])):
             entry.update(ar_top_ids=a["top_ids"][at], ar_gap=a["gaps"][at], ddtree_token=d["tokens"][at],
