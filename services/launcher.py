@@ -29,6 +29,7 @@ class ServiceStartError(RuntimeError):
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tiktoken.model")
+STACK_DUMP_S = 2.0  # what a service that did not stop gets to write its stacks (SIGUSR1) before SIGKILL
 
 
 def check_checkpoint_dir(path: str, flag: str) -> str:
@@ -70,17 +71,23 @@ class ServiceProcess:
             raise ServiceStartError(f"{self.name} exited before announcing {name!r}; log: {self.log_path}")
         return self.addresses[name]
 
-    def log_tail(self, chars: int = 4000) -> str:
+    def log_tail(self, chars: int = 16000) -> str:
         """The end of the process's log (its stderr and non-LISTENING stdout), for a failure message."""
         return f"log {self.log_path}:\n" + self.log_path.read_text(errors="replace")[-chars:]
 
     def stop(self, timeout: float = 20.0) -> int:
-        """SIGTERM (graceful), then SIGKILL after `timeout` seconds. Returns the exit code."""
+        """SIGTERM (graceful), then SIGKILL after `timeout` seconds. Returns the exit code. Before the kill,
+        SIGUSR1 asks a service for every thread's stack (protocol/server.py), so its log says where it hung."""
         if self.popen.poll() is None:
             self.popen.send_signal(signal.SIGTERM)
             try:
                 self.popen.wait(timeout)
             except subprocess.TimeoutExpired:
+                self.popen.send_signal(signal.SIGUSR1)
+                try:
+                    self.popen.wait(STACK_DUMP_S)
+                except subprocess.TimeoutExpired:
+                    pass
                 self.popen.kill()
                 self.popen.wait()
         return self.popen.returncode

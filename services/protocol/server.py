@@ -8,7 +8,8 @@ one line `LISTENING <service> <host>:<port>` so parents that started us on port 
 A stop is logged (`service_stopping`, then `service_stopped` with the seconds its RPC drain and its engine
 took). A process stopped by a signal and still alive `STUCK_STOP_S` seconds past the drain's grace (its
 stop or its interpreter's exit hung) writes every thread's stack to stderr (faulthandler), so a shutdown
-that hangs says where.
+that hangs says where. SIGUSR1 writes them at once, from the signal handler itself (no GIL, no main thread
+needed): what a supervisor sends before it kills a service that did not stop (launcher.ServiceProcess.stop).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+SIGNAL_POLL_S = 1.0  # the main thread's longest sleep between looks for a signal's handler to run
 STUCK_STOP_S = 30.0  # past the drain's grace: a stop this late dumps every thread's stack
 
 log = get_logger("ddtree.server")
@@ -81,8 +83,9 @@ class RunningServer:
                      engine_s=round(time.monotonic() - drained, 3))  # fmt: skip
             self._stopped.set()
 
-    def wait(self) -> None:
-        self._stopped.wait()
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """True once stopped; False when `timeout_s` passed first."""
+        return self._stopped.wait(timeout_s)
 
 
 def start_server(
@@ -142,7 +145,7 @@ def start_server(
 
 
 def stop_on_signals(running: RunningServer, stuck_after_s: float = STUCK_STOP_S) -> None:
-    """SIGTERM / SIGINT -> graceful stop (from the main thread only)."""
+    """SIGTERM / SIGINT -> graceful stop; SIGUSR1 -> every thread's stack on stderr (from the main thread only)."""
 
     def handler(signum, _frame):
         # The process is ending: its stop, then its interpreter's exit, have this long before the stacks
@@ -152,12 +155,17 @@ def stop_on_signals(running: RunningServer, stuck_after_s: float = STUCK_STOP_S)
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def serve_until_stopped(running: RunningServer, stuck_after_s: float = STUCK_STOP_S) -> None:
     """A service process's main thread: SIGTERM / SIGINT stop it gracefully; returns once it has stopped."""
     stop_on_signals(running, stuck_after_s)
-    running.wait()
+    # Python runs a signal's handler on the main thread only, once that thread runs bytecode again. A lock
+    # wait wakes for a signal the kernel gave the main thread, not for one it gave another thread (any thread
+    # that does not block it may take a process-directed signal): the poll bounds that delay.
+    while not running.wait(SIGNAL_POLL_S):
+        pass
 
 
 def abort_invalid(context: grpc.ServicerContext, message: str) -> None:

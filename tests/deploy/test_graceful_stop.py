@@ -1,7 +1,8 @@
 """A service process's graceful stop (protocol/server.py), as `python -m` runs one: SIGTERM logs
 `service_stopping` and `service_stopped` (with its drain and engine seconds) and exits 0; a stop that hangs
 writes every thread's stack to the log once it is `stuck_after_s` past the drain's grace, naming the frame
-it hangs in."""
+it hangs in. A SIGTERM that the kernel hands to a thread other than the main one stops it too, and a
+supervisor that gives up on a stop gets the stacks (SIGUSR1) before it kills."""
 
 from __future__ import annotations
 
@@ -10,33 +11,46 @@ import subprocess
 import sys
 import time
 
+from ddtree.launcher import ServiceProcess
 from tests.support import installed_env as env
 
 # A server with no servicers of its own (health and reflection only) whose engine stop takes ENGINE_S.
 SERVICE = """
-import sys, time
+import signal, sys, threading, time
 from ddtree.protocol.server import serve_until_stopped, start_server
 from ddtree.telemetry.logging import configure_logging
 
 configure_logging("info", "json")
+engine_s, stuck_after_s = float(sys.argv[1]), float(sys.argv[2])
 
 def engine_stop_that_hangs():
-    time.sleep(float(sys.argv[1]))
+    time.sleep(engine_s)
+
+def sigterm_to_this_thread():  # the kernel may give a process's signal to any thread that does not block it
+    time.sleep(0.5)
+    signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
 
 running = start_server("probe", lambda server: [], "127.0.0.1", 0, 1, 0.1, engine_stop_that_hangs)
-serve_until_stopped(running, stuck_after_s=1.0)
+if "--sigterm-off-main" in sys.argv:
+    threading.Thread(target=sigterm_to_this_thread, daemon=True).start()
+serve_until_stopped(running, stuck_after_s=stuck_after_s)
 """
 
 
-def _stop(engine_s: float, tmp_path) -> tuple[int, str]:
+def _start(tmp_path, engine_s: float, stuck_after_s: float, *flags: str) -> tuple[subprocess.Popen, object]:
     log = tmp_path / "probe.log"
     with open(log, "wb") as sink:
-        proc = subprocess.Popen([sys.executable, "-c", SERVICE, str(engine_s)], cwd=env.ROOT,
-                                stdout=subprocess.PIPE, stderr=sink)  # fmt: skip
-        assert proc.stdout.readline().startswith(b"LISTENING probe 127.0.0.1:")
-        time.sleep(0.2)
-        proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(timeout=60)
+        proc = subprocess.Popen([sys.executable, "-c", SERVICE, str(engine_s), str(stuck_after_s), *flags],
+                                cwd=env.ROOT, stdout=subprocess.PIPE, stderr=sink)  # fmt: skip
+    assert proc.stdout.readline().startswith(b"LISTENING probe 127.0.0.1:")
+    return proc, log
+
+
+def _stop(engine_s: float, tmp_path) -> tuple[int, str]:
+    proc, log = _start(tmp_path, engine_s, 1.0)
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    rc = proc.wait(timeout=60)
     return rc, log.read_text()
 
 
@@ -53,3 +67,27 @@ def test_a_hung_stop_writes_every_threads_stack_to_the_log(tmp_path):
     stacks = log.index("Thread 0x")
     assert "engine_stop_that_hangs" in log[stacks:], log
     assert log.index('"event": "service_stopping"') < stacks < log.index('"event": "service_stopped"'), log
+
+
+def test_a_sigterm_taken_by_another_thread_still_stops_the_service(tmp_path):
+    # Python runs handlers on the main thread only; a main thread parked in a lock wait without a timeout
+    # never wakes for a signal another thread took (the CI hang of a verifier that logged no stop at all).
+    proc, log = _start(tmp_path, 0.0, 30.0, "--sigterm-off-main")
+    try:
+        rc = proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        rc = proc.wait()
+    text = log.read_text()
+    assert rc == 0, text
+    assert '"event": "service_stopped"' in text, text
+
+
+def test_a_supervisor_that_gives_up_gets_the_stacks_before_it_kills(tmp_path):
+    proc, log = _start(tmp_path, 60.0, 60.0)  # a stop that hangs past the supervisor's patience
+    service = ServiceProcess("probe", proc, "", log)
+    assert service.stop(timeout=1.0) == -signal.SIGKILL
+    text = service.log_tail()
+    stacks = text.index("Thread 0x")
+    assert text.index('"event": "service_stopping"') < stacks, text
+    assert "engine_stop_that_hangs" in text[stacks:] and '"event": "service_stopped"' not in text, text

@@ -224,8 +224,9 @@ class GatewayServer:
             self.router.close()
             self._stopped.set()
 
-    def wait(self) -> None:
-        self._stopped.wait()
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """True once stopped; False when `timeout_s` passed first."""
+        return self._stopped.wait(timeout_s)
 
 
 def serve(
