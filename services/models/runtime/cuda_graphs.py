@@ -3,11 +3,13 @@ static step (verifier/step/static_step.py) and the drafter's static draft (draft
 
 `GraphRunner(name, forward)`, where `forward(bucket)` runs the forward over that bucket's fixed buffers
 and returns its outputs:
-- `capture(buckets)`: per bucket, largest first, two warm-up runs on a side stream (the allocator, cuBLAS
-  and Triton's compile and autotune caches fill here, outside any graph), the warm-up's cached blocks
-  handed back, then the capture into one memory pool shared by every bucket (a forward's intermediates
-  are freed at the end of its capture, so the pool peaks at the largest bucket's). Logs the seconds and
-  the bytes the pool took (`{name}_cuda_graphs_captured`).
+- `capture(buckets)`: first every bucket's warm-up, two runs each on a side stream (the allocator, cuBLAS
+  and Triton's compile and autotune caches fill here, outside any graph), the warm-ups' cached blocks
+  handed back once all are done; then every bucket's capture, largest first, into one memory pool shared
+  by all of them (a forward's intermediates are freed at the end of its capture, so the pool peaks at the
+  largest bucket's). No warm-up runs while the pool holds anything, so start-up needs one largest forward's
+  intermediates at a time, not two (verifier/kv/graph_pool.py: WARMUP_COPIES). Logs the seconds and the
+  bytes the pool took (`{name}_cuda_graphs_captured`).
 - `run(bucket)`: replays the bucket's graph and returns the captured outputs, which the next replay
   overwrites (copy or index what must outlive it); a bucket without a graph (nothing captured: the CPU,
   or `--cuda-graphs on` there) runs `forward(bucket)` directly, over the same buffers.
@@ -46,14 +48,15 @@ class GraphRunner(Generic[BucketT, OutputT]):
         reserved = torch.cuda.memory_reserved()
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
-        for b in buckets:
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream), torch.inference_mode():
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.inference_mode():
+            for b in buckets:
                 for _ in range(2):
                     self.forward(b)
-            torch.cuda.current_stream().wait_stream(stream)
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()  # the warm-up's blocks: start-up holds the pool plus one warm-up at a time
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the warm-ups' blocks, before the pool takes its first
+        for b in buckets:
             graph = torch.cuda.CUDAGraph()
             # thread_local: the process's other threads (the drafter pool's resolver opening a replica, its
             # feature ring's device buffer and events) may call CUDA meanwhile without spoiling this capture.

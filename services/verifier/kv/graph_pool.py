@@ -3,8 +3,9 @@
 Captured after the KV pool is allocated, the graphs hold (a) every bucket's static inputs and outputs and
 (b) one pool shared by all buckets, captured largest first: the intermediates of one forward are freed at
 the end of its capture and reused by the next, so the pool peaks at the largest bucket's activations.
-While a bucket is warmed up (outside the pool, then handed back: models/runtime/cuda_graphs.py) a second
-copy of about that peak is in use, hence WARMUP_COPIES. forward_peak_bytes counts, per phase, every
+Every bucket is warmed up before the first capture (outside the pool, then handed back:
+models/runtime/cuda_graphs.py), so the warm-ups and the pool never hold that peak at the same time, hence
+WARMUP_COPIES = 1 (it was 2 while each bucket's warm-up ran beside the pool of the buckets before it). forward_peak_bytes counts, per phase, every
 intermediate the forward makes as if all were live at once (an upper bound: tests/verifier/test_static_step.py
 measures the real forward's live peak against it, on the torch backend). GRAPH_POOL_SAFETY covers the CUDA
 caching allocator: requests rounded up to 512 B, large ones carved from 2 MiB-rounded segments of which a
@@ -28,7 +29,7 @@ from ddtree.kernels.mla.plan import MLAKernelConfig
 from ddtree.kernels.mla.static_plan import StaticPlanShape, static_plan_shape
 from ddtree.verifier.kv.kv_sizing import GIB, dtype_bytes_of
 
-WARMUP_COPIES = 2
+WARMUP_COPIES = 1
 GRAPH_POOL_SAFETY = 1.25
 GRAPH_POOL_SLACK = 256 << 20
 F32 = 4  # bytes: scores, softmax, router, RoPE's cos/sin and the expert combine are fp32 in any dtype
