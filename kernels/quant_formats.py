@@ -4,6 +4,9 @@ the packed modules (which hold the weights) and the kernels' torch references.
 - INT4 compressed-tensors `pack-quantized`, symmetric, group-wise (Kimi K2 / K2.5 / K2.6): int32 words
   [N, ceil(K/8)]; nibble k of a word (bits 4k..4k+3, little-endian) holds column 8·word + k as v + 8;
   scale [N, ceil(K/group)]; W[i, j] = (nibble - 8) · scale[i, j // group].
+  The device path keeps the routed experts' words in pair order instead (`pair_int4_words`): slot s of a
+  word (bits 4s..4s+3) holds column PAIR_ORDER[s] of its 8, so that slots i and i + 4 are columns 2i and
+  2i + 1, the two halves one shift-and-mask of the word makes (kernels/gemm/int4_dequant.py).
 - FP8 e4m3 with block scales (DeepSeek-V3 / R1): W float8_e4m3fn [N, K], scale_inv fp32
   [ceil(N/bn), ceil(K/bk)]; W[i, j] = float(q[i, j]) · scale_inv[i // bn, j // bk].
 """
@@ -23,6 +26,33 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     b = packed.contiguous().view(torch.uint8)  # little-endian: byte j holds nibbles 2j (low) and 2j+1 (high)
     nibbles = torch.stack((b & 0xF, b >> 4), dim=-1).view(*packed.shape[:-1], -1)
     return nibbles.to(torch.int8) - 8
+
+
+PAIR_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # pair order: the column (of a word's 8) that slot s holds
+_CHECKPOINT_SLOT = tuple(PAIR_ORDER.index(j) for j in range(PACK))  # pair order: the slot that holds column j
+
+
+def _move_nibbles(words: torch.Tensor, source_slot: tuple[int, ...]) -> torch.Tensor:
+    """int32 words whose slot s is slot source_slot[s] of `words` (any shape; a permutation of nibbles)."""
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    out = torch.zeros_like(w)
+    for s, src in enumerate(source_slot):
+        out |= ((w >> (4 * src)) & 0xF) << (4 * s)
+    return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
+
+
+def pair_int4_words(words: torch.Tensor) -> torch.Tensor:
+    """Checkpoint order -> pair order (slot s holds column PAIR_ORDER[s]); int32 of the same shape."""
+    if words.dtype != torch.int32:
+        raise ValueError(f"packed weights must be int32, got {words.dtype}")
+    return _move_nibbles(words, PAIR_ORDER)
+
+
+def unpair_int4_words(words: torch.Tensor) -> torch.Tensor:
+    """Pair order -> checkpoint order (slot j holds column j): pair_int4_words' inverse."""
+    if words.dtype != torch.int32:
+        raise ValueError(f"packed weights must be int32, got {words.dtype}")
+    return _move_nibbles(words, _CHECKPOINT_SLOT)
 
 
 def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, group_size: int, in_features: int) -> torch.Tensor:

@@ -22,6 +22,11 @@ axis is per thread). A word's 8 columns cost 3 shifts, 4 and-ors, 4 subtracts an
 byte permutes that put adjacent columns in one register where the dot reads them so; one nibble at a time
 (int4_dequant) was a shift and an and-or per column.
 
+Pair order (quant_formats.pair_int4_words, the device path's routed experts): slot s of a word holds column
+PAIR_ORDER[s], so the halves of ((w >> 4i) & 0x000F000F) are columns 2i and 2i + 1, adjacent as the dot's
+operand wants them: the byte permutes go (sm_90 SASS of the gate/up tile's K loop: 70 PRMT -> 6, 534
+instructions a warp -> 464; scripts/bench/moe_tile_table.py counts them).
+
 fp32 dots (the interpreter's, and exact fp32 runs) have nothing to pair: one nibble per 32-bit value, the same
 layout. The Triton interpreter's bf16 arithmetic is not IEEE (mla/checks.py kernel_dims): interpreted tests check
 the bf16 row's bit patterns (int4_magic_pairs) and the fp16 / fp32 rows' values; the bf16 arithmetic, the
@@ -85,12 +90,11 @@ def _magic_nibbles_fp32(words):
 
 
 @triton.jit
-def int4_dequant_words(words, scale, DOT: tl.constexpr):
+def int4_dequant_words(words, scale, DOT: tl.constexpr, PAIRED: tl.constexpr = False):
     """int32 words [R, C] and a scale per word [R, C] -> [8 R, C] in DOT: row 8 r + j is (nibble j of word
-    [r, c] - 8) · scale[r, c], bit for bit int4_dequant's value. 16-bit DOT with scales of its dtype: two
-    nibbles per 32-bit op; otherwise one, in fp32."""
-    R: tl.constexpr = words.shape[0]
-    C: tl.constexpr = words.shape[1]
+    [r, c] - 8) · scale[r, c], bit for bit int4_dequant's value; PAIRED: the words in pair order, row 8 r + j
+    from the slot holding column j. 16-bit DOT with scales of its dtype: two nibbles per 32-bit op;
+    otherwise one, in fp32."""
     s = scale[:, :, None, None, None]
     if DOT == tl.bfloat16 and scale.dtype == tl.bfloat16:
         w = (int4_magic_pairs(words, 0x4300).to(tl.bfloat16, bitcast=True) - 136.0) * s  # exact, then one rounding
@@ -99,5 +103,17 @@ def int4_dequant_words(words, scale, DOT: tl.constexpr):
     else:
         v = _magic_nibbles_fp32(words).to(tl.float32, bitcast=True)
         w = ((v - 8388616.0) * s.to(tl.float32)).to(DOT)
-    w = tl.permute(w, (0, 4, 3, 2, 1))  # [R, h, i1, i0, C]: row 8 r + 4 h + 2 i1 + i0 = 8 r + j
+    return int4_column_order(w, PAIRED)
+
+
+@triton.jit
+def int4_column_order(w, PAIRED: tl.constexpr):
+    """[R, C, 2, 2, 2] in int4_magic_pairs' layout (slot i0 + 2 i1 + 4 h of word [r, c]) -> [8 R, C], row
+    8 r + j the word's column j: slot j in checkpoint order; in pair order the slot holding column j."""
+    R: tl.constexpr = w.shape[0]
+    C: tl.constexpr = w.shape[1]
+    if PAIRED:  # slot i0 + 2 i1 + 4 h holds column 2 i0 + 4 i1 + h: [R, i1, i0, h, C], each register's halves
+        w = tl.permute(w, (0, 3, 2, 4, 1))  # adjacent rows, so no byte permute pairs them for the dot
+    else:
+        w = tl.permute(w, (0, 4, 3, 2, 1))  # [R, h, i1, i0, C]: row 8 r + 4 h + 2 i1 + i0 = 8 r + j
     return tl.reshape(w, [8 * R, C])

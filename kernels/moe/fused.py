@@ -16,7 +16,8 @@ checked on the host (moe_align drops a pair whose id or map value is out of rang
 checks them on the host instead, for debugging, outside CUDA graph capture).
 Weights are dequantized in the K loop:
   bf16 (or fp16 / fp32): loaded and cast to the dot dtype;
-  int4: BLOCK_K / 8 int32 words per row (nibble j of word w is column 8w + j, value nibble - 8), unpacked
+  int4: BLOCK_K / 8 int32 words per row (nibble j of word w is column 8w + j, value nibble - 8; in pair
+        order, ExpertWeights.paired, slot s is column quant_formats.PAIR_ORDER[s]), unpacked
         two nibbles per 32-bit op straight into the dot's dtype and multiplied there by the group scale of
         each word (gemm/int4_dequant.py: no fp32 math for bf16 scales; the group size is a multiple of 8, so
         the 8 nibbles of a word share a scale, loaded once per group where the tile holds whole groups; any
@@ -134,9 +135,10 @@ def _weight_tile(
     W, S, e, k0, offs_n, n_ok, K,
     stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
     KIND: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, PAIRED: tl.constexpr,
 ):  # fmt: skip
-    """W_e[n, k0 + i] as [BLOCK_K, BLOCK_N] in the dot dtype, zero past K / N (fp8: unscaled)."""
+    """W_e[n, k0 + i] as [BLOCK_K, BLOCK_N] in the dot dtype, zero past K / N (fp8: unscaled; INT4 PAIRED:
+    the words in pair order)."""
     if KIND == _INT4:
         offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # [BLOCK_K / 8] words
         ok = n_ok[None, :] if EVEN_K else (offs_w < (K + 7) // 8)[:, None] & n_ok[None, :]
@@ -146,7 +148,7 @@ def _weight_tile(
         # integer ops into DOT, two nibbles an op for 16-bit dots (gemm/int4_dequant.py). Padding nibbles past K
         # (K % 8, and a last group's words past K) need no mask: they dequantize to finite values and meet the A
         # columns past K, loaded as 0
-        w = int4_dequant_words(words, s, DOT)
+        w = int4_dequant_words(words, s, DOT, PAIRED)
         if DOT != tl.float32:  # joins behind a 16-bit operand: keep the compiler's kWidth 2 (gemm/kwidth_fence.py)
             w = kwidth_fence(w)
         return w
@@ -167,7 +169,7 @@ def _moe_gemm_kernel(
     ROW_DIV: tl.constexpr, GATE_UP: tl.constexpr, KIND: tl.constexpr, GROUP: tl.constexpr,
     SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, DOT: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, PAIRED: tl.constexpr,
 ):  # fmt: skip
     """OUT[p, n] for the pairs p of one M-block: GATE_UP silu(A W1ᵀ) · (A W2ᵀ) with A rows p // ROW_DIV
     (the tokens), else (A W1ᵀ) · TOPK_W[p] with A rows p (h). KIND 2 (fp8) quantizes A per row and K group
@@ -201,10 +203,10 @@ def _moe_gemm_kernel(
         else:
             a = a.to(DOT)
         w1 = _weight_tile(W1, S1, e, k0, offs_n, n_ok, K, stride_we, stride_wn, stride_wk, stride_se, stride_sn,
-                          stride_sk, KIND, GROUP, BLOCK_K, BLOCK_N, DOT, EVEN_K)  # fmt: skip
+                          stride_sk, KIND, GROUP, BLOCK_K, BLOCK_N, DOT, EVEN_K, PAIRED)  # fmt: skip
         if GATE_UP:
             w2 = _weight_tile(W2, S2, e, k0, offs_n, n_ok, K, stride_we, stride_wn, stride_wk, stride_se, stride_sn,
-                              stride_sk, KIND, GROUP, BLOCK_K, BLOCK_N, DOT, EVEN_K)  # fmt: skip
+                              stride_sk, KIND, GROUP, BLOCK_K, BLOCK_N, DOT, EVEN_K, PAIRED)  # fmt: skip
         if KIND == _FP8:  # one activation scale per row (a_s), one weight scale per column in this K tile
             s_off = e * stride_se + (offs_n // SCALE_BN) * stride_sn + (k0 // SCALE_BK) * stride_sk
             s1 = tl.load(S1 + s_off, mask=n_ok, other=0.0)
@@ -259,7 +261,8 @@ def quantize_fp8_torch(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch
 
 def _format(w: ExpertWeights) -> tuple:
     scale = None if w.scale is None else (w.scale.dtype, w.scale.stride())
-    return w.kind, w.out_features, w.in_features, w.group_size, w.block, w.weight.dtype, w.weight.stride(), scale
+    return (w.kind, w.out_features, w.in_features, w.group_size, w.block, w.weight.dtype, w.weight.stride(), scale,
+            w.paired)  # fmt: skip
 
 
 def _check_inputs(x, gate, up, down, topk_weights, topk_ids, expert_map) -> None:
@@ -276,7 +279,7 @@ def _check_inputs(x, gate, up, down, topk_weights, topk_ids, expert_map) -> None
             if t is not None and t.device != x.device:
                 raise ValueError(f"fused moe: {name} weights are on {t.device}, x on {x.device}")
     if _format(gate) != _format(up):
-        raise ValueError("fused moe: gate and up must have the same kind, shape, dtype, strides and scales")
+        raise ValueError("fused moe: gate and up must have the same kind, shape, dtype, strides, scales and word order")
     if gate.in_features != x.shape[1]:
         raise ValueError(f"fused moe: gate / up take {gate.in_features} features, x has {x.shape[1]}")
     if down.in_features != gate.out_features:
@@ -367,8 +370,8 @@ def _gemm(a, w1: ExpertWeights, w2, out, align, cfg, row_div, topk_w, dot, preci
             a.stride(0), *ws, *ss, out.stride(0),
             ROW_DIV=row_div, GATE_UP=w2 is not None, KIND=w1.fmt.kernel_id, GROUP=max(w1.group_size, 8),
             SCALE_BN=w1.block[0], SCALE_BK=w1.block[1], DOT=dot, PRECISION=precision, BLOCK_M=c.block_m,
-            BLOCK_N=c.block_n, BLOCK_K=c.block_k, EVEN_K=K % c.block_k == 0, num_warps=c.num_warps,
-            num_stages=c.num_stages,
+            BLOCK_N=c.block_n, BLOCK_K=c.block_k, EVEN_K=K % c.block_k == 0, PAIRED=w1.paired,
+            num_warps=c.num_warps, num_stages=c.num_stages,
         )  # fmt: skip
 
     # What sets the compiled kernel's shared memory besides the tile config: dtypes, weight format, op.

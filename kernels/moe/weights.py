@@ -4,7 +4,8 @@ The contract between the packed model modules (`ddtree.models.deepseek_v3.moe`),
 (`moe/fused.py`, Triton), the CPU grouped path and the torch reference (`moe/reference.py`):
 
     kind "bf16": weight bf16/fp16/fp32 [E, N, K]
-    kind "int4": weight int32 [E, N, ceil(K/8)]  (compressed-tensors pack-quantized, nibble = value + 8)
+    kind "int4": weight int32 [E, N, ceil(K/8)]  (compressed-tensors pack-quantized, nibble = value + 8;
+                 `paired`: the words in quant_formats' pair order, as the device path keeps them)
                  scale  bf16/fp32 [E, N, ceil(K/group)]
     kind "fp8":  weight float8_e4m3fn [E, N, K]
                  scale  fp32 [E, ceil(N/128), ceil(K/128)]  (`weight_scale_inv`, multiplied in)
@@ -23,6 +24,7 @@ import os
 
 import torch
 
+from ddtree.kernels.quant_formats import unpair_int4_words
 from ddtree.kernels.weight_formats import FLOAT_DTYPES as FLOAT_DTYPES  # what fused_moe and the tests import from here
 from ddtree.kernels.weight_formats import FORMATS, WeightFormat, weight_format
 
@@ -38,6 +40,7 @@ class ExpertWeights:
     scale: torch.Tensor | None = None
     group_size: int = 0  # int4 only
     block: tuple[int, int] = (128, 128)  # fp8 only: (rows, cols) of a scale block
+    paired: bool = False  # int4 only: words in pair order (quant_formats.pair_int4_words)
 
     def __post_init__(self):
         self.validate()
@@ -59,11 +62,18 @@ class ExpertWeights:
                 f"expert weights ({self.kind}): weight must be [E, N, K'], got shape {list(self.weight.shape)}"
             )
         self.fmt.check(self.weight, self.scale, self.out_features, self.in_features, self.group_size, self.block)
+        if self.paired and self.kind != "int4":
+            raise ValueError(f"expert weights ({self.kind}): only int4 words have a pair order")
 
     def dequantize(self, expert: int) -> torch.Tensor:
         """fp32 [N, K] of one local expert (the reference's and the CPU path's view of the weights)."""
-        scale = None if self.scale is None else self.scale[expert]
-        return self.fmt.dequantize(self.weight[expert], scale, self.in_features, self.group_size, self.block)
+        return self.dequantize_slices(self.weight[expert], None if self.scale is None else self.scale[expert])
+
+    def dequantize_slices(self, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        """fp32 [..., N, K] of slices of `weight` / `scale` taken along the experts (or one expert's)."""
+        if self.paired:
+            weight = unpair_int4_words(weight)
+        return self.fmt.dequantize(weight, scale, self.in_features, self.group_size, self.block)
 
     def nbytes(self) -> int:
         return self.weight.nbytes + (0 if self.scale is None else self.scale.nbytes)

@@ -156,10 +156,12 @@ def compile_report(models: dict, ms, arch: int) -> list[dict]:
                                BLOCK_EXPERT="*i32", TOPK_W="*fp32", num_pairs=i32, N=i32, K=i32, stride_am=i32,
                                stride_we=i32, stride_wn=i32, stride_se=i32, stride_sn=i32, stride_sk=i32,
                                stride_om=i32)  # fmt: skip
+                    # PAIRED: INT4 words in the device path's pair order (kernels/quant_formats.py)
                     consts = dict(stride_wk=1, ROW_DIV=k if op == "gate_up" else 1, GATE_UP=op == "gate_up",
                                   KIND=fmt.kernel_id, GROUP=dims["group"], SCALE_BN=dims["block"][0],
                                   SCALE_BK=dims["block"][1], DOT=tl.bfloat16, PRECISION="tf32", BLOCK_M=cfg.block_m,
-                                  BLOCK_N=cfg.block_n, BLOCK_K=bk, EVEN_K=K % bk == 0)  # fmt: skip
+                                  BLOCK_N=cfg.block_n, BLOCK_K=bk, EVEN_K=K % bk == 0,
+                                  PAIRED=fmt is INT4_PACK)  # fmt: skip
                     name = f"{kind} {op} E{E} M{M} {cfg.block_m}x{cfg.block_n}x{bk}"
                     build(name, fm._moe_gemm_kernel, sig, consts, cfg.num_warps, cfg.num_stages)
         be = triton.next_power_of_2(E)

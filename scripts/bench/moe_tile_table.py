@@ -172,10 +172,12 @@ def compile_tile(shape: Shape, cfg: MoeTileConfig, arch: int) -> dict:
     gate_up = shape.op == "gate_up"
     pointers = dict(A=bf16 if gate_up else h, W1=w, S1=s, W2=w, S2=s, OUT=h if gate_up else "*fp32",
                     SORTED="*i32", BLOCK_EXPERT="*i32", TOPK_W="*fp32")  # fmt: skip
+    # PAIRED: INT4 words in the device path's pair order (kernels/quant_formats.py)
     consts = dict(stride_wk=1, ROW_DIV=shape.topk if gate_up else 1, GATE_UP=gate_up, KIND=fm._KIND[shape.kind],
                   GROUP=max(shape.group, 8), SCALE_BN=shape.block[0] or 1, SCALE_BK=shape.block[1] or 1,
                   DOT=tl.bfloat16, PRECISION="tf32", BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                  BLOCK_K=cfg.block_k, EVEN_K=shape.K % cfg.block_k == 0)  # fmt: skip
+                  BLOCK_K=cfg.block_k, EVEN_K=shape.K % cfg.block_k == 0,
+                  PAIRED=shape.kind == "int4")  # fmt: skip
     kernel = fm._moe_gemm_kernel
     params = list(inspect.signature(kernel.fn).parameters)
     sig = {p: "constexpr" if p in consts else pointers.get(p, "i32") for p in params}

@@ -37,7 +37,7 @@ import triton.language as tl  # noqa: E402
 
 from ddtree.kernels.moe.reference import fused_moe_reference  # noqa: E402
 from ddtree.kernels.moe.weights import ExpertWeights  # noqa: E402
-from ddtree.kernels.quant_formats import quantize_fp8_block, quantize_int4_group  # noqa: E402
+from ddtree.kernels.quant_formats import pair_int4_words, quantize_fp8_block, quantize_int4_group  # noqa: E402
 from ddtree.tools.selftest.compare import assert_close  # noqa: E402
 
 MoeTileConfig = mc.MoeTileConfig
@@ -168,6 +168,26 @@ def test_fused_moe_matches_reference(case):
                  "rel_tol": 1e-2, "cos_tol": 1e-5} if case.dtype == torch.float32 else {}))  # fmt: skip
     scale = expected.float().abs().max().item()
     assert_close(f"{case.name} vs reference", got, expected, abs_tol=0.2 * scale, rel_tol=0.3, cos_tol=5e-3)
+
+
+def _paired(w: ExpertWeights) -> ExpertWeights:
+    return dataclasses.replace(w, weight=pair_int4_words(w.weight), paired=True)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.kind == "int4"], ids=str)
+def test_int4_words_in_pair_order_give_the_same_result_bit_for_bit(case):
+    """The device path's word order (quant_formats.pair_int4_words: no byte permutes in the unpack) is the same
+    weights: the kernel's output equals its output on the checkpoint's order bit for bit, and the reference
+    (ExpertWeights.dequantize) reads the paired words as the same matrices."""
+    x, gate, up, down, weights, ids, emap = _inputs(case)
+    paired = [_paired(w) for w in (gate, up, down)]
+    for ours, theirs in zip(paired, (gate, up, down), strict=True):
+        assert not torch.equal(ours.weight, theirs.weight)  # the nibbles did move
+        assert torch.equal(ours.dequantize(1), theirs.dequantize(1))
+    want = fm.fused_moe(*_on_device(x, gate, up, down, weights, ids, emap), config=case.config).cpu()
+    got = fm.fused_moe(*_on_device(x, *paired, weights, ids, emap), config=case.config).cpu()
+    assert torch.equal(got.view(torch.int16 if got.dtype != torch.float32 else torch.int32),
+                       want.view(torch.int16 if want.dtype != torch.float32 else torch.int32))  # fmt: skip
 
 
 def test_fused_moe_edge_cases():

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ddtree.kernels.moe.weights import ExpertWeights
+from ddtree.kernels.quant_formats import pair_int4_words, unpair_int4_words
 from ddtree.kernels.weight_formats import weight_format
 from ddtree.models.deepseek_v3.moe_grouped import grouped_moe
 from ddtree.models.layers.packed_linear import KeepsPackedDtypes, cuda_kernel
@@ -56,6 +57,7 @@ class StackedProjection(KeepsPackedDtypes):
         else:
             self.weight = nn.Parameter(torch.empty(E, N, K))
             self.PACKED_LEAVES = ()
+        self.paired = False  # int4: the words in pair order (set_pair_order), as the device path reads them
 
     @property
     def out_features(self) -> int:  # N (bf16: of the weight itself, which a test may have resized on meta)
@@ -74,8 +76,23 @@ class StackedProjection(KeepsPackedDtypes):
         """The kernel contract's view of the same tensors (no copy): the format's stored weight and its scale."""
         weight, scale = (getattr(self, leaf) for leaf in self.leaves[:2]) if self.fmt.packed else (self.weight, None)
         return ExpertWeights(
-            self.kind, weight, self.out_features, self.in_features, scale, self.group_size, block=self.block
-        )
+            self.kind, weight, self.out_features, self.in_features, scale, self.group_size, block=self.block,
+            paired=self.paired,
+        )  # fmt: skip
+
+    def set_pair_order(self, on: bool) -> None:
+        """int4: rewrite the words in place, one expert at a time (no second copy of the stack), into pair
+        order (on: what the fused MoE unpacks without byte permutes) or back to the checkpoint's; the tensor
+        keeps its storage (a CUDA graph captured over it stays valid). Other kinds: nothing to do.
+        A state dict taken in pair order is not a checkpoint: the serving engines never save one."""
+        if self.kind != "int4" or self.paired == on:
+            return
+        words = getattr(self, self.leaves[0])  # int32 [E, N, ceil(K/8)]
+        move = pair_int4_words if on else unpair_int4_words
+        if words.device.type != "meta":
+            for e in range(words.shape[0]):
+                words[e].copy_(move(words[e]))
+        self.paired = on
 
     def extra_repr(self) -> str:
         n = getattr(self, self.leaves[0]).shape[0]

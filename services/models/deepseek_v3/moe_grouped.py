@@ -143,4 +143,4 @@ def _dequantize(w: ExpertWeights, experts: torch.Tensor | None, lo: int, hi: int
         q, s = w.weight[lo:hi], w.scale[lo:hi]
     else:
         q, s = w.weight.index_select(0, experts[lo:hi]), w.scale.index_select(0, experts[lo:hi])
-    return w.fmt.dequantize(q, s, w.in_features, w.group_size, w.block)
+    return w.dequantize_slices(q, s)

@@ -8,7 +8,8 @@ CPU), where they would otherwise dequantize and call F.linear / the grouped torc
 
 `route_linears(model, on)` switches a model's modules in place, once per choice (the model's forward calls it
 when its layer kernels change): plain linears by class (`DeviceLinear` is an nn.Linear with the same
-parameters, so state dicts and loaders see no difference), packed ones by their `device_path` flag.
+parameters, so state dicts and loaders see no difference), packed ones by their `device_path` flag, and the
+INT4 routed experts' words into pair order (kernels/quant_formats.py), which the fused MoE unpacks fastest.
 """
 
 from __future__ import annotations
@@ -30,8 +31,11 @@ class DeviceLinear(nn.Linear):
 
 def route_linears(model: nn.Module, on: bool) -> None:
     """Every plain linear of `model` to DeviceLinear (on) or back to nn.Linear; `device_path` of every module
-    that has the flag (packed linears, stacked experts) set to `on`."""
+    that has the flag (packed linears, stacked experts) set to `on`; INT4 routed experts' words in the pair
+    order the fused MoE unpacks fastest (on) or back in the checkpoint's (StackedProjection.set_pair_order)."""
     for module in model.modules():
+        if hasattr(module, "set_pair_order"):
+            module.set_pair_order(on)
         if on and type(module) is nn.Linear:
             module.__class__ = DeviceLinear
         elif not on and type(module) is DeviceLinear:

@@ -1,17 +1,17 @@
 """The CUDA graphs' memory pool (verifier/step/static_step.py), reserved before the KV pool's fraction applies.
 
-Captured after the KV pool is allocated, the graphs hold (a) every bucket's static inputs and outputs and
-(b) one pool shared by all buckets, captured largest first: the intermediates of one forward are freed at
-the end of its capture and reused by the next, so the pool peaks at the largest bucket's activations.
-Every bucket is warmed up before the first capture (outside the pool, then handed back:
-models/runtime/cuda_graphs.py), so the warm-ups and the pool never hold that peak at the same time, hence
-WARMUP_COPIES = 1 (it was 2 while each bucket's warm-up ran beside the pool of the buckets before it). forward_peak_bytes counts, per phase, every
+Captured after the KV pool is allocated, the graphs hold (a) every bucket's static inputs and outputs and (b)
+one pool shared by all buckets, captured largest first: the intermediates of one forward are freed at the end
+of its capture and reused by the next, so the pool peaks at the largest bucket's activations. Every bucket is
+warmed up before the first capture (outside the pool, then handed back: models/runtime/cuda_graphs.py), so the
+warm-ups and the pool never hold that peak at the same time, hence WARMUP_COPIES = 1 (it was 2 while each
+bucket's warm-up ran beside the pool of the buckets before it). forward_peak_bytes counts, per phase, every
 intermediate the forward makes as if all were live at once (an upper bound: tests/verifier/test_static_step.py
 measures the real forward's live peak against it, on the torch backend). GRAPH_POOL_SAFETY covers the CUDA
 caching allocator: requests rounded up to 512 B, large ones carved from 2 MiB-rounded segments of which a
-private pool frees none, so different sizes per bucket leave split remainders (a quarter of the total
-bounds that for the tensors of many MiB that dominate); GRAPH_POOL_SLACK the capture stream's cuBLAS
-workspace and small per-launch allocations, independent of the bucket shapes.
+private pool frees none, so different sizes per bucket leave split remainders (a quarter of the total bounds
+that for the tensors of many MiB that dominate); GRAPH_POOL_SLACK the capture stream's cuBLAS workspace and
+small per-launch allocations, independent of the bucket shapes.
 
 Everything is per rank: at TP N `rank_config` gives the widths one rank computes with. The attention
 backend decides the attention's share: the torch backend gathers every key and scores them all
