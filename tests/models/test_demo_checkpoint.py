@@ -3,10 +3,11 @@
 Greedy decoding is deterministic, so these are checks of the shipped weights: a chat prompt yields a
 reasoning section the Kimi reasoning parser separates, and a tool prompt yields a Kimi-format tool call
 that the tool-call parser turns into a call of the declared function whose arguments open with its
-parameter. Not the whole arguments: the value after `{"city": ` is an exact tie of two bf16 logits on one
-CPU seen here (AVX-512: "unit" by the lower id, then no valid JSON) and "Mumbai" on others, where the
-arguments are `{"city": "Mumbai", "unit": "celsius"}`; which one a machine's BLAS gives is not the weights'
-property. The parser's JSON handling is tested on its own (tests/gateway/test_parsers.py).
+parameter. Not the whole arguments: the token after `{"city": ` is an exact tie of two bf16 logits on one
+CPU seen here (AVX-512), where argmax takes `unit` (the lower id) and the arguments are no JSON; the other
+side of the tie, `Mumbai`, gives `{"city": "Mumbai", "unit": "celsius"}`, and the machines this test
+passed on before gave valid JSON. Which side a machine's BLAS rounds to is not a property of the weights.
+The parser's JSON handling is tested on its own (tests/gateway/test_parsers.py).
 """
 
 from __future__ import annotations
