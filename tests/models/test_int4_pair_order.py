@@ -5,10 +5,12 @@ the torch path reads either order as the same weights."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 from ddtree.kernels.quant_formats import pair_int4_words, quantize_int4_group
+from ddtree.models.deepseek_v3 import moe_experts
 from ddtree.models.deepseek_v3.moe_experts import StackedProjection
 from ddtree.models.layers.device_linear import route_linears
 
@@ -25,7 +27,9 @@ def _int4_projection() -> tuple[nn.Module, torch.Tensor]:
     return nn.ModuleDict({"experts": proj}), proj.weight_packed.clone()
 
 
-def test_the_device_path_pairs_the_words_in_place_and_switching_it_off_restores_them():
+@pytest.mark.parametrize("chunk_words", [N * K // 8, 2 * N * K // 8 + 1, 1 << 22], ids=["1", "2", "all"])
+def test_the_device_path_pairs_the_words_in_place_and_switching_it_off_restores_them(chunk_words, monkeypatch):
+    monkeypatch.setattr(moe_experts, "PAIR_CHUNK_WORDS", chunk_words)  # experts rewritten at a time: 1, 2, all
     model, stored = _int4_projection()
     proj = model["experts"]
     dense = torch.stack([proj.expert_weights().dequantize(e) for e in range(E)])

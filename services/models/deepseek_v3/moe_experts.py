@@ -30,6 +30,7 @@ from ddtree.models.deepseek_v3.moe_grouped import grouped_moe
 from ddtree.models.layers.packed_linear import KeepsPackedDtypes, cuda_kernel
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+PAIR_CHUNK_WORDS = 1 << 22  # set_pair_order's experts at a time: its int64 temporaries stay near 32 MiB each
 
 
 class StackedProjection(KeepsPackedDtypes):
@@ -81,17 +82,19 @@ class StackedProjection(KeepsPackedDtypes):
         )  # fmt: skip
 
     def set_pair_order(self, on: bool) -> None:
-        """int4: rewrite the words in place, one expert at a time (no second copy of the stack), into pair
-        order (on: what the fused MoE unpacks without byte permutes) or back to the checkpoint's; the tensor
-        keeps its storage (a CUDA graph captured over it stays valid). Other kinds: nothing to do.
+        """int4: rewrite the words in place, a few experts at a time (no second copy of the stack: at most
+        PAIR_CHUNK_WORDS words in flight), into pair order (on: what the fused MoE unpacks without byte
+        permutes) or back to the checkpoint's; the tensor keeps its storage (a CUDA graph captured over it
+        stays valid). Other kinds: nothing to do.
         A state dict taken in pair order is not a checkpoint: the serving engines never save one."""
         if self.kind != "int4" or self.paired == on:
             return
         words = getattr(self, self.leaves[0])  # int32 [E, N, ceil(K/8)]
         move = pair_int4_words if on else unpair_int4_words
-        if words.device.type != "meta":
-            for e in range(words.shape[0]):
-                words[e].copy_(move(words[e]))
+        if words.device.type != "meta" and words.numel():
+            step = max(1, PAIR_CHUNK_WORDS // words[0].numel())
+            for e in range(0, words.shape[0], step):
+                words[e : e + step].copy_(move(words[e : e + step]))
         self.paired = on
 
     def extra_repr(self) -> str:
