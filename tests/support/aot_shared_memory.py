@@ -69,7 +69,7 @@ def rows(arch: int) -> list[dict]:
                 consts = dict(stride_wk=1, ROW_DIV=topk if op == "gate_up" else 1, GATE_UP=op == "gate_up",
                               KIND=fm._KIND[kind], GROUP=32, SCALE_BN=128, SCALE_BK=128, DOT=tl.bfloat16,
                               PRECISION="tf32", BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
-                              EVEN_K=K % c.block_k == 0)  # fmt: skip
+                              EVEN_K=K % c.block_k == 0, PAIRED=kind == "int4")  # fmt: skip
                 shared = compiled_smem(fm._moe_gemm_kernel, arch, pointers, consts, (), c.num_warps, c.num_stages)
                 row(f"fused moe {kind} {op} M{M} {c.block_m}x{c.block_n}x{c.block_k} s{c.num_stages}", shared,
                     smem_bytes(c, kind, op))  # fmt: skip

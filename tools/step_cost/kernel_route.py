@@ -90,6 +90,8 @@ def route_kernels(model, kernels: str):
     saved = [(module, name, vars(module).get(name, _ABSENT)) for module, name, _ in overrides]
     for module, name, value in overrides:
         setattr(module, name, value)
+    if hasattr(model, "route_to_kernels"):  # the one-time routing (INT4 words to pair order) before any count
+        model.route_to_kernels()
     try:
         yield
     finally:

@@ -97,6 +97,15 @@ class DeepseekV3ForCausalLM(nn.Module):
             kernels = "triton" if self.attn_backend.name == "triton" else "torch"
         self.layer_kernels = make_layer_kernels(kernels)
 
+    def route_to_kernels(self) -> None:
+        """The linears and the INT4 experts' word order follow `layer_kernels` (layers/device_linear.py), once
+        per choice: the forward calls it, after the weights are loaded; a caller that counts or times one
+        forward calls it first, so that the one-time rewrite is not in the count."""
+        device_gemms = self.layer_kernels.head_gemm is not None
+        if self.__dict__.get("_device_gemms") != device_gemms:
+            route_linears(self, device_gemms)
+            self.__dict__["_device_gemms"] = device_gemms
+
     # ---- helpers shared with the drafter -----------------------------------------------------------
     @property
     def embed_tokens(self) -> nn.Embedding:
@@ -149,10 +158,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         h, residual = self.embed(input_ids), None  # [T, d]
         rope = PositionRope(self.model.rotary_emb, positions)  # cos/sin once for every layer
         kernels = self.layer_kernels
-        device_gemms = kernels.head_gemm is not None  # the linears follow the kernels (device_linear.py)
-        if self.__dict__.get("_device_gemms") != device_gemms:
-            route_linears(self, device_gemms)
-            self.__dict__["_device_gemms"] = device_gemms
+        self.route_to_kernels()
         taps: dict[int, torch.Tensor] = {}
         wanted = set(tap_layer_ids)
         for i, layer in enumerate(self.model.layers):
