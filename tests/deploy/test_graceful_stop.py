@@ -6,6 +6,7 @@ supervisor that gives up on a stop gets the stacks (SIGUSR1) before it kills."""
 
 from __future__ import annotations
 
+import pathlib
 import signal
 import subprocess
 import sys
@@ -43,12 +44,27 @@ def _start(tmp_path, engine_s: float, stuck_after_s: float, *flags: str) -> tupl
         proc = subprocess.Popen([sys.executable, "-c", SERVICE, str(engine_s), str(stuck_after_s), *flags],
                                 cwd=env.ROOT, stdout=subprocess.PIPE, stderr=sink)  # fmt: skip
     assert proc.stdout.readline().startswith(b"LISTENING probe 127.0.0.1:")
+    _wait_until(lambda: _catches_sigterm(proc.pid), "the probe installed no SIGTERM handler")
     return proc, log
+
+
+def _catches_sigterm(pid: int) -> bool:
+    """Whether the process has a handler for SIGTERM (Linux: the SigCgt mask). LISTENING comes before the
+    handler is installed, and a SIGTERM in between ends the process by the default action (-15)."""
+    status = pathlib.Path(f"/proc/{pid}/status").read_text()
+    caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+    return bool(caught >> (signal.SIGTERM - 1) & 1)
+
+
+def _wait_until(condition, message: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, message
+        time.sleep(0.05)
 
 
 def _stop(engine_s: float, tmp_path) -> tuple[int, str]:
     proc, log = _start(tmp_path, engine_s, 1.0)
-    time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
     rc = proc.wait(timeout=60)
     return rc, log.read_text()
@@ -85,6 +101,8 @@ def test_a_sigterm_taken_by_another_thread_still_stops_the_service(tmp_path):
 
 def test_a_supervisor_that_gives_up_gets_the_stacks_before_it_kills(tmp_path):
     proc, log = _start(tmp_path, 60.0, 60.0)  # a stop that hangs past the supervisor's patience
+    proc.send_signal(signal.SIGTERM)  # the stop begins (and hangs) before the supervisor's own SIGTERM
+    _wait_until(lambda: '"event": "service_stopping"' in log.read_text(), "the probe's stop did not begin")
     service = ServiceProcess("probe", proc, "", log)
     assert service.stop(timeout=1.0) == -signal.SIGKILL
     text = service.log_tail()
