@@ -24,8 +24,8 @@ byte permutes that put adjacent columns in one register where the dot reads them
 
 Pair order (quant_formats.pair_int4_words, the device path's routed experts): slot s of a word holds column
 PAIR_ORDER[s], so the halves of ((w >> 4i) & 0x000F000F) are columns 2i and 2i + 1, adjacent as the dot's
-operand wants them: the byte permutes go (sm_90 SASS of the gate/up tile's K loop: 70 PRMT -> 6, 534
-instructions a warp -> 464; scripts/bench/moe_tile_table.py counts them).
+operand wants them: the byte permutes go (scripts/bench/moe_tile_table.py counts them in the SASS;
+docs/performance.md section 12 has the counts).
 
 fp32 dots (the interpreter's, and exact fp32 runs) have nothing to pair: one nibble per 32-bit value, the same
 layout. The Triton interpreter's bf16 arithmetic is not IEEE (mla/checks.py kernel_dims): interpreted tests check

@@ -30,7 +30,7 @@ from ddtree.models.deepseek_v3.moe_grouped import grouped_moe
 from ddtree.models.layers.packed_linear import KeepsPackedDtypes, cuda_kernel
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-PAIR_CHUNK_WORDS = 1 << 22  # set_pair_order's experts at a time: its int64 temporaries stay near 32 MiB each
+PAIR_CHUNK_WORDS = 1 << 22  # set_pair_order's words at a time: int64 temporaries of 2^25 bytes each
 
 
 class StackedProjection(KeepsPackedDtypes):
