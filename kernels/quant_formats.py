@@ -34,6 +34,8 @@ _CHECKPOINT_SLOT = tuple(PAIR_ORDER.index(j) for j in range(PACK))  # pair order
 
 def _move_nibbles(words: torch.Tensor, source_slot: tuple[int, ...]) -> torch.Tensor:
     """int32 words whose slot s is slot source_slot[s] of `words` (any shape; a permutation of nibbles)."""
+    if words.dtype != torch.int32:
+        raise ValueError(f"packed weights must be int32, got {words.dtype}")
     w = words.to(torch.int64) & 0xFFFFFFFF
     out = torch.zeros_like(w)
     for s, src in enumerate(source_slot):
@@ -43,15 +45,11 @@ def _move_nibbles(words: torch.Tensor, source_slot: tuple[int, ...]) -> torch.Te
 
 def pair_int4_words(words: torch.Tensor) -> torch.Tensor:
     """Checkpoint order -> pair order (slot s holds column PAIR_ORDER[s]); int32 of the same shape."""
-    if words.dtype != torch.int32:
-        raise ValueError(f"packed weights must be int32, got {words.dtype}")
     return _move_nibbles(words, PAIR_ORDER)
 
 
 def unpair_int4_words(words: torch.Tensor) -> torch.Tensor:
     """Pair order -> checkpoint order (slot j holds column j): pair_int4_words' inverse."""
-    if words.dtype != torch.int32:
-        raise ValueError(f"packed weights must be int32, got {words.dtype}")
     return _move_nibbles(words, _CHECKPOINT_SLOT)
 
 
